@@ -1,0 +1,309 @@
+"""Typed configuration of the corpus builder, loaded from YAML with ``a.b=value`` overrides.
+
+Every key has a type; an unknown key, a wrong type, a value out of range or a missing input path
+raises :class:`ConfigError` with one line saying what is wrong and how to fix it, before any work.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration: one line naming the key, the problem and the fix."""
+
+
+@dataclass
+class SourceConfig:
+    """One input. ``type``: jsonl (plain or .gz) | text | parquet | hf | default.
+
+    ``path`` is a file, a directory (all matching files, sorted) or a glob; for ``hf`` a dataset
+    name on the Hub or a local path (``save_to_disk`` folder or a loadable script/data folder).
+    """
+
+    type: str = "jsonl"
+    path: str | None = None
+    text_field: str = "text"
+    id_field: str | None = None
+    text_mode: str = "file"  # text sources: "file" = one document per file, "blocks" = per blank-line block
+    hf_name: str | None = None  # hf: configuration name
+    hf_split: str = "train"
+    limit: int | None = None  # read at most this many records from this source
+
+
+@dataclass
+class CleanConfig:
+    ftfy: bool = True
+    normalize_whitespace: bool = True
+    max_doc_bytes: int = 8_000_000  # a record larger than this (UTF-8 bytes) is rejected as too_large
+
+
+@dataclass
+class TokenizerConfig:
+    """``type``: sentencepiece (train on the cleaned corpus) | sentencepiece_model (load ``model_file``)
+    | gpt2 (load ``vocab_file`` + ``merges_file``)."""
+
+    type: str = "sentencepiece"
+    vocab_size: int = 8000
+    flavor: str = "gpt"  # gpt: BPE with <|endoftext|>; bert: vocabulary with [CLS]/[SEP]/[MASK]/[PAD]
+    model_file: str | None = None
+    vocab_file: str | None = None
+    merges_file: str | None = None
+    train_max_docs: int = 200_000  # sentencepiece training sample: the first N cleaned documents
+
+
+@dataclass
+class LengthConfig:
+    min_tokens: int = 128
+    count_eod: bool = True  # Megatron appends <|endoftext|> before comparing with 128 (dedup.md §1.1)
+
+
+@dataclass
+class DedupConfig:
+    enabled: bool = True
+    threshold: float = 0.7  # exact Jaccard of shingle sets at or above which two documents are duplicates
+    num_perm: int = 128
+    shingle_size: int = 5
+    shingle_unit: str = "word"  # word: lower-cased \w+ words; char: raw characters (Megatron's char 5-grams)
+    bands: int | None = None  # None: datasketch _optimal_param(threshold, num_perm, *lsh_weights)
+    rows: int | None = None
+    lsh_weights: list[float] = field(default_factory=lambda: [0.1, 0.9])  # (false-positive, false-negative)
+    seed: int = 1
+    chunk_size: int = 1000  # documents per signature chunk (unit of parallelism and of resume)
+    storage: str = "dict"  # dict: in-process LSH index; redis: shared datasketch Redis storage
+    redis_host: str = "127.0.0.1"
+    redis_port: int = 6379
+    redis_db: int = 0
+    basename: str | None = None  # Redis key prefix; None: derived from the output dir and settings
+    verify_block_docs: int = 20000  # max distinct documents loaded at once during exact verification
+
+
+@dataclass
+class DatasetConfig:
+    gpt: bool = True  # <prefix>_text_document: one item per document, EOD appended
+    bert: bool = False  # <prefix>_text_sentence: one item per sentence, end_document() per document
+    prefix: str = "corpus"
+
+
+@dataclass
+class BuildConfig:
+    output_dir: str = "runs/corpus"
+    sources: list[SourceConfig] = field(default_factory=list)
+    workers: int = 0  # 0: all cores
+    shard_size: int = 2000  # input records per ingest shard (unit of resume)
+    seed: int = 1234
+    progress: bool = True
+    clean: CleanConfig = field(default_factory=CleanConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    length: LengthConfig = field(default_factory=LengthConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    #: directory that relative paths in the config are resolved against (set by load_config)
+    base_dir: str = "."
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers if self.workers > 0 else (os.cpu_count() or 1)
+
+    def resolve(self, p: str) -> Path:
+        path = Path(os.path.expanduser(p))
+        return path if path.is_absolute() else Path(self.base_dir) / path
+
+    @property
+    def out(self) -> Path:
+        return self.resolve(self.output_dir)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_ENUMS = {
+    "sources.type": ("jsonl", "text", "parquet", "hf", "default"),
+    "sources.text_mode": ("file", "blocks"),
+    "tokenizer.type": ("sentencepiece", "sentencepiece_model", "gpt2"),
+    "tokenizer.flavor": ("gpt", "bert"),
+    "dedup.shingle_unit": ("word", "char"),
+    "dedup.storage": ("dict", "redis"),
+}
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key or 'config'} must be a mapping, got {type(value).__name__} {value!r}")
+        return _build(tp, value, key)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool and not isinstance(value, bool) or tp in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        full = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            raise ConfigError(f"unknown config key '{full}' (valid keys here: {', '.join(names)})")
+        kwargs[k] = _coerce(v, hints[k], full)
+    return cls(**kwargs)
+
+
+def _set_override(data: dict[str, Any], dotted: str, raw: str) -> None:
+    value = yaml.safe_load(raw) if raw != "" else ""
+    parts = dotted.split(".")
+    node: Any = data
+    for i, p in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if not p.isdigit() or int(p) >= len(node):
+                raise ConfigError(f"override '{dotted}': '{p}' is not an index of a list of {len(node)}")
+            node = node[int(p)]
+        else:
+            if p not in node or node[p] is None:
+                node[p] = {}
+            node = node[p]
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError(f"override '{dotted}': '{last}' is not an index of a list of {len(node)}")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def parse_overrides(overrides: list[str] | None) -> list[tuple[str, str]]:
+    out = []
+    for o in overrides or []:
+        if "=" not in o or o.startswith("="):
+            raise ConfigError(f"override '{o}' must look like key.subkey=value (e.g. dedup.threshold=0.8)")
+        k, v = o.split("=", 1)
+        out.append((k.strip(), v))
+    return out
+
+
+def _validate(cfg: BuildConfig) -> None:
+    def enum(key: str, value: str) -> None:
+        allowed = _ENUMS[key]
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
+
+    if not cfg.sources:
+        raise ConfigError("sources is empty: add at least one source, e.g. sources: [{type: default}]")
+    for i, s in enumerate(cfg.sources):
+        enum("sources.type", s.type)
+        enum("sources.text_mode", s.text_mode)
+        if s.type != "default":
+            if not s.path:
+                raise ConfigError(f"sources[{i}].path is required for type {s.type}")
+            if s.type != "hf" or _looks_local(s.path):
+                p = cfg.resolve(s.path)
+                if not p.exists() and not _glob(p):
+                    raise ConfigError(f"sources[{i}].path: input not found: {p}")
+        if s.limit is not None and s.limit < 0:
+            raise ConfigError(f"sources[{i}].limit must be >= 0, got {s.limit}")
+    enum("tokenizer.type", cfg.tokenizer.type)
+    enum("tokenizer.flavor", cfg.tokenizer.flavor)
+    enum("dedup.shingle_unit", cfg.dedup.shingle_unit)
+    enum("dedup.storage", cfg.dedup.storage)
+    t = cfg.tokenizer
+    need = {"sentencepiece_model": ["model_file"], "gpt2": ["vocab_file", "merges_file"]}.get(t.type, [])
+    for k in need:
+        v = getattr(t, k)
+        if not v:
+            raise ConfigError(f"tokenizer.{k} is required for tokenizer.type={t.type}")
+        if not cfg.resolve(v).is_file():
+            raise ConfigError(f"tokenizer.{k}: file not found: {cfg.resolve(v)}")
+    if t.type == "gpt2" and cfg.dataset.bert:
+        raise ConfigError("dataset.bert needs a BERT vocabulary: use tokenizer.type=sentencepiece with flavor=bert")
+    if cfg.dataset.bert and t.flavor != "bert" and t.type == "sentencepiece":
+        raise ConfigError("dataset.bert=true needs tokenizer.flavor=bert (a vocabulary with [CLS]/[SEP]/[MASK])")
+    if t.vocab_size < 100:
+        raise ConfigError(f"tokenizer.vocab_size must be >= 100, got {t.vocab_size}")
+    d = cfg.dedup
+    if not 0.0 < d.threshold <= 1.0:
+        raise ConfigError(f"dedup.threshold must be in (0, 1], got {d.threshold}")
+    if d.num_perm < 2 or d.shingle_size < 1 or d.chunk_size < 1 or d.verify_block_docs < 2:
+        raise ConfigError("dedup.num_perm >= 2, dedup.shingle_size >= 1, dedup.chunk_size >= 1, "
+                          "dedup.verify_block_docs >= 2 are required")
+    if (d.bands is None) != (d.rows is None):
+        raise ConfigError("dedup.bands and dedup.rows must be given together (or both null)")
+    if d.bands is not None and (d.bands < 2 or d.rows < 1 or d.bands * d.rows > d.num_perm):
+        raise ConfigError(f"dedup.bands*rows must be <= num_perm={d.num_perm} with bands >= 2; "
+                          f"got {d.bands}x{d.rows}")
+    if len(d.lsh_weights) != 2 or abs(sum(d.lsh_weights) - 1.0) > 1e-9:
+        raise ConfigError(f"dedup.lsh_weights must be two numbers summing to 1, got {d.lsh_weights}")
+    if cfg.length.min_tokens < 0 or cfg.clean.max_doc_bytes < 1 or cfg.shard_size < 1:
+        raise ConfigError("length.min_tokens >= 0, clean.max_doc_bytes >= 1 and shard_size >= 1 are required")
+    if not (cfg.dataset.gpt or cfg.dataset.bert):
+        raise ConfigError("dataset.gpt and dataset.bert are both false: enable at least one")
+
+
+def _looks_local(p: str) -> bool:
+    return p.startswith((".", "/", "~")) or Path(p).exists()
+
+
+def _glob(p: Path) -> list[Path]:
+    return sorted(Path(p.anchor or ".").glob(str(p.relative_to(p.anchor)) if p.is_absolute() else str(p)))
+
+
+def config_from_dict(data: dict[str, Any], base_dir: str | Path = ".",
+                     overrides: list[str] | None = None) -> BuildConfig:
+    """Build and validate a :class:`BuildConfig` from a plain mapping (YAML content)."""
+    import copy
+
+    data = copy.deepcopy(data) if data else {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config must be a mapping at top level, got {type(data).__name__}")
+    for k, v in parse_overrides(overrides):
+        _set_override(data, k, v)
+    data.setdefault("base_dir", str(base_dir))
+    cfg = _build(BuildConfig, data, "")
+    _validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> BuildConfig:
+    """Load a YAML config. Relative paths inside it (inputs, output_dir, tokenizer files) resolve
+    against the current working directory, like paths on the command line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    return config_from_dict(data or {}, base_dir=".", overrides=overrides)

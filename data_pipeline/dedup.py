@@ -1,0 +1,404 @@
+"""Near-duplicate removal: MinHash signatures → LSH candidates → exact Jaccard → union-find.
+
+Shingles (``dedup.shingle_unit``/``shingle_size``):
+  * ``word`` (default): the document is lower-cased and split into Unicode ``\\w+`` words; a shingle is
+    a tuple of ``n`` consecutive words (a document with 1..n-1 words is one shingle; with no word at
+    all it has no shingles, gets no signature, is never a duplicate and is counted as
+    ``unsignatured``). Word 5-grams give far fewer false candidates than character 5-grams
+    (dedup.md §7: unrelated books reach char-5 Jaccard 0.36, word-5 < 0.001).
+  * ``char``: ``n`` consecutive characters of the cleaned text, no normalisation (Megatron's choice).
+
+Signatures: datasketch's ``affine32`` MinHash scheme computed in batch with numpy. Each shingle is
+hashed to 32 bits (units hashed with xxh64 — words — or taken as code points — chars — then combined
+position-wise as ``sum_k u[i+k]·P_k mod 2^64`` and finished with the MurmurHash3 64-bit finaliser,
+high 32 bits kept). The per-shingle hashes then go through exactly what ``MinHash.update_batch`` does
+(``fmix32``, ``a·h+b mod 2^32`` with datasketch's own permutations for ``seed``, column minimum), so
+a signature equals ``datasketch.MinHash(num_perm, seed).update_batch(...)`` fed the same 32-bit
+hashes (tested), and is indexed as a ``LeanMinHash``.
+
+LSH: ``datasketch.MinHashLSH`` with ``params=(bands, rows)``; by default the pair chosen by datasketch's
+``_optimal_param(threshold, num_perm, 0.1, 0.9)`` — biased to recall: 20×6 at 0.7/128 finds a pair at
+exactly J=0.7 with probability 0.92 and at 0.75 with 0.98 (equal weights give 14×9: 0.44).
+Storage is the in-process dict or Redis (shared by several worker processes/machines).
+
+Verification: the **exact** Jaccard of the shingle sets of every candidate pair (no sampling of one
+"main" document per bucket); texts are re-read from the document store in blocks of at most
+``verify_block_docs`` documents, so memory holds signatures, not texts. Union-find over pairs with
+``J >= threshold``; the survivor of a cluster is its lowest input index; every other member is removed.
+A member can be linked through a chain, so its Jaccard *to the survivor* (measured exactly, reported)
+may be below the threshold while every merging edge is at or above it.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+from datasketch import LeanMinHash, MinHash, MinHashLSH
+from datasketch.lsh import _optimal_param
+
+from .store import DocStore, atomic_save_npy
+
+log = logging.getLogger(__name__)
+
+_WORD = re.compile(r"\w+")
+_MASK64 = (1 << 64) - 1
+# odd multipliers, one per position in the n-gram (order matters: "a b" != "b a")
+_POS_MULT = np.array([(0x9E3779B97F4A7C15 * (2 * k + 1) + 0x632BE59BD9B4E019 * k) & _MASK64 | 1
+                      for k in range(64)], dtype=np.uint64)
+
+
+@dataclass(frozen=True)
+class ShingleSpec:
+    n: int = 5
+    unit: str = "word"
+
+
+@dataclass(frozen=True)
+class LshSpec:
+    threshold: float
+    num_perm: int
+    bands: int
+    rows: int
+    seed: int
+
+
+def lsh_params(threshold: float, num_perm: int, bands: int | None, rows: int | None,
+               weights: Iterable[float] = (0.1, 0.9)) -> tuple[int, int]:
+    """(bands, rows): the explicit pair, or datasketch's optimum for (false-positive, false-negative)
+    weights. P(candidate | J=s) = 1 − (1 − s^rows)^bands."""
+    if bands is not None and rows is not None:
+        return bands, rows
+    fp, fn = list(weights)
+    return tuple(int(x) for x in _optimal_param(threshold, num_perm, fp, fn))  # type: ignore[return-value]
+
+
+def candidate_probability(s: float, bands: int, rows: int) -> float:
+    return 1.0 - (1.0 - s ** rows) ** bands
+
+
+# ---------------------------------------------------------------------------------------------- shingles
+def units(text: str, spec: ShingleSpec) -> list[str] | str:
+    return _WORD.findall(text.lower()) if spec.unit == "word" else text
+
+
+def shingle_set(text: str, spec: ShingleSpec) -> set[Any]:
+    """The exact shingle set (tuples of words, or substrings), used for verification."""
+    u = units(text, spec)
+    n = spec.n
+    if len(u) == 0:
+        return set()
+    if len(u) < n:
+        return {tuple(u) if spec.unit == "word" else u}
+    if spec.unit == "word":
+        return {tuple(u[i:i + n]) for i in range(len(u) - n + 1)}
+    return {u[i:i + n] for i in range(len(u) - n + 1)}
+
+
+def _fmix64(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint64(33))
+    h = h * np.uint64(0xFF51AFD7ED558CCD)
+    h = h ^ (h >> np.uint64(33))
+    h = h * np.uint64(0xC4CEB9FE1A85EC53)
+    return h ^ (h >> np.uint64(33))
+
+
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def shingle_hashes(text: str, spec: ShingleSpec) -> np.ndarray:
+    """32-bit hash of every shingle (with repeats; MinHash is insensitive to them), uint32[k]."""
+    u = units(text, spec)
+    if len(u) == 0:
+        return np.zeros(0, np.uint32)
+    if spec.unit == "word":
+        uh = np.fromiter((xxhash.xxh64_intdigest(w) for w in u), dtype=np.uint64, count=len(u))
+    else:
+        uh = np.frombuffer(u.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
+    n = min(spec.n, len(uh))
+    m = len(uh) - n + 1
+    h = np.zeros(m, dtype=np.uint64)
+    for k in range(n):
+        h += uh[k:k + m] * _POS_MULT[k]
+    h += np.uint64(n)  # short documents (fewer than n units) hash differently from an n-gram
+    return (_fmix64(h) >> np.uint64(32)).astype(np.uint32)
+
+
+# -------------------------------------------------------------------------------------------- signatures
+class Signer:
+    """Batch MinHash (datasketch ``affine32`` scheme, datasketch's permutations for ``seed``)."""
+
+    def __init__(self, num_perm: int, seed: int, spec: ShingleSpec):
+        a, b = MinHash(num_perm=num_perm, seed=seed).permutations
+        self.a = np.asarray(a, dtype=np.uint32)
+        self.b = np.asarray(b, dtype=np.uint32)
+        self.num_perm, self.seed, self.spec = num_perm, seed, spec
+
+    def signature_of_hashes(self, hv: np.ndarray) -> np.ndarray:
+        if len(hv) == 0:
+            return np.full(self.num_perm, 0xFFFFFFFF, dtype=np.uint32)
+        hv = np.unique(hv)  # fewer rows in the [k, num_perm] product
+        out = np.full(self.num_perm, 0xFFFFFFFF, dtype=np.uint32)
+        step = max(1, (1 << 16) // self.num_perm)  # bound the temporary to ~64k cells
+        for s in range(0, len(hv), step):
+            x = _fmix32(hv[s:s + step])[:, None]
+            np.minimum(out, (x * self.a + self.b).min(axis=0), out=out)
+        return out
+
+    def sign(self, text: str) -> tuple[np.ndarray, int]:
+        hv = shingle_hashes(text, self.spec)
+        return self.signature_of_hashes(hv), len(hv)
+
+    def lean(self, sig: np.ndarray) -> LeanMinHash:
+        return LeanMinHash(seed=self.seed, hashvalues=sig, scheme="affine32")
+
+
+def sign_chunk(args: tuple[str, int, int, str, int, int, int, str]) -> tuple[int, int]:
+    """Worker: signatures of store positions [start, stop) → ``sig-<chunk>.npy`` (uint32[n, num_perm])
+    and ``nsh-<chunk>.npy`` (shingle counts; 0 = no signature). Returns (chunk, n)."""
+    store_dir, start, stop, out_dir, num_perm, seed, n, unit = args
+    signer = Signer(num_perm, seed, ShingleSpec(n, unit))
+    store = DocStore(Path(store_dir))
+    sigs = np.empty((stop - start, num_perm), dtype=np.uint32)
+    nsh = np.empty(stop - start, dtype=np.int64)
+    for j, rec in enumerate(store.iter_range(start, stop)):
+        sigs[j], nsh[j] = signer.sign(rec["text"])
+    atomic_save_npy(Path(out_dir) / f"nsh-{start:012d}.npy", nsh)
+    atomic_save_npy(Path(out_dir) / f"sig-{start:012d}.npy", sigs)  # written last: completion marker
+    return start, stop - start
+
+
+def compute_signatures(store: DocStore, sig_dir: Path, num_perm: int, seed: int, spec: ShingleSpec,
+                       chunk_size: int, workers: int, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """All signatures of a store, computed in parallel chunks; finished chunks are reused (resume)."""
+    from tqdm import tqdm
+
+    sig_dir.mkdir(parents=True, exist_ok=True)
+    n = len(store)
+    starts = list(range(0, n, chunk_size))
+    todo = [s for s in starts if not (sig_dir / f"sig-{s:012d}.npy").exists()]
+    if len(todo) < len(starts):
+        log.info("signatures: reusing %d finished chunk(s), computing %d", len(starts) - len(todo), len(todo))
+    jobs = [(str(store.folder), s, min(n, s + chunk_size), str(sig_dir), num_perm, seed, spec.n, spec.unit)
+            for s in todo]
+    bar = tqdm(total=n, initial=n - sum(j[2] - j[1] for j in jobs), desc="dedup: minhash", unit="doc",
+               disable=not progress)
+    if workers > 1 and len(jobs) > 1:
+        with get_context("fork").Pool(min(workers, len(jobs))) as pool:
+            for _, k in pool.imap_unordered(sign_chunk, jobs):
+                bar.update(k)
+    else:
+        for j in jobs:
+            bar.update(sign_chunk(j)[1])
+    bar.close()
+    sigs = np.empty((n, num_perm), dtype=np.uint32)
+    nsh = np.empty(n, dtype=np.int64)
+    for s in starts:
+        e = min(n, s + chunk_size)
+        sigs[s:e] = np.load(sig_dir / f"sig-{s:012d}.npy")
+        nsh[s:e] = np.load(sig_dir / f"nsh-{s:012d}.npy")
+    return sigs, nsh
+
+
+# ----------------------------------------------------------------------------------------- LSH candidates
+def make_lsh(lsh: LshSpec, storage_config: dict[str, Any] | None = None) -> MinHashLSH:
+    return MinHashLSH(threshold=lsh.threshold, num_perm=lsh.num_perm, params=(lsh.bands, lsh.rows),
+                      storage_config=storage_config)
+
+
+def candidates_in_memory(sigs: np.ndarray, active: np.ndarray, lsh: LshSpec, progress: bool = True
+                         ) -> set[tuple[int, int]]:
+    """Pairs (i, j), i < j, that share at least one LSH band. Query-then-insert in position order, so
+    every pair is found exactly once, when its later member is queried."""
+    from tqdm import tqdm
+
+    index = make_lsh(lsh)
+    pairs: set[tuple[int, int]] = set()
+    for j in tqdm(np.flatnonzero(active).tolist(), desc="dedup: lsh", unit="doc", disable=not progress):
+        m = LeanMinHash(seed=lsh.seed, hashvalues=sigs[j], scheme="affine32")
+        for i in index.query(m):
+            pairs.add((i, j))
+        index.insert(j, m, check_duplication=False)
+    return pairs
+
+
+def redis_storage_config(host: str, port: int, db: int, basename: str) -> dict[str, Any]:
+    return {"type": "redis", "basename": basename.encode(), "redis": {"host": host, "port": port, "db": db}}
+
+
+def redis_clear(host: str, port: int, db: int, basename: str) -> int:
+    """Delete every key of one shared index (a previous, possibly crashed, run)."""
+    import redis
+
+    r = redis.Redis(host=host, port=port, db=db)
+    n = 0
+    for k in r.scan_iter(match=basename + "*", count=1000):
+        n += r.delete(k)
+    return n
+
+
+def redis_insert_worker(args: tuple[str, dict[str, Any], LshSpec, int, int]) -> int:
+    """Worker ``rank`` of ``world``: insert its share (positions ≡ rank mod world, in chunks) of the
+    signatures into the shared Redis index through datasketch's storage backend."""
+    sig_file, storage, lsh, rank, world = args
+    sigs = np.load(sig_file, mmap_mode="r")
+    active = np.load(sig_file.replace("sigs.npy", "active.npy"))
+    index = make_lsh(lsh, storage)
+    n = 0
+    with index.insertion_session(buffer_size=10000) as session:
+        for j in np.flatnonzero(active).tolist():
+            if j % world != rank:
+                continue
+            session.insert(j, LeanMinHash(seed=lsh.seed, hashvalues=np.array(sigs[j]), scheme="affine32"),
+                           check_duplication=False)
+            n += 1
+    return n
+
+
+def redis_query_worker(args: tuple[str, dict[str, Any], LshSpec, int, int]) -> list[tuple[int, int]]:
+    """Worker ``rank`` of ``world``: query its share against the full shared index; keep (i, j), i < j."""
+    sig_file, storage, lsh, rank, world = args
+    sigs = np.load(sig_file, mmap_mode="r")
+    active = np.load(sig_file.replace("sigs.npy", "active.npy"))
+    index = make_lsh(lsh, storage)
+    out = []
+    for j in np.flatnonzero(active).tolist():
+        if j % world != rank:
+            continue
+        m = LeanMinHash(seed=lsh.seed, hashvalues=np.array(sigs[j]), scheme="affine32")
+        out.extend((i, j) for i in index.query(m) if i < j)
+    return out
+
+
+def candidates_redis(sig_file: Path, lsh: LshSpec, storage: dict[str, Any], workers: int
+                     ) -> set[tuple[int, int]]:
+    """Same candidate set as :func:`candidates_in_memory`, from ``workers`` processes sharing one
+    Redis-backed index: all insert their shard, then (after the barrier) all query."""
+    jobs = [(str(sig_file), storage, lsh, r, workers) for r in range(workers)]
+    with get_context("spawn").Pool(workers) as pool:
+        inserted = sum(pool.map(redis_insert_worker, jobs))
+        log.info("redis lsh: %d signatures inserted by %d workers", inserted, workers)
+        pairs: set[tuple[int, int]] = set()
+        for part in pool.map(redis_query_worker, jobs):
+            pairs.update(part)
+    return pairs
+
+
+# ------------------------------------------------------------------------------------------ verification
+def jaccard(a: set[Any], b: set[Any]) -> float:
+    if not a and not b:
+        return 0.0
+    inter = len(a & b)
+    return inter / (len(a) + len(b) - inter)
+
+
+def _blocks(pairs: list[tuple[int, int]], max_docs: int) -> Iterator[list[tuple[int, int]]]:
+    block: list[tuple[int, int]] = []
+    docs: set[int] = set()
+    for p in pairs:
+        new = {p[0], p[1]} - docs
+        if block and len(docs) + len(new) > max_docs:
+            yield block
+            block, docs = [], set()
+            new = {p[0], p[1]}
+        block.append(p)
+        docs |= new
+    if block:
+        yield block
+
+
+def verify_block(args: tuple[str, list[tuple[int, int]], int, str]) -> list[tuple[int, int, float]]:
+    """Worker: exact Jaccard of each pair of a block, texts read from the store by position."""
+    store_dir, block, n, unit = args
+    spec = ShingleSpec(n, unit)
+    store = DocStore(Path(store_dir))
+    sets: dict[int, set[Any]] = {}
+    out = []
+    try:
+        for i, j in block:
+            for d in (i, j):
+                if d not in sets:
+                    sets[d] = shingle_set(store.get(d)["text"], spec)
+            out.append((i, j, jaccard(sets[i], sets[j])))
+    finally:
+        store.close()
+    return out
+
+
+def verify_pairs(store: DocStore, pairs: Iterable[tuple[int, int]], spec: ShingleSpec, max_docs: int,
+                 workers: int, progress: bool = True, desc: str = "dedup: verify") -> list[tuple[int, int, float]]:
+    from tqdm import tqdm
+
+    pairs = sorted(pairs)
+    blocks = list(_blocks(pairs, max_docs))
+    # split big blocks so that all workers get work (a block re-reads only its own documents)
+    if workers > 1 and len(blocks) < 4 * workers and pairs:
+        per = max(1, -(-len(pairs) // (4 * workers)))
+        blocks = [b[s:s + per] for b in blocks for s in range(0, len(b), per)]
+    jobs = [(str(store.folder), b, spec.n, spec.unit) for b in blocks]
+    out: list[tuple[int, int, float]] = []
+    bar = tqdm(total=len(pairs), desc=desc, unit="pair", disable=not progress)
+    if workers > 1 and len(jobs) > 1:
+        with get_context("fork").Pool(min(workers, len(jobs))) as pool:
+            for res in pool.imap(verify_block, jobs):
+                out.extend(res)
+                bar.update(len(res))
+    else:
+        for j in jobs:
+            res = verify_block(j)
+            out.extend(res)
+            bar.update(len(res))
+    bar.close()
+    return out
+
+
+# ------------------------------------------------------------------------------------------- clustering
+class UnionFind:
+    """Union-find whose root is always the smallest member (so the survivor is the lowest index)."""
+
+    def __init__(self) -> None:
+        self.parent: dict[int, int] = {}
+
+    def find(self, x: int) -> int:
+        root = self.parent.setdefault(x, x)
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[x] != root:  # path compression
+            self.parent[x], x = root, self.parent[x]
+        return root
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            lo, hi = min(ra, rb), max(ra, rb)
+            self.parent[hi] = lo
+
+    def clusters(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for x in sorted(self.parent):
+            out.setdefault(self.find(x), []).append(x)
+        return {r: m for r, m in out.items() if len(m) > 1}
+
+
+def cluster(verified: Iterable[tuple[int, int, float]], threshold: float
+            ) -> tuple[dict[int, list[int]], dict[int, tuple[int, float]]]:
+    """Clusters {survivor: sorted members} over edges with J >= threshold, and for each removed member
+    the edge that first linked it: {member: (other end, J)}."""
+    uf = UnionFind()
+    link: dict[int, tuple[int, float]] = {}
+    for i, j, jac in sorted(verified):
+        if jac >= threshold:
+            uf.union(i, j)
+            link.setdefault(j, (i, jac))
+    return uf.clusters(), link

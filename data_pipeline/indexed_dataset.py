@@ -1,0 +1,394 @@
+"""Megatron's memory-mapped indexed dataset (``MMapIndexedDataset``), byte-compatible.
+
+A dataset ``prefix`` is two files:
+
+``prefix.bin``
+    the token arrays of all items (sequences), concatenated, in the dataset dtype, no header.
+``prefix.idx`` (little-endian)
+    ======  ===========  ==========================================================
+    offset  type         field
+    ======  ===========  ==========================================================
+    0       9 bytes      magic ``b"MMIDIDX\\x00\\x00"``
+    9       ``<Q``       version = 1
+    17      ``<B``       dtype code (8 = uint16, 4 = int32, ... see ``DTYPE_CODES``)
+    18      ``<Q``       N = number of items
+    26      ``<Q``       D = len(doc_idx) = documents + 1
+    34      int32 x N    sizes: tokens per item
+    ..      int64 x N    pointers: byte offset of each item in ``.bin``
+    ..      int64 x D    doc_idx: index of the first item of each document; 0 first, N last
+    ======  ===========  ==========================================================
+
+The fixed header is 34 bytes and the arrays follow without padding.  GPT corpora have one item per
+document (EOD appended); BERT corpora have one item per sentence and ``doc_idx`` marks where documents
+start (Megatron's convention).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_SIZE = 34  # 9 + 8 + 1 + 8 + 8
+_HEADER = struct.Struct("<9sQBQQ")
+assert _HEADER.size == HEADER_SIZE
+
+# Megatron's codes (2020: 7 = double; HEAD: 7 = float32 -- token data only ever uses 4 and 8).
+DTYPE_CODES: dict[int, type[np.generic]] = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float64,
+    8: np.uint16,
+}
+_CODE_OF = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3, np.dtype(np.int32): 4,
+            np.dtype(np.int64): 5, np.dtype(np.float64): 6, np.dtype(np.uint16): 8}
+
+
+class IndexedDatasetError(ValueError):
+    """A missing, garbled or inconsistent ``.bin``/``.idx`` pair (one line saying what is wrong)."""
+
+
+def best_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when ``vocab_size < 65500`` (Megatron's threshold), else int32."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
+
+
+def index_file_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.idx")
+
+
+def data_file_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.bin")
+
+
+def dataset_exists(prefix: str | Path) -> bool:
+    return index_file_path(prefix).is_file() and data_file_path(prefix).is_file()
+
+
+class _GrowableArray:
+    """A numpy buffer that doubles when full (amortised O(1) append, no Python-list overhead)."""
+
+    def __init__(self, dtype: npt.DTypeLike, capacity: int = 1024) -> None:
+        self._a = np.empty(capacity, dtype=dtype)
+        self._n = 0
+
+    def append(self, v: int) -> None:
+        if self._n == len(self._a):
+            self._a = np.resize(self._a, 2 * len(self._a))
+        self._a[self._n] = v
+        self._n += 1
+
+    def __len__(self) -> int:
+        return self._n
+
+    def view(self) -> np.ndarray:
+        return self._a[: self._n]
+
+
+class MMapIndexedDatasetBuilder:
+    """Streams items into ``prefix.bin`` and writes ``prefix.idx`` on :meth:`finalize`.
+
+    Tokens go straight to disk; only the per-item sizes (int32) and document starts (int64) stay in memory.
+    Both files are written under temporary names and renamed into place by :meth:`finalize` (``.bin``
+    first, ``.idx`` last, so an ``.idx`` on disk always describes a complete ``.bin``).
+
+    As a context manager: an exception removes the temporary files; a normal exit finalizes if that has
+    not been done.  ``finalize`` closes a trailing document (items added after the last
+    :meth:`end_document`).
+    """
+
+    def __init__(self, prefix: str | Path, dtype: npt.DTypeLike) -> None:
+        self.prefix = Path(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _CODE_OF:
+            raise IndexedDatasetError(f"unsupported dtype {self.dtype}; use data_pipeline.indexed_dataset.best_dtype")
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        tag = f".tmp-{os.getpid()}-{id(self):x}"
+        self._bin_path = data_file_path(self.prefix)
+        self._idx_path = index_file_path(self.prefix)
+        self._tmp_bin = self._bin_path.with_name(self._bin_path.name + tag)
+        self._tmp_idx = self._idx_path.with_name(self._idx_path.name + tag)
+        self._bin = open(self._tmp_bin, "wb")
+        self._sizes = _GrowableArray(np.int32)
+        self._doc_idx = _GrowableArray(np.int64)
+        self._doc_idx.append(0)
+        self._num_tokens = 0
+        self._done = False
+        if np.issubdtype(self.dtype, np.integer):
+            info = np.iinfo(self.dtype)
+            self._lo, self._hi = int(info.min), int(info.max)
+        else:
+            self._lo = self._hi = None
+
+    # -- writing -----------------------------------------------------------------------------------
+    def add_item(self, tokens: npt.ArrayLike) -> None:
+        """Append one item (a 1-D array of token ids); values must fit the dtype."""
+        if self._done:
+            raise IndexedDatasetError(f"builder for {self.prefix} is already finalized")
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise IndexedDatasetError(f"add_item expects a 1-D token array, got shape {arr.shape}")
+        if arr.size and self._lo is not None:
+            if not np.issubdtype(arr.dtype, np.integer):
+                raise IndexedDatasetError(f"token ids must be integers, got dtype {arr.dtype}")
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < self._lo or hi > self._hi:
+                raise IndexedDatasetError(
+                    f"token id out of range for {self.dtype}: min {lo}, max {hi} (vocabulary too large for this dtype?)"
+                )
+        if arr.size >= 2**31:
+            raise IndexedDatasetError(f"item of {arr.size} tokens does not fit the int32 sizes array")
+        self._bin.write(np.ascontiguousarray(arr, dtype=self.dtype).tobytes(order="C"))
+        self._sizes.append(arr.size)
+        self._num_tokens += arr.size
+
+    def end_document(self) -> None:
+        """Mark the end of a document: the next item starts a new one (an empty document is allowed)."""
+        if self._done:
+            raise IndexedDatasetError(f"builder for {self.prefix} is already finalized")
+        self._doc_idx.append(len(self._sizes))
+
+    def add_document(self, items: list[npt.ArrayLike]) -> None:
+        """``add_item`` for each item, then ``end_document``."""
+        for it in items:
+            self.add_item(it)
+        self.end_document()
+
+    @property
+    def num_items(self) -> int:
+        return len(self._sizes)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._doc_idx) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def finalize(self) -> None:
+        """Write the index and move both files into place."""
+        if self._done:
+            return
+        if self._doc_idx.view()[-1] != len(self._sizes):
+            self.end_document()
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        sizes = self._sizes.view()
+        doc_idx = self._doc_idx.view()
+        pointers = np.zeros(len(sizes), dtype=np.int64)
+        if len(sizes) > 1:
+            np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        with open(self._tmp_idx, "wb") as f:
+            f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self.dtype], len(sizes), len(doc_idx)))
+            f.write(sizes.astype("<i4", copy=False).tobytes(order="C"))
+            f.write(pointers.astype("<i8", copy=False).tobytes(order="C"))
+            f.write(doc_idx.astype("<i8", copy=False).tobytes(order="C"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self._tmp_bin, self._bin_path)
+        os.replace(self._tmp_idx, self._idx_path)
+        self._done = True
+        logger.info(
+            "wrote %s.{bin,idx}: %d items, %d documents, %d tokens, %s",
+            self.prefix, len(sizes), len(doc_idx) - 1, self._num_tokens, self.dtype,
+        )
+
+    def abort(self) -> None:
+        """Drop everything written so far (temporary files removed, nothing renamed)."""
+        if not self._bin.closed:
+            self._bin.close()
+        for p in (self._tmp_bin, self._tmp_idx):
+            p.unlink(missing_ok=True)
+        self._done = True
+
+    def __enter__(self) -> MMapIndexedDatasetBuilder:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            if not self._done:
+                self.abort()
+            return
+        self.finalize()
+
+    def __del__(self) -> None:  # an abandoned builder leaves no temp files behind
+        try:
+            if not self._done:
+                self.abort()
+        except Exception:
+            pass
+
+
+def read_index_header(path: str | Path) -> tuple[np.dtype, int, int]:
+    """Parse and check the 34-byte header of an ``.idx`` file: ``(dtype, N, D)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise IndexedDatasetError(f"index file {str(path)!r} does not exist")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(HEADER_SIZE)
+    if len(head) < 9 or head[:9] != MAGIC:
+        if head[:6] == b"TNTIDX":
+            raise IndexedDatasetError(
+                f"{path} is a legacy Megatron 'lazy'/'cached' index (TNTIDX); only the mmap format (MMIDIDX) is supported"
+            )
+        raise IndexedDatasetError(f"{path} is not a Megatron mmap index: bad magic {head[:9]!r} (expected {MAGIC!r})")
+    if len(head) < HEADER_SIZE:
+        raise IndexedDatasetError(f"{path} is truncated: {size} bytes, shorter than the {HEADER_SIZE}-byte header")
+    _, version, code, n, d = _HEADER.unpack(head)
+    if version != VERSION:
+        raise IndexedDatasetError(f"{path} has index version {version}; only version {VERSION} is supported")
+    if code not in DTYPE_CODES:
+        raise IndexedDatasetError(f"{path} has unknown dtype code {code}")
+    expected = HEADER_SIZE + 4 * n + 8 * n + 8 * d
+    if size < expected:
+        raise IndexedDatasetError(
+            f"{path} is truncated: {size} bytes but the header (N={n}, D={d}) needs {expected}"
+        )
+    if size not in (expected, expected + n):  # + N: HEAD's optional int8 'modes' array (ignored)
+        raise IndexedDatasetError(f"{path} has {size - expected} unexpected trailing bytes after N={n}, D={d} arrays")
+    return np.dtype(DTYPE_CODES[code]), n, d
+
+
+class MMapIndexedDataset:
+    """Read-only, memory-mapped view of ``prefix.{bin,idx}``.
+
+    ``ds[i]`` -> 1-D ``np.ndarray`` (dtype of the file, a view into the mmap: copy before mutating);
+    ``ds[a:b]`` -> list of arrays; ``get(i, offset, length)`` slices one item in token units.
+    ``sizes`` (int32, N), ``pointers`` (int64, N), ``doc_idx`` (int64, D) are views into the ``.idx``.
+    Opening validates the header, the array lengths against the file size, ``doc_idx`` (0 first, N last,
+    non-decreasing), ``sizes >= 0`` and the ``.bin`` size.  ``verify=True`` also checks every pointer.
+
+    Pickling re-opens from the path (no token data is copied into DataLoader workers).
+    """
+
+    def __init__(self, prefix: str | Path, verify: bool = False) -> None:
+        self._open(Path(prefix), verify)
+
+    def _open(self, prefix: Path, verify: bool) -> None:
+        self.prefix = prefix
+        self._verify = verify
+        idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)
+        if not idx_path.is_file():
+            raise IndexedDatasetError(
+                f"no indexed dataset at {str(prefix)!r}: {idx_path} does not exist (build the corpus first)"
+            )
+        if not bin_path.is_file():
+            raise IndexedDatasetError(f"indexed dataset {str(prefix)!r} has an .idx but no data file {bin_path}")
+        self.dtype, n, d = read_index_header(idx_path)
+        idx = np.memmap(idx_path, mode="r", dtype=np.uint8)
+        off = HEADER_SIZE
+        self.sizes = np.frombuffer(idx, dtype="<i4", count=n, offset=off)
+        off += 4 * n
+        self.pointers = np.frombuffer(idx, dtype="<i8", count=n, offset=off)
+        off += 8 * n
+        self.doc_idx = np.frombuffer(idx, dtype="<i8", count=d, offset=off)
+        self._idx_mmap = idx
+        if d < 1 or self.doc_idx[0] != 0 or self.doc_idx[-1] != n:
+            first = int(self.doc_idx[0]) if d else None
+            last = int(self.doc_idx[-1]) if d else None
+            raise IndexedDatasetError(
+                f"{idx_path} is inconsistent: doc_idx must start at 0 and end at N={n}, got first={first}, last={last}"
+            )
+        if d > 1 and np.any(np.diff(self.doc_idx) < 0):
+            raise IndexedDatasetError(f"{idx_path} is inconsistent: doc_idx is not non-decreasing")
+        if n and int(self.sizes.min()) < 0:
+            raise IndexedDatasetError(f"{idx_path} is inconsistent: negative item size")
+        itemsize = self.dtype.itemsize
+        self._num_tokens = int(self.sizes.sum(dtype=np.int64))
+        bin_size = bin_path.stat().st_size
+        if bin_size != self._num_tokens * itemsize:
+            raise IndexedDatasetError(
+                f"{bin_path} has {bin_size} bytes but {idx_path} describes {self._num_tokens} tokens x {itemsize} bytes "
+                f"= {self._num_tokens * itemsize} (truncated or mismatched .bin/.idx pair)"
+            )
+        if n and (self.pointers[0] != 0 or int(self.pointers[-1]) + int(self.sizes[-1]) * itemsize != bin_size):
+            raise IndexedDatasetError(f"{idx_path} is inconsistent: pointers do not match sizes")
+        if verify and n:
+            expect = np.zeros(n, dtype=np.int64)
+            np.cumsum(self.sizes[:-1].astype(np.int64) * itemsize, out=expect[1:])
+            if not np.array_equal(expect, self.pointers):
+                raise IndexedDatasetError(f"{idx_path} is inconsistent: pointers are not the running sum of sizes")
+        if bin_size:
+            self._bin = np.memmap(bin_path, mode="r", dtype=self.dtype)
+        else:  # mmap of an empty file is an error
+            self._bin = np.empty(0, dtype=self.dtype)
+
+    # -- pickling: re-open by path -----------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        return {"prefix": str(self.prefix), "verify": self._verify}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._open(Path(state["prefix"]), state["verify"])
+
+    # -- access ------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.doc_idx) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def _start(self, i: int) -> int:
+        return int(self.pointers[i]) // self.dtype.itemsize
+
+    def _index(self, i: int) -> int:
+        n = len(self.sizes)
+        j = int(i)
+        if j < 0:
+            j += n
+        if not 0 <= j < n:
+            raise IndexError(f"item {i} out of range for dataset of {n} items")
+        return j
+
+    def __getitem__(self, i: int | slice) -> np.ndarray | list[np.ndarray]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        j = self._index(i)
+        s = self._start(j)
+        return self._bin[s : s + int(self.sizes[j])]
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of item ``i`` (to the end when ``length`` is None)."""
+        j = self._index(i)
+        size = int(self.sizes[j])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(f"get({i}, offset={offset}, length={length}) outside item of {size} tokens")
+        s = self._start(j) + offset
+        return self._bin[s : s + length]
+
+    def document(self, k: int) -> list[np.ndarray]:
+        """The items (sentences) of document ``k``."""
+        return [self[j] for j in range(int(self.doc_idx[k]), int(self.doc_idx[k + 1]))]
+
+    def __repr__(self) -> str:
+        return (
+            f"MMapIndexedDataset({str(self.prefix)!r}, items={len(self)}, documents={self.num_documents}, "
+            f"tokens={self.num_tokens}, dtype={self.dtype})"
+        )

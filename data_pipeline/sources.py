@@ -1,0 +1,298 @@
+"""Input readers: every source yields :class:`RawRecord` s in a fixed, deterministic order.
+
+A reader never raises on bad input: a record it cannot turn into text comes out with ``text=None``
+and a ``reason`` (one of :data:`REJECT_REASONS`), so the caller can count it and write an example to
+the rejects file. Memory per record is bounded by ``max_doc_bytes`` (an over-long JSON line is
+skipped chunk by chunk, never held whole).
+
+Formats: jsonl (plain or ``.gz``; blank lines are not records), plain text (one document per file,
+or one per blank-line-separated block), parquet (streamed in record batches), Hugging Face
+``datasets`` (by Hub name, streamed, or a local ``save_to_disk`` folder / loadable path), and the
+embedded default corpus (:mod:`data_pipeline.default_corpus`).
+"""
+from __future__ import annotations
+
+import glob as globmod
+import gzip
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from .config import BuildConfig, SourceConfig
+
+log = logging.getLogger(__name__)
+
+#: Reasons a record is rejected before cleaning (``empty`` is decided after cleaning).
+REJECT_REASONS = ("bad_json", "missing_field", "non_string_field", "invalid_utf8", "too_large",
+                  "unreadable_file", "empty")
+
+_EXTS = {
+    "jsonl": (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".ndjson", ".ndjson.gz"),
+    "text": (".txt", ".text", ".md"),
+    "parquet": (".parquet",),
+}
+
+
+@dataclass
+class RawRecord:
+    src: str  # where it came from: "path:line", "path#block", "hf:name[i]", "python-doc:..."
+    text: str | None  # None when rejected
+    reason: str | None = None
+    detail: str = ""  # for the rejects file: error message and/or a prefix of the raw input
+
+
+def _snippet(b: bytes | str, n: int = 200) -> str:
+    if isinstance(b, bytes):
+        b = b[:n].decode("utf-8", errors="backslashreplace")
+    return b[:n]
+
+
+def expand_paths(cfg: BuildConfig, src: SourceConfig) -> list[Path]:
+    """Files of a source: the file itself, every matching file under a directory (sorted, recursive),
+    or the sorted matches of a glob."""
+    p = cfg.resolve(src.path or "")
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        exts = _EXTS.get(src.type, ())
+        return sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(exts))
+    return sorted(Path(x) for x in globmod.glob(str(p), recursive=True) if Path(x).is_file())
+
+
+def _read_lines_bounded(f: IO[bytes], max_bytes: int) -> Iterator[tuple[bytes | None, int]]:
+    """Yield (line, size) per line; line is None when longer than max_bytes (size = bytes seen)."""
+    while True:
+        line = f.readline(max_bytes + 1)
+        if not line:
+            return
+        if len(line) > max_bytes and not line.endswith(b"\n"):
+            size = len(line)
+            while True:  # skip the rest of the over-long line without holding it
+                chunk = f.readline(1 << 20)
+                size += len(chunk)
+                if not chunk or chunk.endswith(b"\n"):
+                    break
+            yield None, size
+        else:
+            yield line, len(line)
+
+
+def _check_text(src: str, text: Any, field: str, max_bytes: int) -> RawRecord:
+    if text is None:
+        return RawRecord(src, None, "missing_field", f"field {field!r} missing or null")
+    if not isinstance(text, str):
+        return RawRecord(src, None, "non_string_field", f"field {field!r} is {type(text).__name__}: "
+                         + _snippet(repr(text)))
+    try:
+        n = len(text.encode("utf-8"))
+    except UnicodeEncodeError as e:  # lone surrogates from JSON escapes such as "\ud800"
+        return RawRecord(src, None, "invalid_utf8", f"{e.reason} at {e.start}: " + _snippet(repr(text)))
+    if n > max_bytes:
+        return RawRecord(src, None, "too_large", f"{n} bytes > max_doc_bytes={max_bytes}")
+    return RawRecord(src, text)
+
+
+def read_jsonl(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawRecord]:
+    try:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        f = opener(path, "rb")
+    except OSError as e:
+        yield RawRecord(str(path), None, "unreadable_file", f"{type(e).__name__}: {e}")
+        return
+    lineno = 0
+    try:
+        with f:
+            for line, size in _read_lines_bounded(f, max_bytes):
+                lineno += 1
+                sid = f"{path}:{lineno}"
+                if line is None:
+                    yield RawRecord(sid, None, "too_large", f"line of {size} bytes > max_doc_bytes={max_bytes}")
+                    continue
+                if not line.strip():
+                    continue  # a blank line is not a record
+                try:
+                    s = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield RawRecord(sid, None, "invalid_utf8", f"{e.reason} at byte {e.start}: " + _snippet(line))
+                    continue
+                try:
+                    obj = json.loads(s)
+                except json.JSONDecodeError as e:
+                    yield RawRecord(sid, None, "bad_json", f"{e.msg} (col {e.colno}): " + _snippet(s))
+                    continue
+                if not isinstance(obj, dict):
+                    yield RawRecord(sid, None, "bad_json", f"not a JSON object ({type(obj).__name__}): "
+                                    + _snippet(s))
+                    continue
+                rec = _check_text(sid, obj.get(src.text_field), src.text_field, max_bytes)
+                if src.id_field and obj.get(src.id_field) is not None:
+                    rec.src = f"{sid}#{obj[src.id_field]}"
+                yield rec
+    except (OSError, EOFError, gzip.BadGzipFile, ValueError) as e:  # truncated/corrupt gzip, I/O errors
+        yield RawRecord(f"{path}:{lineno + 1}", None, "unreadable_file", f"{type(e).__name__}: {e}")
+
+
+def _decode(sid: str, data: bytes, max_bytes: int) -> RawRecord:
+    if len(data) > max_bytes:
+        return RawRecord(sid, None, "too_large", f"{len(data)} bytes > max_doc_bytes={max_bytes}")
+    try:
+        return RawRecord(sid, data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return RawRecord(sid, None, "invalid_utf8", f"{e.reason} at byte {e.start}: "
+                         + _snippet(data[max(0, e.start - 40):e.start + 40]))
+
+
+def read_text(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawRecord]:
+    try:
+        if src.text_mode == "file":
+            size = path.stat().st_size
+            if size > max_bytes:
+                yield RawRecord(str(path), None, "too_large", f"{size} bytes > max_doc_bytes={max_bytes}")
+                return
+            with open(path, "rb") as f:
+                yield _decode(str(path), f.read(), max_bytes)
+            return
+        block: list[bytes] = []
+        size, start, nblock = 0, 0, 0
+        with open(path, "rb") as f:
+            for lineno, (line, n) in enumerate(_read_lines_bounded(f, max_bytes), 1):
+                blank = line is not None and not line.strip()
+                if blank:
+                    if size:
+                        nblock += 1
+                        yield (_decode(f"{path}#{nblock}@{start}", b"".join(block), max_bytes) if block
+                               else RawRecord(f"{path}#{nblock}@{start}", None, "too_large",
+                                              f"block of {size} bytes > max_doc_bytes={max_bytes}"))
+                    block, size = [], 0
+                    continue
+                if not size:
+                    start = lineno
+                size += n
+                if line is None or size > max_bytes:
+                    block = []  # too large: stop holding it, keep counting until the block ends
+                elif size <= max_bytes:
+                    block.append(line)
+            if size:
+                nblock += 1
+                yield (_decode(f"{path}#{nblock}@{start}", b"".join(block), max_bytes) if block
+                       else RawRecord(f"{path}#{nblock}@{start}", None, "too_large",
+                                      f"block of {size} bytes > max_doc_bytes={max_bytes}"))
+    except OSError as e:
+        yield RawRecord(str(path), None, "unreadable_file", f"{type(e).__name__}: {e}")
+
+
+def read_parquet(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawRecord]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = 0
+    try:
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+        if src.text_field not in names:
+            for row in range(pf.metadata.num_rows):
+                yield RawRecord(f"{path}[{row}]", None, "missing_field",
+                                f"column {src.text_field!r} not in {names}")
+            return
+        cols = [src.text_field] + ([src.id_field] if src.id_field and src.id_field in names else [])
+        is_str = pa.types.is_string(pf.schema_arrow.field(src.text_field).type) or \
+            pa.types.is_large_string(pf.schema_arrow.field(src.text_field).type)
+        for batch in pf.iter_batches(batch_size=1024, columns=cols):
+            texts = batch.column(0).to_pylist()
+            ids = batch.column(1).to_pylist() if len(cols) > 1 else [None] * len(texts)
+            for t, i in zip(texts, ids):
+                sid = f"{path}[{row}]" + (f"#{i}" if i is not None else "")
+                row += 1
+                if t is not None and not is_str:
+                    yield RawRecord(sid, None, "non_string_field", f"column type "
+                                    f"{pf.schema_arrow.field(src.text_field).type}: " + _snippet(repr(t)))
+                else:
+                    yield _check_text(sid, t, src.text_field, max_bytes)
+    except (OSError, pa.ArrowException) as e:
+        yield RawRecord(f"{path}[{row}]", None, "unreadable_file", f"{type(e).__name__}: {e}")
+
+
+def read_hf(cfg: BuildConfig, src: SourceConfig, max_bytes: int) -> Iterator[RawRecord]:
+    """Hugging Face datasets: a local ``save_to_disk`` folder is memory-mapped (``load_from_disk``);
+    anything else goes to ``load_dataset(..., streaming=True)`` (Hub name or local data folder)."""
+    import datasets
+
+    path = src.path or ""
+    local = cfg.resolve(path)
+    row = 0
+    try:
+        if local.is_dir() and ((local / "state.json").exists() or (local / "dataset_dict.json").exists()):
+            ds = datasets.load_from_disk(str(local))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds[src.hf_split]
+            it = iter(ds)
+            name = str(local)
+        else:
+            target = str(local) if local.exists() else path
+            ds = datasets.load_dataset(target, src.hf_name, split=src.hf_split, streaming=True)
+            it = iter(ds)
+            name = path
+        for ex in it:
+            sid = f"hf:{name}[{row}]"
+            if src.id_field and ex.get(src.id_field) is not None:
+                sid += f"#{ex[src.id_field]}"
+            row += 1
+            yield _check_text(sid, ex.get(src.text_field), src.text_field, max_bytes)
+    except Exception as e:  # network, missing split, corrupt arrow: one counted record, not a crash
+        yield RawRecord(f"hf:{path}[{row}]", None, "unreadable_file", f"{type(e).__name__}: {e}")
+
+
+def read_default(max_bytes: int) -> Iterator[RawRecord]:
+    from .default_corpus import iter_default_corpus
+
+    for sid, text in iter_default_corpus():
+        yield _check_text(sid, text, "text", max_bytes)
+
+
+def iter_source(cfg: BuildConfig, src: SourceConfig) -> Iterator[RawRecord]:
+    max_bytes = cfg.clean.max_doc_bytes
+    if src.type == "default":
+        gen = read_default(max_bytes)
+    elif src.type == "hf":
+        gen = read_hf(cfg, src, max_bytes)
+    else:
+        reader = {"jsonl": read_jsonl, "text": read_text, "parquet": read_parquet}[src.type]
+        paths = expand_paths(cfg, src)
+        if not paths:
+            log.warning("source %s: no %s files under %s", src.type, "/".join(_EXTS[src.type]), src.path)
+        gen = (rec for p in paths for rec in reader(p, src, max_bytes))
+    for n, rec in enumerate(gen):
+        if src.limit is not None and n >= src.limit:
+            return
+        yield rec
+
+
+def iter_records(cfg: BuildConfig) -> Iterator[RawRecord]:
+    """All sources, in config order; the position in this stream is a record's input index."""
+    for src in cfg.sources:
+        yield from iter_source(cfg, src)
+
+
+def input_fingerprint(cfg: BuildConfig) -> list[Any]:
+    """Sizes and mtimes of local inputs, so a changed input invalidates the finished ingest stage."""
+    out: list[Any] = []
+    for s in cfg.sources:
+        if s.type == "default":
+            import sys
+            out.append(["default", sys.version])
+            continue
+        if s.type == "hf" and not cfg.resolve(s.path or "").exists():
+            out.append(["hf", s.path, s.hf_name, s.hf_split])
+            continue
+        files = expand_paths(cfg, s) if s.type != "hf" else [cfg.resolve(s.path or "")]
+        for p in files:
+            try:
+                st = os.stat(p)
+                out.append([str(p), st.st_size, int(st.st_mtime)])
+            except OSError:
+                out.append([str(p), None])
+    return out

@@ -1,0 +1,153 @@
+"""Sharded document stores between stages, with random access and atomic, resumable shards.
+
+A store is a folder of shards ``docs-00000.jsonl`` (one JSON object per line: ``{"i": input index,
+"src": source id, "text": cleaned text}``) plus, per shard, ``docs-00000.idx.npy``: an int64 array of
+shape ``[n, 3]`` = (input index, byte offset, byte length) that lets a later stage re-read any document
+with one ``seek`` (dedup verification reads texts this way instead of keeping them in memory).
+
+Every file is written under a temporary name and ``os.replace``-d into place; a shard's ``.done.json``
+(its counts) is written last and is the shard's completion marker, so a crash leaves either a finished
+shard or nothing that counts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def atomic_save_npy(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}.npy")
+    np.save(tmp, arr)
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def shard_name(k: int) -> str:
+    return f"docs-{k:05d}"
+
+
+class ShardWriter:
+    """Writes one shard's jsonl + index; :meth:`commit` publishes it with its counts."""
+
+    def __init__(self, folder: Path, k: int):
+        self.folder, self.k = folder, k
+        self.path = folder / f"{shard_name(k)}.jsonl"
+        self.tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
+        self.f = open(self.tmp, "wb")
+        self.index: list[tuple[int, int, int]] = []
+        self.offset = 0
+
+    def add(self, i: int, src: str, text: str, **extra: Any) -> None:
+        line = json.dumps({"i": i, "src": src, "text": text, **extra}, ensure_ascii=False).encode("utf-8") + b"\n"
+        self.f.write(line)
+        self.index.append((i, self.offset, len(line)))
+        self.offset += len(line)
+
+    def commit(self, counts: dict[str, Any]) -> None:
+        self.f.close()
+        os.replace(self.tmp, self.path)
+        atomic_save_npy(self.folder / f"{shard_name(self.k)}.idx.npy",
+                        np.asarray(self.index, dtype=np.int64).reshape(-1, 3))
+        atomic_write_json(self.folder / f"{shard_name(self.k)}.done.json", counts)
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def done_shards(folder: Path) -> list[int]:
+    return sorted(int(p.name[5:10]) for p in folder.glob("docs-*.done.json"))
+
+
+def shard_counts(folder: Path, k: int) -> dict[str, Any]:
+    return read_json(folder / f"{shard_name(k)}.done.json")
+
+
+def iter_shard(folder: Path, k: int) -> Iterator[dict[str, Any]]:
+    with open(folder / f"{shard_name(k)}.jsonl", "rb") as f:
+        for line in f:
+            yield json.loads(line)
+
+
+class DocStore:
+    """Read side of a finished store: ordered iteration and random access by position."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.shards = done_shards(folder)
+        idx = [np.load(folder / f"{shard_name(k)}.idx.npy") for k in self.shards]
+        self.shard_of = np.concatenate([np.full(len(a), k, dtype=np.int64) for k, a in zip(self.shards, idx)]) \
+            if idx else np.zeros(0, np.int64)
+        self.table = np.concatenate(idx) if idx else np.zeros((0, 3), np.int64)  # (input idx, offset, len)
+        self._files: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @property
+    def input_index(self) -> np.ndarray:
+        return self.table[:, 0]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for k in self.shards:
+            yield from iter_shard(self.folder, k)
+
+    def iter_range(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
+        """Records at positions [start, stop), read sequentially from the first one's offset."""
+        pos = start
+        while pos < stop:
+            k = int(self.shard_of[pos])
+            with open(self.folder / f"{shard_name(k)}.jsonl", "rb") as f:
+                f.seek(int(self.table[pos, 1]))
+                while pos < stop and int(self.shard_of[pos]) == k:
+                    yield json.loads(f.readline())
+                    pos += 1
+
+    def get(self, pos: int) -> dict[str, Any]:
+        k = int(self.shard_of[pos])
+        f = self._files.get(k)
+        if f is None:
+            f = self._files[k] = open(self.folder / f"{shard_name(k)}.jsonl", "rb")
+        f.seek(int(self.table[pos, 1]))
+        return json.loads(f.read(int(self.table[pos, 2])))
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def reset_dir(folder: Path) -> None:
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+
+
+def write_jsonl_atomic(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            n += 1
+    os.replace(tmp, path)
+    return n

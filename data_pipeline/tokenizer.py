@@ -1,0 +1,475 @@
+"""Tokenizers for corpus building, training and evaluation.
+
+Two families, one interface (:class:`Tokenizer`):
+
+* :class:`GPT2BPETokenizer` -- OpenAI GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``, run by the
+  Rust ``tokenizers`` library (byte-level pre-tokenizer with GPT-2's regex, *no* prefix space, byte-level
+  decoder).  Ids are identical to OpenAI's ``encoder.py`` / Megatron's ``GPT2BPETokenizer``.
+  The literal text ``<|endoftext|>`` is encoded as plain text (7 ids), exactly like OpenAI's encoder and
+  Megatron's preprocessing: only :attr:`Tokenizer.eod` (50256), appended by the corpus builder, separates
+  documents, so a web page that happens to contain the string cannot forge a document boundary.
+* :class:`SentencePieceTokenizer` -- a SentencePiece model trained by :func:`train_sentencepiece` in one of
+  two flavours (ids fixed by construction, see :func:`train_sentencepiece`).
+
+Every tokenizer describes itself with :meth:`Tokenizer.spec` (a JSON-able dict) and is rebuilt with
+:func:`load_tokenizer`; the corpus manifest stores that spec.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import io
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+GPT2_EOD_TOKEN = "<|endoftext|>"
+GPT_EOD_PIECE = "<|endoftext|>"
+BERT_SPECIAL_PIECES = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+WORD_START = "\u2581"  # '▁': SentencePiece's marker for "this piece starts a new word"
+
+
+class TokenizerError(ValueError):
+    """Bad tokenizer files or spec (one line saying what is wrong)."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _need_file(path: str | Path, what: str) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise TokenizerError(f"{what} {str(p)!r} does not exist or is not a file")
+    return p
+
+
+class Tokenizer(abc.ABC):
+    """Common interface.
+
+    ``vocab_size`` is the number of real ids (no Megatron padding: the model pads to a multiple of
+    ``make_vocab_size_divisible_by * TP`` itself).  ``eod`` separates documents in the GPT stream.
+    ``cls/sep/mask/pad/unk`` are BERT-style special ids, ``None`` when the vocabulary has none.
+    """
+
+    kind: str
+    cls: int | None = None
+    sep: int | None = None
+    mask: int | None = None
+    pad: int | None = None
+    unk: int | None = None
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def eod(self) -> int: ...
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encode many texts at once (implementations use the library's native batch path)."""
+        return [self.encode(t) for t in texts]
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Alias of :meth:`decode` (Megatron's name)."""
+        return self.decode(ids)
+
+    @abc.abstractmethod
+    def spec(self) -> dict[str, Any]:
+        """JSON-able description; ``load_tokenizer(spec, base_dir)`` rebuilds an identical tokenizer."""
+
+    def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        out = [int(i) for i in ids]
+        n = self.vocab_size
+        for i in out:
+            if i < 0 or i >= n:
+                raise TokenizerError(
+                    f"token id {i} is outside the {self.kind} vocabulary [0, {n}) "
+                    "(padded-vocabulary ids from a model must be removed before decoding)"
+                )
+        return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+class GPT2BPETokenizer(Tokenizer):
+    """OpenAI GPT-2 byte-level BPE (50,257 ids; ``eod`` = 50256 ``<|endoftext|>``).
+
+    ``encode`` never produces ``eod`` from text (see module docstring); ``decode([50256])`` gives the
+    literal ``'<|endoftext|>'``.
+    """
+
+    kind = "gpt2_bpe"
+
+    def __init__(self, vocab_file: str | Path, merges_file: str | Path) -> None:
+        from tokenizers import Tokenizer as _HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        self.vocab_file = _need_file(vocab_file, "GPT-2 vocab file").resolve()
+        self.merges_file = _need_file(merges_file, "GPT-2 merges file").resolve()
+        try:
+            with open(self.vocab_file, encoding="utf-8") as f:
+                vocab = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"GPT-2 vocab file {str(self.vocab_file)!r} is not valid JSON: {e}") from None
+        if not isinstance(vocab, dict) or GPT2_EOD_TOKEN not in vocab:
+            raise TokenizerError(
+                f"GPT-2 vocab file {str(self.vocab_file)!r} is not a token->id map containing {GPT2_EOD_TOKEN!r}"
+            )
+        try:
+            bpe = models.BPE.from_file(str(self.vocab_file), str(self.merges_file))
+        except Exception as e:  # the Rust error names the offending line
+            raise TokenizerError(f"cannot read GPT-2 BPE files {self.vocab_file}, {self.merges_file}: {e}") from None
+        tok = _HFTokenizer(bpe)
+        # GPT-2's regex split, bytes mapped to printable unicode; no prefix space (OpenAI does not add one).
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        self._tok = tok
+        self._vocab_size = len(vocab)
+        self._eod = int(vocab[GPT2_EOD_TOKEN])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(self._check_ids(ids), skip_special_tokens=False)
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "vocab_file": str(self.vocab_file),
+            "merges_file": str(self.merges_file),
+            "vocab_size": self.vocab_size,
+            "eod": self.eod,
+        }
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model (normally from :func:`train_sentencepiece`).
+
+    Special ids are looked up by piece name: ``<|endoftext|>`` -> ``eod`` (GPT flavour); ``[PAD]``,
+    ``[UNK]``, ``[CLS]``, ``[SEP]``, ``[MASK]`` -> ``pad/unk/cls/sep/mask`` (BERT flavour).  Without an
+    ``<|endoftext|>`` piece, ``eod`` falls back to the model's EOS id, then to ``[SEP]``.
+    Special pieces are control symbols: text containing their literal spelling is encoded as ordinary
+    text, never as the special id.  ``decode`` renders the EOD id as the literal ``<|endoftext|>`` (like
+    GPT-2) and drops the other control ids.
+    """
+
+    kind = "sentencepiece"
+
+    def __init__(self, model_file: str | Path) -> None:
+        import sentencepiece as spm
+
+        self.model_file = _need_file(model_file, "SentencePiece model file").resolve()
+        sp = spm.SentencePieceProcessor()
+        try:
+            sp.Load(str(self.model_file))
+        except (OSError, RuntimeError) as e:
+            raise TokenizerError(f"{str(self.model_file)!r} is not a SentencePiece model: {e}") from None
+        self._sp = sp
+        self._vocab_size = int(sp.GetPieceSize())
+
+        def piece(name: str) -> int | None:
+            i = int(sp.PieceToId(name))
+            # PieceToId returns unk_id for unknown pieces: check the round trip.
+            return i if sp.IdToPiece(i) == name else None
+
+        self.pad = piece("[PAD]")
+        self.unk = piece("[UNK]")
+        if self.unk is None and sp.unk_id() >= 0:
+            self.unk = int(sp.unk_id())
+        self.cls = piece("[CLS]")
+        self.sep = piece("[SEP]")
+        self.mask = piece("[MASK]")
+        eod = piece(GPT_EOD_PIECE)
+        if eod is None and sp.eos_id() >= 0:
+            eod = int(sp.eos_id())
+        if eod is None:
+            eod = self.sep
+        if eod is None:
+            raise TokenizerError(
+                f"SentencePiece model {str(self.model_file)!r} has no {GPT_EOD_PIECE!r}, EOS or [SEP] piece to "
+                "use as end-of-document; train it with data_pipeline.tokenizer.train_sentencepiece"
+            )
+        self._eod = eod
+        self.flavor: Literal["gpt", "bert"] = "bert" if self.cls is not None and self.mask is not None else "gpt"
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def processor(self) -> Any:
+        """The underlying ``sentencepiece.SentencePieceProcessor``."""
+        return self._sp
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._sp.Encode(text, out_type=int))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(x) for x in self._sp.Encode(list(texts), out_type=int)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = self._check_ids(ids)
+        if self._eod not in ids:
+            return self._sp.Decode(ids)
+        parts, cur = [], []
+        for i in ids:
+            if i == self._eod:
+                parts.append(self._sp.Decode(cur))
+                cur = []
+            else:
+                cur.append(i)
+        parts.append(self._sp.Decode(cur))
+        return GPT_EOD_PIECE.join(parts)
+
+    def id_to_piece(self, i: int) -> str:
+        return self._sp.IdToPiece(int(i))
+
+    def is_word_start(self, i: int) -> bool:
+        """True when piece ``i`` begins a new word (its piece starts with '▁').
+
+        Whole-word masking groups a word-start piece with the following non-word-start pieces (byte
+        fallback pieces ``<0x..>`` continue the current word).  Special/control ids count as word starts.
+        """
+        i = int(i)
+        if self._sp.IsControl(i) or self._sp.IsUnknown(i):
+            return True
+        return self._sp.IdToPiece(i).startswith(WORD_START)
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "model_file": str(self.model_file),
+            "flavor": self.flavor,
+            "vocab_size": self.vocab_size,
+            "eod": self.eod,
+        }
+
+
+def load_tokenizer(spec: dict[str, Any], base_dir: str | Path | None = None) -> Tokenizer:
+    """Rebuild a tokenizer from :meth:`Tokenizer.spec`.  Relative file paths resolve against ``base_dir``.
+
+    If the spec records ``vocab_size``/``eod``, the loaded files must agree (catches a swapped file).
+    """
+    if not isinstance(spec, dict) or "kind" not in spec:
+        raise TokenizerError(f"tokenizer spec must be a dict with a 'kind' key, got {spec!r}")
+    base = Path(base_dir) if base_dir is not None else None
+
+    def path(key: str) -> Path:
+        if key not in spec:
+            raise TokenizerError(f"tokenizer spec of kind {spec['kind']!r} lacks {key!r}: {spec!r}")
+        p = Path(os.path.expanduser(str(spec[key])))
+        if not p.is_absolute() and base is not None:
+            p = base / p
+        return p
+
+    kind = spec["kind"]
+    tok: Tokenizer
+    if kind == GPT2BPETokenizer.kind:
+        tok = GPT2BPETokenizer(path("vocab_file"), path("merges_file"))
+    elif kind == SentencePieceTokenizer.kind:
+        tok = SentencePieceTokenizer(path("model_file"))
+    else:
+        raise TokenizerError(
+            f"unknown tokenizer kind {kind!r}; expected {GPT2BPETokenizer.kind!r} or {SentencePieceTokenizer.kind!r}"
+        )
+    for key in ("vocab_size", "eod"):
+        if key in spec and int(spec[key]) != getattr(tok, key):
+            raise TokenizerError(
+                f"tokenizer files do not match the spec: {key} is {getattr(tok, key)} but the spec says {spec[key]}"
+            )
+    return tok
+
+
+def _training_sentences(texts: Iterable[str], max_sentences: int, max_sentence_length: int) -> Iterator[str]:
+    """Non-empty lines of ``texts`` (each text may hold many lines), at most ``max_sentences`` of them.
+
+    Lines longer than ``max_sentence_length`` bytes are cut at a character boundary (SentencePiece would
+    silently skip them otherwise).
+    """
+    n = 0
+    for text in texts:
+        for line in text.split("\n"):
+            if not line.strip():
+                continue
+            b = line.encode("utf-8")
+            if len(b) > max_sentence_length:
+                line = b[:max_sentence_length].decode("utf-8", errors="ignore")
+            yield line
+            n += 1
+            if n >= max_sentences:
+                return
+
+
+def train_sentencepiece(
+    texts: Iterable[str],
+    out_prefix: str | Path,
+    vocab_size: int,
+    flavor: Literal["gpt", "bert"] = "gpt",
+    seed: int = 1234,
+    *,
+    model_type: Literal["bpe", "unigram"] = "bpe",
+    max_sentences: int = 1_000_000,
+    max_sentence_length: int = 4192,
+    character_coverage: float = 0.9995,
+    num_threads: int = 1,
+    lowercase: bool = False,
+) -> SentencePieceTokenizer:
+    """Train a SentencePiece model on an in-memory iterator and write ``{out_prefix}.model`` (+ ``.vocab``).
+
+    Flavours (ids fixed by construction):
+
+    * ``"gpt"``: 0 ``<unk>``, 1 ``<|endoftext|>`` (EOS control symbol = ``eod``), then the 256 byte
+      pieces ``<0x00>..<0xFF>`` (``byte_fallback``: any text encodes without ``<unk>``), then learned
+      pieces.  Identity normalisation, whitespace kept, no dummy prefix, whitespace-only pieces allowed:
+      ``decode(encode(s)) == s`` for every string.
+    * ``"bert"``: 0 ``[PAD]``, 1 ``[UNK]``, 2 ``[CLS]``, 3 ``[SEP]``, 4 ``[MASK]``, then byte pieces,
+      then learned pieces.  NFKC normalisation (``lowercase=True`` adds case folding), runs of whitespace
+      collapsed, a dummy '▁' prefix so *every* word's first piece starts with '▁' (whole-word masking:
+      a piece without '▁' continues the previous word).  ``eod`` is ``[SEP]``.
+
+    Determinism: the input is the first ``max_sentences`` non-empty lines in iteration order (no
+    sampling), training runs with ``num_threads`` (default 1) and SentencePiece's generator is seeded
+    with ``seed``, so the same input and seed give a byte-identical model.
+
+    The model is written to a temporary name then renamed; nothing is left behind on failure.
+    """
+    import sentencepiece as spm
+
+    if flavor not in ("gpt", "bert"):
+        raise TokenizerError(f"flavor must be 'gpt' or 'bert', got {flavor!r}")
+    if model_type not in ("bpe", "unigram"):
+        raise TokenizerError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
+    n_reserved = 2 if flavor == "gpt" else len(BERT_SPECIAL_PIECES)
+    if vocab_size < n_reserved + 256 + 1:
+        raise TokenizerError(
+            f"vocab_size {vocab_size} is too small: {n_reserved} special + 256 byte pieces are reserved; use >= {n_reserved + 257}"
+        )
+    if max_sentences < 1:
+        raise TokenizerError(f"max_sentences must be >= 1, got {max_sentences}")
+    out_prefix = Path(out_prefix)
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        model_type=model_type,
+        byte_fallback=True,
+        character_coverage=character_coverage,
+        num_threads=num_threads,
+        input_sentence_size=0,  # we cap ourselves, in order: no random sampling
+        shuffle_input_sentence=False,
+        max_sentence_length=max_sentence_length,
+        minloglevel=2,
+        bos_id=-1,
+    )
+    if flavor == "gpt":
+        common.update(
+            unk_id=0,
+            eos_id=1,
+            eos_piece=GPT_EOD_PIECE,
+            pad_id=-1,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+        )
+    else:
+        common.update(
+            pad_id=0,
+            pad_piece="[PAD]",
+            unk_id=1,
+            unk_piece="[UNK]",
+            eos_id=-1,
+            control_symbols=["[CLS]", "[SEP]", "[MASK]"],
+            normalization_rule_name="nmt_nfkc_cf" if lowercase else "nmt_nfkc",
+            remove_extra_whitespaces=True,
+            add_dummy_prefix=True,
+            split_digits=True,
+        )
+
+    counter = {"n": 0}
+
+    def it() -> Iterator[str]:
+        for s in _training_sentences(texts, max_sentences, max_sentence_length):
+            counter["n"] += 1
+            yield s
+
+    buf = io.BytesIO()
+    spm.set_random_generator_seed(int(seed))
+    try:
+        spm.SentencePieceTrainer.Train(sentence_iterator=it(), model_writer=buf, **common)
+    except RuntimeError as e:
+        raise TokenizerError(
+            f"SentencePiece training failed on {counter['n']} sentences with vocab_size={vocab_size}: {e} "
+            "(a too-large vocab_size for a small corpus is the usual cause)"
+        ) from None
+    if counter["n"] == 0:
+        raise TokenizerError("train_sentencepiece got no non-empty text to train on")
+    model_bytes = buf.getvalue()
+
+    model_path = out_prefix.with_name(out_prefix.name + ".model")
+    vocab_path = out_prefix.with_name(out_prefix.name + ".vocab")
+    tmp_model = model_path.with_name(f".{model_path.name}.tmp-{os.getpid()}")
+    tmp_vocab = vocab_path.with_name(f".{vocab_path.name}.tmp-{os.getpid()}")
+    try:
+        tmp_model.write_bytes(model_bytes)
+        sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+        with open(tmp_vocab, "w", encoding="utf-8") as f:
+            for i in range(sp.GetPieceSize()):
+                f.write(f"{sp.IdToPiece(i)}\t{sp.GetScore(i):g}\n")
+        os.replace(tmp_vocab, vocab_path)
+        os.replace(tmp_model, model_path)
+    finally:
+        for p in (tmp_model, tmp_vocab):
+            p.unlink(missing_ok=True)
+    logger.info(
+        "trained SentencePiece %s/%s: %d sentences, vocab %d -> %s", flavor, model_type, counter["n"], vocab_size, model_path
+    )
+    return SentencePieceTokenizer(model_path)
+
+
+def tokenizer_file_digests(spec: dict[str, Any], base_dir: str | Path | None = None) -> dict[str, str]:
+    """sha256 of each file a spec names (for manifests / provenance)."""
+    out = {}
+    for k, v in spec.items():
+        if k.endswith("_file"):
+            p = Path(v)
+            if not p.is_absolute() and base_dir is not None:
+                p = Path(base_dir) / p
+            out[k] = _sha256(p)
+    return out

@@ -1,0 +1,7 @@
+"""The one exception type of the evaluation stage."""
+from __future__ import annotations
+
+
+class EvalError(ValueError):
+    """Bad evaluation input (file, format, checkpoint/tokenizer mismatch): the message is one line
+    saying what is wrong and, where possible, how to fix it. The CLI prints it and exits with code 2."""

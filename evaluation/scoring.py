@@ -1,0 +1,101 @@
+"""Per-token scores (NLL and greedy-correctness) from a language model's logits, TP-aware.
+
+A model is seen through :data:`LogitsFn`: ``tokens [b, s] (int64) -> logits [b, s, V_local]``. At
+TP = 1 ``V_local`` is the whole (possibly padded) vocabulary; under tensor parallelism each rank holds
+the columns ``[vocab_start, vocab_start + V_local)`` of the padded vocabulary, and the scores below
+are computed *without gathering the logits* (three all-reduces of ``b*s`` numbers + one for argmax).
+
+For targets ``y [b, s]`` (global ids) the scores are, in fp32,
+
+    nll[b, t]     = logsumexp_v z[b, t, v] - z[b, t, y]          (natural log, = cross-entropy)
+    correct[b, t] = (argmax_v z[b, t, v] == y)                   (first index on ties, like torch.argmax)
+
+where v runs over the **real** vocabulary ``v < vocab_size``: Megatron's padding columns (ids that no
+tokenizer produces) are excluded, so the numbers equal those of the exported Hugging Face model and of
+lm-evaluation-harness. Pass ``vocab_size = padded size`` to include them, as Megatron's vocab-parallel
+cross-entropy does (the difference is the probability mass a trained model leaves on padding rows).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+"""tokens [b, s] int64 -> logits [b, s, V_local] (any float dtype; this rank's vocabulary columns)."""
+
+
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+
+
+def token_scores(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    vocab_start: int = 0,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(nll [b, s] fp32, correct [b, s] bool)`` from (vocab-parallel) ``logits [b, s, V_local]``.
+
+    ``labels`` are global ids; ``group`` is the tensor-parallel group holding the other columns
+    (None at TP = 1). Columns with global id >= ``vocab_size`` are ignored.
+    """
+    z = logits.float()
+    v_local = z.size(-1)
+    n_real = max(0, min(v_local, vocab_size - vocab_start))  # real columns held here
+    z = z[..., :n_real]
+    big = torch.finfo(torch.float32).max
+    if n_real > 0:
+        local_max, local_arg = z.max(dim=-1)  # first maximal index on ties
+    else:
+        local_max = torch.full(labels.shape, -big, device=z.device)
+        local_arg = torch.zeros(labels.shape, dtype=torch.long, device=z.device)
+    gmax = local_max.clone()
+    _all_reduce(gmax, group, dist.ReduceOp.MAX)
+
+    # global argmax = smallest global index among ranks whose local max equals the global max
+    cand = torch.where(local_max == gmax, local_arg + vocab_start, torch.full_like(local_arg, 2**62))
+    _all_reduce(cand, group, dist.ReduceOp.MIN)
+
+    sum_exp = (z - gmax.unsqueeze(-1)).exp().sum(dim=-1) if n_real > 0 else torch.zeros_like(gmax)
+    _all_reduce(sum_exp, group)
+
+    local_idx = labels - vocab_start
+    mine = (local_idx >= 0) & (local_idx < n_real)
+    tgt = torch.zeros_like(gmax)
+    if n_real > 0:
+        tgt = z.gather(-1, local_idx.clamp(0, n_real - 1).unsqueeze(-1)).squeeze(-1)
+        tgt = torch.where(mine, tgt, torch.zeros_like(tgt))
+    _all_reduce(tgt, group)
+    nll = torch.log(sum_exp) + gmax - tgt
+    return nll, cand == labels
+
+
+@dataclass
+class LMScorer:
+    """A language model plus what is needed to score tokens with it.
+
+    ``vocab_size``: real vocabulary (columns beyond it are padding and excluded, see module doc);
+    ``vocab_start``/``tp_group``: this rank's first vocabulary column and TP group (TP > 1 only).
+    """
+
+    logits_fn: LogitsFn
+    vocab_size: int
+    max_length: int
+    """Longest input the model accepts (its position table)."""
+    device: torch.device = torch.device("cpu")
+    vocab_start: int = 0
+    tp_group: dist.ProcessGroup | None = None
+
+    @torch.no_grad()
+    def score(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``inputs``, ``labels`` [b, s] (labels = inputs shifted by one) -> (nll, correct) [b, s] on CPU."""
+        if inputs.size(1) > self.max_length:
+            raise ValueError(f"input length {inputs.size(1)} exceeds the model's {self.max_length} positions")
+        logits = self.logits_fn(inputs.to(self.device))
+        nll, correct = token_scores(logits, labels.to(self.device), self.vocab_size, self.vocab_start, self.tp_group)
+        return nll.cpu(), correct.cpu()

@@ -1,0 +1,402 @@
+"""Typed run configuration for training: one YAML file per run, the single source of truth.
+
+Precedence: command-line overrides (``section.key=value``) > YAML file > dataclass defaults.
+Unknown keys, wrong types and inconsistent sizes fail at once with one line that says what is wrong
+and how to fix it (:class:`ConfigError`), before any process group or model exists.
+
+The DeepSpeed JSON is *derived* from this config (:func:`deepspeed_config`), never kept by hand.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line naming the key and the fix."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    arch: Literal["gpt2", "bert"] = "gpt2"
+    """Model family."""
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    seq_length: int = 128
+    """Training sequence length (tokens per sample)."""
+    max_position_embeddings: int | None = None
+    """Learned position table size; defaults to seq_length."""
+    vocab_size: int | None = None
+    """Unpadded vocabulary size; None = take it from the tokenizer."""
+    make_vocab_size_divisible_by: int = 128
+    """Vocabulary is padded to a multiple of this x TP (Megatron's rule)."""
+    ffn_hidden_size: int | None = None
+    """MLP width; defaults to 4 x hidden_size."""
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    activation_checkpointing: bool = False
+    """Recompute every transformer layer in backward (DeepSpeed's checkpoint, RNG states restored)."""
+    # BERT only
+    layer_order: Literal["pre_ln", "post_ln"] = "pre_ln"
+    """BERT: 'pre_ln' = the paper's rearranged order (Figure 7), 'post_ln' = original BERT."""
+    num_tokentypes: int = 2
+    binary_head: bool = True
+
+    @property
+    def positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    """Tensor-parallel degree (ranks that split every layer)."""
+    pipeline: int = 1
+    """Pipeline-parallel degree (1 until pipeline parallelism lands)."""
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
+    """'auto' = fp16 on a GPU (the paper's default), fp32 on CPU."""
+    allow_fp16_on_cpu: bool = False
+    """Let DeepSpeed's fp16 engine run on the CPU accelerator (slow; for tests of tiny models)."""
+    loss_scale: float = 0.0
+    """0 = dynamic loss scaling; > 0 = static scale."""
+    initial_scale_power: int = 32
+    """Initial dynamic scale 2**power (Megatron: 2**32)."""
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    max_consecutive_skipped: int = 50
+    """Abort when this many consecutive steps were skipped for overflow (0 disables)."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1.5e-4
+    min_lr: float = 1.0e-5
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay; biases and LayerNorm parameters are exempt."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1.0e-8
+    clip_grad: float = 1.0
+    """Global grad-norm clipping across TP ranks (0 disables)."""
+    warmup_iters: int = 0
+    decay_iters: int | None = None
+    """Iterations of warmup + decay; None = train.iters."""
+    decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    """Samples per forward/backward on one data-parallel replica."""
+    global_batch_size: int = 8
+    """Samples per optimizer step over all replicas = micro x grad-accum x DP."""
+    iters: int = 20
+    seed: int = 1234
+    log_interval: int = 1
+    eval_interval: int = 0
+    """Validation every N iterations (0 = only at the end)."""
+    eval_iters: int = 2
+    save_interval: int = 0
+    """Checkpoint every N iterations (0 = only at the end)."""
+    keep_last: int = 2
+    """Keep this many newest checkpoints."""
+    progress_bar: bool = True
+
+
+@dataclass
+class DataConfig:
+    corpus: str | None = None
+    """Corpus directory written by `python -m data_pipeline build` (indexed dataset + tokenizer)."""
+    text_files: list[str] = field(default_factory=list)
+    """Alternative to `corpus`: plain text files tokenized into one token stream (quick experiments)."""
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    """Tokenizer spec for text_files, e.g. {type: gpt2_bpe, vocab_file: ..., merges_file: ...}."""
+    split: str = "969,30,1"
+    """train,valid,test proportions over documents."""
+    num_workers: int = 0
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    """Run directory: config, DeepSpeed JSON, metrics.jsonl, checkpoints."""
+    tensorboard: bool = False
+    """TensorBoard through DeepSpeed's monitor (writes RUN_DIR/tensorboard)."""
+    device_peak_tflops: float | None = None
+    """Dense peak TFLOP/s of one device in the training dtype, for MFU; None = built-in table."""
+    device_kind: str | None = None
+    """Name of the device for the peak table (e.g. 'h100-sxm', 'v100', 'cpu'); None = detect."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading: dict -> dataclass with strict key and type checks
+# --------------------------------------------------------------------------------------------------
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against annotation ``tp``; ints are accepted for floats. Raises ConfigError."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    raise ConfigError(f"{where}: unsupported type {_type_name(tp)}")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            close = [n for n in names if n.startswith(str(key)[:3])]
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(sorted(names))}"
+            raise ConfigError(f"unknown config key '{where + '.' if where else ''}{key}'{hint}")
+    kwargs = {k: _coerce(v, hints[k], f"{where + '.' if where else ''}{k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["train.iters=50", "parallel.tensor=2"]`` -> nested dict; values parsed as YAML scalars."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.iters=50)")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r}: empty key part")
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = nested
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with another override of {p!r}")
+        node[parts[-1]] = value
+    return nested
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Load YAML ``path`` (None = defaults), apply overrides, check types and static consistency."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist (see configs/ for examples)")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+    data = _merge(data, parse_overrides(overrides or []))
+    cfg = _build(Config, data, "")
+    validate_static(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    cfg = _build(Config, data, "")
+    validate_static(cfg)
+    return cfg
+
+
+def validate_static(cfg: Config) -> None:
+    """Checks that need no process group: sizes, divisibility, ranges."""
+    m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
+    for name, v in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
+                    ("model.num_attention_heads", m.num_attention_heads), ("model.seq_length", m.seq_length),
+                    ("parallel.tensor", p.tensor), ("parallel.pipeline", p.pipeline),
+                    ("train.micro_batch_size", t.micro_batch_size), ("train.global_batch_size", t.global_batch_size),
+                    ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)]:
+        if v < 1:
+            raise ConfigError(f"{name} must be >= 1, got {v}")
+    if t.iters < 0:
+        raise ConfigError(f"train.iters must be >= 0, got {t.iters}")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
+                          f"model.num_attention_heads={m.num_attention_heads}")
+    if m.num_attention_heads % p.tensor:
+        raise ConfigError(f"parallel.tensor={p.tensor} does not divide model.num_attention_heads="
+                          f"{m.num_attention_heads}: choose a TP degree that divides the head count")
+    if m.ffn_size % p.tensor:
+        raise ConfigError(f"parallel.tensor={p.tensor} does not divide the MLP width {m.ffn_size}")
+    if m.positions < m.seq_length:
+        raise ConfigError(f"model.max_position_embeddings={m.positions} < model.seq_length={m.seq_length}")
+    if p.pipeline != 1:
+        raise ConfigError("parallel.pipeline must be 1: pipeline parallelism is not implemented yet")
+    for name, v in [("model.hidden_dropout", m.hidden_dropout), ("model.attention_dropout", m.attention_dropout)]:
+        if not 0.0 <= v < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {v}")
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"optimizer: need 0 <= min_lr <= lr and lr > 0 (got lr={o.lr}, min_lr={o.min_lr})")
+    decay = o.decay_iters if o.decay_iters is not None else t.iters
+    if o.warmup_iters > max(decay, 0):
+        raise ConfigError(f"optimizer.warmup_iters={o.warmup_iters} exceeds the decay length {decay}")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                          f"train.micro_batch_size={t.micro_batch_size}")
+    if cfg.data.corpus is None and not cfg.data.text_files:
+        raise ConfigError("data: set data.corpus (a directory from `python -m data_pipeline build`) "
+                          "or data.text_files")
+    if cfg.data.corpus is not None and cfg.data.text_files:
+        raise ConfigError("data: set either data.corpus or data.text_files, not both")
+    try:
+        parts = [float(x) for x in cfg.data.split.split(",")]
+        assert len(parts) == 3 and all(x >= 0 for x in parts) and sum(parts) > 0
+    except (ValueError, AssertionError):
+        raise ConfigError(f"data.split={cfg.data.split!r} must be three non-negative numbers like '969,30,1'") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Derived values
+# --------------------------------------------------------------------------------------------------
+def check_world(cfg: Config, world_size: int) -> int:
+    """Data-parallel size for ``world_size`` ranks; raises if the layout does not fit."""
+    mp = cfg.parallel.tensor * cfg.parallel.pipeline
+    if world_size % mp:
+        raise ConfigError(f"world size {world_size} is not divisible by TP x PP = {cfg.parallel.tensor} x "
+                          f"{cfg.parallel.pipeline}: launch a multiple of {mp} processes or change parallel.*")
+    dp = world_size // mp
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x "
+                          f"DP = {t.micro_batch_size} x {dp}: change one of them")
+    return dp
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Smallest multiple of ``divisible_by * tp`` that is >= vocab_size (Megatron's padding)."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def resolve_dtype(cfg: Config, on_gpu: bool) -> str:
+    d = cfg.precision.dtype
+    if d == "auto":
+        return "fp16" if on_gpu else "fp32"
+    if d == "fp16" and not on_gpu and not cfg.precision.allow_fp16_on_cpu:
+        raise ConfigError("precision.dtype=fp16 on CPU needs precision.allow_fp16_on_cpu=true "
+                          "(slow; meant for tests) or use bf16/fp32")
+    return d
+
+
+def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
+    """The DeepSpeed JSON, derived from the run config (saved as RUN_DIR/ds_config.json)."""
+    t, pr = cfg.train, cfg.precision
+    gas = t.global_batch_size // (t.micro_batch_size * dp)
+    ds: dict[str, Any] = {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": cfg.optimizer.clip_grad,
+        "steps_per_print": 10**9,  # we log ourselves, one line per step
+        "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": 0},
+        "fp16": {"enabled": dtype == "fp16"},
+        "bf16": {"enabled": dtype == "bf16"},
+    }
+    if dtype == "fp16":
+        ds["fp16"].update({
+            "loss_scale": pr.loss_scale,
+            "initial_scale_power": pr.initial_scale_power,
+            "loss_scale_window": pr.loss_scale_window,
+            "hysteresis": pr.hysteresis,
+            "min_loss_scale": pr.min_loss_scale,
+        })
+    if cfg.run.tensorboard:
+        ds["tensorboard"] = {"enabled": True, "output_path": str(Path(cfg.run.dir) / "tensorboard"),
+                             "job_name": "train"}
+    return ds

@@ -1,0 +1,57 @@
+"""Cross-entropy over vocabulary-parallel logits, without ever gathering the logits.
+
+Each rank holds logits [b, s, V/p] for its vocabulary rows. Three all-reduces of b*s values each
+(max, target logit, sum of exponentials) give the exact loss; the backward is analytic
+(softmax - one_hot) and communicates nothing. Computed in fp32; the caller's tensor is never modified.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from training.parallel.mappings import all_reduce, group_rank, group_size
+from training.parallel.utils import vocab_range
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        # logits [b, s, V/p] any float dtype; target [b, s] global ids
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()  # fp16/bf16 logits: the loss is computed in fp32
+        # `logits` is only read below: every step makes a new tensor, so the caller's is never modified
+        logits_max = logits.amax(dim=-1)                                    # [b, s]
+        all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)                         # new tensor [b, s, V/p]
+
+        v_local = shifted.size(-1)
+        start, end = vocab_range(v_local * group_size(group), group_rank(group), group_size(group))
+        foreign = (target < start) | (target >= end)                        # [b, s]
+        local_target = (target - start).masked_fill(foreign, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(foreign, 0.0)
+        all_reduce(target_logit, group)                                     # exactly one rank contributes
+
+        exp = shifted.exp_()                                                # in place on our own copy
+        sum_exp = exp.sum(dim=-1)
+        all_reduce(sum_exp, group)
+        loss = torch.log(sum_exp) - target_logit                            # [b, s]
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, foreign, local_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, foreign, local_target = ctx.saved_tensors
+        grad = softmax  # reuse the saved buffer: backward runs once
+        # d loss / d logit = softmax - 1[target], only on the rank owning the target
+        own = (~foreign).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -own.unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None) -> torch.Tensor:
+    """Per-token loss [b, s] from vocab-parallel logits [b, s, V/p] and global targets [b, s]."""
+    return _VocabParallelCrossEntropy.apply(logits, target, group)

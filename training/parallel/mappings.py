@@ -1,0 +1,130 @@
+"""The four tensor-parallel region maps as autograd Functions (Megatron's f/g pair and scatter/gather).
+
+| function                   | forward                     | backward                    | paper |
+|----------------------------|-----------------------------|-----------------------------|-------|
+| copy_to_parallel_region    | identity                    | all-reduce (sum)            | f     |
+| reduce_from_parallel_region| all-reduce (sum)            | identity                    | g     |
+| scatter_to_parallel_region | split last dim, keep own    | all-gather last dim         |       |
+| gather_from_parallel_region| all-gather last dim         | split last dim, keep own    |       |
+
+Each backward is its forward's dual. With ``group`` None or of size 1 every map is the identity and
+no collective is issued. A module-level counter records every collective so tests can assert the
+number of all-reduces per layer.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+#: collective name -> number of calls (tests reset and read it; costs one dict update per collective)
+COLLECTIVE_CALLS: Counter[str] = Counter()
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of ``x`` (counted)."""
+    if group_size(group) == 1:
+        return x
+    COLLECTIVE_CALLS["all_reduce"] += 1
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    if x.size(-1) % world:
+        raise ValueError(f"last dim {x.size(-1)} not divisible by tensor-parallel size {world}")
+    return x.chunk(world, dim=-1)[group_rank(group)].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    COLLECTIVE_CALLS["all_gather"] += 1
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _CopyToParallelRegion(torch.autograd.Function):
+    """f: forward identity, backward all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _ReduceFromParallelRegion(torch.autograd.Function):
+    """g: forward all-reduce, backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToParallelRegion(torch.autograd.Function):
+    """Forward: keep this rank's chunk of the last dim. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group), None
+
+
+class _GatherFromParallelRegion(torch.autograd.Function):
+    """Forward: all-gather the last dim. Backward: keep this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.group), None
+
+
+def copy_to_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """f: identity forward, all-reduce backward (enter a tensor-parallel region)."""
+    return x if group_size(group) == 1 else _CopyToParallelRegion.apply(x, group)
+
+
+def reduce_from_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """g: all-reduce forward, identity backward (leave a tensor-parallel region)."""
+    return x if group_size(group) == 1 else _ReduceFromParallelRegion.apply(x, group)
+
+
+def scatter_to_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Split the last dim, keep this rank's chunk; all-gather in backward."""
+    return x if group_size(group) == 1 else _ScatterToParallelRegion.apply(x, group)
+
+
+def gather_from_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather the last dim; split in backward."""
+    return x if group_size(group) == 1 else _GatherFromParallelRegion.apply(x, group)
