@@ -87,9 +87,11 @@ class DedupConfig:
 
 @dataclass
 class DatasetConfig:
-    gpt: bool = True  # <prefix>_text_document: one item per document, EOD appended
-    bert: bool = False  # <prefix>_text_sentence: one item per sentence, end_document() per document
-    prefix: str = "corpus"
+    gpt: bool = True  # one item per document, EOD appended
+    bert: bool = False  # one item per sentence, end_document() per document
+    gpt_prefix: str = "gpt_text_document"
+    bert_prefix: str = "bert_text_sentence"
+    tokenize_batch: int = 256  # documents per encode_batch call
 
 
 @dataclass

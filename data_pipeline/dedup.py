@@ -117,13 +117,31 @@ def _fmix32(h: np.ndarray) -> np.ndarray:
     return h ^ (h >> np.uint32(16))
 
 
+_WORD_CACHE: dict[str, int] = {}
+_WORD_CACHE_MAX = 500_000
+
+
+def _word_hashes(words: list[str]) -> list[int]:
+    """xxh64 of each word's UTF-8 bytes, memoised per process (word frequencies are Zipfian, so most
+    lookups hit; the cache is cleared when it reaches ``_WORD_CACHE_MAX`` entries)."""
+    cache = _WORD_CACHE
+    try:
+        return [cache[w] for w in words]
+    except KeyError:
+        if len(cache) > _WORD_CACHE_MAX:
+            cache.clear()
+        for w in set(words).difference(cache):
+            cache[w] = xxhash.xxh64_intdigest(w.encode("utf-8"))
+        return [cache[w] for w in words]
+
+
 def shingle_hashes(text: str, spec: ShingleSpec) -> np.ndarray:
     """32-bit hash of every shingle (with repeats; MinHash is insensitive to them), uint32[k]."""
     u = units(text, spec)
     if len(u) == 0:
         return np.zeros(0, np.uint32)
     if spec.unit == "word":
-        uh = np.fromiter((xxhash.xxh64_intdigest(w) for w in u), dtype=np.uint64, count=len(u))
+        uh = np.array(_word_hashes(u), dtype=np.uint64)
     else:
         uh = np.frombuffer(u.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
     n = min(spec.n, len(uh))
@@ -394,11 +412,12 @@ class UnionFind:
 def cluster(verified: Iterable[tuple[int, int, float]], threshold: float
             ) -> tuple[dict[int, list[int]], dict[int, tuple[int, float]]]:
     """Clusters {survivor: sorted members} over edges with J >= threshold, and for each removed member
-    the edge that first linked it: {member: (other end, J)}."""
+    the first edge (in sorted order) that touches it: {member: (other end, J)}."""
     uf = UnionFind()
     link: dict[int, tuple[int, float]] = {}
     for i, j, jac in sorted(verified):
         if jac >= threshold:
             uf.union(i, j)
             link.setdefault(j, (i, jac))
+            link.setdefault(i, (j, jac))
     return uf.clusters(), link

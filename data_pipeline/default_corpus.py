@@ -92,9 +92,14 @@ def _docstring_documents(modname: str) -> Iterator[tuple[str, str]]:
 
 def iter_default_corpus() -> Iterator[tuple[str, str]]:
     """Yield ``(source_id, text)`` for every document of the embedded corpus, in a fixed order."""
+    import warnings
+
     from pydoc_data.topics import topics
 
     for key in sorted(topics):
         yield f"pydoc-topic:{key}", topics[key]
     for modname in STDLIB_MODULES:
-        yield from _docstring_documents(modname)
+        with warnings.catch_warnings():  # deprecated aliases (typing.io, ...) warn when touched
+            warnings.simplefilter("ignore", DeprecationWarning)
+            docs = list(_docstring_documents(modname))
+        yield from docs

@@ -180,7 +180,21 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"{self.seq_length} tokens need {self.num_epochs} epochs; use more data or fewer samples"
             )
         self.built_index = False
-        self.doc_idx, self.sample_idx, self.shuffle_idx = self._index_maps(cache_dir)
+        self._paths = self.index_paths(cache_dir)
+        self.doc_idx, self.sample_idx, self.shuffle_idx = self._index_maps(self._paths)
+
+    def __getstate__(self) -> dict:
+        # DataLoader workers re-open the memory-mapped index files instead of receiving copies.
+        return {k: v for k, v in self.__dict__.items() if k not in ("doc_idx", "sample_idx", "shuffle_idx")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.doc_idx, self.sample_idx, self.shuffle_idx = (
+            np.load(self._paths[k], mmap_mode="r", allow_pickle=False) for k in ("doc", "sample", "shuffle"))
+
+    def __repr__(self) -> str:
+        return (f"GPTDataset({self.name!r}, samples={len(self)}, seq_length={self.seq_length}, seed={self.seed}, "
+                f"documents={len(self.documents)}, epochs={self.num_epochs}, prefix={str(self.indexed.prefix)!r})")
 
     # -- index maps --------------------------------------------------------------------------------
     def _digest(self) -> str:
@@ -197,8 +211,7 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"{self.seed}s_{self._digest()}")
         return {k: directory / f"{stem}_{k}_idx.npy" for k in ("doc", "sample", "shuffle")}
 
-    def _index_maps(self, cache_dir: Path | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        paths = self.index_paths(cache_dir)
+    def _index_maps(self, paths: dict[str, Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not all(p.is_file() for p in paths.values()):
             t0 = time.perf_counter()
             rng = np.random.RandomState(self.seed)

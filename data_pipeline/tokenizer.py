@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -158,7 +159,9 @@ class GPT2BPETokenizer(Tokenizer):
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        # encode_batch_fast (tokenizers >= 0.21) skips offset tracking; same ids, multi-threaded.
+        fn = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in fn(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(self._check_ids(ids), skip_special_tokens=False)
@@ -269,6 +272,12 @@ class SentencePieceTokenizer(Tokenizer):
         if self._sp.IsControl(i) or self._sp.IsUnknown(i):
             return True
         return self._sp.IdToPiece(i).startswith(WORD_START)
+
+    def word_start_mask(self) -> Any:
+        """``np.ndarray[bool]`` of length ``vocab_size``: :meth:`is_word_start` for every id (vectorised lookups)."""
+        import numpy as np
+
+        return np.array([self.is_word_start(i) for i in range(self.vocab_size)], dtype=bool)
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -429,17 +438,22 @@ def train_sentencepiece(
             counter["n"] += 1
             yield s
 
+    sentences = it()
+    try:
+        first = next(sentences)
+    except StopIteration:
+        raise TokenizerError("train_sentencepiece got no non-empty text to train on") from None
     buf = io.BytesIO()
     spm.set_random_generator_seed(int(seed))
     try:
-        spm.SentencePieceTrainer.Train(sentence_iterator=it(), model_writer=buf, **common)
+        spm.SentencePieceTrainer.Train(
+            sentence_iterator=itertools.chain([first], sentences), model_writer=buf, **common
+        )
     except RuntimeError as e:
         raise TokenizerError(
             f"SentencePiece training failed on {counter['n']} sentences with vocab_size={vocab_size}: {e} "
             "(a too-large vocab_size for a small corpus is the usual cause)"
         ) from None
-    if counter["n"] == 0:
-        raise TokenizerError("train_sentencepiece got no non-empty text to train on")
     model_bytes = buf.getvalue()
 
     model_path = out_prefix.with_name(out_prefix.name + ".model")

@@ -149,6 +149,14 @@ def test_seed_determinism_and_cache_reuse(tmp_path: Path) -> None:
     # a different document range never reuses the cache (digest in the file name)
     d = GPTDataset("train", indexed, docs[:150], 300, 32, seed=11, cache_dir=tmp_path / "a")
     assert d.built_index
+    # pickling (DataLoader workers) re-opens the cached maps instead of copying them
+    import pickle
+
+    blob = pickle.dumps(a)
+    assert len(blob) < 20_000
+    a3 = pickle.loads(blob)
+    assert isinstance(a3.sample_idx, np.memmap) and len(a3) == len(a)
+    np.testing.assert_array_equal(a3[17], a[17])
     # default cache location: next to the dataset
     e = GPTDataset("valid", indexed, docs, 10, 32, seed=11, cache_dir=None)
     assert all(p.parent == tmp_path for p in e.index_paths().values()) and e.built_index

@@ -208,6 +208,8 @@ def test_clear_errors_for_garbled_files(tmp_path: Path) -> None:
     corrupt(raw + b"\x00" * 3)
     with pytest.raises(IndexedDatasetError, match="trailing"):
         MMapIndexedDataset(p)
+    corrupt(raw + b"\x00" * n)  # HEAD's optional int8 'modes' array after doc_idx: accepted, ignored
+    assert len(MMapIndexedDataset(p)) == n
     corrupt(raw[:9] + struct.pack("<Q", 2) + raw[17:])
     with pytest.raises(IndexedDatasetError, match="version"):
         MMapIndexedDataset(p)

@@ -132,7 +132,7 @@ class DataConfig:
     text_files: list[str] = field(default_factory=list)
     """Alternative to `corpus`: plain text files tokenized into one token stream (quick experiments)."""
     tokenizer: dict[str, Any] = field(default_factory=dict)
-    """Tokenizer spec for text_files, e.g. {type: gpt2_bpe, vocab_file: ..., merges_file: ...}."""
+    """Tokenizer spec for text_files, e.g. {kind: gpt2_bpe, vocab_file: ..., merges_file: ...}."""
     split: str = "969,30,1"
     """train,valid,test proportions over documents."""
     num_workers: int = 0
@@ -381,7 +381,8 @@ def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": gas,
-        "gradient_clipping": cfg.optimizer.clip_grad,
+        # fp32: the trainer clips with DeepSpeed's clip_grad_norm_ to keep the norm (the engine discards it)
+        "gradient_clipping": cfg.optimizer.clip_grad if dtype != "fp32" else 0.0,
         "steps_per_print": 10**9,  # we log ourselves, one line per step
         "wall_clock_breakdown": False,
         "zero_optimization": {"stage": 0},

@@ -1,0 +1,148 @@
+"""``python -m evaluation {wikitext103,lambada,race} --checkpoint RUN_DIR ...``
+
+Each command prints a short table and writes its numbers as JSON (``--json OUT``; default
+``RUN_DIR/eval/<task>.json``). Bad input fails before any model is loaded with one line on stderr
+(exit code 2).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from evaluation.errors import EvalError
+from evaluation.report import format_table, write_json_atomic
+
+logger = logging.getLogger("evaluation")
+ONE_LINE_ERRORS = {"ConfigError", "TokenizerError", "CheckpointError", "ExportError"}
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="run directory written by training")
+    p.add_argument("--json", default=None, help="output JSON (default RUN_DIR/eval/<task>.json)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the evaluation (processes per replica)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+
+
+def _data(p: argparse.ArgumentParser, what: str) -> None:
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--data", help=f"{what} file")
+    g.add_argument("--hf-dataset", help="datasets name, NAME or NAME:CONFIG (hub name or local folder)")
+    p.add_argument("--hf-split", default="test", help="split of --hf-dataset (default test)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m evaluation", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="task", required=True)
+
+    w = sub.add_parser("wikitext103", help="WikiText-103 perplexity, Megatron style (overlapping windows)")
+    _common(w)
+    _data(w, "WikiText .tokens")
+    w.add_argument("--seq-length", type=int, default=None, help="window length L (default: the model's seq_length)")
+    w.add_argument("--stride", type=int, default=32, help="scored tokens per window after the first (Megatron --overlapping-eval)")
+    w.add_argument("--detokenizer", default="wikitext", choices=["wikitext", "ptb", "none"])
+    w.add_argument("--include-vocab-padding", action="store_true",
+                   help="softmax over the padded vocabulary as Megatron does (default: real vocabulary only)")
+
+    la = sub.add_parser("lambada", help="LAMBADA last-word accuracy")
+    _common(la)
+    _data(la, "LAMBADA jsonl")
+    la.add_argument("--strict", action=argparse.BooleanOptionalAction, default=True,
+                    help="strict: whole last word must be greedy (default); --no-strict: last BPE token only")
+    la.add_argument("--include-vocab-padding", action="store_true")
+
+    r = sub.add_parser("race", help="RACE multiple-choice accuracy (fine-tuned BERT multiple-choice checkpoint)")
+    _common(r)
+    r.add_argument("--data", required=True, help="RACE folder with {train,dev,test}/{middle,high}/*.txt")
+    r.add_argument("--split", default="test", choices=["train", "dev", "test"])
+    r.add_argument("--seq-length", type=int, default=512)
+    return ap
+
+
+def _finish(args, rt, title: str, rows: list, result: dict) -> None:
+    if not rt.is_main:
+        return
+    out = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / f"{args.task}.json"
+    result = {"task": args.task, "checkpoint": str(args.checkpoint), **result}
+    write_json_atomic(out, result)
+    print(format_table(title, rows))
+    print(f"wrote {out}")
+
+
+def run_wikitext(args) -> None:
+    from evaluation.model import load_scorer, setup_runtime
+    from evaluation.tasks import wikitext_eval
+    from evaluation.wikitext import read_hf_wikitext, read_tokens_file
+
+    text = read_tokens_file(args.data) if args.data else read_hf_wikitext(args.hf_dataset, args.hf_split)
+    rt = setup_runtime(args.tp, args.device)
+    scorer, cfg, tok = load_scorer(args.checkpoint, rt, args.include_vocab_padding)
+    L = args.seq_length or cfg.model.seq_length
+    if L > cfg.model.positions:
+        raise EvalError(f"--seq-length {L} exceeds the model's {cfg.model.positions} positions")
+    res = wikitext_eval(scorer, tok, text, L, args.stride, args.batch_size, args.detokenizer, rt.dp,
+                        progress=not args.no_progress and rt.is_main)
+    res["data"] = args.data or f"{args.hf_dataset}[{args.hf_split}]"
+    rows = [("total loss (nats)", res["total_nll"]), ("model tokens N", res["num_tokenized_tokens"]),
+            ("original tokens", res["num_original_tokens"]), ("loss / model token", res["loss"]),
+            ("ppl (model tokens)", res["ppl"]), ("adjusted ppl (original tokens)", res["adjusted_ppl"]),
+            ("windows (L, stride)", f"{res['windows']} ({L}, {args.stride})"),
+            ("tokens/s", res["tokens_per_second"])]
+    _finish(args, rt, "WikiText perplexity (Megatron)", rows, res)
+
+
+def run_lambada(args) -> None:
+    from evaluation.lambada import read_hf_lambada, read_lambada_jsonl
+    from evaluation.model import load_scorer, setup_runtime
+    from evaluation.tasks import lambada_eval
+
+    texts = read_lambada_jsonl(args.data) if args.data else read_hf_lambada(args.hf_dataset, args.hf_split)
+    rt = setup_runtime(args.tp, args.device)
+    scorer, cfg, tok = load_scorer(args.checkpoint, rt, args.include_vocab_padding)
+    res = lambada_eval(scorer, tok, texts, args.strict, args.batch_size, rt.dp, progress=not args.no_progress and rt.is_main)
+    res["data"] = args.data or f"{args.hf_dataset}[{args.hf_split}]"
+    rows = [("mode", res["mode"]), ("accuracy", res["accuracy"]), ("correct / count", f"{res['correct']} / {res['count']}"),
+            ("target-word perplexity", res["perplexity"]), ("tokens/s", res["tokens_per_second"])]
+    _finish(args, rt, "LAMBADA", rows, res)
+
+
+def run_race(args) -> None:
+    from evaluation.model import setup_runtime
+    from evaluation.race import race_accuracy
+    from evaluation.race_data import encode_questions, read_race_split
+
+    questions, report = read_race_split(args.data, args.split)
+    if not questions:
+        raise EvalError(f"no valid RACE questions under {args.data}/{args.split} ({report.skipped} skipped)")
+    rt = setup_runtime(args.tp, args.device)
+    from evaluation.race_model import load_multiple_choice
+
+    score_fn, tok = load_multiple_choice(args.checkpoint, rt)
+    samples = encode_questions(questions, tok, args.seq_length)
+    res = race_accuracy(samples, score_fn, args.batch_size, progress=not args.no_progress and rt.is_main)
+    res.update(split=args.split, skipped=report.skipped, problems=report.problems, files=report.files)
+    rows = [("middle accuracy", res.get("middle/accuracy", float("nan"))),
+            ("high accuracy", res.get("high/accuracy", float("nan"))),
+            ("all accuracy", res["accuracy"]), ("questions", res["count"]), ("skipped", report.skipped)]
+    _finish(args, rt, f"RACE {args.split}", rows, res)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1:
+        print("error: --batch-size must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        {"wikitext103": run_wikitext, "lambada": run_lambada, "race": run_race}[args.task](args)
+    except Exception as e:  # noqa: BLE001
+        # bad input from any stage (EvalError, training's ConfigError, the TokenizerError ...): one line
+        if isinstance(e, EvalError) or type(e).__name__ in ONE_LINE_ERRORS:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+    return 0

@@ -1,0 +1,91 @@
+"""Checkpoint -> scorer: loads a run directory (any training TP degree) for evaluation at TP = k.
+
+Single process: ``k = 1``. Under ``deepspeed --module evaluation ...`` (or torchrun) with W processes
+and ``--tp k``: ``W / k`` data-parallel replicas, each example/window scored on exactly one of them,
+logits stay vocabulary-parallel (see :mod:`evaluation.scoring`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from evaluation.errors import EvalError
+from evaluation.scoring import LMScorer
+from evaluation.tasks import DataParallel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    pstate: object | None
+    dp: DataParallel
+    device: torch.device
+    is_main: bool
+
+
+def setup_runtime(tp: int = 1, device: str | None = None) -> Runtime:
+    """Initialise torch.distributed when launched with several processes (env ``WORLD_SIZE``)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp < 1:
+        raise EvalError(f"--tp must be >= 1, got {tp}")
+    if world % tp:
+        raise EvalError(f"{world} processes are not divisible by --tp {tp}: launch a multiple of {tp} processes")
+    cuda = torch.cuda.is_available() and device != "cpu"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device(device) if device else (torch.device("cuda", local_rank) if cuda else torch.device("cpu"))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world == 1 and tp == 1:
+        return Runtime(None, DataParallel(), dev, True)
+    if world == 1:
+        raise EvalError(f"--tp {tp} needs {tp} processes: run under `deepspeed --num_gpus {tp} --module evaluation ...`")
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    from training.parallel.state import ParallelState
+
+    ps = ParallelState(tp=tp)
+    dp = DataParallel(ps.dp_rank, ps.dims.dp, ps.dp_group)
+    return Runtime(ps, dp, dev, dist.get_rank() == 0)
+
+
+def check_vocab(tokenizer, cfg, padded: int) -> None:
+    """The checkpoint's vocabulary must be the tokenizer's (one clear line otherwise)."""
+    v = cfg.model.vocab_size
+    if v is not None and v != tokenizer.vocab_size:
+        raise EvalError(f"checkpoint vocabulary ({v} ids) does not match the tokenizer ({tokenizer.vocab_size} ids): "
+                        "evaluate with the tokenizer the model was trained with")
+    if padded < tokenizer.vocab_size:
+        raise EvalError(f"checkpoint embedding has {padded} rows but the tokenizer has {tokenizer.vocab_size} ids")
+
+
+def load_scorer(run_dir: str | Path, rt: Runtime, include_vocab_padding: bool = False):
+    """``(LMScorer, cfg, tokenizer)`` for a GPT checkpoint in ``run_dir``."""
+    p = Path(run_dir)
+    if not p.is_dir():
+        raise EvalError(f"checkpoint directory {p} does not exist")
+    from training.checkpoint import load_model_for_eval
+
+    model, cfg, tokenizer = load_model_for_eval(p, pstate=rt.pstate, device=str(rt.device))
+    if cfg.model.arch != "gpt2":
+        raise EvalError(f"{p} holds a {cfg.model.arch!r} model; WikiText/LAMBADA need a GPT (causal LM) checkpoint")
+    model.eval()
+    padded = int(getattr(model, "padded_vocab_size"))
+    check_vocab(tokenizer, cfg, padded)
+    tp = rt.pstate.dims.tp if rt.pstate is not None else 1
+    tp_rank = rt.pstate.tp_rank if rt.pstate is not None else 0
+    group = rt.pstate.tp_group if rt.pstate is not None else None
+    scorer = LMScorer(
+        logits_fn=model,
+        vocab_size=padded if include_vocab_padding else tokenizer.vocab_size,
+        max_length=cfg.model.positions,
+        device=rt.device,
+        vocab_start=tp_rank * (padded // tp),
+        tp_group=group,
+    )
+    return scorer, cfg, tokenizer

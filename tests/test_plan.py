@@ -1,0 +1,316 @@
+"""Tests for the memory/speed planner (training.plan) and the hardware table (training.hardware).
+
+Parameter counts are checked against independent torch models (a plain nn.Module re-statement of the
+architecture written here, and the project's own GPT2Model incl. its TP=2 shards) and against the
+Megatron paper's sizes; memory and FLOPs against hand arithmetic; the scaling prediction against the
+paper's measured efficiencies.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from training import plan
+from training.config import ConfigError, ModelConfig
+from training.hardware import (HARDWARE, detect_device_kind, device_kind_from_name, get_hardware,
+                               measure_cpu_peak_tflops, peak_tflops)
+from training.plan import Layout, ModelShape
+
+
+# --------------------------------------------------------------------------------------------------
+# Independent reference models (plain torch, no TP) used only for counting parameters
+# --------------------------------------------------------------------------------------------------
+class RefLayer(nn.Module):
+    def __init__(self, h: int, f: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc, self.fc2 = nn.Linear(h, f), nn.Linear(f, h)
+
+
+class RefGPT2(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.wte = nn.Embedding(s.vocab, s.hidden)
+        self.wpe = nn.Embedding(s.positions, s.hidden)
+        self.layers = nn.ModuleList(RefLayer(s.hidden, s.ffn) for _ in range(s.num_layers))
+        self.final_ln = nn.LayerNorm(s.hidden)
+        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+
+
+class RefBert(RefGPT2):
+    def __init__(self, s: ModelShape):
+        super().__init__(s)
+        if s.num_tokentypes:
+            self.tte = nn.Embedding(s.num_tokentypes, s.hidden)
+        self.head_dense, self.head_ln = nn.Linear(s.hidden, s.hidden), nn.LayerNorm(s.hidden)
+        self.head_bias = nn.Parameter(torch.zeros(s.vocab))
+        if s.binary_head:
+            self.pooler, self.binary = nn.Linear(s.hidden, s.hidden), nn.Linear(s.hidden, 2)
+
+
+def numel(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+
+
+TINY = [
+    ModelShape("gpt2", num_layers=2, hidden=8, heads=2, seq=4, vocab=16, positions=4, ffn=32),
+    ModelShape("gpt2", num_layers=3, hidden=12, heads=3, seq=6, vocab=40, positions=10, ffn=20),
+    ModelShape("bert", num_layers=2, hidden=8, heads=2, seq=4, vocab=16, positions=6, ffn=32,
+               num_tokentypes=2, binary_head=True),
+    ModelShape("bert", num_layers=1, hidden=16, heads=4, seq=8, vocab=24, positions=8, ffn=64,
+               num_tokentypes=0, binary_head=False),
+]
+
+
+@pytest.mark.parametrize("shape", TINY, ids=lambda s: f"{s.arch}-l{s.num_layers}-h{s.hidden}")
+def test_total_params_match_reference_torch_model(shape):
+    ref = RefBert(shape) if shape.arch == "bert" else RefGPT2(shape)
+    assert plan.total_params(shape) == numel(ref)
+    assert plan.stage_params(shape, 1, 1) == [numel(ref)]
+
+
+def test_total_params_match_project_gpt2_model():
+    from training.models.gpt2 import GPT2Model
+
+    cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=50,
+                      make_vocab_size_divisible_by=8)
+    shape = ModelShape.from_config(cfg, 1)
+    assert shape.vocab == 56
+    model = GPT2Model(cfg, shape.vocab, group=None, seed=1)
+    assert plan.total_params(shape) == numel(model) == model.num_parameters()
+
+
+def _tp_rank_numel(rank, world):
+    import torch.distributed as dist
+
+    from training.models.gpt2 import GPT2Model
+    cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=64,
+                      make_vocab_size_divisible_by=8)
+    model = GPT2Model(cfg, 64, group=dist.group.WORLD, seed=1)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_tp_shard_params_match_project_gpt2_shards():
+    from tests.distributed import run_distributed
+
+    counts = run_distributed(_tp_rank_numel, 2, timeout=120)
+    shape = ModelShape("gpt2", num_layers=2, hidden=16, heads=4, seq=8, vocab=64, positions=8, ffn=64)
+    assert counts == [plan.stage_params(shape, 2, 1)[0]] * 2
+
+
+def test_paper_gpt2_sizes():
+    """Shoeybi et al. Table 1: 1.2B, 2.5B, 4.2B, 8.3B (seq 1024, padded vocabulary 51,200)."""
+    expected = {"gpt2-1.2b": 1.2, "gpt2-2.5b": 2.5, "gpt2-4.2b": 4.2, "gpt2-8.3b": 8.3}
+    for name, billions in expected.items():
+        m = plan.PRESETS[name]
+        l, h, V, P = m["num_layers"], m["hidden_size"], 51200, 1024
+        exact = l * (12 * h * h + 13 * h) + V * h + P * h + 2 * h
+        for tp in (1, 2, 4, 8):
+            shape = plan.preset_shape(name, tp)
+            assert shape.vocab == V
+            assert plan.total_params(shape) == exact
+        assert round(exact / 1e9, 1) == billions
+    assert plan.total_params(plan.preset_shape("gpt2-8.3b")) == 8_317_040_640
+
+
+def test_paper_bert_sizes():
+    for name, billions in {"bert-336m": 0.34, "bert-1.3b": 1.28, "bert-3.9b": 3.87}.items():
+        assert round(plan.total_params(plan.preset_shape(name)) / 1e9, 2) == billions
+
+
+def test_stage_params_tp_pp_split():
+    s = plan.preset_shape("gpt2-8.3b", 8)
+    h, V, P, l = 3072, 51200, 1024, 72
+    per_layer = (12 * h * h + 3 * h + 4 * h) // 8 + 2 * h + 4 * h  # 12h^2 + 7h split, 6h replicated
+    stages = plan.stage_params(s, 8, 4)
+    assert stages[0] == 18 * per_layer + V * h // 8 + P * h
+    assert stages[1] == stages[2] == 18 * per_layer
+    assert stages[3] == 18 * per_layer + 2 * h + V * h // 8  # final LN + tied embedding copy
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory, FLOPs, communication: hand-computed cases
+# --------------------------------------------------------------------------------------------------
+HAND = ModelShape("gpt2", num_layers=2, hidden=8, heads=2, seq=4, vocab=16, positions=4, ffn=32)
+
+
+def test_memory_hand_case():
+    # params = 2 (12*64 + 13*8) + 16*8 + 4*8 + 2*8 = 1744 + 128 + 32 + 16 = 1920
+    assert plan.total_params(HAND) == 1920
+    lay = Layout(tp=1, pp=1, dp=2, micro_batch=1, global_batch=2)
+    mem = plan.memory(HAND, lay, "fp16")
+    assert (mem.params, mem.grads, mem.optimizer, mem.optimizer_zero1) == (3840, 3840, 23040, 11520)
+    # per layer s b h (34 + 5 a s / h) = 32 * (34 + 5) = 1248; 2 layers; + embedding mask sbh = 32,
+    # + final LN and output input 4 sbh = 128, + fp32 logits 4 s b V = 256
+    assert mem.activations == 2 * 1248 + 32 + 128 + 256
+    # checkpointed: 2 layers x 2 sbh + one layer's working set + the same extras
+    assert mem.activations_ckpt == 2 * 64 + 1248 + 32 + 128 + 256
+    assert mem.total(zero1=True, ckpt=True) == 3840 + 3840 + 11520 + 1792
+    fp32 = plan.memory(HAND, lay, "fp32")
+    assert (fp32.params, fp32.grads, fp32.optimizer) == (7680, 7680, 15360)
+
+
+def test_activation_tp_formula():
+    # Korthikanti eq. 2: s b h (10 + 24/t + 5 a s/(h t)) with s=4, b=3, h=8, a=2, t=2 -> 96 * (10 + 12 + 2.5)
+    assert plan.activation_bytes_per_layer(HAND, 3, 2) == 96 * 24.5
+    assert plan.activation_bytes_per_layer(HAND, 3, 2, scores_stored=False) == 96 * 22
+    # 8.3B, t=8, b=8: the paper's model needs ~35.6 GB of activations for 72 layers without recompute
+    s = plan.preset_shape("gpt2-8.3b", 8)
+    assert plan.activation_bytes_per_layer(s, 8, 8) == pytest.approx(1024 * 8 * 3072 * (10 + 3 + 20 / 3))
+
+
+def test_pipeline_in_flight_microbatches():
+    s = plan.preset_shape("gpt2-1.2b")
+    lay = Layout(pp=4, micro_batch=1, global_batch=16)
+    per = plan.activation_bytes_per_layer(s, 1, 1)
+    sbh = 1024 * 1536
+    assert plan.stage_activation_bytes(s, lay, 0, False) == 4 * 10 * per + 4 * sbh  # 4 in flight
+    assert plan.stage_activation_bytes(s, lay, 3, False) == 10 * per + 4 * sbh + 4 * 1024 * 51200
+
+
+def test_flops_match_narayanan_eq3():
+    for name in ("gpt2-1.2b", "gpt2-8.3b"):
+        s = plan.preset_shape(name)
+        B, sq, l, h, V = 512, s.seq, s.num_layers, s.hidden, s.vocab
+        eq3 = 96 * B * sq * l * h * h * (1 + sq / (6 * h) + V / (16 * l * h))
+        assert plan.step_flops(s, B, ckpt=True) == pytest.approx(eq3, rel=1e-12)
+        no_ckpt = 72 * B * sq * l * h * h * (1 + sq / (6 * h)) + 6 * B * sq * h * V
+        assert plan.step_flops(s, B, ckpt=False) == pytest.approx(no_ckpt, rel=1e-12)
+
+
+def test_comm_volumes():
+    s = plan.preset_shape("gpt2-8.3b", 8)
+    lay = Layout(tp=8, dp=64, micro_batch=8, global_batch=512, gpus_per_node=16)
+    c = plan.comm(s, lay, ckpt=True)
+    sbh2 = 8 * 1024 * 3072 * 2
+    assert c.tp_ops == 72 * 6 + 2 + 3
+    assert c.tp_payload == (72 * 6 + 2) * sbh2 + 3 * 8 * 1024 * 4
+    assert c.tp_wire == pytest.approx(2 * 7 / 8 * c.tp_payload)
+    local = plan.stage_params(s, 8, 1)[0]
+    assert c.dp_payload == 2 * local and c.dp_wire == pytest.approx(2 * 63 / 64 * 2 * local)
+    assert plan.comm(s, dataclasses.replace(lay, dp=1, global_batch=8), ckpt=False).tp_ops == 72 * 4 + 2 + 3
+    pp = plan.comm(plan.preset_shape("gpt2-8.3b", 8), Layout(tp=8, pp=4, micro_batch=2, global_batch=16),
+                   ckpt=True)
+    assert pp.pp_ops == 16 and pp.pp_payload == 16 * 2 * 1024 * 3072 * 2
+
+
+def test_step_time_terms():
+    hw = get_hardware("v100")
+    tm = plan.TimeModel(compute_fraction=0.5)
+    s = plan.preset_shape("gpt2-1.2b")
+    one = plan.step_time(s, Layout(micro_batch=8, global_batch=8, gpus_per_node=16), hw, tm)
+    assert one.tp == one.dp == one.pp == one.bubble == one.replicated == 0
+    assert one.compute == pytest.approx(plan.step_flops(s, 8, True) / (125e12 * 0.5))
+    # DP inside one node (4 x 1 <= 16): NVLink ring, 2 (d-1)/d x 2 bytes x params at 150 GB/s
+    st = plan.step_time(s, Layout(dp=4, micro_batch=8, global_batch=32, gpus_per_node=16), hw, tm)
+    n = plan.total_params(s)
+    assert st.dp == pytest.approx(6 * 5e-6 + 1.5 * 2 * n / 150e9)
+    # 4 stages, 8 micro-batches: bubble = 3/8 of the busy time
+    pp = plan.step_time(s, Layout(pp=4, micro_batch=1, global_batch=8, gpus_per_node=16), hw, tm)
+    assert pp.bubble == pytest.approx(3 / 8 * (pp.compute + pp.replicated + pp.tp))
+
+
+# --------------------------------------------------------------------------------------------------
+# The paper's weak scaling
+# --------------------------------------------------------------------------------------------------
+def test_calibration_reproduces_baseline():
+    hw = get_hardware("v100-32gb")
+    f = plan.calibrate_compute_fraction(hw, plan.TimeModel())
+    assert f == pytest.approx(39 / 125, rel=1e-9)  # one GPU: nothing but compute
+    rows = plan.paper_weak_scaling()
+    assert rows[0].tflops == pytest.approx(39.0)
+
+
+def test_weak_scaling_matches_paper():
+    rows = {(r.preset, r.dp): r for r in plan.paper_weak_scaling()}
+    # 8-way TP, 8.3B: paper 77%
+    assert abs(rows[("gpt2-8.3b", 1)].efficiency - 0.77) < 0.02
+    for preset, tp, paper_tp, _ in plan.PAPER_WEAK_SCALING:
+        assert abs(rows[(preset, 1)].efficiency - paper_tp) < 0.05, preset
+    # 64-way DP of the 1.2B model: paper 96%
+    assert abs(rows[("gpt2-1.2b", 64)].efficiency - 0.96) < 0.03
+    # 512 GPUs (8.3B, 8-way TP x 64-way DP): paper 74%. Without overlap the IB-bound all-reduce makes the
+    # model pessimistic, with it fully hidden optimistic; the paper lies in between, both ends close.
+    lo = rows[("gpt2-8.3b", 64)].efficiency
+    hi = {(r.preset, r.dp): r for r in plan.paper_weak_scaling(
+        tm=plan.TimeModel(dp_overlap=1.0))}[("gpt2-8.3b", 64)].efficiency
+    assert lo < 0.74 < hi
+    assert 0.74 - lo < 0.07 and hi - 0.74 < 0.04
+    half = {(r.preset, r.dp): r for r in plan.paper_weak_scaling(
+        tm=plan.TimeModel(dp_overlap=0.5))}[("gpt2-8.3b", 64)].efficiency
+    assert abs(half - 0.74) < 0.03
+
+
+# --------------------------------------------------------------------------------------------------
+# CLI and errors
+# --------------------------------------------------------------------------------------------------
+def test_cli_preset_and_config(tmp_path, capsys):
+    assert plan.main(["--model", "gpt2-8.3b", "--tp", "8", "--dp", "64", "train.micro_batch_size=8",
+                      "train.global_batch_size=512"]) == 0
+    out = capsys.readouterr().out
+    assert "8,317,040,640" in out and "TP=8 PP=1 DP=64 -> 512 devices" in out
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model:\n  num_layers: 2\n  hidden_size: 8\n  num_attention_heads: 2\n  seq_length: 4\n"
+                   "  vocab_size: 16\n  make_vocab_size_divisible_by: 8\ntrain:\n  micro_batch_size: 1\n"
+                   "  global_batch_size: 2\n")
+    assert plan.main(["--config", str(cfg), "--dp", "2", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "total 1,920 " in out and "h100-sxm" in out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--model", "gpt2-8.3b", "--tp", "5"], "does not divide the 32 attention heads"),
+    (["--model", "gpt2-8.3b", "--pp", "5"], "does not divide the 72 layers"),
+    (["--model", "bert-336m", "--pp", "2"], "pipeline parallelism is GPT-only"),
+    (["--model", "gpt2-9b"], "unknown --model"),
+    (["--model", "gpt2-1.2b", "--gpu", "tpu"], "unknown --gpu"),
+    (["--model", "gpt2-1.2b", "--dp", "3", "train.global_batch_size=8", "train.micro_batch_size=2"],
+     "not divisible by micro batch x DP"),
+    (["--model", "gpt2-1.2b", "model.hiden_size=3"], "unknown config key"),
+    (["--model", "gpt2-1.2b", "--gpu", "v100", "--dtype", "bf16"], "has no bf16 peak"),
+    ([], "give --config"),
+])
+def test_cli_errors_are_one_line(argv, fragment, capsys):
+    assert plan.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert fragment in err and "\n" not in err and err.startswith("error: ")
+
+
+def test_cli_paper_comparison(capsys):
+    assert plan.main(["--paper-comparison"]) == 0
+    out = capsys.readouterr().out
+    assert "8.3b" in out and "512" in out
+
+
+# --------------------------------------------------------------------------------------------------
+# Hardware table
+# --------------------------------------------------------------------------------------------------
+def test_peak_table():
+    assert peak_tflops("h100-sxm", "bf16") == 989.0 and peak_tflops("H100", "fp16") == 989.0
+    assert peak_tflops("v100", "fp16") == 125.0 and peak_tflops("v100-32gb", "bf16") is None
+    assert peak_tflops("a100-80gb", "bfloat16") == 312.0
+    assert peak_tflops("unknown-gpu", "fp16") is None and peak_tflops("h100", "int8") is None
+    assert get_hardware("v100").intra_node_bidir_gbs == 300.0 and get_hardware("v100").inter_node_gbs == 100.0
+    for hw in HARDWARE.values():
+        assert hw.intra_node_bidir_gbs is None or hw.intra_node_bidir_gbs == 2 * hw.intra_node_gbs
+
+
+def test_device_names():
+    assert device_kind_from_name("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert device_kind_from_name("NVIDIA H200") == "h200"
+    assert device_kind_from_name("NVIDIA A100-SXM4-80GB") == "a100-80gb"
+    assert device_kind_from_name("Tesla V100-SXM3-32GB") == "v100-32gb"
+    assert device_kind_from_name("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
+    if not torch.cuda.is_available():
+        assert detect_device_kind() == "cpu"
+
+
+def test_cpu_peak_is_measured():
+    v = measure_cpu_peak_tflops("fp32", n=256, budget_s=0.05)
+    assert 1e-4 < v < 100  # a real measurement: positive, and below any CPU's fp32 peak
+    assert peak_tflops("cpu", "fp32") > 0

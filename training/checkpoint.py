@@ -1,0 +1,195 @@
+"""Checkpoints through DeepSpeed's ``save_checkpoint``/``load_checkpoint``, our state in ``client_state``.
+
+Layout: RUN_DIR/checkpoints/iter_0000020/mp_rank_XX_model_states.pt (DeepSpeed's files) and
+RUN_DIR/checkpoints/latest (the newest complete tag). ``latest`` is written by us, atomically, only
+after every rank has finished saving, so a process killed mid-save leaves the previous checkpoint
+loadable. Client state: config, iteration, consumed samples, tokenizer spec, partition tags (how TP
+shards merge) and every RNG state (DP replicas share RNG streams, so DP rank 0's copy is exact).
+
+Evaluation helpers merge the TP shards of a checkpoint into one TP=1 model.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from training.config import Config, ConfigError, config_from_dict
+
+logger = logging.getLogger("training")
+
+LATEST = "latest"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_tag(run_dir: str | Path) -> str | None:
+    f = checkpoint_dir(run_dir) / LATEST
+    return f.read_text().strip() if f.is_file() else None
+
+
+def partition_tags(model: torch.nn.Module) -> dict[str, tuple[int, int] | None]:
+    return {n: ((p.partition_dim, getattr(p, "partition_stride", 1)) if getattr(p, "tensor_model_parallel", False)
+                else None) for n, p in model.named_parameters()}
+
+
+def _tokenizer_spec(trainer) -> dict:
+    """Tokenizer files copied into RUN_DIR/tokenizer so a run directory is self-contained; the
+    returned spec names them relative to RUN_DIR."""
+    from data_pipeline.corpus import copy_tokenizer_files
+
+    spec = trainer.src.tokenizer.spec()
+    if trainer.is_rank0:
+        copy_tokenizer_files(spec, trainer.run_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    return {k: (f"tokenizer/{Path(v).name}" if k.endswith("_file") else v) for k, v in spec.items()}
+
+
+def save(trainer) -> Path:
+    """Collective: every rank calls it."""
+    from training.parallel import random as tp_random
+
+    tag = f"iter_{trainer.iteration:07d}"
+    root = checkpoint_dir(trainer.run_dir)
+    client = {
+        "config": trainer.cfg.to_dict(),
+        "iteration": trainer.iteration,
+        "consumed_samples": trainer.consumed_samples,
+        "padded_vocab_size": trainer.padded_vocab,
+        "tokenizer": _tokenizer_spec(trainer),
+        "partition": partition_tags(trainer.model),
+        "parallel": {"tp": trainer.ps.dims.tp, "pp": trainer.ps.dims.pp, "dp": trainer.ps.dims.dp},
+        "rng": tp_random.get_rng_state(),
+        "dtype": trainer.dtype,
+    }
+    trainer.engine.save_checkpoint(str(root), tag=tag, client_state=client, save_latest=False)
+    dist.barrier()
+    if trainer.is_rank0:
+        atomic_write_text(root / LATEST, tag)
+        tags = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_"))
+        for old in tags[:-max(trainer.cfg.train.keep_last, 1)]:
+            shutil.rmtree(root / old, ignore_errors=True)
+        logger.info("saved checkpoint %s", root / tag)
+    dist.barrier()
+    return root / tag
+
+
+def load(trainer) -> bool:
+    """Resume from RUN_DIR's newest checkpoint, if any. Returns True when it resumed."""
+    from training.parallel import random as tp_random
+
+    tag = latest_tag(trainer.run_dir)
+    if tag is None:
+        return False
+    meta = read_client_state(trainer.run_dir, tag)
+    saved = meta["parallel"]
+    if (saved["tp"], saved["pp"]) != (trainer.ps.dims.tp, trainer.ps.dims.pp):
+        raise ConfigError(f"checkpoint {trainer.run_dir}/checkpoints/{tag} was saved with TP={saved['tp']} "
+                          f"PP={saved['pp']} but this run uses TP={trainer.ps.dims.tp} PP={trainer.ps.dims.pp}: "
+                          f"resume with the same parallel.tensor/pipeline or use a new run.dir")
+    _, client = trainer.engine.load_checkpoint(str(checkpoint_dir(trainer.run_dir)), tag=tag)
+    if client is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {checkpoint_dir(trainer.run_dir)}")
+    trainer.iteration = client["iteration"]
+    trainer.consumed_samples = client["consumed_samples"]
+    tp_random.set_rng_state(client["rng"])
+    if trainer.is_rank0:
+        logger.info("resumed from %s at iteration %d", tag, trainer.iteration)
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading checkpoints without an engine (evaluation, export)
+# --------------------------------------------------------------------------------------------------
+def _model_files(run_dir: str | Path, tag: str | None) -> tuple[str, list[Path]]:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {run_dir} does not exist")
+    tag = tag or latest_tag(run_dir)
+    if tag is None:
+        raise FileNotFoundError(f"{run_dir} has no checkpoints/latest: train with run.dir={run_dir} first")
+    files = sorted((checkpoint_dir(run_dir) / tag).glob("mp_rank_*_model_states.pt"))
+    if not files:
+        raise FileNotFoundError(f"{checkpoint_dir(run_dir) / tag} holds no mp_rank_*_model_states.pt files")
+    return tag, files
+
+
+def read_client_state(run_dir: str | Path, tag: str | None = None) -> dict:
+    _, files = _model_files(run_dir, tag)
+    return torch.load(files[0], map_location="cpu", weights_only=False)
+
+
+def load_merged_state_dict(run_dir: str | Path, tag: str | None = None) -> tuple[dict, Config, dict]:
+    """TP shards merged into one TP=1 state dict (vocabulary padding kept), the run config and the
+    checkpoint metadata (``padded_vocab_size``, ``tokenizer`` spec, ...)."""
+    tag, files = _model_files(run_dir, tag)
+    states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+    meta = states[0]
+    tp = meta["parallel"]["tp"]
+    if len(states) != tp:
+        raise FileNotFoundError(f"checkpoint {tag} has {len(states)} model files but was saved with TP={tp}")
+    merged = {}
+    for name, first in states[0]["module"].items():
+        tags = meta["partition"].get(name)
+        shards = [s["module"][name].float() for s in states]
+        if tags is None or tp == 1:
+            merged[name] = shards[0]
+            continue
+        dim, stride = tags
+        pieces = [s.chunk(stride, dim) for s in shards]
+        merged[name] = torch.cat([pieces[r][k] for k in range(stride) for r in range(tp)], dim)
+    cfg = config_from_dict(meta["config"])
+    cfg.parallel.tensor = 1
+    return merged, cfg, meta
+
+
+def load_model_for_eval(run_dir: str | Path, group=None, device: str = "cpu", tag: str | None = None):
+    """(model, config, tokenizer) from a checkpoint of any TP degree, re-split for ``group``'s TP degree
+    (None = one process). The model is fp32, in eval mode."""
+    from data_pipeline.tokenizer import load_tokenizer
+    from training.models.gpt2 import GPT2Model
+    from training.parallel.layers import _shard_master
+    from training.parallel.mappings import group_rank, group_size
+
+    state, cfg, meta = load_merged_state_dict(run_dir, tag)
+    tokenizer = load_tokenizer(meta["tokenizer"], base_dir=Path(run_dir))
+    world, rank = group_size(group), group_rank(group)
+    padded = meta["padded_vocab_size"]
+    if padded % world:
+        raise ConfigError(f"padded vocabulary {padded} of {run_dir} is not divisible by TP={world}")
+    cfg.parallel.tensor = world
+    cfg.model.activation_checkpointing = False
+    model = GPT2Model(cfg.model, padded, group, seed=cfg.train.seed)
+    local = {}
+    for name, p in model.named_parameters():
+        full = state[name]
+        tags = meta["partition"].get(name)
+        local[name] = _shard_master(full, tags[0], rank, world, tags[1]) if tags and world > 1 else full
+    model.load_state_dict(local, strict=True)
+    if tokenizer.vocab_size > padded:
+        raise ConfigError(f"tokenizer vocabulary {tokenizer.vocab_size} exceeds the model's {padded}")
+    return model.to(device).eval(), cfg, tokenizer

@@ -1,0 +1,164 @@
+"""Export a GPT-2 checkpoint to a Hugging Face ``transformers`` folder.
+
+    python -m training.export_hf --checkpoint RUN_DIR --out DIR [--overwrite]
+
+Writes ``config.json`` (``GPT2Config``), ``model.safetensors`` (TP shards merged by
+``training.checkpoint.load_merged_state_dict``, vocabulary padding rows removed) and, for a GPT-2 BPE
+tokenizer, the tokenizer files (``vocab.json``, ``merges.txt``, ``tokenizer.json``, configs), so that
+``GPT2LMHeadModel.from_pretrained(DIR)`` gives logits equal to ours on the real vocabulary.
+
+Name/layout mapping (HF ``Conv1D`` stores ``[in, out]``, our linears ``[out, in]`` -> transposed):
+
+    embedding.word_embeddings.weight[:V]   -> transformer.wte.weight          (lm_head tied to it)
+    embedding.position_embeddings.weight   -> transformer.wpe.weight
+    layers.i.ln1 / ln2                     -> transformer.h.i.ln_1 / ln_2
+    layers.i.attn.qkv.weight [3h, h]       -> transformer.h.i.attn.c_attn.weight [h, 3h]  (rows [Q;K;V])
+    layers.i.attn.proj.weight [h, h]       -> transformer.h.i.attn.c_proj.weight
+    layers.i.mlp.fc.weight [4h, h]         -> transformer.h.i.mlp.c_fc.weight [h, 4h]
+    layers.i.mlp.proj.weight [h, 4h]       -> transformer.h.i.mlp.c_proj.weight [4h, h]
+    final_ln                               -> transformer.ln_f
+
+Same math: pre-LN, exact-erf GELU (``activation_function="gelu"``), LayerNorm eps from the config,
+scale 1/sqrt(head_dim), learned positions, tied output layer without bias.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class ExportError(ValueError):
+    """Bad export input (one line)."""
+
+
+def hf_config(model_cfg, vocab_size: int, eod: int | None):
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=model_cfg.positions,
+        n_embd=model_cfg.hidden_size,
+        n_layer=model_cfg.num_layers,
+        n_head=model_cfg.num_attention_heads,
+        n_inner=model_cfg.ffn_size,
+        activation_function="gelu",
+        layer_norm_epsilon=model_cfg.layernorm_epsilon,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        initializer_range=model_cfg.init_method_std,
+        scale_attn_weights=True,
+        tie_word_embeddings=True,
+        bos_token_id=eod if eod is not None else 0,
+        eos_token_id=eod if eod is not None else 0,
+        architectures=["GPT2LMHeadModel"],
+    )
+
+
+def to_hf_state_dict(sd: dict[str, torch.Tensor], num_layers: int, vocab_size: int) -> dict[str, torch.Tensor]:
+    """Our merged (TP=1) GPT-2 state dict -> HF ``GPT2LMHeadModel`` names (padding rows dropped)."""
+    def get(name: str) -> torch.Tensor:
+        if name not in sd:
+            raise ExportError(f"checkpoint state dict lacks {name!r}: not a GPT-2 model of this project")
+        return sd[name].detach().to(torch.float32).cpu()
+
+    wte = get("embedding.word_embeddings.weight")
+    if wte.size(0) < vocab_size:
+        raise ExportError(f"embedding has {wte.size(0)} rows but the vocabulary has {vocab_size} ids")
+    out = {"transformer.wte.weight": wte[:vocab_size].clone(),
+           "transformer.wpe.weight": get("embedding.position_embeddings.weight")}
+    for i in range(num_layers):
+        a, h = f"layers.{i}.", f"transformer.h.{i}."
+        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
+            out[h + theirs + ".weight"] = get(a + ours + ".weight")
+            out[h + theirs + ".bias"] = get(a + ours + ".bias")
+        for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
+                             ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
+            out[h + theirs + ".weight"] = get(a + ours + ".weight").t().contiguous()
+            out[h + theirs + ".bias"] = get(a + ours + ".bias")
+    out["transformer.ln_f.weight"] = get("final_ln.weight")
+    out["transformer.ln_f.bias"] = get("final_ln.bias")
+    return out
+
+
+def build_hf_model(sd: dict[str, torch.Tensor], model_cfg, vocab_size: int, eod: int | None):
+    """A ``GPT2LMHeadModel`` holding our weights (strict load: every HF weight must be provided)."""
+    from transformers import GPT2LMHeadModel
+
+    if model_cfg.arch != "gpt2":
+        raise ExportError(f"only GPT-2 checkpoints can be exported to GPT2LMHeadModel, this one is {model_cfg.arch!r}")
+    model = GPT2LMHeadModel(hf_config(model_cfg, vocab_size, eod))
+    hf_sd = to_hf_state_dict(sd, model_cfg.num_layers, vocab_size)
+    missing, unexpected = model.load_state_dict(hf_sd, strict=False)
+    missing = [m for m in missing if m != "lm_head.weight" and not m.endswith(".attn.bias") and not m.endswith("masked_bias")]
+    if missing or unexpected:
+        raise ExportError(f"weight mapping mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.tie_weights()
+    return model.eval()
+
+
+def _save_tokenizer(tokenizer, out: Path, max_len: int) -> bool:
+    if getattr(tokenizer, "kind", None) != "gpt2_bpe":
+        logger.warning("tokenizer %r is not GPT-2 BPE: no tokenizer files written", tokenizer)
+        return False
+    from transformers import GPT2TokenizerFast
+
+    hf_tok = GPT2TokenizerFast(vocab_file=str(tokenizer.vocab_file), merges_file=str(tokenizer.merges_file),
+                               model_max_length=max_len)
+    hf_tok.save_pretrained(str(out))
+    return True
+
+
+def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:
+    """Write the HF folder to a temporary sibling, then rename it into place."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+    if not Path(run_dir).is_dir():
+        raise ExportError(f"checkpoint directory {run_dir} does not exist")
+    from training.checkpoint import load_merged_state_dict
+
+    sd, cfg, tokenizer = load_merged_state_dict(run_dir)
+    vocab = tokenizer.vocab_size
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size != vocab:
+        raise ExportError(f"checkpoint vocabulary ({cfg.model.vocab_size}) does not match its tokenizer ({vocab})")
+    model = build_hf_model(sd, cfg.model, vocab, getattr(tokenizer, "eod", None))
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        _save_tokenizer(tokenizer, tmp, cfg.model.positions)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("exported %s -> %s (%d layers, hidden %d, vocab %d)", run_dir, out, cfg.model.num_layers,
+                cfg.model.hidden_size, vocab)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="python -m training.export_hf", description="Export a GPT-2 checkpoint to transformers")
+    ap.add_argument("--checkpoint", required=True, help="run directory")
+    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--overwrite", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        export(args.checkpoint, args.out, args.overwrite)
+    except ValueError as e:  # ExportError, ConfigError, TokenizerError: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Pretrain GPT-2 with Megatron tensor parallelism under DeepSpeed.
+
+    deepspeed --num_gpus 2 --module training.pretrain --config configs/gpt2_tiny.yaml [key=value ...]
+
+Overrides are single config keys, e.g. ``parallel.tensor=2 train.iters=50 run.dir=runs/x``.
+``--num_gpus`` is DeepSpeed's name; on a CPU machine it is the number of processes (set
+DS_ACCELERATOR=cpu to skip accelerator detection). One process without the launcher also works.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from training.config import ConfigError, check_world, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.pretrain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="run config YAML (see configs/)")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s [%(name)s] %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+    for noisy in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group exists
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    import deepspeed
+    import torch.distributed as dist
+
+    from training.trainer import Trainer, TrainingAborted
+
+    deepspeed.init_distributed(auto_mpi_discovery=False, verbose=False)
+    try:
+        trainer = Trainer(cfg)
+        trainer.train()
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except TrainingAborted as e:
+        print(f"training aborted: {e}", file=sys.stderr)
+        return 3
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

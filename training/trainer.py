@@ -1,0 +1,223 @@
+"""The training loop under DeepSpeed: engine set-up, steps, overflow handling, validation, checkpoints.
+
+``Trainer(cfg)`` expects torch.distributed initialised through ``deepspeed.init_distributed``; it builds
+the parallel groups, seeds, data, model and engine. ``train()`` runs to ``train.iters``. Tests drive
+the same object directly (e.g. to inject an fp16 overflow with a gradient hook).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.utils import clip_grad_norm_
+
+from training import checkpoint as ckpt
+from training.config import Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype
+from training.data import BatchSampler, build_datasets, resolve_sources
+from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
+from training.metrics import MetricsWriter, model_flops_per_iteration
+from training.models.gpt2 import GPT2Model
+from training.optim import build_optimizer
+from training.parallel import random as tp_random
+from training.parallel.state import ParallelState
+
+logger = logging.getLogger("training")
+
+
+class TrainingAborted(RuntimeError):
+    """Training stopped on purpose (e.g. too many consecutive overflow-skipped steps)."""
+
+
+def allow_fp16_on_cpu() -> None:
+    """DeepSpeed refuses fp16 unless the accelerator claims support; the CPU accelerator claims it
+    only on CPUs with native fp16 (AVX512-FP16/AMX). torch still runs fp16 on any CPU, slowly."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        acc.is_fp16_supported = lambda: True
+        acc.supported_dtypes = lambda: [torch.float, torch.half, torch.bfloat16]
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.dir)
+        self.world = dist.get_world_size()
+        self.dp = check_world(cfg, self.world)
+        on_gpu = torch.cuda.is_available()
+        self.dtype = resolve_dtype(cfg, on_gpu)
+        if self.dtype == "fp16" and not on_gpu:
+            allow_fp16_on_cpu()
+        self.ps = ParallelState(tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline)
+        self.is_rank0 = dist.get_rank() == 0
+        tp_random.configure(self.ps, cfg.model.num_layers)  # before any seeding
+        tp_random.set_seed(cfg.train.seed)
+
+        self.src = resolve_sources(cfg)
+        vocab = cfg.model.vocab_size or self.src.tokenizer.vocab_size
+        if vocab < self.src.tokenizer.vocab_size:
+            raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {self.src.tokenizer.vocab_size}")
+        cfg.model.vocab_size = vocab
+        self.padded_vocab = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor)
+        t = cfg.train
+        eval_runs = (t.iters // t.eval_interval if t.eval_interval else 0) + 1
+        self.train_ds, self.valid_ds, _ = build_datasets(
+            cfg, self.src, (max(t.iters, 1) * t.global_batch_size, eval_runs * t.eval_iters * t.global_batch_size, 0))
+        self.sampler = BatchSampler(self.train_ds, t.micro_batch_size, self.dp, self.ps.dp_rank, t.global_batch_size)
+        self.valid_sampler = (BatchSampler(self.valid_ds, t.micro_batch_size, self.dp, self.ps.dp_rank,
+                                           t.global_batch_size) if self.valid_ds is not None else None)
+
+        self.model = GPT2Model(cfg.model, self.padded_vocab, self.ps.tp_group, seed=t.seed)
+        optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters)
+        self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
+        self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                    mpu=self.ps, config=self.ds_config, dist_init_required=False)
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.consecutive_skipped = 0
+        self.tokens_per_step = t.global_batch_size * cfg.model.seq_length
+        self.flops_per_step = model_flops_per_iteration(t.global_batch_size, cfg.model.seq_length, cfg.model.num_layers,
+                                                        cfg.model.hidden_size, self.padded_vocab, cfg.model.ffn_size)
+        self.peak = self._peak_tflops()
+        if self.is_rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            ckpt.atomic_write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+            ckpt.atomic_write_text(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=2))
+            logger.info("%r | dtype %s | padded vocab %d | parameters %s | grad accumulation %d",
+                        self.ps, self.dtype, self.padded_vocab, f"{self.model.num_parameters():,}", self.sampler.gas)
+
+    def _peak_tflops(self) -> float | None:
+        if self.cfg.run.device_peak_tflops:
+            return self.cfg.run.device_peak_tflops
+        kind = self.cfg.run.device_kind or detect_device_kind()
+        peak = peak_tflops(kind, self.dtype)
+        if peak is None and kind == "cpu":
+            # measured dense matmul rate of this CPU in the training dtype, per process
+            threads = torch.get_num_threads()
+            peak = measure_cpu_peak_tflops(self.dtype)
+            logger.debug("measured CPU peak %.3f TFLOP/s with %d threads", peak, threads)
+        return peak
+
+    # ----------------------------------------------------------------------------------------------
+    def _loss(self, tokens, labels) -> torch.Tensor:
+        per_token = self.engine(tokens, labels)     # [mb, s] fp32
+        return per_token.mean()
+
+    def train_step(self) -> dict:
+        """One optimizer step (gradient accumulation inside); returns the step's metrics."""
+        t0 = time.perf_counter()
+        lr = self.engine.get_lr()[0]  # the rate this step uses
+        losses, fp32_norm = [], None
+        for tokens, labels in self.sampler.micro_batches(self.consumed_samples):
+            loss = self._loss(tokens, labels)
+            self.engine.backward(loss)
+            if self.dtype == "fp32" and self.engine.is_gradient_accumulation_boundary():
+                # DeepSpeed's fp32 path clips but discards the norm: clip here with its function
+                # (TP-aware through the mpu) and keep the norm; the DS config has clipping 0 then.
+                clip = self.cfg.optimizer.clip_grad or float("inf")
+                fp32_norm = float(clip_grad_norm_(self.model.parameters(), clip, mpu=self.ps))
+            self.engine.step()
+            losses.append(loss.detach().float())
+        applied = self.engine.was_step_applied()
+        self.iteration += 1
+        self.consumed_samples += self.cfg.train.global_batch_size
+        # mean loss over micro-batches and DP replicas (logging only)
+        loss = torch.stack(losses).mean()
+        dist.all_reduce(loss, group=self.ps.dp_group)
+        loss = loss.item() / self.dp
+        elapsed = time.perf_counter() - t0
+        scale = getattr(self.engine.optimizer, "cur_scale", None) if self.dtype == "fp16" else 1.0
+        gnorm = fp32_norm if self.dtype == "fp32" else (self.engine.get_global_grad_norm() if applied else None)
+        if isinstance(gnorm, torch.Tensor):
+            gnorm = gnorm.item()
+        tokens_per_s = self.tokens_per_step / elapsed
+        tflops = self.flops_per_step / elapsed / self.world / 1e12
+        m = {
+            "iteration": self.iteration,
+            "lr": lr,
+            "loss": loss,
+            "loss_scale": float(scale) if scale is not None else None,
+            "grad_norm": gnorm,
+            "skipped": int(self.engine.skipped_steps),
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": tflops,
+            "mfu": tflops / self.peak if self.peak else None,
+            "step_applied": bool(applied),
+            "step_time_s": elapsed,
+            "consumed_samples": self.consumed_samples,
+        }
+        if not applied:
+            self.consecutive_skipped += 1
+            if self.is_rank0:
+                logger.warning("iteration %d: fp16 overflow, step skipped; loss scale now %s", self.iteration, scale)
+            limit = self.cfg.precision.max_consecutive_skipped
+            if limit and self.consecutive_skipped >= limit:
+                raise TrainingAborted(
+                    f"{self.consecutive_skipped} consecutive steps skipped for fp16 overflow (loss scale {scale}): "
+                    f"the loss or gradients are inf/NaN; lower optimizer.lr, use precision.dtype=bf16, or raise "
+                    f"precision.max_consecutive_skipped")
+        else:
+            self.consecutive_skipped = 0
+        if not math.isfinite(loss) and applied:
+            raise TrainingAborted(f"iteration {self.iteration}: loss is {loss} but the step was applied (no loss "
+                                  f"scaling in {self.dtype}); lower optimizer.lr or check the data")
+        return m
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean validation loss over ``train.eval_iters`` global batches (same on every rank)."""
+        if self.valid_sampler is None:
+            return None
+        self.engine.eval()
+        total = torch.zeros(())
+        n = 0
+        for i in range(self.cfg.train.eval_iters):
+            for tokens, labels in self.valid_sampler.micro_batches(i * self.cfg.train.global_batch_size):
+                total += self._loss(tokens, labels).float()
+                n += 1
+        self.engine.train()
+        dist.all_reduce(total, group=self.ps.dp_group)
+        return total.item() / (n * self.dp)
+
+    def train(self) -> dict:
+        """Train to ``train.iters``, resuming from the newest checkpoint in RUN_DIR if there is one."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        resumed = ckpt.load(self)
+        writer = MetricsWriter(self.run_dir, cfg.train.iters, self.is_rank0,
+                               getattr(self.engine, "monitor", None), append=resumed)
+        bar = tqdm(total=cfg.train.iters, initial=self.iteration, desc="train", unit="it",
+                   disable=not (self.is_rank0 and cfg.train.progress_bar), leave=False)
+        last = {}
+        try:
+            while self.iteration < cfg.train.iters:
+                last = self.train_step()
+                if cfg.train.log_interval and (self.iteration % cfg.train.log_interval == 0
+                                               or self.iteration == cfg.train.iters):
+                    writer.step(last)
+                bar.update(1)
+                if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval == 0:
+                    vl = self.evaluate()
+                    if vl is not None:
+                        writer.event("valid", {"loss": vl, "ppl": math.exp(min(vl, 20))}, self.iteration)
+                if cfg.train.save_interval and self.iteration % cfg.train.save_interval == 0:
+                    ckpt.save(self)
+            valid = self.evaluate()
+            if valid is not None:
+                writer.event("valid", {"loss": valid, "ppl": math.exp(min(valid, 20))}, self.iteration)
+                if self.is_rank0:
+                    logger.info("validation loss %.4f | ppl %.2f", valid, math.exp(min(valid, 20)))
+            if not (cfg.train.save_interval and self.iteration % cfg.train.save_interval == 0 and last):
+                ckpt.save(self)
+        finally:
+            bar.close()
+            writer.close()
+        return {"last": last, "valid_loss": valid}
