@@ -314,3 +314,12 @@ def test_cpu_peak_is_measured():
     v = measure_cpu_peak_tflops("fp32", n=256, budget_s=0.05)
     assert 1e-4 < v < 100  # a real measurement: positive, and below any CPU's fp32 peak
     assert peak_tflops("cpu", "fp32") > 0
+
+
+def test_validate_raises_config_error():
+    shape = ModelShape("gpt2", num_layers=4, hidden=12, heads=6, seq=8, vocab=48, positions=8, ffn=40)
+    plan.validate(shape, Layout(tp=2, pp=2, micro_batch=2, global_batch=4))
+    with pytest.raises(ConfigError, match="does not divide the MLP width 40"):
+        plan.validate(shape, Layout(tp=6, micro_batch=1, global_batch=1))
+    with pytest.raises(ConfigError, match="model.vocab_size must be set"):
+        ModelShape.from_config(ModelConfig(), 1)

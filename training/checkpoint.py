@@ -61,7 +61,7 @@ def _tokenizer_spec(trainer) -> dict:
     returned spec names them relative to RUN_DIR."""
     from data_pipeline.corpus import copy_tokenizer_files
 
-    spec = trainer.src.tokenizer.spec()
+    spec = trainer.task.tokenizer.spec()
     if trainer.is_rank0:
         copy_tokenizer_files(spec, trainer.run_dir)
     if dist.is_initialized():

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -248,8 +248,8 @@ def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: boo
                            scores_stored: bool = True) -> float:
     """Activations alive on one TP rank of ``stage`` at the peak of a 1F1B schedule.
 
-    Stage i keeps min(p - i, m) micro-batches in flight (all of them on stage 0 when p = 1 ... only one,
-    since gradient accumulation runs micro-batches one after another). Without checkpointing each
+    Stage i keeps min(p - i, m) micro-batches in flight (one when p = 1: gradient accumulation runs
+    micro-batches one after another and frees each before the next). Without checkpointing each
     keeps the full per-layer set for its l/p layers; with full checkpointing only the layer input
     (2 s b h per layer) plus the working set of the one layer being recomputed. Extras (Korthikanti
     sec. 4.3, no SP): embedding dropout mask s b h on stage 0; final-LN input 2 s b h, output-layer
@@ -615,12 +615,14 @@ def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dty
     out.append(f"  {f'optimizer states, ZeRO-1/{lay.dp}':28s}{_gib(mem.optimizer_zero1):>12s}"
                f"{_gib(mem.optimizer_zero1):>12s}")
     out.append(f"  {'activations':28s}{_gib(mem.activations):>12s}{_gib(mem.activations_ckpt):>12s}")
+    over = False
     for zero1 in (False, True):
         label = "total, ZeRO-1" if zero1 else "total"
         vals = [mem.total(zero1, c) for c in (False, True)]
         fits = ["" if hw.memory_gb <= 0 else ("" if v / GIB <= hw.memory_gb else " !") for v in vals]
+        over = over or any(fits)
         out.append(f"  {label:28s}{_gib(vals[0]) + fits[0]:>12s}{_gib(vals[1]) + fits[1]:>12s}")
-    if hw.memory_gb > 0:
+    if over:
         out.append(f"  (! = exceeds the {hw.memory_gb:g} GiB of one {hw.name})")
     out.append("")
     f = default_compute_fraction(hw, tm, dtype)

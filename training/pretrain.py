@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group exists
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if rank == 0:  # every rank checks; one says it
+            print(f"config error: {e}", file=sys.stderr)
         return 2
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -7,6 +7,7 @@ the same object directly (e.g. to inject an fp16 overflow with a gradient hook).
 from __future__ import annotations
 
 import json
+import os
 import logging
 import math
 import time
@@ -19,13 +20,12 @@ from deepspeed.runtime.utils import clip_grad_norm_
 
 from training import checkpoint as ckpt
 from training.config import Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype
-from training.data import BatchSampler, build_datasets, resolve_sources
 from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
 from training.metrics import MetricsWriter, model_flops_per_iteration
-from training.models.gpt2 import GPT2Model
 from training.optim import build_optimizer
 from training.parallel import random as tp_random
 from training.parallel.state import ParallelState
+from training.tasks import make_task
 
 logger = logging.getLogger("training")
 
@@ -55,43 +55,44 @@ class Trainer:
         self.dtype = resolve_dtype(cfg, on_gpu)
         if self.dtype == "fp16" and not on_gpu:
             allow_fp16_on_cpu()
+        if not on_gpu:
+            # one process per core share: avoid oversubscribing the CPU with intra-op threads
+            local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
         self.ps = ParallelState(tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline)
         self.is_rank0 = dist.get_rank() == 0
         tp_random.configure(self.ps, cfg.model.num_layers)  # before any seeding
         tp_random.set_seed(cfg.train.seed)
 
-        self.src = resolve_sources(cfg)
-        vocab = cfg.model.vocab_size or self.src.tokenizer.vocab_size
-        if vocab < self.src.tokenizer.vocab_size:
-            raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {self.src.tokenizer.vocab_size}")
+        self.task = make_task(cfg, self.ps, self.dp)
+        tok_vocab = self.task.tokenizer.vocab_size
+        vocab = cfg.model.vocab_size or tok_vocab
+        if vocab < tok_vocab:
+            raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {tok_vocab}")
         cfg.model.vocab_size = vocab
         self.padded_vocab = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor)
         t = cfg.train
-        eval_runs = (t.iters // t.eval_interval if t.eval_interval else 0) + 1
-        self.train_ds, self.valid_ds, _ = build_datasets(
-            cfg, self.src, (max(t.iters, 1) * t.global_batch_size, eval_runs * t.eval_iters * t.global_batch_size, 0))
-        self.sampler = BatchSampler(self.train_ds, t.micro_batch_size, self.dp, self.ps.dp_rank, t.global_batch_size)
-        self.valid_sampler = (BatchSampler(self.valid_ds, t.micro_batch_size, self.dp, self.ps.dp_rank,
-                                           t.global_batch_size) if self.valid_ds is not None else None)
-
-        self.model = GPT2Model(cfg.model, self.padded_vocab, self.ps.tp_group, seed=t.seed)
+        self.task.build_data()
+        self.model = self.task.build_model(self.padded_vocab)
         optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     mpu=self.ps, config=self.ds_config, dist_init_required=False)
+        self.gas = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.iteration = 0
         self.consumed_samples = 0
         self.consecutive_skipped = 0
-        self.tokens_per_step = t.global_batch_size * cfg.model.seq_length
         self.flops_per_step = model_flops_per_iteration(t.global_batch_size, cfg.model.seq_length, cfg.model.num_layers,
                                                         cfg.model.hidden_size, self.padded_vocab, cfg.model.ffn_size)
+        self.tokens_per_step = t.global_batch_size * self.task.tokens_per_sample
         self.peak = self._peak_tflops()
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.atomic_write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
             ckpt.atomic_write_text(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=2))
             logger.info("%r | dtype %s | padded vocab %d | parameters %s | grad accumulation %d",
-                        self.ps, self.dtype, self.padded_vocab, f"{self.model.num_parameters():,}", self.sampler.gas)
+                        self.ps, self.dtype, self.padded_vocab, f"{self.model.num_parameters():,}",
+                        t.global_batch_size // (t.micro_batch_size * self.dp))
 
     def _peak_tflops(self) -> float | None:
         if self.cfg.run.device_peak_tflops:
@@ -106,17 +107,15 @@ class Trainer:
         return peak
 
     # ----------------------------------------------------------------------------------------------
-    def _loss(self, tokens, labels) -> torch.Tensor:
-        per_token = self.engine(tokens, labels)     # [mb, s] fp32
-        return per_token.mean()
-
     def train_step(self) -> dict:
         """One optimizer step (gradient accumulation inside); returns the step's metrics."""
         t0 = time.perf_counter()
         lr = self.engine.get_lr()[0]  # the rate this step uses
-        losses, fp32_norm = [], None
-        for tokens, labels in self.sampler.micro_batches(self.consumed_samples):
-            loss = self._loss(tokens, labels)
+        losses, fp32_norm, parts = [], None, {}
+        for batch in self.task.micro_batches(self.consumed_samples):
+            loss, extra = self.task.loss(self.engine, batch)
+            for k, v in extra.items():
+                parts[k] = parts.get(k, 0.0) + float(v) / self.gas
             self.engine.backward(loss)
             if self.dtype == "fp32" and self.engine.is_gradient_accumulation_boundary():
                 # DeepSpeed's fp32 path clips but discards the norm: clip here with its function
@@ -152,6 +151,7 @@ class Trainer:
             "step_applied": bool(applied),
             "step_time_s": elapsed,
             "consumed_samples": self.consumed_samples,
+            **parts,
         }
         if not applied:
             self.consecutive_skipped += 1
@@ -173,14 +173,14 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean validation loss over ``train.eval_iters`` global batches (same on every rank)."""
-        if self.valid_sampler is None:
+        if self.task.valid_micro_batches(0) is None:
             return None
         self.engine.eval()
         total = torch.zeros(())
         n = 0
         for i in range(self.cfg.train.eval_iters):
-            for tokens, labels in self.valid_sampler.micro_batches(i * self.cfg.train.global_batch_size):
-                total += self._loss(tokens, labels).float()
+            for batch in self.task.valid_micro_batches(i):
+                total += self.task.loss(self.engine, batch)[0].detach().float()
                 n += 1
         self.engine.train()
         dist.all_reduce(total, group=self.ps.dp_group)

@@ -1,0 +1,63 @@
+"""What the trainer trains: a task owns the model, the batches of one DP rank and the loss.
+
+The trainer (DeepSpeed engine, steps, metrics, checkpoints) is the same for every task.
+A task provides:
+    build_model(padded_vocab) -> nn.Module
+    micro_batches(consumed_samples) -> iterator over the gas micro-batches of the step
+    valid_micro_batches(i)        -> the same for validation batch i (None if no validation split)
+    loss(engine, batch) -> (scalar loss to back-propagate, {name: scalar} parts to log)
+    tokenizer, tokenizer_spec, tokens_per_sample
+"""
+from __future__ import annotations
+
+import torch
+
+from training.config import Config
+from training.data import BatchSampler, build_datasets, resolve_sources
+from training.models.gpt2 import GPT2Model
+
+
+class GPTTask:
+    """Causal language modelling over a GPT dataset (samples of seq_len+1 tokens)."""
+
+    def __init__(self, cfg: Config, ps, dp: int):
+        self.cfg, self.ps = cfg, ps
+        self.src = resolve_sources(cfg)
+        self.tokenizer = self.src.tokenizer
+        self.tokens_per_sample = cfg.model.seq_length
+        self._dp = dp
+
+    def build_data(self) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        eval_runs = (t.iters // t.eval_interval if t.eval_interval else 0) + 1
+        train_ds, valid_ds, _ = build_datasets(
+            cfg, self.src, (max(t.iters, 1) * t.global_batch_size, eval_runs * t.eval_iters * t.global_batch_size, 0))
+        dp_rank = self.ps.dp_rank
+        self.sampler = BatchSampler(train_ds, t.micro_batch_size, self._dp, dp_rank, t.global_batch_size)
+        self.valid_sampler = (BatchSampler(valid_ds, t.micro_batch_size, self._dp, dp_rank, t.global_batch_size)
+                              if valid_ds is not None else None)
+
+    def build_model(self, padded_vocab: int):
+        return GPT2Model(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed)
+
+    def micro_batches(self, consumed_samples: int):
+        return self.sampler.micro_batches(consumed_samples)
+
+    def valid_micro_batches(self, i: int):
+        if self.valid_sampler is None:
+            return None
+        return self.valid_sampler.micro_batches(i * self.cfg.train.global_batch_size)
+
+    def loss(self, engine, batch) -> tuple[torch.Tensor, dict]:
+        tokens, labels = batch
+        return engine(tokens, labels).mean(), {}
+
+
+def make_task(cfg: Config, ps, dp: int):
+    if cfg.model.arch == "gpt2":
+        return GPTTask(cfg, ps, dp)
+    if cfg.model.arch == "bert":
+        from training.bert_task import BertTask  # noqa: PLC0415 - BERT pulls in its own data code
+
+        return BertTask(cfg, ps, dp)
+    raise ValueError(f"unknown model.arch {cfg.model.arch!r}")
