@@ -153,6 +153,32 @@ def shingle_hashes(text: str, spec: ShingleSpec) -> np.ndarray:
     return (_fmix64(h) >> np.uint64(32)).astype(np.uint32)
 
 
+def shingle_hashes_batch(texts: list[str], spec: ShingleSpec) -> list[np.ndarray]:
+    """:func:`shingle_hashes` of many documents, vectorised over their concatenation."""
+    all_units = [units(t, spec) for t in texts]
+    lens = np.array([len(u) for u in all_units], dtype=np.int64)
+    if spec.unit == "word":
+        flat: list[str] = [w for u in all_units for w in u]
+        uh = np.array(_word_hashes(flat), dtype=np.uint64)
+    else:
+        joined = "".join(all_units)  # type: ignore[arg-type]
+        uh = np.frombuffer(joined.encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
+    n = spec.n
+    offs = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    m = np.maximum(lens - n + 1, 0)  # shingles of the documents with >= n units
+    starts = np.repeat(offs - np.concatenate([[0], np.cumsum(m)[:-1]]), m) + np.arange(int(m.sum()))
+    h = np.full(len(starts), np.uint64(n), dtype=np.uint64)
+    for k in range(n):
+        h += uh[starts + k] * _POS_MULT[k]
+    full = (_fmix64(h) >> np.uint64(32)).astype(np.uint32)
+    out = np.split(full, np.cumsum(m)[:-1]) if len(texts) else []
+    for d in np.flatnonzero((lens > 0) & (lens < n)).tolist():  # short documents: one shingle
+        k = int(lens[d])
+        hs = np.uint64(k) + (uh[offs[d]:offs[d] + k] * _POS_MULT[:k]).sum(dtype=np.uint64)
+        out[d] = (_fmix64(np.array([hs], dtype=np.uint64)) >> np.uint64(32)).astype(np.uint32)
+    return out
+
+
 # -------------------------------------------------------------------------------------------- signatures
 class Signer:
     """Batch MinHash (datasketch ``affine32`` scheme, datasketch's permutations for ``seed``)."""
@@ -178,20 +204,53 @@ class Signer:
         hv = shingle_hashes(text, self.spec)
         return self.signature_of_hashes(hv), len(hv)
 
+    def sign_batch(self, texts: list[str], block_rows: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+        """Signatures of many documents at once: the n-gram mixing, fmix and permutations run on the
+        concatenated shingles of a group of documents (``block_rows`` shingles) and the per-document
+        minimum is one ``np.minimum.reduceat`` — numpy's per-call overhead is paid per group, not per
+        document. Equal to :meth:`sign` for every document (tested)."""
+        sigs = np.full((len(texts), self.num_perm), 0xFFFFFFFF, dtype=np.uint32)
+        nsh = np.zeros(len(texts), dtype=np.int64)
+        group: list[np.ndarray] = []
+        members: list[int] = []
+        rows = 0
+
+        def flush() -> None:
+            nonlocal rows
+            if not group:
+                return
+            hv = _fmix32(np.concatenate(group))[:, None]
+            bounds = np.cumsum([0] + [len(g) for g in group[:-1]])
+            phv = hv * self.a + self.b
+            sigs[members] = np.minimum.reduceat(phv, bounds, axis=0)
+            group.clear()
+            members.clear()
+            rows = 0
+
+        for d, hv in enumerate(shingle_hashes_batch(texts, self.spec)):
+            nsh[d] = len(hv)
+            if len(hv) == 0:
+                continue
+            group.append(hv)
+            members.append(d)
+            rows += len(hv)
+            if rows >= block_rows:
+                flush()
+        flush()
+        return sigs, nsh
+
     def lean(self, sig: np.ndarray) -> LeanMinHash:
         return LeanMinHash(seed=self.seed, hashvalues=sig, scheme="affine32")
 
 
 def sign_chunk(args: tuple[str, int, int, str, int, int, int, str]) -> tuple[int, int]:
-    """Worker: signatures of store positions [start, stop) → ``sig-<chunk>.npy`` (uint32[n, num_perm])
-    and ``nsh-<chunk>.npy`` (shingle counts; 0 = no signature). Returns (chunk, n)."""
+    """Worker: signatures of store positions [start, stop) → ``sig-<start>.npy`` (uint32[n, num_perm])
+    and ``nsh-<start>.npy`` (shingle counts; 0 = no signature). Returns (start, n)."""
     store_dir, start, stop, out_dir, num_perm, seed, n, unit = args
     signer = Signer(num_perm, seed, ShingleSpec(n, unit))
     store = DocStore(Path(store_dir))
-    sigs = np.empty((stop - start, num_perm), dtype=np.uint32)
-    nsh = np.empty(stop - start, dtype=np.int64)
-    for j, rec in enumerate(store.iter_range(start, stop)):
-        sigs[j], nsh[j] = signer.sign(rec["text"])
+    texts = [rec["text"] for rec in store.iter_range(start, stop)]
+    sigs, nsh = signer.sign_batch(texts)
     atomic_save_npy(Path(out_dir) / f"nsh-{start:012d}.npy", nsh)
     atomic_save_npy(Path(out_dir) / f"sig-{start:012d}.npy", sigs)  # written last: completion marker
     return start, stop - start
@@ -235,20 +294,37 @@ def make_lsh(lsh: LshSpec, storage_config: dict[str, Any] | None = None) -> MinH
                       storage_config=storage_config)
 
 
+def bucket_pairs(index: MinHashLSH, bands: Iterable[int] | None = None) -> set[tuple[int, int]]:
+    """Every pair (i, j), i < j, of keys that share a bucket in one of ``bands`` (all by default),
+    read from the index's own storage (dict or Redis; Redis buckets fetched with pipelined ``getmany``)."""
+    import pickle
+
+    pairs: set[tuple[int, int]] = set()
+    for b in range(index.b) if bands is None else bands:
+        table = index.hashtables[b]
+        keys = list(table.keys())
+        groups = table.getmany(*keys) if hasattr(table, "getmany") and keys else [table.get(k) for k in keys]
+        for members in groups:
+            if len(members) < 2:
+                continue
+            ids = sorted(pickle.loads(m) if index.prepickle else m for m in set(members))
+            pairs.update((ids[x], ids[y]) for x in range(len(ids)) for y in range(x + 1, len(ids)))
+    return pairs
+
+
 def candidates_in_memory(sigs: np.ndarray, active: np.ndarray, lsh: LshSpec, progress: bool = True
                          ) -> set[tuple[int, int]]:
-    """Pairs (i, j), i < j, that share at least one LSH band. Query-then-insert in position order, so
-    every pair is found exactly once, when its later member is queried."""
+    """Pairs (i, j), i < j, that share at least one LSH band: every signed document is inserted into
+    a ``MinHashLSH`` (dict storage), then each band's buckets are enumerated — the same set that
+    querying every document would return, without one query per document."""
     from tqdm import tqdm
 
     index = make_lsh(lsh)
-    pairs: set[tuple[int, int]] = set()
-    for j in tqdm(np.flatnonzero(active).tolist(), desc="dedup: lsh", unit="doc", disable=not progress):
-        m = LeanMinHash(seed=lsh.seed, hashvalues=sigs[j], scheme="affine32")
-        for i in index.query(m):
-            pairs.add((i, j))
-        index.insert(j, m, check_duplication=False)
-    return pairs
+    with index.insertion_session(buffer_size=50000) as session:
+        for j in tqdm(np.flatnonzero(active).tolist(), desc="dedup: lsh", unit="doc", disable=not progress):
+            session.insert(j, LeanMinHash(seed=lsh.seed, hashvalues=sigs[j], scheme="affine32"),
+                           check_duplication=False)
+    return bucket_pairs(index)
 
 
 def redis_storage_config(host: str, port: int, db: int, basename: str) -> dict[str, Any]:
@@ -285,24 +361,17 @@ def redis_insert_worker(args: tuple[str, dict[str, Any], LshSpec, int, int]) -> 
 
 
 def redis_query_worker(args: tuple[str, dict[str, Any], LshSpec, int, int]) -> list[tuple[int, int]]:
-    """Worker ``rank`` of ``world``: query its share against the full shared index; keep (i, j), i < j."""
+    """Worker ``rank`` of ``world``: after every worker has inserted, enumerate the buckets of bands
+    ``rank, rank + world, ...`` of the shared index and return the pairs (i, j), i < j, found there."""
     sig_file, storage, lsh, rank, world = args
-    sigs = np.load(sig_file, mmap_mode="r")
-    active = np.load(sig_file.replace("sigs.npy", "active.npy"))
     index = make_lsh(lsh, storage)
-    out = []
-    for j in np.flatnonzero(active).tolist():
-        if j % world != rank:
-            continue
-        m = LeanMinHash(seed=lsh.seed, hashvalues=np.array(sigs[j]), scheme="affine32")
-        out.extend((i, j) for i in index.query(m) if i < j)
-    return out
+    return sorted(bucket_pairs(index, range(rank, index.b, world)))
 
 
 def candidates_redis(sig_file: Path, lsh: LshSpec, storage: dict[str, Any], workers: int
                      ) -> set[tuple[int, int]]:
     """Same candidate set as :func:`candidates_in_memory`, from ``workers`` processes sharing one
-    Redis-backed index: all insert their shard, then (after the barrier) all query."""
+    Redis-backed index: all insert their share, then (after the barrier) each enumerates its bands."""
     jobs = [(str(sig_file), storage, lsh, r, workers) for r in range(workers)]
     with get_context("spawn").Pool(workers) as pool:
         inserted = sum(pool.map(redis_insert_worker, jobs))
@@ -336,21 +405,78 @@ def _blocks(pairs: list[tuple[int, int]], max_docs: int) -> Iterator[list[tuple[
         yield block
 
 
+class ExactShingles:
+    """Exact shingle sets as sorted arrays: units are numbered with a block-local vocabulary (exact,
+    no hashing), a shingle is the row of ``n`` unit ids (short documents padded with -1), and the set is
+    ``np.unique`` of the rows viewed as fixed-size byte strings. Same sets as :func:`shingle_set`."""
+
+    def __init__(self, spec: ShingleSpec):
+        self.spec = spec
+        self.vocab: dict[str, int] = {}
+
+    def rows(self, text: str) -> np.ndarray:
+        """All shingles of a document (with repeats) as ``V{4n}`` byte strings of n int32 unit ids."""
+        n = self.spec.n
+        if self.spec.unit == "word":
+            vocab = self.vocab
+            u = units(text, self.spec)
+            try:
+                ids = np.array([vocab[w] for w in u], dtype=np.int32)
+            except KeyError:
+                for w in u:
+                    if w not in vocab:
+                        vocab[w] = len(vocab)
+                ids = np.array([vocab[w] for w in u], dtype=np.int32)
+        else:
+            ids = np.frombuffer(text.encode("utf-32-le"), dtype=np.int32)
+        if len(ids) == 0:
+            return np.zeros(0, dtype=f"V{4 * n}")
+        if len(ids) < n:
+            ids = np.concatenate([ids, np.full(n - len(ids), -1, dtype=np.int32)])
+        rows = np.ascontiguousarray(np.lib.stride_tricks.sliding_window_view(ids, n))
+        return rows.view(f"V{4 * n}").ravel()
+
+    def __call__(self, text: str) -> np.ndarray:
+        """The sorted set of a document's shingles."""
+        return np.unique(self.rows(text))
+
+
+def jaccard_sorted(a: np.ndarray, b: np.ndarray) -> float:
+    if len(a) == 0 and len(b) == 0:
+        return 0.0
+    inter = len(np.intersect1d(a, b, assume_unique=True))
+    return inter / (len(a) + len(b) - inter)
+
+
 def verify_block(args: tuple[str, list[tuple[int, int]], int, str]) -> list[tuple[int, int, float]]:
-    """Worker: exact Jaccard of each pair of a block, texts read from the store by position."""
+    """Worker: exact Jaccard of each pair of a block, texts read from the store by position.
+
+    The block's distinct shingles (fixed-size rows of exact unit ids) are numbered once with
+    ``np.unique(..., return_inverse=True)``; each document becomes a sorted array of int64 shingle
+    numbers and a pair's intersection is ``np.intersect1d`` on those — exact, no hashing."""
     store_dir, block, n, unit = args
-    spec = ShingleSpec(n, unit)
+    exact = ExactShingles(ShingleSpec(n, unit))
     store = DocStore(Path(store_dir))
-    sets: dict[int, set[Any]] = {}
-    out = []
     try:
-        for i, j in block:
-            for d in (i, j):
-                if d not in sets:
-                    sets[d] = shingle_set(store.get(d)["text"], spec)
-            out.append((i, j, jaccard(sets[i], sets[j])))
+        docs = sorted({d for p in block for d in p})
+        rows = [exact.rows(store.get(d)["text"]) for d in docs]
     finally:
         store.close()
+    lens = [len(r) for r in rows]
+    if sum(lens):
+        _, inv = np.unique(np.concatenate(rows), return_inverse=True)
+        parts = np.split(inv.astype(np.int64), np.cumsum(lens)[:-1])
+    else:
+        parts = [np.zeros(0, np.int64) for _ in docs]
+    ids = {d: np.unique(p) for d, p in zip(docs, parts)}
+    out = []
+    for i, j in block:
+        a, b = ids[i], ids[j]
+        if len(a) == 0 and len(b) == 0:
+            out.append((i, j, 0.0))
+            continue
+        inter = len(np.intersect1d(a, b, assume_unique=True))
+        out.append((i, j, inter / (len(a) + len(b) - inter)))
     return out
 
 
@@ -360,7 +486,9 @@ def verify_pairs(store: DocStore, pairs: Iterable[tuple[int, int]], spec: Shingl
 
     pairs = sorted(pairs)
     blocks = list(_blocks(pairs, max_docs))
-    # split big blocks so that all workers get work (a block re-reads only its own documents)
+    # parallel only when it pays: split blocks re-read their documents, pool start-up costs ~0.1 s
+    if len(pairs) < 50_000:
+        workers = 1
     if workers > 1 and len(blocks) < 4 * workers and pairs:
         per = max(1, -(-len(pairs) // (4 * workers)))
         blocks = [b[s:s + per] for b in blocks for s in range(0, len(b), per)]

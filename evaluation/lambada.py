@@ -159,7 +159,7 @@ def score_lambada(
         for r, (s, t) in enumerate(zip(seqs, tlens)):
             toks[r, : len(s)] = torch.tensor(s)
             mask[r, len(s) - 1 - t : len(s) - 1] = True
-        nll, ok = scorer.score(toks[:, :-1], toks[:, 1:])
+        nll, ok = scorer.score(toks[:, :-1], toks[:, 1:], mask)
         for r, i in enumerate(idx):
             m = mask[r]
             correct[i] = float(bool(ok[r][m].all()))

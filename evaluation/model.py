@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from evaluation.errors import EvalError
-from evaluation.scoring import LMScorer
+from evaluation.scoring import gpt2_scorer
 from evaluation.tasks import DataParallel
 
 logger = logging.getLogger(__name__)
@@ -80,12 +80,6 @@ def load_scorer(run_dir: str | Path, rt: Runtime, include_vocab_padding: bool = 
     tp = rt.pstate.dims.tp if rt.pstate is not None else 1
     tp_rank = rt.pstate.tp_rank if rt.pstate is not None else 0
     group = rt.pstate.tp_group if rt.pstate is not None else None
-    scorer = LMScorer(
-        logits_fn=model,
-        vocab_size=padded if include_vocab_padding else tokenizer.vocab_size,
-        max_length=cfg.model.positions,
-        device=rt.device,
-        vocab_start=tp_rank * (padded // tp),
-        tp_group=group,
-    )
+    scorer = gpt2_scorer(model, padded if include_vocab_padding else tokenizer.vocab_size, cfg.model.positions,
+                         rt.device, vocab_start=tp_rank * (padded // tp), tp_group=group)
     return scorer, cfg, tokenizer

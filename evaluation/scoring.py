@@ -90,12 +90,42 @@ class LMScorer:
     device: torch.device = torch.device("cpu")
     vocab_start: int = 0
     tp_group: dist.ProcessGroup | None = None
+    hidden_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Optional split of ``logits_fn`` = ``head_fn(hidden_fn(tokens))``: tokens [b, s] -> hidden [b, s, h]."""
+    head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """hidden [n, h] -> logits [n, V_local]; applied only to the scored positions (see :meth:`score`)."""
 
     @torch.no_grad()
-    def score(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``inputs``, ``labels`` [b, s] (labels = inputs shifted by one) -> (nll, correct) [b, s] on CPU."""
+    def score(self, inputs: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``inputs``, ``labels`` [b, s] (labels = inputs shifted by one) -> (nll, correct) [b, s] on CPU.
+
+        With ``mask`` and a ``hidden_fn``/``head_fn`` split, the output layer and the scores are computed
+        only where ``mask`` is set (elsewhere nll = 0, correct = False): with stride-32 windows of 1,024
+        tokens this skips 31/32 of the ``[b, s, V]`` logits, the dominant cost of a small model.
+        """
         if inputs.size(1) > self.max_length:
             raise ValueError(f"input length {inputs.size(1)} exceeds the model's {self.max_length} positions")
-        logits = self.logits_fn(inputs.to(self.device))
-        nll, correct = token_scores(logits, labels.to(self.device), self.vocab_size, self.vocab_start, self.tp_group)
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        if mask is not None and self.hidden_fn is not None and self.head_fn is not None:
+            sel = mask.to(self.device).bool()
+            h = self.hidden_fn(inputs)                                      # [b, s, h]
+            nll_sel, ok_sel = token_scores(self.head_fn(h[sel]), labels[sel], self.vocab_size, self.vocab_start,
+                                           self.tp_group)                   # [n]
+            nll = torch.zeros(labels.shape, dtype=torch.float32, device=self.device)
+            ok = torch.zeros(labels.shape, dtype=torch.bool, device=self.device)
+            nll[sel], ok[sel] = nll_sel, ok_sel
+            return nll.cpu(), ok.cpu()
+        logits = self.logits_fn(inputs)
+        nll, correct = token_scores(logits, labels, self.vocab_size, self.vocab_start, self.tp_group)
         return nll.cpu(), correct.cpu()
+
+
+def gpt2_scorer(model, vocab_size: int, max_length: int, device: torch.device = torch.device("cpu"),
+                vocab_start: int = 0, tp_group: dist.ProcessGroup | None = None) -> LMScorer:
+    """Scorer for ``training.models.gpt2.GPT2Model``: hidden states, then the tied (vocab-parallel) output
+    layer ``x @ E_local^T`` on the scored positions only."""
+    import torch.nn.functional as F
+
+    return LMScorer(model, vocab_size, max_length, device, vocab_start, tp_group,
+                    hidden_fn=model.hidden_states,
+                    head_fn=lambda x: F.linear(x, model.embedding.word_embeddings.weight))

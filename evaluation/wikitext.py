@@ -176,7 +176,7 @@ def score_stream(
     n_windows = len(range(dp_rank, plan.num_windows, dp_world))
     bar = tqdm(total=n_windows, desc="wikitext windows", unit="win", disable=not progress)
     for ids, inp, lab, mask in plan.trimmed_batches(batch_size, dp_rank, dp_world):
-        nll, _ = scorer.score(inp, lab)
+        nll, _ = scorer.score(inp, lab, mask)
         m = mask.to(torch.float64)
         total[0] += (nll.double() * m).sum()
         total[1] += m.sum()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from evaluation.lambada import LambadaExample, score_lambada
-from evaluation.scoring import LMScorer, token_scores
+from evaluation.scoring import LMScorer, gpt2_scorer, token_scores
 from evaluation.wikitext import WindowPlan, score_stream
 from tests.distributed import run_distributed
 
@@ -47,6 +47,7 @@ def _worker(rank, world):
     tp_random.configure(ps, num_layers=2)
     model = GPT2Model(_cfg(), VP, ps.tp_group, seed=9).eval()
     out["tp"] = _score_all(LMScorer(model, V, 32, vocab_start=ps.tp_rank * VP // 2, tp_group=ps.tp_group))
+    out["tp_head"] = _score_all(gpt2_scorer(model, V, 32, vocab_start=ps.tp_rank * VP // 2, tp_group=ps.tp_group))
     # raw token_scores with ties across ranks: the first global maximum wins, as torch.argmax
     z = torch.zeros(2, 3, VP)
     z[0, 0, [5, 200]] = 1.0   # tie across the two ranks -> 5
@@ -66,6 +67,9 @@ def test_tp2_and_dp2_equal_single_process():
 
     model = GPT2Model(_cfg(), VP, None, seed=9).eval()
     ref = _score_all(LMScorer(model, V, 32))
+    head = _score_all(gpt2_scorer(model, V, 32))  # output layer on the scored positions only
+    assert head[0] == pytest.approx(ref[0], rel=1e-5) and head[1] == ref[1]
+    np.testing.assert_array_equal(head[2], ref[2])
     z = torch.zeros(2, 3, VP)
     z[0, 0, [5, 200]] = 1.0
     z[1, 2, [250, 290]] = 2.0
@@ -74,7 +78,7 @@ def test_tp2_and_dp2_equal_single_process():
     assert ref_ties[1].tolist() == [[True, True, True], [True, True, True]]  # padding column 350 never wins
     results = run_distributed(_worker, 2)
     for r in results:
-        for key in ("tp", "dp"):
+        for key in ("tp", "tp_head", "dp"):
             nll, n, correct, logprob = r[key]
             assert n == ref[1] == 149
             assert nll == pytest.approx(ref[0], rel=1e-5)

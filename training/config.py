@@ -54,6 +54,8 @@ class ModelConfig:
     """BERT: 'pre_ln' = the paper's rearranged order (Figure 7), 'post_ln' = original BERT."""
     num_tokentypes: int = 2
     binary_head: bool = True
+    head: Literal["pretrain", "multiple_choice"] = "pretrain"
+    """BERT: which heads the checkpoint holds; 'multiple_choice' is written by training.finetune_race."""
 
     @property
     def positions(self) -> int:
@@ -151,6 +153,47 @@ class RunConfig:
 
 
 @dataclass
+class BertDataConfig:
+    """BERT pretraining samples (training.bert_data); ignored by GPT-2."""
+
+    masked_lm_prob: float = 0.15
+    """Fraction of each sample's tokens to predict (Megatron: round(0.15 x length), at least 1)."""
+    mask_token_prob: float = 0.8
+    """Of the predicted tokens: replaced by [MASK] ..."""
+    random_token_prob: float = 0.1
+    """... by a random vocabulary token (the rest, 1 - 0.8 - 0.1, stay unchanged)."""
+    max_ngram: int = 3
+    """Masked spans are n-grams of 1..max_ngram whole words with p(n) proportional to 1/n."""
+    whole_word: bool = True
+    """Never split a word: a word's pieces are masked together."""
+    short_seq_prob: float = 0.1
+    """Probability that a sample targets a random shorter length (Megatron's short_seq_prob)."""
+
+
+@dataclass
+class FinetuneConfig:
+    """RACE fine-tuning (python -m training.finetune_race); ignored by pretraining."""
+
+    pretrained: str | None = None
+    """Run directory of a pretrained BERT (checkpoints/latest; any TP degree)."""
+    race_dir: str | None = None
+    """RACE root folder with train/, dev/, test/ each holding middle/ and high/ *.txt."""
+    train_split: str = "train"
+    valid_split: str = "dev"
+    test_split: str | None = "test"
+    """Also scored every epoch (reported for the best-dev epoch); None = skip."""
+    levels: list[str] = field(default_factory=lambda: ["middle", "high"])
+    epochs: int = 3
+    seq_length: int | None = None
+    """RACE sequence length; None = model.seq_length (Megatron: 512)."""
+    max_qa_length: int = 128
+    warmup_fraction: float = 0.06
+    """Linear warmup over this fraction of all fine-tuning steps, then linear decay (Megatron: 0.06)."""
+    eval_batch_size: int = 8
+    """Questions per forward when scoring dev/test."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -159,6 +202,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    bert: BertDataConfig = field(default_factory=BertDataConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

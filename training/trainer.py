@@ -107,6 +107,17 @@ class Trainer:
         return peak
 
     # ----------------------------------------------------------------------------------------------
+    def loss_scale(self) -> float:
+        """Current loss scale (1 without fp16). DeepSpeed keeps it in ``cur_scale`` (fused optimizer,
+        older releases) or ``loss_scale_config.cur_scale`` (unfused optimizer, 0.19)."""
+        if self.dtype != "fp16":
+            return 1.0
+        opt = self.engine.optimizer
+        for holder in (opt, getattr(opt, "loss_scale_config", None), getattr(opt, "loss_scaler", None)):
+            if holder is not None and getattr(holder, "cur_scale", None) is not None:
+                return float(holder.cur_scale)
+        raise RuntimeError(f"cannot find the loss scale of {type(opt).__name__}")
+
     def train_step(self) -> dict:
         """One optimizer step (gradient accumulation inside); returns the step's metrics."""
         t0 = time.perf_counter()
@@ -132,7 +143,7 @@ class Trainer:
         dist.all_reduce(loss, group=self.ps.dp_group)
         loss = loss.item() / self.dp
         elapsed = time.perf_counter() - t0
-        scale = getattr(self.engine.optimizer, "cur_scale", None) if self.dtype == "fp16" else 1.0
+        scale = self.loss_scale()
         gnorm = fp32_norm if self.dtype == "fp32" else (self.engine.get_global_grad_norm() if applied else None)
         if isinstance(gnorm, torch.Tensor):
             gnorm = gnorm.item()

@@ -1,0 +1,160 @@
+"""Training under DeepSpeed: TP x DP equivalence, learning on real text, fp16 overflow handling,
+bad configs, and the deepspeed launcher end to end."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import SHARED_DATA, run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
+needs_corpus = pytest.mark.skipif(not BOTCHAN.is_file(), reason="../shared/data/corpus/botchan.txt not present")
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    """A 1000-piece sentencepiece model trained on Botchan (small vocab keeps CPU runs fast)."""
+    if not BOTCHAN.is_file():
+        pytest.skip("../shared/data/corpus/botchan.txt not present")
+    from data_pipeline.tokenizer import train_sentencepiece
+
+    out = tmp_path_factory.mktemp("spm") / "botchan"
+    lines = [line for line in BOTCHAN.read_text(encoding="utf-8").splitlines() if line.strip()]
+    tok = train_sentencepiece(lines, out, vocab_size=1000, flavor="gpt", seed=1)
+    return tok.spec()
+
+
+def _overrides(spec: dict, run_dir: Path, **extra) -> list[str]:
+    base = {
+        "data.corpus": "null",
+        "data.text_files": f"[{BOTCHAN}]",
+        "data.tokenizer": json.dumps(spec),
+        "run.dir": str(run_dir),
+        "train.progress_bar": "false",
+        "model.hidden_dropout": "0.0",
+        "model.attention_dropout": "0.0",
+        "model.seq_length": "32",
+        "train.micro_batch_size": "2",
+        "train.global_batch_size": "8",
+        "optimizer.warmup_iters": "1",
+    }
+    base.update({k: str(v) for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def _train_worker(rank, world, overrides, inject=None):
+    from training.config import load_config
+    from training.trainer import Trainer, TrainingAborted
+
+    cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides)
+    trainer = Trainer(cfg)
+    if inject is None:
+        out = trainer.train()
+        return {"losses": [json.loads(line)["loss"] for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()
+                           if "event" not in json.loads(line)] if rank == 0 else None,
+                "valid": out["valid_loss"]}
+    # fp16 overflow injection: a gradient hook turns one parameter's gradient into inf on chosen steps
+    param = trainer.model.layers[0].mlp.fc.weight
+    state = {"on": False}
+    param.register_hook(lambda g: g * float("inf") if state["on"] else g)
+    records = []
+    try:
+        for it in range(inject["steps"]):
+            state["on"] = it in inject["overflow_at"]
+            before = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
+            m = trainer.train_step()
+            changed = any(not torch.equal(before[n], p.detach().float()) for n, p in trainer.model.named_parameters())
+            records.append({"applied": m["step_applied"], "scale": m["loss_scale"], "skipped": m["skipped"],
+                            "changed": changed, "lr": m["lr"]})
+    except TrainingAborted as e:
+        return {"records": records, "aborted": str(e)}
+    return {"records": records, "aborted": None}
+
+
+@needs_corpus
+def test_tp2_dp2_matches_tp1_dp1_and_loss_decreases(spm_model, tmp_path):
+    # vocab 1000 pads to 1024 at TP=1 (x128) and at TP=2 (x256): identical initial weights
+    common = {"train.iters": 6, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant"}
+    ref = run_distributed(_train_worker, 1, _overrides(spm_model, tmp_path / "tp1", **{"parallel.tensor": 1}, **common))
+    big = run_distributed(_train_worker, 4, _overrides(spm_model, tmp_path / "tp2dp2", **{"parallel.tensor": 2}, **common))
+    l1, l4 = ref[0]["losses"], big[0]["losses"]
+    assert len(l1) == len(l4) == 6
+    torch.testing.assert_close(torch.tensor(l4), torch.tensor(l1), rtol=2e-4, atol=2e-4)
+    assert l1[-1] < l1[0] - 0.5, l1  # learning on real text (ln(1000) = 6.9 at the start)
+    config = json.loads((tmp_path / "tp2dp2" / "ds_config.json").read_text())
+    assert config["train_batch_size"] == 8 and config["gradient_accumulation_steps"] == 2
+    assert json.loads((tmp_path / "tp1" / "ds_config.json").read_text())["gradient_accumulation_steps"] == 4
+
+
+@needs_corpus
+def test_fp16_overflow_skips_step_halves_scale_and_aborts(spm_model, tmp_path):
+    fp16 = {"precision.dtype": "fp16", "precision.allow_fp16_on_cpu": "true", "precision.initial_scale_power": 8,
+            "precision.max_consecutive_skipped": 3, "train.iters": 10, "parallel.tensor": 1,
+            "train.global_batch_size": 2}
+    out = run_distributed(_train_worker, 1, _overrides(spm_model, tmp_path / "fp16", **fp16),
+                          {"steps": 4, "overflow_at": [2]})[0]
+    r = out["records"]
+    assert out["aborted"] is None
+    assert [x["applied"] for x in r] == [True, True, False, True]
+    assert r[2]["changed"] is False and r[1]["changed"] and r[3]["changed"]  # weights untouched on overflow
+    assert r[2]["scale"] == r[1]["scale"] / 2 == 2.0 ** 7
+    assert [x["skipped"] for x in r] == [0, 0, 1, 1]
+    assert r[3]["lr"] == r[2]["lr"]  # the scheduler does not advance on a skipped step
+    out = run_distributed(_train_worker, 1, _overrides(spm_model, tmp_path / "fp16b", **fp16),
+                          {"steps": 10, "overflow_at": list(range(10))})[0]
+    assert len(out["records"]) == 2 and out["aborted"] and "3 consecutive steps skipped" in out["aborted"]
+
+
+def _cli(*args, env_extra=None, timeout=120):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "training.pretrain", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("override,env,message", [
+    ("model.hiden_size=64", {}, "unknown config key 'model.hiden_size' (did you mean 'hidden_size'?)"),
+    ("train.iters=ten", {}, "train.iters: expected an integer, got 'ten'"),
+    ("model.num_attention_heads=3", {}, "model.hidden_size=64 is not divisible by model.num_attention_heads=3"),
+    ("parallel.tensor=8", {}, "parallel.tensor=8 does not divide model.num_attention_heads=4"),
+    ("parallel.tensor=2", {"WORLD_SIZE": "3"}, "world size 3 is not divisible by TP x PP = 2 x 1"),
+    ("precision.dtype=fp8", {}, "precision.dtype: 'fp8' is not one of"),
+])
+def test_bad_config_fails_with_one_clear_line(override, env, message):
+    res = _cli("--config", "configs/gpt2_tiny.yaml", override, env_extra=env)
+    assert res.returncode == 2
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("config error: ") and message in lines[0], res.stderr
+
+
+@needs_corpus
+@pytest.mark.slow
+def test_deepspeed_launcher_tp2_run(spm_model, tmp_path):
+    run_dir = tmp_path / "launch"
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(_port()),
+           "--module", "training.pretrain", "--config", "configs/gpt2_tiny.yaml",
+           *_overrides(spm_model, run_dir, **{"train.iters": 3, "parallel.tensor": 2})]
+    res = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, DS_ACCELERATOR="cpu"), capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "event" not in r]
+    assert [r["iteration"] for r in steps] == [1, 2, 3]
+    assert list(steps[0])[:9] == ["iteration", "lr", "loss", "loss_scale", "grad_norm", "skipped", "tokens_per_s",
+                                  "tflops_per_device", "mfu"]
+    assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in steps)
+    assert (run_dir / "checkpoints" / "latest").read_text() == "iter_0000003"
+    assert len(list((run_dir / "checkpoints" / "iter_0000003").glob("mp_rank_*_model_states.pt"))) == 2
+    assert "iter      3/3" in res.stdout
+
+
+def _port():
+    from tests.distributed import free_port
+
+    return free_port()
