@@ -71,7 +71,8 @@ def load_scorer(run_dir: str | Path, rt: Runtime, include_vocab_padding: bool = 
         raise EvalError(f"checkpoint directory {p} does not exist")
     from training.checkpoint import load_model_for_eval
 
-    model, cfg, tokenizer = load_model_for_eval(p, pstate=rt.pstate, device=str(rt.device))
+    group = rt.pstate.tp_group if rt.pstate is not None else None
+    model, cfg, tokenizer = load_model_for_eval(p, group=group, device=str(rt.device))
     if cfg.model.arch != "gpt2":
         raise EvalError(f"{p} holds a {cfg.model.arch!r} model; WikiText/LAMBADA need a GPT (causal LM) checkpoint")
     model.eval()
@@ -79,7 +80,6 @@ def load_scorer(run_dir: str | Path, rt: Runtime, include_vocab_padding: bool = 
     check_vocab(tokenizer, cfg, padded)
     tp = rt.pstate.dims.tp if rt.pstate is not None else 1
     tp_rank = rt.pstate.tp_rank if rt.pstate is not None else 0
-    group = rt.pstate.tp_group if rt.pstate is not None else None
     scorer = gpt2_scorer(model, padded if include_vocab_padding else tokenizer.vocab_size, cfg.model.positions,
                          rt.device, vocab_start=tp_rank * (padded // tp), tp_group=group)
     return scorer, cfg, tokenizer

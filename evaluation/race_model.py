@@ -20,7 +20,8 @@ def load_multiple_choice(run_dir: str | Path, rt):
         raise EvalError(f"checkpoint directory {p} does not exist")
     from training.checkpoint import load_model_for_eval
 
-    model, cfg, tokenizer = load_model_for_eval(p, pstate=rt.pstate, device=str(rt.device))
+    model, cfg, tokenizer = load_model_for_eval(p, group=rt.pstate.tp_group if rt.pstate is not None else None,
+                                                device=str(rt.device))
     if cfg.model.arch != "bert" or not getattr(model, "num_choices", None):
         raise EvalError(f"{p} holds a {cfg.model.arch!r} model without a multiple-choice head; RACE needs a "
                         "BERT checkpoint fine-tuned for multiple choice")

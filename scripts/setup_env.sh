@@ -13,6 +13,13 @@ PY=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 DEEPSPEED_VERSION=${DEEPSPEED_VERSION:-0.19.8}
 
+# redis-server for the multi-worker dedup test (datasketch's Redis storage). Optional: the test skips
+# with a reason where it cannot be installed (not root, no apt).
+if ! command -v redis-server >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+    || echo "setup_env: could not install redis-server; the Redis dedup test will be skipped" >&2
+fi
+
 if [ -f "$VENV/.complete" ] && [ "$(cat "$VENV/.complete")" = "$(sha256sum pyproject.toml scripts/setup_env.sh | sha256sum)" ]; then
   exit 0
 fi

@@ -83,6 +83,12 @@ def test_signature_equals_datasketch_reference():
     ref.update_batch([int(h) for h in hv])
     np.testing.assert_array_equal(signer.sign(text)[0], ref.hashvalues)
     assert len(hv) == len(_ref_shingles(text))
+    texts = [text, "short one", "", "Another text, with other words entirely; and more of them here.", "x y z w v u"]
+    sigs, nsh = signer.sign_batch(texts, block_rows=7)
+    for k, t in enumerate(texts):
+        s, c = signer.sign(t)
+        np.testing.assert_array_equal(sigs[k], s)
+        assert nsh[k] == c
     # short documents: one shingle; no words: no shingle
     assert len(dd.shingle_set("two words", spec)) == 1 and dd.shingle_set("!!! ...", spec) == set()
     assert dd.shingle_set("abcdefg", dd.ShingleSpec(5, "char")) == {"abcde", "bcdef", "cdefg"}

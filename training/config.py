@@ -124,6 +124,8 @@ class TrainConfig:
     """Checkpoint every N iterations (0 = only at the end)."""
     keep_last: int = 2
     """Keep this many newest checkpoints."""
+    exit_at: int | None = None
+    """Save and stop at this iteration (the schedule still runs to `iters`); rerun to resume."""
     progress_bar: bool = True
 
 

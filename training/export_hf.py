@@ -107,11 +107,23 @@ def _save_tokenizer(tokenizer, out: Path, max_len: int) -> bool:
     if getattr(tokenizer, "kind", None) != "gpt2_bpe":
         logger.warning("tokenizer %r is not GPT-2 BPE: no tokenizer files written", tokenizer)
         return False
+    import inspect
+
     from transformers import GPT2TokenizerFast
 
-    hf_tok = GPT2TokenizerFast(vocab_file=str(tokenizer.vocab_file), merges_file=str(tokenizer.merges_file),
-                               model_max_length=max_len)
+    params = inspect.signature(GPT2TokenizerFast.__init__).parameters
+    if "vocab_file" in params:  # transformers 4.x
+        hf_tok = GPT2TokenizerFast(vocab_file=str(tokenizer.vocab_file), merges_file=str(tokenizer.merges_file),
+                                   model_max_length=max_len)
+    else:  # transformers 5.x: vocab / merges accept file paths
+        hf_tok = GPT2TokenizerFast(vocab=str(tokenizer.vocab_file), merges=str(tokenizer.merges_file),
+                                   model_max_length=max_len)
+    if len(hf_tok) != tokenizer.vocab_size or hf_tok("Hello world")["input_ids"] != tokenizer.encode("Hello world"):
+        raise ExportError("transformers' GPT2TokenizerFast does not reproduce our GPT-2 BPE ids; tokenizer not exported")
     hf_tok.save_pretrained(str(out))
+    for name in ("vocab.json", "merges.txt"):  # the plain files, for tools that read them directly
+        if not (out / name).exists():
+            shutil.copy(tokenizer.vocab_file if name == "vocab.json" else tokenizer.merges_file, out / name)
     return True
 
 
@@ -122,9 +134,11 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Pat
         raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
     if not Path(run_dir).is_dir():
         raise ExportError(f"checkpoint directory {run_dir} does not exist")
+    from data_pipeline.tokenizer import load_tokenizer
     from training.checkpoint import load_merged_state_dict
 
-    sd, cfg, tokenizer = load_merged_state_dict(run_dir)
+    sd, cfg, meta = load_merged_state_dict(run_dir)
+    tokenizer = load_tokenizer(meta["tokenizer"], base_dir=Path(run_dir))
     vocab = tokenizer.vocab_size
     if cfg.model.vocab_size is not None and cfg.model.vocab_size != vocab:
         raise ExportError(f"checkpoint vocabulary ({cfg.model.vocab_size}) does not match its tokenizer ({vocab})")

@@ -39,9 +39,23 @@ def format_line(m: dict, total_iters: int) -> str:
 class MetricsWriter:
     """Rank-0 sink: log line, JSON lines (flushed each step), optional DeepSpeed monitor."""
 
-    def __init__(self, run_dir: Path, total_iters: int, enabled: bool, monitor=None, append: bool = False):
+    def __init__(self, run_dir: Path, total_iters: int, enabled: bool, monitor=None, resume_iteration: int | None = None):
+        """``resume_iteration``: continuing a run from a checkpoint at that iteration; rows logged
+        after it by the interrupted run are dropped so the file reads as one uninterrupted run."""
         self.enabled, self.total, self.monitor = enabled, total_iters, monitor
-        self.file = open(run_dir / "metrics.jsonl", "a" if append else "w") if enabled else None
+        self.file = None
+        if not enabled:
+            return
+        path = run_dir / "metrics.jsonl"
+        if resume_iteration is not None and path.is_file():
+            keep = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["iteration"] <= resume_iteration]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            tmp.replace(path)
+            self.file = open(path, "a")
+        else:
+            self.file = open(path, "w")
 
     def step(self, m: dict) -> None:
         if not self.enabled:

@@ -204,12 +204,14 @@ class Trainer:
         cfg = self.cfg
         resumed = ckpt.load(self)
         writer = MetricsWriter(self.run_dir, cfg.train.iters, self.is_rank0,
-                               getattr(self.engine, "monitor", None), append=resumed)
+                               getattr(self.engine, "monitor", None),
+                               resume_iteration=self.iteration if resumed else None)
         bar = tqdm(total=cfg.train.iters, initial=self.iteration, desc="train", unit="it",
                    disable=not (self.is_rank0 and cfg.train.progress_bar), leave=False)
         last = {}
         try:
-            while self.iteration < cfg.train.iters:
+            stop = min(cfg.train.iters, cfg.train.exit_at or cfg.train.iters)
+            while self.iteration < stop:
                 last = self.train_step()
                 if cfg.train.log_interval and (self.iteration % cfg.train.log_interval == 0
                                                or self.iteration == cfg.train.iters):

@@ -1,0 +1,225 @@
+"""Training-step benchmark on CPU: our GPT-2 (TP=1) against Hugging Face ``GPT2LMHeadModel``.
+
+Both models have the same dimensions, dtype (fp32), batch, sequence, dropout and activation (exact
+erf GELU), and the same padded vocabulary (HF's ``vocab_size`` is set to our padded size so both do
+the same FLOPs); both are wrapped by ``deepspeed.initialize`` with the project's DeepSpeed config
+(``training.config.deepspeed_config``) and the project's AdamW (``training.optim.build_optimizer``).
+One step = forward (mean token loss), ``engine.backward``, ``engine.step``. HF runs with
+``attn_implementation="sdpa"`` and computes its own shifted loss from ``labels=tokens``.
+
+Repetitions are interleaved (ours, HF, matmul peak; rotated each repetition); each repetition
+times ``--steps`` steps after ``--warmup`` untimed ones. MFU = model FLOPs per step
+(``training.metrics.model_flops_per_iteration``) / step time / the dense matmul FLOP/s measured in
+the same repetition (``training.hardware.measure_cpu_peak_tflops``, uncached).
+
+    .venv/bin/python benchmarks/bench_train_step.py --reps 5 --steps 2
+    .venv/bin/python benchmarks/bench_train_step.py --profile 3   # torch.profiler tables instead
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+
+log = logging.getLogger("bench_train_step")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4, help="micro = global batch (one micro-batch per step)")
+    p.add_argument("--vocab", type=int, default=50257, help="unpadded vocabulary (padded to a multiple of 128)")
+    p.add_argument("--dropout", type=float, default=0.1, help="hidden, attention and embedding dropout, both models")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--clip", action="store_true",
+                   help="also clip the gradient norm as training/trainer.py does in fp32 (DeepSpeed clip_grad_norm_)")
+    p.add_argument("--only", choices=["ours", "hf"], default=None, help="time one model only")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="instead of timing, profile STEPS steps of each model and print the top operators")
+    p.add_argument("--profile-rows", type=int, default=25)
+    args = p.parse_args(argv)
+    for k in ("layers", "hidden", "heads", "seq", "batch", "vocab", "threads", "reps", "steps"):
+        if getattr(args, k) < 1:
+            p.error(f"--{k} must be >= 1")
+    if args.hidden % args.heads:
+        p.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    return args
+
+
+def init_single_process() -> None:
+    """World of one gloo process: DeepSpeed's engine and our ParallelState need torch.distributed."""
+    import deepspeed
+
+    from tests.distributed import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_SIZE="1")
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+
+
+def project_config(args):
+    from training.config import Config, ModelConfig
+
+    cfg = Config()
+    cfg.model = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                            seq_length=args.seq, vocab_size=args.vocab, hidden_dropout=args.dropout,
+                            attention_dropout=args.dropout)
+    cfg.train.micro_batch_size = cfg.train.global_batch_size = args.batch
+    cfg.train.iters = 10**6
+    return cfg
+
+
+class Runner:
+    """One model under its own DeepSpeed engine; ``step()`` = forward, backward, optimizer step."""
+
+    def __init__(self, name: str, engine, model, loss_fn, tokens, labels, clip: float, mpu=None):
+        self.name, self.engine, self.model, self.loss_fn = name, engine, model, loss_fn
+        self.tokens, self.labels, self.clip, self.mpu = tokens, labels, clip, mpu
+
+    def step(self) -> float:
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        loss = self.loss_fn(self.engine, self.tokens, self.labels)
+        self.engine.backward(loss)
+        if self.clip:
+            clip_grad_norm_(self.model.parameters(), self.clip, mpu=self.mpu)
+        self.engine.step()
+        return loss.item()
+
+
+def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
+    import deepspeed
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from training.config import deepspeed_config
+    from training.models.gpt2 import GPT2Model
+    from training.optim import build_optimizer
+    from training.parallel import random as tp_random
+    from training.parallel.state import ParallelState
+
+    ds = deepspeed_config(cfg, 1, "fp32")
+    clip = cfg.optimizer.clip_grad if args.clip else 0.0
+    runners: dict[str, Runner] = {}
+    ps = ParallelState(tp=1)
+    tp_random.configure(ps, cfg.model.num_layers)
+    tp_random.set_seed(cfg.train.seed)
+    if args.only in (None, "ours"):
+        ours = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
+        opt, sched = build_optimizer(ours, cfg.optimizer, cfg.train.iters)
+        eng, *_ = deepspeed.initialize(model=ours, optimizer=opt, lr_scheduler=sched, mpu=ps, config=dict(ds),
+                                       dist_init_required=False)
+        runners["ours"] = Runner("ours", eng, ours, lambda e, t, l: e(t, l).mean(), tokens, labels, clip, ps)
+    if args.only in (None, "hf"):
+        hcfg = GPT2Config(vocab_size=padded, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
+                          n_head=args.heads, activation_function="gelu", resid_pdrop=args.dropout,
+                          embd_pdrop=args.dropout, attn_pdrop=args.dropout, layer_norm_epsilon=1e-5,
+                          initializer_range=0.02)
+        torch.manual_seed(cfg.train.seed)
+        hf = GPT2LMHeadModel._from_config(hcfg, attn_implementation="sdpa").train()
+        opt, sched = build_optimizer(hf, cfg.optimizer, cfg.train.iters)
+        eng, *_ = deepspeed.initialize(model=hf, optimizer=opt, lr_scheduler=sched, config=dict(ds),
+                                       dist_init_required=False)
+        # HF shifts internally: labels = the input ids (loss over s-1 positions, logits over all s)
+        assert hf.config._attn_implementation == "sdpa", hf.config._attn_implementation
+        runners["hf"] = Runner("hf", eng, hf, lambda e, t, l: e(input_ids=t, labels=t).loss, tokens, labels, clip)
+    return runners
+
+
+def profile(runners: dict[str, Runner], steps: int, rows: int) -> None:
+    from torch.profiler import ProfilerActivity, profile as tprofile, record_function
+
+    for name, r in runners.items():
+        r.step()
+        with tprofile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+            for _ in range(steps):
+                with record_function(f"{name}.forward"):
+                    loss = r.loss_fn(r.engine, r.tokens, r.labels)
+                with record_function(f"{name}.backward"):
+                    r.engine.backward(loss)
+                if r.clip:
+                    from deepspeed.runtime.utils import clip_grad_norm_
+
+                    with record_function(f"{name}.clip_grad_norm"):
+                        clip_grad_norm_(r.model.parameters(), r.clip, mpu=r.mpu)
+                with record_function(f"{name}.optimizer_step"):
+                    r.engine.step()
+        print(f"\n=== {name}: {steps} steps, operators by self CPU time ===")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+        print(f"=== {name}: phases (total CPU time) ===")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8))
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    warnings.filterwarnings("ignore")
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    init_single_process()
+    for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    from training.config import padded_vocab_size
+    from training.hardware import measure_cpu_peak_tflops
+    from training.metrics import model_flops_per_iteration
+
+    info = common.machine_info()
+    cfg = project_config(args)
+    padded = padded_vocab_size(args.vocab, cfg.model.make_vocab_size_divisible_by, 1)
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    runners = build_runners(args, cfg, padded, tokens, labels)
+    if args.profile:
+        profile(runners, args.profile, args.profile_rows)
+        return
+
+    for r in runners.values():
+        for _ in range(args.warmup):
+            r.step()
+    candidates = {name: (lambda r=r: common.timed(r.step, args.steps)) for name, r in runners.items()}
+    peak_fn = getattr(measure_cpu_peak_tflops, "__wrapped__", measure_cpu_peak_tflops)
+    candidates["peak"] = lambda: peak_fn("fp32")  # TFLOP/s, fresh each repetition
+    samples = common.interleaved(candidates, args.reps)
+
+    flops = model_flops_per_iteration(args.batch, args.seq, args.layers, args.hidden, padded)
+    ntok = args.batch * args.seq
+    peak = samples["peak"]
+    rows = []
+    for name in runners:
+        t = samples[name]
+        mfu = common.Samples([flops / dt / 1e12 / pk for dt, pk in zip(t.values, peak.values)])
+        rows.append([name, t.fmt(".3f"), common.Samples([ntok / x for x in t.values]).fmt(",.0f"),
+                     common.Samples([flops / x / 1e9 for x in t.values]).fmt(".1f"), mfu.fmt(".1f", 100)])
+    print()
+    print(common.markdown_header(info, common.load_average()))
+    print(f"- model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, micro=global "
+          f"batch {args.batch}, vocab {args.vocab} padded to {padded} (both models), dropout {args.dropout}, fp32, "
+          f"{args.threads} threads; {args.reps} interleaved repetitions x {args.steps} steps after {args.warmup} "
+          f"warm-up; gradient clipping {'on' if args.clip else 'off'}")
+    print(f"- model FLOPs per step: {flops / 1e9:.1f} GFLOP; measured fp32 matmul peak (n=1024): "
+          f"{peak.fmt('.1f', 1000)} GFLOP/s")
+    print()
+    print(common.markdown_table(["model", "s/step median [min-max]", "tokens/s", "GFLOP/s", "MFU %"], rows))
+    if "ours" in runners and "hf" in runners:
+        speed = common.ratio_samples(samples["hf"], samples["ours"])
+        print(f"\nSpeed-up ours/HF (HF step time / ours, per repetition): {speed.fmt('.3f')}")
+
+
+if __name__ == "__main__":
+    main()
