@@ -2,25 +2,34 @@
 
 1. A full build (ingest → tokenizer → filter → dedup → export) of a planted near-duplicate corpus
    made from real text (../shared/data/corpus): docs/s and peak RSS per stage, from stats.json.
-2. The dedup stage (batch MinHash in worker processes + recall-biased LSH + exact verification +
-   union-find) against a plain datasketch baseline on the same documents: per-document
-   ``MinHash(num_perm=128)`` + ``update_batch`` of the same word-5-gram shingles (bytes, default SHA-1
-   hash) and ``MinHashLSH(threshold=0.7, num_perm=128)`` query-then-insert, clusters = connected
-   components of the LSH candidates (the baseline does no verification). Repetitions are interleaved
-   (ours, baseline, ours, ...); median and min–max of docs/s are reported, with pair recall against
-   the exact Jaccard of every pair and the number of pairs below 0.7 each one merged.
+2. The dedup stage exactly as the build runs it (``dedup.dedup_store``: vectorised shingle fingerprints
+   + batch MinHash in worker processes, band-sort LSH at 20×6, Jaccard verification of every candidate
+   pair not already joined, union-find) against a plain datasketch baseline on the same documents:
+   per-document ``MinHash(num_perm=128)`` + ``update_batch`` of the same word-5-gram shingles (bytes,
+   default SHA-1 hash) and ``MinHashLSH(threshold=0.7, num_perm=128)`` query-then-insert, clusters =
+   connected components of the LSH candidates (the baseline does no verification). Repetitions are
+   interleaved (ours, baseline, ours, ...); median and min–max of docs/s (wall) and the CPU seconds
+   (this process + its worker processes) are reported, with pair recall against the exact Jaccard of
+   every pair and the number of pairs below 0.7 each one merged, and the machine's load average.
+3. Optional: HuggingFace datatrove's 4-step MinHash dedup (signatures → buckets → cluster → filter, local
+   executor, 20×6 buckets, no verification) when ``--datatrove-python`` names an interpreter that can
+   import datatrove (a throwaway venv: it is not a project dependency); skipped with a message otherwise.
 
-    .venv/bin/python benchmarks/bench_corpus.py --families 600 --variants 4 --reps 5 --workers 2
+    .venv/bin/python benchmarks/bench_corpus.py --families 600 --variants 4 --reps 5 --workers 2 \
+        [--datatrove-python /tmp/venv-dt/bin/python]
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import os
 import platform
 import re
+import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,25 +49,28 @@ from data_pipeline.store import DocStore, ShardWriter  # noqa: E402
 DATA = ROOT / ".." / "shared" / "data" / "corpus"
 
 
-def ours(store: DocStore, tmp: Path, workers: int) -> tuple[float, dict[int, int]]:
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its reaped children (the pool workers)."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+def ours(store: DocStore, tmp: Path, workers: int, chunk: int) -> tuple[float, float, dict[int, int], dd.DedupResult]:
     shingle = dd.ShingleSpec(5, "word")
     b, r = dd.lsh_params(0.7, 128, None, None, (0.1, 0.9))
     lsh = dd.LshSpec(0.7, 128, b, r, 1)
     sig_dir = tmp / "sigs"
     shutil.rmtree(sig_dir, ignore_errors=True)
-    t = time.perf_counter()
-    sigs, nsh = dd.compute_signatures(store, sig_dir, 128, 1, shingle, 500, workers, progress=False)
-    pairs = dd.candidates_in_memory(sigs, nsh > 0, lsh, progress=False)
-    verified = dd.verify_pairs(store, pairs, shingle, 20000, workers, progress=False)
-    clusters, _ = dd.cluster(verified, 0.7)
-    secs = time.perf_counter() - t
-    return secs, {m: root for root, ms in clusters.items() for m in ms}
+    c, t = cpu_seconds(), time.perf_counter()
+    res = dd.dedup_store(store, sig_dir, shingle, lsh, chunk, workers, 20000, progress=False)
+    secs, cpu = time.perf_counter() - t, cpu_seconds() - c
+    return secs, cpu, {m: root for root, ms in res.clusters.items() for m in ms}, res
 
 
-def baseline(texts: list[str]) -> tuple[float, dict[int, int]]:
+def baseline(texts: list[str]) -> tuple[float, float, dict[int, int]]:
     from datasketch import MinHash, MinHashLSH
 
-    t = time.perf_counter()
+    c, t = cpu_seconds(), time.perf_counter()
     lsh = MinHashLSH(threshold=0.7, num_perm=128)
     uf = dd.UnionFind()
     for j, text in enumerate(texts):
@@ -68,8 +80,66 @@ def baseline(texts: list[str]) -> tuple[float, dict[int, int]]:
         for i in lsh.query(m):
             uf.union(i, j)
         lsh.insert(j, m)
-    secs = time.perf_counter() - t
-    return secs, {m: root for root, ms in uf.clusters().items() for m in ms}
+    secs, cpu = time.perf_counter() - t, cpu_seconds() - c
+    return secs, cpu, {m: root for root, ms in uf.clusters().items() for m in ms}
+
+
+# Runs under the --datatrove-python interpreter; argv: input jsonl, work dir, workers. Prints one JSON line.
+DATATROVE_SCRIPT = r'''
+import json, sys, time, logging
+from pathlib import Path
+logging.disable(logging.WARNING)
+from datatrove.executor import LocalPipelineExecutor
+from datatrove.pipeline.dedup.minhash import (MinhashConfig, MinhashDedupBuckets, MinhashDedupCluster,
+                                               MinhashDedupFilter, MinhashDedupSignature)
+from datatrove.pipeline.readers import JsonlReader
+from datatrove.utils.hashing import HashConfig
+inp, work, workers = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+cfg = MinhashConfig(n_grams=5, num_buckets=20, hashes_per_bucket=6, hash_config=HashConfig(precision=64))
+def reader():
+    return JsonlReader(str(Path(inp).parent), glob_pattern=Path(inp).name, id_key="id", text_key="text")
+t = time.perf_counter()
+steps = [
+    ([reader(), MinhashDedupSignature(output_folder=str(work / "sigs"), config=cfg)], workers),
+    ([MinhashDedupBuckets(input_folder=str(work / "sigs"), output_folder=str(work / "buckets"), config=cfg)],
+     cfg.num_buckets),
+    ([MinhashDedupCluster(input_folder=str(work / "buckets"), output_folder=str(work / "remove_ids"), config=cfg,
+                          save_cluster_id=True)], 1),
+    ([reader(), MinhashDedupFilter(input_folder=str(work / "remove_ids"),
+                                   exclusion_writer=None, load_cluster_ids=True)], workers),
+]
+for k, (pipe, tasks) in enumerate(steps):
+    LocalPipelineExecutor(pipeline=pipe, tasks=tasks, workers=min(workers, tasks), logging_dir=str(work / f"logs{k}"),
+                          skip_completed=False).run()
+secs = time.perf_counter() - t
+import struct, numpy as np
+member = {}
+for f in sorted((work / "remove_ids").glob("*.clusters")):
+    data = np.fromfile(f, dtype=[("doc", "<u4"), ("cluster", "<u4")])
+    for d, c in data.tolist():
+        member[d] = c
+print(json.dumps({"seconds": secs, "member": member}))
+'''
+
+
+def datatrove(python: str | None, texts: list[str], tmp: Path, workers: int) -> tuple[float, dict[int, int]] | str:
+    """(seconds, {doc: cluster}) from datatrove's MinHash pipeline under ``python``; or why it was skipped."""
+    if not python:
+        return "no --datatrove-python given"
+    probe = subprocess.run([python, "-c", "import datatrove"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"{python} cannot import datatrove: {probe.stderr.strip().splitlines()[-1:]}"
+    inp = tmp / "dt_in" / "docs.jsonl"
+    inp.parent.mkdir(exist_ok=True)
+    inp.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(texts)))
+    work = tmp / "dt_work"
+    shutil.rmtree(work, ignore_errors=True)
+    out = subprocess.run([python, "-c", DATATROVE_SCRIPT, str(inp), str(work), str(workers)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        return "datatrove failed: " + (out.stderr.strip().splitlines() or ["?"])[-1]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    return res["seconds"], {int(k): int(v) for k, v in res["member"].items()}
 
 
 def pair_quality(member: dict[int, int], truth: dict[tuple[int, int], float], lo: float) -> tuple[float, int]:
@@ -85,29 +155,37 @@ def main() -> None:
     ap.add_argument("--variants", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=500, help="documents per signature chunk (dedup.chunk_size)")
+    ap.add_argument("--skip-build", action="store_true", help="only the dedup comparison")
+    ap.add_argument("--datatrove-python", default=None,
+                    help="python of a separate venv with datatrove installed (optional comparison)")
     args = ap.parse_args()
     words = real_words([DATA / "botchan.txt", DATA / "tinyshakespeare.txt"])
     fams = min(args.families, len(words) // 300)
     texts, _ = planted_corpus(words, fams, args.variants, max_edit_frac=0.08, seed=11)
     n = len(texts)
     tmp = Path(tempfile.mkdtemp(prefix="bench_corpus_"))
+    load0 = os.getloadavg()
     try:
         # ---------------------------------------------------------------- 1. full build, per stage
-        inp = tmp / "planted.jsonl"
-        inp.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-        cfg = config_from_dict({"output_dir": str(tmp / "out"), "sources": [{"type": "jsonl", "path": str(inp)}],
-                                "workers": args.workers, "shard_size": 500, "progress": False,
-                                "tokenizer": {"vocab_size": 8000}, "dedup": {"chunk_size": 500}})
-        _, stats = build(cfg, force=True)
-        print(f"\n## full build: {n} planted documents, workers={args.workers}")
-        print(f"documents: {stats['documents']}")
-        print("| stage | seconds | docs in | docs/s | peak RSS main (MiB) | peak RSS workers (MiB) |")
-        print("|---|---|---|---|---|---|")
-        for k, s in stats["stages"].items():
-            print(f"| {k} | {s['seconds']:.2f} | {s['docs_in']} | {s['docs_per_s']:.0f} | {s['peak_rss_mib']:.0f} "
-                  f"| {s['peak_rss_children_mib']:.0f} |")
-        print(f"dedup phases (s): {stats['dedup']['phase_seconds']}; candidates {stats['dedup']['candidate_pairs']}, "
-              f"verified {stats['dedup']['verified_pairs']}, removed {stats['dedup']['removed']}")
+        if not args.skip_build:
+            inp = tmp / "planted.jsonl"
+            inp.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+            cfg = config_from_dict({"output_dir": str(tmp / "out"), "sources": [{"type": "jsonl", "path": str(inp)}],
+                                    "workers": args.workers, "shard_size": 500, "progress": False,
+                                    "tokenizer": {"vocab_size": 8000}, "dedup": {"chunk_size": args.chunk}})
+            _, stats = build(cfg, force=True)
+            print(f"\n## full build: {n} planted documents, workers={args.workers}")
+            print(f"documents: {stats['documents']}")
+            print("| stage | seconds | docs in | docs/s | peak RSS main (MiB) | peak RSS workers (MiB) |")
+            print("|---|---|---|---|---|---|")
+            for k, s in stats["stages"].items():
+                print(f"| {k} | {s['seconds']:.2f} | {s['docs_in']} | {s['docs_per_s']:.0f} | {s['peak_rss_mib']:.0f} "
+                      f"| {s['peak_rss_children_mib']:.0f} |")
+            ded = stats["dedup"]
+            print(f"dedup phases (s): {ded['phase_seconds']}; candidates {ded['candidate_pairs']}, measured "
+                  f"{ded['measured_pairs']} (skipped {ded['skipped_candidates']}), merging edges "
+                  f"{ded['verified_pairs']}, rejected {ded['rejected_candidates']}, removed {ded['removed']}")
 
         # ---------------------------------------------------------------- 2. dedup vs baseline
         store_dir = tmp / "store"
@@ -124,25 +202,42 @@ def main() -> None:
             inter = len(sets[i] & sets[j])
             if inter:
                 truth[(i, j)] = inter / (len(sets[i]) + len(sets[j]) - inter)
-        t_ours, t_base = [], []
+        t_ours, t_base, c_ours, c_base = [], [], [], []
+        load1 = os.getloadavg()
         for _ in range(args.reps):
-            s, m_ours = ours(store, tmp, args.workers)
+            s, c, m_ours, res = ours(store, tmp, args.workers, args.chunk)
             t_ours.append(n / s)
-            s, m_base = baseline(texts)
+            c_ours.append(c)
+            s, c, m_base = baseline(texts)
             t_base.append(n / s)
+            c_base.append(c)
+        load2 = os.getloadavg()
+        rows = [(f"ours: dedup_store, {args.workers} procs, 20x6 LSH, verify unjoined pairs", t_ours, c_ours, m_ours),
+                ("datasketch MinHash+MinHashLSH(0.7) per doc, unverified", t_base, c_base, m_base)]
+        dt = datatrove(args.datatrove_python, texts, tmp, args.workers)
+        if isinstance(dt, str):
+            print(f"\n(datatrove comparison skipped: {dt})")
+        else:
+            rows.append((f"datatrove 0.10 MinHash 20x6, {args.workers} workers, unverified (1 run)",
+                         [n / dt[0]], [float("nan")], dt[1]))
         print(f"\n## dedup stage vs plain datasketch: {n} documents, {args.reps} interleaved reps")
-        print("| method | docs/s median | min–max | recall J>=0.7 | recall J>=0.75 | pairs J<0.7 in one cluster (transitive) |")
-        print("|---|---|---|---|---|---|")
-        for name, ts, mem in (("ours (batch MinHash x%d procs, 20x6 LSH, exact verify)" % args.workers, t_ours, m_ours),
-                              ("datasketch MinHash+MinHashLSH(0.7) per doc", t_base, m_base)):
+        print("| method | docs/s median | min–max | CPU s median | recall J>=0.7 | recall J>=0.75 "
+              "| pairs J<0.7 in one cluster (transitive) |")
+        print("|---|---|---|---|---|---|---|")
+        for name, ts, cs, mem in rows:
             r7, n7 = pair_quality(mem, truth, 0.7)
             r75, n75 = pair_quality(mem, truth, 0.75)
             low = sum(1 for (i, j), v in truth.items() if v < 0.7 and i in mem and mem.get(i) == mem.get(j))
-            print(f"| {name} | {statistics.median(ts):.0f} | {min(ts):.0f}–{max(ts):.0f} | {r7:.3f} (of {n7}) "
-                  f"| {r75:.3f} (of {n75}) | {low} |")
-        print(f"\nspeed-up (median): {statistics.median(t_ours) / statistics.median(t_base):.2f}x")
+            print(f"| {name} | {statistics.median(ts):.0f} | {min(ts):.0f}–{max(ts):.0f} | {statistics.median(cs):.2f} "
+                  f"| {r7:.3f} (of {n7}) | {r75:.3f} (of {n75}) | {low} |")
+        print(f"\nours: {res.candidates} candidate pairs, {res.verified} measured, {res.skipped} skipped (already "
+              f"joined), {res.accepted} merging edges; phases (s, last rep): {res.seconds}")
+        print(f"speed-up (median docs/s): {statistics.median(t_ours) / statistics.median(t_base):.2f}x; "
+              f"CPU-time ratio (median): {statistics.median(c_base) / statistics.median(c_ours):.2f}x")
+        print(f"load average (1/5/15 min): start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, "
+              f"before reps {load1[0]:.1f}, after reps {load2[0]:.1f}")
         print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}, "
-              f"{__import__('os').cpu_count()} cores, numpy {np.__version__}")
+              f"{os.cpu_count()} cores, numpy {np.__version__}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

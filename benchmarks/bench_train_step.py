@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip", action="store_true",
                    help="also clip the gradient norm as training/trainer.py does in fp32 (DeepSpeed clip_grad_norm_)")
     p.add_argument("--only", choices=["ours", "hf"], default=None, help="time one model only")
+    p.add_argument("--engine-tweaks", action="store_true",
+                   help="add a third candidate 'ours+tweaks': our model with AdamW(fused=True) and the engine's "
+                        "gradient all-reduce switched off (DP=1), to measure what the trainer could save")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="instead of timing, profile STEPS steps of each model and print the top operators")
     p.add_argument("--profile-rows", type=int, default=25)
@@ -103,6 +106,24 @@ class Runner:
         return loss.item()
 
 
+def tied_safe_optimizer(model, ocfg, iters: int, fused: bool = False):
+    """``training.optim.build_optimizer``'s AdamW and schedule, with each parameter listed once.
+
+    ``training.optim.param_groups`` walks modules, so a weight tied across two modules (HF's
+    ``lm_head.weight is transformer.wte.weight``) would be listed twice and DeepSpeed rejects that.
+    """
+    from training.optim import lr_at, param_groups
+
+    seen: set[int] = set()
+    groups = []
+    for g in param_groups(model, ocfg.weight_decay):
+        params = [p for p in g["params"] if id(p) not in seen and not seen.add(id(p))]
+        groups.append({**g, "params": params})
+    opt = torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=fused or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: lr_at(it, ocfg, iters) / ocfg.lr)
+    return opt, sched
+
+
 def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
     import deepspeed
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -125,6 +146,14 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
         eng, *_ = deepspeed.initialize(model=ours, optimizer=opt, lr_scheduler=sched, mpu=ps, config=dict(ds),
                                        dist_init_required=False)
         runners["ours"] = Runner("ours", eng, ours, lambda e, t, l: e(t, l).mean(), tokens, labels, clip, ps)
+    if args.engine_tweaks:
+        tweaked = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
+        opt, sched = tied_safe_optimizer(tweaked, cfg.optimizer, cfg.train.iters, fused=True)
+        eng, *_ = deepspeed.initialize(model=tweaked, optimizer=opt, lr_scheduler=sched, mpu=ps, config=dict(ds),
+                                       dist_init_required=False)
+        eng.enable_backward_allreduce = False  # DP=1: the bucketed all-reduce only flattens and copies back
+        runners["ours+tweaks"] = Runner("ours+tweaks", eng, tweaked, lambda e, t, l: e(t, l).mean(), tokens, labels,
+                                        clip, ps)
     if args.only in (None, "hf"):
         hcfg = GPT2Config(vocab_size=padded, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
                           n_head=args.heads, activation_function="gelu", resid_pdrop=args.dropout,
@@ -132,7 +161,7 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
                           initializer_range=0.02)
         torch.manual_seed(cfg.train.seed)
         hf = GPT2LMHeadModel._from_config(hcfg, attn_implementation="sdpa").train()
-        opt, sched = build_optimizer(hf, cfg.optimizer, cfg.train.iters)
+        opt, sched = tied_safe_optimizer(hf, cfg.optimizer, cfg.train.iters)
         eng, *_ = deepspeed.initialize(model=hf, optimizer=opt, lr_scheduler=sched, config=dict(ds),
                                        dist_init_required=False)
         # HF shifts internally: labels = the input ids (loss over s-1 positions, logits over all s)

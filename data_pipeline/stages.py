@@ -3,7 +3,7 @@
     ingest    read every source, reject malformed records, clean (ftfy + whitespace)  → work/ingest/
     tokenizer train sentencepiece on the cleaned documents, or load GPT-2 BPE files   → tokenizer/
     filter    count tokens per document, drop those under length.min_tokens           → work/filter/
-    dedup     MinHash + LSH + exact Jaccard + union-find                              → work/dedup/
+    dedup     shingle fingerprints + MinHash + LSH + Jaccard + union-find             → work/dedup/
     export    kept documents, indexed datasets, rejects, duplicates, stats, manifest  → <output_dir>/
 
 Each stage records ``work/<stage>/_stage.json`` = {fingerprint, status, stats}. The fingerprint hashes
@@ -348,9 +348,10 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
                             "bands": lsh.bands, "rows": lsh.rows, "seed": d.seed,
                             "shingles": f"{shingle.unit} {shingle.n}-grams" + (
                                 " of lower-cased \\w+ words" if shingle.unit == "word" else " of raw characters"),
-                            "hash": "xxh64 per word / code point per char, n-gram mix + fmix64 → 32 bit; "
-                                    "datasketch affine32 permutations",
-                            "verification": "exact Jaccard of every candidate pair",
+                            "hash": "xxh64 per word / fmix64(code point + 1) per char, n-gram mix + fmix64 → "
+                                    "64-bit fingerprint; its high 32 bits → datasketch affine32 permutations",
+                            "verification": "Jaccard of the 64-bit shingle-fingerprint sets of every candidate pair "
+                                            "whose documents union-find has not already joined",
                             "survivor": "lowest input index of each union-find cluster",
                             "p_candidate": {str(s): round(dd.candidate_probability(s, lsh.bands, lsh.rows), 4)
                                             for s in (0.5, 0.6, 0.7, 0.75, 0.8, 0.9)},
@@ -360,58 +361,47 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     times: dict[str, float] = {}
     if d.enabled and n:
-        t0 = time.perf_counter()
         sig_dir = cfg.out / "work" / ("signatures-" + _digest([fingerprint(cfg, "filter"), d.num_perm, d.seed,
-                                                                 d.shingle_size, d.shingle_unit]))
-        sigs, nsh = dd.compute_signatures(store, sig_dir, d.num_perm, d.seed, shingle, d.chunk_size,
-                                          cfg.num_workers, cfg.progress)
-        active = nsh > 0
-        t1 = time.perf_counter()
+                                                                 d.shingle_size, d.shingle_unit,
+                                                                 dd.FINGERPRINT_VERSION]))
+        candidates = None
         if d.storage == "redis":
             basename = d.basename or f"dp-{_digest([str(cfg.out), fingerprint(cfg, 'dedup')])}"
-            dd.redis_clear(d.redis_host, d.redis_port, d.redis_db, basename)
-            atomic_save_npy(folder / "sigs.npy", sigs)
-            atomic_save_npy(folder / "active.npy", active)
-            storage = dd.redis_storage_config(d.redis_host, d.redis_port, d.redis_db, basename)
-            try:
-                pairs = dd.candidates_redis(folder / "sigs.npy", lsh, storage, max(1, cfg.num_workers))
-            finally:
+
+            def candidates(sigs: np.ndarray, active: np.ndarray) -> np.ndarray:
                 dd.redis_clear(d.redis_host, d.redis_port, d.redis_db, basename)
-                (folder / "sigs.npy").unlink(missing_ok=True)
-        else:
-            pairs = dd.candidates_in_memory(sigs, active, lsh, cfg.progress)
-        t2 = time.perf_counter()
-        del sigs
-        verified = dd.verify_pairs(store, pairs, shingle, d.verify_block_docs, cfg.num_workers, cfg.progress)
-        clusters, link = dd.cluster(verified, d.threshold)
-        # Jaccard of every removed member to its cluster's survivor (exact; reuse verified values)
-        known = {(i, j): jac for i, j, jac in verified}
-        need = [(root, m) for root, ms in clusters.items() for m in ms[1:] if (root, m) not in known]
-        known.update({(i, j): jac for i, j, jac in dd.verify_pairs(store, need, shingle, d.verify_block_docs,
-                                                                   cfg.num_workers, cfg.progress,
-                                                                   desc="dedup: jaccard to survivor")})
-        t3 = time.perf_counter()
+                atomic_save_npy(folder / "sigs.npy", sigs)
+                atomic_save_npy(folder / "active.npy", active)
+                storage = dd.redis_storage_config(d.redis_host, d.redis_port, d.redis_db, basename)
+                try:
+                    found = dd.candidates_redis(folder / "sigs.npy", lsh, storage, max(1, cfg.num_workers))
+                finally:
+                    dd.redis_clear(d.redis_host, d.redis_port, d.redis_db, basename)
+                    (folder / "sigs.npy").unlink(missing_ok=True)
+                return np.asarray(sorted(found), dtype=np.int64).reshape(-1, 2)
+
+        res = dd.dedup_store(store, sig_dir, shingle, lsh, d.chunk_size, cfg.num_workers, d.verify_block_docs,
+                             cfg.progress, candidates)
+        clusters, link = res.clusters, res.link
         for root, ms in sorted(clusters.items()):
             kept_rec = store.get(root)
             rem = []
             for m in ms[1:]:
                 via, via_j = link[m]
                 rem.append({"id": store.get(m)["src"], "i": int(store.input_index[m]),
-                            "jaccard": round(known[(root, m)], 6),
+                            "jaccard": round(res.to_survivor[m], 6),
                             "linked_via": int(store.input_index[via]), "link_jaccard": round(via_j, 6)})
                 removed.append(m)
             rows.append({"kept": kept_rec["src"], "kept_i": int(store.input_index[root]), "removed": rem})
         store.close()
-        info.update(documents=n, unsignatured=int((~active).sum()), candidate_pairs=len(pairs),
-                    verified_pairs=sum(1 for _, _, j in verified if j >= d.threshold),
-                    rejected_candidates=sum(1 for _, _, j in verified if j < d.threshold),
-                    clusters=len(clusters), removed=len(removed),
-                    phase_seconds={"minhash": round(t1 - t0, 3), "lsh": round(t2 - t1, 3),
-                             "verify_cluster": round(t3 - t2, 3)})
+        info.update(documents=n, unsignatured=int((~res.active).sum()), candidate_pairs=res.candidates,
+                    verified_pairs=res.accepted, rejected_candidates=res.rejected,
+                    skipped_candidates=res.skipped, measured_pairs=res.verified,
+                    clusters=len(clusters), removed=len(removed), phase_seconds=res.seconds)
         times = info["phase_seconds"]
     else:
         info.update(documents=n, unsignatured=0, candidate_pairs=0, verified_pairs=0, rejected_candidates=0,
-                    clusters=0, removed=0)
+                    skipped_candidates=0, measured_pairs=0, clusters=0, removed=0)
     atomic_save_npy(folder / "removed.npy", np.asarray(sorted(removed), dtype=np.int64))
     write_jsonl_atomic(folder / "duplicates.jsonl", rows)
     log.info("dedup: %d docs, %d candidate pairs, %d verified, %d clusters, %d removed %s", n,

@@ -47,7 +47,21 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
+_TRANSIENT = ("Address already in use", "EADDRINUSE", "connectFullMesh failed", "Connection reset by peer")
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, retries: int = 2):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; retried (on a new port) when
+    the rendezvous itself fails, e.g. another process took the free port between probe and bind."""
+    for attempt in range(retries + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except AssertionError as e:
+            if attempt == retries or not any(t in str(e) for t in _TRANSIENT):
+                raise
+
+
+def _run_once(fn, world_size: int, args, timeout: float):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -10,6 +10,7 @@ import torch
 from tests.distributed import SHARED_DATA, run_distributed
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # trains two tiny checkpoints in 2-process gloo runs (~1-2 min)
 ROOT = Path(__file__).resolve().parents[1]
 BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
 GPT2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
@@ -69,7 +70,7 @@ def test_cli_wikitext_and_lambada(runs, tmp_path, capsys):
     from evaluation.cli import main
     from training.export_hf import export
 
-    raw = WT.read_text(encoding="utf-8")[:4000]
+    raw = WT.read_text(encoding="utf-8")[:1200]
     (tmp_path / "small.tokens").write_text(raw, encoding="utf-8")
     assert main(["wikitext103", "--checkpoint", str(runs[2]), "--data", str(tmp_path / "small.tokens"),
                  "--stride", "8", "--json", str(tmp_path / "w.json"), "--no-progress"]) == 0

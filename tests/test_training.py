@@ -79,18 +79,50 @@ def _train_worker(rank, world, overrides, inject=None):
 
 
 @needs_corpus
-def test_tp2_dp2_matches_tp1_dp1_and_loss_decreases(spm_model, tmp_path):
+def test_tp2_dp2_and_zero1_match_tp1_dp1_and_loss_decreases(spm_model, tmp_path):
     # vocab 1000 pads to 1024 at TP=1 (x128) and at TP=2 (x256): identical initial weights
     common = {"train.iters": 6, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant"}
     ref = run_distributed(_train_worker, 1, _overrides(spm_model, tmp_path / "tp1", **{"parallel.tensor": 1}, **common))
     big = run_distributed(_train_worker, 4, _overrides(spm_model, tmp_path / "tp2dp2", **{"parallel.tensor": 2}, **common))
-    l1, l4 = ref[0]["losses"], big[0]["losses"]
-    assert len(l1) == len(l4) == 6
+    zero = run_distributed(_train_worker, 4, _overrides(spm_model, tmp_path / "zero1", **{"parallel.tensor": 2},
+                                                        **{"parallel.zero_stage": 1}, **common))
+    l1, l4, lz = ref[0]["losses"], big[0]["losses"], zero[0]["losses"]
+    assert len(l1) == len(l4) == len(lz) == 6
     torch.testing.assert_close(torch.tensor(l4), torch.tensor(l1), rtol=2e-4, atol=2e-4)
+    # ZeRO-1 (optimizer states sharded over the 2 DP ranks) changes no loss
+    torch.testing.assert_close(torch.tensor(lz), torch.tensor(l4), rtol=2e-5, atol=2e-5)
+    assert json.loads((tmp_path / "zero1" / "ds_config.json").read_text())["zero_optimization"]["stage"] == 1
     assert l1[-1] < l1[0] - 0.5, l1  # learning on real text (ln(1000) = 6.9 at the start)
     config = json.loads((tmp_path / "tp2dp2" / "ds_config.json").read_text())
     assert config["train_batch_size"] == 8 and config["gradient_accumulation_steps"] == 2
     assert json.loads((tmp_path / "tp1" / "ds_config.json").read_text())["gradient_accumulation_steps"] == 4
+
+
+def _logits_worker(rank, world, run_dirs):
+    from training.checkpoint import load_model_for_eval
+
+    tokens = torch.arange(32).view(1, 32) * 7 % 1000
+    return [load_model_for_eval(d)[0](tokens).detach() for d in run_dirs]
+
+
+@needs_corpus
+def test_pipeline_parallel_matches_serial(spm_model, tmp_path):
+    """PP=2 and TP=2 x PP=2 (4 ranks, with activation checkpointing) give the TP=1 x PP=1 losses; their
+    checkpoints merge into the same TP=1 model."""
+    common = {"train.iters": 4, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant"}
+    ref = run_distributed(_train_worker, 1, _overrides(spm_model, tmp_path / "pp1", **{"parallel.tensor": 1}, **common))
+    pp2 = run_distributed(_train_worker, 2, _overrides(spm_model, tmp_path / "pp2", **{"parallel.tensor": 1},
+                                                       **{"parallel.pipeline": 2}, **common))
+    tp2pp2 = run_distributed(_train_worker, 4, _overrides(spm_model, tmp_path / "tp2pp2", **{"parallel.tensor": 2},
+                                                          **{"parallel.pipeline": 2},
+                                                          **{"model.activation_checkpointing": "true"}, **common))
+    l1, lp, ltp = (torch.tensor(r[0]["losses"]) for r in (ref, pp2, tp2pp2))
+    assert len(l1) == 4
+    torch.testing.assert_close(lp, l1, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(ltp, l1, rtol=2e-4, atol=2e-4)
+    a, b, c = run_distributed(_logits_worker, 1, [str(tmp_path / d) for d in ("pp1", "pp2", "tp2pp2")])[0]
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(c, a, rtol=1e-3, atol=1e-3)
 
 
 @needs_corpus

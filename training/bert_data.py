@@ -196,8 +196,11 @@ def word_units(tokens: np.ndarray, segments: np.ndarray, special: np.ndarray, wo
 
 
 def mask_tokens(tokens: np.ndarray, segments: np.ndarray, vocab: BertVocab, cfg: MaskingConfig,
-                rng: np.random.RandomState) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Whole-word n-gram masking. Returns (masked tokens, labels (-1 = not predicted), span lengths in words)."""
+                rng: np.random.RandomState, draws: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Whole-word n-gram masking. Returns (masked tokens, labels (-1 = not predicted), lengths in words of the
+    spans masked). ``draws`` (optional) collects the drawn n of every candidate with all n available (for tests:
+    the drawn distribution is exactly p(n) ∝ 1/n; the masked spans lean shorter, as budget and overlaps cut
+    long spans more often)."""
     tokens = np.asarray(tokens, dtype=np.int64)
     out = tokens.copy()
     labels = np.full(len(tokens), -1, dtype=np.int64)
@@ -223,6 +226,8 @@ def mask_tokens(tokens: np.ndarray, segments: np.ndarray, vocab: BertVocab, cfg:
             avail += 1
         p = pvals[:avail] / pvals[:avail].sum()
         n = int(rng.choice(ngrams[:avail], p=p))
+        if draws is not None and avail == cfg.max_ngram:
+            draws.append(n)
         positions = [i for u in units[w:w + n] for i in u]
         while n_masked + len(positions) > num_to_predict and n > 1:  # try shorter n-grams
             n -= 1
@@ -245,11 +250,14 @@ def mask_tokens(tokens: np.ndarray, segments: np.ndarray, vocab: BertVocab, cfg:
 
 def build_sample(sentences: list[np.ndarray], target_len: int, max_seq_length: int, vocab: BertVocab,
                  cfg: MaskingConfig, rng: np.random.RandomState) -> dict:
+    """One padded sample (keys in the module docstring; ``spans``, ``draws`` and ``original`` = the unmasked
+    ``[CLS] A [SEP] B [SEP]`` are for inspection)."""
     a, b, is_random = split_segments(sentences, rng)
     truncated = truncate_segments(a, b, min(target_len, max_seq_length - 3), rng)
     tokens = np.asarray([vocab.cls, *a, vocab.sep, *b, vocab.sep], dtype=np.int64)
     types = np.asarray([0] * (len(a) + 2) + [1] * (len(b) + 1), dtype=np.int64)
-    masked, labels, spans = mask_tokens(tokens, types, vocab, cfg, rng)
+    draws: list[int] = []
+    masked, labels, spans = mask_tokens(tokens, types, vocab, cfg, rng, draws)
     pad = max_seq_length - len(tokens)
     n = len(tokens)
     return {
@@ -261,6 +269,7 @@ def build_sample(sentences: list[np.ndarray], target_len: int, max_seq_length: i
         "is_random": np.int64(is_random),
         "truncated": np.int64(truncated),
         "spans": spans,
+        "draws": draws,
         "original": tokens,
     }
 

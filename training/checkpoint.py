@@ -51,9 +51,34 @@ def latest_tag(run_dir: str | Path) -> str | None:
     return f.read_text().strip() if f.is_file() else None
 
 
-def partition_tags(model: torch.nn.Module) -> dict[str, tuple[int, int] | None]:
-    return {n: ((p.partition_dim, getattr(p, "partition_stride", 1)) if getattr(p, "tensor_model_parallel", False)
-                else None) for n, p in model.named_parameters()}
+def _tag(p) -> tuple[int, int] | None:
+    return (p.partition_dim, getattr(p, "partition_stride", 1)) if getattr(p, "tensor_model_parallel", False) else None
+
+
+def canonical_name(pipe_name: str, num_layers: int) -> str | None:
+    """PipelineModule parameter name ('3.attn.qkv.weight') -> GPT2Model name; None for the tied copy."""
+    from training.models.gpt2_pipe import pipe_layer_names
+
+    if pipe_name.startswith("tied_modules.embed."):
+        return "embedding." + pipe_name[len("tied_modules.embed."):]
+    idx, rest = pipe_name.split(".", 1)
+    prefix = pipe_layer_names(num_layers).get(int(idx))
+    return None if prefix is None else prefix + rest
+
+
+def partition_tags(model: torch.nn.Module, num_layers: int | None = None, pp_group=None) -> dict:
+    """{GPT2Model parameter name: (partition_dim, stride) or None}; for a pipeline model the names
+    are mapped back and the stages' tags are gathered (collective over ``pp_group``)."""
+    if num_layers is None:
+        return {n: _tag(p) for n, p in model.named_parameters()}
+    mine = {}
+    for n, p in model.named_parameters():
+        name = canonical_name(n, num_layers)
+        if name is not None:
+            mine[name] = _tag(p)
+    parts = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(parts, mine, group=pp_group)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def _tokenizer_spec(trainer) -> dict:
@@ -81,7 +106,8 @@ def save(trainer) -> Path:
         "consumed_samples": trainer.consumed_samples,
         "padded_vocab_size": trainer.padded_vocab,
         "tokenizer": _tokenizer_spec(trainer),
-        "partition": partition_tags(trainer.model),
+        "partition": (partition_tags(trainer.model, trainer.cfg.model.num_layers, trainer.ps.pp_group)
+                      if trainer.pipe else partition_tags(trainer.model)),
         "parallel": {"tp": trainer.ps.dims.tp, "pp": trainer.ps.dims.pp, "dp": trainer.ps.dims.dp},
         "rng": tp_random.get_rng_state(),
         "dtype": trainer.dtype,
@@ -147,15 +173,25 @@ def load_merged_state_dict(run_dir: str | Path, tag: str | None = None) -> tuple
     """TP shards merged into one TP=1 state dict (vocabulary padding kept), the run config and the
     checkpoint metadata (``padded_vocab_size``, ``tokenizer`` spec, ...)."""
     tag, files = _model_files(run_dir, tag)
-    states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
-    meta = states[0]
-    tp = meta["parallel"]["tp"]
-    if len(states) != tp:
-        raise FileNotFoundError(f"checkpoint {tag} has {len(states)} model files but was saved with TP={tp}")
+    meta = torch.load(files[0], map_location="cpu", weights_only=False)
+    tp, pp = meta["parallel"]["tp"], meta["parallel"]["pp"]
+    if len(files) != tp * pp:
+        raise FileNotFoundError(f"checkpoint {tag} has {len(files)} model files but was saved with TP={tp} PP={pp}")
+    if pp == 1:
+        shard_dicts = [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files]
+    else:  # pipeline layout: layer_XX-model_YY-model_states.pt, one file per (layer, TP rank)
+        num_layers = meta["config"]["model"]["num_layers"]
+        shard_dicts = [{} for _ in range(tp)]
+        for f in sorted((checkpoint_dir(run_dir) / tag).glob("layer_*-model_*-model_states.pt")):
+            idx, rank = int(f.name.split("-")[0][6:]), int(f.name.split("-")[1][6:])
+            for k, v in torch.load(f, map_location="cpu", weights_only=False).items():
+                name = canonical_name(f"{idx}.{k}", num_layers)
+                if name is not None:
+                    shard_dicts[rank][name] = v
     merged = {}
-    for name, first in states[0]["module"].items():
+    for name in shard_dicts[0]:
         tags = meta["partition"].get(name)
-        shards = [s["module"][name].float() for s in states]
+        shards = [s[name].float() for s in shard_dicts]
         if tags is None or tp == 1:
             merged[name] = shards[0]
             continue
@@ -183,7 +219,12 @@ def load_model_for_eval(run_dir: str | Path, group=None, device: str = "cpu", ta
         raise ConfigError(f"padded vocabulary {padded} of {run_dir} is not divisible by TP={world}")
     cfg.parallel.tensor = world
     cfg.model.activation_checkpointing = False
-    model = GPT2Model(cfg.model, padded, group, seed=cfg.train.seed)
+    if cfg.model.arch == "bert":
+        from training.models.bert import build_bert_for_eval
+
+        model = build_bert_for_eval(cfg.model, padded, group, cfg.train.seed, cfg.model.head == "multiple_choice")
+    else:
+        model = GPT2Model(cfg.model, padded, group, seed=cfg.train.seed)
     local = {}
     for name, p in model.named_parameters():
         full = state[name]

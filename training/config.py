@@ -72,6 +72,9 @@ class ParallelConfig:
     """Tensor-parallel degree (ranks that split every layer)."""
     pipeline: int = 1
     """Pipeline-parallel degree (1 until pipeline parallelism lands)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage: 0 = off, 1 = optimizer states sharded across DP ranks (2/3 do not mix
+    with tensor/pipeline parallelism and are refused)."""
 
 
 @dataclass
@@ -362,8 +365,13 @@ def validate_static(cfg: Config) -> None:
         raise ConfigError(f"parallel.tensor={p.tensor} does not divide the MLP width {m.ffn_size}")
     if m.positions < m.seq_length:
         raise ConfigError(f"model.max_position_embeddings={m.positions} < model.seq_length={m.seq_length}")
-    if p.pipeline != 1:
-        raise ConfigError("parallel.pipeline must be 1: pipeline parallelism is not implemented yet")
+    if p.zero_stage not in (0, 1):
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage}: only 0 or 1 (ZeRO-2/3 do not combine with "
+                          f"tensor/pipeline parallelism here)")
+    if p.pipeline > 1 and m.arch != "gpt2":
+        raise ConfigError("parallel.pipeline > 1 is for GPT-2 only (BERT is tensor-parallel only under DeepSpeed)")
+    if p.pipeline > m.num_layers:
+        raise ConfigError(f"parallel.pipeline={p.pipeline} exceeds model.num_layers={m.num_layers}")
     for name, v in [("model.hidden_dropout", m.hidden_dropout), ("model.attention_dropout", m.attention_dropout)]:
         if not 0.0 <= v < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {v}")
@@ -380,6 +388,11 @@ def validate_static(cfg: Config) -> None:
                           "or data.text_files")
     if cfg.data.corpus is not None and cfg.data.text_files:
         raise ConfigError("data: set either data.corpus or data.text_files, not both")
+    if cfg.run.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
+            raise ConfigError("run.tensorboard=true needs the tensorboard package: pip install tensorboard")
     try:
         parts = [float(x) for x in cfg.data.split.split(",")]
         assert len(parts) == 3 and all(x >= 0 for x in parts) and sum(parts) > 0
@@ -428,11 +441,11 @@ def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": gas,
-        # fp32: the trainer clips with DeepSpeed's clip_grad_norm_ to keep the norm (the engine discards it)
-        "gradient_clipping": cfg.optimizer.clip_grad if dtype != "fp32" else 0.0,
+        "gradient_clipping": cfg.optimizer.clip_grad,
         "steps_per_print": 10**9,  # we log ourselves, one line per step
         "wall_clock_breakdown": False,
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "zero_allow_untested_optimizer": True,  # our client optimizer is torch.optim.AdamW
         "fp16": {"enabled": dtype == "fp16"},
         "bf16": {"enabled": dtype == "bf16"},
     }

@@ -38,6 +38,10 @@ class GPTTask:
                               if valid_ds is not None else None)
 
     def build_model(self, padded_vocab: int):
+        if self.cfg.parallel.pipeline > 1:
+            from training.models.gpt2_pipe import build_gpt2_pipe
+
+            return build_gpt2_pipe(self.cfg.model, padded_vocab, self.ps, seed=self.cfg.train.seed)
         return GPT2Model(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed)
 
     def micro_batches(self, consumed_samples: int):

@@ -16,10 +16,11 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.utils import clip_grad_norm_
+from training.parallel.grad_norm import clip_grad_norm
 
 from training import checkpoint as ckpt
-from training.config import Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype
+from training.config import (Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype,
+)
 from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
 from training.metrics import MetricsWriter, model_flops_per_iteration
 from training.optim import build_optimizer
@@ -28,6 +29,16 @@ from training.parallel.state import ParallelState
 from training.tasks import make_task
 
 logger = logging.getLogger("training")
+
+
+def count_parameters(model, ps) -> int:
+    """Parameters of the whole model over all TP and PP ranks, tied copies counted once."""
+    n = sum(p.numel() * (ps.dims.tp if getattr(p, "tensor_model_parallel", False) else 1)
+            for p in model.parameters() if not getattr(p, "ds_pipe_replicated", False))
+    t = torch.tensor(n, dtype=torch.int64)
+    if ps.dims.pp > 1:
+        dist.all_reduce(t, group=ps.pp_group)
+    return int(t)
 
 
 class TrainingAborted(RuntimeError):
@@ -76,8 +87,15 @@ class Trainer:
         self.model = self.task.build_model(self.padded_vocab)
         optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
+        self.pipe = cfg.parallel.pipeline > 1
+        # a PipelineModule brings its own grid (same topology as self.ps); DeepSpeed refuses an mpu then
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                    mpu=self.ps, config=self.ds_config, dist_init_required=False)
+                                                    mpu=None if self.pipe else self.ps, config=self.ds_config,
+                                                    dist_init_required=False)
+        # fp32 without ZeRO: DeepSpeed's clip discards the norm (and miscounts under PP); use ours
+        self.fp32_clip_override = self.dtype == "fp32" and cfg.parallel.zero_stage == 0
+        if self.fp32_clip_override:
+            self.engine.clip_fp32_gradients = self._clip_fp32_gradients
         self.gas = t.global_batch_size // (t.micro_batch_size * self.dp)
         self.iteration = 0
         self.consumed_samples = 0
@@ -86,12 +104,13 @@ class Trainer:
                                                         cfg.model.hidden_size, self.padded_vocab, cfg.model.ffn_size)
         self.tokens_per_step = t.global_batch_size * self.task.tokens_per_sample
         self.peak = self._peak_tflops()
+        n_params = count_parameters(self.model, self.ps)  # collective under PP: every rank calls it
         if self.is_rank0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.atomic_write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
             ckpt.atomic_write_text(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=2))
             logger.info("%r | dtype %s | padded vocab %d | parameters %s | grad accumulation %d",
-                        self.ps, self.dtype, self.padded_vocab, f"{self.model.num_parameters():,}",
+                        self.ps, self.dtype, self.padded_vocab, f"{n_params:,}",
                         t.global_batch_size // (t.micro_batch_size * self.dp))
 
     def _peak_tflops(self) -> float | None:
@@ -107,6 +126,11 @@ class Trainer:
         return peak
 
     # ----------------------------------------------------------------------------------------------
+    def _clip_fp32_gradients(self) -> None:
+        self._fp32_norm = clip_grad_norm(self.engine.module.parameters(), self.cfg.optimizer.clip_grad,
+                                         self.ps.tp_rank, self.ps.tp_group,
+                                         self.ps.pp_group if self.pipe else None)
+
     def loss_scale(self) -> float:
         """Current loss scale (1 without fp16). DeepSpeed keeps it in ``cur_scale`` (fused optimizer,
         older releases) or ``loss_scale_config.cur_scale`` (unfused optimizer, 0.19)."""
@@ -122,17 +146,19 @@ class Trainer:
         """One optimizer step (gradient accumulation inside); returns the step's metrics."""
         t0 = time.perf_counter()
         lr = self.engine.get_lr()[0]  # the rate this step uses
-        losses, fp32_norm, parts = [], None, {}
-        for batch in self.task.micro_batches(self.consumed_samples):
+        self._fp32_norm = None
+        losses, parts = [], {}
+        if self.pipe:
+            batches = list(self.task.micro_batches(self.consumed_samples))
+            losses.append(self.engine.train_batch(data_iter=iter(batches)).detach().float().sum())
+            batches = []  # the pipeline engine ran them
+        else:
+            batches = self.task.micro_batches(self.consumed_samples)
+        for batch in batches:
             loss, extra = self.task.loss(self.engine, batch)
             for k, v in extra.items():
                 parts[k] = parts.get(k, 0.0) + float(v) / self.gas
             self.engine.backward(loss)
-            if self.dtype == "fp32" and self.engine.is_gradient_accumulation_boundary():
-                # DeepSpeed's fp32 path clips but discards the norm: clip here with its function
-                # (TP-aware through the mpu) and keep the norm; the DS config has clipping 0 then.
-                clip = self.cfg.optimizer.clip_grad or float("inf")
-                fp32_norm = float(clip_grad_norm_(self.model.parameters(), clip, mpu=self.ps))
             self.engine.step()
             losses.append(loss.detach().float())
         applied = self.engine.was_step_applied()
@@ -144,7 +170,10 @@ class Trainer:
         loss = loss.item() / self.dp
         elapsed = time.perf_counter() - t0
         scale = self.loss_scale()
-        gnorm = fp32_norm if self.dtype == "fp32" else (self.engine.get_global_grad_norm() if applied else None)
+        if self.fp32_clip_override:
+            gnorm = self._fp32_norm
+        else:
+            gnorm = self.engine.get_global_grad_norm() if applied else None
         if isinstance(gnorm, torch.Tensor):
             gnorm = gnorm.item()
         tokens_per_s = self.tokens_per_step / elapsed
@@ -190,6 +219,11 @@ class Trainer:
         total = torch.zeros(())
         n = 0
         for i in range(self.cfg.train.eval_iters):
+            if self.pipe:
+                batches = list(self.task.valid_micro_batches(i))
+                total += self.engine.eval_batch(data_iter=iter(batches)).detach().float().sum()
+                n += 1
+                continue
             for batch in self.task.valid_micro_batches(i):
                 total += self.task.loss(self.engine, batch)[0].detach().float()
                 n += 1

@@ -65,6 +65,8 @@ def row_parallel_linear(x, weight, bias, group, input_is_parallel: bool = True):
 
     x [..., in/p] -> X_i A_i [..., out] -> g (all-reduce) -> + b (full bias, added once).
     """
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)  # serial: the bias folds into the GEMM (addmm), as nn.Linear
     if not input_is_parallel:
         x = scatter_to_parallel_region(x, group)
     y = reduce_from_parallel_region(F.linear(x, weight), group)

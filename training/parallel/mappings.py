@@ -8,8 +8,9 @@
 | gather_from_parallel_region| all-gather last dim         | split last dim, keep own    |       |
 
 Each backward is its forward's dual. With ``group`` None or of size 1 every map is the identity and
-no collective is issued. A module-level counter records every collective so tests can assert the
-number of all-reduces per layer.
+no collective is issued. Module-level counters record every collective (calls, and payload bytes:
+the bytes of the tensor each rank hands in) so tests can assert the number of all-reduces per layer
+and benchmarks can compare traffic with the design (benchmarks/bench_tp_overhead.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ import torch.distributed as dist
 
 #: collective name -> number of calls (tests reset and read it; costs one dict update per collective)
 COLLECTIVE_CALLS: Counter[str] = Counter()
+#: collective name -> payload bytes handed in by this rank (a ring all-reduce of P bytes over p ranks
+#: sends 2 (p-1)/p P bytes per rank; an all-gather of P bytes per rank sends (p-1) P)
+COLLECTIVE_BYTES: Counter[str] = Counter()
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -35,6 +39,7 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceO
     if group_size(group) == 1:
         return x
     COLLECTIVE_CALLS["all_reduce"] += 1
+    COLLECTIVE_BYTES["all_reduce"] += x.numel() * x.element_size()
     dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -54,6 +59,7 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
         return x
     COLLECTIVE_CALLS["all_gather"] += 1
     x = x.contiguous()
+    COLLECTIVE_BYTES["all_gather"] += x.numel() * x.element_size()
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)

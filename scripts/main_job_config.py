@@ -1,0 +1,282 @@
+"""Typed configuration of the main job (``configs/main/*.yaml``), with ``a.b=value`` overrides.
+
+The main job only *orchestrates*: each section names the config file of one stage's own CLI plus a
+free-form ``set`` mapping of that CLI's overrides, flattened to ``key.sub=value`` arguments::
+
+    train:
+      config: configs/gpt2_tiny.yaml
+      set: {train: {iters: 300}, data: {split: "90,5,5"}}    # -> train.iters=300 data.split=90,5,5
+
+Command-line overrides address the main config, so ``train.set.train.iters=50`` changes the number of
+training iterations. Unknown keys and wrong types raise :class:`ConfigError` (one line) before any work.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad main-job configuration: one line naming the key, the problem and the fix."""
+
+
+@dataclass
+class CorpusSection:
+    config: str = "configs/data/default.yaml"
+    """Corpus builder config (``python -m data_pipeline build --config ...``)."""
+    set: dict[str, Any] = field(default_factory=dict)
+    """Overrides for the builder, e.g. {dedup: {threshold: 0.8}}. ``output_dir`` defaults to RUN/corpus."""
+
+
+@dataclass
+class TrainSection:
+    config: str = "configs/gpt2_tiny.yaml"
+    """Run config of ``training.pretrain``; ``data.corpus`` and ``run.dir`` are set by the main job."""
+    set: dict[str, Any] = field(default_factory=dict)
+    """Overrides for training, e.g. {train: {iters: 300}}."""
+    procs: int = 2
+    """Processes (``deepspeed --num_gpus``): GPUs on a GPU machine, CPU processes otherwise."""
+    launcher: Literal["deepspeed", "python"] = "deepspeed"
+    """``deepspeed``: the DeepSpeed launcher; ``python``: one process without it (procs must be 1)."""
+    accelerator: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: cpu unless torch sees a GPU (sets DS_ACCELERATOR=cpu for DeepSpeed on CPU)."""
+
+
+@dataclass
+class HeldoutSection:
+    enabled: bool = True
+    part: Literal["test", "valid"] = "test"
+    """Which part of the training run's ``data.split`` (documents never trained on) to score."""
+    stride: int = 0
+    """Scored tokens per window after the first; 0 = seq_length (non-overlapping, like validation)."""
+    batch_size: int = 8
+    max_documents: int = 0
+    """Score only the first N documents of the part (0 = all)."""
+
+
+@dataclass
+class WikitextSection:
+    enabled: bool = True
+    data: str | None = None
+    """A WikiText-103 ``wiki.test.tokens`` file; used when it exists."""
+    hf_dataset: str | None = "wikitext:wikitext-103-v1"
+    """Else fetched through ``datasets`` (NAME or NAME:CONFIG) when the network allows; null = never."""
+    hf_split: str = "test"
+    limit_lines: int = 0
+    """Score only the first N lines of the file (0 = all); the report says so."""
+    seq_length: int | None = None
+    """Window length; null = the model's seq_length."""
+    stride: int = 32
+    batch_size: int = 8
+
+
+@dataclass
+class LambadaSection:
+    enabled: bool = True
+    data: str | None = None
+    """A LAMBADA ``lambada_test.jsonl`` file; used when it exists."""
+    hf_dataset: str | None = "EleutherAI/lambada_openai:default"
+    hf_split: str = "test"
+    limit: int = 0
+    """Score only the first N examples (0 = all)."""
+    strict: bool = True
+    batch_size: int = 16
+
+
+@dataclass
+class RaceSection:
+    """BERT flow: RACE fine-tuning (``training.finetune_race``) then RACE accuracy (``evaluation race``)."""
+
+    config: str = "configs/race.yaml"
+    set: dict[str, Any] = field(default_factory=dict)
+    """Overrides for fine-tuning; ``finetune.pretrained`` and ``run.dir`` are set by the main job."""
+    data: str = "../shared/data/eval/RACE"
+    """RACE root with {train,dev,test}/{middle,high}/*.txt (also passed as finetune.race_dir)."""
+    split: Literal["train", "dev", "test"] = "test"
+    batch_size: int = 4
+
+
+@dataclass
+class EvalSection:
+    tp: int = 1
+    """Tensor-parallel degree of the evaluation processes (any training TP works)."""
+    heldout: HeldoutSection = field(default_factory=HeldoutSection)
+    wikitext103: WikitextSection = field(default_factory=WikitextSection)
+    lambada: LambadaSection = field(default_factory=LambadaSection)
+
+
+@dataclass
+class MainConfig:
+    run_dir: str = "runs/main"
+    """Everything goes here: corpus/, train/, eval/, logs/, state.json, report.md."""
+    flow: Literal["gpt", "bert"] = "gpt"
+    """gpt: corpus -> GPT-2 -> held-out/WikiText/LAMBADA; bert: corpus -> BERT -> RACE fine-tune -> RACE."""
+    title: str = "Main job"
+    progress: bool = True
+    """Progress bars on the console (the logs always get the full output)."""
+    network_timeout: float = 3.0
+    """Seconds to wait for huggingface.co before treating the machine as offline."""
+    corpus: CorpusSection = field(default_factory=CorpusSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    race: RaceSection = field(default_factory=RaceSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------ loading
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errs = []
+        for a in args:
+            if a is not type(None):
+                try:
+                    return _coerce(value, a, where)
+                except ConfigError as e:
+                    errs.append(str(e))
+        raise ConfigError(errs[0] if errs else f"{where}: bad value {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, typing.get_args(tp)))}")
+        return value
+    if origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping like {{train: {{iters: 50}}}}, got {value!r}")
+        return _expand_dotted(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    raise ConfigError(f"{where}: unsupported type {tp}")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown key '{where + '.' if where else ''}{key}' in the main-job config; "
+                              f"valid keys here: {', '.join(names)}")
+    return cls(**{k: _coerce(v, hints[k], f"{where + '.' if where else ''}{k}") for k, v in data.items()})
+
+
+def _expand_dotted(d: dict[str, Any]) -> dict[str, Any]:
+    """{"train.iters": 5, "data": {"split": "1,1,1"}} -> {"train": {"iters": 5}, "data": {"split": ...}}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        parts = str(k).split(".")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        if isinstance(v, dict) and isinstance(node.get(parts[-1]), dict):
+            node[parts[-1]] = _merge(node[parts[-1]], _expand_dotted(v))
+        else:
+            node[parts[-1]] = _expand_dotted(v) if isinstance(v, dict) else v
+    return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["train.set.train.iters=50"]`` -> nested dict; values are YAML scalars."""
+    nested: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.set.train.iters=50)")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        nested = _merge(nested, _expand_dotted({key.strip(): value}))
+    return nested
+
+
+def load_main_config(path: str | Path | None, overrides: list[str] | None = None) -> MainConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"main-job config {p} does not exist (see configs/main/)")
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"main-job config {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"main-job config {p} must be a mapping of sections")
+    cfg = _build(MainConfig, _merge(_expand_dotted(data), parse_overrides(overrides or [])), "")
+    for name, v in (("train.procs", cfg.train.procs), ("eval.tp", cfg.eval.tp),
+                    ("eval.heldout.batch_size", cfg.eval.heldout.batch_size),
+                    ("eval.wikitext103.batch_size", cfg.eval.wikitext103.batch_size),
+                    ("eval.wikitext103.stride", cfg.eval.wikitext103.stride),
+                    ("eval.lambada.batch_size", cfg.eval.lambada.batch_size),
+                    ("race.batch_size", cfg.race.batch_size)):
+        if v < 1:
+            raise ConfigError(f"{name} must be >= 1, got {v}")
+    for name, v in (("eval.heldout.stride", cfg.eval.heldout.stride),
+                    ("eval.heldout.max_documents", cfg.eval.heldout.max_documents),
+                    ("eval.wikitext103.limit_lines", cfg.eval.wikitext103.limit_lines),
+                    ("eval.lambada.limit", cfg.eval.lambada.limit)):
+        if v < 0:
+            raise ConfigError(f"{name} must be >= 0, got {v}")
+    if cfg.train.launcher == "python" and cfg.train.procs != 1:
+        raise ConfigError(f"train.launcher=python runs one process: set train.procs=1 (got {cfg.train.procs}) "
+                          "or use train.launcher=deepspeed")
+    return cfg
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> list[str]:
+    """Nested ``set`` mapping -> ``key.sub=value`` arguments for a stage CLI (values as YAML scalars)."""
+    out: list[str] = []
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out += flatten(v, key + ".")
+            continue
+        out.append(f"{key}={yaml_scalar(v)}")
+    return out
+
+
+def yaml_scalar(v: Any) -> str:
+    """A value written so that ``yaml.safe_load`` on the other side gives it back unchanged."""
+    if isinstance(v, str):
+        try:
+            if yaml.safe_load(v) == v:
+                return v
+        except yaml.YAMLError:
+            pass
+    return json.dumps(v)

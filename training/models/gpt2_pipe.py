@@ -1,0 +1,77 @@
+"""GPT-2 as a DeepSpeed ``PipelineModule``: the same layers as :mod:`training.models.gpt2`, in stages.
+
+Layer list: tied embedding (stage 0) -> L transformer layers (partitioned evenly by type) -> final
+LayerNorm -> the tied embedding again as the output layer (last stage). ``TiedLayerSpec('embed')``
+keeps one word-embedding weight per end and DeepSpeed all-reduces its gradient between the first and
+last stage. Only hidden states [b, s, h] cross stage boundaries: attention is causal inside each
+layer (no mask is sent). Parameters are drawn from the same per-name generators as ``GPT2Model``,
+so a PP=k model holds exactly the PP=1 weights.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import nn
+
+from training.config import ModelConfig
+from training.models.gpt2 import TransformerLayer, normal_init
+from training.parallel import random as tp_random
+from training.parallel.cross_entropy import vocab_parallel_cross_entropy
+from training.parallel.layers import VocabParallelEmbedding
+from training.parallel.mappings import copy_to_parallel_region
+
+
+class EmbeddingPipe(nn.Module):
+    """Token + position embeddings and embedding dropout (stage 0); its word embedding doubles as
+    the output layer on the last stage."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, group, seed: int):
+        super().__init__()
+        self.cfg, self.group = cfg, group
+        std = cfg.init_method_std
+        self.word_embeddings = VocabParallelEmbedding(padded_vocab, cfg.hidden_size, group,
+                                                      init_method=normal_init(seed, "embedding.word_embeddings", std))
+        self.position_embeddings = nn.Embedding(cfg.positions, cfg.hidden_size)
+        normal_init(seed, "embedding.position_embeddings", std)(self.position_embeddings.weight)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.size(1), device=tokens.device)
+        x = self.word_embeddings(tokens) + self.position_embeddings(pos)          # [b, s, h]
+        return F.dropout(x, self.cfg.hidden_dropout, self.training)
+
+
+def output_logits(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
+    """Tied output layer: f, then x @ E_local^T -> vocab-parallel logits [b, s, V/p]."""
+    return F.linear(copy_to_parallel_region(x, embedding.group), embedding.word_embeddings.weight)
+
+
+class FinalLayerNorm(nn.LayerNorm):
+    pass
+
+
+def build_gpt2_pipe(cfg: ModelConfig, padded_vocab: int, ps, seed: int) -> PipelineModule:
+    group = ps.tp_group
+
+    def loss_fn(logits, labels):
+        return vocab_parallel_cross_entropy(logits, labels, group).mean()
+
+    specs = [
+        TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab, group, seed, tied_weight_attr="word_embeddings.weight"),
+        *[LayerSpec(TransformerLayer, cfg, group, seed, i) for i in range(cfg.num_layers)],
+        LayerSpec(FinalLayerNorm, cfg.hidden_size, eps=cfg.layernorm_epsilon),
+        TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab, group, seed, forward_fn=output_logits,
+                      tied_weight_attr="word_embeddings.weight"),
+    ]
+    return PipelineModule(layers=specs, topology=ps.topology, loss_fn=loss_fn,
+                          partition_method="type:TransformerLayer",
+                          activation_checkpoint_interval=1 if cfg.activation_checkpointing else 0,
+                          activation_checkpoint_func=tp_random.checkpoint,
+                          checkpointable_layers=["TransformerLayer"])
+
+
+def pipe_layer_names(num_layers: int) -> dict[int, str]:
+    """PipelineModule layer index -> ``GPT2Model`` parameter-name prefix (for merging checkpoints)."""
+    names = {0: "embedding.", num_layers + 1: "final_ln."}
+    names.update({i + 1: f"layers.{i}." for i in range(num_layers)})
+    return names  # index num_layers + 2 is the tied output layer: the same weight as index 0

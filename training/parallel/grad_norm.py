@@ -1,0 +1,43 @@
+"""Global gradient norm over a TP x PP model replica, each element counted once, and clipping.
+
+Counted: tensor-parallel (tagged) parameters on every TP rank, replicated ones on TP rank 0 only,
+pipeline-tied copies (``ds_pipe_replicated``) never; squares summed over the TP group and then the
+PP group. DP replicas hold identical (all-reduced) gradients, so nothing is summed over DP.
+
+DeepSpeed's fp32 path (``engine.clip_fp32_gradients`` -> ``runtime.utils.clip_grad_norm_``) discards
+the norm, and under its PipelineEngine it counts replicated parameters only on the first stage's
+first rank (the grid's pipe x model rank); the trainer installs this function in its place.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from training.parallel.utils import is_tensor_parallel
+
+
+def grad_norm(params, tp_rank: int, tp_group=None, pp_group=None) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+            continue
+        if is_tensor_parallel(p) or tp_rank == 0:
+            total += p.grad.detach().double().pow(2).sum()
+    for group in (tp_group, pp_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def clip_grad_norm(params, max_norm: float, tp_rank: int, tp_group=None, pp_group=None) -> float:
+    """Scale gradients so their global norm is at most ``max_norm`` (0 = no clipping); returns the
+    norm before clipping."""
+    params = list(params)
+    norm = grad_norm(params, tp_rank, tp_group, pp_group)
+    if max_norm > 0:
+        coef = max_norm / (float(norm) + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef)
+    return float(norm)
