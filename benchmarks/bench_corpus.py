@@ -84,57 +84,59 @@ def baseline(texts: list[str]) -> tuple[float, float, dict[int, int]]:
     return secs, cpu, {m: root for root, ms in uf.clusters().items() for m in ms}
 
 
-# Runs under the --datatrove-python interpreter; argv: input jsonl, work dir, workers. Prints one JSON line.
+# Runs under the --datatrove-python interpreter; argv: input folder (one jsonl per worker), work dir, workers,
+# docs per file. Prints one JSON line: the seconds of steps 1-3 and {global doc index: cluster id}.
 DATATROVE_SCRIPT = r'''
-import json, sys, time, logging
+import json, logging, sys, time
 from pathlib import Path
-logging.disable(logging.WARNING)
+import numpy as np
+from loguru import logger
+logger.remove()
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.dedup.minhash import (MinhashConfig, MinhashDedupBuckets, MinhashDedupCluster,
-                                               MinhashDedupFilter, MinhashDedupSignature)
+                                               MinhashDedupSignature)
 from datatrove.pipeline.readers import JsonlReader
 from datatrove.utils.hashing import HashConfig
-inp, work, workers = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+inp, work, workers, per_file = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 cfg = MinhashConfig(n_grams=5, num_buckets=20, hashes_per_bucket=6, hash_config=HashConfig(precision=64))
-def reader():
-    return JsonlReader(str(Path(inp).parent), glob_pattern=Path(inp).name, id_key="id", text_key="text")
-t = time.perf_counter()
 steps = [
-    ([reader(), MinhashDedupSignature(output_folder=str(work / "sigs"), config=cfg)], workers),
+    ([JsonlReader(inp, glob_pattern="*.jsonl", id_key="id", text_key="text"),
+      MinhashDedupSignature(output_folder=str(work / "sigs"), config=cfg)], workers),
     ([MinhashDedupBuckets(input_folder=str(work / "sigs"), output_folder=str(work / "buckets"), config=cfg)],
      cfg.num_buckets),
     ([MinhashDedupCluster(input_folder=str(work / "buckets"), output_folder=str(work / "remove_ids"), config=cfg,
                           save_cluster_id=True)], 1),
-    ([reader(), MinhashDedupFilter(input_folder=str(work / "remove_ids"),
-                                   exclusion_writer=None, load_cluster_ids=True)], workers),
 ]
+t = time.perf_counter()
 for k, (pipe, tasks) in enumerate(steps):
-    LocalPipelineExecutor(pipeline=pipe, tasks=tasks, workers=min(workers, tasks), logging_dir=str(work / f"logs{k}"),
-                          skip_completed=False).run()
+    LocalPipelineExecutor(pipeline=pipe, tasks=tasks, workers=min(workers, tasks),
+                          logging_dir=str(work / f"logs{k}"), skip_completed=False).run()
 secs = time.perf_counter() - t
-import struct, numpy as np
 member = {}
 for f in sorted((work / "remove_ids").glob("*.clusters")):
-    data = np.fromfile(f, dtype=[("doc", "<u4"), ("cluster", "<u4")])
-    for d, c in data.tolist():
-        member[d] = c
+    for d, c in np.fromfile(f, dtype="<u4").reshape(-1, 2).tolist():
+        member[int(f.stem) * per_file + d] = c
 print(json.dumps({"seconds": secs, "member": member}))
 '''
 
 
 def datatrove(python: str | None, texts: list[str], tmp: Path, workers: int) -> tuple[float, dict[int, int]] | str:
-    """(seconds, {doc: cluster}) from datatrove's MinHash pipeline under ``python``; or why it was skipped."""
+    """(seconds, {doc: cluster}) of datatrove's MinHash steps 1-3 (signatures, buckets, clusters; the
+    4th step only re-reads the documents to drop them) under ``python``; or why it was skipped."""
     if not python:
         return "no --datatrove-python given"
-    probe = subprocess.run([python, "-c", "import datatrove"], capture_output=True, text=True)
+    probe = subprocess.run([python, "-c", "import datatrove.pipeline.dedup.minhash"], capture_output=True, text=True)
     if probe.returncode != 0:
-        return f"{python} cannot import datatrove: {probe.stderr.strip().splitlines()[-1:]}"
-    inp = tmp / "dt_in" / "docs.jsonl"
-    inp.parent.mkdir(exist_ok=True)
-    inp.write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(texts)))
+        return f"{python} cannot import datatrove: {(probe.stderr.strip().splitlines() or ['?'])[-1]}"
+    folder = tmp / "dt_in"
+    folder.mkdir(exist_ok=True)
+    per_file = -(-len(texts) // workers)  # one input file per worker: datatrove shards by file
+    for r in range(workers):
+        (folder / f"{r:06d}.jsonl").write_text("".join(json.dumps({"id": str(i), "text": texts[i]}) + "\n"
+                                                        for i in range(r * per_file, min(len(texts), (r + 1) * per_file))))
     work = tmp / "dt_work"
     shutil.rmtree(work, ignore_errors=True)
-    out = subprocess.run([python, "-c", DATATROVE_SCRIPT, str(inp), str(work), str(workers)],
+    out = subprocess.run([python, "-c", DATATROVE_SCRIPT, str(folder), str(work), str(workers), str(per_file)],
                          capture_output=True, text=True)
     if out.returncode != 0:
         return "datatrove failed: " + (out.stderr.strip().splitlines() or ["?"])[-1]

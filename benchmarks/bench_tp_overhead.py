@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         rel = common.ratio_samples(t, base).fmt(".2f") if base else "-"
         calls = ", ".join(f"{k} {v:g}" for k, v in sorted(r["tp_calls"].items())) or "none"
         rows.append([str(tp), str(max(1, args.cores // tp)), t.fmt(".3f"), rel, f"{b * s / t.median:,.0f}",
-                     f"{pred / 2**20:.2f}", f"{ours / 2**20:.2f}", calls, f"{everything / 2**20:.2f}",
+                     f"{pred / 2**20:.2f}", f"{ours / 2**20:.2f} ({'=' if ours == pred else '!='} design)", calls, f"{everything / 2**20:.2f}",
                      f"{ring / 2**20:.2f}", f"{r['loss']:.6f}"])
     print()
     print(common.markdown_header(info, common.load_average()))
