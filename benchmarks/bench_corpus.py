@@ -11,12 +11,18 @@
    interleaved (ours, baseline, ours, ...); median and min–max of docs/s (wall) and the CPU seconds
    (this process + its worker processes) are reported, with pair recall against the exact Jaccard of
    every pair and the number of pairs below 0.7 each one merged, and the machine's load average.
-3. Optional: HuggingFace datatrove's 4-step MinHash dedup (signatures → buckets → cluster → filter, local
-   executor, 20×6 buckets, no verification) when ``--datatrove-python`` names an interpreter that can
-   import datatrove (a throwaway venv: it is not a project dependency); skipped with a message otherwise.
+3. Optional, one run each, in a separate interpreter (a throwaway venv: neither is a project dependency),
+   skipped with a message when it cannot be imported:
+   * HuggingFace datatrove 0.10 MinHash steps 1-3 (signatures → buckets → clusters; local executor,
+     20×6 buckets, 64-bit xxhash, its spaCy English word tokenizer, no verification) with
+     ``--datatrove-python`` (venv: ``pip install datatrove spacy regex tokenizers orjson 'xxhash<4'``;
+     datatrove 0.10.1 passes ``str`` to ``xxh64_intdigest``, which xxhash 4 rejects);
+   * text-dedup 0.4 (PyPI) ``text_dedup.minhash`` (HF datasets map + union-find, 128 perms, 20×6,
+     xxh3, no false-positive check; timed from load to save) with ``--textdedup-python``
+     (venv: ``pip install text-dedup``).
 
     .venv/bin/python benchmarks/bench_corpus.py --families 600 --variants 4 --reps 5 --workers 2 \
-        [--datatrove-python /tmp/venv-dt/bin/python]
+        [--datatrove-python /tmp/venv-dt/bin/python] [--textdedup-python /tmp/venv-td/bin/python]
 """
 from __future__ import annotations
 
@@ -101,22 +107,25 @@ inp, work, workers, per_file = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]),
 cfg = MinhashConfig(n_grams=5, num_buckets=20, hashes_per_bucket=6, hash_config=HashConfig(precision=64))
 steps = [
     ([JsonlReader(inp, glob_pattern="*.jsonl", id_key="id", text_key="text"),
-      MinhashDedupSignature(output_folder=str(work / "sigs"), config=cfg)], workers),
+      MinhashDedupSignature(output_folder=str(work / "sigs"), config=cfg)], workers, workers),
+    # one task per bucket, run in-process: a worker pool would spawn a fresh interpreter per task
     ([MinhashDedupBuckets(input_folder=str(work / "sigs"), output_folder=str(work / "buckets"), config=cfg)],
-     cfg.num_buckets),
+     cfg.num_buckets, 1),
     ([MinhashDedupCluster(input_folder=str(work / "buckets"), output_folder=str(work / "remove_ids"), config=cfg,
-                          save_cluster_id=True)], 1),
+                          save_cluster_id=True)], 1, 1),
 ]
 t = time.perf_counter()
-for k, (pipe, tasks) in enumerate(steps):
-    LocalPipelineExecutor(pipeline=pipe, tasks=tasks, workers=min(workers, tasks),
-                          logging_dir=str(work / f"logs{k}"), skip_completed=False).run()
+step_s = []
+for k, (pipe, tasks, procs) in enumerate(steps):
+    LocalPipelineExecutor(pipeline=pipe, tasks=tasks, workers=procs, logging_dir=str(work / f"logs{k}"),
+                          skip_completed=False).run()
+    step_s.append(round(time.perf_counter() - t - sum(step_s), 3))
 secs = time.perf_counter() - t
 member = {}
 for f in sorted((work / "remove_ids").glob("*.clusters")):
     for d, c in np.fromfile(f, dtype="<u4").reshape(-1, 2).tolist():
         member[int(f.stem) * per_file + d] = c
-print(json.dumps({"seconds": secs, "member": member}))
+print(json.dumps({"seconds": secs, "steps": step_s, "member": member}))
 '''
 
 
@@ -141,6 +150,48 @@ def datatrove(python: str | None, texts: list[str], tmp: Path, workers: int) -> 
     if out.returncode != 0:
         return "datatrove failed: " + (out.stderr.strip().splitlines() or ["?"])[-1]
     res = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"datatrove steps 1-3 (s): {res['steps']}")
+    return res["seconds"], {int(k): int(v) for k, v in res["member"].items()}
+
+
+# Runs under the --textdedup-python interpreter; argv: input jsonl, output dir, workers. Prints one JSON line:
+# the seconds of text-dedup's minhash main() (load, MinHash, LSH clustering, filter, save) and the clusters
+# read from its module-level union-find.
+TEXTDEDUP_SCRIPT = r'''
+import json, logging, sys, time
+from collections import Counter
+inp, out, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+import datasets
+datasets.disable_progress_bars()
+import text_dedup.minhash as tm
+tm.logger.setLevel(logging.WARNING)
+n = sum(1 for _ in open(inp))
+t = time.perf_counter()
+tm.main.main(args=["--path", "json", "--data_files", inp, "--split", "train", "--output", out, "--column", "text",
+                   "--num_perm", "128", "--b", "20", "--r", "6", "--hash_func", "xxh3", "--hash_bits", "32",
+                   "--num_proc", str(workers), "--cache_dir", out + "_cache"], standalone_mode=False)
+secs = time.perf_counter() - t
+roots = {i: tm.uf.find(i) for i in range(n)}
+size = Counter(roots.values())
+print(json.dumps({"seconds": secs, "member": {i: r for i, r in roots.items() if size[r] > 1}}))
+'''
+
+
+def textdedup(python: str | None, texts: list[str], tmp: Path, workers: int) -> tuple[float, dict[int, int]] | str:
+    """(seconds, {doc: cluster}) of text-dedup's (PyPI 0.4) ``text_dedup.minhash`` at 128 perms, 20x6 bands, xxh3,
+    no false-positive check, under ``python``; or why it was skipped."""
+    if not python:
+        return "no --textdedup-python given"
+    probe = subprocess.run([python, "-c", "import text_dedup.minhash"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"{python} cannot import text_dedup: {(probe.stderr.strip().splitlines() or ['?'])[-1]}"
+    inp = tmp / "td_in.jsonl"
+    inp.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out = subprocess.run([python, "-c", TEXTDEDUP_SCRIPT, str(inp), str(tmp / "td_out"), str(workers)],
+                         capture_output=True, text=True, env={**os.environ, "HF_DATASETS_OFFLINE": "1"})
+    if out.returncode != 0:
+        return "text-dedup failed: " + (out.stderr.strip().splitlines() or ["?"])[-1]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
     return res["seconds"], {int(k): int(v) for k, v in res["member"].items()}
 
 
@@ -161,6 +212,8 @@ def main() -> None:
     ap.add_argument("--skip-build", action="store_true", help="only the dedup comparison")
     ap.add_argument("--datatrove-python", default=None,
                     help="python of a separate venv with datatrove installed (optional comparison)")
+    ap.add_argument("--textdedup-python", default=None,
+                    help="python of a separate venv with text-dedup installed (optional comparison)")
     args = ap.parse_args()
     words = real_words([DATA / "botchan.txt", DATA / "tinyshakespeare.txt"])
     fams = min(args.families, len(words) // 300)
@@ -216,12 +269,16 @@ def main() -> None:
         load2 = os.getloadavg()
         rows = [(f"ours: dedup_store, {args.workers} procs, 20x6 LSH, verify unjoined pairs", t_ours, c_ours, m_ours),
                 ("datasketch MinHash+MinHashLSH(0.7) per doc, unverified", t_base, c_base, m_base)]
-        dt = datatrove(args.datatrove_python, texts, tmp, args.workers)
-        if isinstance(dt, str):
-            print(f"\n(datatrove comparison skipped: {dt})")
-        else:
-            rows.append((f"datatrove 0.10 MinHash 20x6, {args.workers} workers, unverified (1 run)",
-                         [n / dt[0]], [float("nan")], dt[1]))
+        for tool, fn, py, label in (
+                ("datatrove", datatrove, args.datatrove_python,
+                 f"datatrove 0.10 MinHash steps 1-3, 20x6, {args.workers} workers, unverified (1 run)"),
+                ("text-dedup", textdedup, args.textdedup_python,
+                 f"text-dedup 0.4 minhash (load..save), 128 perms 20x6, {args.workers} procs, unverified (1 run)")):
+            got = fn(py, texts, tmp, args.workers)
+            if isinstance(got, str):
+                print(f"\n({tool} comparison skipped: {got})")
+            else:
+                rows.append((label, [n / got[0]], [float("nan")], got[1]))
         print(f"\n## dedup stage vs plain datasketch: {n} documents, {args.reps} interleaved reps")
         print("| method | docs/s median | min–max | CPU s median | recall J>=0.7 | recall J>=0.75 "
               "| pairs J<0.7 in one cluster (transitive) |")

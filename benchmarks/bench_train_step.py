@@ -221,7 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     for r in runners.values():
         for _ in range(args.warmup):
             r.step()
-    candidates = {name: (lambda r=r: common.timed(r.step, args.steps)) for name, r in runners.items()}
+    clocks = {name: common.CpuClock(lambda r=r: common.timed(r.step, args.steps), args.steps)
+              for name, r in runners.items()}
+    candidates: dict = dict(clocks)
     peak_fn = getattr(measure_cpu_peak_tflops, "__wrapped__", measure_cpu_peak_tflops)
     candidates["peak"] = lambda: peak_fn("fp32")  # TFLOP/s, fresh each repetition
     samples = common.interleaved(candidates, args.reps)
@@ -234,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
         t = samples[name]
         mfu = common.Samples([flops / dt / 1e12 / pk for dt, pk in zip(t.values, peak.values)])
         rows.append([name, t.fmt(".3f"), common.Samples([ntok / x for x in t.values]).fmt(",.0f"),
-                     common.Samples([flops / x / 1e9 for x in t.values]).fmt(".1f"), mfu.fmt(".1f", 100)])
+                     common.Samples([flops / x / 1e9 for x in t.values]).fmt(".1f"), mfu.fmt(".1f", 100),
+                     clocks[name].cpu.fmt(".2f")])
     print()
     print(common.markdown_header(info, common.load_average()))
     print(f"- model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, micro=global "
@@ -244,10 +247,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"- model FLOPs per step: {flops / 1e9:.1f} GFLOP; measured fp32 matmul peak (n=1024): "
           f"{peak.fmt('.1f', 1000)} GFLOP/s")
     print()
-    print(common.markdown_table(["model", "s/step median [min-max]", "tokens/s", "GFLOP/s", "MFU %"], rows))
+    print(common.markdown_table(["model", "s/step median [min-max]", "tokens/s", "GFLOP/s", "MFU %",
+                                                 "process CPU s/step"], rows))
     if "ours" in runners and "hf" in runners:
         speed = common.ratio_samples(samples["hf"], samples["ours"])
-        print(f"\nSpeed-up ours/HF (HF step time / ours, per repetition): {speed.fmt('.3f')}")
+        print(f"\nSpeed-up ours/HF (HF step time / ours, per repetition): {speed.fmt('.3f')}; "
+              f"by process CPU time: {common.ratio_samples(clocks['hf'].cpu, clocks['ours'].cpu).fmt('.3f')}")
+        if "ours+tweaks" in runners:
+            tw = common.ratio_samples(samples["hf"], samples["ours+tweaks"])
+            print(f"Speed-up ours+tweaks/HF: {tw.fmt('.3f')}; ours+tweaks/ours: "
+                  f"{common.ratio_samples(samples['ours'], samples['ours+tweaks']).fmt('.3f')}")
 
 
 if __name__ == "__main__":

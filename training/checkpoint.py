@@ -66,6 +66,25 @@ def canonical_name(pipe_name: str, num_layers: int) -> str | None:
     return None if prefix is None else prefix + rest
 
 
+def canonical_names(trainer) -> dict[str, str]:
+    """This rank's parameter names -> GPT2Model names (both tied embedding copies -> embedding.*)."""
+    if not trainer.pipe:
+        return {n: n for n, _ in trainer.model.named_parameters()}
+    return {n: canonical_name(n, trainer.cfg.model.num_layers) for n, _ in trainer.model.named_parameters()}
+
+
+def optimizer_param_names(trainer) -> list[str | None] | None:
+    """Model-parameter names in the order of the torch optimizer's state (None for pipeline-tied
+    copies); None when the optimizer does not hold model parameters (fp16 masters, ZeRO)."""
+    opt = getattr(trainer.engine, "basic_optimizer", None) or trainer.engine.optimizer
+    if not isinstance(opt, torch.optim.Optimizer) or trainer.dtype == "fp16" or trainer.cfg.parallel.zero_stage:
+        return None
+    names = canonical_names(trainer)
+    by_id = {id(p): (None if getattr(p, "ds_pipe_replicated", False) else names[n])
+             for n, p in trainer.model.named_parameters()}
+    return [by_id.get(id(p)) for g in opt.param_groups for p in g["params"]]
+
+
 def partition_tags(model: torch.nn.Module, num_layers: int | None = None, pp_group=None) -> dict:
     """{GPT2Model parameter name: (partition_dim, stride) or None}; for a pipeline model the names
     are mapped back and the stages' tags are gathered (collective over ``pp_group``)."""
@@ -109,6 +128,9 @@ def save(trainer) -> Path:
         "partition": (partition_tags(trainer.model, trainer.cfg.model.num_layers, trainer.ps.pp_group)
                       if trainer.pipe else partition_tags(trainer.model)),
         "parallel": {"tp": trainer.ps.dims.tp, "pp": trainer.ps.dims.pp, "dp": trainer.ps.dims.dp},
+        "tp_rank": trainer.ps.tp_rank,
+        "pp_rank": trainer.ps.pp_rank,
+        "optimizer_param_names": optimizer_param_names(trainer),
         "rng": tp_random.get_rng_state(),
         "dtype": trainer.dtype,
     }
@@ -136,7 +158,9 @@ def load(trainer) -> bool:
     if (saved["tp"], saved["pp"]) != (trainer.ps.dims.tp, trainer.ps.dims.pp):
         raise ConfigError(f"checkpoint {trainer.run_dir}/checkpoints/{tag} was saved with TP={saved['tp']} "
                           f"PP={saved['pp']} but this run uses TP={trainer.ps.dims.tp} PP={trainer.ps.dims.pp}: "
-                          f"resume with the same parallel.tensor/pipeline or use a new run.dir")
+                          f"convert it with python -m training.reshard --checkpoint {trainer.run_dir} "
+                          f"--tp {trainer.ps.dims.tp} --pp {trainer.ps.dims.pp} --out NEW_RUN_DIR, or resume with "
+                          f"parallel.tensor={saved['tp']} parallel.pipeline={saved['pp']}")
     _, client = trainer.engine.load_checkpoint(str(checkpoint_dir(trainer.run_dir)), tag=tag)
     if client is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {checkpoint_dir(trainer.run_dir)}")

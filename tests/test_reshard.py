@@ -1,0 +1,55 @@
+"""Resharding TP=2,PP=2 -> TP=1,PP=1 -> TP=4 keeps the model; training resumed from a converted
+checkpoint continues with the original losses."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tests.distributed import run_distributed
+from tests.test_training import ROOT, _overrides, needs_corpus, spm_model  # noqa: F401 - fixture
+
+
+def _train(rank, world, overrides, stages):
+    from training.config import load_config
+    from training.trainer import Trainer
+
+    for extra in stages:
+        Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides + extra)).train()
+    return None
+
+
+def _logits(rank, world, dirs_and_tags):
+    from training.checkpoint import load_model_for_eval
+
+    tokens = (torch.arange(32).view(1, 32) * 7) % 1000
+    return [load_model_for_eval(d, tag=t)[0](tokens)[..., :1000].detach() for d, t in dirs_and_tags]
+
+
+def _steps(run_dir: Path):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: (r["loss"], r["lr"]) for r in rows if "event" not in r}
+
+
+@needs_corpus
+def test_reshard_tp2pp2_to_tp1_to_tp4(spm_model, tmp_path):
+    from training.reshard import reshard
+
+    common = {"train.iters": 4, "optimizer.lr": 3e-3, "optimizer.warmup_iters": 2, "train.global_batch_size": 4}
+    a = tmp_path / "a"
+    over = _overrides(spm_model, a, **{"parallel.tensor": 2, "parallel.pipeline": 2}, **common)
+    run_distributed(_train, 4, over, [["train.exit_at=2"], []])  # stop at 2, then continue to 4
+    b, c = tmp_path / "b", tmp_path / "c"
+    reshard(a, tp=1, pp=1, out=b, tag="iter_0000002")
+    reshard(b, tp=4, pp=1, out=c)
+    la, lb, lc = run_distributed(_logits, 1, [(str(a), "iter_0000002"), (str(b), None), (str(c), None)])[0]
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lc, la, rtol=1e-5, atol=1e-5)
+    # resume the TP=1 conversion to iteration 4: same losses and learning rates as the original run
+    run_distributed(_train, 1, _overrides(spm_model, b, **{"parallel.tensor": 1}, **common), [[]])
+    sa, sb = _steps(a), _steps(b)
+    assert sorted(sb) == [1, 2, 3, 4]
+    for it in (3, 4):
+        assert abs(sb[it][0] - sa[it][0]) < 2e-4, (it, sa[it], sb[it])
+        assert sb[it][1] == sa[it][1]

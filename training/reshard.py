@@ -1,0 +1,197 @@
+"""Convert a training checkpoint to another tensor/pipeline-parallel layout.
+
+    python -m training.reshard --checkpoint RUN_DIR --tp K --pp M --out NEW_RUN_DIR
+
+Shards are merged by their saved partition tags (column-parallel weights on output rows,
+row-parallel on input columns, the fused QKV head-aligned through its stride, the vocabulary by
+rows with its padding recomputed for the new TP degree), then re-split by K x M processes that
+each build the target model and save through DeepSpeed's ``save_checkpoint``. So the output is an
+ordinary run directory: ``deepspeed --num_gpus K*M*DP --module training.pretrain --config ...
+run.dir=NEW_RUN_DIR parallel.tensor=K parallel.pipeline=M`` resumes from it.
+
+Moved along: weights, Adam moments (fp32/bf16 runs without ZeRO, where the optimizer's state is
+per model parameter), the LR schedule, iteration and data position. The dropout RNG streams of a
+new layout cannot be mapped from the old ranks: they are re-seeded with seed + iteration (as
+Megatron-DeepSpeed does for universal checkpoints).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from training.checkpoint import _model_files, checkpoint_dir, load_merged_state_dict
+from training.config import ConfigError, padded_vocab_size, validate_static
+
+logger = logging.getLogger("training.reshard")
+
+
+def merge_optimizer_state(run_dir: Path, tag: str | None, meta: dict) -> dict[str, dict] | None:
+    """{parameter name: {"exp_avg", "exp_avg_sq", "step"}} at TP=1, or None if the checkpoint's
+    optimizer state is not per model parameter (fp16 master copies, ZeRO partitions)."""
+    names_key = "optimizer_param_names"
+    _, files = _model_files(run_dir, tag)
+    shards: dict[str, list] = {}
+    for f in files:
+        d = torch.load(f, map_location="cpu", weights_only=False)
+        opt = d.get("optimizer")
+        if not isinstance(opt, dict) or "state" not in opt or d.get(names_key) is None:
+            return None
+        tp_rank = d["tp_rank"]
+        flat = [i for g in opt["param_groups"] for i in g["params"]]
+        for idx, name in zip(flat, d[names_key]):
+            if name is None or idx not in opt["state"]:
+                continue
+            shards.setdefault(name, [None] * meta["parallel"]["tp"])[tp_rank] = opt["state"][idx]
+    merged = {}
+    for name, parts in shards.items():
+        tags = meta["partition"].get(name)
+        out = {"step": parts[0]["step"]}
+        for key in ("exp_avg", "exp_avg_sq"):
+            tensors = [p[key].float() for p in parts if p is not None]
+            if tags is None or len(tensors) == 1:
+                out[key] = tensors[0]
+            else:
+                dim, stride = tags
+                pieces = [t.chunk(stride, dim) for t in tensors]
+                out[key] = torch.cat([pieces[r][k] for k in range(stride) for r in range(len(tensors))], dim)
+        merged[name] = out
+    return merged
+
+
+def _resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Trim or zero-pad the vocabulary rows (padding rows are never targets)."""
+    if t.size(0) >= rows:
+        return t[:rows].clone()
+    return torch.cat([t, t.new_zeros(rows - t.size(0), *t.shape[1:])])
+
+
+def _worker(rank, world, payload_path: str, out_dir: str):
+    """Runs in each of the K x M target processes (gloo initialised by the spawner)."""
+    from training import checkpoint as ckpt
+    from training.parallel import random as tp_random
+    from training.parallel.layers import _shard_master
+    from training.trainer import Trainer
+
+    payload = torch.load(payload_path, map_location="cpu", weights_only=False)
+    cfg = payload["config"]
+    trainer = Trainer(cfg)
+    names = ckpt.canonical_names(trainer)
+    params = dict(trainer.model.named_parameters())
+    opt = getattr(trainer.engine, "basic_optimizer", None) or trainer.engine.optimizer
+    with torch.no_grad():
+        for pname, p in params.items():
+            name = names[pname]
+            full = payload["weights"][name]
+            if name == "embedding.word_embeddings.weight":
+                full = _resize_vocab(full, trainer.padded_vocab)
+            tags = payload["partition"].get(name)
+            shard = _shard_master(full, tags[0], trainer.ps.tp_rank, trainer.ps.dims.tp, tags[1]) if tags else full
+            p.copy_(shard.to(p.dtype))
+            moments = (payload["moments"] or {}).get(name)
+            if moments is not None:
+                st = {}
+                for key in ("exp_avg", "exp_avg_sq"):
+                    m = moments[key]
+                    if name == "embedding.word_embeddings.weight":
+                        m = _resize_vocab(m, trainer.padded_vocab)
+                    st[key] = (_shard_master(m, tags[0], trainer.ps.tp_rank, trainer.ps.dims.tp, tags[1])
+                               if tags else m).to(p.dtype).clone()
+                st["step"] = moments["step"].clone() if torch.is_tensor(moments["step"]) else torch.tensor(
+                    float(moments["step"]))
+                opt.state[p] = st
+    trainer.iteration = payload["iteration"]
+    trainer.consumed_samples = payload["consumed_samples"]
+    if payload["lr_scheduler"] is not None:
+        sched = trainer.engine.lr_scheduler
+        sched.load_state_dict(payload["lr_scheduler"])
+        for group, lr in zip(opt.param_groups, sched.get_last_lr()):  # the rate of the next step
+            group["lr"] = lr
+    tp_random.set_seed(cfg.train.seed + payload["iteration"])
+    ckpt.save(trainer)
+    return trainer.ps.rank
+
+
+def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | None = None) -> Path:
+    run_dir, out = Path(run_dir), Path(out)
+    weights, cfg, meta = load_merged_state_dict(run_dir, tag)
+    cfg.parallel.tensor, cfg.parallel.pipeline = tp, pp
+    cfg.run.dir = str(out)
+    cfg.train.exit_at = None
+    validate_static(cfg)  # TP must divide heads, PP <= layers, ...
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} exists and is not empty: choose a new directory")
+    moments = merge_optimizer_state(run_dir, tag, meta)
+    if moments is None:
+        logger.warning("optimizer state of %s is not per parameter (fp16 masters or ZeRO): only weights, schedule "
+                       "and data position are converted; Adam moments restart from zero", run_dir)
+    src = _model_files(run_dir, tag)[1][0]
+    source_state = torch.load(src, map_location="cpu", weights_only=False)
+    # the new padded vocabulary (multiple of divisor x new TP)
+    padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    out.mkdir(parents=True)
+    payload_path = out / ".reshard_payload.pt"
+    torch.save({"config": cfg, "weights": weights, "moments": moments, "partition": meta["partition"],
+                "iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
+                "lr_scheduler": source_state.get("lr_scheduler")}, payload_path)
+    try:
+        _spawn(tp * pp, str(payload_path), str(out))
+    finally:
+        payload_path.unlink(missing_ok=True)
+    for name in ("metrics.jsonl",):
+        if (run_dir / name).is_file():
+            shutil.copyfile(run_dir / name, out / name)
+    logger.info("wrote %s (TP=%d PP=%d) from %s", checkpoint_dir(out), tp, pp, run_dir)
+    return out
+
+
+def _spawn(world: int, payload_path: str, out_dir: str) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_entry, args=(world, port, payload_path, out_dir), nprocs=world, start_method="spawn")
+
+
+def _entry(rank, world, port, payload_path, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    logging.basicConfig(level=logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    try:
+        _worker(rank, world, payload_path, out_dir)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.reshard", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="run directory with checkpoints/latest")
+    parser.add_argument("--tp", type=int, required=True, help="target tensor-parallel degree")
+    parser.add_argument("--pp", type=int, default=1, help="target pipeline-parallel degree")
+    parser.add_argument("--out", required=True, help="new run directory (must not exist or be empty)")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", datefmt="%H:%M:%S")
+    try:
+        reshard(args.checkpoint, args.tp, args.pp, args.out, args.tag)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"reshard error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
