@@ -141,8 +141,9 @@ def datatrove(python: str | None, texts: list[str], tmp: Path, workers: int) -> 
     folder.mkdir(exist_ok=True)
     per_file = -(-len(texts) // workers)  # one input file per worker: datatrove shards by file
     for r in range(workers):
-        (folder / f"{r:06d}.jsonl").write_text("".join(json.dumps({"id": str(i), "text": texts[i]}) + "\n"
-                                                        for i in range(r * per_file, min(len(texts), (r + 1) * per_file))))
+        part = range(r * per_file, min(len(texts), (r + 1) * per_file))
+        lines = (json.dumps({"id": str(i), "text": texts[i]}) + "\n" for i in part)
+        (folder / f"{r:06d}.jsonl").write_text("".join(lines))
     work = tmp / "dt_work"
     shutil.rmtree(work, ignore_errors=True)
     out = subprocess.run([python, "-c", DATATROVE_SCRIPT, str(folder), str(work), str(workers), str(per_file)],
@@ -287,7 +288,8 @@ def main() -> None:
             r7, n7 = pair_quality(mem, truth, 0.7)
             r75, n75 = pair_quality(mem, truth, 0.75)
             low = sum(1 for (i, j), v in truth.items() if v < 0.7 and i in mem and mem.get(i) == mem.get(j))
-            print(f"| {name} | {statistics.median(ts):.0f} | {min(ts):.0f}–{max(ts):.0f} | {statistics.median(cs):.2f} "
+            print(f"| {name} | {statistics.median(ts):.0f} | {min(ts):.0f}–{max(ts):.0f} "
+                  f"| {statistics.median(cs):.2f} "
                   f"| {r7:.3f} (of {n7}) | {r75:.3f} (of {n75}) | {low} |")
         print(f"\nours: {res.candidates} candidate pairs, {res.verified} measured, {res.skipped} skipped (already "
               f"joined), {res.accepted} merging edges; phases (s, last rep): {res.seconds}")

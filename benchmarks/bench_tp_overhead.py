@@ -159,12 +159,12 @@ def _worker(rank: int, world: int, a: dict) -> dict:
     mappings.COLLECTIVE_BYTES.clear()
     counting.clear()
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     losses = [step() for _ in range(a["steps"])]
     dist.barrier()
     secs = (time.perf_counter() - t0) / a["steps"]
     n = a["steps"]
-    return {"secs": secs, "loss": losses[-1],
+    return {"secs": secs, "cpu": (time.process_time() - c0) / n, "loss": losses[-1],
             "tp_calls": {k: v / n for k, v in mappings.COLLECTIVE_CALLS.items()},
             "tp_bytes": {k: v / n for k, v in mappings.COLLECTIVE_BYTES.items()},
             "all_calls": {k: v / n for k, v in counting.calls.items()},
@@ -183,10 +183,12 @@ def main(argv: list[str] | None = None) -> None:
                                         "steps", "warmup")}
     a["padded"] = padded
     last: dict[int, dict] = {}
+    cpu: dict[int, common.Samples] = {tp: common.Samples() for tp in args.tp}
 
     def launch(tp: int) -> float:
         res = run_distributed(_worker, tp, a, timeout=1800.0)
         last[tp] = res[0]
+        cpu[tp].values.append(sum(r["cpu"] for r in res))  # CPU seconds of all ranks together
         return max(r["secs"] for r in res)  # the step ends when the slowest rank ends
 
     samples = common.interleaved({f"tp{tp}": functools.partial(launch, tp) for tp in args.tp}, args.reps)
@@ -202,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         ring = 2 * (tp - 1) / tp * ours if tp > 1 else 0.0
         rel = common.ratio_samples(t, base).fmt(".2f") if base else "-"
         calls = ", ".join(f"{k} {v:g}" for k, v in sorted(r["tp_calls"].items())) or "none"
-        rows.append([str(tp), str(max(1, args.cores // tp)), t.fmt(".3f"), rel, f"{b * s / t.median:,.0f}",
+        rows.append([str(tp), str(max(1, args.cores // tp)), t.fmt(".3f"), rel, cpu[tp].fmt(".2f"),
+                     f"{b * s / t.median:,.0f}",
                      f"{pred / 2**20:.2f}", f"{ours / 2**20:.2f} ({'=' if ours == pred else '!='} design)", calls, f"{everything / 2**20:.2f}",
                      f"{ring / 2**20:.2f}", f"{r['loss']:.6f}"])
     print()
@@ -212,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.reps} interleaved repetitions x {args.steps} steps after {args.warmup} warm-up")
     print()
     print(common.markdown_table(
-        ["TP", "threads/rank", "s/step median [min-max]", "x TP=1 (per rep)", "tokens/s", "predicted MiB/step",
+        ["TP", "threads/rank", "s/step median [min-max]", "x TP=1 (per rep)", "CPU s/step (all ranks)", "tokens/s", "predicted MiB/step",
          "TP collectives MiB/step", "TP calls/step", "all collectives MiB/step", "ring-sent MiB/step (TP)",
          "last loss"], rows))
 

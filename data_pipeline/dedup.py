@@ -36,14 +36,15 @@ recall: 20×6 at 0.7/128 finds a pair at exactly J=0.7 with probability 0.92 (eq
 Verification: the Jaccard of the fingerprint sets of every candidate pair whose two documents are not
 already in one cluster (no sampling of one "main" document per bucket). Fingerprint Jaccard equals the
 exact shingle Jaccard unless two distinct shingles of the pair share a 64-bit fingerprint: probability
-≤ C(|A|+|B|, 2)/2^64 per pair (~1e-14 for two 300-word documents). Pairs are visited in sorted order in
-blocks; a pair is skipped only when union-find already joins its two documents (by edges verified
+≤ C(|A|+|B|, 2)/2^64 per pair (~1e-14 for two 300-word documents). Pairs are visited one by one in
+sorted order; a pair is skipped only when union-find already joins its two documents (by edges verified
 ≥ threshold), which cannot change any cluster, nor the first merging edge of any member (that edge is
 reported as ``linked_via``). So the clusters are exactly the connected components of the graph of
 candidate pairs with ``J >= threshold``; the survivor of a cluster is its lowest input index; a
 member linked through a chain can be below the threshold *to the survivor* (measured and reported),
 every merging edge is at or above it. Skipping turns a bucket of k identical documents from k(k−1)/2
-verifications into about k.
+Jaccard measurements into k−1 (the k(k−1)/2 candidate pairs are still enumerated, as datasketch's
+buckets would give them).
 """
 from __future__ import annotations
 
@@ -719,8 +720,9 @@ def verify_and_cluster(cache: ShingleCache, pairs: np.ndarray, threshold: float,
     union-find already joins is skipped; otherwise it is measured and unioned when J >= threshold.
     Fingerprint sets are read from ``cache`` for runs of pairs touching at most ``max_docs`` documents
     (the documents of pairs not yet joined when the run starts), so memory is bounded by ``max_docs``
-    sets and the result does not depend on it. Equal to ``cluster(verify_pairs(all pairs))`` — clusters and links (tested) —
-    because a skipped pair joins nothing new and is never the first merging edge of either end.
+    sets and the result does not depend on it. Equal to ``cluster(verify_pairs(all pairs))`` — clusters
+    and links (tested) — because a skipped pair joins nothing new and is never the first merging edge of
+    either end.
     Then the Jaccard of every removed member to its survivor is measured (or reused)."""
     from tqdm import tqdm
 

@@ -98,15 +98,16 @@ def train_one(order: str, depth: int, args, train_ds, valid_batches, vocab_size:
 def table(rows: list[dict]) -> str:
     by = {(r["order"], r["depth"]): r for r in rows}
     depths = sorted({r["depth"] for r in rows})
-    lines = ["| layers | params | post-LN train | pre-LN train | post-LN held-out (MLM) | pre-LN held-out (MLM) | better |",
-             "|---:|---:|---:|---:|---:|---:|:---|"]
+    lines = ["| layers | params | post-LN train | pre-LN train | post-LN held-out (MLM) | pre-LN held-out (MLM) "
+             "| post - pre held-out | lower |",
+             "|---:|---:|---:|---:|---:|---:|---:|:---|"]
     for d in depths:
         a, b = by[("post_ln", d)], by[("pre_ln", d)]
         better = "-" if a["diverged"] and b["diverged"] else (
             "pre-LN" if (a["diverged"] or b["valid_loss"] < a["valid_loss"]) else "post-LN")
         lines.append(f"| {d} | {b['parameters']:,} | {a['train_loss']:.3f} | {b['train_loss']:.3f} | "
                      f"{a['valid_loss']:.3f} ({a['valid_mlm_loss']:.3f}) | {b['valid_loss']:.3f} ({b['valid_mlm_loss']:.3f}) "
-                     f"| {better} |")
+                     f"| {a['valid_loss'] - b['valid_loss']:+.3f} | {better} |")
     return "\n".join(lines)
 
 

@@ -242,7 +242,7 @@ class Trainer:
                                resume_iteration=self.iteration if resumed else None)
         bar = tqdm(total=cfg.train.iters, initial=self.iteration, desc="train", unit="it",
                    disable=not (self.is_rank0 and cfg.train.progress_bar), leave=False)
-        last = {}
+        last, vl = {}, None
         try:
             stop = min(cfg.train.iters, cfg.train.exit_at or cfg.train.iters)
             while self.iteration < stop:
@@ -257,8 +257,9 @@ class Trainer:
                         writer.event("valid", {"loss": vl, "ppl": math.exp(min(vl, 20))}, self.iteration)
                 if cfg.train.save_interval and self.iteration % cfg.train.save_interval == 0:
                     ckpt.save(self)
-            valid = self.evaluate()
-            if valid is not None:
+            evaluated_now = bool(cfg.train.eval_interval) and self.iteration % cfg.train.eval_interval == 0 and bool(last)
+            valid = vl if evaluated_now else self.evaluate()
+            if valid is not None and not evaluated_now:
                 writer.event("valid", {"loss": valid, "ppl": math.exp(min(valid, 20))}, self.iteration)
                 if self.is_rank0:
                     logger.info("validation loss %.4f | ppl %.2f", valid, math.exp(min(valid, 20)))
