@@ -76,7 +76,9 @@ def init_single_process() -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_SIZE="1")
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    from training.distributed import init_distributed
+
+    init_distributed("gloo")
 
 
 def project_config(args):

@@ -32,10 +32,10 @@ def _worker(rank, world_size, port, fn, args, queue):
                       DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
     try:
-        import deepspeed
-
         # DeepSpeed's comm layer wraps torch.distributed (its checkpointing RNG and engine need it)
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        from training.distributed import init_distributed
+
+        init_distributed("gloo")
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(result, buf)  # plain bytes: no shared-memory handles that die with the child

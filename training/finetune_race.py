@@ -411,10 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
-    import deepspeed
     import torch.distributed as dist
 
-    deepspeed.init_distributed(auto_mpi_discovery=False, verbose=False)
+    from training.distributed import init_distributed
+
+    init_distributed()
     try:
         res = RaceFinetuner(cfg, meta).train()
         if rank == 0:

@@ -41,12 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
-    import deepspeed
     import torch.distributed as dist
 
+    from training.distributed import init_distributed
     from training.trainer import Trainer, TrainingAborted
 
-    deepspeed.init_distributed(auto_mpi_discovery=False, verbose=False)
+    init_distributed()
     try:
         trainer = Trainer(cfg)
         trainer.train()

@@ -165,10 +165,10 @@ def _entry(rank, world, port, payload_path, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
+    from training.distributed import init_distributed
 
     logging.basicConfig(level=logging.WARNING)
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+    init_distributed("gloo")
     try:
         _worker(rank, world, payload_path, out_dir)
     finally:

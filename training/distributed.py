@@ -1,0 +1,21 @@
+"""Process-group start-up shared by every entry point (training, fine-tuning, resharding, tests).
+
+DeepSpeed's CPU backend builds a shared-memory all-reduce kernel (``deepspeed_shm_comm``) at
+``init_distributed`` and maps a buffer per rank under /dev/shm, named after the master address and
+port, that is never unlinked: every run leaves ~64 MB per rank behind, and a test suite of short
+runs fills /dev/shm (RAM) until the OOM killer stops it. That kernel only serves DeepSpeed's
+inference all-reduce, which this project does not use (all collectives go through
+torch.distributed), so it is switched off before DeepSpeed's backend starts.
+"""
+from __future__ import annotations
+
+
+def init_distributed(backend: str | None = None) -> None:
+    import deepspeed
+    import deepspeed.ops
+
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
