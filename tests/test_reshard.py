@@ -53,3 +53,28 @@ def test_reshard_tp2pp2_to_tp1_to_tp4(spm_model, tmp_path):
     for it in (3, 4):
         assert abs(sb[it][0] - sa[it][0]) < 2e-4, (it, sa[it], sb[it])
         assert sb[it][1] == sa[it][1]
+
+
+def _bert_stages(rank, world, corpus, run_dir, tp, stages):
+    from tests.test_bert_race import _bert_cfg
+    from training.trainer import Trainer
+
+    for extra in stages:
+        Trainer(_bert_cfg(corpus, run_dir, {"parallel": {"tensor": tp}, **extra})).train()
+    return None
+
+
+def test_reshard_bert_tp2_to_tp1_resumes_with_the_same_loss(tmp_path, tmp_path_factory):
+    """BERT (vocabulary 1500 pads to 1536 at TP=1 and TP=2): the converted run continues the original."""
+    from tests.test_bert_race import _botchan_docs, _write_corpus
+    from training.reshard import reshard
+
+    corpus = tmp_path_factory.mktemp("bert_corpus_reshard")
+    _write_corpus(corpus, _botchan_docs())
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_distributed(_bert_stages, 2, str(corpus), str(a), 2, [{"train": {"exit_at": 2}}, {}])
+    reshard(a, tp=1, pp=1, out=b, tag="iter_0000002")
+    run_distributed(_bert_stages, 1, str(corpus), str(b), 1, [{}])
+    sa, sb = _steps(a), _steps(b)
+    assert sorted(sb) == [1, 2, 3]
+    assert abs(sb[3][0] - sa[3][0]) < 2e-4 and sb[3][1] == sa[3][1], (sa, sb)

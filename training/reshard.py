@@ -64,6 +64,11 @@ def merge_optimizer_state(run_dir: Path, tag: str | None, meta: dict) -> dict[st
     return merged
 
 
+def _is_vocab_sized(name: str) -> bool:
+    """Parameters with one row per (padded) vocabulary entry: the word embedding and BERT's LM-head bias."""
+    return name.endswith("word_embeddings.weight") or name.endswith("lm_head.bias")
+
+
 def _resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
     """Trim or zero-pad the vocabulary rows (padding rows are never targets)."""
     if t.size(0) >= rows:
@@ -88,7 +93,7 @@ def _worker(rank, world, payload_path: str, out_dir: str):
         for pname, p in params.items():
             name = names[pname]
             full = payload["weights"][name]
-            if name == "embedding.word_embeddings.weight":
+            if _is_vocab_sized(name):
                 full = _resize_vocab(full, trainer.padded_vocab)
             tags = payload["partition"].get(name)
             shard = _shard_master(full, tags[0], trainer.ps.tp_rank, trainer.ps.dims.tp, tags[1]) if tags else full
@@ -98,7 +103,7 @@ def _worker(rank, world, payload_path: str, out_dir: str):
                 st = {}
                 for key in ("exp_avg", "exp_avg_sq"):
                     m = moments[key]
-                    if name == "embedding.word_embeddings.weight":
+                    if _is_vocab_sized(name):
                         m = _resize_vocab(m, trainer.padded_vocab)
                     st[key] = (_shard_master(m, tags[0], trainer.ps.tp_rank, trainer.ps.dims.tp, tags[1])
                                if tags else m).to(p.dtype).clone()
