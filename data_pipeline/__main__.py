@@ -3,6 +3,8 @@
     python -m data_pipeline build  --config configs/data/default.yaml [key.sub=value ...] [--force]
     python -m data_pipeline stage  dedup --config configs/data/default.yaml dedup.threshold=0.8
     python -m data_pipeline status --config configs/data/default.yaml
+    python -m data_pipeline dedup-worker --config C --shard I/N --redis redis://host:6379/0  # each machine
+    python -m data_pipeline dedup-merge  --config C [--redis URL]  # then `build` exports
 """
 from __future__ import annotations
 
@@ -22,7 +24,19 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("stage", help="run one stage now (its upstream stages must be finished)")
     s.add_argument("name", choices=STAGES)
     st = sub.add_parser("status", help="which stages are finished for this config")
-    for a in (b, s, st):
+    w = sub.add_parser("dedup-worker", help="one machine's shard of a dedup sharing one Redis LSH index")
+    w.add_argument("--shard", required=True, help="I/N: this worker's shard (0-based) of N")
+    w.add_argument("--redis", default=None, help="redis://host:port/db (default: dedup.redis_host/port/db)")
+    w.add_argument("--barrier-timeout", type=float, default=3600.0,
+                   help="seconds to wait for the other shards to finish inserting (default 3600)")
+    m = sub.add_parser("dedup-merge", help="union-find over every shard's verified edges -> the dedup stage")
+    m.add_argument("--redis", default=None, help="also delete this run's index from this Redis when done")
+    m.add_argument("--clear-only", action="store_true", help="only delete this run's Redis index (needs --redis "
+                                                             "or dedup.redis_host/port/db), merge nothing")
+    for a in (w, m):
+        a.add_argument("--edges-dir", default=None,
+                       help="folder of shard-*.npz/.json (default: <output_dir>/work/dedup-shards/<basename>)")
+    for a in (b, s, st, w, m):
         a.add_argument("--config", required=True, help="YAML file, e.g. configs/data/default.yaml")
         a.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. dedup.threshold=0.8")
         a.add_argument("-v", "--verbose", action="store_true")
@@ -34,6 +48,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "status":
             for name in STAGES:
                 print(f"{name:<10} {'done' if is_done(cfg, name) else 'to do':<6} {fingerprint(cfg, name)}")
+            return 0
+        if args.cmd == "dedup-worker":
+            from .distributed_dedup import run_dedup_worker
+
+            info = run_dedup_worker(cfg, args.shard, args.redis, args.barrier_timeout, args.edges_dir)
+            print(f"shard {args.shard}: {info['signed']} documents inserted, {info['candidate_pairs']} candidate "
+                  f"pairs, {info['edges']} verified edges; when every shard is done run `dedup-merge`")
+            return 0
+        if args.cmd == "dedup-merge":
+            from .distributed_dedup import run_clear, run_dedup_merge
+
+            if args.clear_only:
+                print(f"deleted {run_clear(cfg, args.redis)} Redis keys of this run's index")
+                return 0
+            st_ = run_dedup_merge(cfg, args.edges_dir, args.redis)
+            print(f"dedup merged: {st_['clusters']} clusters, {st_['removed']} removed; run `build` to export")
             return 0
         if args.cmd == "stage":
             run_stage(cfg, args.name)
