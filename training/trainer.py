@@ -92,6 +92,10 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     mpu=None if self.pipe else self.ps, config=self.ds_config,
                                                     dist_init_required=False)
+        if self.dp == 1 and not self.pipe and cfg.parallel.zero_stage == 0:
+            # one replica: DeepSpeed would still flatten every gradient, all-reduce it with itself and
+            # copy it back (~10% of a CPU step in benchmarks/bench_train_step.py)
+            self.engine.enable_backward_allreduce = False
         # fp32 without ZeRO: DeepSpeed's clip discards the norm (and miscounts under PP); use ours
         self.fp32_clip_override = self.dtype == "fp32" and cfg.parallel.zero_stage == 0
         if self.fp32_clip_override:
