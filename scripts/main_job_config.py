@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad main-job configuration: one line naming the key, the problem and the fix."""
-
+# the strict dataclass loader shared with the training config (unknown keys, types, Literals)
+from training.config import ConfigError, build_dataclass as _build, merge_dicts as _merge  # noqa: E402
 
 @dataclass
 class CorpusSection:
@@ -33,7 +29,6 @@ class CorpusSection:
     """Corpus builder config (``python -m data_pipeline build --config ...``)."""
     set: dict[str, Any] = field(default_factory=dict)
     """Overrides for the builder, e.g. {dedup: {threshold: 0.8}}. ``output_dir`` defaults to RUN/corpus."""
-
 
 @dataclass
 class TrainSection:
@@ -48,7 +43,6 @@ class TrainSection:
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: cpu unless torch sees a GPU (sets DS_ACCELERATOR=cpu for DeepSpeed on CPU)."""
 
-
 @dataclass
 class HeldoutSection:
     enabled: bool = True
@@ -59,7 +53,6 @@ class HeldoutSection:
     batch_size: int = 8
     max_documents: int = 0
     """Score only the first N documents of the part (0 = all)."""
-
 
 @dataclass
 class WikitextSection:
@@ -76,7 +69,6 @@ class WikitextSection:
     stride: int = 32
     batch_size: int = 8
 
-
 @dataclass
 class LambadaSection:
     enabled: bool = True
@@ -88,7 +80,6 @@ class LambadaSection:
     """Score only the first N examples (0 = all)."""
     strict: bool = True
     batch_size: int = 16
-
 
 @dataclass
 class RaceSection:
@@ -102,7 +93,6 @@ class RaceSection:
     split: Literal["train", "dev", "test"] = "test"
     batch_size: int = 4
 
-
 @dataclass
 class EvalSection:
     tp: int = 1
@@ -110,7 +100,6 @@ class EvalSection:
     heldout: HeldoutSection = field(default_factory=HeldoutSection)
     wikitext103: WikitextSection = field(default_factory=WikitextSection)
     lambada: LambadaSection = field(default_factory=LambadaSection)
-
 
 @dataclass
 class MainConfig:
@@ -131,67 +120,7 @@ class MainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-
 # ------------------------------------------------------------------------------------------ loading
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errs = []
-        for a in args:
-            if a is not type(None):
-                try:
-                    return _coerce(value, a, where)
-                except ConfigError as e:
-                    errs.append(str(e))
-        raise ConfigError(errs[0] if errs else f"{where}: bad value {value!r}")
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, typing.get_args(tp)))}")
-        return value
-    if origin is dict:
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping like {{train: {{iters: 50}}}}, got {value!r}")
-        return _expand_dotted(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    raise ConfigError(f"{where}: unsupported type {tp}")
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in names:
-            raise ConfigError(f"unknown key '{where + '.' if where else ''}{key}' in the main-job config; "
-                              f"valid keys here: {', '.join(names)}")
-    return cls(**{k: _coerce(v, hints[k], f"{where + '.' if where else ''}{k}") for k, v in data.items()})
-
-
 def _expand_dotted(d: dict[str, Any]) -> dict[str, Any]:
     """{"train.iters": 5, "data": {"split": "1,1,1"}} -> {"train": {"iters": 5}, "data": {"split": ...}}."""
     out: dict[str, Any] = {}
@@ -206,14 +135,6 @@ def _expand_dotted(d: dict[str, Any]) -> dict[str, Any]:
             node[parts[-1]] = _expand_dotted(v) if isinstance(v, dict) else v
     return out
 
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """``["train.set.train.iters=50"]`` -> nested dict; values are YAML scalars."""
     nested: dict[str, Any] = {}
@@ -224,7 +145,6 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         value = yaml.safe_load(raw) if raw != "" else ""
         nested = _merge(nested, _expand_dotted({key.strip(): value}))
     return nested
-
 
 def load_main_config(path: str | Path | None, overrides: list[str] | None = None) -> MainConfig:
     data: dict[str, Any] = {}
@@ -258,7 +178,6 @@ def load_main_config(path: str | Path | None, overrides: list[str] | None = None
                           "or use train.launcher=deepspeed")
     return cfg
 
-
 def flatten(d: dict[str, Any], prefix: str = "") -> list[str]:
     """Nested ``set`` mapping -> ``key.sub=value`` arguments for a stage CLI (values as YAML scalars)."""
     out: list[str] = []
@@ -269,7 +188,6 @@ def flatten(d: dict[str, Any], prefix: str = "") -> list[str]:
             continue
         out.append(f"{key}={yaml_scalar(v)}")
     return out
-
 
 def yaml_scalar(v: Any) -> str:
     """A value written so that ``yaml.safe_load`` on the other side gives it back unchanged."""

@@ -295,6 +295,12 @@ def _build(cls: type, data: Any, where: str) -> Any:
     return cls(**kwargs)
 
 
+def build_dataclass(cls: type, data: Any, where: str = "") -> Any:
+    """Public name of the strict loader: a dict -> dataclass ``cls`` (unknown keys and wrong types raise
+    ConfigError). Shared by the main-job config."""
+    return _build(cls, data, where)
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """``["train.iters=50", "parallel.tensor=2"]`` -> nested dict; values parsed as YAML scalars."""
     nested: dict[str, Any] = {}
@@ -323,6 +329,9 @@ def _merge(base: dict, over: dict) -> dict:
         else:
             out[k] = v
     return out
+
+
+merge_dicts = _merge
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
