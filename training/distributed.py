@@ -11,6 +11,13 @@ from __future__ import annotations
 
 
 def init_distributed(backend: str | None = None) -> None:
+    """Initialise torch.distributed through DeepSpeed's comm layer. Without the launcher (one plain
+    process) the rendezvous variables default to a single local rank."""
+    import os
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
     import deepspeed
     import deepspeed.ops
 
