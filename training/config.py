@@ -71,7 +71,7 @@ class ParallelConfig:
     tensor: int = 1
     """Tensor-parallel degree (ranks that split every layer)."""
     pipeline: int = 1
-    """Pipeline-parallel degree (1 until pipeline parallelism lands)."""
+    """Pipeline-parallel degree (GPT-2 only: DeepSpeed PipelineModule; BERT is tensor-parallel only)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage: 0 = off, 1 = optimizer states sharded across DP ranks (2/3 do not mix
     with tensor/pipeline parallelism and are refused)."""
