@@ -9,6 +9,7 @@ The DeepSpeed JSON is *derived* from this config (:func:`deepspeed_config`), nev
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -285,10 +286,10 @@ def _build(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {data!r}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in names:
-            close = [n for n in names if n.startswith(str(key)[:3])]
+            close = difflib.get_close_matches(str(key), names, n=1)  # deterministic: no set order
             hint = f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(sorted(names))}"
             raise ConfigError(f"unknown config key '{where + '.' if where else ''}{key}'{hint}")
     kwargs = {k: _coerce(v, hints[k], f"{where + '.' if where else ''}{k}") for k, v in data.items()}
