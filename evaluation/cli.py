@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(r)
     r.add_argument("--data", required=True, help="RACE folder with {train,dev,test}/{middle,high}/*.txt")
     r.add_argument("--split", default="test", choices=["train", "dev", "test"])
-    r.add_argument("--seq-length", type=int, default=512)
+    r.add_argument("--seq-length", type=int, default=None,
+                   help="sequence length of the 4 encoded options (default: the checkpoint's seq_length)")
     return ap
 
 
@@ -122,7 +123,14 @@ def run_race(args) -> None:
     from evaluation.race_model import load_multiple_choice
 
     score_fn, tok = load_multiple_choice(args.checkpoint, rt)
-    samples = encode_questions(questions, tok, args.seq_length)
+    from training.checkpoint import read_client_state
+
+    model_cfg = read_client_state(args.checkpoint)["config"]["model"]
+    positions = model_cfg.get("max_position_embeddings") or model_cfg["seq_length"]
+    seq_length = args.seq_length or model_cfg["seq_length"]
+    if seq_length > positions:
+        raise EvalError(f"--seq-length {seq_length} exceeds the model's {positions} positions")
+    samples = encode_questions(questions, tok, seq_length)
     res = race_accuracy(samples, score_fn, args.batch_size, progress=not args.no_progress and rt.is_main)
     res.update(split=args.split, skipped=report.skipped, problems=report.problems, files=report.files)
     rows = [("middle accuracy", res.get("middle/accuracy", float("nan"))),
