@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from training.checkpoint import _model_files, checkpoint_dir, load_merged_state_dict
-from training.config import ConfigError, padded_vocab_size, validate_static
+from training.config import ConfigError, validate_static
 
 logger = logging.getLogger("training.reshard")
 
@@ -137,8 +137,6 @@ def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | N
                        "and data position are converted; Adam moments restart from zero", run_dir)
     src = _model_files(run_dir, tag)[1][0]
     source_state = torch.load(src, map_location="cpu", weights_only=False)
-    # the new padded vocabulary (multiple of divisor x new TP)
-    padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
     out.mkdir(parents=True)
     payload_path = out / ".reshard_payload.pt"
     torch.save({"config": cfg, "weights": weights, "moments": moments, "partition": meta["partition"],
