@@ -4,9 +4,6 @@ from __future__ import annotations
 import itertools
 import re
 import shutil
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -132,49 +129,17 @@ def test_planted_recall_precision_determinism(planted, tmp_path):
     assert clusters2 == clusters and sorted(verified2) == sorted(verified)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture()
-def redis_server(tmp_path):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server not found on PATH (apt-get install -y redis-server)")
-    import redis
-
-    port = _free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        client = redis.Redis(host="127.0.0.1", port=port)
-        for _ in range(100):
-            try:
-                if client.ping():
-                    break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        else:
-            pytest.fail("redis-server did not start")
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def test_redis_index_same_clusters(planted, tmp_path, redis_server):
+def test_redis_index_same_clusters(planted, tmp_path, redis_port):
     import redis
 
     store, docs, truth = planted
     _, verified_mem, clusters_mem, _ = run_dedup(store, tmp=tmp_path)
     pairs_mem = {(i, j) for i, j, _ in verified_mem}
-    storage = dd.redis_storage_config("127.0.0.1", redis_server, 0, "test-planted")
+    storage = dd.redis_storage_config("127.0.0.1", redis_port, 0, "test-planted")
     pairs_r, verified_r, clusters_r, _ = run_dedup(store, storage=storage, tmp=tmp_path)
     assert pairs_r == pairs_mem
     assert clusters_r == clusters_mem
-    r = redis.Redis(host="127.0.0.1", port=redis_server)
+    r = redis.Redis(host="127.0.0.1", port=redis_port)
     assert r.dbsize() > 0  # the index really lived in Redis
-    assert dd.redis_clear("127.0.0.1", redis_server, 0, "test-planted") > 0
+    assert dd.redis_clear("127.0.0.1", redis_port, 0, "test-planted") > 0
     assert r.dbsize() == 0

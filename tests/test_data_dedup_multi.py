@@ -6,11 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,36 +25,9 @@ CORPUS = DATA / "corpus"
 GPT2 = DATA / "tokenizers" / "gpt2"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture()
-def redis_url(tmp_path):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server not found on PATH (apt-get install -y redis-server)")
-    import redis
-
-    port = _free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        client = redis.Redis(host="127.0.0.1", port=port)
-        for _ in range(200):
-            try:
-                if client.ping():
-                    break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        else:
-            pytest.fail("redis-server did not start")
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+def redis_url(redis_port):
+    return f"redis://127.0.0.1:{redis_port}/0"
 
 
 def _config(tmp_path: Path, docs: list[str], out: str) -> Path:

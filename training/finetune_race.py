@@ -175,29 +175,16 @@ class RaceFinetuner:
 
         from data_pipeline.tokenizer import load_tokenizer
         from evaluation.race_data import encode_questions, read_race_split
-        from training.config import deepspeed_config, padded_vocab_size, resolve_dtype
+        from training.config import deepspeed_config, padded_vocab_size
         from training.optim import build_optimizer
-        from training.parallel import random as tp_random
-        from training.parallel.state import ParallelState
-        from training.trainer import allow_fp16_on_cpu
+        from training.trainer import start_process
 
         self.cfg, self.meta = cfg, meta
         f = cfg.finetune
         self.run_dir = Path(cfg.run.dir)
-        self.world = dist.get_world_size()
-        self.dp = check_world(cfg, self.world)
         on_gpu = torch.cuda.is_available()
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
-        self.dtype = resolve_dtype(cfg, on_gpu)
-        if self.dtype == "fp16" and not on_gpu:
-            allow_fp16_on_cpu()
-        if not on_gpu:
-            local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
-        self.ps = ParallelState(tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline)
-        self.is_rank0 = dist.get_rank() == 0
-        tp_random.configure(self.ps, cfg.model.num_layers)
-        tp_random.set_seed(cfg.train.seed)
+        self.world, self.dp, self.dtype, self.ps, self.is_rank0 = start_process(cfg)
 
         pretrained = Path(f.pretrained)
         self.tokenizer = load_tokenizer(meta["tokenizer"], base_dir=pretrained)

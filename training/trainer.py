@@ -41,6 +41,26 @@ def count_parameters(model, ps) -> int:
     return int(t)
 
 
+def start_process(cfg: Config):
+    """Per-process start-up shared by every training entry point: layout check, dtype, CPU threads,
+    process groups, then the RNG streams (DeepSpeed's tracker configured before any seeding).
+    Returns (world, dp, dtype, ParallelState, is_rank0)."""
+    world = dist.get_world_size()
+    dp = check_world(cfg, world)
+    on_gpu = torch.cuda.is_available()
+    dtype = resolve_dtype(cfg, on_gpu)
+    if dtype == "fp16" and not on_gpu:
+        allow_fp16_on_cpu()
+    if not on_gpu:
+        # one process per core share: avoid oversubscribing the CPU with intra-op threads
+        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
+    ps = ParallelState(tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline)
+    tp_random.configure(ps, cfg.model.num_layers)  # before any seeding
+    tp_random.set_seed(cfg.train.seed)
+    return world, dp, dtype, ps, dist.get_rank() == 0
+
+
 class TrainingAborted(RuntimeError):
     """Training stopped on purpose (e.g. too many consecutive overflow-skipped steps)."""
 
@@ -60,20 +80,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
-        self.world = dist.get_world_size()
-        self.dp = check_world(cfg, self.world)
-        on_gpu = torch.cuda.is_available()
-        self.dtype = resolve_dtype(cfg, on_gpu)
-        if self.dtype == "fp16" and not on_gpu:
-            allow_fp16_on_cpu()
-        if not on_gpu:
-            # one process per core share: avoid oversubscribing the CPU with intra-op threads
-            local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
-        self.ps = ParallelState(tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline)
-        self.is_rank0 = dist.get_rank() == 0
-        tp_random.configure(self.ps, cfg.model.num_layers)  # before any seeding
-        tp_random.set_seed(cfg.train.seed)
+        self.world, self.dp, self.dtype, self.ps, self.is_rank0 = start_process(cfg)
 
         self.task = make_task(cfg, self.ps, self.dp)
         tok_vocab = self.task.tokenizer.vocab_size
