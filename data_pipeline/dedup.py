@@ -692,6 +692,31 @@ def cluster(verified: Iterable[tuple[int, int, float]], threshold: float
     return uf.clusters(), link
 
 
+def duplicate_rows(store: DocStore, clusters: dict[int, list[int]], link: dict[int, tuple[int, float]],
+                   to_survivor: Callable[[int, int], float]) -> tuple[list[dict[str, Any]], list[int]]:
+    """The rows of ``work/dedup/duplicates.jsonl`` and the removed store positions, clusters in survivor order.
+
+    One row per cluster: ``{"kept": source id, "kept_i": input index, "removed": [{"id", "i", "jaccard"
+    (to the survivor, 6 decimals), "linked_via" (input index of the other end of the first merging edge
+    touching it), "link_jaccard"}, ...]}`` (members in store order). ``to_survivor(root, member)`` gives
+    the Jaccard of a removed member to its survivor. Shared by the single-machine stage
+    (``stages.run_dedup``) and the multi-machine merge (``distributed_dedup.run_dedup_merge``), whose
+    outputs are compared byte for byte.
+    """
+    rows: list[dict[str, Any]] = []
+    removed: list[int] = []
+    for root, ms in sorted(clusters.items()):
+        rem = []
+        for m in ms[1:]:
+            via, via_j = link[m]
+            rem.append({"id": store.get(m)["src"], "i": int(store.input_index[m]),
+                        "jaccard": round(to_survivor(root, m), 6),
+                        "linked_via": int(store.input_index[via]), "link_jaccard": round(via_j, 6)})
+            removed.append(m)
+        rows.append({"kept": store.get(root)["src"], "kept_i": int(store.input_index[root]), "removed": rem})
+    return rows, removed
+
+
 @dataclass
 class DedupResult:
     """Outcome of :func:`verify_and_cluster` / :func:`dedup_store`."""

@@ -338,15 +338,7 @@ def run_dedup_merge(cfg: BuildConfig, edges: str | None = None, redis_url: str |
     jac.update({(i, j): x for i, j, x in dd.verify_pairs(run.store, need, run.shingle, cfg.dedup.verify_block_docs,
                                                          cfg.num_workers, progress=False)})
     store = run.store
-    rows, removed = [], []
-    for root, ms in sorted(clusters.items()):
-        rem = []
-        for m in ms[1:]:
-            via, via_j = link[m]
-            rem.append({"id": store.get(m)["src"], "i": int(store.input_index[m]), "jaccard": round(jac[(root, m)], 6),
-                        "linked_via": int(store.input_index[via]), "link_jaccard": round(via_j, 6)})
-            removed.append(m)
-        rows.append({"kept": store.get(root)["src"], "kept_i": int(store.input_index[root]), "removed": rem})
+    rows, removed = dd.duplicate_rows(store, clusters, link, lambda root, m: jac[(root, m)])
     store.close()
     merging = len(removed)  # a spanning forest: one merging edge per removed member
     total = lambda k: sum(x[k] for x in infos)  # noqa: E731

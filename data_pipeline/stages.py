@@ -382,17 +382,8 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
 
         res = dd.dedup_store(store, sig_dir, shingle, lsh, d.chunk_size, cfg.num_workers, d.verify_block_docs,
                              cfg.progress, candidates)
-        clusters, link = res.clusters, res.link
-        for root, ms in sorted(clusters.items()):
-            kept_rec = store.get(root)
-            rem = []
-            for m in ms[1:]:
-                via, via_j = link[m]
-                rem.append({"id": store.get(m)["src"], "i": int(store.input_index[m]),
-                            "jaccard": round(res.to_survivor[m], 6),
-                            "linked_via": int(store.input_index[via]), "link_jaccard": round(via_j, 6)})
-                removed.append(m)
-            rows.append({"kept": kept_rec["src"], "kept_i": int(store.input_index[root]), "removed": rem})
+        clusters = res.clusters
+        rows, removed = dd.duplicate_rows(store, clusters, res.link, lambda root, m: res.to_survivor[m])
         store.close()
         info.update(documents=n, unsignatured=int((~res.active).sum()), candidate_pairs=res.candidates,
                     verified_pairs=res.accepted, rejected_candidates=res.rejected,

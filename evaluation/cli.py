@@ -2,7 +2,8 @@
 
 Each command prints a short table and writes its numbers as JSON (``--json OUT``; default
 ``RUN_DIR/eval/<task>.json``). Bad input fails before any model is loaded with one line on stderr
-(exit code 2).
+(exit code 2). ``--limit N`` scores only the start of the data (first N lines / examples / questions);
+the JSON then has ``"limit": N`` (``null`` for a full run) and the table says so.
 """
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ def _data(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--hf-split", default="test", help="split of --hf-dataset (default test)")
 
 
+def _limit(p: argparse.ArgumentParser, unit: str) -> None:
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help=f"score only the first N {unit} (N >= 1; a limited run, marked in the JSON and table)")
+
+
+def _limited(args, unit: str) -> str:
+    return f" (limited: first {args.limit} {unit})" if args.limit else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m evaluation", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="task", required=True)
@@ -47,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--detokenizer", default="wikitext", choices=["wikitext", "ptb", "none"])
     w.add_argument("--include-vocab-padding", action="store_true",
                    help="softmax over the padded vocabulary as Megatron does (default: real vocabulary only)")
+    _limit(w, "lines of the .tokens text (the same cut as scripts/main_job.py's eval.wikitext103.limit_lines)")
 
     la = sub.add_parser("lambada", help="LAMBADA last-word accuracy")
     _common(la)
@@ -54,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--strict", action=argparse.BooleanOptionalAction, default=True,
                     help="strict: whole last word must be greedy (default); --no-strict: last BPE token only")
     la.add_argument("--include-vocab-padding", action="store_true")
+    _limit(la, "examples (= JSON lines)")
 
     r = sub.add_parser("race", help="RACE multiple-choice accuracy (fine-tuned BERT multiple-choice checkpoint)")
     _common(r)
@@ -61,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--split", default="test", choices=["train", "dev", "test"])
     r.add_argument("--seq-length", type=int, default=None,
                    help="sequence length of the 4 encoded options (default: the checkpoint's seq_length)")
+    _limit(r, "questions of the split (middle then high, files in sorted name order, questions in file order)")
     return ap
 
 
@@ -68,7 +81,7 @@ def _finish(args, rt, title: str, rows: list, result: dict) -> None:
     if not rt.is_main:
         return
     out = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / f"{args.task}.json"
-    result = {"task": args.task, "checkpoint": str(args.checkpoint), **result}
+    result = {"task": args.task, "checkpoint": str(args.checkpoint), "limit": args.limit, **result}
     write_json_atomic(out, result)
     print(format_table(title, rows))
     print(f"wrote {out}")
@@ -77,9 +90,16 @@ def _finish(args, rt, title: str, rows: list, result: dict) -> None:
 def run_wikitext(args) -> None:
     from evaluation.model import load_scorer, setup_runtime
     from evaluation.tasks import wikitext_eval
-    from evaluation.wikitext import read_hf_wikitext, read_tokens_file
+    from evaluation.wikitext import first_lines, read_hf_wikitext, read_tokens_file
 
-    text = read_tokens_file(args.data) if args.data else read_hf_wikitext(args.hf_dataset, args.hf_split)
+    if args.data:
+        text = read_tokens_file(args.data, args.limit)
+    else:
+        text = read_hf_wikitext(args.hf_dataset, args.hf_split)
+        if args.limit:
+            text = first_lines(text, args.limit)
+            if not text.strip():
+                raise EvalError(f"the first {args.limit} line(s) of {args.hf_dataset}[{args.hf_split}] are blank")
     rt = setup_runtime(args.tp, args.device)
     scorer, cfg, tok = load_scorer(args.checkpoint, rt, args.include_vocab_padding)
     L = args.seq_length or cfg.model.seq_length
@@ -93,7 +113,7 @@ def run_wikitext(args) -> None:
             ("ppl (model tokens)", res["ppl"]), ("adjusted ppl (original tokens)", res["adjusted_ppl"]),
             ("windows (L, stride)", f"{res['windows']} ({L}, {args.stride})"),
             ("tokens/s", res["tokens_per_second"])]
-    _finish(args, rt, "WikiText perplexity (Megatron)", rows, res)
+    _finish(args, rt, "WikiText perplexity (Megatron)" + _limited(args, "lines"), rows, res)
 
 
 def run_lambada(args) -> None:
@@ -102,13 +122,14 @@ def run_lambada(args) -> None:
     from evaluation.tasks import lambada_eval
 
     texts = read_lambada_jsonl(args.data) if args.data else read_hf_lambada(args.hf_dataset, args.hf_split)
+    texts = texts[:args.limit] if args.limit else texts  # the whole input is still checked
     rt = setup_runtime(args.tp, args.device)
     scorer, cfg, tok = load_scorer(args.checkpoint, rt, args.include_vocab_padding)
     res = lambada_eval(scorer, tok, texts, args.strict, args.batch_size, rt.dp, progress=not args.no_progress and rt.is_main)
     res["data"] = args.data or f"{args.hf_dataset}[{args.hf_split}]"
     rows = [("mode", res["mode"]), ("accuracy", res["accuracy"]), ("correct / count", f"{res['correct']} / {res['count']}"),
             ("target-word perplexity", res["perplexity"]), ("tokens/s", res["tokens_per_second"])]
-    _finish(args, rt, "LAMBADA", rows, res)
+    _finish(args, rt, "LAMBADA" + _limited(args, "examples"), rows, res)
 
 
 def run_race(args) -> None:
@@ -119,6 +140,7 @@ def run_race(args) -> None:
     questions, report = read_race_split(args.data, args.split)
     if not questions:
         raise EvalError(f"no valid RACE questions under {args.data}/{args.split} ({report.skipped} skipped)")
+    questions = questions[:args.limit] if args.limit else questions  # read order: middle, high; files sorted
     rt = setup_runtime(args.tp, args.device)
     from evaluation.race_model import load_multiple_choice
 
@@ -136,7 +158,7 @@ def run_race(args) -> None:
     rows = [("middle accuracy", res.get("middle/accuracy", float("nan"))),
             ("high accuracy", res.get("high/accuracy", float("nan"))),
             ("all accuracy", res["accuracy"]), ("questions", res["count"]), ("skipped", report.skipped)]
-    _finish(args, rt, f"RACE {args.split}", rows, res)
+    _finish(args, rt, f"RACE {args.split}" + _limited(args, "questions"), rows, res)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size < 1:
         print("error: --batch-size must be >= 1", file=sys.stderr)
+        return 2
+    if args.limit is not None and args.limit < 1:
+        print(f"error: --limit must be >= 1 (the number of leading items to score), got {args.limit}", file=sys.stderr)
         return 2
     try:
         {"wikitext103": run_wikitext, "lambada": run_lambada, "race": run_race}[args.task](args)

@@ -17,6 +17,8 @@ we skip those (identical result) and report both counts.
 """
 from __future__ import annotations
 
+import io
+import itertools
 import logging
 import math
 from collections.abc import Iterator
@@ -37,8 +39,20 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------
 # Reading
 # ----------------------------------------------------------------------------------------------
-def read_tokens_file(path: str | Path) -> str:
-    """The whole ``.tokens`` file as text (UTF-8); clear errors for missing, binary or empty files."""
+def first_lines(text: str, n: int) -> str:
+    """The first ``n`` lines of ``text`` as iterating over the file in text mode yields them (universal
+    newlines: ``\r\n`` and ``\r`` read as ``\n``; only those end a line), i.e. exactly the file
+    ``scripts/main_job.py`` cuts for ``eval.wikitext103.limit_lines`` (``--limit``)."""
+    if n < 1:
+        raise EvalError(f"--limit must be >= 1, got {n}")
+    return "".join(itertools.islice(io.StringIO(text, newline=None), n))
+
+
+def read_tokens_file(path: str | Path, limit: int | None = None) -> str:
+    """The ``.tokens`` file as text (UTF-8); clear errors for missing, binary or empty files.
+
+    ``limit``: only its first ``limit`` lines (:func:`first_lines`); the whole file is still checked.
+    """
     p = Path(path)
     if not p.is_file():
         raise EvalError(f"WikiText file {p} does not exist or is not a file")
@@ -53,6 +67,10 @@ def read_tokens_file(path: str | Path) -> str:
         raise EvalError(f"WikiText file {p} is empty")
     if "\x00" in text:
         raise EvalError(f"WikiText file {p} contains NUL bytes: expected a plain-text wiki.*.tokens file")
+    if limit is not None:
+        text = first_lines(text, limit)
+        if not text.strip():
+            raise EvalError(f"the first {limit} line(s) of WikiText file {p} are blank: nothing to score")
     return text
 
 

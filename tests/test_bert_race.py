@@ -174,6 +174,17 @@ def test_pretrain_tp2_then_finetune_tp2_then_score_tp1(bert_corpus, tmp_path):
         acc = race_accuracy(samples, lambda b: model(b["text"], b["types"], b["padding_mask"]), progress=False)
     assert acc["count"] == 17
     assert acc["accuracy"] == pytest.approx(race["best"]["dev"]["accuracy"], abs=1e-9)
+    # the CLI with --limit 13: the first 13 questions in read order (middle then high, files sorted by name)
+    from evaluation.cli import main
+
+    assert main(["race", "--checkpoint", str(ft_dir), "--data", str(RACE), "--split", "dev", "--limit", "13",
+                 "--seq-length", str(SEQ), "--batch-size", "4", "--json", str(tmp_path / "race13.json"),
+                 "--no-progress"]) == 0
+    lim = json.loads((tmp_path / "race13.json").read_text())
+    with torch.no_grad():
+        acc13 = race_accuracy(samples[:13], lambda b: model(b["text"], b["types"], b["padding_mask"]), progress=False)
+    assert lim["limit"] == 13 and lim["count"] == 13 and [q.level for q in qs[:13]] == ["middle"] * 11 + ["high"] * 2
+    assert {k: lim[k] for k in acc13} == acc13
     # fine-tuning config errors, before any process group
     from training.config import ConfigError
     from training.finetune_race import load_finetune_config

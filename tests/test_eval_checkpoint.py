@@ -101,3 +101,32 @@ def test_cli_wikitext_and_lambada(runs, tmp_path, capsys):
                  "--json", str(tmp_path / "l.json"), "--no-progress"]) == 0
     lres = json.loads((tmp_path / "l.json").read_text())
     assert lres["count"] == 2 and lres["mode"] == "strict"
+
+
+def test_cli_limit_equals_main_job_cut_files(runs, tmp_path, capsys):
+    """--limit N scores exactly what scripts/main_job.py scores with its first-N-lines cut file."""
+    from evaluation.cli import main
+    from tests.test_eval_limit import main_job_cut
+
+    lambada_src = Path(SHARED_DATA) / "eval" / "lambada" / "lambada_test.jsonl"
+    if not (WT.is_file() and lambada_src.is_file()):
+        pytest.skip("../shared/data eval files absent")
+    ck = ["--checkpoint", str(runs[1]), "--no-progress"]
+    cut = main_job_cut(WT, 7, tmp_path / "mj")
+    assert main(["wikitext103", *ck, "--data", str(WT), "--limit", "7", "--stride", "8",
+                 "--json", str(tmp_path / "lim.json")]) == 0
+    assert "WikiText perplexity (Megatron) (limited: first 7 lines)" in capsys.readouterr().out
+    assert main(["wikitext103", *ck, "--data", str(cut), "--stride", "8", "--json", str(tmp_path / "cut.json")]) == 0
+    lim, ref = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("lim", "cut"))
+    assert lim["limit"] == 7 and ref["limit"] is None and lim["num_original_tokens"] > 100
+    for k in ("total_nll", "num_tokenized_tokens", "num_original_tokens", "adjusted_ppl", "windows"):
+        assert lim[k] == ref[k], k
+    # LAMBADA: first 3 examples = main_job's first-3-lines file
+    cut = main_job_cut(lambada_src, 3, tmp_path / "mj2", kind="lambada")
+    assert main(["lambada", *ck, "--data", str(lambada_src), "--limit", "3", "--json", str(tmp_path / "l1.json")]) == 0
+    assert "LAMBADA (limited: first 3 examples)" in capsys.readouterr().out
+    assert main(["lambada", *ck, "--data", str(cut), "--json", str(tmp_path / "l2.json")]) == 0
+    lim, ref = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("l1", "l2"))
+    assert lim["count"] == ref["count"] == 3 and lim["limit"] == 3 and ref["limit"] is None
+    for k in ("correct", "perplexity", "token_perplexity", "target_length_histogram"):
+        assert lim[k] == ref[k], k

@@ -22,7 +22,7 @@ from training import checkpoint as ckpt
 from training.config import (Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype,
 )
 from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
-from training.metrics import MetricsWriter, model_flops_per_iteration
+from training.metrics import MetricsWriter, flops_per_iteration
 from training.optim import build_optimizer
 from training.parallel import random as tp_random
 from training.parallel.state import ParallelState
@@ -111,8 +111,7 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.consecutive_skipped = 0
-        self.flops_per_step = model_flops_per_iteration(t.global_batch_size, cfg.model.seq_length, cfg.model.num_layers,
-                                                        cfg.model.hidden_size, self.padded_vocab, cfg.model.ffn_size)
+        self.flops_per_step = flops_per_iteration(cfg, self.padded_vocab)  # GPT-2 or BERT count (model.arch)
         self.tokens_per_step = t.global_batch_size * self.task.tokens_per_sample
         self.peak = self._peak_tflops()
         n_params = count_parameters(self.model, self.ps)  # collective under PP: every rank calls it
