@@ -14,6 +14,7 @@ import json
 import time
 from pathlib import Path
 
+import training  # noqa: F401  (THP_MEM_ALLOC_ENABLE before torch loads, as every entry point)
 import numpy as np
 import torch
 

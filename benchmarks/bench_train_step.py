@@ -1,19 +1,24 @@
-"""Training-step benchmark on CPU: our GPT-2 (TP=1) against Hugging Face ``GPT2LMHeadModel``.
+"""Training-step benchmark: our GPT-2 (TP=1) against Hugging Face ``GPT2LMHeadModel``, on CPU or one GPU.
 
-Both models have the same dimensions, dtype (fp32), batch, sequence, dropout and activation (exact
-erf GELU), and the same padded vocabulary (HF's ``vocab_size`` is set to our padded size so both do
-the same FLOPs); both are wrapped by ``deepspeed.initialize`` with the project's DeepSpeed config
-(``training.config.deepspeed_config``) and the project's AdamW (``training.optim.build_optimizer``).
+Both models have the same dimensions, dtype, batch, sequence, dropout and activation (exact erf
+GELU), and the same padded vocabulary (HF's ``vocab_size`` is set to our padded size so both do the
+same FLOPs). Both run under ``deepspeed.initialize`` with the same DeepSpeed config
+(``training.config.deepspeed_config``: fp32, bf16, or fp16 with dynamic loss scaling), the same
+fused AdamW and schedule (``training.optim``), and the same engine setting the trainer uses at one
+data-parallel replica (no gradient all-reduce of a replica with itself): only the model differs.
 One step = forward (mean token loss), ``engine.backward``, ``engine.step``. HF runs with
 ``attn_implementation="sdpa"`` and computes its own shifted loss from ``labels=tokens``.
 
 Repetitions are interleaved (ours, HF, matmul peak; rotated each repetition); each repetition
 times ``--steps`` steps after ``--warmup`` untimed ones. MFU = model FLOPs per step
-(``training.metrics.model_flops_per_iteration``) / step time / the dense matmul FLOP/s measured in
-the same repetition (``training.hardware.measure_cpu_peak_tflops``, uncached).
+(``training.metrics.model_flops_per_iteration``, no recomputation counted) / step time / peak. On
+CPU the peak is the dense matmul FLOP/s measured in the same repetition
+(``training.hardware.measure_cpu_peak_tflops``); on a GPU it is the data-sheet dense peak of the
+dtype (``training.hardware``), and the measured large-matmul rate is reported beside it.
 
     .venv/bin/python benchmarks/bench_train_step.py --reps 5 --steps 2
-    .venv/bin/python benchmarks/bench_train_step.py --profile 3   # torch.profiler tables instead
+    .venv/bin/python benchmarks/bench_train_step.py --profile 3        # torch.profiler tables instead
+    python benchmarks/bench_train_step.py --device cuda --dtype fp16 --preset gpt2-1.2b --reps 5 --steps 5
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import training  # noqa: E402,F401  (THP_MEM_ALLOC_ENABLE before torch loads, as every entry point)
 
 import torch  # noqa: E402
 
@@ -33,15 +38,30 @@ from benchmarks import common  # noqa: E402
 
 log = logging.getLogger("bench_train_step")
 
+# the Megatron-LM paper's single-GPU baseline (Shoeybi et al. 2019, Table 1; configs/gpt2_1.2b.yaml),
+# micro-batch 8 as in that config
+PRESETS = {"gpt2-1.2b": dict(layers=40, hidden=1536, heads=16, seq=1024, batch=8, vocab=50257)}
+DEFAULTS = dict(layers=6, hidden=384, heads=6, seq=256, batch=4, vocab=50257)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=384)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4, help="micro = global batch (one micro-batch per step)")
-    p.add_argument("--vocab", type=int, default=50257, help="unpadded vocabulary (padded to a multiple of 128)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="model dimensions and micro-batch of a named model (explicit flags below override them)")
+    p.add_argument("--layers", type=int, default=None, help=f"default {DEFAULTS['layers']}")
+    p.add_argument("--hidden", type=int, default=None, help=f"default {DEFAULTS['hidden']}")
+    p.add_argument("--heads", type=int, default=None, help=f"default {DEFAULTS['heads']}")
+    p.add_argument("--seq", type=int, default=None, help=f"default {DEFAULTS['seq']}")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"micro = global batch (one micro-batch per step), default {DEFAULTS['batch']}")
+    p.add_argument("--vocab", type=int, default=None,
+                   help=f"unpadded vocabulary (padded to a multiple of 128), default {DEFAULTS['vocab']}")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="DeepSpeed precision mode of both engines (fp16 = dynamic loss scaling)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each layer in backward (ours: model.activation_checkpointing; HF: "
+                        "gradient_checkpointing_enable); MFU still counts model FLOPs only")
     p.add_argument("--dropout", type=float, default=0.1, help="hidden, attention and embedding dropout, both models")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--reps", type=int, default=5)
@@ -50,35 +70,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip", action="store_true",
                    help="also clip the gradient norm as training/trainer.py does in fp32 (DeepSpeed clip_grad_norm_)")
     p.add_argument("--only", choices=["ours", "hf"], default=None, help="time one model only")
-    p.add_argument("--engine-tweaks", action="store_true",
-                   help="add a third candidate 'ours+tweaks': our model with AdamW(fused=True) and the engine's "
-                        "gradient all-reduce switched off (DP=1), to measure what the trainer could save")
+    p.add_argument("--engine-default", action="store_true",
+                   help="add a third candidate 'ours (engine default)': our model with DeepSpeed's default "
+                        "gradient all-reduce at DP=1 left on, to show what the trainer's setting saves")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="instead of timing, profile STEPS steps of each model and print the top operators")
     p.add_argument("--profile-rows", type=int, default=25)
     p.add_argument("--attention", action="store_true",
                    help="instead: time the attention block alone (forward + backward, dropout on): CPU SDPA "
-                        "(math fallback) against training.models.gpt2.causal_attention_with_dropout")
+                        "(math fallback) against training.models.ops.causal_attention_with_dropout")
+    p.add_argument("--dropout-ops", action="store_true",
+                   help="instead: time dropout alone (forward + backward): F.dropout + residual add against "
+                        "training.models.ops.dropout_add on [b, s, h], F.dropout against ops.dropout on [b n, s, s]")
     args = p.parse_args(argv)
+    base = {**DEFAULTS, **PRESETS.get(args.preset, {})}
+    for k, v in base.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     for k in ("layers", "hidden", "heads", "seq", "batch", "vocab", "threads", "reps", "steps"):
         if getattr(args, k) < 1:
             p.error(f"--{k} must be >= 1")
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    if args.dtype == "bf16" and args.device == "cuda" and not torch.cuda.is_bf16_supported():
+        p.error("--dtype bf16: this GPU has no bf16 support; use fp16")
     return args
 
 
-def init_single_process() -> None:
-    """World of one gloo process: DeepSpeed's engine and our ParallelState need torch.distributed."""
-    import deepspeed
-
+def init_single_process(device: str) -> None:
+    """World of one process (gloo on CPU, NCCL on a GPU): DeepSpeed's engine and our ParallelState
+    need torch.distributed."""
     from tests.distributed import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_SIZE="1")
     from training.distributed import init_distributed
 
-    init_distributed("gloo")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    init_distributed("nccl" if device == "cuda" else "gloo")
 
 
 def project_config(args):
@@ -87,7 +119,9 @@ def project_config(args):
     cfg = Config()
     cfg.model = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                             seq_length=args.seq, vocab_size=args.vocab, hidden_dropout=args.dropout,
-                            attention_dropout=args.dropout)
+                            attention_dropout=args.dropout, activation_checkpointing=args.activation_checkpointing)
+    cfg.precision.dtype = args.dtype
+    cfg.precision.allow_fp16_on_cpu = args.device == "cpu" and args.dtype == "fp16"
     cfg.train.micro_batch_size = cfg.train.global_batch_size = args.batch
     cfg.train.iters = 10**6
     return cfg
@@ -135,30 +169,32 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
 
     from training.config import deepspeed_config
     from training.models.gpt2 import GPT2Model
-    from training.optim import build_optimizer
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
 
-    ds = deepspeed_config(cfg, 1, "fp32")
+    ds = deepspeed_config(cfg, 1, args.dtype)
     clip = cfg.optimizer.clip_grad if args.clip else 0.0
     runners: dict[str, Runner] = {}
     ps = ParallelState(tp=1)
     tp_random.configure(ps, cfg.model.num_layers)
     tp_random.set_seed(cfg.train.seed)
+
+    def engine(model, mpu=None, backward_allreduce=False):
+        opt, sched = tied_safe_optimizer(model, cfg.optimizer, cfg.train.iters, fused=True)
+        eng, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=mpu, config=dict(ds),
+                                       dist_init_required=False)
+        # DP = 1: the trainer switches the bucketed all-reduce of a replica with itself off (Trainer.__init__)
+        eng.enable_backward_allreduce = backward_allreduce
+        return eng
+
+    ours_loss = lambda e, t, l: e(t, l).mean()  # noqa: E731
     if args.only in (None, "ours"):
         ours = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
-        opt, sched = build_optimizer(ours, cfg.optimizer, cfg.train.iters)
-        eng, *_ = deepspeed.initialize(model=ours, optimizer=opt, lr_scheduler=sched, mpu=ps, config=dict(ds),
-                                       dist_init_required=False)
-        runners["ours"] = Runner("ours", eng, ours, lambda e, t, l: e(t, l).mean(), tokens, labels, clip, ps)
-    if args.engine_tweaks:
-        tweaked = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
-        opt, sched = tied_safe_optimizer(tweaked, cfg.optimizer, cfg.train.iters, fused=True)
-        eng, *_ = deepspeed.initialize(model=tweaked, optimizer=opt, lr_scheduler=sched, mpu=ps, config=dict(ds),
-                                       dist_init_required=False)
-        eng.enable_backward_allreduce = False  # DP=1: the bucketed all-reduce only flattens and copies back
-        runners["ours+tweaks"] = Runner("ours+tweaks", eng, tweaked, lambda e, t, l: e(t, l).mean(), tokens, labels,
-                                        clip, ps)
+        runners["ours"] = Runner("ours", engine(ours, ps), ours, ours_loss, tokens, labels, clip, ps)
+    if args.engine_default:
+        m = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
+        runners["ours (engine default)"] = Runner("ours (engine default)", engine(m, ps, backward_allreduce=True), m,
+                                                  ours_loss, tokens, labels, clip, ps)
     if args.only in (None, "hf"):
         hcfg = GPT2Config(vocab_size=padded, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
                           n_head=args.heads, activation_function="gelu", resid_pdrop=args.dropout,
@@ -166,21 +202,23 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
                           initializer_range=0.02)
         torch.manual_seed(cfg.train.seed)
         hf = GPT2LMHeadModel._from_config(hcfg, attn_implementation="sdpa").train()
-        opt, sched = tied_safe_optimizer(hf, cfg.optimizer, cfg.train.iters)
-        eng, *_ = deepspeed.initialize(model=hf, optimizer=opt, lr_scheduler=sched, config=dict(ds),
-                                       dist_init_required=False)
+        if args.activation_checkpointing:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # HF shifts internally: labels = the input ids (loss over s-1 positions, logits over all s)
         assert hf.config._attn_implementation == "sdpa", hf.config._attn_implementation
-        runners["hf"] = Runner("hf", eng, hf, lambda e, t, l: e(input_ids=t, labels=t).loss, tokens, labels, clip)
+        runners["hf"] = Runner("hf", engine(hf), hf, lambda e, t, l: e(input_ids=t, labels=t).loss, tokens, labels,
+                               clip)
     return runners
 
 
-def profile(runners: dict[str, Runner], steps: int, rows: int) -> None:
+def profile(runners: dict[str, Runner], steps: int, rows: int, device: str = "cpu") -> None:
     from torch.profiler import ProfilerActivity, profile as tprofile, record_function
 
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     for name, r in runners.items():
         r.step()
-        with tprofile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        with tprofile(activities=activities, record_shapes=False) as prof:
             for _ in range(steps):
                 with record_function(f"{name}.forward"):
                     loss = r.loss_fn(r.engine, r.tokens, r.labels)
@@ -193,8 +231,8 @@ def profile(runners: dict[str, Runner], steps: int, rows: int) -> None:
                         clip_grad_norm_(r.model.parameters(), r.clip, mpu=r.mpu)
                 with record_function(f"{name}.optimizer_step"):
                     r.engine.step()
-        print(f"\n=== {name}: {steps} steps, operators by self CPU time ===")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+        print(f"\n=== {name}: {steps} steps, operators by {sort.replace('_', ' ')} ===")
+        print(prof.key_averages().table(sort_by=sort, row_limit=rows))
         print(f"=== {name}: phases (total CPU time) ===")
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8))
 
@@ -205,7 +243,7 @@ def bench_attention(args) -> None:
 
     import torch.nn.functional as F
 
-    from training.models.gpt2 import causal_attention_with_dropout
+    from training.models.ops import causal_attention_with_dropout
 
     b, n, s, hn = args.batch, args.heads, args.seq, args.hidden // args.heads
     gen = torch.Generator().manual_seed(0)
@@ -218,10 +256,9 @@ def bench_attention(args) -> None:
 
     fns = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True),
            "ours": lambda q, k, v: causal_attention_with_dropout(q, k, v, p)}
-    torch.manual_seed(1)
-    ref = fns["sdpa"](*split())
-    torch.manual_seed(1)
-    diff = (ref - fns["ours"](*split())).abs().max().item()
+    # the two draw different dropout masks (different samplers): compare the numbers without dropout
+    diff = (F.scaled_dot_product_attention(*split(), is_causal=True)
+            - causal_attention_with_dropout(*split(), 0.0)).abs().max().item()
 
     def run(f):
         def once() -> None:
@@ -236,10 +273,48 @@ def bench_attention(args) -> None:
     info = common.machine_info()
     print(common.markdown_header(info, common.load_average()))
     print(f"- attention b={b} n={n} s={s} hn={hn}, dropout {p}, fp32, forward + backward, {args.reps} interleaved "
-          f"repetitions x {args.steps} calls; max |sdpa - ours| with the same dropout seed: {diff:.2e} "
+          f"repetitions x {args.steps} calls; max |sdpa - ours| without dropout: {diff:.2e} "
           f"(scale 1/sqrt(hn) = {1 / math.sqrt(hn):.4f})\n")
     print(common.markdown_table(["attention", "ms median [min-max]"], [[k, v.fmt(".1f", 1000)] for k, v in res.items()]))
     print(f"\nSpeed-up ours/sdpa: {common.ratio_samples(res['sdpa'], res['ours']).fmt('.3f')}")
+
+
+def bench_dropout_ops(args) -> None:
+    """Dropout forward + backward: torch's ``F.dropout`` (+ residual add) against ``training.models.ops``."""
+    import torch.nn.functional as F
+
+    from training.models.ops import dropout, dropout_add
+
+    b, n, s, h, p = args.batch, args.heads, args.seq, args.hidden, args.dropout
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(b, s, h, generator=gen, requires_grad=True)
+    r = torch.randn(b, s, h, generator=gen, requires_grad=True)
+    probs = torch.rand(b * n, s, s, generator=gen, requires_grad=True)
+
+    def fb(fn, *inputs):
+        def once() -> None:
+            y = fn()
+            y.backward(torch.ones_like(y))
+            for t in inputs:
+                t.grad = None
+        return lambda: common.timed(once, args.steps)
+
+    cands = {
+        "hidden: F.dropout + add": fb(lambda: r + F.dropout(x, p, True), x, r),
+        "hidden: ops.dropout_add": fb(lambda: dropout_add(x, r, p, True), x, r),
+        "attention probs: F.dropout": fb(lambda: F.dropout(probs, p, True), probs),
+        "attention probs: ops.dropout": fb(lambda: dropout(probs, p, True), probs),
+    }
+    for c in cands.values():
+        c()
+    res = common.interleaved(cands, args.reps)
+    print(common.markdown_header(common.machine_info(), common.load_average()))
+    print(f"- dropout p={p}, fp32, forward + backward; hidden [b={b}, s={s}, h={h}], attention probabilities "
+          f"[b n={b * n}, s, s]; {args.reps} interleaved repetitions x {args.steps} calls\n")
+    print(common.markdown_table(["op", "ms median [min-max]"], [[k, v.fmt(".2f", 1000)] for k, v in res.items()]))
+    for what in ("hidden", "attention probs"):
+        torch_k, ours_k = [k for k in res if k.startswith(what + ":")]
+        print(f"\nSpeed-up {what} ours/torch: {common.ratio_samples(res[torch_k], res[ours_k]).fmt('.2f')}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -250,23 +325,31 @@ def main(argv: list[str] | None = None) -> None:
     if args.attention:
         bench_attention(args)
         return
-    init_single_process()
+    if args.dropout_ops:
+        bench_dropout_ops(args)
+        return
+    os.environ["DS_ACCELERATOR"] = args.device  # before deepspeed is imported
+    init_single_process(args.device)
     for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
     from training.config import padded_vocab_size
-    from training.hardware import measure_cpu_peak_tflops
+    from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
     from training.metrics import model_flops_per_iteration
 
-    info = common.machine_info()
+    if args.device == "cpu" and args.dtype == "fp16":
+        from training.trainer import allow_fp16_on_cpu
+
+        allow_fp16_on_cpu()  # slow (no fp16 matmul units here); exercises the fp16 engine path
+    info = common.machine_info(gpu=args.device == "cuda")
     cfg = project_config(args)
     padded = padded_vocab_size(args.vocab, cfg.model.make_vocab_size_divisible_by, 1)
     gen = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+    seq = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(args.device)
     tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
     runners = build_runners(args, cfg, padded, tokens, labels)
     if args.profile:
-        profile(runners, args.profile, args.profile_rows)
+        profile(runners, args.profile, args.profile_rows, args.device)
         return
 
     for r in runners.values():
@@ -274,42 +357,60 @@ def main(argv: list[str] | None = None) -> None:
             r.step()
     clocks = {name: common.CpuClock(lambda r=r: common.timed(r.step, args.steps), args.steps)
               for name, r in runners.items()}
-    candidates: dict = dict(clocks)
-    peak_fn = getattr(measure_cpu_peak_tflops, "__wrapped__", measure_cpu_peak_tflops)
-    candidates["peak"] = lambda: peak_fn("fp32")  # TFLOP/s, fresh each repetition
+    memory = {name: common.Samples() for name in runners}
+    candidates: dict = {}
+    for name, clock in clocks.items():
+        candidates[name] = clock if args.device == "cpu" else common.with_peak_gpu_memory(clock, memory[name])
+    if args.device == "cpu":
+        peak_fn = getattr(measure_cpu_peak_tflops, "__wrapped__", measure_cpu_peak_tflops)
+        candidates["peak"] = lambda: peak_fn(args.dtype)  # TFLOP/s, fresh each repetition
+        peak_what = f"measured {args.dtype} matmul peak (n=1024, same repetition)"
+    else:
+        kind = detect_device_kind()
+        sheet = peak_tflops(kind, args.dtype)
+        if sheet is None:
+            raise SystemExit(f"no data-sheet {args.dtype} peak for device kind {kind!r} in training/hardware.py")
+        candidates["matmul"] = lambda: common.gpu_matmul_tflops(args.dtype)
+        peak_what = f"data-sheet dense {args.dtype} peak of {kind}: {sheet:.1f} TFLOP/s"
     samples = common.interleaved(candidates, args.reps)
+    peak = samples["peak"] if args.device == "cpu" else common.Samples([sheet] * args.reps)
 
     flops = model_flops_per_iteration(args.batch, args.seq, args.layers, args.hidden, padded)
     ntok = args.batch * args.seq
-    peak = samples["peak"]
+    rate_unit, rate_name = (1e9, "GFLOP/s") if args.device == "cpu" else (1e12, "TFLOP/s")
     rows = []
     for name in runners:
         t = samples[name]
         mfu = common.Samples([flops / dt / 1e12 / pk for dt, pk in zip(t.values, peak.values)])
-        rows.append([name, t.fmt(".3f"), common.Samples([ntok / x for x in t.values]).fmt(",.0f"),
-                     common.Samples([flops / x / 1e9 for x in t.values]).fmt(".1f"), mfu.fmt(".1f", 100),
-                     f"{100 * flops / t.lo / 1e12 / peak.hi:.1f}", clocks[name].cpu.fmt(".2f")])
+        row = [name, t.fmt(".3f"), common.Samples([ntok / x for x in t.values]).fmt(",.0f"),
+               common.Samples([flops / x / rate_unit for x in t.values]).fmt(".1f"),
+               mfu.fmt(".1f", 100), f"{100 * flops / t.lo / 1e12 / peak.hi:.1f}"]
+        row.append(clocks[name].cpu.fmt(".2f") if args.device == "cpu" else memory[name].fmt(".1f", 2**-30))
+        rows.append(row)
     print()
     print(common.markdown_header(info, common.load_average()))
     print(f"- model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, micro=global "
-          f"batch {args.batch}, vocab {args.vocab} padded to {padded} (both models), dropout {args.dropout}, fp32, "
-          f"{args.threads} threads; {args.reps} interleaved repetitions x {args.steps} steps after {args.warmup} "
-          f"warm-up; gradient clipping {'on' if args.clip else 'off'}")
-    print(f"- model FLOPs per step: {flops / 1e9:.1f} GFLOP; measured fp32 matmul peak (n=1024): "
-          f"{peak.fmt('.1f', 1000)} GFLOP/s. MFU per rep = step rate / the peak measured in the same repetition "
-          f"(moments apart: on a loaded machine it can exceed 100 %); best/best = fastest step / highest peak")
+          f"batch {args.batch}, vocab {args.vocab} padded to {padded} (both models), dropout {args.dropout}, "
+          f"{args.dtype} on {args.device}, activation checkpointing {'on' if args.activation_checkpointing else 'off'}"
+          f"{f', {args.threads} threads' if args.device == 'cpu' else ''}; {args.reps} interleaved repetitions x "
+          f"{args.steps} steps after {args.warmup} warm-up; extra gradient clipping {'on' if args.clip else 'off'}")
+    print(f"- model FLOPs per step: {flops / 1e12:.4g} TFLOP; peak: {peak_what}"
+          + (f" = {peak.fmt('.4f')} TFLOP/s" if args.device == "cpu" else
+             f"; measured {args.dtype} matmul 8192^3: {samples['matmul'].fmt('.1f')} TFLOP/s")
+          + ". MFU per rep = step rate / peak; best/best = fastest step / highest peak")
     print()
-    print(common.markdown_table(["model", "s/step median [min-max]", "tokens/s", "GFLOP/s",
-                                                 "MFU % (per rep)", "MFU % best/best", "process CPU s/step"], rows))
+    last = "process CPU s/step" if args.device == "cpu" else "peak GPU memory GiB"
+    print(common.markdown_table(["model", "s/step median [min-max]", "tokens/s", rate_name,
+                                 "MFU % (per rep)", "MFU % best/best", last], rows))
     if "ours" in runners and "hf" in runners:
         speed = common.ratio_samples(samples["hf"], samples["ours"])
-        print(f"\nSpeed-up ours/HF (HF step time / ours, per repetition): {speed.fmt('.3f')}; "
-              f"by process CPU time: {common.ratio_samples(clocks['hf'].cpu, clocks['ours'].cpu).fmt('.3f')}")
-        if "ours+tweaks" in runners:
-            tw = common.ratio_samples(samples["hf"], samples["ours+tweaks"])
-            print(f"Speed-up ours+tweaks/HF: {tw.fmt('.3f')}; ours+tweaks/ours: "
-                  f"{common.ratio_samples(samples['ours'], samples['ours+tweaks']).fmt('.3f')}")
-
+        line = f"\nSpeed-up ours/HF (HF step time / ours, per repetition): {speed.fmt('.3f')}"
+        if args.device == "cpu":
+            line += f"; by process CPU time: {common.ratio_samples(clocks['hf'].cpu, clocks['ours'].cpu).fmt('.3f')}"
+        print(line)
+    if "ours" in runners and "ours (engine default)" in runners:
+        print(f"Trainer's engine setting vs DeepSpeed's default (engine default step time / ours): "
+              f"{common.ratio_samples(samples['ours (engine default)'], samples['ours']).fmt('.3f')}")
 
 if __name__ == "__main__":
     main()

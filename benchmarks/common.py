@@ -118,18 +118,78 @@ def git_revision() -> str:
         return "unknown"
 
 
-def machine_info() -> dict[str, str]:
-    """Facts that go next to every figure: date, machine, software, load."""
+def _version(module: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def gpu_info() -> dict[str, str]:
+    """GPU name, memory, driver and CUDA versions (the driver from nvidia-smi when it is on PATH)."""
     import torch
 
-    return {
+    prop = torch.cuda.get_device_properties(0)
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", "0"],
+                                capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        driver = "unknown (nvidia-smi not available)"
+    return {"gpu": f"{prop.name}, {prop.total_memory / 2**30:.1f} GiB, {prop.multi_processor_count} SMs",
+            "driver": driver, "cuda (torch build)": str(torch.version.cuda),
+            "cudnn": str(torch.backends.cudnn.version())}
+
+
+def machine_info(gpu: bool = False) -> dict[str, str]:
+    """Facts that go next to every figure: date, machine, software, load (and the GPU when ``gpu``)."""
+    import torch
+
+    info = {
         "date": _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "cpu": f"{cpu_model()}, {os.cpu_count()} logical cores",
         "torch": f"{torch.__version__}, {torch.get_num_threads()} intra-op threads",
+        "deepspeed / transformers": f"{_version('deepspeed')} / {_version('transformers')}",
         "python": platform.python_version(),
         "git": git_revision(),
         "load average (1/5/15 min)": load_average(),
     }
+    if gpu:
+        info.update(gpu_info())
+    return info
+
+
+def gpu_matmul_tflops(dtype: str, n: int = 8192, reps: int = 10) -> float:
+    """TFLOP/s of an n x n x n matmul on GPU 0 (mean of ``reps`` after a warm-up, timed with CUDA events)."""
+    import torch
+
+    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    a = torch.randn(n, n, device="cuda", dtype=tdt)
+    b = torch.randn(n, n, device="cuda", dtype=tdt)
+    torch.matmul(a, b)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        torch.matmul(a, b)
+    end.record()
+    end.synchronize()
+    return 2.0 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def with_peak_gpu_memory(fn: Callable[[], float], out: Samples) -> Callable[[], float]:
+    """Wraps a timed callable to also record the peak GPU memory allocated (bytes) during each call."""
+    import torch
+
+    def call() -> float:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        value = fn()
+        torch.cuda.synchronize()
+        out.values.append(float(torch.cuda.max_memory_allocated()))
+        return value
+
+    return call
 
 
 def command_line() -> str:

@@ -33,6 +33,7 @@ from torch import nn
 
 from training.config import ModelConfig
 from training.models.gpt2 import ParallelMLP, ParallelSelfAttention, normal_init
+from training.models.ops import dropout, dropout_add
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.layers import VocabParallelEmbedding
@@ -62,12 +63,12 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [b, s, h], mask [b, 1, 1, s] bool -> [b, s, h]."""
-        drop = lambda y: F.dropout(y, self.dropout, self.training)  # noqa: E731
+        p, train = self.dropout, self.training
         if self.pre_ln:
-            x = x + drop(self.attn(self.ln1(x), mask))
-            return x + drop(self.mlp(self.ln2(x)))
-        x = self.ln1(x + drop(self.attn(x, mask)))
-        return self.ln2(x + drop(self.mlp(x)))
+            x = dropout_add(self.attn(self.ln1(x), mask), x, p, train)
+            return dropout_add(self.mlp(self.ln2(x)), x, p, train)
+        x = self.ln1(dropout_add(self.attn(x, mask), x, p, train))
+        return self.ln2(dropout_add(self.mlp(x), x, p, train))
 
 
 class BertLMHead(nn.Module):
@@ -146,7 +147,7 @@ class BertModel(nn.Module):
             x = x + self.embedding.tokentype_embeddings(types)
         if self.embedding_ln is not None:
             x = self.embedding_ln(x)
-        x = F.dropout(x, self.cfg.hidden_dropout, self.training)
+        x = dropout(x, self.cfg.hidden_dropout, self.training)
         mask = attention_mask(padding_mask)
         for layer in self.layers:
             if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -230,7 +231,7 @@ class BertMultipleChoice(nn.Module):
         """int64 [n, 4, L] each -> logits [n, 4]."""
         n, c, L = text.shape
         hidden = self.bert.encode(text.reshape(n * c, L), types.reshape(n * c, L), padding_mask.reshape(n * c, L))
-        pooled = F.dropout(self.bert.pool(hidden), self.cfg.hidden_dropout, self.training)
+        pooled = dropout(self.bert.pool(hidden), self.cfg.hidden_dropout, self.training)
         return self.choice_head(pooled).view(n, c)
 
     def num_parameters(self, exclude_padding: bool = False) -> int:

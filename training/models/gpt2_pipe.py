@@ -16,6 +16,7 @@ from torch import nn
 
 from training.config import ModelConfig
 from training.models.gpt2 import TransformerLayer, normal_init
+from training.models.ops import dropout
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.layers import VocabParallelEmbedding
@@ -38,7 +39,7 @@ class EmbeddingPipe(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.size(1), device=tokens.device)
         x = self.word_embeddings(tokens) + self.position_embeddings(pos)          # [b, s, h]
-        return F.dropout(x, self.cfg.hidden_dropout, self.training)
+        return dropout(x, self.cfg.hidden_dropout, self.training)
 
 
 def output_logits(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:

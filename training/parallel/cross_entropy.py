@@ -37,18 +37,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         all_reduce(sum_exp, group)
         loss = torch.log(sum_exp) - target_logit                            # [b, s]
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, foreign, local_target)
+        # softmax = exp / sum_exp is never formed here: backward folds 1/sum_exp into its one pass
+        ctx.save_for_backward(exp, sum_exp, foreign, local_target)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, foreign, local_target = ctx.saved_tensors
-        grad = softmax  # reuse the saved buffer: backward runs once
-        # d loss / d logit = softmax - 1[target], only on the rank owning the target
+        exp, sum_exp, foreign, local_target = ctx.saved_tensors
+        # d loss / d logit = (exp / sum_exp - 1[target]) * grad_loss, the 1[target] only on the rank
+        # owning the target; one pass over the saved buffer (backward runs once, so it is reused)
+        grad = exp.mul_((grad_loss / sum_exp).unsqueeze(-1))
         own = (~foreign).to(grad.dtype)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -own.unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(own * grad_loss).unsqueeze(-1))
         return grad, None, None
 
 
