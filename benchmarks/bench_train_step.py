@@ -385,7 +385,10 @@ def main(argv: list[str] | None = None) -> None:
         row = [name, t.fmt(".3f"), common.Samples([ntok / x for x in t.values]).fmt(",.0f"),
                common.Samples([flops / x / rate_unit for x in t.values]).fmt(".1f"),
                mfu.fmt(".1f", 100), f"{100 * flops / t.lo / 1e12 / peak.hi:.1f}"]
-        row.append(clocks[name].cpu.fmt(".2f") if args.device == "cpu" else memory[name].fmt(".1f", 2**-30))
+        if args.device == "cpu":
+            row += [clocks[name].cpu.fmt(".2f"), clocks[name].sys.fmt(".2f"), clocks[name].faults.fmt(",.0f")]
+        else:
+            row.append(memory[name].fmt(".1f", 2**-30))
         rows.append(row)
     print()
     print(common.markdown_header(info, common.load_average()))
@@ -399,9 +402,13 @@ def main(argv: list[str] | None = None) -> None:
              f"; measured {args.dtype} matmul 8192^3: {samples['matmul'].fmt('.1f')} TFLOP/s")
           + ". MFU per rep = step rate / peak; best/best = fastest step / highest peak")
     print()
-    last = "process CPU s/step" if args.device == "cpu" else "peak GPU memory GiB"
+    last = (["process CPU s/step", "system s/step", "page faults/step"] if args.device == "cpu"
+            else ["peak GPU memory GiB"])
     print(common.markdown_table(["model", "s/step median [min-max]", "tokens/s", rate_name,
-                                 "MFU % (per rep)", "MFU % best/best", last], rows))
+                                 "MFU % (per rep)", "MFU % best/best", *last], rows))
+    if args.device == "cpu":
+        print(f"\nTHP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')} (huge pages for large CPU "
+              f"allocations; set by `import training`, override with THP_MEM_ALLOC_ENABLE=0)")
     if "ours" in runners and "hf" in runners:
         speed = common.ratio_samples(samples["hf"], samples["ours"])
         line = f"\nSpeed-up ours/HF (HF step time / ours, per repetition): {speed.fmt('.3f')}"

@@ -183,6 +183,20 @@ def test_flops_match_narayanan_eq3():
         assert plan.step_flops(s, B, ckpt=False) == pytest.approx(no_ckpt, rel=1e-12)
 
 
+def test_bert_flops_count_the_lm_head_at_masked_positions_only():
+    from training.metrics import bert_expected_masked_positions, bert_flops_per_iteration
+
+    s = plan.preset_shape("bert-336m")
+    m = bert_expected_masked_positions(0.15, 0.1, 512)  # BertDataConfig defaults
+    assert s.masked == pytest.approx(m) and 0 < m < s.seq
+    # the planner and the trainer's MFU count agree (the latter is checked against torch's FLOP counter)
+    assert plan.step_flops(s, 256, ckpt=False) == pytest.approx(
+        bert_flops_per_iteration(256, s.seq, s.num_layers, s.hidden, s.vocab, m, s.ffn, s.binary_head), rel=1e-12)
+    # checkpointing recomputes the layers only: one more forward of them
+    layers = s.num_layers * plan.layer_forward_flops(s, 256 * s.seq)
+    assert plan.step_flops(s, 256, ckpt=True) - plan.step_flops(s, 256, ckpt=False) == pytest.approx(layers)
+
+
 def test_comm_volumes():
     s = plan.preset_shape("gpt2-8.3b", 8)
     lay = Layout(tp=8, dp=64, micro_batch=8, global_batch=512, gpus_per_node=16)

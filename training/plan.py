@@ -27,9 +27,10 @@ from typing import Any
 
 import yaml
 
-from training.config import (Config, ConfigError, ModelConfig, _build, _merge, padded_vocab_size,
+from training.config import (BertDataConfig, Config, ConfigError, ModelConfig, _build, _merge, padded_vocab_size,
                              parse_overrides)
 from training.hardware import Hardware, canonical_kind, get_hardware
+from training.metrics import bert_expected_masked_positions
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +81,23 @@ class ModelShape:
     ffn: int
     num_tokentypes: int = 0
     binary_head: bool = False
+    masked: float | None = None
+    """BERT: expected masked (predicted) positions per sequence, where the LM head runs; None = all."""
 
     @classmethod
-    def from_config(cls, m: ModelConfig, tp: int) -> ModelShape:
+    def from_config(cls, m: ModelConfig, tp: int, bert_cfg: BertDataConfig | None = None) -> ModelShape:
         if m.vocab_size is None:
             raise ConfigError("model.vocab_size must be set for planning (e.g. model.vocab_size=50257)")
         bert = m.arch == "bert"
+        masked = None
+        if bert:
+            b = bert_cfg or BertDataConfig()
+            masked = bert_expected_masked_positions(b.masked_lm_prob, b.short_seq_prob, m.seq_length)
         return cls(arch=m.arch, num_layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
                    seq=m.seq_length, vocab=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp),
                    positions=m.positions, ffn=m.ffn_size,
-                   num_tokentypes=m.num_tokentypes if bert else 0, binary_head=bert and m.binary_head)
+                   num_tokentypes=m.num_tokentypes if bert else 0, binary_head=bert and m.binary_head,
+                   masked=masked)
 
 
 @dataclass(frozen=True)
@@ -302,13 +310,19 @@ def step_flops(shape: ModelShape, global_batch: int, ckpt: bool) -> float:
     Forward + backward = 3 x forward. With full activation checkpointing every layer's forward runs
     twice (4 x), the logit layer (2 B s h V forward) is not recomputed. For GPT-2 with checkpointing this
     is exactly Narayanan et al. 2021 eq. (3):  96 B s l h^2 (1 + s/(6h) + V/(16 l h));  without it the
-    transformer part is 3/4 of that. BERT adds its LM-head dense (2 B s h^2 forward).
+    transformer part is 3/4 of that. BERT's LM head (dense 2 h^2 + vocabulary 2 h V per position) runs
+    only at its ``shape.masked`` positions per sequence (all ``s`` when None), plus the pooler and
+    sentence-order head (2 h^2 + 4 h per sequence), as ``training.metrics.bert_flops_per_iteration``.
     """
     tokens = global_batch * shape.seq
     layers = shape.num_layers * layer_forward_flops(shape, tokens)
-    head = 2 * tokens * shape.hidden * shape.vocab
     if shape.arch == "bert":
-        head += 2 * tokens * shape.hidden * shape.hidden
+        predicted = global_batch * (shape.masked if shape.masked is not None else shape.seq)
+        head = 2 * predicted * shape.hidden * (shape.hidden + shape.vocab)
+        if shape.binary_head:
+            head += global_batch * (2 * shape.hidden * shape.hidden + 4 * shape.hidden)
+    else:
+        head = 2 * tokens * shape.hidden * shape.vocab
     return (4 if ckpt else 3) * layers + 3 * head
 
 
@@ -736,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
                      gpus_per_node=args.gpus_per_node or hw.gpus_per_node)
         if lay.tp < 1:
             raise ConfigError(f"--tp must be >= 1, got {lay.tp}")
-        shape = ModelShape.from_config(cfg.model, tp)
+        shape = ModelShape.from_config(cfg.model, tp, cfg.bert)
         validate(shape, lay)
         if hw.name != "cpu" and hw.peak_tflops.get(dtype) is None:
             raise ConfigError(f"{hw.name} has no {dtype} peak in training/hardware.py: choose another --dtype")
