@@ -1,71 +1,112 @@
-"""Evaluation speed: batched window scoring vs one window at a time (WikiText-103 test, GPT-2 BPE).
+"""Evaluation speed: WikiText-103 window scoring, batched vs one window at a time (GPT-2 BPE).
 
-    python benchmarks/bench_eval.py [--layers 4 --hidden 256 --seq 512 --stride 32 --windows 96 --batch 8]
+    .venv/bin/python benchmarks/bench_eval.py --windows 48 --reps 5 [--batches 1,2,4,8,16]
 
 A randomly initialised GPT-2 of the given size (speed does not depend on the weights) scores the first
-``--windows`` overlapping windows of the real detokenized WikiText-103 test stream, once with
-``--batch`` windows per forward and once with one window per forward. Prints model tokens/s (window
-tokens through the model) and checks both runs give the same total NLL.
+``--windows`` overlapping windows (length ``--seq``, stride ``--stride``) of the real detokenized
+WikiText-103 test stream with ``evaluation.wikitext.score_stream``, the code `python -m evaluation
+wikitext103` runs. Candidates: each batch size of ``--batches`` with the output layer only at the scored
+positions (``evaluation.scoring.gpt2_scorer``, what the CLI uses), and the smallest and largest batch
+with full ``[b, s, V]`` logits (``LMScorer``). Repetitions are interleaved (``benchmarks/common.py``);
+every candidate must give the same total NLL. Prints a Markdown block for ``benchmarks/RESULTS.md``.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import time
+import os
+import sys
 from pathlib import Path
 
-import training  # noqa: F401  (THP_MEM_ALLOC_ENABLE before torch loads, as every entry point)
-import numpy as np
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import training  # noqa: E402,F401  (THP_MEM_ALLOC_ENABLE before torch loads, as every entry point)
 
-from data_pipeline.tokenizer import GPT2BPETokenizer
-from evaluation.detokenizer import wikitext_detokenizer
-from evaluation.scoring import LMScorer, gpt2_scorer
-from evaluation.wikitext import WindowPlan, read_tokens_file, score_stream
-from training.config import ModelConfig
-from training.models.gpt2 import GPT2Model
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+from benchmarks import common  # noqa: E402
+
+DATA = Path(ROOT) / ".." / "shared" / "data"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--stride", type=int, default=32)
-    ap.add_argument("--windows", type=int, default=96)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    args = ap.parse_args()
+    ap.add_argument("--windows", type=int, default=48)
+    ap.add_argument("--batches", default="1,2,4,8,16", help="comma-separated windows per forward pass")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    args = ap.parse_args(argv)
+    try:
+        args.batches = sorted({int(b) for b in args.batches.split(",")})
+    except ValueError:
+        ap.error(f"--batches must be comma-separated integers, got {args.batches!r}")
+    if min(args.batches) < 1 or min(args.layers, args.hidden, args.heads, args.seq, args.stride, args.windows,
+                                    args.reps) < 1:
+        ap.error("sizes, --batches, --windows and --reps must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    tok = GPT2BPETokenizer(DATA / "tokenizers/gpt2/gpt2-vocab.json", DATA / "tokenizers/gpt2/gpt2-merges.txt")
-    ids = tok.encode(wikitext_detokenizer(read_tokens_file(DATA / "eval/wikitext-103/wiki.test.tokens")))
+    vocab_json, tokens = DATA / "tokenizers/gpt2/gpt2-vocab.json", DATA / "eval/wikitext-103/wiki.test.tokens"
+    if not (vocab_json.is_file() and tokens.is_file()):
+        raise SystemExit(f"error: needs {vocab_json} and {tokens} (../shared/data beside the repository)")
+
+    from data_pipeline.tokenizer import GPT2BPETokenizer
+    from evaluation.detokenizer import wikitext_detokenizer
+    from evaluation.scoring import LMScorer, gpt2_scorer
+    from evaluation.wikitext import WindowPlan, read_tokens_file, score_stream
+    from training.config import ModelConfig
+    from training.models.gpt2 import GPT2Model
+
+    tok = GPT2BPETokenizer(vocab_json, DATA / "tokenizers/gpt2/gpt2-merges.txt")
+    ids = tok.encode(wikitext_detokenizer(read_tokens_file(tokens)))
     n_tokens = args.seq + 1 + (args.windows - 1) * args.stride
     plan = WindowPlan(np.asarray(ids[:n_tokens]), args.seq, args.stride, tok.eod)
     assert plan.num_windows == args.windows
     cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                       seq_length=args.seq, vocab_size=tok.vocab_size, hidden_dropout=0.0, attention_dropout=0.0)
     model = GPT2Model(cfg, 50304).eval()
-    scorers = {"full_logits": LMScorer(model, tok.vocab_size, args.seq),
-               "scored_positions_only": gpt2_scorer(model, tok.vocab_size, args.seq)}
-    scorer = scorers["scored_positions_only"]
-    score_stream(scorer, WindowPlan(np.asarray(ids[: args.seq + 1]), args.seq, args.stride, tok.eod), 1, progress=False)  # warm-up
-    out = {"config": vars(args), "torch_threads": torch.get_num_threads()}
-    runs = (("batched", "scored_positions_only", args.batch), ("one_window", "scored_positions_only", 1),
-            ("batched_full_logits", "full_logits", args.batch), ("one_window_full_logits", "full_logits", 1))
-    for name, head, bs in runs:
-        t0 = time.perf_counter()
-        res = score_stream(scorers[head], plan, bs, progress=False)
-        dt = time.perf_counter() - t0
-        out[name] = {"batch": bs, "head": head, "seconds": round(dt, 3), "windows_per_s": round(args.windows / dt, 2),
-                     "model_tokens_per_s": round(args.windows * args.seq / dt, 1), "total_nll": res.total_nll}
-    for name, *_ in runs:
-        assert abs(out[name]["total_nll"] - out["one_window"]["total_nll"]) <= 1e-5 * abs(out["one_window"]["total_nll"])
-    out["speedup"] = round(out["one_window"]["seconds"] / out["batched"]["seconds"], 2)
-    print(json.dumps(out, indent=2))
+    heads = {"scored positions": gpt2_scorer(model, tok.vocab_size, args.seq),
+             "full logits": LMScorer(model, tok.vocab_size, args.seq)}
+    runs = [("scored positions", b) for b in args.batches]
+    runs += [("full logits", b) for b in sorted({args.batches[0], args.batches[-1]})]
+    nll: dict[str, float] = {}
+
+    def candidate(head: str, batch: int):
+        def run() -> float:
+            with torch.inference_mode():
+                seconds = common.timed(lambda: nll.__setitem__(f"{head}, batch {batch}",
+                                                               score_stream(heads[head], plan, batch,
+                                                                            progress=False).total_nll))
+            return seconds
+        return run
+
+    cands = {f"{h}, batch {b}": candidate(h, b) for h, b in runs}
+    for c in cands.values():  # warm-up (allocations, kernel choice)
+        c()
+    info = common.machine_info()
+    res = common.interleaved(cands, args.reps)
+    ref = nll[f"scored positions, batch {args.batches[0]}"]
+    for name, v in nll.items():
+        assert abs(v - ref) <= 1e-5 * abs(ref), (name, v, ref)
+    model_tokens = args.windows * args.seq
+    print(common.markdown_header(info, common.load_average()))
+    print(f"- GPT-2 {args.layers} layers, hidden {args.hidden}, {args.heads} heads, random weights; {args.windows} "
+          f"windows of {args.seq} tokens, stride {args.stride}, of the detokenized WikiText-103 test stream; "
+          f"{args.reps} interleaved repetitions; total NLL {ref:.2f} for every candidate\n")
+    one = res[f"scored positions, batch {args.batches[0]}"]
+    rows = [[name, v.fmt(".2f"), common.Samples([model_tokens / x for x in v.values]).fmt(",.0f"),
+             common.ratio_samples(one, v).fmt(".2f")] for name, v in res.items()]
+    print(common.markdown_table(["output layer, windows per forward", "seconds median [min-max]",
+                                 "model tokens/s", f"speed-up vs scored positions, batch {args.batches[0]}"], rows))
 
 
 if __name__ == "__main__":

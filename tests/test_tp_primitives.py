@@ -126,6 +126,14 @@ def _check_layers(rank, world):
     keep = l32.clone()
     vocab_parallel_cross_entropy(l32, targets, g)
     out["ce_fp32_unchanged"] = torch.equal(l32, keep)
+    # inplace=True (GPT2Model's use): logits produced by an autograd op, overwritten by the loss;
+    # same loss and same gradient reaching the op's input
+    src = before.clone().requires_grad_()
+    produced = src * 1.0                                                    # non-leaf, like a linear's output
+    loss_ip = vocab_parallel_cross_entropy(produced, targets, g, inplace=True)
+    (loss_ip * _seeded(loss_ip.shape, 13)).sum().backward()
+    out["ce_inplace_loss"], out["ce_inplace_grad"] = loss_ip.detach(), src.grad
+    out["ce_inplace_overwrote"] = not torch.equal(produced.detach(), before)
     return out
 
 
@@ -176,6 +184,9 @@ def test_parallel_layers_match_serial(world):
         torch.testing.assert_close(o["ce_loss"], loss.detach(), rtol=1e-9, atol=1e-6)
         torch.testing.assert_close(o["ce_grad"], logits.grad.chunk(world, -1)[r], rtol=1e-9, atol=1e-9)
         assert o["ce_input_unchanged"] and o["ce_fp32_unchanged"]
+        torch.testing.assert_close(o["ce_inplace_loss"], loss.detach(), rtol=1e-9, atol=1e-6)
+        torch.testing.assert_close(o["ce_inplace_grad"], logits.grad.chunk(world, -1)[r], rtol=1e-9, atol=1e-9)
+        assert o["ce_inplace_overwrote"]
 
 
 def test_tp1_layers_equal_nn_modules():

@@ -138,7 +138,9 @@ class GPT2Model(nn.Module):
         logits = F.linear(copy_to_parallel_region(x, self.group), self.embedding.word_embeddings.weight)  # [b, s, V/p]
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.group)   # [b, s]
+        # the logits are ours and unused after this (the linear's backward needs x and E, not its
+        # output): the loss may overwrite them instead of allocating another [b, s, V/p] buffer
+        return vocab_parallel_cross_entropy(logits, labels, self.group, inplace=True)  # [b, s]
 
     def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits over the whole padded vocabulary [b, s, V] (gathers across TP; for evaluation)."""
