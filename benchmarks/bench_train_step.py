@@ -273,8 +273,8 @@ def bench_attention(args) -> None:
     cands = {k: run(f) for k, f in fns.items()}
     for c in cands.values():
         c()
-    res = common.interleaved(cands, args.reps)
     info = common.machine_info()
+    res = common.interleaved(cands, args.reps)
     print(common.markdown_header(info, common.load_average()))
     print(f"- attention b={b} n={n} s={s} hn={hn}, dropout {p}, fp32, forward + backward, {args.reps} interleaved "
           f"repetitions x {args.steps} calls; max |sdpa - ours| without dropout: {diff:.2e} "
@@ -328,6 +328,7 @@ def bench_gemm_bound(args) -> None:
     cands["peak"] = lambda: peak_fn("fp32")
     for name, c in cands.items():
         c()
+    info = common.machine_info()
     res = common.interleaved(cands, args.reps)
     peak = res.pop("peak")
     total = common.Samples([sum(v) for v in zip(*(r.values for r in res.values()))])
@@ -335,7 +336,7 @@ def bench_gemm_bound(args) -> None:
     counted = sum(flops_of.values())
     rows = [[k, f"{flops_of[k] / 1e9:.2f}", v.fmt(".1f", 1000), f"{flops_of[k] / v.median / 1e9:.1f}"]
             for k, v in res.items()]
-    print(common.markdown_header(common.machine_info(), common.load_average()))
+    print(common.markdown_header(info, common.load_average()))
     print(f"- GPT-2 {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, batch "
           f"{args.batch}, vocab {padded}; fp32, {args.threads} threads; {args.reps} interleaved repetitions x "
           f"{args.steps} calls per shape\n- GEMM FLOPs counted {counted / 1e9:.1f} G = model FLOPs per step "
@@ -375,8 +376,9 @@ def bench_dropout_ops(args) -> None:
     }
     for c in cands.values():
         c()
+    info = common.machine_info()
     res = common.interleaved(cands, args.reps)
-    print(common.markdown_header(common.machine_info(), common.load_average()))
+    print(common.markdown_header(info, common.load_average()))
     print(f"- dropout p={p}, fp32, forward + backward; hidden [b={b}, s={s}, h={h}], attention probabilities "
           f"[b n={b * n}, s, s]; {args.reps} interleaved repetitions x {args.steps} calls\n")
     print(common.markdown_table(["op", "ms median [min-max]"], [[k, v.fmt(".2f", 1000)] for k, v in res.items()]))
