@@ -76,16 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="instead of timing, profile STEPS steps of each model and print the top operators")
     p.add_argument("--profile-rows", type=int, default=25)
-    p.add_argument("--attention", action="store_true",
-                   help="instead: time the attention block alone (forward + backward, dropout on): CPU SDPA "
-                        "(math fallback) against training.models.ops.causal_attention_with_dropout")
-    p.add_argument("--gemm-bound", action="store_true",
-                   help="instead: time only the matrix products of one training step (every linear's forward, "
-                        "input-gradient and weight-gradient GEMM, the attention bmm's, the tied logits), each "
-                        "shape on its own: the step time and MFU the model's shapes allow on this BLAS")
-    p.add_argument("--dropout-ops", action="store_true",
-                   help="instead: time dropout alone (forward + backward): F.dropout + residual add against "
-                        "training.models.ops.dropout_add on [b, s, h], F.dropout against ops.dropout on [b n, s, s]")
     args = p.parse_args(argv)
     base = {**DEFAULTS, **PRESETS.get(args.preset, {})}
     for k, v in base.items():
@@ -241,166 +231,11 @@ def profile(runners: dict[str, Runner], steps: int, rows: int, device: str = "cp
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8))
 
 
-def bench_attention(args) -> None:
-    """Attention block alone, [b, n, s, hn] from a fused QKV activation, forward + backward."""
-    import math
-
-    import torch.nn.functional as F
-
-    from training.models.ops import causal_attention_with_dropout
-
-    b, n, s, hn = args.batch, args.heads, args.seq, args.hidden // args.heads
-    gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(b, s, 3 * n * hn, generator=gen, requires_grad=True)
-    gy = torch.randn(b, n, s, hn, generator=gen)
-    p = args.dropout
-
-    def split():
-        return qkv.view(b, s, 3, n, hn).permute(2, 0, 3, 1, 4).unbind(0)
-
-    fns = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True),
-           "ours": lambda q, k, v: causal_attention_with_dropout(q, k, v, p)}
-    # the two draw different dropout masks (different samplers): compare the numbers without dropout
-    diff = (F.scaled_dot_product_attention(*split(), is_causal=True)
-            - causal_attention_with_dropout(*split(), 0.0)).abs().max().item()
-
-    def run(f):
-        def once() -> None:
-            f(*split()).backward(gy)
-            qkv.grad = None
-        return lambda: common.timed(once, args.steps)
-
-    cands = {k: run(f) for k, f in fns.items()}
-    for c in cands.values():
-        c()
-    info = common.machine_info()
-    res = common.interleaved(cands, args.reps)
-    print(common.markdown_header(info, common.load_average()))
-    print(f"- attention b={b} n={n} s={s} hn={hn}, dropout {p}, fp32, forward + backward, {args.reps} interleaved "
-          f"repetitions x {args.steps} calls; max |sdpa - ours| without dropout: {diff:.2e} "
-          f"(scale 1/sqrt(hn) = {1 / math.sqrt(hn):.4f})\n")
-    print(common.markdown_table(["attention", "ms median [min-max]"], [[k, v.fmt(".1f", 1000)] for k, v in res.items()]))
-    print(f"\nSpeed-up ours/sdpa: {common.ratio_samples(res['sdpa'], res['ours']).fmt('.3f')}")
-
-
-def step_gemms(b: int, s: int, h: int, n: int, layers: int, vocab: int) -> list[tuple[str, int, tuple, tuple]]:
-    """(name, count per step, A shape, B shape) of every matmul in a forward + backward of GPT-2.
-
-    A linear y = x W^T with x [b s, k], W [j, k] costs three GEMMs: forward x @ W^T, input gradient
-    dy @ W ([b s, j] x [j, k]) and weight gradient dy^T @ x ([j, b s] x [b s, k]). Attention per
-    (batch, head): scores Q K^T [s, hn] x [hn, s] and probs V [s, s] x [s, hn], each with two gradient
-    bmm's of the same size. Layouts are the ones autograd uses (transposed views, not copies).
-    """
-    t, hn, bn = b * s, h // n, b * n
-    out = []
-    for name, k, j in (("qkv", h, 3 * h), ("attn proj", h, h), ("fc", h, 4 * h), ("fc proj", 4 * h, h),
-                       ("logits (tied)", h, vocab)):
-        cnt = 1 if name.startswith("logits") else layers
-        out += [(f"{name} fwd", cnt, (t, k), ("T", k, j)), (f"{name} dgrad", cnt, (t, j), (j, k)),
-                (f"{name} wgrad", cnt, ("T", j, t), (t, k))]
-    out += [("attn scores fwd+2 grads", 3 * layers, (bn, s, hn), (bn, hn, s)),
-            ("attn probs@V fwd+2 grads", 3 * layers, (bn, s, s), (bn, s, hn))]
-    return out
-
-
-def bench_gemm_bound(args) -> None:
-    """Seconds per step spent in GEMMs alone, shape by shape; MFU bound = step FLOPs / that / peak."""
-    from training.config import padded_vocab_size
-    from training.hardware import measure_cpu_peak_tflops
-    from training.metrics import model_flops_per_iteration
-
-    padded = padded_vocab_size(args.vocab, 128, 1)
-    gen = torch.Generator().manual_seed(0)
-
-    def make(shape):
-        if shape[0] == "T":  # ("T", r, c): an [r, c] transposed view of a [c, r] tensor, as autograd passes it
-            return torch.randn(*reversed(shape[1:]), generator=gen).transpose(-1, -2)
-        return torch.randn(*shape, generator=gen)
-
-    gemms = step_gemms(args.batch, args.seq, args.hidden, args.heads, args.layers, padded)
-    cands, flops_of = {}, {}
-    for name, cnt, sa, sb in gemms:
-        a, bm = make(sa), make(sb)
-        fn = torch.bmm if a.dim() == 3 else torch.mm
-        flops_of[name] = cnt * 2 * a.shape[-2] * a.shape[-1] * bm.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
-        cands[name] = (lambda fn=fn, a=a, bm=bm, cnt=cnt: cnt * common.timed(lambda: fn(a, bm), args.steps))
-    peak_fn = getattr(measure_cpu_peak_tflops, "__wrapped__", measure_cpu_peak_tflops)
-    cands["peak"] = lambda: peak_fn("fp32")
-    for name, c in cands.items():
-        c()
-    info = common.machine_info()
-    res = common.interleaved(cands, args.reps)
-    peak = res.pop("peak")
-    total = common.Samples([sum(v) for v in zip(*(r.values for r in res.values()))])
-    step_flops = model_flops_per_iteration(args.batch, args.seq, args.layers, args.hidden, padded)
-    counted = sum(flops_of.values())
-    rows = [[k, f"{flops_of[k] / 1e9:.2f}", v.fmt(".1f", 1000), f"{flops_of[k] / v.median / 1e9:.1f}"]
-            for k, v in res.items()]
-    print(common.markdown_header(info, common.load_average()))
-    print(f"- GPT-2 {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, batch "
-          f"{args.batch}, vocab {padded}; fp32, {args.threads} threads; {args.reps} interleaved repetitions x "
-          f"{args.steps} calls per shape\n- GEMM FLOPs counted {counted / 1e9:.1f} G = model FLOPs per step "
-          f"{step_flops / 1e9:.1f} G (training.metrics)\n")
-    print(common.markdown_table(["GEMM (per step)", "GFLOP", "ms per step median [min-max]", "GFLOP/s"], rows))
-    mfu = common.Samples([step_flops / t / 1e12 / p for t, p in zip(total.values, peak.values)])
-    print(f"\nGEMMs alone: {total.fmt('.3f')} s per step = {step_flops / total.median / 1e9:.1f} GFLOP/s; "
-          f"square n=1024 matmul peak {peak.fmt('.1f', 1000)} GFLOP/s; MFU bound of these shapes "
-          f"(per repetition): {mfu.fmt('.1f', 100)} %")
-
-
-def bench_dropout_ops(args) -> None:
-    """Dropout forward + backward: torch's ``F.dropout`` (+ residual add) against ``training.models.ops``."""
-    import torch.nn.functional as F
-
-    from training.models.ops import dropout, dropout_add
-
-    b, n, s, h, p = args.batch, args.heads, args.seq, args.hidden, args.dropout
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(b, s, h, generator=gen, requires_grad=True)
-    r = torch.randn(b, s, h, generator=gen, requires_grad=True)
-    probs = torch.rand(b * n, s, s, generator=gen, requires_grad=True)
-
-    def fb(fn, *inputs):
-        def once() -> None:
-            y = fn()
-            y.backward(torch.ones_like(y))
-            for t in inputs:
-                t.grad = None
-        return lambda: common.timed(once, args.steps)
-
-    cands = {
-        "hidden: F.dropout + add": fb(lambda: r + F.dropout(x, p, True), x, r),
-        "hidden: ops.dropout_add": fb(lambda: dropout_add(x, r, p, True), x, r),
-        "attention probs: F.dropout": fb(lambda: F.dropout(probs, p, True), probs),
-        "attention probs: ops.dropout": fb(lambda: dropout(probs, p, True), probs),
-    }
-    for c in cands.values():
-        c()
-    info = common.machine_info()
-    res = common.interleaved(cands, args.reps)
-    print(common.markdown_header(info, common.load_average()))
-    print(f"- dropout p={p}, fp32, forward + backward; hidden [b={b}, s={s}, h={h}], attention probabilities "
-          f"[b n={b * n}, s, s]; {args.reps} interleaved repetitions x {args.steps} calls\n")
-    print(common.markdown_table(["op", "ms median [min-max]"], [[k, v.fmt(".2f", 1000)] for k, v in res.items()]))
-    for what in ("hidden", "attention probs"):
-        torch_k, ours_k = [k for k in res if k.startswith(what + ":")]
-        print(f"\nSpeed-up {what} ours/torch: {common.ratio_samples(res[torch_k], res[ours_k]).fmt('.2f')}")
-
-
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.filterwarnings("ignore")
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.attention:
-        bench_attention(args)
-        return
-    if args.dropout_ops:
-        bench_dropout_ops(args)
-        return
-    if args.gemm_bound:
-        bench_gemm_bound(args)
-        return
     os.environ["DS_ACCELERATOR"] = args.device  # before deepspeed is imported
     init_single_process(args.device)
     for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
