@@ -5,8 +5,8 @@
     .venv/bin/python benchmarks/bench_step_parts.py dropout --reps 10 --steps 5
 
 * ``gemm-bound``: every matrix product of one forward + backward (each linear's forward, input-gradient
-  and weight-gradient GEMM in the layouts autograd uses, the attention bmm's, the tied logits), each shape
-  on its own. Their FLOPs add up to the MFU count (``training.metrics``), so their summed time is the
+  and weight-gradient GEMM in the layouts autograd uses, the tied logits, and the attention bmm's, whose two
+  gradient bmm's are timed with the forward's shapes: same FLOPs, other transposes), each shape on its own. Their FLOPs add up to the MFU count (``training.metrics``), so their summed time is the
   fastest step these shapes allow on this BLAS, and step FLOPs / that time / the measured square-matmul
   peak is the MFU bound the shapes impose.
 * ``attention``: the attention block, forward + backward with dropout on: CPU SDPA (its math fallback,

@@ -127,6 +127,23 @@ class Runner:
     def __init__(self, name: str, engine, model, loss_fn, tokens, labels, clip: float, mpu=None):
         self.name, self.engine, self.model, self.loss_fn = name, engine, model, loss_fn
         self.tokens, self.labels, self.clip, self.mpu = tokens, labels, clip, mpu
+        self.static_bytes = 0  # GPU memory the engine holds between steps (weights, grads, optimizer state)
+
+    def warm_up(self, steps: int, max_steps: int = 64) -> int:
+        """At least ``steps`` steps, continued (up to ``max_steps``) while fp16 loss scaling still skips:
+        a skipped step does no optimizer update and must not be timed. Returns the steps taken."""
+        n = 0
+        while n < max_steps:
+            before = self.skipped()
+            self.step()
+            n += 1
+            if n >= steps and self.skipped() == before:
+                break
+        return n
+
+    def skipped(self) -> int:
+        """Optimizer steps skipped so far for fp16 overflow (0 without loss scaling)."""
+        return int(getattr(self.engine, "skipped_steps", 0))
 
     def step(self) -> float:
         from deepspeed.runtime.utils import clip_grad_norm_
@@ -181,15 +198,23 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
         eng.enable_backward_allreduce = backward_allreduce
         return eng
 
+    def gpu_bytes() -> int:
+        return torch.cuda.memory_allocated() if args.device == "cuda" else 0
+
     ours_loss = lambda e, t, l: e(t, l).mean()  # noqa: E731
     if args.only in (None, "ours"):
+        before = gpu_bytes()
         ours = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
         runners["ours"] = Runner("ours", engine(ours, ps), ours, ours_loss, tokens, labels, clip, ps)
+        runners["ours"].static_bytes = gpu_bytes() - before
     if args.engine_default:
+        before = gpu_bytes()
         m = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
         runners["ours (engine default)"] = Runner("ours (engine default)", engine(m, ps, backward_allreduce=True), m,
                                                   ours_loss, tokens, labels, clip, ps)
+        runners["ours (engine default)"].static_bytes = gpu_bytes() - before
     if args.only in (None, "hf"):
+        before = gpu_bytes()
         hcfg = GPT2Config(vocab_size=padded, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
                           n_head=args.heads, activation_function="gelu", resid_pdrop=args.dropout,
                           embd_pdrop=args.dropout, attn_pdrop=args.dropout, layer_norm_epsilon=1e-5,
@@ -202,6 +227,7 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
         assert hf.config._attn_implementation == "sdpa", hf.config._attn_implementation
         runners["hf"] = Runner("hf", engine(hf), hf, lambda e, t, l: e(input_ids=t, labels=t).loss, tokens, labels,
                                clip)
+        runners["hf"].static_bytes = gpu_bytes() - before
     return runners
 
 
@@ -260,9 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         profile(runners, args.profile, args.profile_rows, args.device)
         return
 
-    for r in runners.values():
-        for _ in range(args.warmup):
-            r.step()
+    warm = {name: r.warm_up(args.warmup) for name, r in runners.items()}
+    skipped_before = {name: r.skipped() for name, r in runners.items()}
     clocks = {name: common.CpuClock(lambda r=r: common.timed(r.step, args.steps), args.steps)
               for name, r in runners.items()}
     memory = {name: common.Samples() for name in runners}
@@ -296,7 +321,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.device == "cpu":
             row += [clocks[name].cpu.fmt(".2f"), clocks[name].sys.fmt(".2f"), clocks[name].faults.fmt(",.0f")]
         else:
-            row.append(memory[name].fmt(".1f", 2**-30))
+            row += [f"{runners[name].static_bytes / 2**30:.1f}", memory[name].fmt(".1f", 2**-30)]
+        row.append(f"{warm[name]} ({runners[name].skipped()})"
+                   + (f", {runners[name].skipped() - skipped_before[name]} while timed"
+                      if runners[name].skipped() > skipped_before[name] else ""))
         rows.append(row)
     print()
     print(common.markdown_header(info, common.load_average()))
@@ -311,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
           + ". MFU per rep = step rate / peak; best/best = fastest step / highest peak")
     print()
     last = (["process CPU s/step", "system s/step", "page faults/step"] if args.device == "cpu"
-            else ["peak GPU memory GiB"])
+            else ["engine GPU memory GiB", "step peak above it GiB"]) + ["warm-up steps (fp16 skipped)"]
     print(common.markdown_table(["model", "s/step median [min-max]", "tokens/s", rate_name,
                                  "MFU % (per rep)", "MFU % best/best", *last], rows))
     if args.device == "cpu":

@@ -185,15 +185,18 @@ def gpu_matmul_tflops(dtype: str, n: int = 8192, reps: int = 10) -> float:
 
 
 def with_peak_gpu_memory(fn: Callable[[], float], out: Samples) -> Callable[[], float]:
-    """Wraps a timed callable to also record the peak GPU memory allocated (bytes) during each call."""
+    """Wraps a timed callable to also record, per call, the peak GPU memory allocated during it above
+    what was allocated when it started (bytes): the call's own activations and temporaries, whatever
+    else (other models) sits on the GPU meanwhile."""
     import torch
 
     def call() -> float:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         value = fn()
         torch.cuda.synchronize()
-        out.values.append(float(torch.cuda.max_memory_allocated()))
+        out.values.append(float(torch.cuda.max_memory_allocated() - base))
         return value
 
     return call

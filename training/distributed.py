@@ -5,7 +5,9 @@ DeepSpeed's CPU backend builds a shared-memory all-reduce kernel (``deepspeed_sh
 port, that is never unlinked: every run leaves ~64 MB per rank behind, and a test suite of short
 runs fills /dev/shm (RAM) until the OOM killer stops it. That kernel only serves DeepSpeed's
 inference all-reduce, which this project does not use (all collectives go through
-torch.distributed), so it is switched off before DeepSpeed's backend starts.
+torch.distributed), so it is switched off before DeepSpeed's backend starts. DeepSpeed's fp16 loss
+scaling at ZeRO-0 is repaired here too (``training.ds_compat``), since every entry point passes here
+before ``deepspeed.initialize``.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ def init_distributed(backend: str | None = None) -> None:
 
     from deepspeed.accelerator import get_accelerator
 
+    from training import ds_compat
+
     if get_accelerator().device_name() == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    ds_compat.apply()  # fp16 loss scaling at ZeRO-0 (see training/ds_compat.py)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)

@@ -5,8 +5,8 @@ then multiplies and scales in separate passes; a residual add after it is one mo
 activation. Here, for CPU fp32 tensors, the mask is drawn with one ``rand`` compared in place
 (``u >= p``, so P(keep) = 1 - p) and scaled in place to {0, 1/(1-p)}; the output is one ``mul`` or one
 ``addcmul`` (residual + x * mask). The backward multiplies by the same saved mask. Forward + backward,
-both the hidden-size dropout-and-add and the attention-probability dropout are ~1.5x faster than
-``F.dropout`` (+ add) on the 2-core CPU (``benchmarks/bench_step_parts.py dropout``).
+the hidden-size dropout-and-add is 1.55-1.7x and the attention-probability dropout 1.25-1.4x faster than
+``F.dropout`` (+ add) on the 2-core CPU (``benchmarks/bench_step_parts.py dropout``, benchmarks/RESULTS.md).
 
 The draw comes from the default CPU generator, the one ``F.dropout`` uses, so the RNG tracker of
 ``training.parallel.random`` (TP-local streams) and activation checkpointing (which saves and restores

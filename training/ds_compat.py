@@ -1,0 +1,60 @@
+"""Workarounds for DeepSpeed behaviour this project depends on, applied once per process at start-up.
+
+fp16 loss scaling without ZeRO. With ``fp16`` enabled and ZeRO stage 0, DeepSpeed wraps the client
+optimizer in ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer``, whose ``step()`` divides every gradient by
+the current loss scale (and checks the scaled gradients for overflow). Since DeepSpeed's 0.18-0.19
+rewrite of ``DeepSpeedEngine.backward``, the engine multiplies the loss by that scale only for ZeRO
+optimizers (``scale_if_loss``): at ZeRO-0 the gradients are never scaled up, ``step()`` still divides
+them by 2^initial_scale_power, Adam sees gradients ~1e-12 and the model does not train; overflow can
+never trigger, so dynamic loss scaling is dead too (DeepSpeed PR #8393, open). This affects every fp16
+run at ``parallel.zero_stage: 0``, the pipeline engine included (its last stage calls
+``DeepSpeedEngine.backward``).
+
+:func:`apply` restores the documented behaviour: ``DeepSpeedEngine.backward`` multiplies the loss by the
+optimizer's current scale, as these optimizers' own ``backward()`` does, when the engine's optimizer is
+one of the two and scales (fp16; the bf16 variant has no scaling). It patches only a DeepSpeed whose
+``backward`` does not handle fp16 itself (older releases route fp16 through the optimizer's
+``backward``; the fix upstream adds such a branch), so a fixed DeepSpeed is left alone.
+``tests/test_fp16_loss_scale.py`` checks the result on the installed version: gradients after
+``engine.backward`` equal the fp32 gradients times the scale, and an fp16 step moves the weights as far
+as the fp32 step does.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def _engine_scales_fp16(backward) -> bool:
+    """Whether this DeepSpeed's ``DeepSpeedEngine.backward`` handles the fp16 (non-ZeRO) loss itself."""
+    try:
+        return "fp16_enabled" in inspect.getsource(backward)
+    except (OSError, TypeError):  # no source available: assume a fixed, compiled DeepSpeed
+        return True
+
+
+def apply() -> None:
+    """Install the workarounds (idempotent). Call before ``deepspeed.initialize``."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    original = DeepSpeedEngine.backward
+    if getattr(original, "_scales_fp16_loss", False) or _engine_scales_fp16(original):
+        return
+
+    @functools.wraps(original)
+    def backward(self, loss, *args, **kwargs):
+        opt = self.optimizer
+        if isinstance(opt, (FP16_Optimizer, FP16_UnfusedOptimizer)) and opt.loss_scale_config.use_grad_scaling:
+            scale = opt.loss_scale_config.cur_scale
+            # the engine returns the (accumulation-scaled) loss it ran backward on: hand back the unscaled one
+            return original(self, loss.float() * scale, *args, **kwargs) / scale
+        return original(self, loss, *args, **kwargs)
+
+    backward._scales_fp16_loss = True
+    DeepSpeedEngine.backward = backward
+    log.debug("DeepSpeedEngine.backward: fp16 loss scaling at ZeRO-0 restored (DeepSpeed PR #8393)")
