@@ -34,6 +34,15 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 
+def warm_then_interleave(cands: dict, reps: int) -> tuple[dict, dict]:
+    """Call each candidate once (allocations, kernel choice), take the machine facts, then time them
+    interleaved; returns (facts before the timed run, ``common.interleaved`` results)."""
+    for c in cands.values():
+        c()
+    info = common.machine_info()
+    return info, common.interleaved(cands, reps)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("part", choices=["gemm-bound", "attention", "dropout"])
@@ -84,10 +93,7 @@ def bench_attention(args) -> None:
         return lambda: common.timed(once, args.steps)
 
     cands = {k: run(f) for k, f in fns.items()}
-    for c in cands.values():
-        c()
-    info = common.machine_info()
-    res = common.interleaved(cands, args.reps)
+    info, res = warm_then_interleave(cands, args.reps)
     print(common.markdown_header(info, common.load_average()))
     print(f"- attention b={b} n={n} s={s} hn={hn}, dropout {p}, fp32, forward + backward, {args.reps} interleaved "
           f"repetitions x {args.steps} calls; max |sdpa - ours| without dropout: {diff:.2e} "
@@ -139,10 +145,7 @@ def bench_gemm_bound(args) -> None:
         cands[name] = (lambda fn=fn, a=a, bm=bm, cnt=cnt: cnt * common.timed(lambda: fn(a, bm), args.steps))
     peak_fn = getattr(measure_cpu_peak_tflops, "__wrapped__", measure_cpu_peak_tflops)
     cands["peak"] = lambda: peak_fn("fp32")
-    for name, c in cands.items():
-        c()
-    info = common.machine_info()
-    res = common.interleaved(cands, args.reps)
+    info, res = warm_then_interleave(cands, args.reps)
     peak = res.pop("peak")
     total = common.Samples([sum(v) for v in zip(*(r.values for r in res.values()))])
     step_flops = model_flops_per_iteration(args.batch, args.seq, args.layers, args.hidden, padded)
@@ -185,10 +188,7 @@ def bench_dropout_ops(args) -> None:
         "attention probs: F.dropout": fb(lambda: F.dropout(probs, p, True), probs),
         "attention probs: ops.dropout": fb(lambda: dropout(probs, p, True), probs),
     }
-    for c in cands.values():
-        c()
-    info = common.machine_info()
-    res = common.interleaved(cands, args.reps)
+    info, res = warm_then_interleave(cands, args.reps)
     print(common.markdown_header(info, common.load_average()))
     print(f"- dropout p={p}, fp32, forward + backward; hidden [b={b}, s={s}, h={h}], attention probabilities "
           f"[b n={b * n}, s, s]; {args.reps} interleaved repetitions x {args.steps} calls\n")
