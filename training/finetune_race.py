@@ -18,7 +18,6 @@ After every epoch: dev (and test) accuracy; the checkpoint is saved only when de
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from training.cli import launcher_parser, setup_rank_logging
 from training.config import Config, ConfigError, _merge, check_world, config_from_dict, parse_overrides
 
 logger = logging.getLogger("training")
@@ -373,17 +373,8 @@ class RaceFinetuner:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.finetune_race", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="fine-tuning config YAML (see configs/race.yaml)")
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = parser.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s [%(name)s] %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
-    for noisy in ("DeepSpeed", "deepspeed"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args = launcher_parser("python -m training.finetune_race", __doc__, "fine-tuning config YAML (see configs/race.yaml)").parse_args(argv)
+    rank = setup_rank_logging()
     from evaluation.errors import EvalError
 
     try:

@@ -8,26 +8,16 @@ DS_ACCELERATOR=cpu to skip accelerator detection). One process without the launc
 """
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 import sys
 
+from training.cli import launcher_parser, setup_rank_logging
 from training.config import ConfigError, check_world, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.pretrain", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="run config YAML (see configs/)")
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = parser.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s [%(name)s] %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
-    for noisy in ("DeepSpeed", "deepspeed"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args = launcher_parser("python -m training.pretrain", __doc__, "run config YAML (see configs/)").parse_args(argv)
+    rank = setup_rank_logging()
     try:
         cfg = load_config(args.config, args.overrides)
         check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group exists

@@ -1,0 +1,27 @@
+"""What every ``python -m training.*`` entry point run by the deepspeed launcher starts with."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def launcher_parser(prog: str, description: str | None, config_help: str) -> argparse.ArgumentParser:
+    """``--config YAML``, the launcher's ``--local_rank`` (hidden) and ``section.key=value`` overrides."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help=config_help)
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return parser
+
+
+def setup_rank_logging() -> int:
+    """INFO on rank 0, warnings elsewhere, DeepSpeed's own chatter at WARNING; returns this rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s [%(name)s] %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+    for noisy in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return rank
