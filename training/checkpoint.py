@@ -154,6 +154,9 @@ def load(trainer) -> bool:
     if tag is None:
         return False
     meta = read_client_state(trainer.run_dir, tag)
+    if meta.get("weights_only"):  # written by training.import_hf: no optimizer, schedule or RNG to resume
+        raise ConfigError(f"{trainer.run_dir} holds imported weights only ({meta.get('imported_from')}), not a run "
+                          f"to resume: start a new run from it with train.init_from={trainer.run_dir} and another run.dir")
     saved = meta["parallel"]
     if (saved["tp"], saved["pp"]) != (trainer.ps.dims.tp, trainer.ps.dims.pp):
         raise ConfigError(f"checkpoint {trainer.run_dir}/checkpoints/{tag} was saved with TP={saved['tp']} "

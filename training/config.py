@@ -48,6 +48,9 @@ class ModelConfig:
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
+    activation: Literal["gelu", "gelu_new"] = "gelu"
+    """MLP (and BERT LM-head) non-linearity: 'gelu' = exact erf GeLU (Megatron's default), 'gelu_new' =
+    the tanh approximation OpenAI's GPT-2 was trained with (transformers' name; imported GPT-2s use it)."""
     activation_checkpointing: bool = False
     """Recompute every transformer layer in backward (DeepSpeed's checkpoint, RNG states restored)."""
     # BERT only
@@ -131,6 +134,10 @@ class TrainConfig:
     exit_at: int | None = None
     """Save and stop at this iteration (the schedule still runs to `iters`); rerun to resume."""
     progress_bar: bool = True
+    init_from: str | None = None
+    """Run directory (any TP/PP, e.g. written by training.import_hf) whose weights start this run, with a
+    fresh optimizer, schedule and data position; its model shape replaces model.* (see training.init_from).
+    Ignored once this run has a checkpoint of its own (resume wins)."""
 
 
 @dataclass
@@ -349,7 +356,15 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     data = _merge(data, parse_overrides(overrides or []))
     cfg = _build(Config, data, "")
     validate_static(cfg)
+    validate_data_source(cfg)
     return cfg
+
+
+def validate_data_source(cfg: Config) -> None:
+    """A training run needs data; a saved config need not have any (an imported checkpoint has none)."""
+    if cfg.data.corpus is None and not cfg.data.text_files:
+        raise ConfigError("data: set data.corpus (a directory from `python -m data_pipeline build`) "
+                          "or data.text_files")
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
@@ -398,9 +413,6 @@ def validate_static(cfg: Config) -> None:
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
                           f"train.micro_batch_size={t.micro_batch_size}")
-    if cfg.data.corpus is None and not cfg.data.text_files:
-        raise ConfigError("data: set data.corpus (a directory from `python -m data_pipeline build`) "
-                          "or data.text_files")
     if cfg.data.corpus is not None and cfg.data.text_files:
         raise ConfigError("data: set either data.corpus or data.text_files, not both")
     if cfg.run.tensorboard:

@@ -18,7 +18,7 @@ Name/layout mapping (HF ``Conv1D`` stores ``[in, out]``, our linears ``[out, in]
     layers.i.mlp.proj.weight [h, 4h]       -> transformer.h.i.mlp.c_proj.weight [4h, h]
     final_ln                               -> transformer.ln_f
 
-Same math: pre-LN, exact-erf GELU (``activation_function="gelu"``), LayerNorm eps from the config,
+Same math: pre-LN, GELU as ``model.activation`` (exact erf ``"gelu"`` or tanh ``"gelu_new"``), LayerNorm eps from the config,
 scale 1/sqrt(head_dim), learned positions, tied output layer without bias.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def hf_config(model_cfg, vocab_size: int, eod: int | None):
         n_layer=model_cfg.num_layers,
         n_head=model_cfg.num_attention_heads,
         n_inner=model_cfg.ffn_size,
-        activation_function="gelu",
+        activation_function="gelu_new" if getattr(model_cfg, "activation", "gelu") == "gelu_new" else "gelu",
         layer_norm_epsilon=model_cfg.layernorm_epsilon,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         initializer_range=model_cfg.init_method_std,

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.config import ModelConfig
-from training.models.gpt2 import ParallelMLP, ParallelSelfAttention, normal_init
+from training.models.gpt2 import ParallelMLP, ParallelSelfAttention, activation, normal_init
 from training.models.ops import dropout, dropout_add
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -77,6 +77,7 @@ class BertLMHead(nn.Module):
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group, seed: int):
         super().__init__()
         self.group = group
+        self.act = activation(cfg.activation)
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         normal_init(seed, "lm_head.dense", cfg.init_method_std)(self.dense.weight)
         nn.init.zeros_(self.dense.bias)
@@ -86,7 +87,7 @@ class BertLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
         """x [..., h] (replicated) -> logits [..., V/p] for this rank's vocabulary rows."""
-        x = self.ln(F.gelu(self.dense(x)))
+        x = self.ln(self.act(self.dense(x)))
         return F.linear(copy_to_parallel_region(x, self.group), word_embeddings, self.bias)
 
 

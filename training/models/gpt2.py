@@ -10,6 +10,7 @@ exactly the TP=1 model split k ways, independent of construction order.
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -69,11 +70,19 @@ class ParallelSelfAttention(nn.Module):
         return self.proj(y)                                                # [b, s, h], all-reduced
 
 
+def activation(name: str):
+    """``model.activation`` -> function: 'gelu' exact (erf), 'gelu_new' tanh approximation (GPT-2's)."""
+    if name == "gelu_new":
+        return functools.partial(F.gelu, approximate="tanh")
+    return F.gelu
+
+
 class ParallelMLP(nn.Module):
     """h -> 4h (column-parallel) -> GeLU -> h (row-parallel)."""
 
     def __init__(self, cfg: ModelConfig, group, seed: int, prefix: str):
         super().__init__()
+        self.act = activation(cfg.activation)
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, group,
                                        init_method=normal_init(seed, prefix + "fc", cfg.init_method_std))
@@ -81,7 +90,7 @@ class ParallelMLP(nn.Module):
                                       init_method=normal_init(seed, prefix + "proj", out_std))
 
     def forward(self, x):
-        return self.proj(F.gelu(self.fc(x)))                               # [b, s, 4h/p] -> [b, s, h]
+        return self.proj(self.act(self.fc(x)))                             # [b, s, 4h/p] -> [b, s, h]
 
 
 class TransformerLayer(nn.Module):

@@ -1,0 +1,38 @@
+"""Random ``transformers`` models saved as local folders (no hub access) for the interop tests."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from tests.distributed import SHARED_DATA
+
+GPT2_TOKENIZER = Path(SHARED_DATA) / "tokenizers" / "gpt2"
+
+
+def save_random_gpt2(folder: Path, seed: int = 0, n_positions: int = 64) -> Path:
+    """An odd-shaped GPT-2 (3 layers, hidden 96, 6 heads, the real 50,257-id vocabulary, tanh GeLU) with
+    every LayerNorm and bias perturbed, saved with the real GPT-2 tokenizer files."""
+    from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=96, n_layer=3, n_head=6,
+                     initializer_range=0.1, activation_function="gelu_new")
+    model = GPT2LMHeadModel(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    shutil.copyfile(GPT2_TOKENIZER / "gpt2-vocab.json", folder / "vocab.json")
+    shutil.copyfile(GPT2_TOKENIZER / "gpt2-merges.txt", folder / "merges.txt")
+    files = (str(folder / "vocab.json"), str(folder / "merges.txt"))
+    try:  # transformers 5: vocab / merges take the file paths
+        tok = GPT2TokenizerFast(vocab=files[0], merges=files[1])
+    except TypeError:  # transformers 4
+        tok = GPT2TokenizerFast(vocab_file=files[0], merges_file=files[1])
+    tok.save_pretrained(str(folder))
+    return folder

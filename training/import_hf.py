@@ -1,0 +1,327 @@
+"""Import a Hugging Face ``transformers`` GPT-2 into a run directory of this project, at any TP/PP.
+
+    python -m training.import_hf --model DIR_OR_NAME --out RUN_DIR [--tp K] [--pp P] [--seq-length S]
+
+``--model`` is a folder written by ``save_pretrained`` (``config.json``, ``model.safetensors`` or
+``pytorch_model.bin``, and the tokenizer: ``vocab.json`` + ``merges.txt`` or ``tokenizer.json``), or a
+hub name (``gpt2``), which needs the network or a filled Hugging Face cache; offline it fails with one
+line saying how to get the folder.
+
+The output is a checkpoint in the layout training writes (``checkpoints/iter_0000000/mp_rank_XX_...``,
+the pipeline's ``layer_XX-model_YY-...`` files when ``--pp`` > 1, ``checkpoints/latest``) holding the
+weights split for TP=K x PP=P, the vocabulary padded by our rule (a multiple of
+``make_vocab_size_divisible_by`` x K, zero rows), the tokenizer files under ``RUN_DIR/tokenizer`` and a
+model config that reproduces the source exactly (``model.activation: gelu_new`` for GPT-2's tanh
+GeLU, LayerNorm eps, positions, MLP width). It holds weights only (no optimizer, schedule or RNG):
+
+    python -m evaluation generate --checkpoint RUN_DIR --prompt "..."         # sample from it
+    python -m evaluation lambada --checkpoint RUN_DIR --data ...              # score it
+    python -m training.pretrain --config X.yaml train.init_from=RUN_DIR ...   # train on from it
+    python -m training.export_hf --checkpoint RUN_DIR --out DIR               # and back (== the source)
+
+Name/layout mapping (inverse of :mod:`training.export_hf`; HF ``Conv1D`` stores ``[in, out]``):
+
+    transformer.wte.weight [V, h]               -> embedding.word_embeddings.weight [V_padded, h]
+    transformer.wpe.weight                      -> embedding.position_embeddings.weight
+    transformer.h.i.ln_1 / ln_2                 -> layers.i.ln1 / ln2
+    transformer.h.i.attn.c_attn.weight [h, 3h]  -> layers.i.attn.qkv.weight [3h, h] (rows [Q;K;V])
+    transformer.h.i.attn.c_proj / mlp.c_fc / mlp.c_proj -> layers.i.attn.proj / mlp.fc / mlp.proj (transposed)
+    transformer.ln_f                            -> final_ln
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from training.config import Config, ConfigError, ModelConfig, padded_vocab_size, validate_static
+
+logger = logging.getLogger(__name__)
+
+TAG = "iter_0000000"
+HF_EXTRA = "pip install 'megatron-ds-suite[hf]' (or pip install transformers)"
+# transformers' activation names -> model.activation (both tanh approximations are the same function)
+ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new"}
+
+
+class ImportHFError(ValueError):
+    """Bad import input (one line: what is wrong and how to fix it)."""
+
+
+def require_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ImportHFError(f"Hugging Face interop needs the `hf` extra: {HF_EXTRA}") from None
+    return transformers
+
+
+# --------------------------------------------------------------------------------------------------
+# Source folder
+# --------------------------------------------------------------------------------------------------
+def resolve_model_dir(model: str) -> Path:
+    """A local folder as is; otherwise a hub name through the Hugging Face cache/network."""
+    p = Path(model)
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise ImportHFError(f"--model {model} is a file; pass the folder that holds config.json and the weights")
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ImportHFError(f"--model {model}: no such folder")
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.txt", "*.safetensors"]
+        folder = Path(snapshot_download(model, allow_patterns=patterns))
+        if not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(model, allow_patterns=[*patterns, "pytorch_model*.bin"]))
+        return folder
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated repo: all one line
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise ImportHFError(f"--model {model} is not a local folder and the Hugging Face hub could not provide it "
+                            f"({type(e).__name__}: {reason}); download it where there is network, e.g. "
+                            f"`huggingface-cli download {model} --local-dir DIR`, and pass --model DIR") from None
+
+
+def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
+    """Our ModelConfig for a ``GPT2Config``; refuses options our GPT-2 does not compute."""
+    if getattr(hf_cfg, "model_type", None) != "gpt2":
+        raise ImportHFError(f"model_type {getattr(hf_cfg, 'model_type', None)!r} is not supported: only GPT-2 "
+                            f"(GPT2LMHeadModel) folders can be imported")
+    act = ACTIVATIONS.get(hf_cfg.activation_function)
+    unsupported = []
+    if act is None:
+        unsupported.append(f"activation_function={hf_cfg.activation_function!r}")
+    if not getattr(hf_cfg, "scale_attn_weights", True):
+        unsupported.append("scale_attn_weights=False")
+    if getattr(hf_cfg, "scale_attn_by_inverse_layer_idx", False):
+        unsupported.append("scale_attn_by_inverse_layer_idx=True")
+    if getattr(hf_cfg, "add_cross_attention", False):
+        unsupported.append("add_cross_attention=True")
+    if not getattr(hf_cfg, "tie_word_embeddings", True):
+        unsupported.append("tie_word_embeddings=False")
+    if unsupported:
+        raise ImportHFError(f"the GPT-2 config sets {', '.join(unsupported)}, which this project's GPT-2 does not "
+                            f"compute; only standard GPT-2 configs import exactly")
+    positions = hf_cfg.n_positions
+    seq = seq_length or positions
+    if seq > positions:
+        raise ImportHFError(f"--seq-length {seq} exceeds the model's n_positions {positions}")
+    return ModelConfig(arch="gpt2", num_layers=hf_cfg.n_layer, hidden_size=hf_cfg.n_embd,
+                       num_attention_heads=hf_cfg.n_head, seq_length=seq, max_position_embeddings=positions,
+                       vocab_size=hf_cfg.vocab_size, ffn_hidden_size=hf_cfg.n_inner or 4 * hf_cfg.n_embd,
+                       hidden_dropout=float(hf_cfg.resid_pdrop), attention_dropout=float(hf_cfg.attn_pdrop),
+                       init_method_std=float(hf_cfg.initializer_range),
+                       layernorm_epsilon=float(hf_cfg.layer_norm_epsilon), activation=act)
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """``GPT2LMHeadModel`` state dict -> our TP=1 GPT2Model names (vocabulary not padded yet)."""
+    def get(name: str) -> torch.Tensor:
+        for key in (name, name[len("transformer."):]):  # GPT2Model folders lack the prefix
+            if key in hf:
+                return hf[key].detach().to(torch.float32).cpu().contiguous()
+        raise ImportHFError(f"the source weights lack {name!r}: not a GPT-2 checkpoint")
+
+    wte = get("transformer.wte.weight")
+    head = hf.get("lm_head.weight")
+    if head is not None and not torch.equal(head.detach().float().cpu(), wte):
+        raise ImportHFError("lm_head.weight differs from transformer.wte.weight: an untied output layer cannot be "
+                            "imported (our GPT-2 ties them)")
+    out = {"embedding.word_embeddings.weight": wte,
+           "embedding.position_embeddings.weight": get("transformer.wpe.weight")}
+    for i in range(num_layers):
+        h, a = f"transformer.h.{i}.", f"layers.{i}."
+        for theirs, ours in (("ln_1", "ln1"), ("ln_2", "ln2")):
+            out[a + ours + ".weight"] = get(h + theirs + ".weight")
+            out[a + ours + ".bias"] = get(h + theirs + ".bias")
+        for theirs, ours in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
+                             ("mlp.c_fc", "mlp.fc"), ("mlp.c_proj", "mlp.proj")):
+            out[a + ours + ".weight"] = get(h + theirs + ".weight").t().contiguous()
+            out[a + ours + ".bias"] = get(h + theirs + ".bias")
+    out["final_ln.weight"] = get("transformer.ln_f.weight")
+    out["final_ln.bias"] = get("transformer.ln_f.bias")
+    return out
+
+
+def load_source(folder: Path):
+    """(GPT2Config, GPT2LMHeadModel state dict) of a transformers folder, fp32 on CPU."""
+    require_transformers()
+    from transformers import AutoConfig, GPT2LMHeadModel
+
+    if not (folder / "config.json").is_file():
+        raise ImportHFError(f"{folder} has no config.json: not a transformers model folder")
+    hf_cfg = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    if hf_cfg.model_type != "gpt2":
+        raise ImportHFError(f"{folder} holds a {hf_cfg.model_type!r} model; only GPT-2 (GPT2LMHeadModel) imports")
+    try:
+        model = GPT2LMHeadModel.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
+    except OSError as e:
+        raise ImportHFError(f"{folder}: cannot load the weights ({str(e).splitlines()[0][:200]})") from None
+    return hf_cfg, model.state_dict()
+
+
+def import_tokenizer(folder: Path, dest: Path):
+    """Copy (or write) ``vocab.json`` + ``merges.txt`` into ``dest``; returns our GPT2BPETokenizer after
+    checking that its ids equal the source tokenizer's."""
+    from data_pipeline.tokenizer import GPT2BPETokenizer
+
+    dest.mkdir(parents=True, exist_ok=True)
+    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        shutil.copyfile(folder / "vocab.json", dest / "vocab.json")
+        shutil.copyfile(folder / "merges.txt", dest / "merges.txt")
+    elif (folder / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(folder), local_files_only=True).save_vocabulary(str(dest))
+    else:
+        raise ImportHFError(f"{folder} has no tokenizer (vocab.json + merges.txt or tokenizer.json): copy the "
+                            f"model's tokenizer files into it")
+    tok = GPT2BPETokenizer(dest / "vocab.json", dest / "merges.txt")
+    from transformers import AutoTokenizer
+
+    try:
+        theirs = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError):
+        theirs = None
+    probe = "Hello world, it's 2024!\n  Ünïcödé\ttabs and spaces."
+    if theirs is not None and theirs(probe)["input_ids"] != tok.encode(probe):
+        raise ImportHFError(f"the tokenizer of {folder} is not GPT-2 byte-level BPE as this project runs it "
+                            f"(ids differ on a probe text)")
+    return tok
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing the checkpoint
+# --------------------------------------------------------------------------------------------------
+def partition_tags(model_cfg: ModelConfig) -> dict[str, tuple[int, int] | None]:
+    """{parameter name: (partition_dim, stride) or None}, read from a small model of the same
+    structure (the tags depend on the module types, not on the sizes)."""
+    from training.checkpoint import partition_tags as tags_of
+    from training.models.gpt2 import GPT2Model
+
+    probe = replace(model_cfg, hidden_size=model_cfg.num_attention_heads, ffn_hidden_size=8, seq_length=2,
+                    max_position_embeddings=2, vocab_size=8)
+    return tags_of(GPT2Model(probe, 8, None, seed=0))
+
+
+def shard(full: torch.Tensor, tag: tuple[int, int] | None, rank: int, world: int) -> torch.Tensor:
+    from training.parallel.layers import _shard_master
+
+    return _shard_master(full, tag[0], rank, world, tag[1]).clone() if tag and world > 1 else full.clone()
+
+
+def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], tokenizer_spec: dict,
+                     source: str) -> None:
+    """Files of a TP x PP checkpoint at iteration 0 in the layout ``training.checkpoint`` reads.
+
+    PP = 1: ``mp_rank_{tp:02d}_model_states.pt`` with the rank's ``module`` state dict. PP > 1 (DeepSpeed
+    PipelineModule layout): ``layer_{idx:02d}-model_{tp:02d}-model_states.pt`` per pipeline layer
+    (0 embedding, 1..L transformer layers, L+1 final LayerNorm; the tied output layer L+2 is the
+    embedding again and has no file) and one ``mp_rank_{pp*TP+tp:02d}`` metadata file per stage and TP
+    rank (DeepSpeed's model-parallel rank with DP = 1).
+    """
+    from training.models.gpt2_pipe import pipe_layer_names
+
+    tp, pp, m = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.model
+    padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    tags = partition_tags(m)
+    if set(tags) != set(weights):
+        raise ImportHFError(f"weight names do not match the model: {sorted(set(tags) ^ set(weights))[:3]}")
+    weights = dict(weights)
+    wte = weights["embedding.word_embeddings.weight"]
+    weights["embedding.word_embeddings.weight"] = torch.cat([wte, wte.new_zeros(padded - wte.size(0), wte.size(1))])
+    folder = out / "checkpoints" / TAG
+    folder.mkdir(parents=True)
+    meta = {"config": cfg.to_dict(), "iteration": 0, "consumed_samples": 0, "padded_vocab_size": padded,
+            "tokenizer": tokenizer_spec, "partition": tags, "parallel": {"tp": tp, "pp": pp, "dp": 1},
+            "optimizer_param_names": None, "rng": None, "dtype": "fp32", "imported_from": source,
+            "weights_only": True}
+    prefixes = pipe_layer_names(m.num_layers)
+    for r in range(tp):
+        local = {name: shard(w, tags[name], r, tp) for name, w in weights.items()}
+        if pp == 1:
+            torch.save({"module": local, **meta, "tp_rank": r, "pp_rank": 0}, folder / f"mp_rank_{r:02d}_model_states.pt")
+            continue
+        for idx, prefix in prefixes.items():
+            layer = {k[len(prefix):]: v for k, v in local.items() if k.startswith(prefix)}
+            torch.save(layer, folder / f"layer_{idx:02d}-model_{r:02d}-model_states.pt")
+        for s in range(pp):
+            torch.save({"module": None, **meta, "tp_rank": r, "pp_rank": s},
+                       folder / f"mp_rank_{s * tp + r:02d}_model_states.pt")
+    (out / "checkpoints" / "latest").write_text(TAG)
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+
+def import_hf(model: str, out: str | Path, tp: int = 1, pp: int = 1, seq_length: int | None = None,
+              overwrite: bool = False) -> Path:
+    """Import ``model`` (folder or hub name) into run directory ``out``; written to a temporary sibling
+    and renamed into place, so a failure leaves nothing half-written."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ImportHFError(f"--out {out} exists and is not empty (choose a new run directory or pass --overwrite)")
+    if tp < 1 or pp < 1:
+        raise ImportHFError(f"--tp and --pp must be >= 1, got {tp} and {pp}")
+    require_transformers()
+    folder = resolve_model_dir(model)
+    from transformers import AutoConfig
+
+    try:
+        hf_cfg = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ImportHFError(f"{folder}: no readable config.json ({str(e).splitlines()[0][:160]})") from None
+    cfg = Config(model=model_config_from_hf(hf_cfg, seq_length))
+    cfg.parallel.tensor, cfg.parallel.pipeline = tp, pp
+    cfg.run.dir = str(out)
+    validate_static(cfg)  # TP divides heads and MLP width, PP <= layers (before any weight is read)
+    hf_cfg, hf_sd = load_source(folder)
+    weights = from_hf_state_dict(hf_sd, cfg.model.num_layers)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        tok = import_tokenizer(folder, tmp / "tokenizer")
+        if tok.vocab_size != cfg.model.vocab_size:
+            raise ImportHFError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
+                                f"{cfg.model.vocab_size}")
+        spec = {"kind": tok.kind, "vocab_file": "tokenizer/vocab.json", "merges_file": "tokenizer/merges.txt"}
+        write_checkpoint(tmp, cfg, weights, spec, str(model))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("imported %s -> %s (TP=%d PP=%d, %d layers, hidden %d, vocab %d padded to %d)", model, out, tp, pp,
+                cfg.model.num_layers, cfg.model.hidden_size, cfg.model.vocab_size,
+                padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, tp))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="python -m training.import_hf", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="transformers GPT-2 folder, or a hub name (needs network/cache)")
+    ap.add_argument("--out", required=True, help="new run directory")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the written checkpoint")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree of the written checkpoint")
+    ap.add_argument("--seq-length", type=int, default=None, help="model.seq_length (default: n_positions)")
+    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    args = ap.parse_args(argv)
+    try:
+        import_hf(args.model, args.out, args.tp, args.pp, args.seq_length, args.overwrite)
+    except (ImportHFError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
