@@ -126,38 +126,17 @@ def schedule(cfg: Config, n_train: int, dp: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------------
 # Model: pretrained encoder (merged, re-split) + multiple-choice head
 # --------------------------------------------------------------------------------------------------
-def resize_vocab_rows(full, padded: int):
-    """Word-embedding rows [V_old, h] -> [padded, h]: padding rows (never real ids) dropped or zero-filled."""
-    import torch
-
-    if full.shape[0] == padded:
-        return full
-    out = torch.zeros((padded, *full.shape[1:]), dtype=full.dtype)
-    n = min(padded, full.shape[0])
-    out[:n] = full[:n]
-    return out
-
-
 def build_model(cfg: Config, pretrained: str, padded: int, group):
     """BertMultipleChoice at this TP degree with the pretrained encoder loaded into this rank's shards."""
     from training.checkpoint import load_merged_state_dict
+    from training.init_from import local_weights
     from training.models.bert import BertMultipleChoice, load_pretrained_encoder
-    from training.parallel.layers import _shard_master
     from training.parallel.mappings import group_rank, group_size
 
     world, rank = group_size(group), group_rank(group)
     model = BertMultipleChoice(cfg.model, padded, group, seed=cfg.train.seed)
     state, _, _ = load_merged_state_dict(pretrained)
-    local = {}
-    for name, p in model.bert.named_parameters():
-        if name not in state:
-            continue
-        full = state[name]
-        if name == "embedding.word_embeddings.weight":
-            full = resize_vocab_rows(full, padded)
-        if getattr(p, "tensor_model_parallel", False) and world > 1:
-            full = _shard_master(full, p.partition_dim, rank, world, getattr(p, "partition_stride", 1))
-        local[name] = full.to(p.dtype)
+    local = local_weights(model.bert.named_parameters(), state, padded, rank, world)  # shared with train.init_from
     fresh = load_pretrained_encoder(model, local)
     return model, fresh
 

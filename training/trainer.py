@@ -19,6 +19,7 @@ import torch.distributed as dist
 from training.parallel.grad_norm import clip_grad_norm
 
 from training import checkpoint as ckpt
+from training import init_from
 from training.config import (Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype,
 )
 from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
@@ -80,6 +81,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
+        init_from.adopt_model_config(cfg)  # train.init_from: the source's model shape (no-op when unset)
         self.world, self.dp, self.dtype, self.ps, self.is_rank0 = start_process(cfg)
 
         self.task = make_task(cfg, self.ps, self.dp)
@@ -92,6 +94,7 @@ class Trainer:
         t = cfg.train
         self.task.build_data()
         self.model = self.task.build_model(self.padded_vocab)
+        init_from.load_weights(self)  # train.init_from's weights, before the engine copies them
         optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
         self.pipe = cfg.parallel.pipeline > 1

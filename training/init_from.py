@@ -1,0 +1,142 @@
+"""Start a run from another checkpoint's weights: ``train.init_from=RUN_DIR`` (GPT-2 and BERT).
+
+The source may have any TP/PP layout (its shards are merged by their partition tags and re-split for
+this run's TP degree, its vocabulary padding re-cut for this run's padding) and may be an import
+(``python -m training.import_hf``) or a finished run. Only weights move: the optimizer, LR schedule,
+iteration and data position start fresh. The model *shape* (:data:`SHAPE_KEYS`) is the source's;
+everything else (sequence length up to its positions, dropout, batch, optimizer, data, TP/PP) is this
+run's config. Once this run has saved a checkpoint of its own, resuming from it wins and
+``init_from`` is no longer read.
+
+RACE fine-tuning (:mod:`training.finetune_race`) loads its pretrained encoder through the same
+:func:`local_weights`.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from training.config import Config, ConfigError, validate_static
+
+logger = logging.getLogger("training")
+
+# model keys that determine parameter shapes or the computed function: taken from the source
+SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+              "max_position_embeddings", "vocab_size", "layernorm_epsilon", "activation", "layer_order",
+              "num_tokentypes")
+
+
+def _is_vocab_sized(name: str) -> bool:
+    """One row per (padded) vocabulary entry: the word embedding and BERT's LM-head bias."""
+    return name.endswith("word_embeddings.weight") or name.endswith("lm_head.bias")
+
+
+def resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Trim or zero-pad the vocabulary-padding rows (never real ids) to ``rows``."""
+    if t.size(0) == rows:
+        return t
+    out = t.new_zeros((rows, *t.shape[1:]))
+    n = min(rows, t.size(0))
+    out[:n] = t[:n]
+    return out
+
+
+def local_weights(named_params: Iterable[tuple[str, torch.nn.Parameter]], state: dict[str, torch.Tensor],
+                  padded: int, rank: int, world: int,
+                  canonical: Callable[[str], str | None] = lambda n: n) -> dict[str, torch.Tensor]:
+    """This TP rank's shard of every parameter that ``state`` (a merged TP=1 state dict) holds.
+
+    ``canonical`` maps a parameter name to its name in ``state`` (pipeline models); parameters the
+    state lacks are left out (the caller keeps their fresh initialisation). Raises ConfigError on a
+    shape mismatch.
+    """
+    from training.parallel.layers import _shard_master
+
+    local = {}
+    for name, p in named_params:
+        key = canonical(name)
+        if key is None or key not in state:
+            continue
+        full = state[key]
+        if _is_vocab_sized(key):
+            full = resize_vocab(full, padded)
+        if getattr(p, "tensor_model_parallel", False) and world > 1:
+            full = _shard_master(full, p.partition_dim, rank, world, getattr(p, "partition_stride", 1))
+        if tuple(full.shape) != tuple(p.shape):
+            raise ConfigError(f"checkpoint weight {key} has shape {tuple(full.shape)} but this model's is "
+                              f"{tuple(p.shape)}: the model configs differ")
+        local[name] = full.to(p.dtype)
+    return local
+
+
+def _source_meta(run_dir: str) -> dict:
+    from training.checkpoint import read_client_state
+
+    try:
+        return read_client_state(run_dir)
+    except (FileNotFoundError, OSError) as e:
+        raise ConfigError(f"train.init_from={run_dir}: {e}") from None
+
+
+def adopt_model_config(cfg: Config) -> None:
+    """Copy the source checkpoint's model shape into ``cfg.model`` (no-op without ``train.init_from``)."""
+    src = cfg.train.init_from
+    if not src:
+        return
+    if Path(src).resolve() == Path(cfg.run.dir).resolve():
+        raise ConfigError(f"train.init_from={src} is this run's own directory: to resume a run just rerun it; "
+                          "init_from starts a new run.dir from another run's weights")
+    theirs = _source_meta(src)["config"]["model"]
+    if theirs.get("head", "pretrain") == "multiple_choice":
+        raise ConfigError(f"train.init_from={src} is a RACE multiple-choice fine-tune; start from a pretrained model")
+    changed = []
+    for key in SHAPE_KEYS:
+        value = theirs.get(key)
+        if key == "max_position_embeddings":
+            value = value or theirs["seq_length"]
+        if getattr(cfg.model, key) != value:
+            changed.append(f"{key}={value}")
+            setattr(cfg.model, key, value)
+    if cfg.model.seq_length > cfg.model.positions:
+        raise ConfigError(f"model.seq_length={cfg.model.seq_length} exceeds the {cfg.model.positions} positions of "
+                          f"train.init_from={src}: lower model.seq_length")
+    validate_static(cfg)  # e.g. TP must divide the source's head count
+    if changed:
+        logger.info("train.init_from=%s: model shape from the checkpoint (%s)", src, ", ".join(changed))
+
+
+def load_weights(trainer) -> bool:
+    """Load ``train.init_from``'s weights into ``trainer.model`` (this rank's TP shards, before the
+    DeepSpeed engine exists). Skipped when the run resumes from its own checkpoint. Returns True if
+    weights were loaded."""
+    from training import checkpoint as ckpt
+
+    cfg = trainer.cfg
+    src = cfg.train.init_from
+    if not src or ckpt.latest_tag(trainer.run_dir) is not None:
+        return False
+    state, src_cfg, meta = ckpt.load_merged_state_dict(src)
+    tok = trainer.task.tokenizer
+    if src_cfg.model.vocab_size is not None and src_cfg.model.vocab_size != tok.vocab_size:
+        raise ConfigError(f"train.init_from={src} was trained with a {src_cfg.model.vocab_size}-id tokenizer but this "
+                          f"run's data uses {tok.vocab_size} ids ({tok.kind}): train on data tokenized with the "
+                          f"checkpoint's tokenizer ({meta['tokenizer'].get('kind')})")
+    ps = trainer.ps
+    if cfg.parallel.pipeline > 1:
+        canonical = lambda n: ckpt.canonical_name(n, cfg.model.num_layers)  # noqa: E731
+    else:
+        canonical = lambda n: n  # noqa: E731
+    params = list(trainer.model.named_parameters())
+    local = local_weights(params, state, trainer.padded_vocab, ps.tp_rank, ps.dims.tp, canonical)
+    with torch.no_grad():
+        for name, p in params:
+            if name in local:
+                p.copy_(local[name])
+    fresh = [n for n, _ in params if n not in local]
+    if trainer.is_rank0:
+        logger.info("initialised %d of %d parameter tensors from %s%s", len(local), len(params), src,
+                    f"; fresh: {', '.join(fresh)}" if fresh else "")
+    return True
