@@ -1,4 +1,4 @@
-"""``python -m evaluation {wikitext103,lambada,race} --checkpoint RUN_DIR ...``
+"""``python -m evaluation {wikitext103,lambada,race,generate} --checkpoint RUN_DIR ...``
 
 Each command prints a short table and writes its numbers as JSON (``--json OUT``; default
 ``RUN_DIR/eval/<task>.json``). Bad input fails before any model is loaded with one line on stderr
@@ -74,6 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seq-length", type=int, default=None,
                    help="sequence length of the 4 encoded options (default: the checkpoint's seq_length)")
     _limit(r, "questions of the split (middle then high, files in sorted name order, questions in file order)")
+
+    g = sub.add_parser("generate", help="continue prompts with a GPT checkpoint (greedy or sampled, KV cache)")
+    _common(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    src.add_argument("--prompts", help="file: one prompt per line, or .jsonl with {\"prompt\": ...} per line")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--greedy", action="store_true", help="argmax decoding (ignores temperature/top-k/top-p/seed)")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most probable tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--no-stop-at-eod", action="store_true", help="keep generating after the end-of-document id")
     return ap
 
 
@@ -161,17 +174,44 @@ def run_race(args) -> None:
     _finish(args, rt, f"RACE {args.split}" + _limited(args, "questions"), rows, res)
 
 
+def run_generate(args) -> None:
+    from evaluation.generate import GenerationOptions, generate, load_generator, read_prompts
+    from evaluation.model import setup_runtime
+
+    prompts = args.prompt if args.prompt else read_prompts(args.prompts)
+    opts = GenerationOptions(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_at_eod=not args.no_stop_at_eod,
+                             batch_size=args.batch_size)
+    opts.check()  # before the model is loaded
+    rt = setup_runtime(args.tp, args.device)
+    if rt.pstate is not None and rt.pstate.dims.dp > 1:
+        raise EvalError(f"generate runs one tensor-parallel replica: launch exactly --tp {args.tp} processes")
+    model, tok = load_generator(args.checkpoint, rt.pstate.tp_group if rt.pstate is not None else None, str(rt.device))
+    out = generate(model, tok, prompts, opts, progress=not args.no_progress and rt.is_main)
+    if not rt.is_main:
+        return
+    for p, c in zip(prompts, out):
+        print(f"=== prompt: {p!r}\n{p}{c.text}" + ("" if c.stopped_at_eod else "  [max new tokens]"))
+    result = {"task": "generate", "checkpoint": str(args.checkpoint), "options": opts.__dict__,
+              "completions": [{"prompt": p, "text": c.text, "tokens": c.tokens, "stopped_at_eod": c.stopped_at_eod}
+                              for p, c in zip(prompts, out)]}
+    dest = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / "generate.json"
+    write_json_atomic(dest, result)
+    print(f"wrote {dest}")
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     if args.batch_size < 1:
         print("error: --batch-size must be >= 1", file=sys.stderr)
         return 2
-    if args.limit is not None and args.limit < 1:
+    if getattr(args, "limit", None) is not None and args.limit < 1:
         print(f"error: --limit must be >= 1 (the number of leading items to score), got {args.limit}", file=sys.stderr)
         return 2
     try:
-        {"wikitext103": run_wikitext, "lambada": run_lambada, "race": run_race}[args.task](args)
+        {"wikitext103": run_wikitext, "lambada": run_lambada, "race": run_race,
+         "generate": run_generate}[args.task](args)
     except Exception as e:  # noqa: BLE001
         # bad input from any stage (EvalError, training's ConfigError, the TokenizerError ...): one line
         if isinstance(e, EvalError) or type(e).__name__ in ONE_LINE_ERRORS:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.distributed import SHARED_DATA, run_distributed
-from tests.hf_models import GPT2_TOKENIZER, save_random_gpt2
+from tests.hf_models import GPT2_TOKENIZER
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,18 +21,18 @@ V = 50257
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    if not GPT2_TOKENIZER.is_dir():
-        pytest.skip("../shared/data/tokenizers/gpt2 absent")
-    return save_random_gpt2(tmp_path_factory.mktemp("hf") / "gpt2-random")
+def source(random_gpt2):
+    return random_gpt2[0]
 
 
 @pytest.fixture(scope="module")
-def imported(source, tmp_path_factory):
+def imported(random_gpt2, tmp_path_factory):
     from training.import_hf import import_hf
 
+    src, tp1 = random_gpt2
     root = tmp_path_factory.mktemp("imported")
-    return {(tp, pp): import_hf(str(source), root / f"tp{tp}pp{pp}", tp=tp, pp=pp) for tp, pp in [(1, 1), (2, 1), (1, 2)]}
+    return {(1, 1): tp1, **{(tp, pp): import_hf(str(src), root / f"tp{tp}pp{pp}", tp=tp, pp=pp)
+                            for tp, pp in [(2, 1), (1, 2)]}}
 
 
 def _tokens(n=2, s=40, seed=0):
