@@ -3,9 +3,11 @@
     python -m training.export_hf --checkpoint RUN_DIR --out DIR [--overwrite]
 
 Writes ``config.json`` (``GPT2Config``), ``model.safetensors`` (TP shards merged by
-``training.checkpoint.load_merged_state_dict``, vocabulary padding rows removed) and, for a GPT-2 BPE
-tokenizer, the tokenizer files (``vocab.json``, ``merges.txt``, ``tokenizer.json``, configs), so that
-``GPT2LMHeadModel.from_pretrained(DIR)`` gives logits equal to ours on the real vocabulary.
+``training.checkpoint.load_merged_state_dict``, vocabulary padding rows removed) and the tokenizer
+(``tokenizer.json`` + configs, see :mod:`training.hf_tokenizer`; GPT-2 BPE also ``vocab.json`` /
+``merges.txt``; SentencePiece BPE, the main job's tokenizer, converted with identical ids), so that
+``GPT2LMHeadModel.from_pretrained(DIR)`` gives logits equal to ours on the real vocabulary and
+``AutoTokenizer.from_pretrained(DIR)`` our ids. Needs the ``hf`` extra (transformers).
 
 Name/layout mapping (HF ``Conv1D`` stores ``[in, out]``, our linears ``[out, in]`` -> transposed):
 
@@ -103,28 +105,18 @@ def build_hf_model(sd: dict[str, torch.Tensor], model_cfg, vocab_size: int, eod:
     return model.eval()
 
 
-def _save_tokenizer(tokenizer, out: Path, max_len: int) -> bool:
-    if getattr(tokenizer, "kind", None) != "gpt2_bpe":
-        logger.warning("tokenizer %r is not GPT-2 BPE: no tokenizer files written", tokenizer)
-        return False
-    import inspect
+def _save_tokenizer(tokenizer, out: Path, max_len: int) -> None:
+    """tokenizer.json + configs for AutoTokenizer (GPT-2 BPE or SentencePiece BPE, ids checked equal to ours)."""
+    from training.hf_tokenizer import TokenizerExportError, save_hf_tokenizer
 
-    from transformers import GPT2TokenizerFast
-
-    params = inspect.signature(GPT2TokenizerFast.__init__).parameters
-    if "vocab_file" in params:  # transformers 4.x
-        hf_tok = GPT2TokenizerFast(vocab_file=str(tokenizer.vocab_file), merges_file=str(tokenizer.merges_file),
-                                   model_max_length=max_len)
-    else:  # transformers 5.x: vocab / merges accept file paths
-        hf_tok = GPT2TokenizerFast(vocab=str(tokenizer.vocab_file), merges=str(tokenizer.merges_file),
-                                   model_max_length=max_len)
-    if len(hf_tok) != tokenizer.vocab_size or hf_tok("Hello world")["input_ids"] != tokenizer.encode("Hello world"):
-        raise ExportError("transformers' GPT2TokenizerFast does not reproduce our GPT-2 BPE ids; tokenizer not exported")
-    hf_tok.save_pretrained(str(out))
-    for name in ("vocab.json", "merges.txt"):  # the plain files, for tools that read them directly
-        if not (out / name).exists():
-            shutil.copy(tokenizer.vocab_file if name == "vocab.json" else tokenizer.merges_file, out / name)
-    return True
+    try:
+        save_hf_tokenizer(tokenizer, out, max_len)
+    except TokenizerExportError as e:
+        raise ExportError(str(e)) from None
+    if getattr(tokenizer, "kind", None) == "gpt2_bpe":
+        for name in ("vocab.json", "merges.txt"):  # the plain files, for tools that read them directly
+            if not (out / name).exists():
+                shutil.copy(tokenizer.vocab_file if name == "vocab.json" else tokenizer.merges_file, out / name)
 
 
 def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:
@@ -134,6 +126,9 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Pat
         raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
     if not Path(run_dir).is_dir():
         raise ExportError(f"checkpoint directory {run_dir} does not exist")
+    from training.import_hf import require_transformers
+
+    require_transformers()  # one line naming the `hf` extra when transformers is missing
     from data_pipeline.tokenizer import load_tokenizer
     from training.checkpoint import load_merged_state_dict
 
