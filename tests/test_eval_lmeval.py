@@ -82,7 +82,8 @@ def _lmeval_task_dir(tmp_path: Path, data: Path) -> Path:
     return d
 
 
-def test_lambada_strict_equals_lm_eval_lambada_openai(exported, tmp_path, monkeypatch):
+def _compare_with_lm_eval(run: Path, hf_dir: Path, tmp_path: Path, k: int, seq: int) -> dict:
+    """lm-eval lambada_openai on the export vs our strict LAMBADA on the run, first ``k`` lines, per example."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -91,12 +92,9 @@ def test_lambada_strict_equals_lm_eval_lambada_openai(exported, tmp_path, monkey
     from evaluation.lambada import build_examples, read_lambada_jsonl, score_lambada
     from evaluation.model import load_scorer, setup_runtime
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    run, hf_dir = exported
     lines = LAMBADA.read_text(encoding="utf-8").splitlines(keepends=True)
-    keep = [i for i in range(K) if i not in NEWLINE_LAST_WORD]
-    n = len(keep)  # == K for K=200: none of the 7 newline examples is among the first 200
+    keep = [i for i in range(k) if i not in NEWLINE_LAST_WORD]
+    n = len(keep)  # == k for k <= 426: none of the 7 newline examples is among the first 426
     data = tmp_path / "lambada_first_k.jsonl"
     data.write_text("".join(lines[i] for i in keep), encoding="utf-8")
 
@@ -111,7 +109,7 @@ def test_lambada_strict_equals_lm_eval_lambada_openai(exported, tmp_path, monkey
 
     # lm-eval: its lambada_openai task on the same lines, exported model through HFLM
     lm = HFLM(pretrained=str(hf_dir), batch_size=8, device="cpu")
-    assert lm.max_length == 64  # same left truncation (last 65 tokens) as our scorer
+    assert lm.max_length == seq  # same left truncation (last seq + 1 tokens) as our scorer
     res = simple_evaluate(model=lm, tasks=["lambada_openai_local"], num_fewshot=0, limit=n,
                           task_manager=TaskManager(include_path=str(_lmeval_task_dir(tmp_path, data))),
                           log_samples=True, bootstrap_iters=0, verbosity="ERROR")
@@ -133,4 +131,49 @@ def test_lambada_strict_equals_lm_eval_lambada_openai(exported, tmp_path, monkey
     assert theirs["acc,none"] == pytest.approx(ours["accuracy"], abs=1e-12)
     # lm-eval's perplexity = exp(-mean target-word log-likelihood) = ours
     assert math.log(theirs["perplexity,none"]) == pytest.approx(math.log(ours["perplexity"]), rel=1e-5)
+    return ours
+
+
+def test_lambada_strict_equals_lm_eval_lambada_openai(exported, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    ours = _compare_with_lm_eval(*exported, tmp_path, K, 64)
     assert ours["perplexity"] > 1000  # a 2-step model is bad; the comparison is of implementations
+
+
+@pytest.fixture(scope="module")
+def exported_sentencepiece(tmp_path_factory):
+    """The main job's kind of run: a GPT-2 with a SentencePiece BPE (gpt flavour) tokenizer trained on the
+    corpus. Random weights (std 0.2, written with training.import_hf's checkpoint writer) instead of
+    training keep it cheap: the comparison is of the two scorers and the exported tokenizer."""
+    if not (LAMBADA.is_file() and BOTCHAN.is_file()):
+        pytest.skip("../shared/data (lambada_test.jsonl, botchan.txt) absent")
+    import shutil
+
+    from data_pipeline.tokenizer import train_sentencepiece
+    from training.config import Config, ModelConfig, padded_vocab_size
+    from training.export_hf import export
+    from training.import_hf import write_checkpoint
+    from training.models.gpt2 import GPT2Model
+
+    root = tmp_path_factory.mktemp("lmeval_spm")
+    tok = train_sentencepiece([BOTCHAN.read_text(encoding="utf-8")], root / "spm" / "gpt", 2000, "gpt")
+    cfg = Config(model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=96,
+                                   vocab_size=tok.vocab_size, init_method_std=0.2))
+    model = GPT2Model(cfg.model, padded_vocab_size(tok.vocab_size, 128, 1), seed=3)
+    weights = {k: v[:tok.vocab_size] if k.endswith("word_embeddings.weight") else v for k, v in model.state_dict().items()}
+    run = root / "run"
+    (run / "tokenizer").mkdir(parents=True)
+    shutil.copyfile(tok.model_file, run / "tokenizer" / "gpt.model")
+    write_checkpoint(run, cfg, weights, {"kind": "sentencepiece", "model_file": "tokenizer/gpt.model"}, "random")
+    export(run, root / "hf")
+    return run, root / "hf"
+
+
+def test_lm_eval_on_a_sentencepiece_export_equals_our_lambada(exported_sentencepiece, tmp_path, monkeypatch):
+    """lm_eval runs on the export of a SentencePiece-tokenized run (the exported tokenizer.json is what
+    lm-eval tokenizes with) and agrees with ``python -m evaluation lambada`` example by example."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    ours = _compare_with_lm_eval(*exported_sentencepiece, tmp_path, 60, 96)
+    assert ours["count"] == 60
