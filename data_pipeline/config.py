@@ -48,7 +48,8 @@ class CleanConfig:
 @dataclass
 class TokenizerConfig:
     """``type``: sentencepiece (train on the cleaned corpus) | sentencepiece_model (load ``model_file``)
-    | gpt2 (load ``vocab_file`` + ``merges_file``)."""
+    | gpt2 (load ``vocab_file`` + ``merges_file``) | wordpiece (a BERT ``vocab.txt`` as ``vocab_file``,
+    ``lowercase``) | hf (a ``tokenizer.json`` as ``model_file``)."""
 
     type: str = "sentencepiece"
     vocab_size: int = 8000
@@ -57,6 +58,7 @@ class TokenizerConfig:
     vocab_file: str | None = None
     merges_file: str | None = None
     train_max_docs: int = 200_000  # sentencepiece training sample: the first N cleaned documents
+    lowercase: bool = True  # wordpiece: lower-case and strip accents (uncased BERT vocabularies)
 
 
 @dataclass
@@ -129,7 +131,7 @@ class BuildConfig:
 _ENUMS = {
     "sources.type": ("jsonl", "text", "parquet", "hf", "default"),
     "sources.text_mode": ("file", "blocks"),
-    "tokenizer.type": ("sentencepiece", "sentencepiece_model", "gpt2"),
+    "tokenizer.type": ("sentencepiece", "sentencepiece_model", "gpt2", "wordpiece", "hf"),
     "tokenizer.flavor": ("gpt", "bert"),
     "dedup.shingle_unit": ("word", "char"),
     "dedup.storage": ("dict", "redis"),
@@ -242,7 +244,8 @@ def _validate(cfg: BuildConfig) -> None:
     enum("dedup.shingle_unit", cfg.dedup.shingle_unit)
     enum("dedup.storage", cfg.dedup.storage)
     t = cfg.tokenizer
-    need = {"sentencepiece_model": ["model_file"], "gpt2": ["vocab_file", "merges_file"]}.get(t.type, [])
+    need = {"sentencepiece_model": ["model_file"], "gpt2": ["vocab_file", "merges_file"], "wordpiece": ["vocab_file"],
+            "hf": ["model_file"]}.get(t.type, [])
     for k in need:
         v = getattr(t, k)
         if not v:

@@ -71,7 +71,8 @@ def fingerprint(cfg: BuildConfig, stage: str) -> str:
     if stage == "tokenizer":
         t = dataclasses.asdict(cfg.tokenizer)
         if cfg.tokenizer.type != "sentencepiece":
-            t = {k: t[k] for k in ("type", "model_file", "vocab_file", "merges_file")}
+            t = {k: t[k] for k in ("type", "model_file", "vocab_file", "merges_file")
+                 + (("lowercase",) if cfg.tokenizer.type == "wordpiece" else ())}
             return _digest(["tokenizer", t, _file_stats(cfg)])
         return _digest(["tokenizer", fingerprint(cfg, "ingest"), t, cfg.seed])
     if stage == "filter":
@@ -250,6 +251,12 @@ def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
         spec = tok.spec()
     elif t.type == "sentencepiece_model":
         spec = copy_tokenizer_files(SentencePieceTokenizer(cfg.resolve(t.model_file or "")).spec(), cfg.out)
+    elif t.type in ("wordpiece", "hf"):  # a BERT vocab.txt / a tokenizer.json users already have
+        from .hf_tokenizers import HFTokenizer, WordPieceTokenizer
+
+        tok = (WordPieceTokenizer(cfg.resolve(t.vocab_file or ""), t.lowercase) if t.type == "wordpiece"
+               else HFTokenizer(cfg.resolve(t.model_file or "")))
+        spec = copy_tokenizer_files(tok.spec(), cfg.out)
     else:
         spec = copy_tokenizer_files(GPT2BPETokenizer(cfg.resolve(t.vocab_file or ""),
                                                      cfg.resolve(t.merges_file or "")).spec(), cfg.out)

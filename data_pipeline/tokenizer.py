@@ -312,9 +312,15 @@ def load_tokenizer(spec: dict[str, Any], base_dir: str | Path | None = None) -> 
         tok = GPT2BPETokenizer(path("vocab_file"), path("merges_file"))
     elif kind == SentencePieceTokenizer.kind:
         tok = SentencePieceTokenizer(path("model_file"))
+    elif kind in ("wordpiece", "hf"):  # tokenizers users bring (data_pipeline.hf_tokenizers)
+        from .hf_tokenizers import HFTokenizer, WordPieceTokenizer
+
+        tok = (WordPieceTokenizer(path("vocab_file"), bool(spec.get("lowercase", True))) if kind == "wordpiece"
+               else HFTokenizer(path("tokenizer_file"), spec.get("eod_token")))
     else:
         raise TokenizerError(
-            f"unknown tokenizer kind {kind!r}; expected {GPT2BPETokenizer.kind!r} or {SentencePieceTokenizer.kind!r}"
+            f"unknown tokenizer kind {kind!r}; expected {GPT2BPETokenizer.kind!r}, {SentencePieceTokenizer.kind!r}, "
+            "'wordpiece' or 'hf'"
         )
     for key in ("vocab_size", "eod"):
         if key in spec and int(spec[key]) != getattr(tok, key):
