@@ -59,7 +59,7 @@ def test_wordpiece_ids_equal_transformers_bert_tokenizers(vocab_txt, lowercase):
         if special not in t:
             assert a == b, t[:80]
         assert a == ours.encode(t)
-    assert sum(map(len, got)) > 30_000 and sum(i == ours.unk for ids in got for i in ids) < 100  # real pieces
+    assert sum(map(len, got)) > 30_000 and sum(i == ours.unk for ids in got for i in ids) < 0.05 * sum(map(len, got))
     assert ours.spec()["lowercase"] is lowercase and load_tokenizer(ours.spec()).encode(texts[0]) == got[0]
     # whole-word masking needs word starts: '##' pieces continue a word
     mask = ours.word_start_mask()
