@@ -182,6 +182,8 @@ def test_gpt2_spec_round_trip(tmp_path: Path) -> None:
     with pytest.raises(TokenizerError, match="does not match|do not match"):
         load_tokenizer({**spec, "vocab_size": 1000})
     with pytest.raises(TokenizerError, match="unknown tokenizer kind"):
+        load_tokenizer({"kind": "unigram_magic"})
+    with pytest.raises(TokenizerError, match="lacks 'vocab_file'"):  # a known kind (issue 13) without its file
         load_tokenizer({"kind": "wordpiece"})
     (tmp_path / "bad.json").write_text("[1, 2]")
     with pytest.raises(TokenizerError, match="token->id map"):
