@@ -1,6 +1,9 @@
-"""Export a GPT-2 checkpoint to a Hugging Face ``transformers`` folder.
+"""Export a GPT-2 or BERT checkpoint to a Hugging Face ``transformers`` folder.
 
-    python -m training.export_hf --checkpoint RUN_DIR --out DIR [--overwrite]
+    python -m training.export_hf --checkpoint RUN_DIR --out DIR [--overwrite] [--no-tokenizer]
+
+BERT goes to ``MegatronBertForPreTraining`` (``layer_order: pre_ln``) or ``BertForPreTraining``
+(``post_ln``), see :mod:`training.hf_bert`; the rest of this docstring is about GPT-2.
 
 Writes ``config.json`` (``GPT2Config``), ``model.safetensors`` (TP shards merged by
 ``training.checkpoint.load_merged_state_dict``, vocabulary padding rows removed) and the tokenizer
@@ -119,7 +122,7 @@ def _save_tokenizer(tokenizer, out: Path, max_len: int) -> None:
                 shutil.copy(tokenizer.vocab_file if name == "vocab.json" else tokenizer.merges_file, out / name)
 
 
-def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:
+def export(run_dir: str | Path, out: str | Path, overwrite: bool = False, with_tokenizer: bool = True) -> Path:
     """Write the HF folder to a temporary sibling, then rename it into place."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -137,12 +140,21 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Pat
     vocab = tokenizer.vocab_size
     if cfg.model.vocab_size is not None and cfg.model.vocab_size != vocab:
         raise ExportError(f"checkpoint vocabulary ({cfg.model.vocab_size}) does not match its tokenizer ({vocab})")
-    model = build_hf_model(sd, cfg.model, vocab, getattr(tokenizer, "eod", None))
+    if cfg.model.arch == "bert":  # Megatron-BERT (pre_ln) / BERT (post_ln), training.hf_bert
+        from training.hf_bert import BertMappingError, build_hf_bert
+
+        try:
+            model = build_hf_bert(sd, cfg.model, vocab)
+        except BertMappingError as e:
+            raise ExportError(str(e)) from None
+    else:
+        model = build_hf_model(sd, cfg.model, vocab, getattr(tokenizer, "eod", None))
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(str(tmp), safe_serialization=True)
-        _save_tokenizer(tokenizer, tmp, cfg.model.positions)
+        if with_tokenizer:
+            _save_tokenizer(tokenizer, tmp, cfg.model.positions)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -155,13 +167,15 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Pat
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(prog="python -m training.export_hf", description="Export a GPT-2 checkpoint to transformers")
+    ap = argparse.ArgumentParser(prog="python -m training.export_hf", description="Export a GPT-2 or BERT checkpoint to transformers")
     ap.add_argument("--checkpoint", required=True, help="run directory")
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--no-tokenizer", action="store_true",
+                    help="write the model only (for a tokenizer that has no identical HF form, e.g. SentencePiece BERT)")
     args = ap.parse_args(argv)
     try:
-        export(args.checkpoint, args.out, args.overwrite)
+        export(args.checkpoint, args.out, args.overwrite, with_tokenizer=not args.no_tokenizer)
     except ValueError as e:  # ExportError, ConfigError, TokenizerError: one line
         print(f"error: {e}", file=sys.stderr)
         return 2

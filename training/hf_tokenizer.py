@@ -1,6 +1,8 @@
 """Our tokenizers as Hugging Face fast tokenizers (``tokenizer.json``) that ``AutoTokenizer`` loads.
 
 * GPT-2 BPE: ``GPT2TokenizerFast`` from the same ``vocab.json`` / ``merges.txt``.
+* WordPiece: ``BertTokenizerFast`` from the same ``vocab.txt`` and lower-casing; ``hf``: the same
+  ``tokenizer.json``.
 * SentencePiece BPE (the ``gpt`` flavour :func:`data_pipeline.tokenizer.train_sentencepiece` writes, the
   main job's tokenizer): a ``tokenizers`` BPE model built from the ``.model`` file alone --
 
@@ -84,7 +86,7 @@ def first_difference(ours, encode, texts) -> str | None:
 
 
 def save_hf_tokenizer(tokenizer, out: Path, max_len: int) -> None:
-    """Write ``tokenizer`` (GPT-2 BPE or SentencePiece BPE) into ``out`` for ``AutoTokenizer``; raises
+    """Write ``tokenizer`` (GPT-2 BPE, SentencePiece BPE, WordPiece, hf) into ``out`` for ``AutoTokenizer``; raises
     TokenizerExportError when the HF tokenizer would give other ids."""
     from transformers import PreTrainedTokenizerFast
 
@@ -104,6 +106,18 @@ def save_hf_tokenizer(tokenizer, out: Path, max_len: int) -> None:
         # unk stays the BPE model's own (not an added token: its literal spelling is text, as in SentencePiece)
         hf_tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eod, bos_token=eod,
                                          model_max_length=max_len, clean_up_tokenization_spaces=False)
+    elif kind == "wordpiece":
+        import shutil
+        import tempfile
+
+        from transformers import BertTokenizerFast
+
+        with tempfile.TemporaryDirectory() as d:  # from_pretrained builds the fast tokenizer from vocab.txt
+            shutil.copyfile(tokenizer.vocab_file, Path(d) / "vocab.txt")
+            hf_tok = BertTokenizerFast.from_pretrained(d, do_lower_case=tokenizer.lowercase, model_max_length=max_len)
+    elif kind == "hf":
+        hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer.tokenizer_file), model_max_length=max_len,
+                                         eos_token=tokenizer.eod_token)
     else:
         raise TokenizerExportError(f"tokenizer kind {kind!r} cannot be exported")
     if len(hf_tok) != tokenizer.vocab_size:

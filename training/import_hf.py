@@ -1,11 +1,14 @@
-"""Import a Hugging Face ``transformers`` GPT-2 into a run directory of this project, at any TP/PP.
+"""Import a Hugging Face ``transformers`` GPT-2 or BERT into a run directory of this project, at any TP/PP.
 
     python -m training.import_hf --model DIR_OR_NAME --out RUN_DIR [--tp K] [--pp P] [--seq-length S]
 
 ``--model`` is a folder written by ``save_pretrained`` (``config.json``, ``model.safetensors`` or
 ``pytorch_model.bin``, and the tokenizer: ``vocab.json`` + ``merges.txt`` or ``tokenizer.json``), or a
 hub name (``gpt2``), which needs the network or a filled Hugging Face cache; offline it fails with one
-line saying how to get the folder.
+line saying how to get the folder. Model classes: ``GPT2LMHeadModel``; ``MegatronBertForPreTraining``
+(-> ``model.layer_order: pre_ln``) and ``BertForPreTraining`` (-> ``post_ln``) with a WordPiece
+``vocab.txt`` (-> tokenizer kind ``wordpiece``) or ``tokenizer.json`` (-> ``hf``); BERT's name map is
+:mod:`training.hf_bert`. BERT is tensor-parallel only (no ``--pp``).
 
 The output is a checkpoint in the layout training writes (``checkpoints/iter_0000000/mp_rank_XX_...``,
 the pipeline's ``layer_XX-model_YY-...`` files when ``--pp`` > 1, ``checkpoints/latest``) holding the
@@ -41,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from training.config import Config, ConfigError, ModelConfig, padded_vocab_size, validate_static
+from training.config import Config, ModelConfig, padded_vocab_size, validate_static
 
 logger = logging.getLogger(__name__)
 
@@ -151,51 +154,62 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], num_layers: int) -> dict[str
     return out
 
 
-def load_source(folder: Path):
-    """(GPT2Config, GPT2LMHeadModel state dict) of a transformers folder, fp32 on CPU."""
+def load_source(folder: Path, model_type: str) -> dict[str, torch.Tensor]:
+    """The source's state dict (fp32, CPU) through its transformers class."""
     require_transformers()
-    from transformers import AutoConfig, GPT2LMHeadModel
+    import transformers
 
-    if not (folder / "config.json").is_file():
-        raise ImportHFError(f"{folder} has no config.json: not a transformers model folder")
-    hf_cfg = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    if hf_cfg.model_type != "gpt2":
-        raise ImportHFError(f"{folder} holds a {hf_cfg.model_type!r} model; only GPT-2 (GPT2LMHeadModel) imports")
+    cls = {"gpt2": "GPT2LMHeadModel", "megatron-bert": "MegatronBertForPreTraining",
+           "bert": "BertForPreTraining"}[model_type]
     try:
-        model = GPT2LMHeadModel.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
+        model = getattr(transformers, cls).from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
     except OSError as e:
         raise ImportHFError(f"{folder}: cannot load the weights ({str(e).splitlines()[0][:200]})") from None
-    return hf_cfg, model.state_dict()
+    return model.state_dict()
 
 
-def import_tokenizer(folder: Path, dest: Path):
-    """Copy (or write) ``vocab.json`` + ``merges.txt`` into ``dest``; returns our GPT2BPETokenizer after
-    checking that its ids equal the source tokenizer's."""
-    from data_pipeline.tokenizer import GPT2BPETokenizer
+def import_tokenizer(folder: Path, dest: Path, model_type: str):
+    """Copy the source's tokenizer files into ``dest`` and return (our tokenizer, spec relative to the run
+    directory), after checking that its ids equal ``AutoTokenizer``'s on a probe text.
 
-    dest.mkdir(parents=True, exist_ok=True)
-    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-        shutil.copyfile(folder / "vocab.json", dest / "vocab.json")
-        shutil.copyfile(folder / "merges.txt", dest / "merges.txt")
-    elif (folder / "tokenizer.json").is_file():
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(str(folder), local_files_only=True).save_vocabulary(str(dest))
-    else:
-        raise ImportHFError(f"{folder} has no tokenizer (vocab.json + merges.txt or tokenizer.json): copy the "
-                            f"model's tokenizer files into it")
-    tok = GPT2BPETokenizer(dest / "vocab.json", dest / "merges.txt")
+    GPT-2: ``vocab.json`` + ``merges.txt`` (written from ``tokenizer.json`` when only that exists) ->
+    ``gpt2_bpe``. BERT: ``vocab.txt`` -> ``wordpiece`` (lower-casing from ``tokenizer_config.json``'s
+    ``do_lower_case``), else ``tokenizer.json`` -> ``hf``.
+    """
     from transformers import AutoTokenizer
 
+    from data_pipeline.tokenizer import load_tokenizer
+
+    dest.mkdir(parents=True, exist_ok=True)
+    has = {n: (folder / n).is_file() for n in ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json")}
+    if model_type == "gpt2" and has["vocab.json"] and has["merges.txt"]:
+        shutil.copyfile(folder / "vocab.json", dest / "vocab.json")
+        shutil.copyfile(folder / "merges.txt", dest / "merges.txt")
+        spec = {"kind": "gpt2_bpe", "vocab_file": "tokenizer/vocab.json", "merges_file": "tokenizer/merges.txt"}
+    elif model_type == "gpt2" and has["tokenizer.json"]:
+        AutoTokenizer.from_pretrained(str(folder), local_files_only=True).save_vocabulary(str(dest))
+        spec = {"kind": "gpt2_bpe", "vocab_file": "tokenizer/vocab.json", "merges_file": "tokenizer/merges.txt"}
+    elif model_type != "gpt2" and has["vocab.txt"]:
+        tc = folder / "tokenizer_config.json"
+        lower = json.loads(tc.read_text(encoding="utf-8")).get("do_lower_case", True) if tc.is_file() else True
+        shutil.copyfile(folder / "vocab.txt", dest / "vocab.txt")
+        spec = {"kind": "wordpiece", "vocab_file": "tokenizer/vocab.txt", "lowercase": bool(lower)}
+    elif model_type != "gpt2" and has["tokenizer.json"]:
+        shutil.copyfile(folder / "tokenizer.json", dest / "tokenizer.json")
+        spec = {"kind": "hf", "tokenizer_file": "tokenizer/tokenizer.json"}
+    else:
+        want = "vocab.json + merges.txt or tokenizer.json" if model_type == "gpt2" else "vocab.txt or tokenizer.json"
+        raise ImportHFError(f"{folder} has no tokenizer ({want}): copy the model's tokenizer files into it")
+    tok = load_tokenizer(spec, base_dir=dest.parent)
     try:
         theirs = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError):
         theirs = None
     probe = "Hello world, it's 2024!\n  Ünïcödé\ttabs and spaces."
-    if theirs is not None and theirs(probe)["input_ids"] != tok.encode(probe):
-        raise ImportHFError(f"the tokenizer of {folder} is not GPT-2 byte-level BPE as this project runs it "
-                            f"(ids differ on a probe text)")
-    return tok
+    if theirs is not None and theirs(probe, add_special_tokens=False)["input_ids"] != tok.encode(probe):
+        raise ImportHFError(f"the tokenizer of {folder} does not give the same ids as this project's {spec['kind']} "
+                            f"tokenizer on a probe text")
+    return tok, spec
 
 
 # --------------------------------------------------------------------------------------------------
@@ -205,11 +219,12 @@ def partition_tags(model_cfg: ModelConfig) -> dict[str, tuple[int, int] | None]:
     """{parameter name: (partition_dim, stride) or None}, read from a small model of the same
     structure (the tags depend on the module types, not on the sizes)."""
     from training.checkpoint import partition_tags as tags_of
+    from training.models.bert import BertModel
     from training.models.gpt2 import GPT2Model
 
     probe = replace(model_cfg, hidden_size=model_cfg.num_attention_heads, ffn_hidden_size=8, seq_length=2,
                     max_position_embeddings=2, vocab_size=8)
-    return tags_of(GPT2Model(probe, 8, None, seed=0))
+    return tags_of((BertModel if model_cfg.arch == "bert" else GPT2Model)(probe, 8, None, seed=0))
 
 
 def shard(full: torch.Tensor, tag: tuple[int, int] | None, rank: int, world: int) -> torch.Tensor:
@@ -235,9 +250,9 @@ def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], t
     tags = partition_tags(m)
     if set(tags) != set(weights):
         raise ImportHFError(f"weight names do not match the model: {sorted(set(tags) ^ set(weights))[:3]}")
-    weights = dict(weights)
-    wte = weights["embedding.word_embeddings.weight"]
-    weights["embedding.word_embeddings.weight"] = torch.cat([wte, wte.new_zeros(padded - wte.size(0), wte.size(1))])
+    from training.init_from import _is_vocab_sized, resize_vocab
+
+    weights = {k: (resize_vocab(v, padded) if _is_vocab_sized(k) else v) for k, v in weights.items()}
     folder = out / "checkpoints" / TAG
     folder.mkdir(parents=True)
     meta = {"config": cfg.to_dict(), "iteration": 0, "consumed_samples": 0, "padded_vocab_size": padded,
@@ -277,21 +292,35 @@ def import_hf(model: str, out: str | Path, tp: int = 1, pp: int = 1, seq_length:
         hf_cfg = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as e:
         raise ImportHFError(f"{folder}: no readable config.json ({str(e).splitlines()[0][:160]})") from None
-    cfg = Config(model=model_config_from_hf(hf_cfg, seq_length))
+    model_type = getattr(hf_cfg, "model_type", None)
+    if model_type == "gpt2":
+        model_cfg = model_config_from_hf(hf_cfg, seq_length)
+    elif model_type in ("megatron-bert", "bert"):
+        from training.hf_bert import model_config_from_hf as bert_config_from_hf
+
+        model_cfg = bert_config_from_hf(hf_cfg, seq_length)
+    else:
+        raise ImportHFError(f"model_type {model_type!r} is not supported: GPT-2 (GPT2LMHeadModel), Megatron-BERT "
+                            f"(MegatronBertForPreTraining) or BERT (BertForPreTraining) folders import")
+    cfg = Config(model=model_cfg)
     cfg.parallel.tensor, cfg.parallel.pipeline = tp, pp
     cfg.run.dir = str(out)
-    validate_static(cfg)  # TP divides heads and MLP width, PP <= layers (before any weight is read)
-    hf_cfg, hf_sd = load_source(folder)
-    weights = from_hf_state_dict(hf_sd, cfg.model.num_layers)
+    validate_static(cfg)  # TP divides heads and MLP width, PP <= layers, PP only for GPT-2 (before reading weights)
+    hf_sd = load_source(folder, model_type)
+    if model_type == "gpt2":
+        weights = from_hf_state_dict(hf_sd, cfg.model.num_layers)
+    else:
+        from training.hf_bert import from_hf as bert_from_hf
+
+        weights = bert_from_hf(hf_sd, cfg.model)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        tok = import_tokenizer(folder, tmp / "tokenizer")
+        tok, spec = import_tokenizer(folder, tmp / "tokenizer", model_type)
         if tok.vocab_size != cfg.model.vocab_size:
             raise ImportHFError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
                                 f"{cfg.model.vocab_size}")
-        spec = {"kind": tok.kind, "vocab_file": "tokenizer/vocab.json", "merges_file": "tokenizer/merges.txt"}
         write_checkpoint(tmp, cfg, weights, spec, str(model))
         if out.exists():
             shutil.rmtree(out)
@@ -316,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         import_hf(args.model, args.out, args.tp, args.pp, args.seq_length, args.overwrite)
-    except (ImportHFError, ConfigError) as e:
+    except ValueError as e:  # ImportHFError, ConfigError, BertMappingError, TokenizerError: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")
