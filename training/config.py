@@ -148,8 +148,11 @@ class DataConfig:
     """Alternative to `corpus`: plain text files tokenized into one token stream (quick experiments)."""
     tokenizer: dict[str, Any] = field(default_factory=dict)
     """Tokenizer spec for text_files, e.g. {kind: gpt2_bpe, vocab_file: ..., merges_file: ...}."""
+    prefixes: list[list[Any]] = field(default_factory=list)
+    """Alternative to `corpus`: Megatron .bin/.idx datasets blended by weight, [[0.3, /data/a_text_document],
+    [0.7, /data/b]] (GPT-2; tokenizer from data.tokenizer; see training.blending)."""
     split: str = "969,30,1"
-    """train,valid,test proportions over documents."""
+    """train,valid,test proportions over documents (of each prefix when blending)."""
     num_workers: int = 0
 
 
@@ -362,9 +365,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 def validate_data_source(cfg: Config) -> None:
     """A training run needs data; a saved config need not have any (an imported checkpoint has none)."""
-    if cfg.data.corpus is None and not cfg.data.text_files:
-        raise ConfigError("data: set data.corpus (a directory from `python -m data_pipeline build`) "
-                          "or data.text_files")
+    if cfg.data.corpus is None and not cfg.data.text_files and not cfg.data.prefixes:
+        raise ConfigError("data: set data.corpus (a directory from `python -m data_pipeline build`), "
+                          "data.text_files or data.prefixes")
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
@@ -413,8 +416,10 @@ def validate_static(cfg: Config) -> None:
     if t.global_batch_size % t.micro_batch_size:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not a multiple of "
                           f"train.micro_batch_size={t.micro_batch_size}")
-    if cfg.data.corpus is not None and cfg.data.text_files:
-        raise ConfigError("data: set either data.corpus or data.text_files, not both")
+    if sum([cfg.data.corpus is not None, bool(cfg.data.text_files), bool(cfg.data.prefixes)]) > 1:
+        raise ConfigError("data: set one of data.corpus, data.text_files or data.prefixes, not several")
+    if cfg.data.prefixes and m.arch != "gpt2":
+        raise ConfigError("data.prefixes (blended .bin/.idx datasets) is for GPT-2; BERT needs data.corpus")
     if cfg.run.tensorboard:
         import importlib.util
 

@@ -3,7 +3,8 @@
 Sources (config ``data``):
 - ``corpus``: a directory from ``python -m data_pipeline build`` (tokenizer + indexed dataset);
 - ``text_files``: plain text tokenized once into RUN_DIR/data (documents = blank-line blocks) with
-  the tokenizer named in ``data.tokenizer``, cached by content digest.
+  the tokenizer named in ``data.tokenizer``, cached by content digest;
+- ``prefixes``: Megatron ``.bin/.idx`` datasets blended by weight (:mod:`training.blending`).
 
 Order: for iteration k and micro-batch m, DP rank d reads samples
 ``k*G + m*(mb*dp) + d*mb + [0, mb)`` of the shuffled dataset (G = global batch, mb = micro-batch), so a
@@ -39,6 +40,8 @@ class DataSources:
     prefix: Path
     tokenizer_spec: dict
     tokenizer_base: Path | None
+    blend: tuple[list[float], list[Path]] | None = None
+    """data.prefixes: (normalised weights, prefixes); ``prefix`` is then the first of them."""
 
 
 def resolve_sources(cfg: Config) -> DataSources:
@@ -52,6 +55,18 @@ def resolve_sources(cfg: Config) -> DataSources:
         if corpus.gpt_prefix is None:
             raise ConfigError(f"data.corpus={d.corpus} has no GPT dataset; build it with a GPT tokenizer")
         return DataSources(corpus.tokenizer, corpus.gpt_prefix, corpus.manifest["tokenizer"], corpus.root)
+    if d.prefixes:  # Megatron .bin/.idx datasets blended by weight (training.blending)
+        from training.blending import parse_prefixes
+
+        weights, prefixes = parse_prefixes(d.prefixes)
+        if not d.tokenizer:
+            raise ConfigError("data.tokenizer must name the tokenizer the data.prefixes were written with, e.g. "
+                              "{kind: gpt2_bpe, vocab_file: ..., merges_file: ...}")
+        try:
+            tok = load_tokenizer(d.tokenizer)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"data.tokenizer: {e}") from None
+        return DataSources(tok, prefixes[0], tok.spec(), None, blend=(weights, prefixes))
     missing = [f for f in d.text_files if not Path(f).is_file()]
     if missing:
         raise ConfigError(f"data.text_files: {missing[0]} does not exist")
@@ -96,6 +111,11 @@ def build_datasets(cfg: Config, src: DataSources, num_samples: tuple[int, int, i
         if cfg.data.text_files and not dataset_exists(src.prefix):
             logger.info("tokenizing %d text file(s) into %s", len(cfg.data.text_files), src.prefix)
             tokenize_text_files(cfg.data.text_files, src.tokenizer, src.prefix)
+        if src.blend is not None:
+            from training.blending import build_blended_datasets
+
+            return build_blended_datasets(*src.blend, cfg.data.split, num_samples, cfg.model.seq_length,
+                                          cfg.train.seed, cache, src.tokenizer.vocab_size)
         return build_gpt_datasets(src.prefix, cfg.data.split, num_samples, cfg.model.seq_length,
                                   cfg.train.seed, cache_dir=cache)
 

@@ -1,0 +1,104 @@
+"""data.prefixes: Megatron .bin/.idx datasets blended by weight -- proportions, samples equal to each prefix's own
+GPT dataset, deterministic and resumable, clear errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.distributed import SHARED_DATA
+
+DATA = Path(SHARED_DATA)
+GPT2 = DATA / "tokenizers" / "gpt2"
+SPEC = {"kind": "gpt2_bpe", "vocab_file": str(GPT2 / "gpt2-vocab.json"), "merges_file": str(GPT2 / "gpt2-merges.txt")}
+
+
+@pytest.mark.parametrize("weights", [[0.3, 0.7], [0.2, 0.5, 0.3], [0.01, 0.99]])
+def test_blend_order_keeps_every_prefix_within_one_sample_of_its_weight(weights):
+    from training.blending import blend_order
+
+    n = 10_000
+    d, k = blend_order(weights, n)
+    counts = np.zeros((n, len(weights)))
+    counts[np.arange(n), d] = 1
+    running = counts.cumsum(0)
+    expected = np.outer(np.arange(1, n + 1), weights)
+    assert np.abs(running - expected).max() <= 1.0
+    assert np.all(np.abs(running[-1] / n - weights) <= 0.01)
+    for j in range(len(weights)):  # each dataset's samples are taken in order 0, 1, 2, ...
+        assert np.array_equal(k[d == j], np.arange((d == j).sum()))
+
+
+@pytest.fixture(scope="module")
+def prefixes(tmp_path_factory):
+    if not (GPT2.is_dir() and (DATA / "corpus" / "botchan.txt").is_file()):
+        pytest.skip("../shared/data absent")
+    from data_pipeline.tokenizer import load_tokenizer
+    from training.data import tokenize_text_files
+
+    tok = load_tokenizer(SPEC)
+    d = tmp_path_factory.mktemp("prefixes")
+    out = []
+    for name in ("botchan", "tinyshakespeare"):
+        tokenize_text_files([str(DATA / "corpus" / f"{name}.txt")], tok, d / f"{name}_text_document")
+        out.append(str(d / f"{name}_text_document"))
+    return out
+
+
+def _cfg(tmp_path, prefixes, extra=()):
+    from training.config import load_config
+
+    ov = [f"data.prefixes={json.dumps([[3, prefixes[0]], [7, prefixes[1]]])}", f"data.tokenizer={json.dumps(SPEC)}",
+          "data.corpus=null", f"run.dir={tmp_path / 'run'}", "model.seq_length=32", *extra]
+    return load_config(Path(__file__).resolve().parents[1] / "configs" / "gpt2_tiny.yaml", ov)
+
+
+def test_blended_training_data_draws_by_weight_and_resumes(prefixes, tmp_path):
+    from data_pipeline.gpt_dataset import build_gpt_datasets
+    from training.data import BatchSampler, build_datasets, resolve_sources
+
+    cfg = _cfg(tmp_path, prefixes)
+    src = resolve_sources(cfg)
+    train, valid, _ = build_datasets(cfg, src, (10_000, 64, 0))
+    assert len(train) == 10_000 and len(valid) == 64
+    share = float((train.dataset_index == 0).mean())
+    assert abs(share - 0.3) <= 0.01 and abs(float((train.dataset_index == 1).mean()) - 0.7) <= 0.01
+    # each blended sample is that prefix's own GPT dataset sample (Megatron's per-prefix index maps)
+    own = [build_gpt_datasets(p, cfg.data.split, (int(np.ceil(w * 10_000 * 1.005)) + 1, 0, 0), 32, cfg.train.seed)[0]
+           for w, p in zip((0.3, 0.7), prefixes)]
+    for i in range(0, 10_000, 997):
+        d, k = int(train.dataset_index[i]), int(train.sample_index[i])
+        assert np.array_equal(train[i], own[d][k])
+    # deterministic: a fresh build (e.g. a restarted run) gives the same sequence; resuming at
+    # consumed_samples continues it exactly
+    again, _, _ = build_datasets(cfg, resolve_sources(cfg), (10_000, 64, 0))
+    full = list(BatchSampler(train, 4, 1, 0, 8).micro_batches(0)) + list(BatchSampler(train, 4, 1, 0, 8).micro_batches(8))
+    resumed = list(BatchSampler(again, 4, 1, 0, 8).micro_batches(8))
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(full[2:], resumed))
+    assert np.array_equal(again.dataset_index, train.dataset_index)
+
+
+def test_bad_prefixes_fail_with_one_clear_line(prefixes, tmp_path):
+    from training.config import ConfigError
+    from training.data import build_datasets, resolve_sources
+
+    with pytest.raises(ConfigError, match=r"data.prefixes\[1\]: .*nope.bin does not exist"):
+        resolve_sources(_cfg(tmp_path, [prefixes[0], str(tmp_path / "nope")]))
+    with pytest.raises(ConfigError, match="not several"):
+        _cfg(tmp_path, prefixes, ["data.text_files=[x.txt]"])
+    with pytest.raises(ConfigError, match="for GPT-2"):
+        _cfg(tmp_path, prefixes, ["model.arch=bert"])
+    bad = _cfg(tmp_path, prefixes)
+    bad.data.prefixes = [[0, prefixes[0]]]
+    with pytest.raises(ConfigError, match="weight must be > 0"):
+        resolve_sources(bad)
+    small = _cfg(tmp_path, prefixes)  # a tokenizer with fewer ids than the data uses
+    spm = DATA / "corpus" / "botchan.txt"
+    from data_pipeline.tokenizer import train_sentencepiece
+
+    tok = train_sentencepiece([spm.read_text(encoding="utf-8")], tmp_path / "spm", 400, "gpt")
+    small.data.tokenizer = {"kind": "sentencepiece", "model_file": str(tok.model_file)}
+    with pytest.raises(ConfigError, match="tokenized with another tokenizer"):
+        build_datasets(small, resolve_sources(small), (10, 0, 0))
