@@ -47,6 +47,8 @@ def _limited(args, unit: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m evaluation", description=__doc__.split("\n\n")[0])
+    # the deepspeed launcher puts --local_rank=N before the subcommand (deepspeed --module evaluation ...)
+    ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = ap.add_subparsers(dest="task", required=True)
 
     w = sub.add_parser("wikitext103", help="WikiText-103 perplexity, Megatron style (overlapping windows)")

@@ -178,6 +178,11 @@ def test_generate_cli_writes_what_the_function_returns(random_gpt2, loaded, tmp_
     ref = generate(model, tok, PROMPTS[:2], GenerationOptions(max_new_tokens=10, top_k=20, seed=3))
     assert [c["tokens"] for c in res["completions"]] == [c.tokens for c in ref]
     assert res["completions"][0]["text"] in capsys.readouterr().out
+    # the deepspeed launcher's argument order (--local_rank before the subcommand) parses
+    from evaluation.cli import build_parser
+
+    args = build_parser().parse_args(["--local_rank=1", "generate", "--tp", "2", "--checkpoint", "r", "--prompt", "x"])
+    assert (args.task, args.tp, args.prompt) == ("generate", 2, ["x"])
     # bad options fail before the model is loaded, with one line
     assert main(["generate", "--checkpoint", str(random_gpt2[1]), "--prompt", "x", "--top-p", "0", "--no-progress"]) == 2
     assert main(["generate", "--checkpoint", str(random_gpt2[1]), "--prompt", "x", "--max-new-tokens", "100", "--no-progress"]) == 2
