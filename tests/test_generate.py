@@ -108,7 +108,7 @@ def test_sampled_generation_is_reproducible_per_seed_and_stops_at_eod(loaded):
     from evaluation.generate import GenerationOptions, generate
 
     model, tok = loaded
-    opts = dict(max_new_tokens=16, temperature=0.9, top_k=50, top_p=0.95)
+    opts = dict(max_new_tokens=8, temperature=0.9, top_k=50, top_p=0.95)
     a = generate(model, tok, PROMPTS, GenerationOptions(seed=5, **opts))
     b = generate(model, tok, PROMPTS, GenerationOptions(seed=5, **opts))
     c = generate(model, tok, PROMPTS, GenerationOptions(seed=6, **opts))
@@ -118,9 +118,9 @@ def test_sampled_generation_is_reproducible_per_seed_and_stops_at_eod(loaded):
     from evaluation.generate import generate_ids
 
     ids = [tok.encode(p) for p in PROMPTS]
-    free = generate_ids(model, ids, GenerationOptions(max_new_tokens=16, greedy=True, stop_at_eod=False), None, V)
+    free = generate_ids(model, ids, GenerationOptions(max_new_tokens=10, greedy=True, stop_at_eod=False), None, V)
     eod = free[0][0][0]
-    stopped = generate_ids(model, ids, GenerationOptions(max_new_tokens=16, greedy=True), eod, V)
+    stopped = generate_ids(model, ids, GenerationOptions(max_new_tokens=10, greedy=True), eod, V)
     assert stopped[0] == ([], True)
     for (row, _), (cut, flag) in zip(free, stopped):
         assert flag == (eod in row) and cut == (row[:row.index(eod)] if eod in row else row)
@@ -134,8 +134,8 @@ def _tp2_generate(rank, world, run_dir, prompts, sample_opts):
 
     ps = ParallelState(tp=2)
     model, tok = load_generator(run_dir, group=ps.tp_group)
-    greedy = generate(model, tok, prompts, GenerationOptions(max_new_tokens=12, greedy=True))
-    sampled = generate(model, tok, prompts, GenerationOptions(max_new_tokens=12, **sample_opts))
+    greedy = generate(model, tok, prompts, GenerationOptions(max_new_tokens=8, greedy=True))
+    sampled = generate(model, tok, prompts, GenerationOptions(max_new_tokens=8, **sample_opts))
     x = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model.full_logits(x)[..., :V]
@@ -150,8 +150,8 @@ def test_tp2_generation_equals_tp1(random_gpt2, loaded):
 
     model, tok = loaded
     sample_opts = dict(temperature=0.8, top_k=100, top_p=0.9, seed=11)
-    greedy1 = [c.tokens for c in generate(model, tok, PROMPTS, GenerationOptions(max_new_tokens=12, greedy=True))]
-    sampled1 = [c.tokens for c in generate(model, tok, PROMPTS, GenerationOptions(max_new_tokens=12, **sample_opts))]
+    greedy1 = [c.tokens for c in generate(model, tok, PROMPTS, GenerationOptions(max_new_tokens=8, greedy=True))]
+    sampled1 = [c.tokens for c in generate(model, tok, PROMPTS, GenerationOptions(max_new_tokens=8, **sample_opts))]
     results = run_distributed(_tp2_generate, 2, str(random_gpt2[1]), PROMPTS, sample_opts)
     for greedy2, sampled2, _ in results:
         assert greedy2 == greedy1
@@ -173,9 +173,9 @@ def test_generate_cli_writes_what_the_function_returns(random_gpt2, loaded, tmp_
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]) + "\n", encoding="utf-8")
     out = tmp_path / "gen.json"
     assert main(["generate", "--checkpoint", str(random_gpt2[1]), "--prompts", str(prompts), "--top-k", "20",
-                 "--seed", "3", "--max-new-tokens", "10", "--json", str(out), "--no-progress"]) == 0
+                 "--seed", "3", "--max-new-tokens", "6", "--json", str(out), "--no-progress"]) == 0
     res = json.loads(out.read_text())
-    ref = generate(model, tok, PROMPTS[:2], GenerationOptions(max_new_tokens=10, top_k=20, seed=3))
+    ref = generate(model, tok, PROMPTS[:2], GenerationOptions(max_new_tokens=6, top_k=20, seed=3))
     assert [c["tokens"] for c in res["completions"]] == [c.tokens for c in ref]
     assert res["completions"][0]["text"] in capsys.readouterr().out
     # the deepspeed launcher's argument order (--local_rank before the subcommand) parses

@@ -259,8 +259,10 @@ def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], t
             "tokenizer": tokenizer_spec, "partition": tags, "parallel": {"tp": tp, "pp": pp, "dp": 1},
             "optimizer_param_names": None, "rng": None, "dtype": "fp32", "imported_from": source,
             "weights_only": True}
+    from tqdm import tqdm
+
     prefixes = pipe_layer_names(m.num_layers)
-    for r in range(tp):
+    for r in tqdm(range(tp), desc="write TP shards", unit="rank", disable=tp == 1, leave=False):
         local = {name: shard(w, tags[name], r, tp) for name, w in weights.items()}
         if pp == 1:
             torch.save({"module": local, **meta, "tp_rank": r, "pp_rank": 0}, folder / f"mp_rank_{r:02d}_model_states.pt")
