@@ -225,3 +225,31 @@ def test_bad_bert_data_fails_at_once_with_a_clear_message(tmp_path):
         BertTask(_bert_cfg(gpt_only, tmp_path / "r3"), None, 1)
     with pytest.raises(ConfigError, match="bert.masked_lm_prob"):
         BertTask(_bert_cfg(gpt_only, tmp_path / "r4", {"bert": {"masked_lm_prob": 1.5}}), None, 1)
+
+
+def _init_from_worker(rank, world, corpus, pre_dir, new_dir):
+    from training.trainer import Trainer
+
+    Trainer(_bert_cfg(corpus, pre_dir, {"parallel": {"tensor": 1}, "train": {"iters": 1}})).train()
+    # another run of another configured shape, started from the first one's weights: 0 steps, then saved
+    cfg = _bert_cfg(corpus, new_dir, {"parallel": {"tensor": 1}, "model": {"num_layers": 1, "hidden_size": 64},
+                                      "optimizer": {"warmup_iters": 0},
+                                      "train": {"iters": 0, "init_from": str(pre_dir)}})
+    Trainer(cfg).train()
+    return cfg.model.num_layers, cfg.model.hidden_size
+
+
+def test_bert_run_starts_from_another_runs_weights(bert_corpus, tmp_path):
+    """train.init_from for BERT: the new run adopts the source's shape and holds exactly its weights
+    (encoder, MLM head with its vocabulary bias, pooler, SOP head) before its first step."""
+    from training.checkpoint import load_merged_state_dict, read_client_state
+
+    corpus, _ = bert_corpus
+    shape = run_distributed(_init_from_worker, 1, corpus, tmp_path / "pre", tmp_path / "new", timeout=240)[0]
+    assert shape == (2, 32)
+    a, _, _ = load_merged_state_dict(tmp_path / "pre")
+    b, _, _ = load_merged_state_dict(tmp_path / "new")
+    assert a.keys() == b.keys() and {"lm_head.bias", "binary_head.weight", "pooler.weight"} <= a.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert read_client_state(tmp_path / "new")["iteration"] == 0
