@@ -77,6 +77,15 @@ def test_hf_tokenizer_json_kind(vocab_txt, tmp_path):
     texts = [t for t in _texts() if "[SEP]" not in t]
     assert ours.encode_batch(texts) == ref.encode_batch(texts)  # no [CLS]/[SEP] post-processing added
     assert ours.eod == ref.sep and ours.cls == ref.cls and ours.vocab_size == ref.vocab_size
+    # both kinds export back to a tokenizer AutoTokenizer loads with the same ids (training.hf_tokenizer)
+    from transformers import AutoTokenizer
+
+    from training.hf_tokenizer import save_hf_tokenizer
+
+    for kind, tok in (("hf", ours), ("wordpiece", ref)):
+        save_hf_tokenizer(tok, tmp_path / f"export_{kind}", 512)
+        back = AutoTokenizer.from_pretrained(str(tmp_path / f"export_{kind}"))
+        assert back(texts[:50], add_special_tokens=False)["input_ids"] == tok.encode_batch(texts[:50])
     with pytest.raises(TokenizerError, match="none of"):
         load_tokenizer({"kind": "hf", "tokenizer_file": str(tmp_path / "tok" / "tokenizer.json"), "eod_token": "<nope>"})
 
