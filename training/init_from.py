@@ -89,7 +89,10 @@ def adopt_model_config(cfg: Config) -> None:
     if Path(src).resolve() == Path(cfg.run.dir).resolve():
         raise ConfigError(f"train.init_from={src} is this run's own directory: to resume a run just rerun it; "
                           "init_from starts a new run.dir from another run's weights")
-    theirs = _source_meta(src)["config"]["model"]
+    from training.checkpoint import latest_tag
+
+    # resuming: the run's own checkpoint has the adopted shape (and the source may be gone by now)
+    theirs = _source_meta(cfg.run.dir if latest_tag(cfg.run.dir) else src)["config"]["model"]
     if theirs.get("head", "pretrain") == "multiple_choice":
         raise ConfigError(f"train.init_from={src} is a RACE multiple-choice fine-tune; start from a pretrained model")
     changed = []
