@@ -286,9 +286,15 @@ def e2e(n: int, workers: int, code_root: Path, tmp: Path, keep: Path | None) -> 
     print(f"dedup: removed {stats['removed']}, exact duplicates {stats.get('exact_duplicates', '-')}, "
           f"candidates {stats['candidate_pairs']}, phases {stats.get('phase_seconds')}")
     digest = hashlib.sha256()
-    for name in ("documents.jsonl", "gpt_text_document.bin", "gpt_text_document.idx"):
+    for name in ("gpt_text_document.bin", "gpt_text_document.idx", "duplicates.jsonl", "rejects.jsonl"):
         digest.update((out / name).read_bytes())
-    print(f"sha256(documents.jsonl + gpt .bin + .idx) = {digest.hexdigest()[:16]}")
+    docs = hashlib.sha256()
+    with open(out / "documents.jsonl", "rb") as f:
+        for line in f:
+            r = json.loads(line)
+            docs.update(json.dumps([r["i"], r["text"]]).encode())
+    print(f"sha256(gpt .bin + .idx + duplicates + rejects) = {digest.hexdigest()[:16]}, "
+          f"sha256(documents' (i, text)) = {docs.hexdigest()[:16]}")
     print(f"machine: {os.cpu_count()} cores, python {platform.python_version()}")
     if keep is not None:
         shutil.copytree(out, keep, dirs_exist_ok=True)

@@ -148,7 +148,7 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool]) -> di
             if rec.text is not None:
                 text = clean_text(rec.text, use_ftfy, ws)
                 if text:
-                    writer.add(i, rec.src, text)
+                    writer.add(i, rec.src, text, **_uid_of(rec))
                     counts["clean"] += 1
                     continue
                 rec = RawRecord(rec.src, None, "empty", "no text left after cleaning: " + repr(rec.text[:100]))
@@ -161,6 +161,13 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool]) -> di
     except BaseException:
         writer.abort()
         raise
+
+
+def _uid_of(rec: RawRecord) -> dict[str, Any]:
+    """``{"uid": id}`` for a record with a user id (JSON scalars kept as they are, anything else as str)."""
+    if rec.uid is None:
+        return {}
+    return {"uid": rec.uid if isinstance(rec.uid, (str, int, float, bool)) else str(rec.uid)}
 
 
 def _shards_of(records: Iterator[RawRecord], size: int) -> Iterator[tuple[int, int, list[RawRecord]]]:
@@ -264,14 +271,58 @@ def load_stage_tokenizer(cfg: BuildConfig) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ filter
+def _uid_extra(rec: dict[str, Any]) -> dict[str, Any]:
+    """The user's id of a store record (``id_field``), carried from ingest to export when there is one."""
+    return {"uid": rec["uid"]} if "uid" in rec else {}
+
+
+def save_token_ids(folder: Path, k: int, ids: list[np.ndarray], dtype: Any) -> None:
+    """Shard ``k``'s token ids, one row per stored document: ``docs-K.tok.npy`` (concatenated, EOD not
+    included) and ``docs-K.tokoff.npy`` (int64 offsets, len = documents + 1). Written before the shard's
+    ``.done.json`` marker, so a finished shard always has them."""
+    off = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum([len(x) for x in ids], out=off[1:])
+    atomic_save_npy(folder / f"{shard_name(k)}.tok.npy", np.concatenate(ids) if ids else np.zeros(0, dtype))
+    atomic_save_npy(folder / f"{shard_name(k)}.tokoff.npy", off)
+
+
+class TokenIds:
+    """Random access to the filter stage's token ids by store position (``None`` when the filter output
+    predates the token files; export then tokenizes again, with the same result)."""
+
+    def __init__(self, store: DocStore):
+        self.folder = store.folder
+        self.ok = all((store.folder / f"{shard_name(k)}.tokoff.npy").exists() for k in store.shards)
+        counts = np.bincount(np.searchsorted(store.shards, store.shard_of), minlength=len(store.shards)) \
+            if len(store) else np.zeros(len(store.shards), np.int64)
+        self.first = dict(zip(store.shards, np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()))
+        self.shard_of = store.shard_of
+        self._k: int | None = None
+        self._tok: np.ndarray | None = None
+        self._off: np.ndarray | None = None
+
+    def get(self, pos: int) -> np.ndarray:
+        k = int(self.shard_of[pos])
+        if k != self._k:  # export reads in order: one shard's arrays at a time
+            self._tok = np.load(self.folder / f"{shard_name(k)}.tok.npy", mmap_mode="r")
+            self._off = np.load(self.folder / f"{shard_name(k)}.tokoff.npy")
+            self._k = k
+        j = pos - self.first[k]
+        return self._tok[self._off[j]:self._off[j + 1]]  # type: ignore[index]
+
+
 def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) -> dict[str, Any]:
     src_s, dst_s, k, spec, min_tokens, count_eod, batch = args
     from .tokenizer import load_tokenizer
+
+    from .indexed_dataset import best_dtype
 
     tok = load_tokenizer(spec)
     writer = ShardWriter(Path(dst_s), k)
     too_short, kept, tokens = 0, 0, 0
     examples = []
+    kept_ids: list[np.ndarray] = []  # the kept documents' token ids, reused by export (tokenized once)
+    dtype = best_dtype(tok.vocab_size)
     try:
         recs = list(iter_shard(Path(src_s), k))
         for s in range(0, len(recs), batch):
@@ -279,7 +330,8 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
             for rec, ids in zip(part, tok.encode_batch([r["text"] for r in part])):
                 n = len(ids) + (1 if count_eod else 0)
                 if n >= min_tokens:
-                    writer.add(rec["i"], rec["src"], rec["text"], ntok=n)
+                    writer.add(rec["i"], rec["src"], rec["text"], **_uid_extra(rec), ntok=n)
+                    kept_ids.append(np.asarray(ids, dtype=dtype))
                     kept += 1
                     tokens += n
                 else:
@@ -287,6 +339,7 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
                     if len(examples) < 3:
                         examples.append({"i": rec["i"], "src": rec["src"], "tokens": n})
         info = {"in": len(recs), "kept": kept, "too_short": too_short, "tokens": tokens, "examples": examples}
+        save_token_ids(Path(dst_s), k, kept_ids, dtype)
         writer.commit(info)
         return info
     except BaseException:
@@ -401,6 +454,16 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ export
+def document_row(rec: dict[str, Any]) -> dict[str, Any]:
+    """A ``documents.jsonl`` row. With the user's id (``id_field``): ``id`` is that id, unchanged, and
+    ``source`` the provenance (``path:line``, ``path[row]``, ...); without one, ``id`` is the provenance."""
+    if "uid" in rec:
+        suffix = f"#{rec['uid']}"
+        src = rec["src"][:-len(suffix)] if rec["src"].endswith(suffix) else rec["src"]
+        return {"id": rec["uid"], "i": rec["i"], "source": src, "text": rec["text"]}
+    return {"id": rec["src"], "i": rec["i"], "text": rec["text"]}
+
+
 def run_export(cfg: BuildConfig) -> dict[str, Any]:
     from .corpus import write_manifest
     from .indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
@@ -422,16 +485,27 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     docs_tmp = out / f"documents.jsonl.tmp{os.getpid()}"
     kept = tokens = sentences = 0
     batch: list[dict[str, Any]] = []
+    batch_pos: list[int] = []
     bar = _bar(cfg, total=len(store), desc="export: tokenize+write", unit="doc")
+
+    cached = TokenIds(store)
+    eod = np.asarray([tok.eod], dtype=dtype)
 
     def flush(f: Any) -> None:
         nonlocal tokens, sentences
         texts = [r["text"] for r in batch]
         if gpt is not None:
-            for ids in tok.encode_batch(texts):
-                gpt.add_item(np.asarray(ids + [tok.eod], dtype=np.int64))
-                gpt.end_document()
-                tokens += len(ids) + 1
+            if cached.ok:  # the filter's ids: each document is tokenized once per build
+                for pos in batch_pos:
+                    ids = cached.get(pos)
+                    gpt.add_item(np.concatenate([ids, eod]))
+                    gpt.end_document()
+                    tokens += len(ids) + 1
+            else:
+                for ids in tok.encode_batch(texts):
+                    gpt.add_item(np.asarray(ids + [tok.eod], dtype=np.int64))
+                    gpt.end_document()
+                    tokens += len(ids) + 1
         if bert is not None:
             for text in texts:
                 sents = split_sentences(text)
@@ -441,9 +515,10 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
                 if gpt is None:
                     tokens += sum(len(x) for x in items)
         for r in batch:
-            f.write(json.dumps({"id": r["src"], "i": r["i"], "text": r["text"]}, ensure_ascii=False) + "\n")
+            f.write(json.dumps(document_row(r), ensure_ascii=False) + "\n")
         bar.update(len(batch))
         batch.clear()
+        batch_pos.clear()
 
     try:
         with open(docs_tmp, "w", encoding="utf-8") as f:
@@ -452,6 +527,7 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
                     bar.update(1)
                     continue
                 batch.append(rec)
+                batch_pos.append(pos)
                 kept += 1
                 if len(batch) >= cfg.dataset.tokenize_batch:
                     flush(f)
