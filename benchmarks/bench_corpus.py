@@ -287,7 +287,7 @@ def e2e(n: int, workers: int, code_root: Path, tmp: Path, keep: Path | None) -> 
           f"candidates {stats['candidate_pairs']}, phases {stats.get('phase_seconds')}")
     digest = hashlib.sha256()
     for name in ("gpt_text_document.bin", "gpt_text_document.idx", "duplicates.jsonl", "rejects.jsonl"):
-        digest.update((out / name).read_bytes())
+        digest.update((out / name).read_bytes().replace(str(tmp).encode(), b"<tmp>"))  # ids hold the path
     docs = hashlib.sha256()
     with open(out / "documents.jsonl", "rb") as f:
         for line in f:
