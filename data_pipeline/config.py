@@ -83,6 +83,9 @@ class DedupConfig:
     redis_db: int = 0
     basename: str | None = None  # Redis key prefix; None: derived from the output dir and settings
     verify_block_docs: int = 20000  # max distinct documents loaded at once during exact verification
+    # exact dedup first (hash of the cleaned text), then MinHash on the survivors; the shipped configs turn it
+    # on; off by default because the dedup-worker/dedup-merge path does not implement it
+    exact: bool = False
 
 
 @dataclass

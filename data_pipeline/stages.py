@@ -433,23 +433,42 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
                     (folder / "sigs.npy").unlink(missing_ok=True)
                 return np.asarray(sorted(found), dtype=np.int64).reshape(-1, 2)
 
-        res = dd.dedup_store(store, sig_dir, shingle, lsh, d.chunk_size, cfg.num_workers, d.verify_block_docs,
-                             cfg.progress, candidates)
+        from . import exact_dedup as ex
+
+        t_exact = time.perf_counter()
+        rep_of = ex.exact_representatives(ex.text_keys(store)) if d.exact else np.arange(n)
+        reps = np.flatnonzero(rep_of == np.arange(n))
+        info["exact"] = {"enabled": d.exact, "key": ex.KEY, "duplicates": n - len(reps)}
+        if len(reps) < n:  # fuzzy dedup of the exact-group survivors only, then the copies are merged back
+            sub = ex.write_subset(store, reps, folder / "exact-survivors")
+            exact_s = round(time.perf_counter() - t_exact, 3)
+            res = ex.merge_exact(dd.dedup_store(sub, Path(str(sig_dir) + "-exact"), shingle, lsh, d.chunk_size,
+                                                cfg.num_workers, d.verify_block_docs, cfg.progress, candidates),
+                                 reps, rep_of)
+            sub.close()
+        else:
+            exact_s = round(time.perf_counter() - t_exact, 3)
+            res = dd.dedup_store(store, sig_dir, shingle, lsh, d.chunk_size, cfg.num_workers, d.verify_block_docs,
+                                 cfg.progress, candidates)
+        res.seconds = {"exact": exact_s, **res.seconds}
         clusters = res.clusters
         rows, removed = dd.duplicate_rows(store, clusters, res.link, lambda root, m: res.to_survivor[m])
         store.close()
+        info.update(exact_duplicates=n - len(reps), fuzzy_removed=len(removed) - (n - len(reps)))
         info.update(documents=n, unsignatured=int((~res.active).sum()), candidate_pairs=res.candidates,
                     verified_pairs=res.accepted, rejected_candidates=res.rejected,
                     skipped_candidates=res.skipped, measured_pairs=res.verified,
                     clusters=len(clusters), removed=len(removed), phase_seconds=res.seconds)
         times = info["phase_seconds"]
     else:
+        info.update(exact_duplicates=0, fuzzy_removed=0)
         info.update(documents=n, unsignatured=0, candidate_pairs=0, verified_pairs=0, rejected_candidates=0,
                     skipped_candidates=0, measured_pairs=0, clusters=0, removed=0)
     atomic_save_npy(folder / "removed.npy", np.asarray(sorted(removed), dtype=np.int64))
     write_jsonl_atomic(folder / "duplicates.jsonl", rows)
-    log.info("dedup: %d docs, %d candidate pairs, %d verified, %d clusters, %d removed %s", n,
-             info["candidate_pairs"], info["verified_pairs"], info["clusters"], info["removed"], times)
+    log.info("dedup: %d docs, %d exact duplicates, %d candidate pairs, %d verified, %d clusters, %d removed %s",
+             n, info["exact_duplicates"], info["candidate_pairs"], info["verified_pairs"], info["clusters"],
+             info["removed"], times)
     return _finish(cfg, "dedup", timer.finish(n, **info))
 
 
