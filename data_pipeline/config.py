@@ -98,6 +98,15 @@ class DatasetConfig:
 
 
 @dataclass
+class DecontaminateConfig:
+    """Export drops every kept document that shares a word ``ngram``-gram with an evaluation set
+    (``data_pipeline/overlap.py``); counted in stats.json, listed in ``contaminated.jsonl``."""
+
+    against: list[str] = field(default_factory=list)  # NAME=FILE items (jsonl with "text", or text lines); [] = off
+    ngram: int = 13  # the GPT-3/Megatron decontamination n-gram
+
+
+@dataclass
 class BuildConfig:
     output_dir: str = "runs/corpus"
     sources: list[SourceConfig] = field(default_factory=list)
@@ -110,6 +119,7 @@ class BuildConfig:
     length: LengthConfig = field(default_factory=LengthConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
     #: directory that relative paths in the config are resolved against (set by load_config)
     base_dir: str = "."
 
@@ -275,6 +285,15 @@ def _validate(cfg: BuildConfig) -> None:
         raise ConfigError("length.min_tokens >= 0, clean.max_doc_bytes >= 1 and shard_size >= 1 are required")
     if not (cfg.dataset.gpt or cfg.dataset.bert):
         raise ConfigError("dataset.gpt and dataset.bert are both false: enable at least one")
+    dc = cfg.decontaminate
+    if dc.ngram < 1:
+        raise ConfigError(f"decontaminate.ngram must be >= 1, got {dc.ngram}")
+    for item in dc.against:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"decontaminate.against item {item!r} must look like NAME=FILE")
+        if not cfg.resolve(path).is_file():
+            raise ConfigError(f"decontaminate.against {name}: file not found: {cfg.resolve(path)}")
 
 
 def _looks_local(p: str) -> bool:

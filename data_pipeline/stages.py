@@ -80,7 +80,10 @@ def fingerprint(cfg: BuildConfig, stage: str) -> str:
     if stage == "dedup":
         return _digest(["dedup", fingerprint(cfg, "filter"), _dedup_result_keys(cfg)])
     if stage == "export":
-        return _digest(["export", fingerprint(cfg, "dedup"), dataclasses.asdict(cfg.dataset)])
+        parts = ["export", fingerprint(cfg, "dedup"), dataclasses.asdict(cfg.dataset)]
+        if cfg.decontaminate.against:  # unchanged fingerprint when decontamination is off
+            parts.append([cfg.decontaminate.ngram, _decontam_files(cfg)])
+        return _digest(parts)
     raise ValueError(stage)
 
 
@@ -91,6 +94,15 @@ def _file_stats(cfg: BuildConfig) -> list[Any]:
         if v:
             st = os.stat(cfg.resolve(v))
             out.append([k, st.st_size, int(st.st_mtime)])
+    return out
+
+
+def _decontam_files(cfg: BuildConfig) -> list[Any]:
+    out = []
+    for item in cfg.decontaminate.against:
+        name, _, path = item.partition("=")
+        st = os.stat(cfg.resolve(path))
+        out.append([name, str(cfg.resolve(path)), st.st_size, int(st.st_mtime)])
     return out
 
 
@@ -483,6 +495,26 @@ def document_row(rec: dict[str, Any]) -> dict[str, Any]:
     return {"id": rec["src"], "i": rec["i"], "text": rec["text"]}
 
 
+def _decontaminate(cfg: BuildConfig, store: DocStore, removed: set[int]) -> dict[int, list[str]]:
+    """Store positions of documents kept by dedup that share a ``decontaminate.ngram``-gram with an
+    evaluation set → the sets' names; written to ``contaminated.jsonl`` (always, empty when off)."""
+    from .overlap import contaminated_positions, load_eval_set
+
+    found: dict[int, list[str]] = {}
+    if cfg.decontaminate.against:
+        sets = [load_eval_set(name, cfg.resolve(p), cfg.decontaminate.ngram)
+                for name, _, p in (x.partition("=") for x in cfg.decontaminate.against)]
+        texts = (rec["text"] for rec in store)
+        found = {pos: names for pos, names in contaminated_positions(texts, sets, cfg.num_workers, cfg.progress)
+                 if pos not in removed}
+    rows = []
+    for pos in sorted(found):
+        rec = store.get(pos)
+        rows.append({"id": document_row(rec)["id"], "i": rec["i"], "sets": found[pos]})
+    write_jsonl_atomic(cfg.out / "contaminated.jsonl", rows)
+    return found
+
+
 def run_export(cfg: BuildConfig) -> dict[str, Any]:
     from .corpus import write_manifest
     from .indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
@@ -498,6 +530,7 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     tok = load_stage_tokenizer(cfg)
     store = DocStore(work_dir(cfg, "filter"))
     removed = set(np.load(work_dir(cfg, "dedup") / "removed.npy").tolist())
+    contaminated = _decontaminate(cfg, store, removed)
     dtype = best_dtype(tok.vocab_size)
     gpt = MMapIndexedDatasetBuilder(out / cfg.dataset.gpt_prefix, dtype) if cfg.dataset.gpt else None
     bert = MMapIndexedDatasetBuilder(out / cfg.dataset.bert_prefix, dtype) if cfg.dataset.bert else None
@@ -542,7 +575,7 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     try:
         with open(docs_tmp, "w", encoding="utf-8") as f:
             for pos, rec in enumerate(store):
-                if pos in removed:
+                if pos in removed or pos in contaminated:
                     bar.update(1)
                     continue
                 batch.append(rec)
@@ -571,7 +604,9 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     shutil.copyfile(work_dir(cfg, "dedup") / "duplicates.jsonl", tmp)
     os.replace(tmp, out / "duplicates.jsonl")
 
-    exp = timer.finish(len(store), kept=kept, tokens=tokens, sentences=sentences)
+    exp = timer.finish(len(store), kept=kept, tokens=tokens, sentences=sentences, contaminated=len(contaminated),
+                       decontaminate={"ngram": cfg.decontaminate.ngram, "against": cfg.decontaminate.against}
+                       if cfg.decontaminate.against else None)
     _finish(cfg, "export", exp)
     stats = assemble_stats(cfg)
     atomic_write_json(out / "stats.json", stats)
@@ -591,6 +626,7 @@ def assemble_stats(cfg: BuildConfig, reused: set[str] | None = None) -> dict[str
     exp = _require(cfg, "export")
     read, malformed = ing["read"], ing["rejected"]
     too_short, dups, kept = flt["too_short"], ded["removed"], exp["kept"]
+    contaminated = exp.get("contaminated", 0)
     stage_stats = {s: {**{k: _require(cfg, s)[k] for k in ("seconds", "docs_in", "docs_per_s", "peak_rss_mib",
                                                              "peak_rss_children_mib")},
                        "reused": s in (reused or set())} for s in STAGES}
@@ -598,7 +634,8 @@ def assemble_stats(cfg: BuildConfig, reused: set[str] | None = None) -> dict[str
     return {
         "output_dir": str(cfg.out),
         "documents": {"read": read, "malformed": malformed, "too_short": too_short, "duplicates": dups,
-                      "kept": kept, "reconciles": read == malformed + too_short + dups + kept},
+                      "contaminated": contaminated, "kept": kept,
+                      "reconciles": read == malformed + too_short + dups + contaminated + kept},
         "malformed_by_reason": ing["rejected_by_reason"],
         "tokens": {"kept": exp["tokens"], "includes_eod": bool(cfg.dataset.gpt), "sentences": exp["sentences"]},
         "length_filter": {"min_tokens": flt["min_tokens"], "count_eod": flt["count_eod"],
