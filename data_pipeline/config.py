@@ -107,6 +107,16 @@ class DecontaminateConfig:
 
 
 @dataclass
+class RayConfig:
+    """``executor: ray`` settings (``data_pipeline/ray_executor.py``)."""
+
+    address: str = "auto"  # an existing cluster: "auto" (RAY_ADDRESS or the local head) or "host:port"
+    num_cpus_per_task: float = 1.0
+    max_retries: int = 3  # a task whose worker dies is rerun (stage functions are idempotent)
+    lsh_partitions: int = 0  # reduce tasks of the LSH band shuffle; 0 = 2 x the cluster's CPUs
+
+
+@dataclass
 class BuildConfig:
     output_dir: str = "runs/corpus"
     sources: list[SourceConfig] = field(default_factory=list)
@@ -120,6 +130,8 @@ class BuildConfig:
     dedup: DedupConfig = field(default_factory=DedupConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
+    executor: str = "local"  # local: processes on this machine; ray: tasks on a Ray cluster (ray.address)
+    ray: RayConfig = field(default_factory=RayConfig)
     #: directory that relative paths in the config are resolved against (set by load_config)
     base_dir: str = "."
 
@@ -146,6 +158,7 @@ _ENUMS = {
     "tokenizer.flavor": ("gpt", "bert"),
     "dedup.shingle_unit": ("word", "char"),
     "dedup.storage": ("dict", "redis"),
+    "executor": ("local", "ray"),
 }
 
 
@@ -254,6 +267,9 @@ def _validate(cfg: BuildConfig) -> None:
     enum("tokenizer.flavor", cfg.tokenizer.flavor)
     enum("dedup.shingle_unit", cfg.dedup.shingle_unit)
     enum("dedup.storage", cfg.dedup.storage)
+    enum("executor", cfg.executor)
+    if cfg.executor == "ray" and cfg.dedup.storage != "dict":
+        raise ConfigError("executor: ray shuffles LSH bands itself: use dedup.storage=dict")
     t = cfg.tokenizer
     need = {"sentencepiece_model": ["model_file"], "gpt2": ["vocab_file", "merges_file"]}.get(t.type, [])
     for k in need:

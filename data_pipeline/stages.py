@@ -208,10 +208,25 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
         while len(pending) > limit:
             bar.update(pending.pop(0).get()["read"])
 
+    if cfg.executor == "ray":  # one Ray task per shard; same shard function, same files
+        from .ray_executor import ray_map
+
+        def ray_jobs() -> Iterator[tuple[str, int, list[RawRecord], int, bool, bool]]:
+            for k, first, recs in _shards_of(iter_records(cfg), cfg.shard_size):
+                if k in done:
+                    bar.update(len(recs))
+                    continue
+                yield (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace)
+
+        try:
+            for info in ray_map(cfg, _ingest_shard, ray_jobs()):
+                bar.update(info["read"])
+        finally:
+            bar.close()
     ctx = get_context("fork")
-    pool = ctx.Pool(workers) if workers > 1 else None
+    pool = ctx.Pool(workers) if workers > 1 and cfg.executor == "local" else None
     try:
-        for k, first, recs in _shards_of(iter_records(cfg), cfg.shard_size):
+        for k, first, recs in (_shards_of(iter_records(cfg), cfg.shard_size) if cfg.executor == "local" else ()):
             if k in done:
                 bar.update(len(recs))
                 continue
@@ -369,7 +384,12 @@ def run_filter(cfg: BuildConfig) -> dict[str, Any]:
     jobs = [(str(src), str(dst), k, spec, cfg.length.min_tokens, cfg.length.count_eod,
              cfg.dataset.tokenize_batch) for k in todo]
     bar = _bar(cfg, desc="filter: count tokens", unit="doc")
-    if cfg.num_workers > 1 and len(jobs) > 1:
+    if cfg.executor == "ray":
+        from .ray_executor import ray_map
+
+        for info in ray_map(cfg, _filter_shard, jobs):
+            bar.update(info["in"])
+    elif cfg.num_workers > 1 and len(jobs) > 1:
         with get_context("fork").Pool(min(cfg.num_workers, len(jobs))) as pool:
             for info in pool.imap_unordered(_filter_shard, jobs):
                 bar.update(info["in"])
@@ -420,7 +440,7 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
                             "survivor": "lowest input index of each union-find cluster",
                             "p_candidate": {str(s): round(dd.candidate_probability(s, lsh.bands, lsh.rows), 4)
                                             for s in (0.5, 0.6, 0.7, 0.75, 0.8, 0.9)},
-                            "storage": d.storage}
+                            "storage": d.storage, "executor": cfg.executor}
     removed: list[int] = []
     clusters: dict[int, list[int]] = {}
     rows: list[dict[str, Any]] = []
@@ -447,6 +467,18 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
 
         from . import exact_dedup as ex
 
+        def fuzzy(st: DocStore, sdir: Path) -> Any:
+            cand = candidates
+            if cfg.executor == "ray":  # signature chunks and the LSH band shuffle as Ray tasks
+                from .ray_executor import band_shuffle_pairs, ray_sign_chunks
+
+                ray_sign_chunks(cfg, st, sdir, lsh.num_perm, lsh.seed, shingle, d.chunk_size)
+
+                def cand(sigs: np.ndarray, active: np.ndarray) -> np.ndarray:
+                    return band_shuffle_pairs(cfg, sdir, len(st), d.chunk_size, lsh.bands, lsh.rows)
+            return dd.dedup_store(st, sdir, shingle, lsh, d.chunk_size, cfg.num_workers, d.verify_block_docs,
+                                  cfg.progress, cand)
+
         t_exact = time.perf_counter()
         rep_of = ex.exact_representatives(ex.text_keys(store)) if d.exact else np.arange(n)
         reps = np.flatnonzero(rep_of == np.arange(n))
@@ -454,14 +486,11 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
         if len(reps) < n:  # fuzzy dedup of the exact-group survivors only, then the copies are merged back
             sub = ex.write_subset(store, reps, folder / "exact-survivors")
             exact_s = round(time.perf_counter() - t_exact, 3)
-            res = ex.merge_exact(dd.dedup_store(sub, Path(str(sig_dir) + "-exact"), shingle, lsh, d.chunk_size,
-                                                cfg.num_workers, d.verify_block_docs, cfg.progress, candidates),
-                                 reps, rep_of)
+            res = ex.merge_exact(fuzzy(sub, Path(str(sig_dir) + "-exact")), reps, rep_of)
             sub.close()
         else:
             exact_s = round(time.perf_counter() - t_exact, 3)
-            res = dd.dedup_store(store, sig_dir, shingle, lsh, d.chunk_size, cfg.num_workers, d.verify_block_docs,
-                                 cfg.progress, candidates)
+            res = fuzzy(store, sig_dir)
         res.seconds = {"exact": exact_s, **res.seconds}
         clusters = res.clusters
         rows, removed = dd.duplicate_rows(store, clusters, res.link, lambda root, m: res.to_survivor[m])
