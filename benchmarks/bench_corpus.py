@@ -248,7 +248,7 @@ def markov_corpus(words: list[str], n: int, doc_words: int = 300, near_frac: flo
     return docs
 
 
-def e2e(n: int, workers: int, code_root: Path, tmp: Path, keep: Path | None) -> None:
+def e2e(n: int, workers: int, code_root: Path, tmp: Path, keep: Path | None, overrides: list[str]) -> None:
     """Full build of ``n`` generated documents, one process per stage (see module docstring, part 4)."""
     words = real_words([DATA / "botchan.txt", DATA / "tinyshakespeare.txt"])
     t = time.perf_counter()
@@ -259,7 +259,7 @@ def e2e(n: int, workers: int, code_root: Path, tmp: Path, keep: Path | None) -> 
             f.write(json.dumps({"id": f"doc-{i}", "text": text}) + "\n")
     mb = inp.stat().st_size / 1e6
     print(f"\n## end to end, one process per stage: {n} documents, {mb:.1f} MB jsonl, workers={workers}, "
-          f"code {code_root} (generated in {time.perf_counter() - t:.1f} s)")
+          f"code {code_root} (generated in {time.perf_counter() - t:.1f} s), overrides {overrides}")
     out = tmp / "out"
     cfg = tmp / "cfg.yaml"
     cfg.write_text(json.dumps({"output_dir": str(out), "sources": [{"type": "jsonl", "path": str(inp),
@@ -272,7 +272,7 @@ def e2e(n: int, workers: int, code_root: Path, tmp: Path, keep: Path | None) -> 
     print("|---|---|---|---|---|---|---|")
     total = 0.0
     for stage in ("ingest", "tokenizer", "filter", "dedup", "export"):
-        run = subprocess.run([sys.executable, "-m", "data_pipeline", "stage", stage, "--config", str(cfg)],
+        run = subprocess.run([sys.executable, "-m", "data_pipeline", "stage", stage, "--config", str(cfg), *overrides],
                              cwd=code_root, env=env, capture_output=True, text=True)
         if run.returncode != 0:
             raise SystemExit(f"stage {stage} failed:\n{run.stderr[-3000:]}")
@@ -312,6 +312,8 @@ def main() -> None:
                     help="only part 4: end-to-end build of this many generated documents, a process per stage")
     ap.add_argument("--code-root", default=str(ROOT), help="checkout whose data_pipeline runs the stages (part 4)")
     ap.add_argument("--keep", default=None, help="copy part 4's output folder here (to compare two builds)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="part 4: config overrides, e.g. dedup.exact=true executor=ray ray.address=127.0.0.1:6379")
     ap.add_argument("--datatrove-python", default=None,
                     help="python of a separate venv with datatrove installed (optional comparison)")
     ap.add_argument("--textdedup-python", default=None,
@@ -322,7 +324,7 @@ def main() -> None:
         try:
             print(f"load average (1/5/15 min) at start: {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
             e2e(args.e2e_docs, args.workers, Path(args.code_root).resolve(), tmp,
-                Path(args.keep) if args.keep else None)
+                Path(args.keep) if args.keep else None, args.set)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return
