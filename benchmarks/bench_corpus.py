@@ -272,7 +272,7 @@ def e2e(n: int, workers: int, code_root: Path, tmp: Path, keep: Path | None, ove
     print("|---|---|---|---|---|---|---|")
     total = 0.0
     for stage in ("ingest", "tokenizer", "filter", "dedup", "export"):
-        run = subprocess.run([sys.executable, "-m", "data_pipeline", "stage", stage, "--config", str(cfg), *overrides],
+        run = subprocess.run([sys.executable, "-m", "data_pipeline", "stage", stage, *overrides, "--config", str(cfg)],
                              cwd=code_root, env=env, capture_output=True, text=True)
         if run.returncode != 0:
             raise SystemExit(f"stage {stage} failed:\n{run.stderr[-3000:]}")
