@@ -12,21 +12,31 @@ signature. Collision probability for n documents: about n^2 / 2^129.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
 
 from .dedup import DedupResult
-from .store import DocStore, ShardWriter, reset_dir
+from .store import DocStore, atomic_save_npy, atomic_write_json, reset_dir, shard_name
 
 KEY = "blake2b-128 of the cleaned text's UTF-8 bytes"
 
 
+def text_key(text: str) -> np.ndarray:
+    """uint64[2]: the key of one cleaned text."""
+    return np.frombuffer(hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest(), np.uint64)
+
+
 def text_keys(store: DocStore) -> np.ndarray:
-    """uint64[n, 2]: the key of every stored document, in store order."""
+    """uint64[n, 2]: the key of every stored document, in store order — from the ``docs-K.key.npy`` files
+    the filter stage writes (hashed while it had the text), else by reading the texts again."""
+    files = [store.folder / f"{shard_name(k)}.key.npy" for k in store.shards]
+    if all(f.exists() for f in files):
+        return np.concatenate([np.load(f) for f in files]) if files else np.zeros((0, 2), np.uint64)
     keys = np.empty((len(store), 2), dtype=np.uint64)
     for pos, rec in enumerate(store):
-        keys[pos] = np.frombuffer(hashlib.blake2b(rec["text"].encode("utf-8"), digest_size=16).digest(), np.uint64)
+        keys[pos] = text_key(rec["text"])
     return keys
 
 
@@ -46,21 +56,24 @@ def exact_representatives(keys: np.ndarray) -> np.ndarray:
 
 
 def write_subset(store: DocStore, keep: np.ndarray, folder: Path) -> DocStore:
-    """A store of the documents at positions ``keep`` (sorted), one shard per source shard, in order."""
+    """A store of the documents at positions ``keep`` (sorted), one shard per source shard, in order.
+    Lines are copied as bytes (no JSON decoding); the index gets their new offsets."""
     reset_dir(folder)
     want = np.zeros(len(store), dtype=bool)
     want[keep] = True
-    pos = 0
-    sizes = dict(zip(*np.unique(store.shard_of, return_counts=True)))
     for k in store.shards:
-        w = ShardWriter(folder, k)
-        n = 0
-        for rec in store.iter_range(pos, pos + int(sizes.get(k, 0))):
-            if want[pos]:
-                w.add(rec["i"], rec["src"], rec["text"])
-                n += 1
-            pos += 1
-        w.commit({"kept": n})
+        lo, hi = np.searchsorted(store.shard_of, [k, k + 1])  # shards are stored in order
+        rows = lo + np.flatnonzero(want[lo:hi])
+        src = (store.folder / f"{shard_name(k)}.jsonl").read_bytes()
+        tab = store.table[rows]
+        lens = tab[:, 2]
+        idx = np.stack([tab[:, 0], np.concatenate([[0], np.cumsum(lens)[:-1]]), lens], axis=1) if len(rows) \
+            else np.zeros((0, 3), np.int64)
+        tmp = folder / f"{shard_name(k)}.jsonl.tmp{os.getpid()}"
+        tmp.write_bytes(b"".join(src[o:o + n] for o, n in tab[:, 1:].tolist()))
+        os.replace(tmp, folder / f"{shard_name(k)}.jsonl")
+        atomic_save_npy(folder / f"{shard_name(k)}.idx.npy", idx.astype(np.int64))
+        atomic_write_json(folder / f"{shard_name(k)}.done.json", {"kept": int(len(rows))})
     return DocStore(folder)
 
 

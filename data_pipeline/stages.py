@@ -342,6 +342,7 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
     src_s, dst_s, k, spec, min_tokens, count_eod, batch = args
     from .tokenizer import load_tokenizer
 
+    from .exact_dedup import text_key
     from .indexed_dataset import best_dtype
 
     tok = load_tokenizer(spec)
@@ -349,6 +350,7 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
     too_short, kept, tokens = 0, 0, 0
     examples = []
     kept_ids: list[np.ndarray] = []  # the kept documents' token ids, reused by export (tokenized once)
+    keys: list[np.ndarray] = []  # exact-dedup keys of the kept documents (hashed while the text is at hand)
     dtype = best_dtype(tok.vocab_size)
     try:
         recs = list(iter_shard(Path(src_s), k))
@@ -359,6 +361,7 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
                 if n >= min_tokens:
                     writer.add(rec["i"], rec["src"], rec["text"], **_uid_extra(rec), ntok=n)
                     kept_ids.append(np.asarray(ids, dtype=dtype))
+                    keys.append(text_key(rec["text"]))
                     kept += 1
                     tokens += n
                 else:
@@ -367,6 +370,8 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
                         examples.append({"i": rec["i"], "src": rec["src"], "tokens": n})
         info = {"in": len(recs), "kept": kept, "too_short": too_short, "tokens": tokens, "examples": examples}
         save_token_ids(Path(dst_s), k, kept_ids, dtype)
+        atomic_save_npy(Path(dst_s) / f"{shard_name(k)}.key.npy",
+                        np.stack(keys) if keys else np.zeros((0, 2), np.uint64))
         writer.commit(info)
         return info
     except BaseException:
