@@ -268,21 +268,26 @@ def e2e(n: int, workers: int, code_root: Path, tmp: Path, keep: Path | None, ove
                                "tokenizer": {"vocab_size": 8000, "train_max_docs": 20000},
                                "dedup": {"chunk_size": 2000}}))
     env = {**os.environ, "PYTHONPATH": str(code_root)}
-    print("| stage | seconds | docs/s | MB/s per core | peak RSS main (MiB) | peak RSS largest worker (MiB) | load 1 min |")
-    print("|---|---|---|---|---|---|---|")
-    total = 0.0
+    print("| stage | seconds | CPU s | docs/s | MB/s per core | peak RSS main (MiB) | peak RSS largest worker (MiB) "
+          "| load 1 min |")
+    print("|---|---|---|---|---|---|---|---|")
+    total = cpu_total = 0.0
     for stage in ("ingest", "tokenizer", "filter", "dedup", "export"):
+        c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         run = subprocess.run([sys.executable, "-m", "data_pipeline", "stage", stage, *overrides, "--config", str(cfg)],
                              cwd=code_root, env=env, capture_output=True, text=True)
         if run.returncode != 0:
             raise SystemExit(f"stage {stage} failed:\n{run.stderr[-3000:]}")
+        c1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the stage process and its workers (all reaped)
+        cpu = c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
+        cpu_total += cpu
         st = json.loads((out / "work" / stage / "_stage.json").read_text())["stats"]
         secs = st["seconds"]
         total += secs
-        print(f"| {stage} | {secs:.2f} | {st['docs_in'] / secs:,.0f} | {mb / secs / workers:.2f} "
+        print(f"| {stage} | {secs:.2f} | {cpu:.1f} | {st['docs_in'] / secs:,.0f} | {mb / secs / workers:.2f} "
               f"| {st['peak_rss_mib']:.0f} | {st['peak_rss_children_mib']:.0f} | {os.getloadavg()[0]:.1f} |")
     stats = json.loads((out / "work" / "dedup" / "_stage.json").read_text())["stats"]
-    print(f"| total | {total:.2f} | {n / total:,.0f} | {mb / total / workers:.2f} | | | |")
+    print(f"| total | {total:.2f} | {cpu_total:.1f} | {n / total:,.0f} | {mb / total / workers:.2f} | | | |")
     print(f"dedup: removed {stats['removed']}, exact duplicates {stats.get('exact_duplicates', '-')}, "
           f"candidates {stats['candidate_pairs']}, phases {stats.get('phase_seconds')}")
     digest = hashlib.sha256()
