@@ -493,6 +493,7 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
             exact_s = round(time.perf_counter() - t_exact, 3)
             res = ex.merge_exact(fuzzy(sub, Path(str(sig_dir) + "-exact")), reps, rep_of)
             sub.close()
+            shutil.rmtree(sub.folder)  # only the signature step reads it; its fingerprint cache stays
         else:
             exact_s = round(time.perf_counter() - t_exact, 3)
             res = fuzzy(store, sig_dir)
