@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -303,13 +304,14 @@ def _uid_extra(rec: dict[str, Any]) -> dict[str, Any]:
     return {"uid": rec["uid"]} if "uid" in rec else {}
 
 
-def save_token_ids(folder: Path, k: int, ids: list[np.ndarray], dtype: Any) -> None:
+def save_token_ids(folder: Path, k: int, ids: list[list[int]], dtype: Any) -> None:
     """Shard ``k``'s token ids, one row per stored document: ``docs-K.tok.npy`` (concatenated, EOD not
     included) and ``docs-K.tokoff.npy`` (int64 offsets, len = documents + 1). Written before the shard's
     ``.done.json`` marker, so a finished shard always has them."""
     off = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum([len(x) for x in ids], out=off[1:])
-    atomic_save_npy(folder / f"{shard_name(k)}.tok.npy", np.concatenate(ids) if ids else np.zeros(0, dtype))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(off[-1]))  # one pass, no per-doc array
+    atomic_save_npy(folder / f"{shard_name(k)}.tok.npy", flat)
     atomic_save_npy(folder / f"{shard_name(k)}.tokoff.npy", off)
 
 
@@ -349,7 +351,7 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
     writer = ShardWriter(Path(dst_s), k)
     too_short, kept, tokens = 0, 0, 0
     examples = []
-    kept_ids: list[np.ndarray] = []  # the kept documents' token ids, reused by export (tokenized once)
+    kept_ids: list[list[int]] = []  # the kept documents' token ids, reused by export (tokenized once)
     keys: list[np.ndarray] = []  # exact-dedup keys of the kept documents (hashed while the text is at hand)
     dtype = best_dtype(tok.vocab_size)
     try:
@@ -360,7 +362,7 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
                 n = len(ids) + (1 if count_eod else 0)
                 if n >= min_tokens:
                     writer.add(rec["i"], rec["src"], rec["text"], **_uid_extra(rec), ntok=n)
-                    kept_ids.append(np.asarray(ids, dtype=dtype))
+                    kept_ids.append(ids)
                     keys.append(text_key(rec["text"]))
                     kept += 1
                     tokens += n
