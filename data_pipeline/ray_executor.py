@@ -41,6 +41,7 @@ def connect(cfg: BuildConfig) -> Any:
     except ImportError:
         raise ConfigError("executor: ray needs Ray: pip install -e '.[ray]' (or executor: local)") from None
     if not ray.is_initialized():
+        _check_reachable(cfg.ray.address)
         root = str(Path(__file__).resolve().parents[1])
         path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         try:
@@ -51,6 +52,20 @@ def connect(cfg: BuildConfig) -> Any:
                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); start one with "
                               "`ray start --head` or use executor: local") from None
     return ray
+
+
+def _check_reachable(address: str) -> None:
+    """Fail in seconds on a ``host:port`` nobody listens on (``ray.init`` would retry for minutes)."""
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto" / "local": Ray resolves it and fails fast itself
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ConfigError(f"executor: ray: no Ray cluster at ray.address={address!r} ({e}); start one with "
+                          "`ray start --head` or use executor: local") from None
 
 
 def cluster_cpus(ray: Any) -> int:

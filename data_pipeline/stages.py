@@ -703,6 +703,10 @@ def run_stage(cfg: BuildConfig, stage: str) -> dict[str, Any]:
 
 def build(cfg: BuildConfig, force: bool = False) -> tuple[Path, dict[str, Any]]:
     """Run every stage that is not finished for this config (all of them with ``force``)."""
+    if cfg.executor == "ray":  # reach the cluster before any work
+        from .ray_executor import connect
+
+        connect(cfg)
     cfg.out.mkdir(parents=True, exist_ok=True)
     reused: set[str] = set()
     t0 = time.perf_counter()

@@ -153,3 +153,17 @@ def test_ray_build_equals_local_build(tmp_path, ray_cluster):
     assert st_r["dedup"]["executor"] == "ray" and st_l["dedup"]["executor"] == "local"
     for k in ("candidate_pairs", "measured_pairs", "verified_pairs", "clusters", "removed", "exact_duplicates"):
         assert st_r["dedup"][k] == st_l["dedup"][k], k
+
+
+def test_unreachable_cluster_fails_fast_before_any_work(tmp_path):
+    pytest.importorskip("ray")
+    from data_pipeline.config import ConfigError
+
+    cfg = config_from_dict({"output_dir": str(tmp_path / "o"), "sources": [{"type": "default"}], "executor": "ray",
+                            "ray": {"address": f"127.0.0.1:{_free_port()}"}, "progress": False})
+    t = time.time()
+    with pytest.raises(ConfigError, match="no Ray cluster at ray.address"):
+        build(cfg)
+    assert time.time() - t < 30 and not (tmp_path / "o").exists()
+    with pytest.raises(ConfigError, match="executor must be one of"):
+        config_from_dict({"sources": [{"type": "default"}], "executor": "spark"})
