@@ -5,6 +5,7 @@
     python -m data_pipeline status --config configs/data/default.yaml
     python -m data_pipeline dedup-worker --config C --shard I/N --redis redis://host:6379/0  # each machine
     python -m data_pipeline dedup-merge  --config C [--redis URL]  # then `build` exports
+    python -m data_pipeline overlap --corpus DIR --against wikitext103=FILE lambada=FILE [--n 8]
 """
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     for a in (w, m):
         a.add_argument("--edges-dir", default=None,
                        help="folder of shard-*.npz/.json (default: <output_dir>/work/dedup-shards/<basename>)")
+    o = sub.add_parser("overlap", help="percentage of each evaluation set's word n-grams found in a corpus")
+    o.add_argument("--corpus", required=True, help="built corpus folder (documents.jsonl), or jsonl file/folder")
+    o.add_argument("--against", required=True, nargs="+", metavar="NAME=FILE",
+                   help="evaluation sets, e.g. wikitext103=wiki.test.tokens lambada=lambada_test.jsonl")
+    o.add_argument("--n", type=int, default=8, help="n-gram length in words (default 8, the paper's check)")
+    o.add_argument("--workers", type=int, default=0, help="processes (0 = all cores)")
+    o.add_argument("--output", default=None, help="also write the report as JSON here")
+    o.add_argument("-v", "--verbose", action="store_true")
     for a in (b, s, st, w, m):
         a.add_argument("--config", required=True, help="YAML file, e.g. configs/data/default.yaml")
         a.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. dedup.threshold=0.8")
@@ -43,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cmd == "overlap":
+        return _overlap(args)
     try:
         cfg = load_config(args.config, args.overrides)
         if args.cmd == "status":
@@ -76,6 +87,34 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, StageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _overlap(args: argparse.Namespace) -> int:
+    import json
+    import os
+    from pathlib import Path
+
+    from .overlap import OverlapError, overlap_report, parse_against
+
+    try:
+        if args.n < 1:
+            raise OverlapError(f"--n must be >= 1, got {args.n}")
+        rep = overlap_report(Path(args.corpus), parse_against(args.against), args.n,
+                             args.workers or os.cpu_count() or 1, progress=True)
+    except OverlapError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"\n{rep['n']}-gram overlap with {rep['corpus']} ({rep['documents']:,} documents)")
+    print(f"  {'set':<16} {'n-grams':>10} {'found':>10} {'overlap %':>10}")
+    for name, r in rep["sets"].items():
+        print(f"  {name:<16} {r['ngrams']:>10,} {r['found']:>10,} {r['percent']:>10.2f}")
+    if args.output:
+        from .store import atomic_write_json
+
+        atomic_write_json(Path(args.output), rep)
+    else:
+        print(json.dumps(rep))
+    return 0
 
 
 if __name__ == "__main__":

@@ -85,6 +85,9 @@ class DedupConfig:
     redis_db: int = 0
     basename: str | None = None  # Redis key prefix; None: derived from the output dir and settings
     verify_block_docs: int = 20000  # max distinct documents loaded at once during exact verification
+    # exact dedup first (hash of the cleaned text), then MinHash on the survivors; the shipped configs turn it
+    # on; off by default because the dedup-worker/dedup-merge path does not implement it
+    exact: bool = False
 
 
 @dataclass
@@ -94,6 +97,25 @@ class DatasetConfig:
     gpt_prefix: str = "gpt_text_document"
     bert_prefix: str = "bert_text_sentence"
     tokenize_batch: int = 256  # documents per encode_batch call
+
+
+@dataclass
+class DecontaminateConfig:
+    """Export drops every kept document that shares a word ``ngram``-gram with an evaluation set
+    (``data_pipeline/overlap.py``); counted in stats.json, listed in ``contaminated.jsonl``."""
+
+    against: list[str] = field(default_factory=list)  # NAME=FILE items (jsonl with "text", or text lines); [] = off
+    ngram: int = 13  # the GPT-3/Megatron decontamination n-gram
+
+
+@dataclass
+class RayConfig:
+    """``executor: ray`` settings (``data_pipeline/ray_executor.py``)."""
+
+    address: str = "auto"  # an existing cluster: "auto" (RAY_ADDRESS or the local head) or "host:port"
+    num_cpus_per_task: float = 1.0
+    max_retries: int = 3  # a task whose worker dies is rerun (stage functions are idempotent)
+    lsh_partitions: int = 0  # reduce tasks of the LSH band shuffle; 0 = 2 x the cluster's CPUs
 
 
 @dataclass
@@ -109,6 +131,9 @@ class BuildConfig:
     length: LengthConfig = field(default_factory=LengthConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
+    executor: str = "local"  # local: processes on this machine; ray: tasks on a Ray cluster (ray.address)
+    ray: RayConfig = field(default_factory=RayConfig)
     #: directory that relative paths in the config are resolved against (set by load_config)
     base_dir: str = "."
 
@@ -135,6 +160,7 @@ _ENUMS = {
     "tokenizer.flavor": ("gpt", "bert"),
     "dedup.shingle_unit": ("word", "char"),
     "dedup.storage": ("dict", "redis"),
+    "executor": ("local", "ray"),
 }
 
 
@@ -243,6 +269,9 @@ def _validate(cfg: BuildConfig) -> None:
     enum("tokenizer.flavor", cfg.tokenizer.flavor)
     enum("dedup.shingle_unit", cfg.dedup.shingle_unit)
     enum("dedup.storage", cfg.dedup.storage)
+    enum("executor", cfg.executor)
+    if cfg.executor == "ray" and cfg.dedup.storage != "dict":
+        raise ConfigError("executor: ray shuffles LSH bands itself: use dedup.storage=dict")
     t = cfg.tokenizer
     need = {"sentencepiece_model": ["model_file"], "gpt2": ["vocab_file", "merges_file"], "wordpiece": ["vocab_file"],
             "hf": ["model_file"]}.get(t.type, [])
@@ -275,6 +304,15 @@ def _validate(cfg: BuildConfig) -> None:
         raise ConfigError("length.min_tokens >= 0, clean.max_doc_bytes >= 1 and shard_size >= 1 are required")
     if not (cfg.dataset.gpt or cfg.dataset.bert):
         raise ConfigError("dataset.gpt and dataset.bert are both false: enable at least one")
+    dc = cfg.decontaminate
+    if dc.ngram < 1:
+        raise ConfigError(f"decontaminate.ngram must be >= 1, got {dc.ngram}")
+    for item in dc.against:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"decontaminate.against item {item!r} must look like NAME=FILE")
+        if not cfg.resolve(path).is_file():
+            raise ConfigError(f"decontaminate.against {name}: file not found: {cfg.resolve(path)}")
 
 
 def _looks_local(p: str) -> bool:

@@ -15,6 +15,12 @@ def peak_rss_mib() -> tuple[float, float]:
     are "peak so far" (a stage's own peak is at most this)."""
     scale = 1 / 1024 if sys.platform != "darwin" else 1 / (1024 * 1024)
     me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    try:  # Linux: VmHWM is this process's own peak; ru_maxrss also carries the peak of the process that
+        # exec'd it (a large launcher would show up as every stage's peak)
+        with open("/proc/self/status") as f:
+            me = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration, ValueError):
+        pass
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale
     return round(me, 1), round(kids, 1)
 

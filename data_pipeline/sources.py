@@ -43,6 +43,7 @@ class RawRecord:
     text: str | None  # None when rejected
     reason: str | None = None
     detail: str = ""  # for the rejects file: error message and/or a prefix of the raw input
+    uid: Any = None  # the user's own id (``id_field``), kept verbatim for documents.jsonl's "id"
 
 
 def _snippet(b: bytes | str, n: int = 200) -> str:
@@ -131,6 +132,7 @@ def read_jsonl(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawRec
                 rec = _check_text(sid, obj.get(src.text_field), src.text_field, max_bytes)
                 if src.id_field and obj.get(src.id_field) is not None:
                     rec.src = f"{sid}#{obj[src.id_field]}"
+                    rec.uid = obj[src.id_field]
                 yield rec
     except (OSError, EOFError, gzip.BadGzipFile, ValueError) as e:  # truncated/corrupt gzip, I/O errors
         yield RawRecord(f"{path}:{lineno + 1}", None, "unreadable_file", f"{type(e).__name__}: {e}")
@@ -211,7 +213,9 @@ def read_parquet(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawR
                     yield RawRecord(sid, None, "non_string_field", f"column type "
                                     f"{pf.schema_arrow.field(src.text_field).type}: " + _snippet(repr(t)))
                 else:
-                    yield _check_text(sid, t, src.text_field, max_bytes)
+                    rec = _check_text(sid, t, src.text_field, max_bytes)
+                    rec.uid = i
+                    yield rec
     except (OSError, pa.ArrowException) as e:
         yield RawRecord(f"{path}[{row}]", None, "unreadable_file", f"{type(e).__name__}: {e}")
 
@@ -241,7 +245,10 @@ def read_hf(cfg: BuildConfig, src: SourceConfig, max_bytes: int) -> Iterator[Raw
             if src.id_field and ex.get(src.id_field) is not None:
                 sid += f"#{ex[src.id_field]}"
             row += 1
-            yield _check_text(sid, ex.get(src.text_field), src.text_field, max_bytes)
+            rec = _check_text(sid, ex.get(src.text_field), src.text_field, max_bytes)
+            if src.id_field:
+                rec.uid = ex.get(src.id_field)
+            yield rec
     except Exception as e:  # network, missing split, corrupt arrow: one counted record, not a crash
         yield RawRecord(f"hf:{path}[{row}]", None, "unreadable_file", f"{type(e).__name__}: {e}")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -81,7 +82,10 @@ def fingerprint(cfg: BuildConfig, stage: str) -> str:
     if stage == "dedup":
         return _digest(["dedup", fingerprint(cfg, "filter"), _dedup_result_keys(cfg)])
     if stage == "export":
-        return _digest(["export", fingerprint(cfg, "dedup"), dataclasses.asdict(cfg.dataset)])
+        parts = ["export", fingerprint(cfg, "dedup"), dataclasses.asdict(cfg.dataset)]
+        if cfg.decontaminate.against:  # unchanged fingerprint when decontamination is off
+            parts.append([cfg.decontaminate.ngram, _decontam_files(cfg)])
+        return _digest(parts)
     raise ValueError(stage)
 
 
@@ -92,6 +96,15 @@ def _file_stats(cfg: BuildConfig) -> list[Any]:
         if v:
             st = os.stat(cfg.resolve(v))
             out.append([k, st.st_size, int(st.st_mtime)])
+    return out
+
+
+def _decontam_files(cfg: BuildConfig) -> list[Any]:
+    out = []
+    for item in cfg.decontaminate.against:
+        name, _, path = item.partition("=")
+        st = os.stat(cfg.resolve(path))
+        out.append([name, str(cfg.resolve(path)), st.st_size, int(st.st_mtime)])
     return out
 
 
@@ -149,7 +162,7 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool]) -> di
             if rec.text is not None:
                 text = clean_text(rec.text, use_ftfy, ws)
                 if text:
-                    writer.add(i, rec.src, text)
+                    writer.add(i, rec.src, text, **_uid_of(rec))
                     counts["clean"] += 1
                     continue
                 rec = RawRecord(rec.src, None, "empty", "no text left after cleaning: " + repr(rec.text[:100]))
@@ -162,6 +175,13 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool]) -> di
     except BaseException:
         writer.abort()
         raise
+
+
+def _uid_of(rec: RawRecord) -> dict[str, Any]:
+    """``{"uid": id}`` for a record with a user id (JSON scalars kept as they are, anything else as str)."""
+    if rec.uid is None:
+        return {}
+    return {"uid": rec.uid if isinstance(rec.uid, (str, int, float, bool)) else str(rec.uid)}
 
 
 def _shards_of(records: Iterator[RawRecord], size: int) -> Iterator[tuple[int, int, list[RawRecord]]]:
@@ -190,10 +210,25 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
         while len(pending) > limit:
             bar.update(pending.pop(0).get()["read"])
 
+    if cfg.executor == "ray":  # one Ray task per shard; same shard function, same files
+        from .ray_executor import ray_map
+
+        def ray_jobs() -> Iterator[tuple[str, int, list[RawRecord], int, bool, bool]]:
+            for k, first, recs in _shards_of(iter_records(cfg), cfg.shard_size):
+                if k in done:
+                    bar.update(len(recs))
+                    continue
+                yield (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace)
+
+        try:
+            for info in ray_map(cfg, _ingest_shard, ray_jobs()):
+                bar.update(info["read"])
+        finally:
+            bar.close()
     ctx = get_context("fork")
-    pool = ctx.Pool(workers) if workers > 1 else None
+    pool = ctx.Pool(workers) if workers > 1 and cfg.executor == "local" else None
     try:
-        for k, first, recs in _shards_of(iter_records(cfg), cfg.shard_size):
+        for k, first, recs in (_shards_of(iter_records(cfg), cfg.shard_size) if cfg.executor == "local" else ()):
             if k in done:
                 bar.update(len(recs))
                 continue
@@ -271,14 +306,61 @@ def load_stage_tokenizer(cfg: BuildConfig) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ filter
+def _uid_extra(rec: dict[str, Any]) -> dict[str, Any]:
+    """The user's id of a store record (``id_field``), carried from ingest to export when there is one."""
+    return {"uid": rec["uid"]} if "uid" in rec else {}
+
+
+def save_token_ids(folder: Path, k: int, ids: list[list[int]], dtype: Any) -> None:
+    """Shard ``k``'s token ids, one row per stored document: ``docs-K.tok.npy`` (concatenated, EOD not
+    included) and ``docs-K.tokoff.npy`` (int64 offsets, len = documents + 1). Written before the shard's
+    ``.done.json`` marker, so a finished shard always has them."""
+    off = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum([len(x) for x in ids], out=off[1:])
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(off[-1]))  # one pass, no per-doc array
+    atomic_save_npy(folder / f"{shard_name(k)}.tok.npy", flat)
+    atomic_save_npy(folder / f"{shard_name(k)}.tokoff.npy", off)
+
+
+class TokenIds:
+    """Random access to the filter stage's token ids by store position (``None`` when the filter output
+    predates the token files; export then tokenizes again, with the same result)."""
+
+    def __init__(self, store: DocStore):
+        self.folder = store.folder
+        self.ok = all((store.folder / f"{shard_name(k)}.tokoff.npy").exists() for k in store.shards)
+        counts = np.bincount(np.searchsorted(store.shards, store.shard_of), minlength=len(store.shards)) \
+            if len(store) else np.zeros(len(store.shards), np.int64)
+        self.first = dict(zip(store.shards, np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()))
+        self.shard_of = store.shard_of
+        self._k: int | None = None
+        self._tok: np.ndarray | None = None
+        self._off: np.ndarray | None = None
+
+    def get(self, pos: int) -> np.ndarray:
+        k = int(self.shard_of[pos])
+        if k != self._k:  # export reads in order: one shard's arrays at a time
+            self._tok = np.load(self.folder / f"{shard_name(k)}.tok.npy", mmap_mode="r")
+            self._off = np.load(self.folder / f"{shard_name(k)}.tokoff.npy")
+            self._k = k
+        j = pos - self.first[k]
+        return self._tok[self._off[j]:self._off[j + 1]]  # type: ignore[index]
+
+
 def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) -> dict[str, Any]:
     src_s, dst_s, k, spec, min_tokens, count_eod, batch = args
     from .tokenizer import load_tokenizer
+
+    from .exact_dedup import text_key
+    from .indexed_dataset import best_dtype
 
     tok = load_tokenizer(spec)
     writer = ShardWriter(Path(dst_s), k)
     too_short, kept, tokens = 0, 0, 0
     examples = []
+    kept_ids: list[list[int]] = []  # the kept documents' token ids, reused by export (tokenized once)
+    keys: list[np.ndarray] = []  # exact-dedup keys of the kept documents (hashed while the text is at hand)
+    dtype = best_dtype(tok.vocab_size)
     try:
         recs = list(iter_shard(Path(src_s), k))
         for s in range(0, len(recs), batch):
@@ -286,7 +368,9 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
             for rec, ids in zip(part, tok.encode_batch([r["text"] for r in part])):
                 n = len(ids) + (1 if count_eod else 0)
                 if n >= min_tokens:
-                    writer.add(rec["i"], rec["src"], rec["text"], ntok=n)
+                    writer.add(rec["i"], rec["src"], rec["text"], **_uid_extra(rec), ntok=n)
+                    kept_ids.append(ids)
+                    keys.append(text_key(rec["text"]))
                     kept += 1
                     tokens += n
                 else:
@@ -294,6 +378,9 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
                     if len(examples) < 3:
                         examples.append({"i": rec["i"], "src": rec["src"], "tokens": n})
         info = {"in": len(recs), "kept": kept, "too_short": too_short, "tokens": tokens, "examples": examples}
+        save_token_ids(Path(dst_s), k, kept_ids, dtype)
+        atomic_save_npy(Path(dst_s) / f"{shard_name(k)}.key.npy",
+                        np.stack(keys) if keys else np.zeros((0, 2), np.uint64))
         writer.commit(info)
         return info
     except BaseException:
@@ -311,7 +398,12 @@ def run_filter(cfg: BuildConfig) -> dict[str, Any]:
     jobs = [(str(src), str(dst), k, spec, cfg.length.min_tokens, cfg.length.count_eod,
              cfg.dataset.tokenize_batch) for k in todo]
     bar = _bar(cfg, desc="filter: count tokens", unit="doc")
-    if cfg.num_workers > 1 and len(jobs) > 1:
+    if cfg.executor == "ray":
+        from .ray_executor import ray_map
+
+        for info in ray_map(cfg, _filter_shard, jobs):
+            bar.update(info["in"])
+    elif cfg.num_workers > 1 and len(jobs) > 1:
         with get_context("fork").Pool(min(cfg.num_workers, len(jobs))) as pool:
             for info in pool.imap_unordered(_filter_shard, jobs):
                 bar.update(info["in"])
@@ -362,7 +454,7 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
                             "survivor": "lowest input index of each union-find cluster",
                             "p_candidate": {str(s): round(dd.candidate_probability(s, lsh.bands, lsh.rows), 4)
                                             for s in (0.5, 0.6, 0.7, 0.75, 0.8, 0.9)},
-                            "storage": d.storage}
+                            "storage": d.storage, "executor": cfg.executor}
     removed: list[int] = []
     clusters: dict[int, list[int]] = {}
     rows: list[dict[str, Any]] = []
@@ -387,27 +479,86 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
                     (folder / "sigs.npy").unlink(missing_ok=True)
                 return np.asarray(sorted(found), dtype=np.int64).reshape(-1, 2)
 
-        res = dd.dedup_store(store, sig_dir, shingle, lsh, d.chunk_size, cfg.num_workers, d.verify_block_docs,
-                             cfg.progress, candidates)
+        from . import exact_dedup as ex
+
+        def fuzzy(st: DocStore, sdir: Path) -> Any:
+            cand = candidates
+            if cfg.executor == "ray":  # signature chunks and the LSH band shuffle as Ray tasks
+                from .ray_executor import band_shuffle_pairs, ray_sign_chunks
+
+                ray_sign_chunks(cfg, st, sdir, lsh.num_perm, lsh.seed, shingle, d.chunk_size)
+
+                def cand(sigs: np.ndarray, active: np.ndarray) -> np.ndarray:
+                    return band_shuffle_pairs(cfg, sdir, len(st), d.chunk_size, lsh.bands, lsh.rows)
+            return dd.dedup_store(st, sdir, shingle, lsh, d.chunk_size, cfg.num_workers, d.verify_block_docs,
+                                  cfg.progress, cand)
+
+        t_exact = time.perf_counter()
+        rep_of = ex.exact_representatives(ex.text_keys(store)) if d.exact else np.arange(n)
+        reps = np.flatnonzero(rep_of == np.arange(n))
+        info["exact"] = {"enabled": d.exact, "key": ex.KEY, "duplicates": n - len(reps)}
+        if len(reps) < n:  # fuzzy dedup of the exact-group survivors only, then the copies are merged back
+            sub = ex.write_subset(store, reps, folder / "exact-survivors")
+            exact_s = round(time.perf_counter() - t_exact, 3)
+            res = ex.merge_exact(fuzzy(sub, Path(str(sig_dir) + "-exact")), reps, rep_of)
+            sub.close()
+            shutil.rmtree(sub.folder)  # only the signature step reads it; its fingerprint cache stays
+        else:
+            exact_s = round(time.perf_counter() - t_exact, 3)
+            res = fuzzy(store, sig_dir)
+        res.seconds = {"exact": exact_s, **res.seconds}
         clusters = res.clusters
         rows, removed = dd.duplicate_rows(store, clusters, res.link, lambda root, m: res.to_survivor[m])
         store.close()
+        info.update(exact_duplicates=n - len(reps), fuzzy_removed=len(removed) - (n - len(reps)))
         info.update(documents=n, unsignatured=int((~res.active).sum()), candidate_pairs=res.candidates,
                     verified_pairs=res.accepted, rejected_candidates=res.rejected,
                     skipped_candidates=res.skipped, measured_pairs=res.verified,
                     clusters=len(clusters), removed=len(removed), phase_seconds=res.seconds)
         times = info["phase_seconds"]
     else:
+        info.update(exact_duplicates=0, fuzzy_removed=0)
         info.update(documents=n, unsignatured=0, candidate_pairs=0, verified_pairs=0, rejected_candidates=0,
                     skipped_candidates=0, measured_pairs=0, clusters=0, removed=0)
     atomic_save_npy(folder / "removed.npy", np.asarray(sorted(removed), dtype=np.int64))
     write_jsonl_atomic(folder / "duplicates.jsonl", rows)
-    log.info("dedup: %d docs, %d candidate pairs, %d verified, %d clusters, %d removed %s", n,
-             info["candidate_pairs"], info["verified_pairs"], info["clusters"], info["removed"], times)
+    log.info("dedup: %d docs, %d exact duplicates, %d candidate pairs, %d verified, %d clusters, %d removed %s",
+             n, info["exact_duplicates"], info["candidate_pairs"], info["verified_pairs"], info["clusters"],
+             info["removed"], times)
     return _finish(cfg, "dedup", timer.finish(n, **info))
 
 
 # ------------------------------------------------------------------------------------------------ export
+def document_row(rec: dict[str, Any]) -> dict[str, Any]:
+    """A ``documents.jsonl`` row. With the user's id (``id_field``): ``id`` is that id, unchanged, and
+    ``source`` the provenance (``path:line``, ``path[row]``, ...); without one, ``id`` is the provenance."""
+    if "uid" in rec:
+        suffix = f"#{rec['uid']}"
+        src = rec["src"][:-len(suffix)] if rec["src"].endswith(suffix) else rec["src"]
+        return {"id": rec["uid"], "i": rec["i"], "source": src, "text": rec["text"]}
+    return {"id": rec["src"], "i": rec["i"], "text": rec["text"]}
+
+
+def _decontaminate(cfg: BuildConfig, store: DocStore, removed: set[int]) -> dict[int, list[str]]:
+    """Store positions of documents kept by dedup that share a ``decontaminate.ngram``-gram with an
+    evaluation set → the sets' names; written to ``contaminated.jsonl`` (always, empty when off)."""
+    from .overlap import contaminated_positions, load_eval_set
+
+    found: dict[int, list[str]] = {}
+    if cfg.decontaminate.against:
+        sets = [load_eval_set(name, cfg.resolve(p), cfg.decontaminate.ngram)
+                for name, _, p in (x.partition("=") for x in cfg.decontaminate.against)]
+        texts = (rec["text"] for rec in store)
+        found = {pos: names for pos, names in contaminated_positions(texts, sets, cfg.num_workers, cfg.progress)
+                 if pos not in removed}
+    rows = []
+    for pos in sorted(found):
+        rec = store.get(pos)
+        rows.append({"id": document_row(rec)["id"], "i": rec["i"], "sets": found[pos]})
+    write_jsonl_atomic(cfg.out / "contaminated.jsonl", rows)
+    return found
+
+
 def run_export(cfg: BuildConfig) -> dict[str, Any]:
     from .corpus import write_manifest
     from .indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
@@ -423,22 +574,34 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     tok = load_stage_tokenizer(cfg)
     store = DocStore(work_dir(cfg, "filter"))
     removed = set(np.load(work_dir(cfg, "dedup") / "removed.npy").tolist())
+    contaminated = _decontaminate(cfg, store, removed)
     dtype = best_dtype(tok.vocab_size)
     gpt = MMapIndexedDatasetBuilder(out / cfg.dataset.gpt_prefix, dtype) if cfg.dataset.gpt else None
     bert = MMapIndexedDatasetBuilder(out / cfg.dataset.bert_prefix, dtype) if cfg.dataset.bert else None
     docs_tmp = out / f"documents.jsonl.tmp{os.getpid()}"
     kept = tokens = sentences = 0
     batch: list[dict[str, Any]] = []
+    batch_pos: list[int] = []
     bar = _bar(cfg, total=len(store), desc="export: tokenize+write", unit="doc")
+
+    cached = TokenIds(store)
+    eod = np.asarray([tok.eod], dtype=dtype)
 
     def flush(f: Any) -> None:
         nonlocal tokens, sentences
         texts = [r["text"] for r in batch]
         if gpt is not None:
-            for ids in tok.encode_batch(texts):
-                gpt.add_item(np.asarray(ids + [tok.eod], dtype=np.int64))
-                gpt.end_document()
-                tokens += len(ids) + 1
+            if cached.ok:  # the filter's ids: each document is tokenized once per build
+                for pos in batch_pos:
+                    ids = cached.get(pos)
+                    gpt.add_item(np.concatenate([ids, eod]))
+                    gpt.end_document()
+                    tokens += len(ids) + 1
+            else:
+                for ids in tok.encode_batch(texts):
+                    gpt.add_item(np.asarray(ids + [tok.eod], dtype=np.int64))
+                    gpt.end_document()
+                    tokens += len(ids) + 1
         if bert is not None:
             for text in texts:
                 sents = split_sentences(text)
@@ -448,17 +611,19 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
                 if gpt is None:
                     tokens += sum(len(x) for x in items)
         for r in batch:
-            f.write(json.dumps({"id": r["src"], "i": r["i"], "text": r["text"]}, ensure_ascii=False) + "\n")
+            f.write(json.dumps(document_row(r), ensure_ascii=False) + "\n")
         bar.update(len(batch))
         batch.clear()
+        batch_pos.clear()
 
     try:
         with open(docs_tmp, "w", encoding="utf-8") as f:
             for pos, rec in enumerate(store):
-                if pos in removed:
+                if pos in removed or pos in contaminated:
                     bar.update(1)
                     continue
                 batch.append(rec)
+                batch_pos.append(pos)
                 kept += 1
                 if len(batch) >= cfg.dataset.tokenize_batch:
                     flush(f)
@@ -483,7 +648,9 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     shutil.copyfile(work_dir(cfg, "dedup") / "duplicates.jsonl", tmp)
     os.replace(tmp, out / "duplicates.jsonl")
 
-    exp = timer.finish(len(store), kept=kept, tokens=tokens, sentences=sentences)
+    exp = timer.finish(len(store), kept=kept, tokens=tokens, sentences=sentences, contaminated=len(contaminated),
+                       decontaminate={"ngram": cfg.decontaminate.ngram, "against": cfg.decontaminate.against}
+                       if cfg.decontaminate.against else None)
     _finish(cfg, "export", exp)
     stats = assemble_stats(cfg)
     atomic_write_json(out / "stats.json", stats)
@@ -503,6 +670,7 @@ def assemble_stats(cfg: BuildConfig, reused: set[str] | None = None) -> dict[str
     exp = _require(cfg, "export")
     read, malformed = ing["read"], ing["rejected"]
     too_short, dups, kept = flt["too_short"], ded["removed"], exp["kept"]
+    contaminated = exp.get("contaminated", 0)
     stage_stats = {s: {**{k: _require(cfg, s)[k] for k in ("seconds", "docs_in", "docs_per_s", "peak_rss_mib",
                                                              "peak_rss_children_mib")},
                        "reused": s in (reused or set())} for s in STAGES}
@@ -510,7 +678,8 @@ def assemble_stats(cfg: BuildConfig, reused: set[str] | None = None) -> dict[str
     return {
         "output_dir": str(cfg.out),
         "documents": {"read": read, "malformed": malformed, "too_short": too_short, "duplicates": dups,
-                      "kept": kept, "reconciles": read == malformed + too_short + dups + kept},
+                      "contaminated": contaminated, "kept": kept,
+                      "reconciles": read == malformed + too_short + dups + contaminated + kept},
         "malformed_by_reason": ing["rejected_by_reason"],
         "tokens": {"kept": exp["tokens"], "includes_eod": bool(cfg.dataset.gpt), "sentences": exp["sentences"]},
         "length_filter": {"min_tokens": flt["min_tokens"], "count_eod": flt["count_eod"],
@@ -541,6 +710,10 @@ def run_stage(cfg: BuildConfig, stage: str) -> dict[str, Any]:
 
 def build(cfg: BuildConfig, force: bool = False) -> tuple[Path, dict[str, Any]]:
     """Run every stage that is not finished for this config (all of them with ``force``)."""
+    if cfg.executor == "ray":  # reach the cluster before any work
+        from .ray_executor import connect
+
+        connect(cfg)
     cfg.out.mkdir(parents=True, exist_ok=True)
     reused: set[str] = set()
     t0 = time.perf_counter()
