@@ -29,12 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from training.distributed import init_distributed
+    from training.safe_load import CheckpointError
     from training.trainer import Trainer, TrainingAborted
 
     init_distributed()
     try:
         trainer = Trainer(cfg)
         trainer.train()
+    except CheckpointError as e:  # unsafe, truncated or missing checkpoint files, a bad `latest`
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
