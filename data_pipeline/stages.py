@@ -58,7 +58,8 @@ def work_dir(cfg: BuildConfig, stage: str) -> Path:
 
 def _dedup_result_keys(cfg: BuildConfig) -> dict[str, Any]:
     d = dataclasses.asdict(cfg.dedup)
-    for k in ("chunk_size", "storage", "redis_host", "redis_port", "redis_db", "basename", "verify_block_docs"):
+    for k in ("chunk_size", "storage", "redis_host", "redis_port", "redis_db", "basename", "verify_block_docs",
+              "redis_password_env", "redis_username", "redis_tls", "redis_ca_certs"):
         d.pop(k)
     return d
 
@@ -369,14 +370,14 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
             basename = d.basename or f"dp-{_digest([str(cfg.out), fingerprint(cfg, 'dedup')])}"
 
             def candidates(sigs: np.ndarray, active: np.ndarray) -> np.ndarray:
-                dd.redis_clear(d.redis_host, d.redis_port, d.redis_db, basename)
+                dd.redis_clear(d.redis_host, d.redis_port, d.redis_db, basename, **dd.redis_auth(d))
                 atomic_save_npy(folder / "sigs.npy", sigs)
                 atomic_save_npy(folder / "active.npy", active)
-                storage = dd.redis_storage_config(d.redis_host, d.redis_port, d.redis_db, basename)
+                storage = dd.redis_storage_config(d.redis_host, d.redis_port, d.redis_db, basename, **dd.redis_auth(d))
                 try:
                     found = dd.candidates_redis(folder / "sigs.npy", lsh, storage, max(1, cfg.num_workers))
                 finally:
-                    dd.redis_clear(d.redis_host, d.redis_port, d.redis_db, basename)
+                    dd.redis_clear(d.redis_host, d.redis_port, d.redis_db, basename, **dd.redis_auth(d))
                     (folder / "sigs.npy").unlink(missing_ok=True)
                 return np.asarray(sorted(found), dtype=np.int64).reshape(-1, 2)
 
