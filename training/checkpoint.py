@@ -193,6 +193,11 @@ def load(trainer) -> bool:
     if tag is None:
         return False
     meta = read_client_state(trainer.run_dir, tag)
+    saved_sha = (meta.get("tokenizer") or {}).get("sha256")
+    if saved_sha and saved_sha != trainer.task.tokenizer.file_sha256():
+        raise CheckpointError(f"checkpoint {trainer.run_dir}/checkpoints/{tag} was trained with another tokenizer "
+                              f"(file sha256 {saved_sha} vs now {trainer.task.tokenizer.file_sha256()}): resume with "
+                              f"the original tokenizer files or start a new run.dir")
     saved = meta["parallel"]
     if (saved["tp"], saved["pp"]) != (trainer.ps.dims.tp, trainer.ps.dims.pp):
         raise ConfigError(f"checkpoint {trainer.run_dir}/checkpoints/{tag} was saved with TP={saved['tp']} "
