@@ -383,6 +383,22 @@ def sign_chunk(args: tuple[str, int, int, str, int, int, int, str]) -> tuple[int
     return start, stop - start
 
 
+def remove_stale_tmp(folder: Path, min_age_s: float = 600.0) -> int:
+    """Delete ``*.tmp*`` files that a killed run left in ``folder`` (atomic writes in progress are
+    younger than ``min_age_s``: another live worker sharing the folder keeps its own). Returns how many."""
+    now, n = time.time(), 0
+    for f in folder.glob("*.tmp*"):
+        try:
+            if f.is_file() and now - f.stat().st_mtime > min_age_s:
+                f.unlink()
+                n += 1
+        except OSError:
+            pass
+    if n:
+        log.info("removed %d leftover temporary file(s) of an interrupted run from %s", n, folder)
+    return n
+
+
 def compute_signatures(store: DocStore, sig_dir: Path, num_perm: int, seed: int, spec: ShingleSpec,
                        chunk_size: int, workers: int, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """All signatures of a store (and the fingerprint sets, on disk in ``sig_dir``), computed in
@@ -390,6 +406,7 @@ def compute_signatures(store: DocStore, sig_dir: Path, num_perm: int, seed: int,
     from tqdm import tqdm
 
     sig_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(sig_dir)
     n = len(store)
     starts = list(range(0, n, chunk_size))
     todo = [s for s in starts if not _chunk_files(sig_dir, s)["sig"].exists()]

@@ -133,7 +133,8 @@ def _signature_dir(cfg: BuildConfig) -> Path:
     """The single-machine stage's signature folder (same expression as ``stages.run_dedup``)."""
     d = cfg.dedup
     return cfg.out / "work" / ("signatures-" + _digest([fingerprint(cfg, "filter"), d.num_perm, d.seed,
-                                                        d.shingle_size, d.shingle_unit, dd.FINGERPRINT_VERSION]))
+                                                        d.shingle_size, d.shingle_unit, dd.FINGERPRINT_VERSION,
+                                                        d.chunk_size]))
 
 
 @dataclass
@@ -171,6 +172,7 @@ def _sign_own_chunks(run: _Run, sig_dir: Path, starts: list[int]) -> None:
 
     cfg, n = run.cfg, len(run.store)
     sig_dir.mkdir(parents=True, exist_ok=True)
+    dd.remove_stale_tmp(sig_dir)
     cs = cfg.dedup.chunk_size
     jobs = [(str(run.store.folder), s, min(n, s + cs), str(sig_dir), run.lsh.num_perm, run.lsh.seed,
              run.shingle.n, run.shingle.unit) for s in starts if not (sig_dir / f"sig-{s:012d}.npy").exists()]

@@ -364,7 +364,7 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
     if d.enabled and n:
         sig_dir = cfg.out / "work" / ("signatures-" + _digest([fingerprint(cfg, "filter"), d.num_perm, d.seed,
                                                                  d.shingle_size, d.shingle_unit,
-                                                                 dd.FINGERPRINT_VERSION]))
+                                                                 dd.FINGERPRINT_VERSION, d.chunk_size]))
         candidates = None
         if d.storage == "redis":
             basename = d.basename or f"dp-{_digest([str(cfg.out), fingerprint(cfg, 'dedup')])}"

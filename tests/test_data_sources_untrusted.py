@@ -66,3 +66,49 @@ def test_a_source_yielding_nothing_is_an_error(tmp_path, content):
     assert [r.text for r in iter_source(cfg, cfg.sources[0])] == ["fine"]
     with pytest.raises(ConfigError, match=match):
         list(iter_source(cfg, cfg.sources[1]))
+
+
+def test_chunk_size_change_keeps_dedup_exact_and_stale_tmp_is_removed(tmp_path):
+    """Signatures cached with one dedup.chunk_size must not be reused with another (issue 14 #8)."""
+    import os
+    import time
+
+    import numpy as np
+    import yaml
+
+    from data_pipeline.config import load_config
+    from data_pipeline.planted import planted_corpus, real_words
+    from data_pipeline.stages import build, run_stage, work_dir
+    from tests.distributed import SHARED_DATA
+
+    from pathlib import Path
+    corpus, gpt2 = Path(SHARED_DATA) / "corpus", Path(SHARED_DATA) / "tokenizers" / "gpt2"
+    if not (corpus / "botchan.txt").exists() or not (gpt2 / "gpt2-vocab.json").exists():
+        pytest.skip("shared data absent")
+    docs, _ = planted_corpus(real_words([corpus / "botchan.txt"]), families=8, variants=3, max_edit_frac=0.08, seed=3)
+    src = tmp_path / "docs.jsonl"
+    src.write_bytes(_lines(*docs))
+
+    def config(chunk: int, out: str):
+        cfg = {"output_dir": str(tmp_path / out), "sources": [{"type": "jsonl", "path": str(src)}], "workers": 1,
+               "progress": False, "length": {"min_tokens": 16}, "dedup": {"chunk_size": chunk},
+               "tokenizer": {"type": "gpt2", "vocab_file": str(gpt2 / "gpt2-vocab.json"),
+                             "merges_file": str(gpt2 / "gpt2-merges.txt")}}
+        (tmp_path / f"{out}.yaml").write_text(yaml.safe_dump(cfg))
+        return load_config(tmp_path / f"{out}.yaml")
+
+    removed = lambda cfg: np.load(work_dir(cfg, "dedup") / "removed.npy").tolist()  # noqa: E731
+    a = config(7, "run")
+    build(a)
+    first = removed(a)
+    assert len(first) >= 8
+    sig_dirs = list((a.out / "work").glob("signatures-*"))
+    stale = sig_dirs[0] / "sig-000000000000.npy.tmp999.npy"
+    stale.write_bytes(b"partial")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    b = config(5, "run")  # same output folder, another chunk size
+    run_stage(b, "dedup")
+    assert removed(b) == first
+    assert len(list((a.out / "work").glob("signatures-*"))) == 2
+    run_stage(a, "dedup")  # back to the first chunk size: its cache is reused, the leftover .tmp removed
+    assert removed(a) == first and not stale.exists()
