@@ -149,6 +149,8 @@ def read_jsonl(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawRec
             for line, size in _read_lines_bounded(f, max_bytes):
                 lineno += 1
                 sid = f"{path}:{lineno}"
+                if lineno == 1 and line is not None and line.startswith(b"\xef\xbb\xbf"):
+                    line = line[3:]  # a UTF-8 byte-order mark is not part of the first record
                 if line is None:
                     yield RawRecord(sid, None, "too_large", f"line of {size} bytes > max_doc_bytes={max_bytes}")
                     continue

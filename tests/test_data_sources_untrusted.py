@@ -112,3 +112,13 @@ def test_chunk_size_change_keeps_dedup_exact_and_stale_tmp_is_removed(tmp_path):
     assert len(list((a.out / "work").glob("signatures-*"))) == 2
     run_stage(a, "dedup")  # back to the first chunk size: its cache is reused, the leftover .tmp removed
     assert removed(a) == first and not stale.exists()
+
+
+def test_utf8_bom_does_not_cost_the_first_record(tmp_path):
+    from evaluation.lambada import read_lambada_jsonl
+
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + _lines("first", "second"))
+    cfg = BuildConfig(sources=[SourceConfig(type="jsonl", path=str(f))])
+    assert [(r.text, r.reason) for r in iter_source(cfg, cfg.sources[0])] == [("first", None), ("second", None)]
+    assert read_lambada_jsonl(f) == ["first", "second"]

@@ -3,9 +3,9 @@
 ``torch.load(..., weights_only=False)`` unpickles arbitrary objects: a file whose pickle stream calls
 ``os.system`` (or ``open``, ...) runs that call when it is loaded. Every checkpoint this project reads
 goes through :func:`load` instead: ``weights_only=True`` (tensors, containers, numbers, strings), plus
-the few plain-data DeepSpeed types its checkpoints contain (the ZeRO stage enum, the flat-buffer
-fragment addresses and the fp16 loss scalers of ZeRO optimizer files). Our own client state holds
-only those types (the numpy RNG state is stored as a list, see ``training.checkpoint``).
+the few plain-data types checkpoints contain: numpy arrays (the numpy RNG state of checkpoints written
+before it was stored as a list, see ``training.checkpoint``) and DeepSpeed's ZeRO stage enum, flat-buffer
+fragment addresses and fp16 loss scalers (ZeRO optimizer files).
 
 DeepSpeed's ``TorchCheckpointEngine.load`` calls ``torch.load(weights_only=False)`` for every file
 of ``engine.load_checkpoint`` (model states, ZeRO partitions, pipeline layer files); :func:`install`
@@ -27,9 +27,23 @@ class CheckpointError(ConfigError):
     """A checkpoint file that cannot be loaded safely or at all (one line: which file, why, what to do)."""
 
 
+def _numpy_array_types() -> list:
+    """What a pickled numpy array needs (checkpoints written before the RNG state was stored as a list
+    hold numpy's uint32 key array): reconstruct-an-empty-array, the array and dtype classes. torch
+    documents these as safe to allow; an object array's elements still go through the restricted
+    unpickler."""
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def _deepspeed_safe_types() -> list:
     """Plain-data DeepSpeed classes found in its checkpoints (no custom ``__reduce__``/``__setstate__``)."""
-    types = []
+    types = _numpy_array_types()
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
