@@ -122,3 +122,35 @@ def test_utf8_bom_does_not_cost_the_first_record(tmp_path):
     cfg = BuildConfig(sources=[SourceConfig(type="jsonl", path=str(f))])
     assert [(r.text, r.reason) for r in iter_source(cfg, cfg.sources[0])] == [("first", None), ("second", None)]
     assert read_lambada_jsonl(f) == ["first", "second"]
+
+
+def test_documented_stage_command_with_overrides_after_config(tmp_path, capsys):
+    """`python -m data_pipeline stage dedup --config C dedup.threshold=0.8` (README/docs) works as written."""
+    from pathlib import Path
+
+    import yaml
+
+    from data_pipeline.__main__ import main
+    from data_pipeline.config import load_config
+    from data_pipeline.stages import is_done, run_stage
+    from tests.distributed import SHARED_DATA
+
+    gpt2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
+    if not (gpt2 / "gpt2-vocab.json").exists():
+        pytest.skip("shared data absent")
+    src = tmp_path / "docs.jsonl"
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    src.write_bytes(_lines(*[" ".join(words[(i + k) % 12] for k in range(40)) for i in range(12)]))
+    conf = tmp_path / "c.yaml"
+    conf.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "workers": 1, "progress": False,
+                                    "sources": [{"type": "jsonl", "path": str(src)}], "length": {"min_tokens": 8},
+                                    "tokenizer": {"type": "gpt2", "vocab_file": str(gpt2 / "gpt2-vocab.json"),
+                                                  "merges_file": str(gpt2 / "gpt2-merges.txt")}}))
+    cfg = load_config(conf, ["dedup.threshold=0.8"])
+    for stage in ("ingest", "tokenizer", "filter"):
+        run_stage(cfg, stage)
+    assert main(["stage", "dedup", "--config", str(conf), "dedup.threshold=0.8"]) == 0
+    assert is_done(cfg, "dedup") and not is_done(load_config(conf, []), "dedup")
+    assert "stage dedup finished" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # anything else left over is still refused
+        main(["stage", "dedup", "--config", str(conf), "--bogus"])
