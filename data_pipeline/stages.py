@@ -272,7 +272,7 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
     tok = load_tokenizer(spec)
     writer = ShardWriter(Path(dst_s), k)
     too_short, kept, tokens = 0, 0, 0
-    examples = []
+    examples, short_rows = [], []
     try:
         recs = list(iter_shard(Path(src_s), k))
         for s in range(0, len(recs), batch):
@@ -285,9 +285,12 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
                     tokens += n
                 else:
                     too_short += 1
+                    short_rows.append({"i": rec["i"], "src": rec["src"], "reason": "too_short",
+                                       "detail": f"{n} tokens < length.min_tokens={min_tokens}"})
                     if len(examples) < 3:
                         examples.append({"i": rec["i"], "src": rec["src"], "tokens": n})
         info = {"in": len(recs), "kept": kept, "too_short": too_short, "tokens": tokens, "examples": examples}
+        write_jsonl_atomic(Path(dst_s) / f"{shard_name(k)}.too_short.jsonl", short_rows)  # for rejects.jsonl
         writer.commit(info)
         return info
     except BaseException:
@@ -468,10 +471,18 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     # rejects (all of them, in input order) and the duplicates report
     ingest_dir = work_dir(cfg, "ingest")
     tmp = out / f"rejects.jsonl.tmp{os.getpid()}"
+    filter_dir = work_dir(cfg, "filter")
     with open(tmp, "wb") as f:
         for k in done_shards(ingest_dir):
+            short = filter_dir / f"{shard_name(k)}.too_short.jsonl"
             with open(ingest_dir / f"{shard_name(k)}.rejects.jsonl", "rb") as r:
-                shutil.copyfileobj(r, f)
+                if not short.is_file():  # a filter stage finished before too-short rows were listed
+                    shutil.copyfileobj(r, f)
+                    continue
+                # malformed (ingest) and too-short (filter) records of one shard, in input order
+                rows = [json.loads(x) for x in r] + [json.loads(x) for x in open(short, "rb")]
+            for row in sorted(rows, key=lambda x: x["i"]):
+                f.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
     os.replace(tmp, out / "rejects.jsonl")
     tmp = out / f"duplicates.jsonl.tmp{os.getpid()}"
     shutil.copyfile(work_dir(cfg, "dedup") / "duplicates.jsonl", tmp)

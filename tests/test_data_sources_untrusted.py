@@ -154,3 +154,39 @@ def test_documented_stage_command_with_overrides_after_config(tmp_path, capsys):
     assert "stage dedup finished" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # anything else left over is still refused
         main(["stage", "dedup", "--config", str(conf), "--bogus"])
+
+
+def test_every_record_is_traceable_to_one_output_row(tmp_path):
+    """kept (documents.jsonl), duplicate (duplicates.jsonl), too short or malformed (rejects.jsonl, with a
+    reason): every input index exactly once (issue 14: too-short documents were counted, not listed)."""
+    from pathlib import Path
+
+    import yaml
+
+    from data_pipeline.config import load_config
+    from data_pipeline.stages import build
+    from tests.distributed import SHARED_DATA
+
+    gpt2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
+    if not (gpt2 / "gpt2-vocab.json").exists():
+        pytest.skip("shared data absent")
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+    long_docs = [" ".join(words[(i * 5 + k * 3) % 16] + str(k % (i + 2)) for k in range(40)) for i in range(6)]
+    src = tmp_path / "docs.jsonl"
+    src.write_bytes(_lines(long_docs[0], "too short", long_docs[1], long_docs[0]) + b"{bad json\n"
+                    + _lines(*long_docs[2:], "tiny"))
+    conf = tmp_path / "c.yaml"
+    conf.write_text(yaml.safe_dump({"output_dir": str(tmp_path / "out"), "workers": 1, "progress": False,
+                                    "sources": [{"type": "jsonl", "path": str(src)}], "length": {"min_tokens": 16},
+                                    "tokenizer": {"type": "gpt2", "vocab_file": str(gpt2 / "gpt2-vocab.json"),
+                                                  "merges_file": str(gpt2 / "gpt2-merges.txt")}}))
+    out, stats = build(load_config(conf, []))
+    rows = lambda name: [json.loads(x) for x in (out / name).read_text().splitlines()]  # noqa: E731
+    rejects = rows("rejects.jsonl")
+    assert [(r["i"], r["reason"]) for r in rejects] == [(1, "too_short"), (4, "bad_json"), (9, "too_short")]
+    assert "tokens < length.min_tokens=16" in rejects[0]["detail"]
+    d = stats["documents"]
+    assert d["too_short"] == 2 and d["malformed"] == 1 and d["duplicates"] == 1 and d["reconciles"]
+    kept = [r["i"] for r in rows("documents.jsonl")]
+    dups = [m["i"] for r in rows("duplicates.jsonl") for m in r["removed"]]
+    assert sorted(kept + dups + [r["i"] for r in rejects]) == list(range(10))
