@@ -13,6 +13,9 @@ import logging
 import sys
 
 from .config import ConfigError, load_config
+from .corpus import CorpusError
+from .indexed_dataset import IndexedDatasetError
+from .tokenizer import TokenizerError
 from .stages import STAGES, StageError, build, fingerprint, is_done, run_stage, summary_table
 
 
@@ -79,15 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         print(summary_table(stats))
         print(f"\n  output: {out}  (stats.json, documents.jsonl, duplicates.jsonl, rejects.jsonl, corpus.json)")
         return 0
-    except (ConfigError, StageError) as e:
+    except (ConfigError, StageError, TokenizerError, CorpusError, IndexedDatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # finished stages and shards are kept; rerun the same command to resume
         print("interrupted: finished work is kept, rerun the same command to resume", file=sys.stderr)
         return 130
     except OSError as e:  # disk full, permission denied, a file vanished: the OS's one line
-        print(f"error: {e.strerror or e} ({e.filename or 'output'}): free space or fix permissions, then rerun "
-              f"to resume", file=sys.stderr)
+        print(f"error: {e.strerror or e}: {e.filename or 'output'} (check free disk space and permissions), then "
+              f"rerun the same command to resume", file=sys.stderr)
         return 1
 
 

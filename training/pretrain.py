@@ -45,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingAborted as e:
         print(f"training aborted: {e}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:  # Ctrl-C / SIGINT from the launcher: checkpoints are atomic, latest is intact
+        print("interrupted: the newest complete checkpoint is kept; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except OSError as e:  # disk full, permissions: the checkpoint being written is discarded, `latest` kept
+        print(f"error: {e.strerror or e}: {e.filename or cfg.run.dir} (check free disk space and permissions); the "
+              f"newest complete checkpoint is kept, rerun the same command to resume", file=sys.stderr)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
