@@ -164,3 +164,28 @@ def test_wikitext_one_word_file(tmp_path, capsys):
                  "--no-progress"]) == 2
     line = _one_line(capsys.readouterr().err)
     assert line.startswith("error: ") and "holds 1 word(s): WikiText perplexity needs at least 2" in line
+
+
+@needs_data
+def test_text_files_cache_is_keyed_by_content(tmp_path):
+    """An edit that keeps the size must not reuse the old tokens (the key used to be path + size)."""
+    from training.config import load_config
+    from training.data import resolve_sources
+
+    f = tmp_path / "t.txt"
+    spec = {"kind": "gpt2_bpe", "vocab_file": str(GPT2 / "gpt2-vocab.json"), "merges_file": str(GPT2 / "gpt2-merges.txt")}
+    over = ["data.corpus=null", f"data.text_files=[{f}]", f"data.tokenizer={json.dumps(spec)}", f"run.dir={tmp_path}"]
+    f.write_text("the cat sat on the mat\n")
+    first = resolve_sources(load_config(ROOT / "configs" / "gpt2_tiny.yaml", over)).prefix
+    f.write_text("the dog sat on the mat\n")  # same size, other text
+    assert resolve_sources(load_config(ROOT / "configs" / "gpt2_tiny.yaml", over)).prefix != first
+
+
+def test_latest_and_run_files_are_world_readable(tmp_path):
+    """atomic_write_text (checkpoints/latest, config.json) gives the mode open() would, not mkstemp's 0600."""
+    from training.checkpoint import atomic_write_text
+
+    atomic_write_text(tmp_path / "latest", "iter_0000001")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (tmp_path / "latest").stat().st_mode & 0o777 == 0o666 & ~umask
