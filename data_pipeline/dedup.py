@@ -568,11 +568,14 @@ def redis_auth(dedup_cfg: Any) -> dict[str, Any]:
 def redis_client(params: dict[str, Any]) -> Any:
     """A connected ``redis.Redis`` for ``params``; an unreachable server or failed login is one line."""
     import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 
     client = redis.Redis(**params)
     where = f"{params.get('host', params.get('unix_socket_path'))}:{params.get('port', '')}/{params.get('db', 0)}"
     try:
-        client.ping()
+        # the check fails at once (redis-py retries a refused connection or login with back-off)
+        redis.Redis(**params, retry=Retry(NoBackoff(), 0)).ping()
     except (redis.AuthenticationError, redis.ResponseError) as e:
         if not isinstance(e, redis.AuthenticationError) and not any(w in str(e) for w in ("NOAUTH", "WRONGPASS",
                                                                                           "authenticated")):

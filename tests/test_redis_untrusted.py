@@ -40,12 +40,17 @@ def _start(args: list[str], tmp_path: Path, client_kwargs: dict) -> subprocess.P
 
     proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path),
                              *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
+    for _ in range(200):  # wait for the port (a plain connect: redis-py would retry with back-off)
         try:
-            if redis.Redis(**client_kwargs).ping():
-                return proc
-        except redis.RedisError:
+            socket.create_connection(("127.0.0.1", client_kwargs["port"]), timeout=1).close()
+            break
+        except OSError:
             time.sleep(0.05)
+    try:
+        if redis.Redis(**client_kwargs).ping():
+            return proc
+    except redis.RedisError:
+        pass
     proc.terminate()
     pytest.skip("redis-server did not start with these options")
 
