@@ -42,14 +42,12 @@ def launcher_runner_pid() -> int | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has exited already: its parent just has not reaped it yet)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] if Path(f"/proc/{pid}/stat").exists() else "X"
-    return state not in ("Z", "X")  # a zombie has exited already
+    return state not in ("Z", "X")
 
 
 def exit_when_gone(pid: int | None, interval: float = 2.0) -> threading.Thread | None:
