@@ -72,7 +72,7 @@ def check_tag(run_dir: str | Path, tag: str, what: str = "tag") -> None:
         raise CheckpointError(f"{what} {tag!r}, which is not a checkpoint name (expected e.g. iter_0000020 inside "
                               f"{root}): fix the file or delete it to start afresh")
     if not (root / tag).is_dir():
-        have = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_")) if root.is_dir() else []
+        have = sorted(p.name for p in root.glob("iter_*") if p.is_dir())
         raise CheckpointError(f"{what} {tag!r} but {root / tag} does not exist (present: {', '.join(have) or 'none'}): "
                               f"write the newest present tag into {root / LATEST} or delete it to start afresh")
 
