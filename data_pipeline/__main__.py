@@ -14,6 +14,9 @@ import logging
 import sys
 
 from .config import ConfigError, load_config
+from .corpus import CorpusError
+from .indexed_dataset import IndexedDatasetError
+from .tokenizer import TokenizerError
 from .stages import STAGES, StageError, build, fingerprint, is_done, run_stage, summary_table
 
 
@@ -49,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         a.add_argument("--config", required=True, help="YAML file, e.g. configs/data/default.yaml")
         a.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. dedup.threshold=0.8")
         a.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args(argv)
+    # overrides may follow --config (`stage dedup --config C dedup.threshold=0.8`, as documented), where
+    # argparse has already closed the positional list: collect key=value leftovers, refuse anything else
+    args, extra = p.parse_known_args(argv)
+    unknown = [x for x in extra if x.startswith("-") or "=" not in x]
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = list(args.overrides) + extra
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "overlap":
@@ -84,9 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         print(summary_table(stats))
         print(f"\n  output: {out}  (stats.json, documents.jsonl, duplicates.jsonl, rejects.jsonl, corpus.json)")
         return 0
-    except (ConfigError, StageError) as e:
+    except (ConfigError, StageError, TokenizerError, CorpusError, IndexedDatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # finished stages and shards are kept; rerun the same command to resume
+        print("interrupted: finished work is kept, rerun the same command to resume", file=sys.stderr)
+        return 130
+    except OSError as e:  # disk full, permission denied, a file vanished: the OS's one line
+        print(f"error: {e.strerror or e}: {e.filename or 'output'} (check free disk space and permissions), then "
+              f"rerun the same command to resume", file=sys.stderr)
+        return 1
 
 
 def _overlap(args: argparse.Namespace) -> int:

@@ -83,6 +83,10 @@ class DedupConfig:
     redis_host: str = "127.0.0.1"
     redis_port: int = 6379
     redis_db: int = 0
+    redis_password_env: str = "REDIS_PASSWORD"  # env var holding the Redis password (never in config files)
+    redis_username: str | None = None  # Redis ACL user (with the password above); None: the default user
+    redis_tls: bool = False  # TLS to Redis (what rediss:// URLs mean)
+    redis_ca_certs: str | None = None  # CA bundle to verify the server's TLS certificate (None: system CAs)
     basename: str | None = None  # Redis key prefix; None: derived from the output dir and settings
     verify_block_docs: int = 20000  # max distinct documents loaded at once during exact verification
     # exact dedup first (hash of the cleaned text), then MinHash on the survivors; the shipped configs turn it

@@ -62,6 +62,7 @@ import xxhash
 from datasketch import LeanMinHash, MinHash, MinHashLSH
 from datasketch.lsh import _optimal_param
 
+from .config import ConfigError
 from .store import DocStore, atomic_save_npy
 
 log = logging.getLogger(__name__)
@@ -382,6 +383,22 @@ def sign_chunk(args: tuple[str, int, int, str, int, int, int, str]) -> tuple[int
     return start, stop - start
 
 
+def remove_stale_tmp(folder: Path, min_age_s: float = 600.0) -> int:
+    """Delete ``*.tmp*`` files that a killed run left in ``folder`` (atomic writes in progress are
+    younger than ``min_age_s``: another live worker sharing the folder keeps its own). Returns how many."""
+    now, n = time.time(), 0
+    for f in folder.glob("*.tmp*"):
+        try:
+            if f.is_file() and now - f.stat().st_mtime > min_age_s:
+                f.unlink()
+                n += 1
+        except OSError:
+            pass
+    if n:
+        log.info("removed %d leftover temporary file(s) of an interrupted run from %s", n, folder)
+    return n
+
+
 def compute_signatures(store: DocStore, sig_dir: Path, num_perm: int, seed: int, spec: ShingleSpec,
                        chunk_size: int, workers: int, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """All signatures of a store (and the fingerprint sets, on disk in ``sig_dir``), computed in
@@ -389,6 +406,7 @@ def compute_signatures(store: DocStore, sig_dir: Path, num_perm: int, seed: int,
     from tqdm import tqdm
 
     sig_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(sig_dir)
     n = len(store)
     starts = list(range(0, n, chunk_size))
     todo = [s for s in starts if not _chunk_files(sig_dir, s)["sig"].exists()]
@@ -496,15 +514,88 @@ def candidates_in_memory(sigs: np.ndarray, active: np.ndarray, lsh: LshSpec, pro
 
 
 def make_lsh(lsh: LshSpec, storage_config: dict[str, Any] | None = None) -> MinHashLSH:
+    """datasketch's index; with Redis storage keys are :func:`redis_key` bytes, never pickles
+    (``prepickle=False``: datasketch would otherwise ``pickle.loads`` whatever a bucket in Redis holds)."""
     return MinHashLSH(threshold=lsh.threshold, num_perm=lsh.num_perm, params=(lsh.bands, lsh.rows),
-                      storage_config=storage_config)
+                      storage_config=storage_config, prepickle=False)
+
+
+# ------------------------------------------------------------------------------------- Redis (untrusted)
+# Anyone who can write to the Redis server can put anything into a bucket. Members are therefore plain
+# 8-byte big-endian document positions, decoded by int.from_bytes after a length check: a foreign
+# value is refused with one line, it can never run code (no pickle), whatever it holds.
+REDIS_KEY_BYTES = 8
+
+
+class RedisIndexError(ConfigError):
+    """The shared Redis index is unreachable, refuses us, or holds values this pipeline did not write."""
+
+
+def redis_key(position: int) -> bytes:
+    """The Redis member of document ``position``: 8 bytes, big-endian."""
+    return int(position).to_bytes(REDIS_KEY_BYTES, "big")
+
+
+def redis_member(m: Any) -> int:
+    """Inverse of :func:`redis_key`; anything else in a bucket is refused."""
+    if not isinstance(m, (bytes, bytearray)) or len(m) != REDIS_KEY_BYTES:
+        raise RedisIndexError(f"the Redis LSH index holds a member {bytes(m)[:24]!r} that this pipeline did not "
+                              f"write (expected {REDIS_KEY_BYTES}-byte document ids): another program writes to "
+                              f"these keys; clear the index and use a Redis server only this pipeline can write "
+                              f"to (password and TLS: docs/data_pipeline.md)")
+    return int.from_bytes(m, "big")
+
+
+def redis_auth(dedup_cfg: Any) -> dict[str, Any]:
+    """``redis.Redis`` keyword arguments for authentication and TLS from ``dedup.*``: the password is
+    read from the environment variable named by ``dedup.redis_password_env`` (never from a config file),
+    ``dedup.redis_tls`` turns on TLS (``rediss://``), ``dedup.redis_ca_certs`` names the CA bundle."""
+    import os
+
+    out: dict[str, Any] = {}
+    env = getattr(dedup_cfg, "redis_password_env", "") or ""
+    if env and os.environ.get(env):
+        out["password"] = os.environ[env]
+        if getattr(dedup_cfg, "redis_username", None):
+            out["username"] = dedup_cfg.redis_username
+    if getattr(dedup_cfg, "redis_tls", False):
+        out["ssl"] = True
+        if getattr(dedup_cfg, "redis_ca_certs", None):
+            out["ssl_ca_certs"] = dedup_cfg.redis_ca_certs
+    return out
+
+
+def redis_client(params: dict[str, Any]) -> Any:
+    """A connected ``redis.Redis`` for ``params``; an unreachable server or failed login is one line."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    client = redis.Redis(**params)
+    where = f"{params.get('host', params.get('unix_socket_path'))}:{params.get('port', '')}/{params.get('db', 0)}"
+    try:
+        # the check fails at once (redis-py retries a refused connection or login with back-off)
+        redis.Redis(**params, retry=Retry(NoBackoff(), 0)).ping()
+    except (redis.AuthenticationError, redis.ResponseError) as e:
+        if not isinstance(e, redis.AuthenticationError) and not any(w in str(e) for w in ("NOAUTH", "WRONGPASS",
+                                                                                          "authenticated")):
+            raise RedisIndexError(f"Redis at {where} answered an error: {str(e)[:200]}") from None
+        how = "a wrong password was given" if params.get("password") else "no password was given"
+        raise RedisIndexError(f"Redis at {where} refused the login ({how}): put the password in the environment "
+                              f"variable named by dedup.redis_password_env (default REDIS_PASSWORD) or in the "
+                              f"--redis URL") from None
+    except redis.RedisError as e:
+        raise RedisIndexError(f"cannot reach Redis at {where}: {e}; start redis-server there or fix "
+                              f"dedup.redis_host/redis_port (TLS: dedup.redis_tls)") from None
+    if not params.get("password") and params.get("host") not in (None, "127.0.0.1", "localhost", "::1"):
+        log.warning("Redis at %s is used without a password: anyone who can reach it can alter the dedup "
+                    "index (set dedup.redis_password_env; docs/data_pipeline.md)", where)
+    return client
 
 
 def bucket_pairs(index: MinHashLSH, bands: Iterable[int] | None = None) -> set[tuple[int, int]]:
     """Every pair (i, j), i < j, of keys that share a bucket in one of ``bands`` (all by default),
     read from the index's own storage (dict or Redis; Redis buckets fetched with pipelined ``getmany``)."""
-    import pickle
-
     pairs: set[tuple[int, int]] = set()
     for b in range(index.b) if bands is None else bands:
         table = index.hashtables[b]
@@ -513,24 +604,37 @@ def bucket_pairs(index: MinHashLSH, bands: Iterable[int] | None = None) -> set[t
         for members in groups:
             if len(members) < 2:
                 continue
-            ids = sorted(pickle.loads(m) if index.prepickle else m for m in set(members))
+            ids = sorted(m if isinstance(m, int) else redis_member(m) for m in set(members))
             pairs.update((ids[x], ids[y]) for x in range(len(ids)) for y in range(x + 1, len(ids)))
     return pairs
 
 
-def redis_storage_config(host: str, port: int, db: int, basename: str) -> dict[str, Any]:
-    return {"type": "redis", "basename": basename.encode(), "redis": {"host": host, "port": port, "db": db}}
+def redis_storage_config(host: str, port: int, db: int, basename: str, **auth: Any) -> dict[str, Any]:
+    """datasketch ``storage_config``; ``auth``: :func:`redis_auth`'s password/TLS arguments."""
+    return {"type": "redis", "basename": basename.encode(), "redis": {"host": host, "port": port, "db": db, **auth}}
 
 
-def redis_clear(host: str, port: int, db: int, basename: str) -> int:
-    """Delete every key of one shared index (a previous, possibly crashed, run)."""
-    import redis
+def redis_clear(host: str, port: int, db: int, basename: str, **auth: Any) -> int:
+    """Delete every key of one shared index (a previous, possibly crashed, run): datasketch names them
+    ``<basename>_keys`` and ``<basename>_bucket_<band>``, so another run whose basename merely starts
+    with this one is left alone."""
+    r = redis_client({"host": host, "port": port, "db": db, **auth})
+    return delete_index_keys(r, basename)
 
-    r = redis.Redis(host=host, port=port, db=db)
+
+def delete_index_keys(client: Any, basename: str, extra: tuple[str, ...] = ()) -> int:
+    """Delete the keys datasketch writes for ``basename`` (``<basename>_keys…``, ``<basename>_bucket_…``)
+    and ``<basename><suffix>…`` for each of ``extra``; returns how many."""
     n = 0
-    for k in r.scan_iter(match=basename + "*", count=1000):
-        n += r.delete(k)
+    for suffix in ("_keys", "_bucket_", *extra):
+        for k in client.scan_iter(match=_glob_escape(basename + suffix) + "*", count=1000):
+            n += client.delete(k)
     return n
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` as a literal in a Redis MATCH pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def redis_insert_worker(args: tuple[str, dict[str, Any], LshSpec, int, int]) -> int:
@@ -545,7 +649,7 @@ def redis_insert_worker(args: tuple[str, dict[str, Any], LshSpec, int, int]) -> 
         for j in np.flatnonzero(active).tolist():
             if j % world != rank:
                 continue
-            session.insert(j, LeanMinHash(seed=lsh.seed, hashvalues=np.array(sigs[j]), scheme="affine32"),
+            session.insert(redis_key(j), LeanMinHash(seed=lsh.seed, hashvalues=np.array(sigs[j]), scheme="affine32"),
                            check_duplication=False)
             n += 1
     return n

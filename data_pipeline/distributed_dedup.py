@@ -35,7 +35,7 @@ import hashlib
 import json
 import logging
 import os
-import pickle
+import re
 import time
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -71,19 +71,40 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def redis_params(url: str) -> dict[str, Any]:
-    """``redis://[user:password@]host:port/db`` → keyword arguments of ``redis.Redis`` (also what
-    datasketch's ``storage_config["redis"]`` takes)."""
-    from redis.connection import parse_url
+    """``redis[s]://[user:password@]host:port/db[?ssl_ca_certs=…]`` or ``unix:///path`` → keyword arguments
+    of ``redis.Redis`` (also what datasketch's ``storage_config["redis"]`` takes). ``rediss://`` is TLS."""
+    from redis.connection import SSLConnection, UnixDomainSocketConnection, parse_url
 
     try:
-        return parse_url(url)
+        params = parse_url(url)
     except ValueError as e:
-        raise ConfigError(f"--redis {url!r}: {e} (expected redis://host:6379/0)") from None
+        raise ConfigError(f"--redis {url!r}: {e} (expected redis://host:6379/0 or rediss://host:6380/0)") from None
+    # parse_url names a connection class, which redis.Redis does not take: say it with its own arguments
+    conn = params.pop("connection_class", None)
+    if conn is SSLConnection:
+        params["ssl"] = True
+    elif conn is UnixDomainSocketConnection:
+        params["unix_socket_path"] = params.pop("path")
+    return params
+
+
+def client_params(cfg: BuildConfig, url: str | None) -> tuple[dict[str, Any], str]:
+    """(``redis.Redis`` arguments, URL for messages without the password): ``--redis URL`` or
+    ``dedup.redis_host/port/db``, plus the password/TLS settings of ``dedup`` the URL does not give."""
+    d = cfg.dedup
+    auth = dd.redis_auth(d)
+    if url is None:
+        scheme = "rediss" if d.redis_tls else "redis"
+        return {"host": d.redis_host, "port": d.redis_port, "db": d.redis_db, **auth}, \
+            f"{scheme}://{d.redis_host}:{d.redis_port}/{d.redis_db}"
+    params = redis_params(url)
+    shown = re.sub(r"//([^@/]*?):[^@/]*@", r"//\1:***@", url)  # no password in messages or logs
+    return {**auth, **params}, shown
 
 
 def default_redis_url(cfg: BuildConfig) -> str:
     d = cfg.dedup
-    return f"redis://{d.redis_host}:{d.redis_port}/{d.redis_db}"
+    return f"{'rediss' if d.redis_tls else 'redis'}://{d.redis_host}:{d.redis_port}/{d.redis_db}"
 
 
 def corpus_key(store: DocStore) -> str:
@@ -112,7 +133,8 @@ def _signature_dir(cfg: BuildConfig) -> Path:
     """The single-machine stage's signature folder (same expression as ``stages.run_dedup``)."""
     d = cfg.dedup
     return cfg.out / "work" / ("signatures-" + _digest([fingerprint(cfg, "filter"), d.num_perm, d.seed,
-                                                        d.shingle_size, d.shingle_unit, dd.FINGERPRINT_VERSION]))
+                                                        d.shingle_size, d.shingle_unit, dd.FINGERPRINT_VERSION,
+                                                        d.chunk_size]))
 
 
 @dataclass
@@ -150,6 +172,7 @@ def _sign_own_chunks(run: _Run, sig_dir: Path, starts: list[int]) -> None:
 
     cfg, n = run.cfg, len(run.store)
     sig_dir.mkdir(parents=True, exist_ok=True)
+    dd.remove_stale_tmp(sig_dir)
     cs = cfg.dedup.chunk_size
     jobs = [(str(run.store.folder), s, min(n, s + cs), str(sig_dir), run.lsh.num_perm, run.lsh.seed,
              run.shingle.n, run.shingle.unit) for s in starts if not (sig_dir / f"sig-{s:012d}.npy").exists()]
@@ -211,7 +234,7 @@ def query_own(index: Any, positions: np.ndarray, sigs: np.ndarray) -> list[tuple
             keys = [index._H(row[lo:hi]) for row in block]
             for j, members in zip(js, table.getmany(*keys)):
                 for m in members:
-                    i = pickle.loads(m) if index.prepickle else m
+                    i = dd.redis_member(m)  # 8-byte id, length-checked: nothing from Redis is unpickled
                     if i < j:
                         pairs.add((int(i), j))
     return sorted(pairs)
@@ -220,23 +243,19 @@ def query_own(index: Any, positions: np.ndarray, sigs: np.ndarray) -> list[tuple
 def run_dedup_worker(cfg: BuildConfig, shard: str, redis_url: str | None = None, barrier_timeout: float = 3600.0,
                      edges: str | None = None) -> dict[str, Any]:
     """One machine's share of a distributed dedup (module docstring, steps 1-5). Returns its counts."""
-    import redis
-
     i, n_shards = parse_shard(shard)
-    url = redis_url or default_redis_url(cfg)
-    params = redis_params(url)
+    params, url = client_params(cfg, redis_url)
     run = _open_run(cfg)
     out_dir = edges_dir(cfg, run.basename, edges)
     npz, marker = _shard_files(out_dir, i, n_shards)
     meta = _meta(run, n_shards)
-    client = redis.Redis(**params)
-    try:
-        client.ping()
-    except redis.RedisError as e:
-        raise StageError(f"cannot reach Redis at {url}: {e}") from None
+    client = dd.redis_client(params)
     meta_key = f"{run.basename}_dpm_meta"
     client.set(meta_key, json.dumps(meta, sort_keys=True), nx=True)
-    other = json.loads(client.get(meta_key))
+    try:
+        other = json.loads(client.get(meta_key))
+    except (TypeError, ValueError):
+        other = "not JSON"
     if other != meta:
         raise StageError(f"Redis index '{run.basename}' at {url} belongs to another run ({other}, this one: "
                          f"{meta}); clear it with `dedup-merge --clear-only --redis {url}` or set dedup.basename")
@@ -252,7 +271,7 @@ def run_dedup_worker(cfg: BuildConfig, shard: str, redis_url: str | None = None,
     index = dd.make_lsh(run.lsh, storage)
     with index.insertion_session(buffer_size=10000) as session:
         for j, sig in zip(positions.tolist(), sigs):
-            session.insert(j, LeanMinHash(seed=run.lsh.seed, hashvalues=sig, scheme="affine32"),
+            session.insert(dd.redis_key(j), LeanMinHash(seed=run.lsh.seed, hashvalues=sig, scheme="affine32"),
                            check_duplication=False)
     log.info("shard %d/%d: %d signatures inserted into '%s' at %s; waiting for the other shards", i, n_shards,
              len(positions), run.basename, url)
@@ -283,15 +302,10 @@ def run_dedup_worker(cfg: BuildConfig, shard: str, redis_url: str | None = None,
 
 
 # ----------------------------------------------------------------------------------------------- merge
-def clear_index(url: str, basename: str) -> int:
-    """Delete every Redis key of one run's index and barrier; returns how many."""
-    import redis
-
-    client = redis.Redis(**redis_params(url))
-    n = 0
-    for k in client.scan_iter(match=basename + "_*", count=1000):
-        n += client.delete(k)
-    return n
+def clear_index(params: dict[str, Any], basename: str) -> int:
+    """Delete every Redis key of one run's index and barrier (not those of a run whose basename merely
+    starts with this one); returns how many."""
+    return dd.delete_index_keys(dd.redis_client(params), basename, extra=("_dpm_",))
 
 
 def _load_shards(run: _Run, folder: Path) -> tuple[list[dict[str, Any]], list[tuple[int, int, float]]]:
@@ -368,7 +382,8 @@ def run_dedup_merge(cfg: BuildConfig, edges: str | None = None, redis_url: str |
     write_jsonl_atomic(out / "duplicates.jsonl", rows)
     stats = _finish(cfg, "dedup", timer.finish(len(store), **info))
     if redis_url:
-        log.info("dedup-merge: cleared %d Redis keys of '%s'", clear_index(redis_url, run.basename), run.basename)
+        log.info("dedup-merge: cleared %d Redis keys of '%s'", clear_index(client_params(cfg, redis_url)[0],
+                                                                         run.basename), run.basename)
     log.info("dedup-merge: %d shards, %d edges, %d clusters, %d removed", len(infos), len(verified),
              len(clusters), len(removed))
     return stats
@@ -377,4 +392,4 @@ def run_dedup_merge(cfg: BuildConfig, edges: str | None = None, redis_url: str |
 def run_clear(cfg: BuildConfig, redis_url: str | None) -> int:
     """Delete this config's run index from Redis (after a crash, or a run with other settings)."""
     run = _open_run(cfg)
-    return clear_index(redis_url or default_redis_url(cfg), run.basename)
+    return clear_index(client_params(cfg, redis_url)[0], run.basename)

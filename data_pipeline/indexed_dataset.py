@@ -270,6 +270,23 @@ def read_index_header(path: str | Path) -> tuple[np.dtype, int, int]:
     return np.dtype(DTYPE_CODES[code]), n, d
 
 
+def _first_bad_pointer(sizes: np.ndarray, pointers: np.ndarray, itemsize: int, block: int = 1 << 20) -> int | None:
+    """Index of the first pointer that is not the byte running sum of the sizes before it, or None;
+    vectorised in blocks of ``block`` items (bounded memory for any dataset size)."""
+    start = 0  # byte offset of the block's first item
+    for lo in range(0, len(sizes), block):
+        hi = min(len(sizes), lo + block)
+        expect = np.empty(hi - lo, dtype=np.int64)
+        expect[0] = start
+        np.cumsum(sizes[lo:hi - 1].astype(np.int64) * itemsize, out=expect[1:])
+        expect[1:] += start
+        wrong = np.flatnonzero(expect != pointers[lo:hi])
+        if len(wrong):
+            return lo + int(wrong[0])
+        start = int(expect[-1]) + int(sizes[hi - 1]) * itemsize
+    return None
+
+
 class MMapIndexedDataset:
     """Read-only, memory-mapped view of ``prefix.{bin,idx}``.
 
@@ -277,7 +294,8 @@ class MMapIndexedDataset:
     ``ds[a:b]`` -> list of arrays; ``get(i, offset, length)`` slices one item in token units.
     ``sizes`` (int32, N), ``pointers`` (int64, N), ``doc_idx`` (int64, D) are views into the ``.idx``.
     Opening validates the header, the array lengths against the file size, ``doc_idx`` (0 first, N last,
-    non-decreasing), ``sizes >= 0`` and the ``.bin`` size.  ``verify=True`` also checks every pointer.
+    non-decreasing), ``sizes >= 0``, the ``.bin`` size and every pointer (vectorised; ``verify`` is kept
+    for compatibility and no longer needed).
 
     Pickling re-opens from the path (no token data is copied into DataLoader workers).
     """
@@ -324,11 +342,12 @@ class MMapIndexedDataset:
             )
         if n and (self.pointers[0] != 0 or int(self.pointers[-1]) + int(self.sizes[-1]) * itemsize != bin_size):
             raise IndexedDatasetError(f"{idx_path} is inconsistent: pointers do not match sizes")
-        if verify and n:
-            expect = np.zeros(n, dtype=np.int64)
-            np.cumsum(self.sizes[:-1].astype(np.int64) * itemsize, out=expect[1:])
-            if not np.array_equal(expect, self.pointers):
-                raise IndexedDatasetError(f"{idx_path} is inconsistent: pointers are not the running sum of sizes")
+        if n:  # always: a shifted pointer would silently train on other tokens (~10 ms per million items)
+            bad = _first_bad_pointer(self.sizes, self.pointers, itemsize)
+            if bad is not None:
+                raise IndexedDatasetError(
+                    f"{idx_path} is corrupt: pointer of item {bad} is {int(self.pointers[bad])}, not the running sum "
+                    f"of the sizes before it; rebuild the dataset (python -m data_pipeline build --force)")
         if bin_size:
             self._bin = np.memmap(bin_path, mode="r", dtype=self.dtype)
         else:  # mmap of an empty file is an error

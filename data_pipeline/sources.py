@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .config import BuildConfig, SourceConfig
+from .config import BuildConfig, ConfigError, SourceConfig
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +31,44 @@ REJECT_REASONS = ("bad_json", "missing_field", "non_string_field", "invalid_utf8
                   "unreadable_file", "empty")
 
 _EXTS = {
-    "jsonl": (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".ndjson", ".ndjson.gz"),
+    "jsonl": (".jsonl", ".json", ".ndjson"),
     "text": (".txt", ".text", ".md"),
     "parquet": (".parquet",),
 }
+#: compression suffixes a jsonl/text file may carry (case-insensitive); .zst needs the zstandard package
+_COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
+
+
+def _format_of(name: str, kind: str) -> str | None:
+    """``name``'s compression suffix ("" for none) if it is a ``kind`` file, else None (case-insensitive)."""
+    low = name.lower()
+    comp = next((c for c in _COMPRESSION if low.endswith(c)), "")
+    if comp and kind == "parquet":
+        return None
+    return comp if low[:len(low) - len(comp)].endswith(_EXTS.get(kind, ())) else None
+
+
+def _open_bytes(path: Path) -> IO[bytes]:
+    """``path`` opened for binary reading through its compression (by suffix, case-insensitive)."""
+    low = path.name.lower()
+    if low.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if low.endswith(".bz2"):
+        import bz2
+
+        return bz2.open(path, "rb")
+    if low.endswith(".xz"):
+        import lzma
+
+        return lzma.open(path, "rb")
+    if low.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise OSError(f"{path.name} is zstd-compressed: install the zstandard package "
+                          f"(pip install zstandard) or decompress it (zstd -d)") from None
+        return zstandard.open(path, "rb")
+    return open(path, "rb")
 
 
 @dataclass
@@ -59,8 +93,15 @@ def expand_paths(cfg: BuildConfig, src: SourceConfig) -> list[Path]:
     if p.is_file():
         return [p]
     if p.is_dir():
-        exts = _EXTS.get(src.type, ())
-        return sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(exts))
+        files = sorted(f for f in p.rglob("*") if f.is_file())
+        keep = [f for f in files if _format_of(f.name, src.type) is not None]
+        other = [f for f in files if _format_of(f.name, src.type) is None]
+        if other:  # never silently: say which files of the folder are not read
+            comp = "" if src.type == "parquet" else f", optionally {'/'.join(_COMPRESSION)}"
+            log.warning("source %s %s: %d file(s) not read (not %s%s, any case): %s%s", src.type, src.path,
+                        len(other), "/".join(_EXTS[src.type]), comp,
+                        ", ".join(str(f.relative_to(p)) for f in other[:5]), " ..." if len(other) > 5 else "")
+        return keep
     return sorted(Path(x) for x in globmod.glob(str(p), recursive=True) if Path(x).is_file())
 
 
@@ -99,8 +140,7 @@ def _check_text(src: str, text: Any, field: str, max_bytes: int) -> RawRecord:
 
 def read_jsonl(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawRecord]:
     try:
-        opener = gzip.open if path.name.endswith(".gz") else open
-        f = opener(path, "rb")
+        f = _open_bytes(path)
     except OSError as e:
         yield RawRecord(str(path), None, "unreadable_file", f"{type(e).__name__}: {e}")
         return
@@ -110,6 +150,8 @@ def read_jsonl(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawRec
             for line, size in _read_lines_bounded(f, max_bytes):
                 lineno += 1
                 sid = f"{path}:{lineno}"
+                if lineno == 1 and line is not None and line.startswith(b"\xef\xbb\xbf"):
+                    line = line[3:]  # a UTF-8 byte-order mark is not part of the first record
                 if line is None:
                     yield RawRecord(sid, None, "too_large", f"line of {size} bytes > max_doc_bytes={max_bytes}")
                     continue
@@ -134,7 +176,7 @@ def read_jsonl(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawRec
                     rec.src = f"{sid}#{obj[src.id_field]}"
                     rec.uid = obj[src.id_field]
                 yield rec
-    except (OSError, EOFError, gzip.BadGzipFile, ValueError) as e:  # truncated/corrupt gzip, I/O errors
+    except (OSError, EOFError, gzip.BadGzipFile, ValueError) as e:  # truncated/corrupt archive, I/O errors
         yield RawRecord(f"{path}:{lineno + 1}", None, "unreadable_file", f"{type(e).__name__}: {e}")
 
 
@@ -152,15 +194,15 @@ def read_text(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawReco
     try:
         if src.text_mode == "file":
             size = path.stat().st_size
-            if size > max_bytes:
+            if size > max_bytes and not _format_of(path.name, "text"):
                 yield RawRecord(str(path), None, "too_large", f"{size} bytes > max_doc_bytes={max_bytes}")
                 return
-            with open(path, "rb") as f:
-                yield _decode(str(path), f.read(), max_bytes)
+            with _open_bytes(path) as f:
+                yield _decode(str(path), f.read(max_bytes + 1), max_bytes)
             return
         block: list[bytes] = []
         size, start, nblock = 0, 0, 0
-        with open(path, "rb") as f:
+        with _open_bytes(path) as f:
             for lineno, (line, n) in enumerate(_read_lines_bounded(f, max_bytes), 1):
                 blank = line is not None and not line.strip()
                 if blank:
@@ -183,7 +225,7 @@ def read_text(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawReco
                 yield (_decode(f"{path}#{nblock}@{start}", b"".join(block), max_bytes) if block
                        else RawRecord(f"{path}#{nblock}@{start}", None, "too_large",
                                       f"block of {size} bytes > max_doc_bytes={max_bytes}"))
-    except OSError as e:
+    except (OSError, EOFError, ValueError) as e:
         yield RawRecord(str(path), None, "unreadable_file", f"{type(e).__name__}: {e}")
 
 
@@ -270,12 +312,17 @@ def iter_source(cfg: BuildConfig, src: SourceConfig) -> Iterator[RawRecord]:
         reader = {"jsonl": read_jsonl, "text": read_text, "parquet": read_parquet}[src.type]
         paths = expand_paths(cfg, src)
         if not paths:
-            log.warning("source %s: no %s files under %s", src.type, "/".join(_EXTS[src.type]), src.path)
+            raise ConfigError(f"source {src.type} {src.path!r}: no {src.type} files there "
+                              f"({'/'.join(_EXTS[src.type])}, any case): fix its path or remove the source")
         gen = (rec for p in paths for rec in reader(p, src, max_bytes))
-    for n, rec in enumerate(gen):
-        if src.limit is not None and n >= src.limit:
+    n = 0
+    for n, rec in enumerate(gen, 1):
+        if src.limit is not None and n > src.limit:
             return
         yield rec
+    if n == 0 and src.limit != 0:
+        raise ConfigError(f"source {src.type} {src.path or ''!r} yielded no records (empty files or an empty "
+                          f"dataset): fix its path or remove the source")
 
 
 def iter_records(cfg: BuildConfig) -> Iterator[RawRecord]:

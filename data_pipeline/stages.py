@@ -59,7 +59,8 @@ def work_dir(cfg: BuildConfig, stage: str) -> Path:
 
 def _dedup_result_keys(cfg: BuildConfig) -> dict[str, Any]:
     d = dataclasses.asdict(cfg.dedup)
-    for k in ("chunk_size", "storage", "redis_host", "redis_port", "redis_db", "basename", "verify_block_docs"):
+    for k in ("chunk_size", "storage", "redis_host", "redis_port", "redis_db", "basename", "verify_block_docs",
+              "redis_password_env", "redis_username", "redis_tls", "redis_ca_certs"):
         d.pop(k)
     return d
 
@@ -357,10 +358,10 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
     tok = load_tokenizer(spec)
     writer = ShardWriter(Path(dst_s), k)
     too_short, kept, tokens = 0, 0, 0
-    examples = []
     kept_ids: list[list[int]] = []  # the kept documents' token ids, reused by export (tokenized once)
     keys: list[np.ndarray] = []  # exact-dedup keys of the kept documents (hashed while the text is at hand)
     dtype = best_dtype(tok.vocab_size)
+    examples, short_rows = [], []
     try:
         recs = list(iter_shard(Path(src_s), k))
         for s in range(0, len(recs), batch):
@@ -375,12 +376,15 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
                     tokens += n
                 else:
                     too_short += 1
+                    short_rows.append({"i": rec["i"], "src": rec["src"], "reason": "too_short",
+                                       "detail": f"{n} tokens < length.min_tokens={min_tokens}"})
                     if len(examples) < 3:
                         examples.append({"i": rec["i"], "src": rec["src"], "tokens": n})
         info = {"in": len(recs), "kept": kept, "too_short": too_short, "tokens": tokens, "examples": examples}
         save_token_ids(Path(dst_s), k, kept_ids, dtype)
         atomic_save_npy(Path(dst_s) / f"{shard_name(k)}.key.npy",
                         np.stack(keys) if keys else np.zeros((0, 2), np.uint64))
+        write_jsonl_atomic(Path(dst_s) / f"{shard_name(k)}.too_short.jsonl", short_rows)  # for rejects.jsonl
         writer.commit(info)
         return info
     except BaseException:
@@ -462,20 +466,20 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
     if d.enabled and n:
         sig_dir = cfg.out / "work" / ("signatures-" + _digest([fingerprint(cfg, "filter"), d.num_perm, d.seed,
                                                                  d.shingle_size, d.shingle_unit,
-                                                                 dd.FINGERPRINT_VERSION]))
+                                                                 dd.FINGERPRINT_VERSION, d.chunk_size]))
         candidates = None
         if d.storage == "redis":
             basename = d.basename or f"dp-{_digest([str(cfg.out), fingerprint(cfg, 'dedup')])}"
 
             def candidates(sigs: np.ndarray, active: np.ndarray) -> np.ndarray:
-                dd.redis_clear(d.redis_host, d.redis_port, d.redis_db, basename)
+                dd.redis_clear(d.redis_host, d.redis_port, d.redis_db, basename, **dd.redis_auth(d))
                 atomic_save_npy(folder / "sigs.npy", sigs)
                 atomic_save_npy(folder / "active.npy", active)
-                storage = dd.redis_storage_config(d.redis_host, d.redis_port, d.redis_db, basename)
+                storage = dd.redis_storage_config(d.redis_host, d.redis_port, d.redis_db, basename, **dd.redis_auth(d))
                 try:
                     found = dd.candidates_redis(folder / "sigs.npy", lsh, storage, max(1, cfg.num_workers))
                 finally:
-                    dd.redis_clear(d.redis_host, d.redis_port, d.redis_db, basename)
+                    dd.redis_clear(d.redis_host, d.redis_port, d.redis_db, basename, **dd.redis_auth(d))
                     (folder / "sigs.npy").unlink(missing_ok=True)
                 return np.asarray(sorted(found), dtype=np.int64).reshape(-1, 2)
 
@@ -639,10 +643,18 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     # rejects (all of them, in input order) and the duplicates report
     ingest_dir = work_dir(cfg, "ingest")
     tmp = out / f"rejects.jsonl.tmp{os.getpid()}"
+    filter_dir = work_dir(cfg, "filter")
     with open(tmp, "wb") as f:
         for k in done_shards(ingest_dir):
+            short = filter_dir / f"{shard_name(k)}.too_short.jsonl"
             with open(ingest_dir / f"{shard_name(k)}.rejects.jsonl", "rb") as r:
-                shutil.copyfileobj(r, f)
+                if not short.is_file():  # a filter stage finished before too-short rows were listed
+                    shutil.copyfileobj(r, f)
+                    continue
+                # malformed (ingest) and too-short (filter) records of one shard, in input order
+                rows = [json.loads(x) for x in r] + [json.loads(x) for x in open(short, "rb")]
+            for row in sorted(rows, key=lambda x: x["i"]):
+                f.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
     os.replace(tmp, out / "rejects.jsonl")
     tmp = out / f"duplicates.jsonl.tmp{os.getpid()}"
     shutil.copyfile(work_dir(cfg, "dedup") / "duplicates.jsonl", tmp)

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from .config import ConfigError
+
 
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -88,6 +90,10 @@ def iter_shard(folder: Path, k: int) -> Iterator[dict[str, Any]]:
             yield json.loads(line)
 
 
+class StoreError(ConfigError):
+    """A finished stage's files are missing or damaged (one line: which file, how to rebuild)."""
+
+
 class DocStore:
     """Read side of a finished store: ordered iteration and random access by position."""
 
@@ -99,6 +105,14 @@ class DocStore:
             if idx else np.zeros(0, np.int64)
         self.table = np.concatenate(idx) if idx else np.zeros((0, 3), np.int64)  # (input idx, offset, len)
         self._files: dict[int, Any] = {}
+        for k, a in zip(self.shards, idx):  # a deleted or cut shard is one line here, not a traceback later
+            f = folder / f"{shard_name(k)}.jsonl"
+            need = int((a[:, 1] + a[:, 2]).max()) if len(a) else 0
+            have = f.stat().st_size if f.is_file() else None
+            if have is None or have < need:
+                raise StoreError(f"{f} is {'missing' if have is None else f'truncated ({have} of {need} bytes)'}: "
+                                 f"the finished stage output was damaged; rerun with `build --force` (or delete "
+                                 f"{folder} and run `build`)")
 
     def __len__(self) -> int:
         return len(self.table)

@@ -96,6 +96,14 @@ class Tokenizer(abc.ABC):
     def spec(self) -> dict[str, Any]:
         """JSON-able description; ``load_tokenizer(spec, base_dir)`` rebuilds an identical tokenizer."""
 
+    def file_sha256(self) -> dict[str, str]:
+        """sha256 of each of the tokenizer's files, by spec key (computed once): what identifies the
+        tokenizer by content, so a replaced file with the same vocabulary size is still noticed."""
+        if self.__dict__.get("_sha256") is None:
+            self._sha256 = {k: _sha256(Path(getattr(self, k))) for k in ("vocab_file", "merges_file", "model_file")
+                            if getattr(self, k, None) is not None}
+        return dict(self._sha256)
+
     def _check_ids(self, ids: Sequence[int]) -> list[int]:
         out = [int(i) for i in ids]
         n = self.vocab_size
@@ -173,6 +181,7 @@ class GPT2BPETokenizer(Tokenizer):
             "merges_file": str(self.merges_file),
             "vocab_size": self.vocab_size,
             "eod": self.eod,
+            "sha256": self.file_sha256(),
         }
 
 
@@ -286,13 +295,15 @@ class SentencePieceTokenizer(Tokenizer):
             "flavor": self.flavor,
             "vocab_size": self.vocab_size,
             "eod": self.eod,
+            "sha256": self.file_sha256(),
         }
 
 
 def load_tokenizer(spec: dict[str, Any], base_dir: str | Path | None = None) -> Tokenizer:
     """Rebuild a tokenizer from :meth:`Tokenizer.spec`.  Relative file paths resolve against ``base_dir``.
 
-    If the spec records ``vocab_size``/``eod``, the loaded files must agree (catches a swapped file).
+    If the spec records ``vocab_size``/``eod`` and the files' ``sha256`` (every spec written since issue
+    14), the loaded files must agree: a swapped file is refused even when its vocabulary has the same size.
     """
     if not isinstance(spec, dict) or "kind" not in spec:
         raise TokenizerError(f"tokenizer spec must be a dict with a 'kind' key, got {spec!r}")
@@ -326,6 +337,15 @@ def load_tokenizer(spec: dict[str, Any], base_dir: str | Path | None = None) -> 
         if key in spec and int(spec[key]) != getattr(tok, key):
             raise TokenizerError(
                 f"tokenizer files do not match the spec: {key} is {getattr(tok, key)} but the spec says {spec[key]}"
+            )
+    recorded = spec.get("sha256") or {}
+    have = tok.file_sha256() if recorded else {}
+    for key, digest in sorted(recorded.items()):
+        if have.get(key) != digest:
+            raise TokenizerError(
+                f"tokenizer file {path(key)} has sha256 {str(have.get(key))[:12]}... but {digest[:12]}... was "
+                f"recorded when the corpus/checkpoint was made: it is another tokenizer (same vocabulary size is "
+                f"not enough); restore the original file"
             )
     return tok
 

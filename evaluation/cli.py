@@ -115,6 +115,9 @@ def run_wikitext(args) -> None:
             text = first_lines(text, args.limit)
             if not text.strip():
                 raise EvalError(f"the first {args.limit} line(s) of {args.hf_dataset}[{args.hf_split}] are blank")
+    if len(text.split()) < 2:  # perplexity over 0 or 1 token is undefined
+        raise EvalError(f"{args.data or args.hf_dataset} holds {len(text.split())} word(s): WikiText perplexity "
+                        f"needs at least 2 (pass the .tokens file of a split, or a larger --limit)")
     rt = setup_runtime(args.tp, args.device)
     scorer, cfg, tok = load_scorer(args.checkpoint, rt, args.include_vocab_padding)
     L = args.seq_length or cfg.model.seq_length

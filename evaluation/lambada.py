@@ -37,7 +37,7 @@ def read_lambada_jsonl(path: str | Path, key: str = "text") -> list[str]:
         raise EvalError(f"LAMBADA file {p} does not exist or is not a file")
     texts: list[str] = []
     try:
-        with open(p, encoding="utf-8") as f:
+        with open(p, encoding="utf-8-sig") as f:  # -sig: a UTF-8 byte-order mark is not part of line 1
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     raise EvalError(f"{p}:{lineno}: empty line (expected one JSON object per line)")

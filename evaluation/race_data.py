@@ -161,8 +161,9 @@ def read_race_dir(path: str | Path, level: str | None = None, report: RaceReadRe
                 report.skip(f"{f}:{lineno}: invalid JSON ({e.msg})")
                 continue
             missing = [k for k in ("article", "questions", "options", "answers") if not isinstance(data, dict) or k not in data]
-            if missing:
-                report.skip(f"{f}:{lineno}: missing key(s) {', '.join(missing)}")
+            if missing:  # every question of the article is lost, not one
+                qs = data.get("questions") if isinstance(data, dict) else None
+                report.skip(f"{f}:{lineno}: missing key(s) {', '.join(missing)}", len(qs) if isinstance(qs, list) else 1)
                 continue
             qs, opts, ans = data["questions"], data["options"], data["answers"]
             if not (isinstance(qs, list) and isinstance(opts, list) and isinstance(ans, list)) or not (len(qs) == len(opts) == len(ans)):

@@ -539,11 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     config_path = str(Path(args.config).resolve())
     os.chdir(ROOT)  # every relative path inside configs and overrides is relative to the repository root
 
-    def on_term(signum, frame):  # noqa: ARG001 - SIGTERM behaves like Ctrl-C: stop the child, keep state
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
+    install_signal_handlers()
     try:
         cfg = load_main_config(config_path, args.overrides)
         if args.quiet:
@@ -556,6 +552,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM and SIGHUP (an ssh session that drops) behave like Ctrl-C: the running stage's process
+    group (its own session, so the hangup never reaches it) is stopped by ``run_logged`` and the
+    orchestrator exits 130 with its state kept; rerunning resumes. Without this a hangup killed the
+    orchestrator alone and left training running, unlocked, for a rerun to overlap."""
+    def on_term(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored
 
 
 if __name__ == "__main__":

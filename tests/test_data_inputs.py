@@ -71,7 +71,8 @@ def test_bad_inputs_counted_and_reconciled(tmp_path, gpt2_cfg):
     assert d["too_short"] == 1 and d["duplicates"] == 1 and d["kept"] == 4
     assert d["read"] == 16 + 1 + 1 + 1 + 3  # a.jsonl (its blank line is no record), b, c, d, 3 text files
     rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
-    assert len(rejects) == d["malformed"] and all(x["reason"] and x["src"] for x in rejects)
+    assert len(rejects) == d["malformed"] + d["too_short"] and all(x["reason"] and x["src"] for x in rejects)
+    assert sum(x["reason"] == "too_short" for x in rejects) == d["too_short"]  # listed too (issue 14)
     kept = [json.loads(x) for x in (out / "documents.jsonl").read_text().splitlines()]
     assert len(kept) == 4 and not kept[-1]["text"].startswith("\ufeff")
     dup = [json.loads(x) for x in (out / "duplicates.jsonl").read_text().splitlines()]

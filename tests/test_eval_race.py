@@ -104,9 +104,10 @@ def test_bad_input_is_reported_and_skipped(tmp_path):
     bad2 = dict(obj)
     bad2["answers"] = ["E"] + obj["answers"][1:]
     (d / "answer_e.txt").write_text(json.dumps(bad2))
+    (d / "no_answers.txt").write_text(json.dumps({k: v for k, v in obj.items() if k != "answers"}))
     qs, rep = read_race_split(tmp_path / "RACE", "test")
     assert len(qs) == n_good + (n_good - 1)
-    assert rep.skipped == 1 + n_good + 1
+    assert rep.skipped == 1 + n_good + 1 + n_good  # an article without answers loses all its questions (issue 14)
     msgs = "\n".join(rep.problems)
     assert "broken.txt" in msgs and "invalid JSON" in msgs
     assert "three.txt" in msgs and "answer_e.txt" in msgs and "'E'" in msgs

@@ -234,12 +234,13 @@ def test_clear_errors_for_garbled_files(tmp_path: Path) -> None:
     corrupt(bytes(bad))
     with pytest.raises(IndexedDatasetError, match="bytes but"):
         MMapIndexedDataset(p)
-    # a pointer off by one item, sizes intact: caught by verify
+    # a pointer off by one item, sizes intact (first/last pointer fine): caught on every open (issue 14)
     corrupt(raw)
     bad = bytearray(raw)
     struct.pack_into("<q", bad, 34 + 4 * n + 8, struct.unpack_from("<q", raw, 34 + 4 * n + 8)[0] + 2)
     corrupt(bytes(bad))
-    MMapIndexedDataset(p)  # cheap checks pass (first/last pointer fine)
+    with pytest.raises(IndexedDatasetError, match="pointer of item 1 is .* running sum"):
+        MMapIndexedDataset(p)
     with pytest.raises(IndexedDatasetError, match="running sum"):
         MMapIndexedDataset(p, verify=True)
     corrupt(raw)
@@ -250,3 +251,18 @@ def test_clear_errors_for_garbled_files(tmp_path: Path) -> None:
     with pytest.raises(IndexedDatasetError, match="no data file"):
         MMapIndexedDataset(p)
     assert read_index_header(Path(f"{p}.idx")) == (np.dtype(np.uint16), n, d)
+
+
+def test_pointer_check_blocks_agree_with_the_running_sum():
+    """The blockwise pointer check (issue 14) against a plain cumsum, across block boundaries."""
+    from data_pipeline.indexed_dataset import _first_bad_pointer
+
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(0, 50, size=1000).astype(np.int32)
+    pointers = np.concatenate([[0], np.cumsum(sizes[:-1].astype(np.int64) * 2)])
+    for block in (1, 7, 1000, 4096):
+        assert _first_bad_pointer(sizes, pointers, 2, block) is None
+        for k in (1, 6, 7, 999):
+            bad = pointers.copy()
+            bad[k] += 2
+            assert _first_bad_pointer(sizes, bad, 2, block) == k

@@ -7,6 +7,10 @@ loadable. Client state: config, iteration, consumed samples, tokenizer spec, par
 shards merge) and every RNG state (DP replicas share RNG streams, so DP rank 0's copy is exact).
 
 Evaluation helpers merge the TP shards of a checkpoint into one TP=1 model.
+
+Every file is read with ``weights_only=True`` (``training.safe_load``): the client state holds only
+tensors and plain data, so the numpy RNG state is stored as a list rather than an ndarray.
+``latest`` must name a tag directory inside the run's checkpoints/ folder.
 """
 from __future__ import annotations
 
@@ -21,10 +25,14 @@ import torch
 import torch.distributed as dist
 
 from training.config import Config, ConfigError, config_from_dict
+from training import safe_load
+from training.safe_load import CheckpointError
 
 logger = logging.getLogger("training")
 
 LATEST = "latest"
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once at import (the only way to read it), restored at once
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -36,6 +44,7 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the file the mode open() would
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -47,8 +56,38 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 
 
 def latest_tag(run_dir: str | Path) -> str | None:
+    """The tag ``checkpoints/latest`` names; it must be a directory directly inside checkpoints/."""
     f = checkpoint_dir(run_dir) / LATEST
-    return f.read_text().strip() if f.is_file() else None
+    if not f.is_file():
+        return None
+    tag = f.read_text().strip()
+    check_tag(run_dir, tag, f"{f} names")
+    return tag
+
+
+def check_tag(run_dir: str | Path, tag: str, what: str = "tag") -> None:
+    """A tag is one plain directory name under checkpoints/ (never a path leading elsewhere) that exists."""
+    root = checkpoint_dir(run_dir)
+    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag:
+        raise CheckpointError(f"{what} {tag!r}, which is not a checkpoint name (expected e.g. iter_0000020 inside "
+                              f"{root}): fix the file or delete it to start afresh")
+    if not (root / tag).is_dir():
+        have = sorted(p.name for p in root.glob("iter_*") if p.is_dir())
+        raise CheckpointError(f"{what} {tag!r} but {root / tag} does not exist (present: {', '.join(have) or 'none'}): "
+                              f"write the newest present tag into {root / LATEST} or delete it to start afresh")
+
+
+def _encode_rng(state: dict) -> dict:
+    """RNG states with numpy's (name, uint32 array, pos, has_gauss, cached) as plain data (weights_only)."""
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    return {**state, "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+
+
+def _decode_rng(state: dict) -> dict:
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    return {**state, "numpy": (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)}
 
 
 def _tag(p) -> tuple[int, int] | None:
@@ -131,7 +170,7 @@ def save(trainer) -> Path:
         "tp_rank": trainer.ps.tp_rank,
         "pp_rank": trainer.ps.pp_rank,
         "optimizer_param_names": optimizer_param_names(trainer),
-        "rng": tp_random.get_rng_state(),
+        "rng": _encode_rng(tp_random.get_rng_state()),
         "dtype": trainer.dtype,
     }
     trainer.engine.save_checkpoint(str(root), tag=tag, client_state=client, save_latest=False)
@@ -157,6 +196,11 @@ def load(trainer) -> bool:
     if meta.get("weights_only"):  # written by training.import_hf: no optimizer, schedule or RNG to resume
         raise ConfigError(f"{trainer.run_dir} holds imported weights only ({meta.get('imported_from')}), not a run "
                           f"to resume: start a new run from it with train.init_from={trainer.run_dir} and another run.dir")
+    saved_sha = (meta.get("tokenizer") or {}).get("sha256")
+    if saved_sha and saved_sha != trainer.task.tokenizer.file_sha256():
+        raise CheckpointError(f"checkpoint {trainer.run_dir}/checkpoints/{tag} was trained with another tokenizer "
+                              f"(file sha256 {saved_sha} vs now {trainer.task.tokenizer.file_sha256()}): resume with "
+                              f"the original tokenizer files or start a new run.dir")
     saved = meta["parallel"]
     if (saved["tp"], saved["pp"]) != (trainer.ps.dims.tp, trainer.ps.dims.pp):
         raise ConfigError(f"checkpoint {trainer.run_dir}/checkpoints/{tag} was saved with TP={saved['tp']} "
@@ -164,12 +208,13 @@ def load(trainer) -> bool:
                           f"convert it with python -m training.reshard --checkpoint {trainer.run_dir} "
                           f"--tp {trainer.ps.dims.tp} --pp {trainer.ps.dims.pp} --out NEW_RUN_DIR, or resume with "
                           f"parallel.tensor={saved['tp']} parallel.pipeline={saved['pp']}")
+    safe_load.install()  # DeepSpeed's own reads with weights_only=True as well
     _, client = trainer.engine.load_checkpoint(str(checkpoint_dir(trainer.run_dir)), tag=tag)
     if client is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {checkpoint_dir(trainer.run_dir)}")
     trainer.iteration = client["iteration"]
     trainer.consumed_samples = client["consumed_samples"]
-    tp_random.set_rng_state(client["rng"])
+    tp_random.set_rng_state(_decode_rng(client["rng"]))
     if trainer.is_rank0:
         logger.info("resumed from %s at iteration %d", tag, trainer.iteration)
     return True
@@ -182,6 +227,8 @@ def _model_files(run_dir: str | Path, tag: str | None) -> tuple[str, list[Path]]
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"checkpoint directory {run_dir} does not exist")
+    if tag is not None:
+        check_tag(run_dir, tag, "--tag")
     tag = tag or latest_tag(run_dir)
     if tag is None:
         raise FileNotFoundError(f"{run_dir} has no checkpoints/latest: train with run.dir={run_dir} first")
@@ -193,25 +240,25 @@ def _model_files(run_dir: str | Path, tag: str | None) -> tuple[str, list[Path]]
 
 def read_client_state(run_dir: str | Path, tag: str | None = None) -> dict:
     _, files = _model_files(run_dir, tag)
-    return torch.load(files[0], map_location="cpu", weights_only=False)
+    return safe_load.load(files[0])
 
 
 def load_merged_state_dict(run_dir: str | Path, tag: str | None = None) -> tuple[dict, Config, dict]:
     """TP shards merged into one TP=1 state dict (vocabulary padding kept), the run config and the
     checkpoint metadata (``padded_vocab_size``, ``tokenizer`` spec, ...)."""
     tag, files = _model_files(run_dir, tag)
-    meta = torch.load(files[0], map_location="cpu", weights_only=False)
+    meta = safe_load.load(files[0])
     tp, pp = meta["parallel"]["tp"], meta["parallel"]["pp"]
     if len(files) != tp * pp:
         raise FileNotFoundError(f"checkpoint {tag} has {len(files)} model files but was saved with TP={tp} PP={pp}")
     if pp == 1:
-        shard_dicts = [torch.load(f, map_location="cpu", weights_only=False)["module"] for f in files]
+        shard_dicts = [safe_load.load(f)["module"] for f in files]
     else:  # pipeline layout: layer_XX-model_YY-model_states.pt, one file per (layer, TP rank)
         num_layers = meta["config"]["model"]["num_layers"]
         shard_dicts = [{} for _ in range(tp)]
         for f in sorted((checkpoint_dir(run_dir) / tag).glob("layer_*-model_*-model_states.pt")):
             idx, rank = int(f.name.split("-")[0][6:]), int(f.name.split("-")[1][6:])
-            for k, v in torch.load(f, map_location="cpu", weights_only=False).items():
+            for k, v in safe_load.load(f).items():
                 name = canonical_name(f"{idx}.{k}", num_layers)
                 if name is not None:
                     shard_dicts[rank][name] = v

@@ -430,6 +430,9 @@ def validate_static(cfg: Config) -> None:
         assert len(parts) == 3 and all(x >= 0 for x in parts) and sum(parts) > 0
     except (ValueError, AssertionError):
         raise ConfigError(f"data.split={cfg.data.split!r} must be three non-negative numbers like '969,30,1'") from None
+    if parts[0] == 0 and cfg.train.iters > 0:
+        raise ConfigError(f"data.split={cfg.data.split!r} gives the training set no documents: make its first "
+                          f"number positive, e.g. '969,30,1'")
 
 
 # --------------------------------------------------------------------------------------------------

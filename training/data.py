@@ -78,10 +78,26 @@ def resolve_sources(cfg: Config) -> DataSources:
     except (ValueError, OSError) as e:
         raise ConfigError(f"data.tokenizer: {e}") from None
     digest = hashlib.sha256(json.dumps({"files": [str(Path(f).resolve()) for f in d.text_files],
-                                        "sizes": [Path(f).stat().st_size for f in d.text_files],
+                                        "content": [text_file_sha256(f) for f in d.text_files],
                                         "tok": tok.spec()}, sort_keys=True).encode()).hexdigest()[:16]
     prefix = Path(cfg.run.dir) / "data" / f"text_{digest}"
     return DataSources(tok, prefix, tok.spec(), None)
+
+
+def text_file_sha256(path: str | Path) -> str:
+    """sha256 of a ``data.text_files`` entry (the cache key: a file edited in place is re-tokenized),
+    after checking it is non-empty UTF-8 text: a binary file is refused, never decoded with replacements."""
+    data = Path(path).read_bytes()
+    if not data.lstrip(b"\xef\xbb\xbf").strip():
+        raise ConfigError(f"data.text_files: {path} is empty (no text to train on): remove it from the list")
+    try:
+        if b"\0" in data:
+            raise UnicodeDecodeError("utf-8", data, data.index(b"\0"), data.index(b"\0") + 1, "NUL byte")
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data.text_files: {path} is not UTF-8 text ({e.reason} at byte {e.start}): a binary file? "
+                          f"convert it to UTF-8 text or remove it") from None
+    return hashlib.sha256(data).hexdigest()
 
 
 def tokenize_text_files(files: list[str], tok: Tokenizer, prefix: Path) -> None:
@@ -90,7 +106,7 @@ def tokenize_text_files(files: list[str], tok: Tokenizer, prefix: Path) -> None:
     builder = MMapIndexedDatasetBuilder(prefix, best_dtype(tok.vocab_size))
     with builder:
         for f in files:
-            text = Path(f).read_text(encoding="utf-8", errors="replace").lstrip("\ufeff")
+            text = Path(f).read_text(encoding="utf-8").lstrip("\ufeff")  # checked by text_file_sha256
             blocks = [b.strip() for b in re.split(r"\n\s*\n", text) if b.strip()]
             if len(blocks) < 2:  # no blank lines: documents of LINES_PER_DOC lines
                 lines = text.splitlines()

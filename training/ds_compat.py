@@ -18,6 +18,9 @@ one of the two and scales (fp16; the bf16 variant has no scaling). It patches on
 ``tests/test_fp16_loss_scale.py`` checks the result on the installed version: gradients after
 ``engine.backward`` equal the fp32 gradients times the scale, and an fp16 step moves the weights as far
 as the fp32 step does.
+
+Checkpoint reads. DeepSpeed's ``TorchCheckpointEngine.load`` unpickles with ``weights_only=False``;
+:func:`apply` also routes it through ``training.safe_load.load`` (weights only, one-line refusal).
 """
 from __future__ import annotations
 
@@ -38,6 +41,9 @@ def _engine_scales_fp16(backward) -> bool:
 
 def apply() -> None:
     """Install the workarounds (idempotent). Call before ``deepspeed.initialize``."""
+    from training import safe_load
+
+    safe_load.install()  # DeepSpeed's checkpoint reads with weights_only=True (training/safe_load.py)
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer

@@ -96,6 +96,29 @@ def format_line(m: dict, total_iters: int) -> str:
             f"TFLOP/s/device {f(m['tflops_per_device'], '.3f')} | MFU {f(100 * m['mfu'] if m['mfu'] is not None else None, '.2f')}%")
 
 
+def kept_metric_lines(path: Path, resume_iteration: int) -> list[str]:
+    """The rows of ``path`` up to ``resume_iteration``. A line that is not a complete JSON row (a write
+    cut short by a kill or a full disk, typically the last one) is dropped with a warning instead of
+    making every resume crash."""
+    keep, bad = [], []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                it = int(row["iteration"])
+            except (ValueError, TypeError, KeyError):
+                bad.append(lineno)
+                continue
+            if it <= resume_iteration:
+                keep.append(line.rstrip("\n"))
+    if bad:
+        logger.warning("%s: dropped %d damaged line(s) (line %s%s: an interrupted write) while resuming", path,
+                       len(bad), bad[0], " ..." if len(bad) > 1 else "")
+    return keep
+
+
 class MetricsWriter:
     """Rank-0 sink: log line, JSON lines (flushed each step), optional DeepSpeed monitor."""
 
@@ -108,8 +131,7 @@ class MetricsWriter:
             return
         path = run_dir / "metrics.jsonl"
         if resume_iteration is not None and path.is_file():
-            keep = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["iteration"] <= resume_iteration]
+            keep = kept_metric_lines(path, resume_iteration)
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in keep))
             tmp.replace(path)

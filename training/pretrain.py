@@ -29,18 +29,29 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from training.distributed import init_distributed
+    from training.safe_load import CheckpointError
     from training.trainer import Trainer, TrainingAborted
 
     init_distributed()
     try:
         trainer = Trainer(cfg)
         trainer.train()
+    except CheckpointError as e:  # unsafe, truncated or missing checkpoint files, a bad `latest`
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except TrainingAborted as e:
         print(f"training aborted: {e}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:  # Ctrl-C / SIGINT from the launcher: checkpoints are atomic, latest is intact
+        print("interrupted: the newest complete checkpoint is kept; rerun the same command to resume", file=sys.stderr)
+        return 130
+    except OSError as e:  # disk full, permissions: the checkpoint being written is discarded, `latest` kept
+        print(f"error: {e.strerror or e}: {e.filename or cfg.run.dir} (check free disk space and permissions); the "
+              f"newest complete checkpoint is kept, rerun the same command to resume", file=sys.stderr)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from training.checkpoint import _model_files, checkpoint_dir, load_merged_state_dict
-from training.config import ConfigError, validate_static
+from training import safe_load
+from training.config import ConfigError, config_from_dict, validate_static
 
 logger = logging.getLogger("training.reshard")
 
@@ -38,7 +39,7 @@ def merge_optimizer_state(run_dir: Path, tag: str | None, meta: dict) -> dict[st
     _, files = _model_files(run_dir, tag)
     shards: dict[str, list] = {}
     for f in files:
-        d = torch.load(f, map_location="cpu", weights_only=False)
+        d = safe_load.load(f)
         opt = d.get("optimizer")
         if not isinstance(opt, dict) or "state" not in opt or d.get(names_key) is None:
             return None
@@ -83,8 +84,8 @@ def _worker(rank, world, payload_path: str, out_dir: str):
     from training.parallel.layers import _shard_master
     from training.trainer import Trainer
 
-    payload = torch.load(payload_path, map_location="cpu", weights_only=False)
-    cfg = payload["config"]
+    payload = safe_load.load(payload_path)
+    cfg = config_from_dict(payload["config"])
     trainer = Trainer(cfg)
     names = ckpt.canonical_names(trainer)
     params = dict(trainer.model.named_parameters())
@@ -136,10 +137,10 @@ def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | N
         logger.warning("optimizer state of %s is not per parameter (fp16 masters or ZeRO): only weights, schedule "
                        "and data position are converted; Adam moments restart from zero", run_dir)
     src = _model_files(run_dir, tag)[1][0]
-    source_state = torch.load(src, map_location="cpu", weights_only=False)
+    source_state = safe_load.load(src)
     out.mkdir(parents=True)
     payload_path = out / ".reshard_payload.pt"
-    torch.save({"config": cfg, "weights": weights, "moments": moments, "partition": meta["partition"],
+    torch.save({"config": cfg.to_dict(), "weights": weights, "moments": moments, "partition": meta["partition"],
                 "iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
                 "lr_scheduler": source_state.get("lr_scheduler")}, payload_path)
     try:

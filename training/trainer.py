@@ -20,6 +20,7 @@ from training.parallel.grad_norm import clip_grad_norm
 
 from training import checkpoint as ckpt
 from training import init_from
+from training import run_lock
 from training.config import (Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype,
 )
 from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
@@ -249,10 +250,16 @@ class Trainer:
         from tqdm import tqdm
 
         cfg = self.cfg
-        resumed = ckpt.load(self)
-        writer = MetricsWriter(self.run_dir, cfg.train.iters, self.is_rank0,
-                               getattr(self.engine, "monitor", None),
-                               resume_iteration=self.iteration if resumed else None)
+        lock = run_lock.acquire_for_rank0(self.run_dir, self.is_rank0)  # one run per run.dir (collective)
+        try:
+            resumed = ckpt.load(self)
+            writer = MetricsWriter(self.run_dir, cfg.train.iters, self.is_rank0,
+                                   getattr(self.engine, "monitor", None),
+                                   resume_iteration=self.iteration if resumed else None)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         bar = tqdm(total=cfg.train.iters, initial=self.iteration, desc="train", unit="it",
                    disable=not (self.is_rank0 and cfg.train.progress_bar), leave=False)
         last, vl = {}, None
@@ -281,4 +288,6 @@ class Trainer:
         finally:
             bar.close()
             writer.close()
+            if lock is not None:
+                lock.release()
         return {"last": last, "valid_loss": valid}

@@ -1,0 +1,191 @@
+"""Failures a user can cause are one line and a non-zero exit, not a traceback (issue 14, docs/errors.md)."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.distributed import SHARED_DATA
+
+ROOT = Path(__file__).resolve().parents[1]
+BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
+SHAKESPEARE = Path(SHARED_DATA) / "corpus" / "tinyshakespeare.txt"
+GPT2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
+needs_data = pytest.mark.skipif(not (BOTCHAN.is_file() and GPT2.is_dir()), reason="../shared/data absent")
+
+
+def _one_line(text: str) -> str:
+    lines = [x for x in text.splitlines() if x.strip() and " INFO " not in x and " WARNING " not in x]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def _config(tmp_path: Path, name: str, **extra) -> Path:
+    text = tmp_path / "b.txt"
+    if not text.exists():
+        text.write_text(BOTCHAN.read_text(encoding="utf-8")[:30000], encoding="utf-8")
+    cfg = {"output_dir": str(tmp_path / name), "workers": 1, "progress": False, "length": {"min_tokens": 8},
+           "sources": [{"type": "text", "path": str(text), "text_mode": "blocks"}],
+           "tokenizer": {"type": "gpt2", "vocab_file": str(GPT2 / "gpt2-vocab.json"),
+                         "merges_file": str(GPT2 / "gpt2-merges.txt")}}
+    cfg.update(extra)
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+@needs_data
+def test_tokenizer_vocabulary_too_large(tmp_path, capsys):
+    from data_pipeline.__main__ import main
+
+    conf = _config(tmp_path, "big", tokenizer={"type": "sentencepiece", "vocab_size": 60000})
+    assert main(["build", "--config", str(conf)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("error: SentencePiece training failed") and "Vocabulary size too high" in line
+
+
+@needs_data
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_missing_or_truncated_shard(tmp_path, capsys, damage):
+    from data_pipeline.__main__ import main
+
+    conf = _config(tmp_path, "out")
+    assert main(["build", "--config", str(conf)]) == 0
+    shard = tmp_path / "out" / "work" / "filter" / "docs-00000.jsonl"
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:100])
+    shutil.rmtree(next((tmp_path / "out" / "work").glob("signatures-*")))  # so dedup has to read the texts
+    capsys.readouterr()
+    assert main(["stage", "dedup", "--config", str(conf)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"docs-00000.jsonl is {damage}" in line and "build --force" in line
+
+
+@needs_data
+def test_ctrl_c_is_one_line_and_resumable(tmp_path, capsys):
+    from data_pipeline.__main__ import main
+
+    text = tmp_path / "big.txt"
+    text.write_text(SHAKESPEARE.read_text(encoding="utf-8") * 3, encoding="utf-8")
+    conf = _config(tmp_path, "out", sources=[{"type": "text", "path": str(text), "text_mode": "blocks"}])
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # Ctrl-C while the build runs
+    timer.start()
+    try:
+        rc = main(["build", "--config", str(conf)])
+    finally:
+        timer.cancel()
+    assert rc == 130
+    assert _one_line(capsys.readouterr().err).startswith("interrupted: finished work is kept")
+
+
+@needs_data
+def test_disk_full_is_one_line(tmp_path):
+    """Writes fail with EFBIG past RLIMIT_FSIZE (SIGXFSZ ignored): the OS error a full disk also raises."""
+    conf = _config(tmp_path, "out")
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+
+    res = subprocess.run([sys.executable, "-m", "data_pipeline", "build", "--config", str(conf)], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300,
+                         preexec_fn=limit)
+    assert res.returncode == 1, res.stderr
+    line = _one_line(res.stderr)
+    assert line.startswith("error: File too large: ") and "check free disk space" in line
+
+
+def test_unreachable_redis_in_build_is_one_line(tmp_path, capsys):
+    import socket
+
+    from data_pipeline.__main__ import main
+    from data_pipeline.config import load_config
+    from data_pipeline.stages import run_stage
+
+    if not GPT2.is_dir():
+        pytest.skip("../shared/data absent")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "b.txt").write_text(" ".join(f"word{i}" for i in range(400)) + "\n\n" + " ".join(
+        f"other{i}" for i in range(400)), encoding="utf-8")
+    conf = _config(tmp_path, "out", dedup={"storage": "redis", "redis_port": port})
+    cfg = load_config(conf, [])
+    for stage in ("ingest", "tokenizer", "filter"):
+        run_stage(cfg, stage)
+    assert main(["stage", "dedup", "--config", str(conf)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(f"error: cannot reach Redis at 127.0.0.1:{port}/0") and "start redis-server" in line
+
+
+@needs_data
+def test_training_split_without_training_part(tmp_path):
+    spec = {"kind": "gpt2_bpe", "vocab_file": str(GPT2 / "gpt2-vocab.json"), "merges_file": str(GPT2 / "gpt2-merges.txt")}
+    res = subprocess.run([sys.executable, "-m", "training.pretrain", "--config", "configs/gpt2_tiny.yaml",
+                          "data.corpus=null", f"data.text_files=[{BOTCHAN}]", f"data.tokenizer={json.dumps(spec)}",
+                          f"run.dir={tmp_path}", "data.split=0,0,1"], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT)), timeout=120)
+    assert res.returncode == 2
+    assert _one_line(res.stderr).startswith("config error: data.split='0,0,1' gives the training set no documents")
+
+
+@needs_data
+@pytest.mark.parametrize("content,message", [(b"", "is empty"), (b"\x00\x01binary\xff", "is not UTF-8 text")])
+def test_training_text_file_empty_or_binary(tmp_path, content, message):
+    from training.config import ConfigError, load_config
+    from training.data import resolve_sources
+
+    f = tmp_path / "t.txt"
+    f.write_bytes(content)
+    spec = {"kind": "gpt2_bpe", "vocab_file": str(GPT2 / "gpt2-vocab.json"), "merges_file": str(GPT2 / "gpt2-merges.txt")}
+    cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", ["data.corpus=null", f"data.text_files=[{f}]",
+                                                             f"data.tokenizer={json.dumps(spec)}", f"run.dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=message):
+        resolve_sources(cfg)
+
+
+def test_wikitext_one_word_file(tmp_path, capsys):
+    from evaluation.cli import main
+
+    (tmp_path / "one.tokens").write_text(" hello \n")
+    (tmp_path / "run").mkdir()
+    assert main(["wikitext103", "--checkpoint", str(tmp_path / "run"), "--data", str(tmp_path / "one.tokens"),
+                 "--no-progress"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("error: ") and "holds 1 word(s): WikiText perplexity needs at least 2" in line
+
+
+@needs_data
+def test_text_files_cache_is_keyed_by_content(tmp_path):
+    """An edit that keeps the size must not reuse the old tokens (the key used to be path + size)."""
+    from training.config import load_config
+    from training.data import resolve_sources
+
+    f = tmp_path / "t.txt"
+    spec = {"kind": "gpt2_bpe", "vocab_file": str(GPT2 / "gpt2-vocab.json"), "merges_file": str(GPT2 / "gpt2-merges.txt")}
+    over = ["data.corpus=null", f"data.text_files=[{f}]", f"data.tokenizer={json.dumps(spec)}", f"run.dir={tmp_path}"]
+    f.write_text("the cat sat on the mat\n")
+    first = resolve_sources(load_config(ROOT / "configs" / "gpt2_tiny.yaml", over)).prefix
+    f.write_text("the dog sat on the mat\n")  # same size, other text
+    assert resolve_sources(load_config(ROOT / "configs" / "gpt2_tiny.yaml", over)).prefix != first
+
+
+def test_latest_and_run_files_are_world_readable(tmp_path):
+    """atomic_write_text (checkpoints/latest, config.json) gives the mode open() would, not mkstemp's 0600."""
+    from training.checkpoint import atomic_write_text
+
+    atomic_write_text(tmp_path / "latest", "iter_0000001")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (tmp_path / "latest").stat().st_mode & 0o777 == 0o666 & ~umask
