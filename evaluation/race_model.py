@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from evaluation.errors import EvalError
+from training import device as tdev
 
 
 def load_multiple_choice(run_dir: str | Path, rt):
@@ -29,6 +30,7 @@ def load_multiple_choice(run_dir: str | Path, rt):
 
     @torch.no_grad()
     def score_fn(batch: dict) -> torch.Tensor:
-        return model(batch["text"].to(rt.device), batch["types"].to(rt.device), batch["padding_mask"].to(rt.device)).float().cpu()
+        b = tdev.to_device(batch, rt.device)
+        return model(b["text"], b["types"], b["padding_mask"]).float().cpu()
 
     return score_fn, tokenizer
