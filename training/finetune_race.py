@@ -213,7 +213,7 @@ class RaceFinetuner:
         self.model, fresh = build_model(cfg, str(pretrained), padded, self.ps.tp_group)
         if self.is_rank0:
             logger.info("loaded pretrained encoder from %s; freshly initialised: %s", pretrained, ", ".join(fresh))
-        optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, total)
+        optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, total, tdev.local_device().type, self.dtype)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     mpu=self.ps, config=self.ds_config, dist_init_required=False)
@@ -239,6 +239,17 @@ class RaceFinetuner:
     def _to_device(self, batch: dict) -> dict:
         return tdev.to_device(batch, self.device)
 
+    def _logits(self, batch: dict):
+        """Choice logits [n, 4] of a host batch (moved to the engine's device here)."""
+        b = self._to_device(batch)
+        return self.engine(b["text"], b["types"], b["padding_mask"])
+
+    def _loss(self, batch: dict):
+        """Cross-entropy of the 4 choices for a host batch (logits and labels on the engine's device)."""
+        import torch.nn.functional as F
+
+        return F.cross_entropy(self._logits(batch).float(), self._to_device(batch["label"]))
+
     def step_batches(self, order: np.ndarray, step: int):
         """This DP rank's micro-batches of step ``step`` within an epoch's question order."""
         from evaluation.race_data import collate
@@ -255,16 +266,13 @@ class RaceFinetuner:
     def train_step(self, order: np.ndarray, step: int) -> dict:
         import torch
         import torch.distributed as dist
-        import torch.nn.functional as F
 
         t0 = time.perf_counter()
         lr = self.engine.get_lr()[0]
         losses, norm = [], None
         self._fp32_norm = None
         for batch in self.step_batches(order, step):
-            batch = self._to_device(batch)
-            logits = self.engine(batch["text"], batch["types"], batch["padding_mask"])     # [mb, 4]
-            loss = F.cross_entropy(logits.float(), batch["label"])
+            loss = self._loss(batch)
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.detach().float())
@@ -297,8 +305,7 @@ class RaceFinetuner:
         with torch.no_grad():
             for b in range(0, len(mine), bs):
                 chunk = mine[b:b + bs]
-                batch = self._to_device(collate(chunk))
-                pred = self.engine(batch["text"], batch["types"], batch["padding_mask"]).float().argmax(-1).cpu()
+                pred = self._logits(collate(chunk)).float().argmax(-1).cpu()
                 for s, p in zip(chunk, pred.tolist()):
                     k = levels.index(s["level"])
                     ok = float(p == int(s["label"]))

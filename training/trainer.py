@@ -94,7 +94,7 @@ class Trainer:
         t = cfg.train
         self.task.build_data()
         self.model = self.task.build_model(self.padded_vocab)
-        optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters)
+        optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters, tdev.local_device().type, self.dtype)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
         self.pipe = cfg.parallel.pipeline > 1
         # a PipelineModule brings its own grid (same topology as self.ps); DeepSpeed refuses an mpu then
