@@ -39,8 +39,7 @@ def setup_runtime(tp: int = 1, device: str | None = None) -> Runtime:
         raise EvalError(f"{world} processes are not divisible by --tp {tp}: launch a multiple of {tp} processes")
     # the accelerator's device for LOCAL_RANK unless --device says otherwise; bound before any group
     dev = torch.device(device) if device else tdev.local_device()
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    tdev.set_local_device(dev)
     if world == 1 and tp == 1:
         return Runtime(None, DataParallel(), dev, True)
     if world == 1:

@@ -41,12 +41,13 @@ def local_device() -> torch.device:
     return torch.device(name, local_rank())
 
 
-def set_local_device() -> torch.device:
-    """Bind this process to its accelerator device before any process group exists (a no-op on CPU)."""
+def set_local_device(dev: torch.device | None = None) -> torch.device:
+    """Bind this process to ``dev`` (default: its accelerator device) before any process group exists;
+    a no-op on CPU."""
     from deepspeed.accelerator import get_accelerator
 
-    dev = local_device()
-    if dev.type != "cpu":
+    dev = local_device() if dev is None else dev
+    if dev.type != "cpu" and dev.index is not None:
         get_accelerator().set_device(dev.index)
     return dev
 
