@@ -27,8 +27,10 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tests.distributed import SHARED_DATA
+
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+SHARED = Path(SHARED_DATA)
 GPT2 = SHARED / "tokenizers" / "gpt2"
 BOTCHAN = SHARED / "corpus" / "botchan.txt"
 RACE = SHARED / "eval" / "RACE"
