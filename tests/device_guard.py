@@ -13,9 +13,10 @@ Here the real numbers stay on the CPU, but each tensor carries the device the co
   off and tags only propagate (backward placement follows the forward's by construction).
 * :func:`patched_accelerator` makes DeepSpeed's (CPU) accelerator report ``cuda``, so the engine and
   :func:`training.device.local_device` place the model on ``cuda:LOCAL_RANK`` -- emulated.
-* :class:`CollectiveGuard` wraps ``torch.distributed`` and ``deepspeed.comm`` collectives and asserts
+* :class:`CollectiveGuard` wraps ``torch.distributed`` and ``deepspeed.comm`` collectives and checks
   that every tensor operand is on the device the code claims is the engine's
-  (:func:`training.device.local_device`); it counts what it checked so a test can show it ran.
+  (:func:`training.device.local_device`), recording each violation with its caller (the run goes on, so
+  one run lists them all); it counts what it checked so a test can show it ran.
 """
 from __future__ import annotations
 
@@ -212,8 +213,19 @@ _TORCH_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "bro
                       "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter")
 
 
+def _caller() -> str:
+    """The project frame (training/, evaluation/, scripts/) that called the collective."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if any(f"/{d}/" in frame.filename for d in ("training", "evaluation", "scripts")):
+            return f"{frame.filename.rsplit('/', 2)[-2]}/{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} {frame.name}"
+    return "outside the project"
+
+
 class CollectiveGuard:
-    """Asserts every tensor operand of a collective is on ``expected()`` (the code's engine device)."""
+    """Checks every tensor operand of a collective is on ``expected()`` (the code's engine device);
+    ``violations`` lists those that are not (a test asserts it is empty)."""
 
     def __init__(self, expected):
         self.expected = expected
@@ -233,11 +245,9 @@ class CollectiveGuard:
                 for t in tree_leaves((args, kwargs)):
                     if isinstance(t, torch.Tensor):
                         got = device_of(t)
-                        if got != want:
+                        if got != want:  # NCCL would reject it; recorded so one run lists them all
                             self.violations.append(f"{label}: operand {tuple(t.shape)} {t.dtype} on {got}, "
-                                                   f"engine device {want}")
-                            raise DeviceMismatch(f"{label} got a tensor on {got}; the engine device is {want} "
-                                                 "(NCCL rejects it)")
+                                                   f"engine device {want}, from {_caller()}")
                 self.seen[label] += 1
             return original(*args, **kwargs)
 

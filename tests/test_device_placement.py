@@ -83,7 +83,7 @@ def _guarded_train(rank, world, run_dir):
         trainer = Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", _gpt_overrides(run_dir)))
         out = trainer.train()
         device = str(next(trainer.model.parameters()).device)
-    return {"seen": dict(guard.seen), "valid": out["valid_loss"], "device": device}
+    return {"seen": dict(guard.seen), "violations": guard.violations, "valid": out["valid_loss"], "device": device}
 
 
 def _race_samples(tok_spec: dict):
@@ -128,7 +128,8 @@ def _guarded_eval(rank, world, run_dir, race_tok):
         ft.data = {"dev": _race_samples(race_tok)}
         race = ft.accuracy("dev")
         device = str(scorer.device)
-    return {"seen": dict(guard.seen), "wikitext": wt, "lambada": lb, "race": race, "device": device}
+    return {"seen": dict(guard.seen), "violations": guard.violations, "wikitext": wt, "lambada": lb, "race": race,
+            "device": device}
 
 
 @pytest.fixture(scope="module")
@@ -146,12 +147,14 @@ def test_collectives_on_the_engine_device_training_eval_and_race(tmp_path, race_
     run_dir = tmp_path / "gpt"
     train = run_distributed(_guarded_train, 2, run_dir)
     assert [r["device"] for r in train] == ["cuda:0", "cuda:1"]  # the engine put the model on "cuda"
+    assert not [v for r in train for v in r["violations"]], train[0]["violations"]
     for r in train:
         # DeepSpeed's start-up broadcasts, the TP all-reduces, the DP loss sum and validation all checked
         assert r["seen"].get("torch.distributed.all_reduce", 0) > 20 and r["seen"].get("torch.distributed.broadcast")
         assert math.isfinite(r["valid"]) and r["valid"] == train[0]["valid"]
     ev = run_distributed(_guarded_eval, 4, run_dir, race_tokenizer)
     assert [r["device"] for r in ev] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert not [v for r in ev for v in r["violations"]], ev[0]["violations"]
     assert all(r["seen"].get("torch.distributed.all_reduce", 0) > 0 for r in ev)
 
     # serial references: one process, TP=1, no emulation
