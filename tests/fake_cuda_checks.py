@@ -13,7 +13,10 @@ nothing: the control that shows the checks can fail; ``--with-control`` runs bot
 Collectives in one process are identities; here they are replaced by a check that every operand is
 on the fake CUDA device, after which the check stops (fake tensors have no values to read back).
 Forward only, under ``no_grad``: autograd through fake CUDA tensors aborts the process, which is also
-why this runs in a subprocess. Prints one JSON line per check: {"check", "control", "ok", "error"}.
+why this runs in a subprocess. One blind spot, found by reverting the fixes: FakeTensorMode lets a host
+0-dim tensor absorb a CUDA scalar in place (``total += loss``) and then reports it as CUDA, so a host
+accumulator handed to a collective passes here; the emulated-CUDA guard test
+(tests/device_guard.py) catches exactly that case. Prints one JSON line per check: {"check", "control", "ok", "error"}.
 """
 from __future__ import annotations
 
