@@ -5,8 +5,8 @@ Two mechanisms (see tests/fake_cuda_checks.py and tests/device_guard.py):
 * fake CUDA: every task's forward + loss, the validation and DP reductions, the parameter count, the
   grad norm and the evaluation scorers with parameters on fake ``cuda:0`` and the real data loaders;
   with the batch mover replaced by one that moves nothing, the batch paths must fail (the control);
-* emulated CUDA + collective guard: a real TP=2 training with validation, a TP=2 x DP=2 evaluation
-  (WikiText, LAMBADA) and RACE accuracy over DP=2, with DeepSpeed's accelerator reporting ``cuda``;
+* emulated CUDA + collective guard: a real TP=2 x DP=2 training with validation, then a TP=2 x DP=2
+  evaluation (WikiText, LAMBADA) and RACE accuracy over DP=2, with DeepSpeed's accelerator reporting ``cuda``;
   every collective operand must be on the engine's device, and the numbers equal a serial reference.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.device_guard import emulated_cuda_run
 from tests.distributed import SHARED_DATA, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,18 +75,6 @@ def _gpt_overrides(run_dir: Path) -> list[str]:
     return [f"{k}={v}" for k, v in ov.items()]
 
 
-def _guarded_train(rank, world, run_dir):
-    from tests.device_guard import emulated_cuda_run
-    from training.config import load_config
-    from training.trainer import Trainer
-
-    with emulated_cuda_run(rank) as (guard, _):
-        trainer = Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", _gpt_overrides(run_dir)))
-        out = trainer.train()
-        device = str(next(trainer.model.parameters()).device)
-    return {"seen": dict(guard.seen), "violations": guard.violations, "valid": out["valid_loss"], "device": device}
-
-
 def _race_samples(tok_spec: dict):
     from data_pipeline.tokenizer import load_tokenizer
     from evaluation.race_data import encode_questions, read_race_split
@@ -102,20 +91,35 @@ def _race_cfg():
                              "finetune": {"eval_batch_size": 3}, "data": {"text_files": [str(BOTCHAN)]}})
 
 
-def _guarded_eval(rank, world, run_dir, race_tok):
-    """TP=2 x DP=2: WikiText and LAMBADA through the CLI's scorer, and RACE accuracy as the fine-tuner
-    computes it (its DP reduction), all with the accelerator claiming cuda:rank."""
+def _guarded_run(rank, world, run_dir, race_tok):
+    """TP=2 x DP=2, the accelerator claiming cuda:rank: training with validation (checkpoint saved),
+    then WikiText and LAMBADA through the CLI's scorer on that checkpoint, and RACE accuracy as the
+    fine-tuner computes it (its DP reduction)."""
+    import torch.distributed as dist
+
+    from training.config import load_config
+    from training.trainer import Trainer
+
+    with emulated_cuda_run(rank) as (guard, _):
+        trainer = Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", _gpt_overrides(run_dir)))
+        out = trainer.train()
+        train = {"seen": dict(guard.seen), "violations": list(guard.violations), "valid": out["valid_loss"],
+                 "device": str(next(trainer.model.parameters()).device)}
+    dist.barrier()
+    return {"train": train, **_guarded_eval(rank, run_dir, race_tok)}
+
+
+def _guarded_eval(rank, run_dir, race_tok):
     from evaluation.lambada import read_lambada_jsonl
     from evaluation.model import load_scorer, setup_runtime
     from evaluation.tasks import lambada_eval, wikitext_eval
     from evaluation.wikitext import first_lines
-    from tests.device_guard import emulated_cuda_run
     from training import device as tdev
     from training.finetune_race import RaceFinetuner
     from training.models.bert import BertMultipleChoice
 
-    text = first_lines(WIKITEXT.read_text(encoding="utf-8"), 30)
-    texts = read_lambada_jsonl(LAMBADA)[:10]
+    text = first_lines(WIKITEXT.read_text(encoding="utf-8"), 12)
+    texts = read_lambada_jsonl(LAMBADA)[:6]
     with emulated_cuda_run(rank) as (guard, _):
         rt = setup_runtime(tp=2)
         scorer, cfg, tok = load_scorer(run_dir, rt)
@@ -145,14 +149,15 @@ def race_tokenizer(tmp_path_factory):
 @needs_data
 def test_collectives_on_the_engine_device_training_eval_and_race(tmp_path, race_tokenizer):
     run_dir = tmp_path / "gpt"
-    train = run_distributed(_guarded_train, 2, run_dir)
-    assert [r["device"] for r in train] == ["cuda:0", "cuda:1"]  # the engine put the model on "cuda"
+    ev = run_distributed(_guarded_run, 4, run_dir, race_tokenizer)
+    train = [r["train"] for r in ev]
+    assert [r["device"] for r in train] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]  # the engine put it on "cuda"
     assert not [v for r in train for v in r["violations"]], train[0]["violations"]
     for r in train:
-        # DeepSpeed's start-up broadcasts, the TP all-reduces, the DP loss sum and validation all checked
+        # DeepSpeed's start-up broadcasts and DP gradient all-reduce, the TP all-reduces, the DP loss sum
+        # and validation: all checked
         assert r["seen"].get("torch.distributed.all_reduce", 0) > 20 and r["seen"].get("torch.distributed.broadcast")
         assert math.isfinite(r["valid"]) and r["valid"] == train[0]["valid"]
-    ev = run_distributed(_guarded_eval, 4, run_dir, race_tokenizer)
     assert [r["device"] for r in ev] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert not [v for r in ev for v in r["violations"]], ev[0]["violations"]
     assert all(r["seen"].get("torch.distributed.all_reduce", 0) > 0 for r in ev)
@@ -167,9 +172,9 @@ def test_collectives_on_the_engine_device_training_eval_and_race(tmp_path, race_
     from training.models.bert import BertMultipleChoice
 
     scorer, _, tok = load_scorer(run_dir, Runtime(None, DataParallel(), torch.device("cpu"), True))
-    wt = wikitext_eval(scorer, tok, first_lines(WIKITEXT.read_text(encoding="utf-8"), 30), seq_len=32, stride=16,
+    wt = wikitext_eval(scorer, tok, first_lines(WIKITEXT.read_text(encoding="utf-8"), 12), seq_len=32, stride=16,
                        batch_size=3, progress=False)
-    lb = lambada_eval(scorer, tok, read_lambada_jsonl(LAMBADA)[:10], batch_size=3, progress=False)
+    lb = lambada_eval(scorer, tok, read_lambada_jsonl(LAMBADA)[:6], batch_size=3, progress=False)
     for r in ev:
         assert r["wikitext"]["scored_targets"] == wt["scored_targets"]
         assert r["wikitext"]["ppl"] == pytest.approx(wt["ppl"], rel=1e-4)
