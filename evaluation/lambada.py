@@ -168,6 +168,8 @@ def score_lambada(
         bar.update(len(idx))
     bar.close()
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        for t in (correct, logprob, ntok, truncated):
-            dist.all_reduce(t, group=dp_group)  # each index is filled on exactly one rank
+        # each index is filled on exactly one rank; summed as one tensor on the model's device (NCCL)
+        packed = torch.cat([correct, logprob, ntok, truncated]).to(scorer.device)
+        dist.all_reduce(packed, group=dp_group)
+        correct, logprob, ntok, truncated = packed.cpu().split([n, n, n, 1])
     return LambadaScores(correct.long().numpy(), logprob.numpy(), ntok.long().numpy(), int(truncated.item()))

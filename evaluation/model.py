@@ -17,6 +17,7 @@ import torch.distributed as dist
 from evaluation.errors import EvalError
 from evaluation.scoring import gpt2_scorer
 from evaluation.tasks import DataParallel
+from training import device as tdev
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +37,9 @@ def setup_runtime(tp: int = 1, device: str | None = None) -> Runtime:
         raise EvalError(f"--tp must be >= 1, got {tp}")
     if world % tp:
         raise EvalError(f"{world} processes are not divisible by --tp {tp}: launch a multiple of {tp} processes")
-    cuda = torch.cuda.is_available() and device != "cpu"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = torch.device(device) if device else (torch.device("cuda", local_rank) if cuda else torch.device("cpu"))
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    # the accelerator's device for LOCAL_RANK unless --device says otherwise; bound before any group
+    dev = torch.device(device) if device else tdev.local_device()
+    tdev.set_local_device(dev)
     if world == 1 and tp == 1:
         return Runtime(None, DataParallel(), dev, True)
     if world == 1:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from evaluation.errors import EvalError
+from training import device as tdev
 
 
 def load_multiple_choice(run_dir: str | Path, rt):
@@ -27,8 +28,11 @@ def load_multiple_choice(run_dir: str | Path, rt):
                         "BERT checkpoint fine-tuned for multiple choice")
     model.eval()
 
-    @torch.no_grad()
-    def score_fn(batch: dict) -> torch.Tensor:
-        return model(batch["text"].to(rt.device), batch["types"].to(rt.device), batch["padding_mask"].to(rt.device)).float().cpu()
+    return (lambda batch: multiple_choice_logits(model, batch, rt.device)), tokenizer
 
-    return score_fn, tokenizer
+
+@torch.no_grad()
+def multiple_choice_logits(model, batch: dict, device: torch.device) -> torch.Tensor:
+    """Host ``collate`` batch -> fp32 logits [n, 4] on the host; the model runs on ``device``."""
+    b = tdev.to_device(batch, device)
+    return model(b["text"], b["types"], b["padding_mask"]).float().cpu()

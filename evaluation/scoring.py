@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from training import device as tdev
+
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """tokens [b, s] int64 -> logits [b, s, V_local] (any float dtype; this rank's vocabulary columns)."""
 
@@ -105,9 +107,9 @@ class LMScorer:
         """
         if inputs.size(1) > self.max_length:
             raise ValueError(f"input length {inputs.size(1)} exceeds the model's {self.max_length} positions")
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        inputs, labels, mask = tdev.to_device((inputs, labels, mask), self.device)
         if mask is not None and self.hidden_fn is not None and self.head_fn is not None:
-            sel = mask.to(self.device).bool()
+            sel = mask.bool()
             h = self.hidden_fn(inputs)                                      # [b, s, h]
             nll_sel, ok_sel = token_scores(self.head_fn(h[sel]), labels[sel], self.vocab_size, self.vocab_start,
                                            self.tp_group)                   # [n]

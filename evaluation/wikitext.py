@@ -190,7 +190,7 @@ def score_stream(
     The sum is accumulated in float64 per window (the order of windows does not change it beyond
     rounding of the per-window fp32 sums).
     """
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64)  # host accumulator: the scores come back on the host
     n_windows = len(range(dp_rank, plan.num_windows, dp_world))
     bar = tqdm(total=n_windows, desc="wikitext windows", unit="win", disable=not progress)
     for ids, inp, lab, mask in plan.trimmed_batches(batch_size, dp_rank, dp_world):
@@ -201,7 +201,9 @@ def score_stream(
         bar.update(len(ids))
     bar.close()
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        total = total.to(scorer.device)  # a collective operand lives on the model's device (NCCL)
         dist.all_reduce(total, group=dp_group)
+        total = total.cpu()
     return StreamScore(float(total[0]), int(total[1]), plan.num_windows)
 
 

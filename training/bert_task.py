@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from data_pipeline.corpus import load_corpus
 from data_pipeline.gpt_dataset import split_boundaries
+from training import device as tdev
 from training.bert_data import BertDataError, BertDataset, BertVocab, MaskingConfig, collate, usable_documents
 from training.config import Config, ConfigError
 from training.models.bert import BertModel, bert_loss
@@ -137,8 +138,7 @@ class BertTask:
         return BertModel(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed)
 
     def loss(self, engine, batch) -> tuple[torch.Tensor, dict]:
-        dev = next(engine.module.parameters()).device
-        batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+        batch = tdev.to_device(batch, tdev.module_device(engine))
         lm_loss, sop_logits = engine(batch["text"], batch["types"], batch["padding_mask"], batch["labels"],
                                      batch["loss_mask"])
         return bert_loss(lm_loss, sop_logits, batch["is_random"])

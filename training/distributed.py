@@ -30,4 +30,9 @@ def init_distributed(backend: str | None = None) -> None:
     if get_accelerator().device_name() == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     ds_compat.apply()  # fp16 loss scaling at ZeRO-0 (see training/ds_compat.py)
+    # each process on its own GPU before the first group: NCCL (the accelerator's backend on CUDA) and
+    # all_gather_object otherwise all use GPU 0 (training/device.py)
+    from training.device import set_local_device
+
+    set_local_device()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)

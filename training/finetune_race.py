@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from training import device as tdev
 from training.cli import launcher_parser, setup_rank_logging
 from training.config import Config, ConfigError, _merge, check_world, config_from_dict, parse_overrides
 
@@ -161,8 +162,6 @@ class RaceFinetuner:
         self.cfg, self.meta = cfg, meta
         f = cfg.finetune
         self.run_dir = Path(cfg.run.dir)
-        on_gpu = torch.cuda.is_available()
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
         self.world, self.dp, self.dtype, self.ps, self.is_rank0 = start_process(cfg)
 
         pretrained = Path(f.pretrained)
@@ -193,11 +192,12 @@ class RaceFinetuner:
         self.model, fresh = build_model(cfg, str(pretrained), padded, self.ps.tp_group)
         if self.is_rank0:
             logger.info("loaded pretrained encoder from %s; freshly initialised: %s", pretrained, ", ".join(fresh))
-        optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, total)
+        optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, total, tdev.local_device().type, self.dtype)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     mpu=self.ps, config=self.ds_config, dist_init_required=False)
         self.pipe = False  # tensor parallelism only (checkpoint.save reads it)
+        self.device = tdev.module_device(self.engine)  # where DeepSpeed put the model: batches follow it
         # as the Trainer: fp32 without ZeRO clips with our TP-aware norm (DeepSpeed's discards it)
         self._fp32_norm: float | None = None
         if self.dtype == "fp32" and cfg.parallel.zero_stage == 0:
@@ -216,7 +216,18 @@ class RaceFinetuner:
 
     # ---- batches ---------------------------------------------------------------------------------
     def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.device) for k, v in batch.items()}
+        return tdev.to_device(batch, self.device)
+
+    def _logits(self, batch: dict):
+        """Choice logits [n, 4] of a host batch (moved to the engine's device here)."""
+        b = self._to_device(batch)
+        return self.engine(b["text"], b["types"], b["padding_mask"])
+
+    def _loss(self, batch: dict):
+        """Cross-entropy of the 4 choices for a host batch (logits and labels on the engine's device)."""
+        import torch.nn.functional as F
+
+        return F.cross_entropy(self._logits(batch).float(), self._to_device(batch["label"]))
 
     def step_batches(self, order: np.ndarray, step: int):
         """This DP rank's micro-batches of step ``step`` within an epoch's question order."""
@@ -234,16 +245,13 @@ class RaceFinetuner:
     def train_step(self, order: np.ndarray, step: int) -> dict:
         import torch
         import torch.distributed as dist
-        import torch.nn.functional as F
 
         t0 = time.perf_counter()
         lr = self.engine.get_lr()[0]
         losses, norm = [], None
         self._fp32_norm = None
         for batch in self.step_batches(order, step):
-            batch = self._to_device(batch)
-            logits = self.engine(batch["text"], batch["types"], batch["padding_mask"])     # [mb, 4]
-            loss = F.cross_entropy(logits.float(), batch["label"])
+            loss = self._loss(batch)
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.detach().float())
@@ -268,15 +276,15 @@ class RaceFinetuner:
         samples = self.data[split]
         levels = sorted({s["level"] for s in samples})
         mine = [s for i, s in enumerate(samples) if i % self.dp == self.ps.dp_rank]
-        correct = torch.zeros(len(levels) + 1, dtype=torch.float64)
-        count = torch.zeros(len(levels) + 1, dtype=torch.float64)
+        # counted on the host per question, summed over DP as one device tensor (NCCL takes no host tensor)
+        correct = [0.0] * (len(levels) + 1)
+        count = [0.0] * (len(levels) + 1)
         self.engine.eval()
         bs = self.cfg.finetune.eval_batch_size
         with torch.no_grad():
             for b in range(0, len(mine), bs):
                 chunk = mine[b:b + bs]
-                batch = self._to_device(collate(chunk))
-                pred = self.engine(batch["text"], batch["types"], batch["padding_mask"]).float().argmax(-1).cpu()
+                pred = self._logits(collate(chunk)).float().argmax(-1).cpu()
                 for s, p in zip(chunk, pred.tolist()):
                     k = levels.index(s["level"])
                     ok = float(p == int(s["label"]))
@@ -285,8 +293,9 @@ class RaceFinetuner:
                     correct[-1] += ok
                     count[-1] += 1
         self.engine.train()
-        dist.all_reduce(correct, group=self.ps.dp_group)
-        dist.all_reduce(count, group=self.ps.dp_group)
+        totals = tdev.host_to([correct, count], self.device, torch.float64)   # [2, levels + 1]
+        dist.all_reduce(totals, group=self.ps.dp_group)
+        correct, count = totals.cpu()
         out = {"accuracy": (correct[-1] / count[-1]).item() if count[-1] else float("nan"), "count": int(count[-1])}
         for k, lv in enumerate(levels):
             out[f"{lv}/accuracy"] = (correct[k] / count[k]).item() if count[k] else float("nan")

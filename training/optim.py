@@ -11,6 +11,7 @@ one step ahead of Megatron's formula.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -47,9 +48,26 @@ def lr_at(it: int, cfg: OptimizerConfig, train_iters: int) -> float:
     return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, train_iters: int):
-    # fused=True: one multi-tensor kernel instead of a Python loop over parameters (CPU and CUDA)
-    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                            eps=cfg.eps, fused=True)
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, train_iters: int, device_type: str = "cpu",
+                    dtype: str = "fp32"):
+    """AdamW + schedule. ``device_type``/``dtype`` pick the implementation (training.gpu_settings):
+    DeepSpeed's FusedAdam for fp16 on CUDA (so the engine uses its fused FP16_Optimizer), torch's
+    fused AdamW otherwise."""
+    from training.gpu_settings import fused_adam_available, settings_for
+
+    groups = param_groups(model, cfg.weight_decay)
+    kind = settings_for(device_type, dtype, fused_adam_available() if device_type == "cuda" else False).optimizer
+    opt = None
+    if kind == "deepspeed_fused_adam":
+        try:
+            from deepspeed.ops.adam import FusedAdam
+
+            opt = FusedAdam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, adam_w_mode=True)
+        except Exception as e:  # noqa: BLE001 - the JIT build can fail late (compiler, headers)
+            logging.getLogger("training").warning("DeepSpeed FusedAdam failed to build (%s); using torch's fused "
+                                                  "AdamW (DeepSpeed then takes its unfused fp16 path)", e)
+    if opt is None:
+        # fused=True: one multi-tensor kernel instead of a Python loop over parameters (CPU and CUDA)
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: lr_at(it, cfg, train_iters) / cfg.lr)
     return opt, sched

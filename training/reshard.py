@@ -101,15 +101,19 @@ def _worker(rank, world, payload_path: str, out_dir: str):
             p.copy_(shard.to(p.dtype))
             moments = (payload["moments"] or {}).get(name)
             if moments is not None:
+                # Adam's state lives with its parameter (on the GPU under CUDA); a fused/capturable
+                # AdamW keeps its step counter there too, the plain one on the host
+                on_dev = bool(opt.defaults.get("fused") or opt.defaults.get("capturable"))
                 st = {}
                 for key in ("exp_avg", "exp_avg_sq"):
                     m = moments[key]
                     if _is_vocab_sized(name):
                         m = _resize_vocab(m, trainer.padded_vocab)
                     st[key] = (_shard_master(m, tags[0], trainer.ps.tp_rank, trainer.ps.dims.tp, tags[1])
-                               if tags else m).to(p.dtype).clone()
-                st["step"] = moments["step"].clone() if torch.is_tensor(moments["step"]) else torch.tensor(
+                               if tags else m).to(device=p.device, dtype=p.dtype, copy=True)
+                step = moments["step"].clone() if torch.is_tensor(moments["step"]) else torch.tensor(
                     float(moments["step"]))
+                st["step"] = step.to(p.device) if on_dev else step
                 opt.state[p] = st
     trainer.iteration = payload["iteration"]
     trainer.consumed_samples = payload["consumed_samples"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from training import device as tdev
 from training.config import Config
 from training.data import BatchSampler, build_datasets, resolve_sources
 from training.models.gpt2 import GPT2Model
@@ -53,7 +54,8 @@ class GPTTask:
         return self.valid_sampler.micro_batches(i * self.cfg.train.global_batch_size)
 
     def loss(self, engine, batch) -> tuple[torch.Tensor, dict]:
-        tokens, labels = batch
+        # DeepSpeed's engine does not move inputs: the sampler's host batch goes to the model's device
+        tokens, labels = tdev.to_device(batch, tdev.module_device(engine))
         return engine(tokens, labels).mean(), {}
 
 

@@ -21,6 +21,7 @@ from training.parallel.grad_norm import clip_grad_norm
 from training import checkpoint as ckpt
 from training import init_from
 from training import run_lock
+from training import device as tdev
 from training.config import (Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype,
 )
 from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
@@ -34,10 +35,11 @@ logger = logging.getLogger("training")
 
 
 def count_parameters(model, ps) -> int:
-    """Parameters of the whole model over all TP and PP ranks, tied copies counted once."""
+    """Parameters of the whole model over all TP and PP ranks, tied copies counted once (a collective
+    under PP: the count is summed over the stages on the model's device, as NCCL requires)."""
     n = sum(p.numel() * (ps.dims.tp if getattr(p, "tensor_model_parallel", False) else 1)
             for p in model.parameters() if not getattr(p, "ds_pipe_replicated", False))
-    t = torch.tensor(n, dtype=torch.int64)
+    t = torch.tensor(n, dtype=torch.int64, device=tdev.module_device(model))
     if ps.dims.pp > 1:
         dist.all_reduce(t, group=ps.pp_group)
     return int(t)
@@ -49,7 +51,7 @@ def start_process(cfg: Config):
     Returns (world, dp, dtype, ParallelState, is_rank0)."""
     world = dist.get_world_size()
     dp = check_world(cfg, world)
-    on_gpu = torch.cuda.is_available()
+    on_gpu = tdev.local_device().type == "cuda"  # the accelerator DeepSpeed will use, not just torch's view
     dtype = resolve_dtype(cfg, on_gpu)
     if dtype == "fp16" and not on_gpu:
         allow_fp16_on_cpu()
@@ -96,7 +98,7 @@ class Trainer:
         self.task.build_data()
         self.model = self.task.build_model(self.padded_vocab)
         init_from.load_weights(self)  # train.init_from's weights, before the engine copies them
-        optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters)
+        optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters, tdev.local_device().type, self.dtype)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
         self.pipe = cfg.parallel.pipeline > 1
         # a PipelineModule brings its own grid (same topology as self.ps); DeepSpeed refuses an mpu then
@@ -163,7 +165,8 @@ class Trainer:
         self._fp32_norm = None
         losses, parts = [], {}
         if self.pipe:
-            batches = list(self.task.micro_batches(self.consumed_samples))
+            dev = tdev.module_device(self.engine)
+            batches = [tdev.to_device(b, dev) for b in self.task.micro_batches(self.consumed_samples)]
             losses.append(self.engine.train_batch(data_iter=iter(batches)).detach().float().sum())
             batches = []  # the pipeline engine ran them
         else:
@@ -230,11 +233,12 @@ class Trainer:
         if self.task.valid_micro_batches(0) is None:
             return None
         self.engine.eval()
-        total = torch.zeros(())
+        dev = tdev.module_device(self.engine)
+        total = torch.zeros((), dtype=torch.float64, device=dev)  # all-reduced below: on the engine's device
         n = 0
         for i in range(self.cfg.train.eval_iters):
             if self.pipe:
-                batches = list(self.task.valid_micro_batches(i))
+                batches = [tdev.to_device(b, dev) for b in self.task.valid_micro_batches(i)]
                 total += self.engine.eval_batch(data_iter=iter(batches)).detach().float().sum()
                 n += 1
                 continue

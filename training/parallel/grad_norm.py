@@ -13,11 +13,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from training.device import local_device
 from training.parallel.utils import is_tensor_parallel
 
 
 def grad_norm(params, tp_rank: int, tp_group=None, pp_group=None) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64)
+    """sqrt of the summed squares (float64), on the parameters' device: it is all-reduced (NCCL on GPU)."""
+    params = list(params)
+    device = params[0].device if params else local_device()
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         if p.grad is None or getattr(p, "ds_pipe_replicated", False):
             continue

@@ -1,0 +1,408 @@
+"""GPU smoke suite: the product's main paths on NVIDIA GPUs, one table at the end.
+
+    bash scripts/gpu_check.sh [--gpus N] [--only NAME ...] [--steps 30] [--out runs/gpu_check]
+    python scripts/gpu_check.py --cpu-dry-run      # CPU: parse arguments, list the plan, render the table
+
+Checks (each a real run through the project's own entry points, ``torchrun`` for several GPUs):
+
+    gpt2_tp1_fp16 / gpt2_tp1_bf16 / gpt2_tp2_fp16 / gpt2_tp2_bf16   tiny GPT-2, ``--steps`` steps: the loss
+        falls and fp16 skips at most a few steps (no skipped-step storm)
+    gpt2_pp2         PP=2 (DeepSpeed PipelineEngine), fp16
+    bert_20          tiny BERT (MLM + SOP), 20 steps, on a sentence-level corpus built here
+    race_finetune    RACE fine-tuning of that BERT (1 epoch), dev/test accuracy
+    wikitext103      WikiText-103 test perplexity of the TP=1 fp16 GPT-2 (``--limit`` lines)
+    lambada          LAMBADA accuracy of the same model (``--limit`` examples)
+    resume_equal     stop at half-way and resume: the losses after it equal the uninterrupted run's
+    hf_export        Hugging Face export: ``GPT2LMHeadModel`` logits equal ours (fp32)
+    gpt2_1.2b        the paper's 1.2B config (fp16, activation checkpointing): step time, TFLOP/s, memory
+
+Data comes from ``--data`` (default ``../shared/data`` beside the checkout: GPT-2 BPE files, Botchan,
+Tiny Shakespeare, WikiText-103, LAMBADA, RACE). Logs go to OUT/logs/NAME.log, the table to stdout and
+OUT/gpu_check.md, the rows to OUT/gpu_check.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: the project's packages
+DEFAULT_DATA = ROOT.parent / "shared" / "data"
+
+
+@dataclass
+class Row:
+    check: str
+    status: str  # PASS, FAIL, SKIP, DRY-RUN
+    detail: str
+    seconds: float = 0.0
+
+
+@dataclass
+class Context:
+    args: argparse.Namespace
+    gpus: int
+    dry: bool
+    out: Path
+    data: Path
+    planned: list[str] = field(default_factory=list)
+
+    # ---- running ----------------------------------------------------------------------------------
+    def run(self, name: str, cmd: list[str], nproc: int = 1) -> None:
+        """Run ``cmd`` (a ``-m module ...`` tail when nproc > 0) under torchrun with ``nproc`` processes."""
+        full = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + cmd
+                if nproc else [sys.executable] + cmd)
+        self.planned.append(shlex.join(full))
+        if self.dry:
+            self.validate(cmd, nproc)
+            return
+        log = self.out / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        with open(log, "a") as f:
+            f.write(f"$ {shlex.join(full)}\n")
+            f.flush()
+            rc = subprocess.run(full, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            raise RuntimeError(f"exit {rc}: see {log}")
+
+    def validate(self, cmd: list[str], nproc: int) -> None:
+        """Dry run: a planned pretraining command's config must load and fit its process count (the
+        same checks the entry point makes before any process group), so a bad plan fails on CPU."""
+        if cmd[:2] != ["-m", "training.pretrain"]:
+            return
+        from training.config import check_world, load_config
+
+        cfg = load_config(cmd[cmd.index("--config") + 1], cmd[cmd.index("--config") + 2:])
+        check_world(cfg, nproc)
+
+    # ---- data -------------------------------------------------------------------------------------
+    def gpt_overrides(self, run: str, **extra) -> list[str]:
+        g = self.data / "tokenizers" / "gpt2"
+        ov = {"data.corpus": "null", "data.text_files": f"[{self.data / 'corpus' / 'tinyshakespeare.txt'}]",
+              "data.tokenizer": json.dumps({"kind": "gpt2_bpe", "vocab_file": str(g / "gpt2-vocab.json"),
+                                            "merges_file": str(g / "gpt2-merges.txt")}),
+              "run.dir": str(self.out / run), "train.iters": str(self.args.steps), "train.progress_bar": "false",
+              "precision.initial_scale_power": "16", "optimizer.lr": "6.0e-4", "optimizer.warmup_iters": "3",
+              "train.micro_batch_size": "8", "train.global_batch_size": "16", "model.seq_length": "128", **extra}
+        return [f"{k}={v}" for k, v in ov.items()]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """Step rows of RUN_DIR/metrics.jsonl (events excluded)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if "event" not in r and "loss" in r]
+
+
+def loss_falls(run_dir: Path, max_skipped: int) -> tuple[bool, str]:
+    m = metrics(run_dir)
+    first, last = m[0]["loss"], m[-1]["loss"]
+    skipped = int(m[-1].get("skipped") or 0)
+    ok = math.isfinite(last) and last < first - 0.5 and skipped <= max_skipped
+    return ok, f"loss {first:.2f} -> {last:.2f} over {len(m)} steps, {skipped} skipped (max {max_skipped})"
+
+
+# --------------------------------------------------------------------------------------------------
+# the checks: (name, GPUs needed, function(ctx) -> detail; raises or returns (ok, detail))
+# --------------------------------------------------------------------------------------------------
+def gpt2(tp: int, dtype: str, pp: int = 1) -> Callable[[Context], tuple[bool, str]]:
+    def check(ctx: Context) -> tuple[bool, str]:
+        run = f"gpt2_tp{tp}_pp{pp}_{dtype}"
+        ctx.run(run, ["-m", "training.pretrain", "--config", str(ROOT / "configs" / "gpt2_tiny.yaml"),
+                      *ctx.gpt_overrides(run, **{"parallel.tensor": tp, "parallel.pipeline": pp,
+                                                 "precision.dtype": dtype})], nproc=tp * pp)
+        return (True, "planned") if ctx.dry else loss_falls(ctx.out / run, max_skipped=5)
+    return check
+
+
+def bert_20(ctx: Context) -> tuple[bool, str]:
+    corpus = ctx.out / "bert_corpus"
+    ctx.run("bert_corpus", [str(Path(__file__).resolve()), "--prepare-bert-corpus", str(corpus), "--data",
+                            str(ctx.data)], nproc=0)
+    ov = {"data.corpus": str(corpus), "run.dir": str(ctx.out / "bert"), "train.iters": "20", "parallel.tensor": "1",
+          "train.progress_bar": "false", "precision.initial_scale_power": "16", "train.eval_interval": "10"}
+    ctx.run("bert_20", ["-m", "training.pretrain", "--config", str(ROOT / "configs" / "bert_tiny.yaml"),
+                        *[f"{k}={v}" for k, v in ov.items()]], nproc=1)
+    return (True, "planned") if ctx.dry else loss_falls(ctx.out / "bert", max_skipped=5)
+
+
+def race_finetune(ctx: Context) -> tuple[bool, str]:
+    ov = {"finetune.pretrained": str(ctx.out / "bert"), "finetune.race_dir": str(ctx.data / "eval" / "RACE"),
+          "finetune.epochs": "1", "run.dir": str(ctx.out / "race"), "parallel.tensor": "1",
+          "train.progress_bar": "false"}
+    ctx.run("race_finetune", ["-m", "training.finetune_race", "--config", str(ROOT / "configs" / "race.yaml"),
+                              *[f"{k}={v}" for k, v in ov.items()]], nproc=1)
+    if ctx.dry:
+        return True, "planned"
+    res = json.loads((ctx.out / "race" / "race_results.json").read_text())["best"]
+    return all(0.0 <= v["accuracy"] <= 1.0 for v in res.values()), " | ".join(
+        f"{s} accuracy {v['accuracy']:.3f} ({v['count']} q)" for s, v in res.items())
+
+
+def evaluation(task: str) -> Callable[[Context], tuple[bool, str]]:
+    def check(ctx: Context) -> tuple[bool, str]:
+        data = (ctx.data / "eval" / "wikitext-103" / "wiki.test.tokens" if task == "wikitext"
+                else ctx.data / "eval" / "lambada" / "lambada_test.jsonl")
+        out = ctx.out / "eval" / f"{task}.json"
+        limit = str(ctx.args.eval_limit)
+        ctx.run(task, ["-m", "evaluation", task, "--checkpoint", str(ctx.out / "gpt2_tp1_pp1_fp16"), "--data", str(data),
+                       "--limit", limit, "--json", str(out), "--no-progress"], nproc=1)
+        if ctx.dry:
+            return True, "planned"
+        r = json.loads(out.read_text())
+        if task == "wikitext":
+            return math.isfinite(r["ppl"]), f"ppl {r['ppl']:.1f} (adjusted {r['adjusted_ppl']:.1f}), {limit} lines, " \
+                                            f"{r['tokens_per_second']:.0f} tok/s"
+        return 0.0 <= r["accuracy"] <= 1.0, f"accuracy {r['accuracy']:.4f} on {r['count']} examples"
+    return check
+
+
+def resume_equal(ctx: Context) -> tuple[bool, str]:
+    steps, half = ctx.args.steps, ctx.args.steps // 2
+    # fp32: the comparison is about the restored state (weights, Adam, schedule, RNG, data position), not
+    # about low-precision rounding of non-deterministic kernels (embedding backward uses atomics)
+    common = {"precision.dtype": "fp32", "parallel.tensor": min(2, ctx.gpus), "train.save_interval": half}
+    full, part = "resume_full", "resume_part"
+    cfg = str(ROOT / "configs" / "gpt2_tiny.yaml")
+    ctx.run(full, ["-m", "training.pretrain", "--config", cfg, *ctx.gpt_overrides(full, **common)],
+            nproc=common["parallel.tensor"])
+    ctx.run(part, ["-m", "training.pretrain", "--config", cfg, *ctx.gpt_overrides(part, **common,
+                                                                                  **{"train.exit_at": half})],
+            nproc=common["parallel.tensor"])
+    ctx.run(part, ["-m", "training.pretrain", "--config", cfg, *ctx.gpt_overrides(part, **common)],
+            nproc=common["parallel.tensor"])
+    if ctx.dry:
+        return True, "planned"
+    a = {r["iteration"]: r["loss"] for r in metrics(ctx.out / full)}
+    b = {r["iteration"]: r["loss"] for r in metrics(ctx.out / part)}
+    after = [i for i in sorted(a) if i > half]
+    diff = max(abs(a[i] - b[i]) for i in after)
+    return diff <= 1e-4 and len(after) == steps - half, f"max |loss diff| {diff:.2e} over iterations {half + 1}..{steps}"
+
+
+def hf_export(ctx: Context) -> tuple[bool, str]:
+    out = ctx.out / "hf_export"
+    ctx.run("hf_export", ["-m", "training.export_hf", "--checkpoint", str(ctx.out / "gpt2_tp1_pp1_fp16"), "--out",
+                          str(out), "--overwrite"], nproc=0)
+    ctx.run("hf_export", [str(Path(__file__).resolve()), "--compare-hf", str(ctx.out / "gpt2_tp1_pp1_fp16"), str(out),
+                          "--data", str(ctx.data)], nproc=0)
+    if ctx.dry:
+        return True, "planned"
+    r = json.loads((out / "compare.json").read_text())
+    return r["max_abs_diff"] <= 1e-3, f"max |logit diff| {r['max_abs_diff']:.2e} over {r['tokens']} tokens (fp32)"
+
+
+def gpt2_1p2b(ctx: Context) -> tuple[bool, str]:
+    out = ctx.out / "gpt2_1.2b.json"
+    ctx.run("gpt2_1.2b", [str(Path(__file__).resolve()), "--bench-1p2b", str(out), "--data", str(ctx.data)], nproc=0)
+    if ctx.dry:
+        return True, "planned"
+    r = json.loads(out.read_text())
+    return r["skipped_last"] == 0, (f"step {r['step_time_s']:.2f} s, {r['tflops_per_device']:.1f} TFLOP/s/GPU, "
+                                    f"peak memory {r['peak_memory_gib']:.1f} GiB ({r['device']}, micro-batch "
+                                    f"{r['micro_batch']}, seq 1024, fp16)")
+
+
+CHECKS: list[tuple[str, int, Callable[[Context], tuple[bool, str]]]] = [
+    ("gpt2_tp1_fp16", 1, gpt2(1, "fp16")),
+    ("gpt2_tp1_bf16", 1, gpt2(1, "bf16")),
+    ("gpt2_tp2_fp16", 2, gpt2(2, "fp16")),
+    ("gpt2_tp2_bf16", 2, gpt2(2, "bf16")),
+    ("gpt2_pp2", 2, gpt2(1, "fp16", pp=2)),
+    ("bert_20", 1, bert_20),
+    ("race_finetune", 1, race_finetune),
+    ("wikitext103", 1, evaluation("wikitext")),
+    ("lambada", 1, evaluation("lambada")),
+    ("resume_equal", 1, resume_equal),
+    ("hf_export", 1, hf_export),
+    ("gpt2_1.2b", 1, gpt2_1p2b),
+]
+NAMES = [c[0] for c in CHECKS]
+# a check that reads another's run directory runs only when that one ran in this invocation
+NEEDS = {"race_finetune": "bert_20", "wikitext103": "gpt2_tp1_fp16", "lambada": "gpt2_tp1_fp16",
+         "hf_export": "gpt2_tp1_fp16"}
+RUN_DIRS = {"bert_20": "bert", "gpt2_tp1_fp16": "gpt2_tp1_pp1_fp16"}
+
+
+# --------------------------------------------------------------------------------------------------
+# internal steps (run as their own processes by the checks above)
+# --------------------------------------------------------------------------------------------------
+def prepare_bert_corpus(root: Path, data: Path) -> None:
+    """A sentence-level BERT corpus (like ``python -m data_pipeline build ... dataset.bert=true``) from
+    Botchan and Tiny Shakespeare, with an 8,000-piece BERT-flavoured sentencepiece vocabulary."""
+    import numpy as np
+
+    from data_pipeline.corpus import write_manifest
+    from data_pipeline.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
+    from data_pipeline.sentences import split_sentences
+    from data_pipeline.tokenizer import train_sentencepiece
+
+    docs = []
+    for name in ("botchan.txt", "tinyshakespeare.txt"):
+        lines = (data / "corpus" / name).read_text(encoding="utf-8").lstrip("\ufeff").splitlines()
+        docs += [split_sentences(" ".join(x.strip() for x in lines[i:i + 30])) for i in range(0, len(lines), 30)]
+    docs = [d for d in docs if len(d) >= 2]
+    tok = train_sentencepiece([" ".join(d) for d in docs], root / "tokenizer" / "spm", 8000, flavor="bert",
+                              lowercase=True)
+    with MMapIndexedDatasetBuilder(root / "sent", best_dtype(tok.vocab_size)) as b:
+        for d in docs:
+            b.add_document([np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(d) if ids])
+    write_manifest(root, tok.spec(), None, "sent", {"source": "gpu_check: botchan + tinyshakespeare"})
+
+
+def compare_hf(run_dir: Path, hf_dir: Path, data: Path) -> None:
+    """Logits of the exported HF model and of ours (fp32, TF32 off) on 512 Tiny Shakespeare tokens."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from training.checkpoint import load_model_for_eval
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ours, cfg, tok = load_model_for_eval(run_dir, device="cuda")
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).cuda().eval()
+    text = (data / "corpus" / "tinyshakespeare.txt").read_text(encoding="utf-8")[:4000]
+    ids = torch.tensor([tok.encode(text)[:cfg.model.seq_length]], device="cuda")
+    with torch.no_grad():
+        a = ours(ids)[..., :tok.vocab_size].float()
+        b = hf(ids).logits.float()
+    res = {"max_abs_diff": float((a - b).abs().max()), "tokens": int(ids.numel())}
+    (hf_dir / "compare.json").write_text(json.dumps(res))
+
+
+def bench_1p2b(out: Path, data: Path, steps: int = 8) -> None:
+    """configs/gpt2_1.2b.yaml on one GPU for ``steps`` steps (micro-batch 4): the mean step time and
+    TFLOP/s of the last half and the peak memory, in one process."""
+    import tempfile
+
+    import torch
+
+    from training.config import load_config
+    from training.distributed import init_distributed
+    from training.trainer import Trainer
+
+    os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+    init_distributed()
+    g = data / "tokenizers" / "gpt2"
+    with tempfile.TemporaryDirectory() as tmp:
+        ov = {"data.corpus": "null", "data.text_files": f"[{data / 'corpus' / 'tinyshakespeare.txt'}]",
+              "data.tokenizer": json.dumps({"kind": "gpt2_bpe", "vocab_file": str(g / "gpt2-vocab.json"),
+                                            "merges_file": str(g / "gpt2-merges.txt")}),
+              "run.dir": tmp, "train.iters": str(steps), "train.micro_batch_size": "4", "train.global_batch_size": "4",
+              "optimizer.warmup_iters": "1", "precision.initial_scale_power": "16", "train.eval_interval": "0"}
+        trainer = Trainer(load_config(ROOT / "configs" / "gpt2_1.2b.yaml", [f"{k}={v}" for k, v in ov.items()]))
+        torch.cuda.reset_peak_memory_stats()
+        rows = [trainer.train_step() for _ in range(steps)]
+    tail = rows[steps // 2:]
+    res = {"step_time_s": sum(r["step_time_s"] for r in tail) / len(tail),
+           "tflops_per_device": sum(r["tflops_per_device"] for r in tail) / len(tail),
+           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "micro_batch": 4,
+           "skipped_last": sum(0 if r["step_applied"] else 1 for r in tail), "device": torch.cuda.get_device_name()}
+    out.write_text(json.dumps(res))
+
+
+# --------------------------------------------------------------------------------------------------
+def render(rows: list[Row], header: str) -> str:
+    """A Markdown table (readable as plain text too)."""
+    lines = [header, "", "| check | status | detail | s |", "|---|---|---|---|"]
+    lines += [f"| {r.check} | {r.status} | {r.detail.replace('|', '/')} | {r.seconds:.0f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="scripts/gpu_check.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
+    p.add_argument("--only", nargs="+", choices=NAMES, default=None, metavar="NAME", help="run only these checks")
+    p.add_argument("--steps", type=int, default=30, help="training steps of the GPT-2 checks (default 30)")
+    p.add_argument("--eval-limit", type=int, default=500, help="WikiText lines / LAMBADA examples (default 500)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="shared data folder (default ../shared/data)")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check", help="work folder (default runs/gpu_check)")
+    p.add_argument("--cpu-dry-run", action="store_true", help="no GPU: list the plan and render the table")
+    p.add_argument("--prepare-bert-corpus", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--compare-hf", nargs=2, type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--bench-1p2b", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps < 4:
+        p.error(f"--steps must be >= 4 (the loss must have room to fall), got {args.steps}")
+    if args.gpus is not None and args.gpus < 1:
+        p.error(f"--gpus must be >= 1, got {args.gpus}")
+    if args.eval_limit < 1:
+        p.error(f"--eval-limit must be >= 1, got {args.eval_limit}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.prepare_bert_corpus:
+        prepare_bert_corpus(args.prepare_bert_corpus, args.data)
+        return 0
+    if args.compare_hf:
+        compare_hf(*args.compare_hf, args.data)
+        return 0
+    if args.bench_1p2b:
+        bench_1p2b(args.bench_1p2b, args.data)
+        return 0
+    if args.cpu_dry_run:
+        gpus, device = args.gpus or 2, f"dry run (plan for {args.gpus or 2} GPUs, nothing executed)"
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu_check: no CUDA device visible: run on an NVIDIA machine, or use --cpu-dry-run", file=sys.stderr)
+            return 2
+        visible = torch.cuda.device_count()
+        gpus = min(args.gpus or visible, visible)
+        device = f"{gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    missing = [p for p in ("tokenizers/gpt2/gpt2-vocab.json", "corpus/tinyshakespeare.txt", "eval/RACE")
+               if not (args.data / p).exists()]
+    if missing and not args.cpu_dry_run:
+        print(f"gpu_check: --data {args.data} lacks {missing[0]} (the shared data folder)", file=sys.stderr)
+        return 2
+    ctx = Context(args, gpus, args.cpu_dry_run, args.out, args.data)
+    selected = args.only or NAMES
+    rows: list[Row] = []
+    passed: set[str] = set()
+    for name, need, fn in CHECKS:
+        if name not in selected:
+            continue
+        if need > gpus:
+            rows.append(Row(name, "SKIP", f"needs {need} GPUs, {gpus} available"))
+            continue
+        dep = NEEDS.get(name)
+        if not ctx.dry and dep and dep not in passed and not (args.out / RUN_DIRS[dep]).is_dir():
+            rows.append(Row(name, "SKIP", f"needs the run of {dep} (add it to --only)"))
+            continue
+        t0 = time.perf_counter()
+        start = len(ctx.planned)
+        try:
+            ok, detail = fn(ctx)
+            status = "DRY-RUN" if ctx.dry else ("PASS" if ok else "FAIL")
+            if ctx.dry:
+                detail = " ; ".join(c.replace(str(ROOT) + "/", "") for c in ctx.planned[start:])
+        except Exception as e:  # noqa: BLE001 - one failing check does not stop the suite
+            status, detail = "FAIL", f"{type(e).__name__}: {e}"
+        if status == "PASS":
+            passed.add(name)
+        rows.append(Row(name, status, detail, time.perf_counter() - t0))
+        print(f"gpu_check: {name}: {status}", file=sys.stderr, flush=True)
+    table = render(rows, f"GPU check: {device}")
+    print(table)
+    if not ctx.dry:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_check.md").write_text(table + "\n")
+        (args.out / "gpu_check.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    return 0 if all(r.status in ("PASS", "SKIP", "DRY-RUN") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""GPU-grade settings, chosen by the device type and kept off the CPU path.
+
+One pure function, :func:`settings_for`, decides from ``(device type, training dtype, whether
+DeepSpeed's FusedAdam kernel can be built)``; the trainer, the RACE fine-tuner and the optimizer
+builder read its answer, and ``tests/test_gpu_settings.py`` checks it on CPU for every case.
+
+On CUDA:
+
+* **optimizer** -- fp16 uses DeepSpeed's ``FusedAdam`` (AdamW mode): DeepSpeed wraps *that* class in
+  its fused ``FP16_Optimizer`` (flat fp32 master buffer, one multi-tensor kernel), and any other class
+  in ``FP16_UnfusedOptimizer`` (a Python loop over parameters). bf16/fp32 use torch's fused AdamW (one
+  CUDA kernel for all parameters); so does fp16 when the FusedAdam kernel cannot be built (no nvcc).
+* **process group** -- ``torch.cuda.set_device(LOCAL_RANK)`` before any group
+  (:func:`training.device.set_local_device`), then NCCL (DeepSpeed's accelerator backend).
+* **attention** -- ``F.scaled_dot_product_attention`` with ``is_causal=True`` and no explicit mask
+  (GPT-2), which lets PyTorch pick the flash / memory-efficient kernels; BERT passes its key-padding
+  mask (memory-efficient kernel). The CPU-only fp32 dropout path of ``training.models.ops`` is never
+  taken on CUDA.
+* **precision** -- ``precision.dtype: auto`` is fp16 with dynamic loss scaling (the paper's setting);
+  ``precision.dtype=bf16`` is the one override for bf16.
+
+On CPU: torch's fused AdamW, gloo, the CPU attention fast path, fp32 for ``auto``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+OptimizerKind = Literal["deepspeed_fused_adam", "torch_fused_adamw"]
+
+
+@dataclass(frozen=True)
+class DeviceSettings:
+    optimizer: OptimizerKind
+    """Which AdamW implementation the engine gets (see the module docstring for why)."""
+    backend: str
+    """torch.distributed backend: ``nccl`` on CUDA, ``gloo`` on CPU."""
+    set_device: bool
+    """Bind the process to GPU ``LOCAL_RANK`` before creating any process group."""
+    causal_attention: str
+    """``sdpa_is_causal`` (flash / memory-efficient kernels) or ``cpu_fused`` (CPU fp32 fast path)."""
+    auto_dtype: str
+    """What ``precision.dtype: auto`` resolves to."""
+
+
+def settings_for(device_type: str, dtype: str = "fp16", fused_adam_available: bool = True) -> DeviceSettings:
+    """The settings for a process computing on ``device_type`` ('cuda' or 'cpu') in ``dtype``."""
+    if device_type == "cuda":
+        opt: OptimizerKind = "deepspeed_fused_adam" if dtype == "fp16" and fused_adam_available else "torch_fused_adamw"
+        return DeviceSettings(opt, "nccl", True, "sdpa_is_causal", "fp16")
+    if device_type == "cpu":
+        return DeviceSettings("torch_fused_adamw", "gloo", False, "cpu_fused", "fp32")
+    raise ValueError(f"unsupported device type {device_type!r}: this project trains on 'cuda' (NVIDIA) or 'cpu'")
+
+
+@functools.lru_cache(maxsize=1)
+def fused_adam_available() -> bool:
+    """Whether DeepSpeed's FusedAdam kernel is (or can be JIT-)built here: CUDA present and the op
+    builder compatible (nvcc/ninja found, or a pre-built op)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from deepspeed.ops.op_builder import FusedAdamBuilder
+
+        return bool(FusedAdamBuilder().is_compatible(verbose=False))
+    except Exception as e:  # noqa: BLE001 - any builder failure means: use torch's fused AdamW
+        log.warning("DeepSpeed FusedAdam unavailable (%s): torch fused AdamW instead", e)
+        return False
