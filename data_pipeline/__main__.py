@@ -55,10 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     # overrides may follow --config (`stage dedup --config C dedup.threshold=0.8`, as documented), where
     # argparse has already closed the positional list: collect key=value leftovers, refuse anything else
     args, extra = p.parse_known_args(argv)
-    unknown = [x for x in extra if x.startswith("-") or "=" not in x]
+    takes_overrides = hasattr(args, "overrides")  # every subcommand with --config; not `overlap`
+    unknown = [x for x in extra if x.startswith("-") or "=" not in x or not takes_overrides]
     if unknown:
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.overrides = list(args.overrides) + extra
+    if takes_overrides:
+        args.overrides = list(args.overrides) + extra
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "overlap":
