@@ -339,9 +339,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     """Load YAML ``path`` (None = defaults), apply overrides, check types and static consistency."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        from megatron_ds_suite.configs_lookup import find_config
+
+        p = find_config(path)  # an existing file, else a bundled default config of that name
         if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist (see configs/ for examples)")
+            raise ConfigError(f"config file {p} does not exist (see configs/ for examples; "
+                              f"`megatron-ds-configs list` shows the bundled ones)")
         try:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:

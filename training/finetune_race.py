@@ -18,6 +18,11 @@ After every epoch: dev (and test) accuracy; the checkpoint is saved only when de
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as `python -m`: process settings before torch loads
+    from training.process_env import configure
+
+    configure()
+
 import json
 import logging
 import os
