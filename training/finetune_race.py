@@ -180,6 +180,7 @@ class RaceFinetuner:
 
         from data_pipeline.tokenizer import load_tokenizer
         from evaluation.race_data import encode_questions, read_race_split
+        from training import tracking
         from training.config import deepspeed_config, padded_vocab_size
         from training.optim import build_optimizer
         from training.trainer import start_process
@@ -221,6 +222,7 @@ class RaceFinetuner:
             logger.info("loaded pretrained encoder from %s; freshly initialised: %s", pretrained, ", ".join(fresh))
         optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, total)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
+        tracking.start(cfg)  # W&B mode/dir before DeepSpeed's monitor calls wandb.init
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     mpu=self.ps, config=self.ds_config, dist_init_required=False)
         self.pipe = False  # tensor parallelism only (checkpoint.save reads it)
@@ -322,7 +324,8 @@ class RaceFinetuner:
         from tqdm import tqdm
 
         from training import checkpoint as ckpt
-        from training.metrics import MetricsWriter
+        from training import tracking
+        from training.metrics import MetricsWriter, progress_enabled
 
         cfg, f = self.cfg, self.cfg.finetune
         if self.is_rank0:
@@ -337,7 +340,7 @@ class RaceFinetuner:
         initial = {s: self.accuracy(s) for s in (f.valid_split, f.test_split) if s}
         results["before_finetuning"] = initial
         bar = tqdm(total=cfg.train.iters, desc="race", unit="it", leave=False,
-                   disable=not (self.is_rank0 and cfg.train.progress_bar))
+                   disable=not (self.is_rank0 and progress_enabled(cfg.train.progress_bar)))
         try:
             for epoch in range(1, f.epochs + 1):
                 order = np.random.RandomState(cfg.train.seed + epoch).permutation(len(self.data[f.train_split]))
@@ -370,6 +373,7 @@ class RaceFinetuner:
         finally:
             bar.close()
             writer.close()
+            tracking.finish(cfg, self.is_rank0)
         best_row = results["epochs"][results["best_epoch"] - 1]
         results["best"] = {s: best_row[s] for s in (f.valid_split, f.test_split) if s}
         if self.is_rank0:

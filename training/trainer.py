@@ -19,10 +19,11 @@ import torch.distributed as dist
 from training.parallel.grad_norm import clip_grad_norm
 
 from training import checkpoint as ckpt
+from training import tracking
 from training.config import (Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype,
 )
 from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
-from training.metrics import MetricsWriter, flops_per_iteration
+from training.metrics import MetricsWriter, flops_per_iteration, progress_enabled
 from training.optim import build_optimizer
 from training.parallel import random as tp_random
 from training.parallel.state import ParallelState
@@ -94,6 +95,7 @@ class Trainer:
         self.model = self.task.build_model(self.padded_vocab)
         optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
+        tracking.start(cfg)  # W&B mode/dir before DeepSpeed's monitor calls wandb.init
         self.pipe = cfg.parallel.pipeline > 1
         # a PipelineModule brings its own grid (same topology as self.ps); DeepSpeed refuses an mpu then
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -251,7 +253,7 @@ class Trainer:
                                getattr(self.engine, "monitor", None),
                                resume_iteration=self.iteration if resumed else None)
         bar = tqdm(total=cfg.train.iters, initial=self.iteration, desc="train", unit="it",
-                   disable=not (self.is_rank0 and cfg.train.progress_bar), leave=False)
+                   disable=not (self.is_rank0 and progress_enabled(cfg.train.progress_bar)), leave=False)
         last, vl = {}, None
         try:
             stop = min(cfg.train.iters, cfg.train.exit_at or cfg.train.iters)
@@ -278,4 +280,5 @@ class Trainer:
         finally:
             bar.close()
             writer.close()
+            tracking.finish(cfg, self.is_rank0)
         return {"last": last, "valid_loss": valid}
