@@ -51,7 +51,9 @@ def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -
 
     from training.checkpoint import read_client_state
 
-    p = Path(path)
+    from megatron_ds_suite.configs_lookup import find_config
+
+    p = find_config(path)  # an existing file, else a bundled config of that name
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist (see configs/race.yaml)")
     try:
