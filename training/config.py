@@ -4,7 +4,9 @@ Precedence: command-line overrides (``section.key=value``) > YAML file > datacla
 Unknown keys, wrong types and inconsistent sizes fail at once with one line that says what is wrong
 and how to fix it (:class:`ConfigError`), before any process group or model exists.
 
-The DeepSpeed JSON is *derived* from this config (:func:`deepspeed_config`), never kept by hand.
+The DeepSpeed JSON is *derived* from this config (:func:`deepspeed_config`), never kept by hand; options the
+config does not model go in its ``deepspeed:`` section, merged in (keys the config owns are refused:
+:mod:`training.tracking`).
 """
 from __future__ import annotations
 
