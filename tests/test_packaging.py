@@ -6,11 +6,12 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
+
 from pathlib import Path
 
 import pytest
 
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 

@@ -43,8 +43,7 @@ def test_release_and_bound():
 
 
 def test_bound_matches_pyproject():
-    import tomllib
-
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     (torch_dep,) = [d for d in deps if re.match(r"torch\b", d)]
     assert torch_dep == "torch>=" + ".".join(map(str, torch_source.TORCH_MIN))
