@@ -19,7 +19,9 @@ from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import training  # noqa: E402,F401  (THP_MEM_ALLOC_ENABLE before torch loads, as every entry point)
+from training.process_env import configure  # noqa: E402
+
+configure()  # THP_MEM_ALLOC_ENABLE before torch loads, as every entry point
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -36,7 +36,9 @@ from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import training  # noqa: E402,F401  (THP_MEM_ALLOC_ENABLE before torch loads, as every entry point)
+from training.process_env import configure  # noqa: E402
+
+configure()  # THP_MEM_ALLOC_ENABLE before torch loads, as every entry point
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from benchmarks import common  # noqa: E402

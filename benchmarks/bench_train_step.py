@@ -30,7 +30,9 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import training  # noqa: E402,F401  (THP_MEM_ALLOC_ENABLE before torch loads, as every entry point)
+from training.process_env import configure  # noqa: E402
+
+configure()  # THP_MEM_ALLOC_ENABLE before torch loads, as every entry point
 
 import torch  # noqa: E402
 
@@ -344,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
                                  "MFU % (per rep)", "MFU % best/best", *last], rows))
     if args.device == "cpu":
         print(f"\nTHP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')} (huge pages for large CPU "
-              f"allocations; set by `import training`, override with THP_MEM_ALLOC_ENABLE=0)")
+              f"allocations; set by training.process_env.configure(), override with THP_MEM_ALLOC_ENABLE=0)")
     if "ours" in runners and "hf" in runners:
         speed = common.ratio_samples(samples["hf"], samples["ours"])
         line = f"\nSpeed-up ours/HF (HF step time / ours, per repetition): {speed.fmt('.3f')}"

@@ -346,9 +346,11 @@ def config_from_dict(data: dict[str, Any], base_dir: str | Path = ".",
 def load_config(path: str | Path, overrides: list[str] | None = None) -> BuildConfig:
     """Load a YAML config. Relative paths inside it (inputs, output_dir, tokenizer files) resolve
     against the current working directory, like paths on the command line."""
-    path = Path(path)
+    from megatron_ds_suite.configs_lookup import find_config
+
+    path = find_config(path)  # an existing file, else a bundled default config of that name
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path} (`megatron-ds-configs list` shows the bundled ones)")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:

@@ -1,5 +1,9 @@
 import sys
 
-from evaluation.cli import main
+from training.process_env import configure
+
+configure()  # before torch loads (see training/process_env.py)
+
+from evaluation.cli import main  # noqa: E402
 
 sys.exit(main())

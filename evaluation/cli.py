@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from evaluation.errors import EvalError
+from training.metrics import progress_enabled
 from evaluation.report import format_table, write_json_atomic
 
 logger = logging.getLogger("evaluation")
@@ -25,7 +26,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the evaluation (processes per replica)")
     p.add_argument("--device", default=None, help="torch device (default: cuda:LOCAL_RANK if available, else cpu)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: only when stderr is a terminal)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
 
 
@@ -124,7 +126,7 @@ def run_wikitext(args) -> None:
     if L > cfg.model.positions:
         raise EvalError(f"--seq-length {L} exceeds the model's {cfg.model.positions} positions")
     res = wikitext_eval(scorer, tok, text, L, args.stride, args.batch_size, args.detokenizer, rt.dp,
-                        progress=not args.no_progress and rt.is_main)
+                        progress=progress_enabled(args.progress) and rt.is_main)
     res["data"] = args.data or f"{args.hf_dataset}[{args.hf_split}]"
     rows = [("total loss (nats)", res["total_nll"]), ("model tokens N", res["num_tokenized_tokens"]),
             ("original tokens", res["num_original_tokens"]), ("loss / model token", res["loss"]),
@@ -143,7 +145,7 @@ def run_lambada(args) -> None:
     texts = texts[:args.limit] if args.limit else texts  # the whole input is still checked
     rt = setup_runtime(args.tp, args.device)
     scorer, cfg, tok = load_scorer(args.checkpoint, rt, args.include_vocab_padding)
-    res = lambada_eval(scorer, tok, texts, args.strict, args.batch_size, rt.dp, progress=not args.no_progress and rt.is_main)
+    res = lambada_eval(scorer, tok, texts, args.strict, args.batch_size, rt.dp, progress=progress_enabled(args.progress) and rt.is_main)
     res["data"] = args.data or f"{args.hf_dataset}[{args.hf_split}]"
     rows = [("mode", res["mode"]), ("accuracy", res["accuracy"]), ("correct / count", f"{res['correct']} / {res['count']}"),
             ("target-word perplexity", res["perplexity"]), ("tokens/s", res["tokens_per_second"])]
@@ -171,7 +173,7 @@ def run_race(args) -> None:
     if seq_length > positions:
         raise EvalError(f"--seq-length {seq_length} exceeds the model's {positions} positions")
     samples = encode_questions(questions, tok, seq_length)
-    res = race_accuracy(samples, score_fn, args.batch_size, progress=not args.no_progress and rt.is_main)
+    res = race_accuracy(samples, score_fn, args.batch_size, progress=progress_enabled(args.progress) and rt.is_main)
     res.update(split=args.split, skipped=report.skipped, problems=report.problems, files=report.files)
     rows = [("middle accuracy", res.get("middle/accuracy", float("nan"))),
             ("high accuracy", res.get("high/accuracy", float("nan"))),

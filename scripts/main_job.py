@@ -157,6 +157,9 @@ class MainJob:
             raise ConfigError(f"train.procs={c.train.procs} is not a multiple of TP x PP = {mp}")
         t = self.train_cfg.to_dict()
         t["run"].pop("dir"), t["run"].pop("tensorboard"), t["data"].pop("corpus"), t["train"].pop("progress_bar")
+        t["run"].pop("csv", None), t["run"].pop("wandb", None)  # tracking sinks do not change the result
+        if not t.get("deepspeed"):
+            t.pop("deepspeed", None)  # an empty pass-through section keeps earlier fingerprints
         self.accelerator = self._accelerator()
         self.train_fp = digest(["train", t, self.corpus_fp, c.train.procs, c.train.launcher, self.accelerator])
         if c.flow == "bert":

@@ -186,6 +186,7 @@ def _cli(*args, env_extra=None, timeout=120):
     ("parallel.tensor=8", {}, "parallel.tensor=8 does not divide model.num_attention_heads=4"),
     ("parallel.tensor=2", {"WORLD_SIZE": "3"}, "world size 3 is not divisible by TP x PP = 2 x 1"),
     ("precision.dtype=fp8", {}, "precision.dtype: 'fp8' is not one of"),
+    ("deepspeed.train_batch_size=16", {}, "deepspeed.train_batch_size is derived from train.global_batch_size"),
 ])
 def test_bad_config_fails_with_one_clear_line(override, env, message):
     res = _cli("--config", "configs/gpt2_tiny.yaml", override, env_extra=env)

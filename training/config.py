@@ -4,7 +4,9 @@ Precedence: command-line overrides (``section.key=value``) > YAML file > datacla
 Unknown keys, wrong types and inconsistent sizes fail at once with one line that says what is wrong
 and how to fix it (:class:`ConfigError`), before any process group or model exists.
 
-The DeepSpeed JSON is *derived* from this config (:func:`deepspeed_config`), never kept by hand.
+The DeepSpeed JSON is *derived* from this config (:func:`deepspeed_config`), never kept by hand; options the
+config does not model go in its ``deepspeed:`` section, merged in (keys the config owns are refused:
+:mod:`training.tracking`).
 """
 from __future__ import annotations
 
@@ -133,7 +135,8 @@ class TrainConfig:
     """Keep this many newest checkpoints."""
     exit_at: int | None = None
     """Save and stop at this iteration (the schedule still runs to `iters`); rerun to resume."""
-    progress_bar: bool = True
+    progress_bar: bool | None = None
+    """Progress bar on stderr: None = only when stderr is a terminal (not in Slurm logs); true/false force it."""
     init_from: str | None = None
     """Run directory (any TP/PP, e.g. written by training.import_hf) whose weights start this run, with a
     fresh optimizer, schedule and data position; its model shape replaces model.* (see training.init_from).
@@ -157,11 +160,30 @@ class DataConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases through DeepSpeed's monitor (training.tracking); needs the ``tracking`` extra."""
+
+    enabled: bool = False
+    project: str = "megatron-ds-suite"
+    entity: str | None = None
+    """W&B user or team (DeepSpeed's ``team``); None = the logged-in default."""
+    group: str | None = None
+    name: str | None = None
+    """Run name; None = W&B's generated one."""
+    mode: Literal["online", "offline"] = "online"
+    """'offline' writes RUN_DIR/wandb/ without network (upload later with ``wandb sync``)."""
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/default"
     """Run directory: config, DeepSpeed JSON, metrics.jsonl, checkpoints."""
     tensorboard: bool = False
     """TensorBoard through DeepSpeed's monitor (writes RUN_DIR/tensorboard)."""
+    csv: bool = False
+    """CSV files through DeepSpeed's monitor: RUN_DIR/csv/train/<metric>.csv."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """W&B through DeepSpeed's monitor (project, entity, group, online/offline)."""
     device_peak_tflops: float | None = None
     """Dense peak TFLOP/s of one device in the training dtype, for MFU; None = built-in table."""
     device_kind: str | None = None
@@ -220,6 +242,9 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     bert: BertDataConfig = field(default_factory=BertDataConfig)
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    deepspeed: dict[str, Any] = field(default_factory=dict)
+    """Raw DeepSpeed options merged into the derived JSON (training.tracking); keys the run config owns
+    are refused."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -349,9 +374,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     """Load YAML ``path`` (None = defaults), apply overrides, check types and static consistency."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        from megatron_ds_suite.configs_lookup import find_config
+
+        p = find_config(path)  # an existing file, else a bundled default config of that name
         if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist (see configs/ for examples)")
+            raise ConfigError(f"config file {p} does not exist (see configs/ for examples; "
+                              f"`megatron-ds-configs list` shows the bundled ones)")
         try:
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
@@ -425,6 +453,14 @@ def validate_static(cfg: Config) -> None:
 
         if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
             raise ConfigError("run.tensorboard=true needs the tensorboard package: pip install tensorboard")
+    if cfg.run.wandb.enabled:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError("run.wandb.enabled=true needs the wandb package: pip install 'megatron-ds-suite[tracking]'")
+    from training.tracking import check_passthrough
+
+    check_passthrough(cfg.deepspeed)
     try:
         parts = [float(x) for x in cfg.data.split.split(",")]
         assert len(parts) == 3 and all(x >= 0 for x in parts) and sum(parts) > 0
@@ -478,7 +514,6 @@ def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
         "gradient_accumulation_steps": gas,
         "gradient_clipping": cfg.optimizer.clip_grad,
         "steps_per_print": 10**9,  # we log ourselves, one line per step
-        "wall_clock_breakdown": False,
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
         "zero_allow_untested_optimizer": True,  # our client optimizer is torch.optim.AdamW
         "fp16": {"enabled": dtype == "fp16"},
@@ -492,7 +527,7 @@ def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
             "hysteresis": pr.hysteresis,
             "min_loss_scale": pr.min_loss_scale,
         })
-    if cfg.run.tensorboard:
-        ds["tensorboard"] = {"enabled": True, "output_path": str(Path(cfg.run.dir) / "tensorboard"),
-                             "job_name": "train"}
-    return ds
+    from training.tracking import merge_passthrough, monitor_config
+
+    ds.update(monitor_config(cfg))  # TensorBoard, CSV, W&B
+    return merge_passthrough(ds, cfg.deepspeed)  # the deepspeed: section (owned keys refused)

@@ -39,8 +39,29 @@ def _engine_scales_fp16(backward) -> bool:
         return True
 
 
+# The DeepSpeed releases this module (and trainer.loss_scale) was written and tested for; pyproject.toml
+# requires the same range and constraints.txt pins the release CI runs.
+TESTED_DEEPSPEED = ((0, 19), (0, 20))  # [low, high)
+
+
+def untested_deepspeed(version: str) -> str | None:
+    """One-line warning when ``version`` is outside :data:`TESTED_DEEPSPEED`, else None."""
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)", version)
+    lo, hi = TESTED_DEEPSPEED
+    if m and lo <= (int(m.group(1)), int(m.group(2))) < hi:
+        return None
+    return (f"DeepSpeed {version} is untested here (tested: {lo[0]}.{lo[1]}.x): training/ds_compat.py's fp16 "
+            f"loss-scaling repair detects the need by reading DeepSpeed's source; check it with "
+            f"tests/test_fp16_loss_scale.py or install the pinned release (pip install -c constraints.txt deepspeed)")
+
+
 def apply() -> None:
-    """Install the workarounds (idempotent). Call before ``deepspeed.initialize``."""
+    """Install the workarounds (idempotent). Call before ``deepspeed.initialize``. Warns once, in one line,
+    on a DeepSpeed outside the tested releases."""
+    import deepspeed
+
     from training import safe_load
 
     safe_load.install()  # DeepSpeed's checkpoint reads with weights_only=True (training/safe_load.py)
@@ -49,7 +70,13 @@ def apply() -> None:
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
     original = DeepSpeedEngine.backward
-    if getattr(original, "_scales_fp16_loss", False) or _engine_scales_fp16(original):
+    if getattr(original, "_scales_fp16_loss", False):
+        return
+    warning = untested_deepspeed(deepspeed.__version__)
+    if warning and not getattr(DeepSpeedEngine, "_untested_warned", False):
+        DeepSpeedEngine._untested_warned = True
+        log.warning(warning)
+    if _engine_scales_fp16(original):
         return
 
     @functools.wraps(original)

@@ -28,6 +28,11 @@ scale 1/sqrt(head_dim), learned positions, tied output layer without bias.
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as `python -m`: process settings before torch loads
+    from training.process_env import configure
+
+    configure()
+
 import argparse
 import logging
 import os

@@ -18,6 +18,11 @@ After every epoch: dev (and test) accuracy; the checkpoint is saved only when de
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as `python -m`: process settings before torch loads
+    from training.process_env import configure
+
+    configure()
+
 import json
 import logging
 import os
@@ -47,7 +52,9 @@ def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -
 
     from training.checkpoint import read_client_state
 
-    p = Path(path)
+    from megatron_ds_suite.configs_lookup import find_config
+
+    p = find_config(path)  # an existing file, else a bundled config of that name
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist (see configs/race.yaml)")
     try:
@@ -155,6 +162,7 @@ class RaceFinetuner:
 
         from data_pipeline.tokenizer import load_tokenizer
         from evaluation.race_data import encode_questions, read_race_split
+        from training import tracking
         from training.config import deepspeed_config, padded_vocab_size
         from training.optim import build_optimizer
         from training.trainer import start_process
@@ -194,6 +202,7 @@ class RaceFinetuner:
             logger.info("loaded pretrained encoder from %s; freshly initialised: %s", pretrained, ", ".join(fresh))
         optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, total, tdev.local_device().type, self.dtype)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
+        tracking.start(cfg)  # W&B mode/dir before DeepSpeed's monitor calls wandb.init
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     mpu=self.ps, config=self.ds_config, dist_init_required=False)
         self.pipe = False  # tensor parallelism only (checkpoint.save reads it)
@@ -305,7 +314,8 @@ class RaceFinetuner:
         from tqdm import tqdm
 
         from training import checkpoint as ckpt
-        from training.metrics import MetricsWriter
+        from training import tracking
+        from training.metrics import MetricsWriter, progress_enabled
 
         cfg, f = self.cfg, self.cfg.finetune
         if self.is_rank0:
@@ -320,7 +330,7 @@ class RaceFinetuner:
         initial = {s: self.accuracy(s) for s in (f.valid_split, f.test_split) if s}
         results["before_finetuning"] = initial
         bar = tqdm(total=cfg.train.iters, desc="race", unit="it", leave=False,
-                   disable=not (self.is_rank0 and cfg.train.progress_bar))
+                   disable=not (self.is_rank0 and progress_enabled(cfg.train.progress_bar)))
         try:
             for epoch in range(1, f.epochs + 1):
                 order = np.random.RandomState(cfg.train.seed + epoch).permutation(len(self.data[f.train_split]))
@@ -353,6 +363,7 @@ class RaceFinetuner:
         finally:
             bar.close()
             writer.close()
+            tracking.finish(cfg, self.is_rank0)
         best_row = results["epochs"][results["best_epoch"] - 1]
         results["best"] = {s: best_row[s] for s in (f.valid_split, f.test_split) if s}
         if self.is_rank0:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 
 logger = logging.getLogger("training")
@@ -86,11 +87,24 @@ def flops_per_iteration(cfg, padded_vocab: int) -> float:
                                      m.ffn_size)
 
 
+def progress_enabled(setting: bool | None, stream=None) -> bool:
+    """Whether to draw a progress bar: ``train.progress_bar`` when set, else only when ``stream`` (stderr)
+    is a terminal (a bar redrawn with carriage returns is noise in a Slurm or CI log file)."""
+    if setting is not None:
+        return setting
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
 def format_line(m: dict, total_iters: int) -> str:
     def f(v, spec):
         return "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
-    return (f"iter {m['iteration']:>6d}/{total_iters} | lr {f(m['lr'], '.3e')} | loss {f(m['loss'], '.4f')} | "
+    # consumed samples and ms/iteration: the fields Megatron users grep for (optional for other callers)
+    samples = f" | consumed samples {m['consumed_samples']:,}" if m.get("consumed_samples") is not None else ""
+    ms = f" | ms/iter {f(1000 * m['step_time_s'], '.1f')}" if m.get("step_time_s") is not None else ""
+    return (f"iter {m['iteration']:>6d}/{total_iters}{samples}{ms} | lr {f(m['lr'], '.3e')} | loss {f(m['loss'], '.4f')} | "
             f"loss scale {f(m['loss_scale'], '.0f')} | grad norm {f(m['grad_norm'], '.3f')} | "
             f"skipped {m['skipped']} | tokens/s {f(m['tokens_per_s'], ',.0f')} | "
             f"TFLOP/s/device {f(m['tflops_per_device'], '.3f')} | MFU {f(100 * m['mfu'] if m['mfu'] is not None else None, '.2f')}%")

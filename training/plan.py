@@ -572,7 +572,9 @@ def load_plan_config(path: str | None, model: str | None, overrides: list[str]) 
     """
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        from megatron_ds_suite.configs_lookup import find_config
+
+        p = find_config(path)  # an existing file, else a bundled config of that name
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist (see configs/ for examples)")
         try:

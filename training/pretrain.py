@@ -8,6 +8,11 @@ DS_ACCELERATOR=cpu to skip accelerator detection). One process without the launc
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as `python -m`: process settings before torch loads
+    from training.process_env import configure
+
+    configure()
+
 import os
 import sys
 

@@ -16,6 +16,11 @@ Megatron-DeepSpeed does for universal checkpoints).
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # run as `python -m`: process settings before torch loads
+    from training.process_env import configure
+
+    configure()
+
 import argparse
 import logging
 import os

@@ -22,10 +22,11 @@ from training import checkpoint as ckpt
 from training import init_from
 from training import run_lock
 from training import device as tdev
+from training import tracking
 from training.config import (Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype,
 )
 from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
-from training.metrics import MetricsWriter, flops_per_iteration
+from training.metrics import MetricsWriter, flops_per_iteration, progress_enabled
 from training.optim import build_optimizer
 from training.parallel import random as tp_random
 from training.parallel.state import ParallelState
@@ -100,6 +101,7 @@ class Trainer:
         init_from.load_weights(self)  # train.init_from's weights, before the engine copies them
         optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters, tdev.local_device().type, self.dtype)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
+        tracking.start(cfg)  # W&B mode/dir before DeepSpeed's monitor calls wandb.init
         self.pipe = cfg.parallel.pipeline > 1
         # a PipelineModule brings its own grid (same topology as self.ps); DeepSpeed refuses an mpu then
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
@@ -265,7 +267,7 @@ class Trainer:
                 lock.release()
             raise
         bar = tqdm(total=cfg.train.iters, initial=self.iteration, desc="train", unit="it",
-                   disable=not (self.is_rank0 and cfg.train.progress_bar), leave=False)
+                   disable=not (self.is_rank0 and progress_enabled(cfg.train.progress_bar)), leave=False)
         last, vl = {}, None
         try:
             stop = min(cfg.train.iters, cfg.train.exit_at or cfg.train.iters)
@@ -294,4 +296,5 @@ class Trainer:
             writer.close()
             if lock is not None:
                 lock.release()
+            tracking.finish(cfg, self.is_rank0)
         return {"last": last, "valid_loss": valid}

@@ -1,0 +1,85 @@
+"""Console commands (``[project.scripts]`` in pyproject.toml): each one prepares the process, then runs the
+same ``main()`` as ``python -m <module>``.
+
+The preparation (:func:`training.process_env.configure`) must happen before torch is imported, which is
+why these are functions here and not the modules' own ``main``: importing the stage modules imports torch.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+
+def _run(module: str, func: str = "main", prepare: bool = True) -> None:
+    if prepare:
+        from training.process_env import configure
+
+        configure()
+    main = getattr(importlib.import_module(module), func)
+    sys.exit(main())
+
+
+def data() -> None:
+    """``megatron-ds-data`` = ``python -m data_pipeline``."""
+    _run("data_pipeline.__main__", prepare=False)
+
+
+def pretrain() -> None:
+    """``megatron-ds-pretrain`` = ``python -m training.pretrain``."""
+    _run("training.pretrain")
+
+
+def finetune_race() -> None:
+    """``megatron-ds-finetune-race`` = ``python -m training.finetune_race``."""
+    _run("training.finetune_race")
+
+
+def evaluate() -> None:
+    """``megatron-ds-eval`` = ``python -m evaluation``."""
+    _run("evaluation.cli")
+
+
+def export_hf() -> None:
+    """``megatron-ds-export-hf`` = ``python -m training.export_hf``."""
+    _run("training.export_hf")
+
+
+def reshard() -> None:
+    """``megatron-ds-reshard`` = ``python -m training.reshard``."""
+    _run("training.reshard")
+
+
+def plan() -> None:
+    """``megatron-ds-plan`` = ``python -m training.plan``."""
+    _run("training.plan", prepare=False)
+
+
+def configs(argv: list[str] | None = None) -> None:
+    """``megatron-ds-configs list | show NAME | copy NAME DEST``: the bundled default configs."""
+    import argparse
+    import shutil
+
+    from megatron_ds_suite.configs_lookup import bundled_config, list_configs
+
+    p = argparse.ArgumentParser(prog="megatron-ds-configs", description=configs.__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("list", help="names of the bundled configs")
+    s = sub.add_parser("show", help="print one")
+    s.add_argument("name")
+    c = sub.add_parser("copy", help="copy one to edit it")
+    c.add_argument("name")
+    c.add_argument("dest")
+    args = p.parse_args(argv)
+    if args.cmd == "list":
+        print("\n".join(list_configs()))
+        sys.exit(0)
+    path = bundled_config(args.name)
+    if path is None:
+        print(f"error: no bundled config {args.name!r}; `megatron-ds-configs list` shows them", file=sys.stderr)
+        sys.exit(2)
+    if args.cmd == "show":
+        sys.stdout.write(path.read_text())
+    else:
+        shutil.copyfile(path, args.dest)
+        print(f"wrote {args.dest}")
+    sys.exit(0)

@@ -1,0 +1,128 @@
+"""Experiment tracking through DeepSpeed's monitor, and the ``deepspeed:`` pass-through section.
+
+DeepSpeed's ``MonitorMaster`` writes every ``engine.monitor.write_events`` call (our per-step metrics and
+validation, ``training.metrics.MetricsWriter``) to each enabled sink; the run config maps onto its
+config keys, next to TensorBoard:
+
+* ``run.tensorboard``   -> ``tensorboard``  (RUN_DIR/tensorboard/train)
+* ``run.csv``           -> ``csv_monitor``  (RUN_DIR/csv/train/<metric>.csv, one ``step,value`` file per metric)
+* ``run.wandb.*``       -> ``wandb``        (project, entity = DeepSpeed's ``team``, group); DeepSpeed calls
+  ``wandb.init`` without a mode or directory, so those travel as WANDB_MODE / WANDB_DIR (:func:`wandb_env`):
+  ``mode: offline`` writes the run under RUN_DIR/wandb with no network (``wandb sync`` uploads it later).
+
+The ``deepspeed:`` section of the YAML is merged into the derived JSON (``training.config.deepspeed_config``)
+for options the run config does not model (``zero_optimization.overlap_comm``, ``communication_data_type``,
+``flops_profiler``, ``wall_clock_breakdown``, ...). A key the run config owns is refused in one line naming
+the config field to set instead (:func:`check_passthrough`), so the YAML stays the single source of truth.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+# DeepSpeed keys (dotted; a prefix owns everything below it) derived from a run-config field.
+OWNERS: dict[str, str] = {
+    "train_batch_size": "train.global_batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size (= micro x grad-accum x DP)",
+    "gradient_clipping": "optimizer.clip_grad",
+    "zero_optimization.stage": "parallel.zero_stage",
+    "zero_allow_untested_optimizer": "optimizer (the client AdamW is always used)",
+    "optimizer": "optimizer (the client AdamW is always used)",
+    "scheduler": "optimizer (warmup/decay: the client LR schedule)",
+    "fp16.enabled": "precision.dtype",
+    "bf16.enabled": "precision.dtype",
+    "bfloat16": "precision.dtype",
+    "fp16.loss_scale": "precision.loss_scale",
+    "fp16.initial_scale_power": "precision.initial_scale_power",
+    "fp16.loss_scale_window": "precision.loss_scale_window",
+    "fp16.hysteresis": "precision.hysteresis",
+    "fp16.min_loss_scale": "precision.min_loss_scale",
+    "tensorboard": "run.tensorboard",
+    "csv_monitor": "run.csv",
+    "wandb": "run.wandb",
+}
+
+
+def _leaves(d: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k, v in d.items():
+        path = f"{prefix}{k}"
+        out += _leaves(v, path + ".") if isinstance(v, dict) and v else [path]
+    return out
+
+
+def owner_of(key: str) -> str | None:
+    """The run-config field that owns DeepSpeed key ``key`` (dotted), or None."""
+    parts = key.split(".")
+    for i in range(1, len(parts) + 1):
+        owner = OWNERS.get(".".join(parts[:i]))
+        if owner:
+            return owner
+    return None
+
+
+def check_passthrough(section: dict[str, Any]) -> None:
+    """Refuse a ``deepspeed:`` key the run config owns (one line naming the field that owns it)."""
+    from training.config import ConfigError
+
+    for key in _leaves(section):
+        owner = owner_of(key)
+        if owner:
+            raise ConfigError(f"deepspeed.{key} is derived from {owner}: set that instead (the deepspeed: section "
+                              f"may only add DeepSpeed options the run config does not own)")
+
+
+def merge_passthrough(derived: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
+    """``derived`` with ``section`` merged in (nested dicts merged key by key; checked first)."""
+    check_passthrough(section)
+    return _merge(derived, section)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def monitor_config(cfg) -> dict[str, Any]:
+    """DeepSpeed monitor sections for ``cfg.run`` (a ``training.config.RunConfig`` inside ``cfg``)."""
+    run, out = cfg.run, {}
+    if run.tensorboard:
+        out["tensorboard"] = {"enabled": True, "output_path": str(Path(run.dir) / "tensorboard"), "job_name": "train"}
+    if run.csv:
+        out["csv_monitor"] = {"enabled": True, "output_path": str(Path(run.dir) / "csv"), "job_name": "train"}
+    if run.wandb.enabled:
+        out["wandb"] = {"enabled": True, "project": run.wandb.project, "team": run.wandb.entity,
+                        "group": run.wandb.group}
+    return out
+
+
+def wandb_env(cfg) -> dict[str, str]:
+    """Environment for ``wandb.init`` inside DeepSpeed: mode and directory (the run's own folder)."""
+    w = cfg.run.wandb
+    if not w.enabled:
+        return {}
+    env = {"WANDB_MODE": w.mode, "WANDB_DIR": str(Path(cfg.run.dir).resolve())}
+    if w.name:
+        env["WANDB_NAME"] = w.name
+    return env
+
+
+def start(cfg) -> None:
+    """Per-process preparation before ``deepspeed.initialize`` builds the monitor."""
+    env = wandb_env(cfg)
+    if env:
+        Path(env["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)
+        os.environ.update(env)
+
+
+def finish(cfg, is_rank0: bool) -> None:
+    """Close the W&B run (DeepSpeed never does), so offline files are complete when training returns."""
+    if cfg.run.wandb.enabled and is_rank0:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
