@@ -170,6 +170,12 @@ def test_stop_and_resume_is_bitwise_identical(spm_model, tmp_path):
     full, part = run_distributed(_resume_worker, 2, over, str(tmp_path))[0]
     steps = lambda rows: [(r["iteration"], r["loss"], r["lr"]) for r in rows if "event" not in r]  # noqa: E731
     assert steps(full) == steps(part) and len(steps(full)) == 4
+    # the engine runs Megatron's schedule: update 1 at lr 0 (warmup 1), then the cosine decay
+    from tests.test_megatron_fidelity import megatron_lrs
+    from training.config import load_config
+
+    ocfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", over).optimizer
+    assert [lr for _, _, lr in steps(full)] == pytest.approx(megatron_lrs(ocfg, 4), rel=1e-12, abs=0)
     assert [r["iteration"] for r in part if r.get("event") == "valid"] == [2, 4]
 
 
