@@ -250,3 +250,115 @@ def test_ingest_stage_writes_ftfy_fixed_text(tmp_path):
     recs = [RawRecord(f"t:{i}", raw) for i, (raw, _) in enumerate(FTFY_CASES)]
     _ingest_shard((str(tmp_path), 0, recs, 0, True, True))
     assert [d["text"] for d in iter_shard(tmp_path, 0)] == [fixed for _, fixed in FTFY_CASES]
+
+
+# --------------------------------------------------------------------------------------------------
+# BERT masking budget
+# --------------------------------------------------------------------------------------------------
+def _single_piece_vocab(size: int = 500):
+    """Every ordinary piece is a whole word, so the budget (not word boundaries) decides the count."""
+    import numpy as np
+
+    from training.bert_data import BertVocab
+
+    return BertVocab(cls=1, sep=2, mask=3, pad=0, word_start=np.ones(size, dtype=bool), random_ids=np.arange(5, size))
+
+
+@pytest.mark.parametrize("target,real_len,predicted", [(125, 128, 18), (50, 53, 7)])
+def test_bert_masking_budget_is_megatrons_float_cap(target, real_len, predicted):
+    """Megatron: num_to_predict = min(masked_lm_prob * max_num_tokens, max(1, round(masked_lm_prob * len))),
+    the cap a float. Full samples at max_seq_length 128: cap 0.15 x 125 = 18.75 -> 18 predictions
+    (round(0.15 x 128) = 19 without the cap); a short target of 50: cap 7.5 -> 7 (round(7.95) = 8)."""
+    import numpy as np
+
+    from training.bert_data import MaskingConfig, build_sample
+
+    vocab = _single_piece_vocab()
+    cfg = MaskingConfig()
+    assert 0.15 * target < round(0.15 * real_len)  # the cap is what binds
+    counts = []
+    for seed in range(40):
+        rng = np.random.RandomState(seed)
+        sentences = [rng.randint(5, 500, size=40) for _ in range(5)]
+        s = build_sample(sentences, target, 128, vocab, cfg, np.random.RandomState(seed))
+        assert int(s["padding_mask"].sum()) == real_len
+        counts.append(int((s["labels"] >= 0).sum()))
+    assert counts == [predicted] * 40
+    assert predicted / real_len == pytest.approx(0.15 * target // 1 / real_len)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPT sample order: Megatron 2021's separate last epoch
+# --------------------------------------------------------------------------------------------------
+def megatron2021_index_maps(documents, sizes, num_samples: int, seq_length: int, seed: int):
+    """Port of Megatron 2021 ``gpt_dataset._build_index_mappings`` (doc, sample, shuffle index maps)."""
+    import numpy as np
+
+    from tests.test_gpt_dataset import cpp_build_sample_idx, megatron_epochs
+
+    tokens_per_epoch = int(np.sum(sizes[documents]))
+    num_epochs = megatron_epochs(tokens_per_epoch, seq_length, num_samples)
+    if num_epochs == 1:
+        separate_last_epoch = False
+    else:
+        from_epochs_minus_one = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+        last_epoch_num_samples = num_samples - from_epochs_minus_one
+        per_epoch = (tokens_per_epoch - 1) // seq_length
+        assert 0 <= last_epoch_num_samples < per_epoch + 1
+        separate_last_epoch = last_epoch_num_samples < int(0.80 * per_epoch)
+    rng = np.random.RandomState(seed=seed)
+
+    def doc_idx_of(epochs, separate):
+        if not separate or epochs == 1:
+            d = np.mgrid[0:epochs, 0:len(documents)][1]
+            d[:] = documents
+            d = d.reshape(-1).astype(np.int32)
+            rng.shuffle(d)
+            return d
+        return np.concatenate((doc_idx_of(epochs - 1, False), doc_idx_of(1, False)))
+
+    doc_idx = doc_idx_of(num_epochs, separate_last_epoch)
+    sample_idx = cpp_build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch)
+    total = sample_idx.shape[0] - 1
+    n = from_epochs_minus_one if separate_last_epoch else total
+    first = np.arange(0, n, dtype=np.uint32)
+    rng.shuffle(first)
+    if n == total:
+        return doc_idx, sample_idx, first, separate_last_epoch
+    last = np.arange(n, total, dtype=np.uint32)
+    rng.shuffle(last)
+    return doc_idx, sample_idx, np.concatenate((first, last)), separate_last_epoch
+
+
+@pytest.mark.parametrize("extra_fraction,separated", [(0.1, True), (0.5, True), (0.9, False), (None, False)])
+def test_gpt_separate_last_epoch_matches_megatron_2021(tmp_path, extra_fraction, separated):
+    """``separate_last_epoch=True`` builds exactly Megatron 2021's index maps: when the last of E > 1 epochs
+    supplies < 80 % of an epoch's samples it is shuffled apart (doc_idx and shuffle_idx); otherwise (and
+    with one epoch) the order is Megatron 2020's, the default."""
+    import numpy as np
+
+    from data_pipeline.gpt_dataset import GPTDataset
+    from data_pipeline.indexed_dataset import MMapIndexedDataset
+    from tests.test_gpt_dataset import make_gpt_corpus
+
+    make_gpt_corpus(tmp_path / "c", 40, seed=3)
+    indexed = MMapIndexedDataset(tmp_path / "c")
+    documents = np.arange(3, 37)
+    seq = 16
+    per_epoch = (int(indexed.sizes[documents].sum()) - 1) // seq
+    # one epoch (None) or two epochs whose second supplies `extra_fraction` of an epoch's samples
+    num_samples = per_epoch - 2 if extra_fraction is None else per_epoch + int(extra_fraction * per_epoch)
+    doc_ref, sample_ref, shuffle_ref, sep = megatron2021_index_maps(documents, indexed.sizes, num_samples, seq, 7)
+    assert sep == separated
+    ds = GPTDataset("train", indexed, documents, num_samples, seq, 7, cache_dir=tmp_path / "cache",
+                    separate_last_epoch=True)
+    np.testing.assert_array_equal(np.asarray(ds.doc_idx), doc_ref)
+    np.testing.assert_array_equal(np.asarray(ds.sample_idx), sample_ref)
+    np.testing.assert_array_equal(np.asarray(ds.shuffle_idx), shuffle_ref)
+    default = GPTDataset("train", indexed, documents, num_samples, seq, 7, cache_dir=tmp_path / "cache")
+    same = np.array_equal(np.asarray(default.shuffle_idx), shuffle_ref)
+    assert same != separated  # the option changes the order exactly when Megatron 2021 separates
+    if separated:
+        # the first M1 = ((E-1) T - 1) // L samples in training order are those of the first E - 1 epochs
+        assert ds.first_epochs_samples == per_epoch
+        assert sorted(np.asarray(ds.shuffle_idx)[:per_epoch].tolist()) == list(range(per_epoch))

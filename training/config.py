@@ -143,6 +143,9 @@ class DataConfig:
     """Tokenizer spec for text_files, e.g. {kind: gpt2_bpe, vocab_file: ..., merges_file: ...}."""
     split: str = "969,30,1"
     """train,valid,test proportions over documents."""
+    separate_last_epoch: bool = False
+    """GPT sample order: Megatron 2021+ shuffles a short last epoch (< 80 % used) apart from the others;
+    False = Megatron 2020 (all epochs shuffled together). See data_pipeline/gpt_dataset.py."""
     num_workers: int = 0
 
 
@@ -163,7 +166,8 @@ class BertDataConfig:
     """BERT pretraining samples (training.bert_data); ignored by GPT-2."""
 
     masked_lm_prob: float = 0.15
-    """Fraction of each sample's tokens to predict (Megatron: round(0.15 x length), at least 1)."""
+    """Fraction of each sample's tokens to predict (Megatron: round(0.15 x length), at least 1, at most the
+    float 0.15 x target length: 18 of 128)."""
     mask_token_prob: float = 0.8
     """Of the predicted tokens: replaced by [MASK] ..."""
     random_token_prob: float = 0.1

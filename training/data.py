@@ -97,7 +97,7 @@ def build_datasets(cfg: Config, src: DataSources, num_samples: tuple[int, int, i
             logger.info("tokenizing %d text file(s) into %s", len(cfg.data.text_files), src.prefix)
             tokenize_text_files(cfg.data.text_files, src.tokenizer, src.prefix)
         return build_gpt_datasets(src.prefix, cfg.data.split, num_samples, cfg.model.seq_length,
-                                  cfg.train.seed, cache_dir=cache)
+                                  cfg.train.seed, cache_dir=cache, separate_last_epoch=cfg.data.separate_last_epoch)
 
     if rank0:
         out = build()
