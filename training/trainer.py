@@ -19,6 +19,7 @@ import torch.distributed as dist
 from training.parallel.grad_norm import clip_grad_norm
 
 from training import checkpoint as ckpt
+from training import ds_compat
 from training.config import (Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype,
 )
 from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
@@ -99,6 +100,7 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     mpu=None if self.pipe else self.ps, config=self.ds_config,
                                                     dist_init_required=False)
+        ds_compat.undo_initial_zero_step(self.engine)  # fp16 at ZeRO-0: Adam starts at step 0, as in fp32
         if self.dp == 1 and not self.pipe and cfg.parallel.zero_stage == 0:
             # one replica: DeepSpeed would still flatten every gradient, all-reduce it with itself and
             # copy it back (~10% of a CPU step in benchmarks/bench_train_step.py)
