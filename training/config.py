@@ -46,6 +46,11 @@ class ModelConfig:
     """MLP width; defaults to 4 x hidden_size."""
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
+    apply_query_key_layer_scaling: bool = False
+    """Megatron's fp16 stabiliser: layer l's Q.K scores are computed divided by l and multiplied back inside
+    an fp32 softmax (forces attention_softmax_in_fp32). Same math in fp32; see models/core_attention.py."""
+    attention_softmax_in_fp32: bool = False
+    """Megatron: compute the attention softmax in fp32 when activations are fp16/bf16."""
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
     activation_checkpointing: bool = False
