@@ -34,8 +34,9 @@ def test_reshard_fp16_tp2_to_tp1_keeps_masters_and_moments(spm_model, tmp_path, 
               "precision.allow_fp16_on_cpu": "true", "precision.initial_scale_power": 12,
               "parallel.zero_stage": zero}
     a, b = tmp_path / "a", tmp_path / "b"
+    same_vocab = padded[0] == padded[1]  # dummy vocabulary rows take part in the softmax: only then same losses
     run_distributed(_train, 2, _overrides(spm_model, a, **{"parallel.tensor": 2}, **common),
-                    [["train.exit_at=2"], []])
+                    [["train.exit_at=2"], []] if same_vocab else [["train.exit_at=2"]])
     reshard(a, tp=1, pp=1, out=b, tag="iter_0000002")
     src, meta_a = _state(a, "iter_0000002")
     dst, meta_b = _state(b, "iter_0000002")
@@ -52,11 +53,12 @@ def test_reshard_fp16_tp2_to_tp1_keeps_masters_and_moments(spm_model, tmp_path, 
         assert s["exp_avg_sq"].abs().sum() > 0
         rounded += int(not torch.equal(s["master"], s["master"].half().float()))
     assert rounded > len(src) // 2  # the masters carry fp32 precision beyond the fp16 weights
-    # the converted run resumes from iteration 2 in fp16 (at TP=1, same padded vocabulary: same losses)
+    if not same_vocab:
+        return
+    # the converted run resumes from iteration 2 in fp16 with the original losses and learning rates
     run_distributed(_train, 1, _overrides(spm_model, b, **{"parallel.tensor": 1}, **common), [[]])
     sa, sb = _steps(a), _steps(b)
     assert sorted(sb) == [1, 2, 3, 4]
     for it in (3, 4):
         assert sb[it][1] == sa[it][1]
-        if padded[0] == padded[1]:  # dummy vocabulary rows take part in the softmax: only then equal
-            assert abs(sb[it][0] - sa[it][0]) < 2e-3, (it, sa[it], sb[it])
+        assert abs(sb[it][0] - sa[it][0]) < 2e-3, (it, sa[it], sb[it])
