@@ -95,6 +95,10 @@ def test_fp16_zero1_and_pp2_track_fp32(spm_model, tmp_path):
     # FP16_UnfusedOptimizer kept its zero-gradient Adam step from construction (ds_compat.undo_initial_zero_step)
     assert (zero1 - ref).abs().max() < 1e-2, (zero1 - ref)
     assert (pp2 - ref).abs().max() < 1e-2, (pp2 - ref)
+    # the CPU peak behind MFU: measured by both pipeline ranks together, in the log's metrics.jsonl
+    (peak,) = [json.loads(line) for line in (tmp_path / "pp2" / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line).get("event") == "cpu_peak"]
+    assert peak["ranks"] == 2 and peak["dtype"] == "fp16" and peak["rank_min"] <= peak["tflops"] <= peak["rank_max"]
     # no overflow: the scale doubles after every `loss_scale_window` (2) clean steps, on both optimizer paths
     for run in ("zero1", "pp2"):
         ref_scaler = RefScaler(2.0**10, window=2, hysteresis=2, honours_hysteresis=run == "zero1")
@@ -105,3 +109,16 @@ def test_fp16_zero1_and_pp2_track_fp32(spm_model, tmp_path):
 def _scales(run_dir) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss_scale"] for r in rows if "event" not in r]
+
+
+def _peak(rank, world, seconds):
+    from training.cpu_peak import measure_cpu_peak_together
+
+    return measure_cpu_peak_together("fp32", seconds=seconds, n=256)
+
+
+def test_cpu_peak_is_measured_by_all_ranks_together():
+    """Every rank gets the same job-wide value: the mean of the ranks' medians, with their range."""
+    a, b = run_distributed(_peak, 2, 0.3)
+    assert a == b and a.ranks == 2 and a.seconds == 0.3
+    assert 0 < a.rank_min <= a.tflops <= a.rank_max and a.within_rank_spread >= 0

@@ -22,7 +22,8 @@ from training import checkpoint as ckpt
 from training import ds_compat
 from training.config import (Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype,
 )
-from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
+from training.cpu_peak import measure_cpu_peak_together
+from training.hardware import canonical_kind, detect_device_kind, peak_tflops
 from training.metrics import MetricsWriter, flops_per_iteration
 from training.optim import build_optimizer
 from training.parallel import random as tp_random
@@ -115,6 +116,7 @@ class Trainer:
         self.consecutive_skipped = 0
         self.flops_per_step = flops_per_iteration(cfg, self.padded_vocab)  # GPT-2 or BERT count (model.arch)
         self.tokens_per_step = t.global_batch_size * self.task.tokens_per_sample
+        self.cpu_peak = None
         self.peak = self._peak_tflops()
         n_params = count_parameters(self.model, self.ps)  # collective under PP: every rank calls it
         if self.is_rank0:
@@ -129,13 +131,13 @@ class Trainer:
         if self.cfg.run.device_peak_tflops:
             return self.cfg.run.device_peak_tflops
         kind = self.cfg.run.device_kind or detect_device_kind()
-        peak = peak_tflops(kind, self.dtype)
-        if peak is None and kind == "cpu":
-            # measured dense matmul rate of this CPU in the training dtype, per process
-            threads = torch.get_num_threads()
-            peak = measure_cpu_peak_tflops(self.dtype)
-            logger.debug("measured CPU peak %.3f TFLOP/s with %d threads", peak, threads)
-        return peak
+        if canonical_kind(kind) == "cpu":
+            # measured dense matmul rate in the training dtype, all ranks at once (training/cpu_peak.py)
+            self.cpu_peak = measure_cpu_peak_together(self.dtype)
+            if self.is_rank0:
+                logger.info("%s", self.cpu_peak.describe())
+            return self.cpu_peak.tflops
+        return peak_tflops(kind, self.dtype)
 
     # ----------------------------------------------------------------------------------------------
     def _clip_fp32_gradients(self) -> None:
@@ -252,6 +254,8 @@ class Trainer:
         writer = MetricsWriter(self.run_dir, cfg.train.iters, self.is_rank0,
                                getattr(self.engine, "monitor", None),
                                resume_iteration=self.iteration if resumed else None)
+        if self.cpu_peak is not None:
+            writer.event("cpu_peak", self.cpu_peak.as_dict(), self.iteration)
         bar = tqdm(total=cfg.train.iters, initial=self.iteration, desc="train", unit="it",
                    disable=not (self.is_rank0 and cfg.train.progress_bar), leave=False)
         last, vl = {}, None
