@@ -178,7 +178,8 @@ class GPTDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, name: str, indexed: MMapIndexedDataset, documents: np.ndarray, num_samples: int,
-                 seq_length: int, seed: int, cache_dir: Path | None = None, separate_last_epoch: bool = False) -> None:
+                 seq_length: int, seed: int, cache_dir: Path | None = None,
+                 separate_last_epoch: bool = False) -> None:
         self.name = name
         self.indexed = indexed
         self.seq_length = int(seq_length)

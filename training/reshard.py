@@ -161,7 +161,8 @@ def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | N
     out.mkdir(parents=True)
     if reshard_optim.needs_engine(meta):
         logger.info("%s holds %s / ZeRO-%d optimizer state: loading it with DeepSpeed (TP=%d PP=%d DP=%d)", run_dir,
-                    meta["dtype"], meta["config"]["parallel"]["zero_stage"], *(meta["parallel"][k] for k in ("tp", "pp", "dp")))
+                    meta["dtype"], meta["config"]["parallel"]["zero_stage"],
+                    *(meta["parallel"][k] for k in ("tp", "pp", "dp")))
         engine_state = reshard_optim.extract(run_dir, tag, meta, out / ".reshard_source")
         weights.update({name: st["master"] for name, st in engine_state.items()})  # fp32 masters, not fp16 copies
     else:

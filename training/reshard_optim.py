@@ -175,10 +175,10 @@ def extract(run_dir: Path, tag: str, meta: dict, work_dir: Path) -> dict[str, di
 
 
 def _extract_worker(run_dir: str, tag: str, work_dir: str) -> None:
-    from training.checkpoint import _model_files
+    from training.checkpoint import read_client_state
     from training.trainer import Trainer
 
-    meta = torch.load(_model_files(run_dir, tag)[1][0], map_location="cpu", weights_only=False)
+    meta = read_client_state(run_dir, tag)
     cfg = config_from_dict(meta["config"])
     cfg.run.dir = str(Path(work_dir) / "engine")  # never write into the source run directory
     cfg.train.exit_at = None

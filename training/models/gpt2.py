@@ -66,9 +66,9 @@ class ParallelSelfAttention(nn.Module):
         # Attention-probability dropout acts on TP-local heads: it uses the model-parallel stream.
         with tp_random.model_parallel_rng():
             if self.qk_layer_scaling or self.softmax_in_fp32:
-                y = core_attention(q, k, v, layer_number=self.layer_number, query_key_layer_scaling=self.qk_layer_scaling,
-                                   softmax_in_fp32=self.softmax_in_fp32, causal=self.causal, attn_mask=attn_mask,
-                                   dropout_p=p)                                  # [b, n/p, s, hn]
+                y = core_attention(q, k, v, layer_number=self.layer_number,
+                                   query_key_layer_scaling=self.qk_layer_scaling, softmax_in_fp32=self.softmax_in_fp32,
+                                   causal=self.causal, attn_mask=attn_mask, dropout_p=p)  # [b, n/p, s, hn]
             elif p > 0.0 and self.causal and attn_mask is None and q.device.type == "cpu" and q.dtype == torch.float32:
                 y = causal_attention_with_dropout(q, k, v, p)                  # [b, n/p, s, hn]
             else:
