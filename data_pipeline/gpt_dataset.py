@@ -5,7 +5,7 @@ Given the items (documents) of one split, a sample count S and a sequence length
 * ``tokens_per_epoch`` T = sum of the documents' sizes; epochs E = smallest E with
   ``(E*T - 1) // L >= S``.
 * ``doc_idx`` (int32, E*D): the split's document ids repeated E times, shuffled *together* by
-  ``np.random.RandomState(seed)`` (Megatron 2020 semantics).
+  ``np.random.RandomState(seed)`` (Megatron 2020 semantics, the default).
 * ``sample_idx`` (int32 [M+1, 2], M = (E*T - 1) // L): concatenating the documents in ``doc_idx`` order
   gives a token stream; sample k covers stream positions ``[k*L, k*L + L]`` inclusive (L+1 tokens, one
   token of overlap with sample k+1).  Row k is ``(position in doc_idx, offset in that document)`` of
@@ -13,6 +13,14 @@ Given the items (documents) of one split, a sample count S and a sequence length
   walk in Megatron's ``build_sample_idx``, computed with one ``searchsorted`` instead of a loop.
 * ``shuffle_idx`` (uint32, or int64 when M >= 2**32 - 1): ``arange(M)`` shuffled by the *same* RNG,
   after ``doc_idx``.
+* ``separate_last_epoch=True`` (``data.separate_last_epoch``; Megatron 2021+ ``gpt_dataset.py``, HEAD
+  ``megatron/core/datasets/gpt_dataset.py``): when E > 1 and the last epoch supplies fewer than
+  ``int(0.8 * ((T - 1) // L))`` of the S samples, that short epoch is kept apart, so its documents and
+  samples are not mixed into the first E - 1 epochs: ``doc_idx`` = shuffle(E - 1 epochs) ++ shuffle(1
+  epoch), and ``shuffle_idx`` = shuffle(arange(M1)) ++ shuffle(arange(M1, M)) with
+  ``M1 = ((E - 1) * T - 1) // L`` (all draws from the one RNG, in that order). The first S samples then
+  repeat each document at most E - 1 times plus a partial pass, instead of drawing a random E-th copy
+  of some documents early.
 
 ``dataset[i]`` = the L+1 tokens of sample ``shuffle_idx[i]`` as int64, crossing document boundaries
 (documents are separated only by the EOD the corpus builder appended).  ``len(dataset)`` = M >= S (as in
@@ -20,7 +28,7 @@ Megatron, the whole last epoch is indexed; a sampler takes the first S).
 
 Index maps are cached as ``.npy`` files named
 ``{data_prefix_name}_{name}_indexmap_{S}ns_{L}sl_{seed}s_{digest}_{doc|sample|shuffle}_idx.npy``
-(Megatron's name plus ``digest``, 10 hex chars of a hash of the split's document ids and the dataset's
+(Megatron's name plus ``digest``, and ``_sle`` when the last epoch is separated, 10 hex chars of a hash of the split's document ids and the dataset's
 item count and token count, so a changed split or rebuilt corpus never reuses a stale map).  They are
 written to temporary names then renamed (``shuffle`` last: its presence means the set is complete) and
 reloaded with ``mmap_mode='r'``.  Index building is deterministic, so two processes that build at the
@@ -124,12 +132,30 @@ def build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, nu
     return out
 
 
-def build_shuffle_idx(size: int, rng: np.random.RandomState) -> np.ndarray:
-    """``arange(size)`` shuffled by ``rng``; uint32 unless too large (Megatron)."""
+def build_shuffle_idx(size: int, rng: np.random.RandomState, first: int | None = None) -> np.ndarray:
+    """``arange(size)`` shuffled by ``rng``; uint32 unless too large (Megatron). With ``first`` < size the
+    two ranges ``[0, first)`` and ``[first, size)`` are shuffled separately, in that order (Megatron
+    2021 ``_build_shuffle_idx`` for a separated last epoch)."""
     dtype = np.uint32 if size < np.iinfo(np.uint32).max - 1 else np.int64
-    idx = np.arange(size, dtype=dtype)
-    rng.shuffle(idx)
-    return idx
+    first = size if first is None else first
+    head = np.arange(first, dtype=dtype)
+    rng.shuffle(head)
+    if first == size:
+        return head
+    tail = np.arange(first, size, dtype=dtype)
+    rng.shuffle(tail)
+    return np.concatenate([head, tail])
+
+
+def separate_last_epoch_samples(tokens_per_epoch: int, seq_length: int, num_samples: int,
+                                num_epochs: int) -> int | None:
+    """Megatron 2021's rule: the samples of the first E - 1 epochs when the last epoch is to be shuffled
+    apart (it supplies fewer than 80 % of an epoch's samples), else None."""
+    if num_epochs <= 1:
+        return None
+    before_last = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+    per_epoch = (tokens_per_epoch - 1) // seq_length
+    return before_last if num_samples - before_last < int(0.80 * per_epoch) else None
 
 
 def _atomic_save(path: Path, arr: np.ndarray) -> None:
@@ -152,7 +178,8 @@ class GPTDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, name: str, indexed: MMapIndexedDataset, documents: np.ndarray, num_samples: int,
-                 seq_length: int, seed: int, cache_dir: Path | None = None) -> None:
+                 seq_length: int, seed: int, cache_dir: Path | None = None,
+                 separate_last_epoch: bool = False) -> None:
         self.name = name
         self.indexed = indexed
         self.seq_length = int(seq_length)
@@ -179,6 +206,10 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"the {name!r} split has only {self.tokens_per_epoch} tokens: {self.num_samples} samples of "
                 f"{self.seq_length} tokens need {self.num_epochs} epochs; use more data or fewer samples"
             )
+        # samples of the first E - 1 epochs when the short last epoch is shuffled apart, else None
+        self.first_epochs_samples = (separate_last_epoch_samples(self.tokens_per_epoch, self.seq_length,
+                                                                 self.num_samples, self.num_epochs)
+                                     if separate_last_epoch else None)
         self.built_index = False
         self._paths = self.index_paths(cache_dir)
         self.doc_idx, self.sample_idx, self.shuffle_idx = self._index_maps(self._paths)
@@ -208,17 +239,21 @@ class GPTDataset(torch.utils.data.Dataset):
         prefix = Path(self.indexed.prefix)
         directory = Path(cache_dir) if cache_dir is not None else prefix.parent
         stem = (f"{prefix.name}_{self.name}_indexmap_{self.num_samples}ns_{self.seq_length}sl_"
-                f"{self.seed}s_{self._digest()}")
+                f"{self.seed}s_{self._digest()}{'' if self.first_epochs_samples is None else '_sle'}")
         return {k: directory / f"{stem}_{k}_idx.npy" for k in ("doc", "sample", "shuffle")}
 
     def _index_maps(self, paths: dict[str, Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not all(p.is_file() for p in paths.values()):
             t0 = time.perf_counter()
             rng = np.random.RandomState(self.seed)
-            doc_idx = build_doc_idx(self.documents, self.num_epochs, rng)
+            if self.first_epochs_samples is None:
+                doc_idx = build_doc_idx(self.documents, self.num_epochs, rng)
+            else:  # the short last epoch's documents shuffled apart, after the others
+                doc_idx = np.concatenate([build_doc_idx(self.documents, self.num_epochs - 1, rng),
+                                          build_doc_idx(self.documents, 1, rng)])
             sample_idx = build_sample_idx(self.indexed.sizes, doc_idx, self.seq_length, self.num_epochs,
                                           self.tokens_per_epoch)
-            shuffle_idx = build_shuffle_idx(sample_idx.shape[0] - 1, rng)
+            shuffle_idx = build_shuffle_idx(sample_idx.shape[0] - 1, rng, self.first_epochs_samples)
             paths["doc"].parent.mkdir(parents=True, exist_ok=True)
             _atomic_save(paths["doc"], doc_idx)
             _atomic_save(paths["sample"], sample_idx)
@@ -278,7 +313,7 @@ def split_documents(indexed: MMapIndexedDataset, split: str) -> list[np.ndarray]
 
 
 def build_gpt_datasets(prefix: str | Path, split: str, num_samples: tuple[int, int, int], seq_length: int,
-                       seed: int, cache_dir: str | Path | None = None
+                       seed: int, cache_dir: str | Path | None = None, separate_last_epoch: bool = False
                        ) -> tuple[GPTDataset | None, GPTDataset | None, GPTDataset | None]:
     """Train/valid/test :class:`GPTDataset` over ``prefix.{bin,idx}``.
 
@@ -302,5 +337,5 @@ def build_gpt_datasets(prefix: str | Path, split: str, num_samples: tuple[int, i
             out.append(None)
             continue
         out.append(GPTDataset(name, indexed, items, int(ns), seq_length, seed,
-                              Path(cache_dir) if cache_dir is not None else None))
+                              Path(cache_dir) if cache_dir is not None else None, separate_last_epoch))
     return out[0], out[1], out[2]

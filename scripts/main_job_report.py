@@ -234,6 +234,13 @@ def write_report(inp: ReportInputs) -> Path:
                             [[num(th["tokens_per_s"], 1), num(th["tflops_per_device"], 6),
                               num(100 * mfu if mfu is not None else None, 2), num(th["step_time_s"], 4),
                               num(th["n"])]]), ""]
+            peaks = [e for e in events if e.get("event") == "cpu_peak"]
+            if peaks:  # training/cpu_peak.py: all ranks measured together after a barrier
+                pk = peaks[-1]
+                parts += [f"MFU's CPU peak: {pk['tflops']:.4f} TFLOP/s per rank ({pk['dtype']}; {pk['ranks']} rank(s) "
+                          f"x {pk['threads']} thread(s) measuring together for {pk['seconds']:.1f} s after a barrier; "
+                          f"ranks {pk['rank_min']:.4f}-{pk['rank_max']:.4f}, within-rank spread "
+                          f"{100 * pk['within_rank_spread']:.1f} %).", ""]
     # fine-tuning (BERT flow)
     race_res = _load(run / "race" / "race_results.json")
     if inp.flow == "bert" and race_res is not None:

@@ -79,7 +79,9 @@ def test_masking_statistics(dataset, samples):
         # every position not predicted is unchanged
         assert np.array_equal(s["text"][:real][~sel], orig[~sel])
     frac = n_masked / n_tok
-    assert 0.14 <= frac <= 0.155, frac                      # round(0.15 L) per sample, whole words may fall short
+    # Megatron's budget: min(0.15 x target (a float cap: 18.75 at length 128), round(0.15 L)) per sample, whole
+    # words may fall short: 14.1 % here (round(0.15 L) alone, without the cap, gives 14.9 %)
+    assert 0.135 <= frac <= 0.145, frac
     assert abs(n_mask_id / n_masked - 0.8) < 0.015, n_mask_id / n_masked
     assert abs(n_same / n_masked - 0.1) < 0.015, n_same / n_masked   # (a random id equal to the original counts here)
     assert abs(n_random / n_masked - 0.1) < 0.015, n_random / n_masked

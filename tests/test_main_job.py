@@ -189,6 +189,11 @@ def test_report_numbers_finite_and_consistent(job):
     assert f(row["iterations"]) == 11
     for s in later:  # the metrics themselves are coherent: tokens/s = global batch x seq / step time
         assert math.isclose(s["tokens_per_s"], 8 * 64 / s["step_time_s"], rel_tol=1e-6)
+    # MFU's CPU peak: both ranks measured together (training/cpu_peak.py); the report prints the last one
+    peaks = [e for e in events if e["event"] == "cpu_peak"]
+    assert peaks and all(p["ranks"] == 2 and p["rank_min"] <= p["tflops"] <= p["rank_max"] for p in peaks)
+    assert f"MFU's CPU peak: {peaks[-1]['tflops']:.4f} TFLOP/s per rank" in text
+    assert math.isclose(steps[-1]["mfu"], steps[-1]["tflops_per_device"] / peaks[-1]["tflops"], rel_tol=1e-9)
 
     # evaluation table == evaluation JSON
     rows = table_with(text, "task", "metric", "value")

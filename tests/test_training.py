@@ -81,7 +81,8 @@ def _train_worker(rank, world, overrides, inject=None):
 @needs_corpus
 def test_tp2_dp2_and_zero1_match_tp1_dp1_and_loss_decreases(spm_model, tmp_path):
     # vocab 1000 pads to 1024 at TP=1 (x128) and at TP=2 (x256): identical initial weights
-    common = {"train.iters": 6, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant"}
+    # (no warmup: with Megatron's schedule a warmup's first update runs at lr 0)
+    common = {"train.iters": 6, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant", "optimizer.warmup_iters": 0}
     ref = run_distributed(_train_worker, 1, _overrides(spm_model, tmp_path / "tp1", **{"parallel.tensor": 1}, **common))
     big = run_distributed(_train_worker, 4, _overrides(spm_model, tmp_path / "tp2dp2", **{"parallel.tensor": 2}, **common))
     zero = run_distributed(_train_worker, 4, _overrides(spm_model, tmp_path / "zero1", **{"parallel.tensor": 2},
@@ -170,6 +171,12 @@ def test_stop_and_resume_is_bitwise_identical(spm_model, tmp_path):
     full, part = run_distributed(_resume_worker, 2, over, str(tmp_path))[0]
     steps = lambda rows: [(r["iteration"], r["loss"], r["lr"]) for r in rows if "event" not in r]  # noqa: E731
     assert steps(full) == steps(part) and len(steps(full)) == 4
+    # the engine runs Megatron's schedule: update 1 at lr 0 (warmup 1), then the cosine decay
+    from tests.test_megatron_fidelity import megatron_lrs
+    from training.config import load_config
+
+    ocfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", over).optimizer
+    assert [lr for _, _, lr in steps(full)] == pytest.approx(megatron_lrs(ocfg, 4), rel=1e-12, abs=0)
     assert [r["iteration"] for r in part if r.get("event") == "valid"] == [2, 4]
 
 

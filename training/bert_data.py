@@ -17,7 +17,11 @@ Input: an MMIDIDX dataset with one item per *sentence*; ``doc_idx`` delimits doc
    - the longer segment loses a token from its front or back (coin flip) until A + B fits the target;
    - ``[CLS] A [SEP] B [SEP]``, token types 0 for [CLS] A [SEP], 1 for B [SEP];
    - masking (:func:`mask_tokens`), then padding to ``max_seq_length``.
-3. Masking: ``num_to_predict = max(1, round(masked_lm_prob * len(tokens)))``; candidate units are whole
+3. Masking, Megatron's budget: ``num_to_predict = min(max_predictions, max(1, round(masked_lm_prob *
+   len(tokens))))`` with the float cap ``max_predictions = masked_lm_prob * target_len`` (Megatron's
+   ``max_predictions_per_seq = masked_lm_prob * max_num_tokens``; the target excludes [CLS]/[SEP]): at
+   max_seq_length 128 the cap is 0.15 x 125 = 18.75, so at most 18 tokens (14.1 %), not round(19.2) = 19;
+   candidate units are whole
    words (a word-start piece and the pieces that continue it; never [CLS]/[SEP]); a span is an n-gram
    of 1..max_ngram consecutive words of one segment, n drawn with p(n) proportional to 1/n (shortened
    when it would overshoot the budget, skipped if it still does or overlaps a chosen span). Every
@@ -196,11 +200,13 @@ def word_units(tokens: np.ndarray, segments: np.ndarray, special: np.ndarray, wo
 
 
 def mask_tokens(tokens: np.ndarray, segments: np.ndarray, vocab: BertVocab, cfg: MaskingConfig,
-                rng: np.random.RandomState, draws: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+                rng: np.random.RandomState, draws: list[int] | None = None,
+                max_predictions: float | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """Whole-word n-gram masking. Returns (masked tokens, labels (-1 = not predicted), lengths in words of the
-    spans masked). ``draws`` (optional) collects the drawn n of every candidate with all n available (for tests:
-    the drawn distribution is exactly p(n) ∝ 1/n; the masked spans lean shorter, as budget and overlaps cut
-    long spans more often)."""
+    spans masked). ``max_predictions`` is Megatron's float cap on the budget (None = no cap). ``draws``
+    (optional) collects the drawn n of every candidate with all n available (for tests: the drawn
+    distribution is exactly p(n) ∝ 1/n; the masked spans lean shorter, as budget and overlaps cut long
+    spans more often)."""
     tokens = np.asarray(tokens, dtype=np.int64)
     out = tokens.copy()
     labels = np.full(len(tokens), -1, dtype=np.int64)
@@ -208,7 +214,9 @@ def mask_tokens(tokens: np.ndarray, segments: np.ndarray, vocab: BertVocab, cfg:
     units = word_units(tokens, segments, special, vocab.word_start, cfg.whole_word)
     if cfg.masked_lm_prob <= 0 or not units:
         return out, labels, []
-    num_to_predict = max(1, int(round(len(tokens) * cfg.masked_lm_prob)))
+    num_to_predict: float = max(1, int(round(len(tokens) * cfg.masked_lm_prob)))
+    if max_predictions is not None:  # a float, as in Megatron: 18.75 allows 18 predictions
+        num_to_predict = min(num_to_predict, max_predictions)
     ngrams = np.arange(1, cfg.max_ngram + 1)
     pvals = 1.0 / ngrams
     # candidate n-grams: up to max_ngram consecutive words starting at each word, within one segment
@@ -253,11 +261,13 @@ def build_sample(sentences: list[np.ndarray], target_len: int, max_seq_length: i
     """One padded sample (keys in the module docstring; ``spans``, ``draws`` and ``original`` = the unmasked
     ``[CLS] A [SEP] B [SEP]`` are for inspection)."""
     a, b, is_random = split_segments(sentences, rng)
-    truncated = truncate_segments(a, b, min(target_len, max_seq_length - 3), rng)
+    max_num_tokens = min(target_len, max_seq_length - 3)
+    truncated = truncate_segments(a, b, max_num_tokens, rng)
     tokens = np.asarray([vocab.cls, *a, vocab.sep, *b, vocab.sep], dtype=np.int64)
     types = np.asarray([0] * (len(a) + 2) + [1] * (len(b) + 1), dtype=np.int64)
     draws: list[int] = []
-    masked, labels, spans = mask_tokens(tokens, types, vocab, cfg, rng, draws)
+    masked, labels, spans = mask_tokens(tokens, types, vocab, cfg, rng, draws,
+                                        max_predictions=cfg.masked_lm_prob * max_num_tokens)
     pad = max_seq_length - len(tokens)
     n = len(tokens)
     return {

@@ -48,6 +48,11 @@ class ModelConfig:
     """MLP width; defaults to 4 x hidden_size."""
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
+    apply_query_key_layer_scaling: bool = False
+    """Megatron's fp16 stabiliser: layer l's Q.K scores are computed divided by l and multiplied back inside
+    an fp32 softmax (forces attention_softmax_in_fp32). Same math in fp32; see models/core_attention.py."""
+    attention_softmax_in_fp32: bool = False
+    """Megatron: compute the attention softmax in fp32 when activations are fp16/bf16."""
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
     activation: Literal["gelu", "gelu_new"] = "gelu"
@@ -156,6 +161,9 @@ class DataConfig:
     [0.7, /data/b]] (GPT-2; tokenizer from data.tokenizer; see training.blending)."""
     split: str = "969,30,1"
     """train,valid,test proportions over documents (of each prefix when blending)."""
+    separate_last_epoch: bool = False
+    """GPT sample order: Megatron 2021+ shuffles a short last epoch (< 80 % used) apart from the others;
+    False = Megatron 2020 (all epochs shuffled together). See data_pipeline/gpt_dataset.py."""
     num_workers: int = 0
 
 
@@ -195,7 +203,8 @@ class BertDataConfig:
     """BERT pretraining samples (training.bert_data); ignored by GPT-2."""
 
     masked_lm_prob: float = 0.15
-    """Fraction of each sample's tokens to predict (Megatron: round(0.15 x length), at least 1)."""
+    """Fraction of each sample's tokens to predict (Megatron: round(0.15 x length), at least 1, at most the
+    float 0.15 x target length: 18 of 128)."""
     mask_token_prob: float = 0.8
     """Of the predicted tokens: replaced by [MASK] ..."""
     random_token_prob: float = 0.1

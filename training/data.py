@@ -133,7 +133,7 @@ def build_datasets(cfg: Config, src: DataSources, num_samples: tuple[int, int, i
             return build_blended_datasets(*src.blend, cfg.data.split, num_samples, cfg.model.seq_length,
                                           cfg.train.seed, cache, src.tokenizer.vocab_size)
         return build_gpt_datasets(src.prefix, cfg.data.split, num_samples, cfg.model.seq_length,
-                                  cfg.train.seed, cache_dir=cache)
+                                  cfg.train.seed, cache_dir=cache, separate_last_epoch=cfg.data.separate_last_epoch)
 
     if rank0:
         out = build()

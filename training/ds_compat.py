@@ -91,3 +91,28 @@ def apply() -> None:
     backward._scales_fp16_loss = True
     DeepSpeedEngine.backward = backward
     log.debug("DeepSpeedEngine.backward: fp16 loss scaling at ZeRO-0 restored (DeepSpeed PR #8393)")
+
+
+def undo_initial_zero_step(engine) -> bool:
+    """Undo the zero-gradient optimizer step DeepSpeed's ``FP16_UnfusedOptimizer`` takes at construction.
+
+    ``initialize_optimizer_states`` runs the client optimizer once with all-zero gradients to create its
+    state. For AdamW that step changes no moment but counts as step 1 (so every later bias correction is one
+    step late: the first real update is 0.744 lr instead of lr) and applies one weight decay to the fp32
+    masters. Megatron's fp16 optimizer has no such step, and ZeRO's optimizer does not take it, so fp16 at
+    ZeRO-0 (the pipeline engine included) would drift from fp32 and ZeRO-1. Here the optimizer state is
+    dropped and the masters are copied back from the fp16 weights they were cloned from. Returns whether
+    anything was undone (call right after ``deepspeed.initialize``, before any step)."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    opt = engine.optimizer
+    if not isinstance(opt, FP16_UnfusedOptimizer):
+        return False
+    import torch
+
+    with torch.no_grad():
+        for masters, params in zip(opt.fp32_groups, opt.fp16_groups):
+            for m, p in zip(masters, params):
+                m.copy_(p.float())
+    opt.optimizer.state.clear()
+    return True

@@ -3,11 +3,14 @@
 AdamW (decoupled weight decay) with biases and LayerNorm parameters exempt, as Megatron's
 ``get_params_for_weight_decay_optimization``; embeddings are decayed.
 
-LR: linear warmup, then decay by Megatron's fixed formula (r = (n - W) / (D - W); cosine coefficient
-0.5 (cos(pi r) + 1), linear 1 - r; lr = min_lr + coeff (max_lr - min_lr); n > D -> min_lr). This is
-a ``LambdaLR`` handed to DeepSpeed, which steps it only on applied (non-overflow) steps. DeepSpeed's
-own ``WarmupCosineLR`` does not fit: it rejects a warmup of 0 steps, starts at lr 0 and its decay is
-one step ahead of Megatron's formula.
+LR: Megatron's ``AnnealingLR`` (HEAD ``OptimizerParamScheduler``) to the number. With n = the number of
+updates already applied: warmup ``lr = max_lr * n / W`` while n <= W, then the fixed decay formula
+(r = (n - W) / (D - W); cosine coefficient 0.5 (cos(pi r) + 1), linear 1 - r; lr = min_lr + coeff
+(max_lr - min_lr); n > D -> min_lr). Megatron steps its scheduler *after* the optimizer (and builds
+it with ``step(0)``), so with warmup the first update runs at lr 0 and the rate reaches max_lr at
+update W + 1. This is a ``LambdaLR`` handed to DeepSpeed, which also steps it after the optimizer and
+only on applied (non-overflow) steps, as Megatron does. DeepSpeed's own ``WarmupCosineLR`` does not
+fit: it rejects a warmup of 0 steps and its decay is one step ahead of Megatron's formula.
 """
 from __future__ import annotations
 
@@ -34,14 +37,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def lr_at(it: int, cfg: OptimizerConfig, train_iters: int) -> float:
-    """Learning rate for 0-based iteration ``it`` (the step about to be taken)."""
+    """Learning rate of the update taken after ``it`` applied updates (Megatron's ``num_steps``)."""
     warm = cfg.warmup_iters
     decay_end = cfg.decay_iters if cfg.decay_iters is not None else train_iters
-    if warm > 0 and it < warm:
-        return cfg.lr * (it + 1) / warm
+    if warm > 0 and it <= warm:
+        return cfg.lr * it / warm  # update 0 runs at lr 0, as in Megatron
     if cfg.decay_style == "constant":
         return cfg.lr
-    if it >= decay_end or decay_end <= warm:
+    if it > decay_end or decay_end <= warm:
         return cfg.min_lr
     r = (it - warm) / (decay_end - warm)
     coeff = 0.5 * (math.cos(math.pi * r) + 1.0) if cfg.decay_style == "cosine" else 1.0 - r

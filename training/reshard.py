@@ -1,16 +1,20 @@
 """Convert a training checkpoint to another tensor/pipeline-parallel layout.
 
-    python -m training.reshard --checkpoint RUN_DIR --tp K --pp M --out NEW_RUN_DIR
+    python -m training.reshard --checkpoint RUN_DIR --tp K --pp M [--dp D] --out NEW_RUN_DIR
 
 Shards are merged by their saved partition tags (column-parallel weights on output rows,
 row-parallel on input columns, the fused QKV head-aligned through its stride, the vocabulary by
-rows with its padding recomputed for the new TP degree), then re-split by K x M processes that
-each build the target model and save through DeepSpeed's ``save_checkpoint``. So the output is an
-ordinary run directory: ``deepspeed --num_gpus K*M*DP --module training.pretrain --config ...
-run.dir=NEW_RUN_DIR parallel.tensor=K parallel.pipeline=M`` resumes from it.
+rows with its padding recomputed for the new TP degree), then re-split by K x M x D processes that
+each build the target model (in the checkpoint's dtype and ZeRO stage) and save through DeepSpeed's
+``save_checkpoint``. So the output is an ordinary run directory: ``deepspeed --num_gpus K*M*DP --module
+training.pretrain --config ... run.dir=NEW_RUN_DIR parallel.tensor=K parallel.pipeline=M`` resumes
+from it (a ZeRO-1 checkpoint partitions the optimizer over DP ranks: resume it with DP = D).
 
-Moved along: weights, Adam moments (fp32/bf16 runs without ZeRO, where the optimizer's state is
-per model parameter), the LR schedule, iteration and data position. The dropout RNG streams of a
+Moved along: weights, Adam moments, the LR schedule, iteration and data position. fp32 runs without
+ZeRO keep Adam's state per model parameter, read from the files; fp16 runs (fp32 master weights in
+DeepSpeed's fp16 optimizer) and ZeRO-1 runs (flat partitions) are loaded by DeepSpeed in their source
+layout and their fp32 masters and moments read per parameter (``training/reshard_optim.py``). The
+dropout RNG streams of a
 new layout cannot be mapped from the old ranks: they are re-seeded with seed + iteration (as
 Megatron-DeepSpeed does for universal checkpoints).
 """
@@ -22,6 +26,8 @@ if __name__ == "__main__":  # run as `python -m`: process settings before torch 
     configure()
 
 import argparse
+import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -33,6 +39,7 @@ import torch
 from training.checkpoint import _model_files, checkpoint_dir, load_merged_state_dict
 from training import safe_load
 from training.config import ConfigError, config_from_dict, validate_static
+from training import reshard_optim
 
 logger = logging.getLogger("training.reshard")
 
@@ -91,6 +98,8 @@ def _worker(rank, world, payload_path: str, out_dir: str):
 
     payload = safe_load.load(payload_path)
     cfg = config_from_dict(payload["config"])
+    precision = dataclasses.replace(cfg.precision)
+    reshard_optim.force_precision(cfg, payload["dtype"])  # the source's engine layout, even on CPU
     trainer = Trainer(cfg)
     names = ckpt.canonical_names(trainer)
     params = dict(trainer.model.named_parameters())
@@ -120,6 +129,16 @@ def _worker(rank, world, payload_path: str, out_dir: str):
                     float(moments["step"]))
                 st["step"] = step.to(p.device) if on_dev else step
                 opt.state[p] = st
+    if payload["engine_state"] is not None:  # fp16 masters / ZeRO: through the engine's optimizer
+        local = {}
+        for name, st in payload["engine_state"].items():
+            tags = payload["partition"].get(name)
+            local[name] = {"step": st["step"]}
+            for key in ("master", *reshard_optim.KEYS):
+                t = _resize_vocab(st[key], trainer.padded_vocab) if _is_vocab_sized(name) else st[key]
+                local[name][key] = (_shard_master(t, tags[0], trainer.ps.tp_rank, trainer.ps.dims.tp, tags[1])
+                                    if tags else t).clone()
+        reshard_optim.write_state(trainer, local)
     trainer.iteration = payload["iteration"]
     trainer.consumed_samples = payload["consumed_samples"]
     if payload["lr_scheduler"] is not None:
@@ -128,12 +147,16 @@ def _worker(rank, world, payload_path: str, out_dir: str):
         for group, lr in zip(opt.param_groups, sched.get_last_lr()):  # the rate of the next step
             group["lr"] = lr
     tp_random.set_seed(cfg.train.seed + payload["iteration"])
+    cfg.precision = precision  # saved config = the source's ('auto' stays 'auto')
+    if trainer.is_rank0:
+        ckpt.atomic_write_text(trainer.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
     ckpt.save(trainer)
     return trainer.ps.rank
 
 
-def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | None = None) -> Path:
+def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | None = None, dp: int = 1) -> Path:
     run_dir, out = Path(run_dir), Path(out)
+    tag = tag or _model_files(run_dir, tag)[0]
     weights, cfg, meta = load_merged_state_dict(run_dir, tag)
     cfg.parallel.tensor, cfg.parallel.pipeline = tp, pp
     cfg.run.dir = str(out)
@@ -141,19 +164,31 @@ def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | N
     validate_static(cfg)  # TP must divide heads, PP <= layers, ...
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} exists and is not empty: choose a new directory")
-    moments = merge_optimizer_state(run_dir, tag, meta)
-    if moments is None:
-        logger.warning("optimizer state of %s is not per parameter (fp16 masters or ZeRO): only weights, schedule "
-                       "and data position are converted; Adam moments restart from zero", run_dir)
+    if dp < 1 or cfg.train.global_batch_size % (cfg.train.micro_batch_size * dp):
+        raise ConfigError(f"--dp {dp}: train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
+                          f"micro_batch_size x DP = {cfg.train.micro_batch_size} x {dp}")
+    moments = engine_state = None
+    out.mkdir(parents=True)
+    if reshard_optim.needs_engine(meta):
+        logger.info("%s holds %s / ZeRO-%d optimizer state: loading it with DeepSpeed (TP=%d PP=%d DP=%d)", run_dir,
+                    meta["dtype"], meta["config"]["parallel"]["zero_stage"],
+                    *(meta["parallel"][k] for k in ("tp", "pp", "dp")))
+        engine_state = reshard_optim.extract(run_dir, tag, meta, out / ".reshard_source")
+        weights.update({name: st["master"] for name, st in engine_state.items()})  # fp32 masters, not fp16 copies
+    else:
+        moments = merge_optimizer_state(run_dir, tag, meta)
+        if moments is None:
+            logger.warning("optimizer state of %s is not per parameter: only weights, schedule and data position "
+                           "are converted; Adam moments restart from zero", run_dir)
     src = _model_files(run_dir, tag)[1][0]
     source_state = safe_load.load(src)
-    out.mkdir(parents=True)
     payload_path = out / ".reshard_payload.pt"
-    torch.save({"config": cfg.to_dict(), "weights": weights, "moments": moments, "partition": meta["partition"],
+    torch.save({"config": cfg.to_dict(), "weights": weights, "moments": moments, "engine_state": engine_state,
+                "dtype": meta.get("dtype", "fp32"), "partition": meta["partition"],
                 "iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"],
                 "lr_scheduler": source_state.get("lr_scheduler")}, payload_path)
     try:
-        _spawn(tp * pp, str(payload_path), str(out))
+        _spawn(tp * pp * dp, str(payload_path), str(out))
     finally:
         payload_path.unlink(missing_ok=True)
     for name in ("metrics.jsonl",):
@@ -164,6 +199,15 @@ def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | N
 
 
 def _spawn(world: int, payload_path: str, out_dir: str) -> None:
+    _spawn_entry(_worker_entry, world, (payload_path, out_dir))
+
+
+def _worker_entry(payload_path: str, out_dir: str) -> None:
+    _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), payload_path, out_dir)
+
+
+def _spawn_entry(fn, world: int, args: tuple) -> None:
+    """Run ``fn(*args)`` in ``world`` spawned processes joined by a gloo process group."""
     import socket
 
     import torch.multiprocessing as mp
@@ -171,10 +215,10 @@ def _spawn(world: int, payload_path: str, out_dir: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_entry, args=(world, port, payload_path, out_dir), nprocs=world, start_method="spawn")
+    mp.start_processes(_entry, args=(world, port, fn, args), nprocs=world, start_method="spawn")
 
 
-def _entry(rank, world, port, payload_path, out_dir):
+def _entry(rank, world, port, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -183,7 +227,7 @@ def _entry(rank, world, port, payload_path, out_dir):
     logging.basicConfig(level=logging.WARNING)
     init_distributed("gloo")
     try:
-        _worker(rank, world, payload_path, out_dir)
+        fn(*args)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -194,12 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", required=True, help="run directory with checkpoints/latest")
     parser.add_argument("--tp", type=int, required=True, help="target tensor-parallel degree")
     parser.add_argument("--pp", type=int, default=1, help="target pipeline-parallel degree")
+    parser.add_argument("--dp", type=int, default=1, help="target data-parallel degree (matters for ZeRO-1)")
     parser.add_argument("--out", required=True, help="new run directory (must not exist or be empty)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", datefmt="%H:%M:%S")
     try:
-        reshard(args.checkpoint, args.tp, args.pp, args.out, args.tag)
+        reshard(args.checkpoint, args.tp, args.pp, args.out, args.tag, dp=args.dp)
     except (ConfigError, FileNotFoundError) as e:
         print(f"reshard error: {e}", file=sys.stderr)
         return 2

@@ -23,9 +23,11 @@ from training import init_from
 from training import run_lock
 from training import device as tdev
 from training import tracking
+from training import ds_compat
 from training.config import (Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype,
 )
-from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
+from training.cpu_peak import measure_cpu_peak_together
+from training.hardware import canonical_kind, detect_device_kind, peak_tflops
 from training.metrics import MetricsWriter, flops_per_iteration, progress_enabled
 from training.optim import build_optimizer
 from training.parallel import random as tp_random
@@ -107,6 +109,7 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
                                                     mpu=None if self.pipe else self.ps, config=self.ds_config,
                                                     dist_init_required=False)
+        ds_compat.undo_initial_zero_step(self.engine)  # fp16 at ZeRO-0: Adam starts at step 0, as in fp32
         if self.dp == 1 and not self.pipe and cfg.parallel.zero_stage == 0:
             # one replica: DeepSpeed would still flatten every gradient, all-reduce it with itself and
             # copy it back (~10% of a CPU step in benchmarks/bench_train_step.py)
@@ -121,6 +124,7 @@ class Trainer:
         self.consecutive_skipped = 0
         self.flops_per_step = flops_per_iteration(cfg, self.padded_vocab)  # GPT-2 or BERT count (model.arch)
         self.tokens_per_step = t.global_batch_size * self.task.tokens_per_sample
+        self.cpu_peak = None
         self.peak = self._peak_tflops()
         n_params = count_parameters(self.model, self.ps)  # collective under PP: every rank calls it
         if self.is_rank0:
@@ -135,13 +139,13 @@ class Trainer:
         if self.cfg.run.device_peak_tflops:
             return self.cfg.run.device_peak_tflops
         kind = self.cfg.run.device_kind or detect_device_kind()
-        peak = peak_tflops(kind, self.dtype)
-        if peak is None and kind == "cpu":
-            # measured dense matmul rate of this CPU in the training dtype, per process
-            threads = torch.get_num_threads()
-            peak = measure_cpu_peak_tflops(self.dtype)
-            logger.debug("measured CPU peak %.3f TFLOP/s with %d threads", peak, threads)
-        return peak
+        if canonical_kind(kind) == "cpu":
+            # measured dense matmul rate in the training dtype, all ranks at once (training/cpu_peak.py)
+            self.cpu_peak = measure_cpu_peak_together(self.dtype)
+            if self.is_rank0:
+                logger.info("%s", self.cpu_peak.describe())
+            return self.cpu_peak.tflops
+        return peak_tflops(kind, self.dtype)
 
     # ----------------------------------------------------------------------------------------------
     def _clip_fp32_gradients(self) -> None:
@@ -266,6 +270,8 @@ class Trainer:
             if lock is not None:
                 lock.release()
             raise
+        if self.cpu_peak is not None:
+            writer.event("cpu_peak", self.cpu_peak.as_dict(), self.iteration)
         bar = tqdm(total=cfg.train.iters, initial=self.iteration, desc="train", unit="it",
                    disable=not (self.is_rank0 and progress_enabled(cfg.train.progress_bar)), leave=False)
         last, vl = {}, None

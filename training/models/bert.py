@@ -56,7 +56,7 @@ class BertLayer(nn.Module):
         prefix = f"layers.{index}."
         self.pre_ln = cfg.layer_order == "pre_ln"
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.attn = ParallelSelfAttention(cfg, group, seed, prefix + "attn.", causal=False)
+        self.attn = ParallelSelfAttention(cfg, group, seed, prefix + "attn.", causal=False, layer_number=index + 1)
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.mlp = ParallelMLP(cfg, group, seed, prefix + "mlp.")
         self.dropout = cfg.hidden_dropout  # TP-replicated activations: default generator

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.config import ModelConfig
+from training.models.core_attention import core_attention
 from training.models.ops import causal_attention_with_dropout, dropout, dropout_add
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -41,9 +42,13 @@ def normal_init(seed: int, name: str, std: float):
 class ParallelSelfAttention(nn.Module):
     """Causal multi-head self-attention with heads split across TP ranks."""
 
-    def __init__(self, cfg: ModelConfig, group, seed: int, prefix: str, causal: bool = True):
+    def __init__(self, cfg: ModelConfig, group, seed: int, prefix: str, causal: bool = True, layer_number: int = 1):
         super().__init__()
         h, n = cfg.hidden_size, cfg.num_attention_heads
+        # Megatron's fp16 stabilisers (training/models/core_attention.py); off = SDPA below
+        self.layer_number = layer_number
+        self.qk_layer_scaling = cfg.apply_query_key_layer_scaling
+        self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
         self.head_dim = divide(h, n)
         self.local_heads = divide(n, group_size(group))
         self.causal = causal
@@ -61,7 +66,11 @@ class ParallelSelfAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         # Attention-probability dropout acts on TP-local heads: it uses the model-parallel stream.
         with tp_random.model_parallel_rng():
-            if p > 0.0 and self.causal and attn_mask is None and q.device.type == "cpu" and q.dtype == torch.float32:
+            if self.qk_layer_scaling or self.softmax_in_fp32:
+                y = core_attention(q, k, v, layer_number=self.layer_number,
+                                   query_key_layer_scaling=self.qk_layer_scaling, softmax_in_fp32=self.softmax_in_fp32,
+                                   causal=self.causal, attn_mask=attn_mask, dropout_p=p)  # [b, n/p, s, hn]
+            elif p > 0.0 and self.causal and attn_mask is None and q.device.type == "cpu" and q.dtype == torch.float32:
                 y = causal_attention_with_dropout(q, k, v, p)                  # [b, n/p, s, hn]
             else:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
@@ -100,7 +109,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         prefix = f"layers.{index}."
         self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.attn = ParallelSelfAttention(cfg, group, seed, prefix + "attn.")
+        self.attn = ParallelSelfAttention(cfg, group, seed, prefix + "attn.", layer_number=index + 1)
         self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
         self.mlp = ParallelMLP(cfg, group, seed, prefix + "mlp.")
         self.dropout = cfg.hidden_dropout  # TP-replicated activations: default generator

@@ -1,0 +1,196 @@
+"""fp32 master weights and Adam moments of fp16 and ZeRO-1 checkpoints, for ``training.reshard``.
+
+An fp32 run without ZeRO keeps Adam's state per model parameter, which ``training.reshard`` reads straight
+from the checkpoint files. fp16 runs keep fp32 *master* copies inside DeepSpeed's ``FP16_UnfusedOptimizer``
+(the fp16 weights are only their rounding) and ZeRO-1 keeps masters and moments as flat buffers
+partitioned over the data-parallel ranks. Rather than parse those private layouts, the checkpoint is
+loaded by DeepSpeed itself: the source layout (TP x PP x DP processes) is started, every rank builds the
+source engine and ``load_checkpoint``s, and each parameter's fp32 master, ``exp_avg``, ``exp_avg_sq`` and
+step are read through DeepSpeed's public accessors (``deepspeed.utils.safe_get_full_fp32_param`` /
+``safe_get_full_optimizer_state`` for ZeRO, which gather a parameter's DP fragments; the unfused fp16
+optimizer's ``fp32_groups`` and its torch optimizer's state otherwise). The TP shards are merged by their
+partition tags like the weights. On the target side :func:`write_state` puts them back the same way
+(``safe_set_full_*`` for ZeRO). DeepSpeed's universal checkpoint (``ds_to_universal``) was not used: it
+expects Megatron-DeepSpeed's ``UNIVERSAL_CHECKPOINT_INFO`` parameter patterns and pipeline ``layer_*``
+files, and does not cover the non-ZeRO fp16 optimizer, the paper's default.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from training.checkpoint import checkpoint_dir
+from training.config import config_from_dict
+
+logger = logging.getLogger("training.reshard")
+KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def needs_engine(meta: dict) -> bool:
+    """Whether the checkpoint's optimizer state is not per model parameter (fp16/bf16 masters or ZeRO)."""
+    return meta.get("dtype") in ("fp16", "bf16") or meta["config"]["parallel"]["zero_stage"] > 0
+
+
+def force_precision(cfg, dtype: str) -> None:
+    """Build engines in the checkpoint's dtype even on CPU ('auto' would pick fp32 there)."""
+    cfg.precision.dtype = dtype
+    if dtype == "fp16":
+        cfg.precision.allow_fp16_on_cpu = True
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading and writing one engine's state
+# --------------------------------------------------------------------------------------------------
+def _named(trainer) -> list[tuple[str, torch.nn.Parameter]]:
+    """(canonical name, parameter) in a fixed order, pipeline-tied copies left out."""
+    from training import checkpoint as ckpt
+
+    names = ckpt.canonical_names(trainer)
+    return [(names[n], p) for n, p in trainer.model.named_parameters()
+            if names[n] is not None and not getattr(p, "ds_pipe_replicated", False)]
+
+
+def _is_zero(opt) -> bool:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return isinstance(opt, DeepSpeedZeroOptimizer)
+
+
+def _unfused_masters(opt) -> dict[int, torch.Tensor] | None:
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if not isinstance(opt, FP16_UnfusedOptimizer):
+        return None
+    return {id(p): m for ps, ms in zip(opt.fp16_groups, opt.fp32_groups) for p, m in zip(ps, ms)}
+
+
+def _zero_link_state(opt) -> None:
+    """Make sure ZeRO's per-parameter views into the flat optimizer state exist (DeepSpeed links them only
+    after its first ``step()``)."""
+    opt._hp_optimizer_states_linked = False
+    opt._lazy_init_hp_params_optimizer_state()
+
+
+def read_state(trainer) -> dict[str, dict]:
+    """{name: {"master", "exp_avg", "exp_avg_sq", "step"}} of this rank's (TP-local) parameters, fp32.
+    Collective over the DP group under ZeRO: every rank calls it."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    opt = trainer.engine.optimizer
+    out: dict[str, dict] = {}
+    if _is_zero(opt):
+        _zero_link_state(opt)
+        flat = opt.single_partition_of_fp32_groups[0]
+        step = opt.optimizer.state[flat].get("step")
+        for name, p in _named(trainer):
+            out[name] = {"master": safe_get_full_fp32_param(p).float().clone(), "step": step}
+            for k in KEYS:
+                out[name][k] = safe_get_full_optimizer_state(p, k).float().clone()
+        return out
+    masters = _unfused_masters(opt)
+    inner = opt.optimizer if masters is not None else opt
+    for name, p in _named(trainer):
+        m = masters[id(p)] if masters is not None else p
+        st = inner.state.get(m, {})
+        out[name] = {"master": m.detach().float().clone(), "step": st.get("step")}
+        for k in KEYS:
+            out[name][k] = st[k].detach().float().clone() if k in st else torch.zeros_like(m, dtype=torch.float32)
+    return out
+
+
+def write_state(trainer, local: dict[str, dict]) -> None:
+    """Set masters (and the weights from them) and Adam moments of this rank's parameters from ``local``
+    ({name: TP-local fp32 tensors}, as :func:`read_state` returns)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    opt = trainer.engine.optimizer
+    named = _named(trainer)
+    with torch.no_grad():
+        for name, p in named:
+            p.copy_(local[name]["master"].to(p.dtype))
+        if _is_zero(opt):
+            step = next(iter(local.values()))["step"]
+            for flat in opt.single_partition_of_fp32_groups:
+                opt.optimizer.state[flat] = {
+                    "step": _step_tensor(step, flat.device),
+                    **{k: torch.zeros_like(flat) for k in KEYS}}
+            _zero_link_state(opt)
+            for name, p in named:
+                safe_set_full_fp32_param(p, local[name]["master"])
+                for k in KEYS:
+                    safe_set_full_optimizer_state(p, local[name][k], k)
+            return
+        masters = _unfused_masters(opt)
+        inner = opt.optimizer if masters is not None else opt
+        for name, p in named:
+            m = masters[id(p)] if masters is not None else p
+            m.copy_(local[name]["master"].to(m.dtype))
+            inner.state[m] = {"step": _step_tensor(local[name]["step"], m.device),
+                              **{k: local[name][k].to(m.dtype).clone() for k in KEYS}}
+
+
+def _step_tensor(step, device) -> torch.Tensor:
+    if step is None:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return step.detach().clone().to(device) if torch.is_tensor(step) else torch.tensor(float(step), device=device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Extraction from a checkpoint (spawns the source layout)
+# --------------------------------------------------------------------------------------------------
+def extract(run_dir: Path, tag: str, meta: dict, work_dir: Path) -> dict[str, dict]:
+    """Full (TP-merged) fp32 masters and moments of checkpoint ``run_dir``/``tag``, by parameter name."""
+    from training.reshard import _spawn_entry
+
+    par = meta["parallel"]
+    world = par["tp"] * par["pp"] * par["dp"]
+    work_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        _spawn_entry(_extract_worker, world, (str(run_dir), tag, str(work_dir)))
+        shards = [torch.load(work_dir / f"tp_{r}_pp_{s}.pt", map_location="cpu", weights_only=True)
+                  for r in range(par["tp"]) for s in range(par["pp"])]
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    by_tp: dict[str, list] = {}
+    for (r, s), shard in zip([(r, s) for r in range(par["tp"]) for s in range(par["pp"])], shards):
+        for name, st in shard.items():
+            by_tp.setdefault(name, [None] * par["tp"])[r] = st
+    merged = {}
+    for name, parts in by_tp.items():
+        tags = meta["partition"].get(name)
+        merged[name] = {"step": parts[0]["step"]}
+        for key in ("master", *KEYS):
+            tensors = [p[key] for p in parts]
+            if tags is None or len(tensors) == 1:
+                merged[name][key] = tensors[0]
+            else:
+                dim, stride = tags
+                pieces = [t.chunk(stride, dim) for t in tensors]
+                merged[name][key] = torch.cat([pieces[r][k] for k in range(stride) for r in range(len(tensors))], dim)
+    return merged
+
+
+def _extract_worker(run_dir: str, tag: str, work_dir: str) -> None:
+    from training.checkpoint import read_client_state
+    from training.trainer import Trainer
+
+    meta = read_client_state(run_dir, tag)
+    cfg = config_from_dict(meta["config"])
+    cfg.run.dir = str(Path(work_dir) / "engine")  # never write into the source run directory
+    cfg.train.exit_at = None
+    cfg.train.progress_bar = False
+    force_precision(cfg, meta["dtype"])
+    trainer = Trainer(cfg)
+    path, _ = trainer.engine.load_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load {checkpoint_dir(run_dir) / tag}")
+    state = read_state(trainer)
+    if trainer.ps.dp_rank == 0:
+        out = Path(work_dir) / f"tp_{trainer.ps.tp_rank}_pp_{trainer.ps.pp_rank}.pt"
+        tmp = out.with_name(f".{out.name}.{os.getpid()}")
+        torch.save(state, tmp)
+        os.replace(tmp, out)
