@@ -14,7 +14,6 @@ from data_pipeline.gpt_dataset import (
     GPTDataset,
     GPTDatasetError,
     build_gpt_datasets,
-    build_sample_idx,
     num_epochs_for,
     split_boundaries,
 )

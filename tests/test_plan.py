@@ -125,7 +125,7 @@ def test_paper_bert_sizes():
 
 def test_stage_params_tp_pp_split():
     s = plan.preset_shape("gpt2-8.3b", 8)
-    h, V, P, l = 3072, 51200, 1024, 72
+    h, V, P, _layers = 3072, 51200, 1024, 72
     per_layer = (12 * h * h + 3 * h + 4 * h) // 8 + 2 * h + 4 * h  # 12h^2 + 7h split, 6h replicated
     stages = plan.stage_params(s, 8, 4)
     assert stages[0] == 18 * per_layer + V * h // 8 + P * h

@@ -14,7 +14,6 @@ tensors and plain data, so the numpy RNG state is stored as a list rather than a
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil

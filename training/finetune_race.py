@@ -157,8 +157,6 @@ class RaceFinetuner:
 
     def __init__(self, cfg: Config, meta: dict):
         import deepspeed
-        import torch
-        import torch.distributed as dist
 
         from data_pipeline.tokenizer import load_tokenizer
         from evaluation.race_data import encode_questions, read_race_split

@@ -22,7 +22,6 @@ import logging
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import yaml
