@@ -194,7 +194,7 @@ def run_generate(args) -> None:
     if rt.pstate is not None and rt.pstate.dims.dp > 1:
         raise EvalError(f"generate runs one tensor-parallel replica: launch exactly --tp {args.tp} processes")
     model, tok = load_generator(args.checkpoint, rt.pstate.tp_group if rt.pstate is not None else None, str(rt.device))
-    out = generate(model, tok, prompts, opts, progress=not args.no_progress and rt.is_main)
+    out = generate(model, tok, prompts, opts, progress=progress_enabled(args.progress) and rt.is_main)
     if not rt.is_main:
         return
     for p, c in zip(prompts, out):

@@ -148,7 +148,8 @@ def _init_from_run(rank, world, overrides):
     batch = [b for b in trainer.task.micro_batches(0)]
     lr0 = trainer.engine.get_lr()[0]
     out = trainer.train()
-    return {"batch": batch, "loss": out["last"]["loss"], "lr0": lr0, "model": cfg.model.__dict__.copy(),
+    lr1 = trainer.engine.get_lr()[0]  # the rate of the next update
+    return {"batch": batch, "loss": out["last"]["loss"], "lr0": lr0, "lr1": lr1, "model": cfg.model.__dict__.copy(),
             "iteration": trainer.iteration}
 
 
@@ -170,7 +171,8 @@ def test_init_from_starts_a_tp2_run_from_imported_weights(source, imported, tmp_
     res = run_distributed(_init_from_run, 2, [f"{k}={v}" for k, v in ov.items()])[0]
     m = res["model"]
     assert (m["num_layers"], m["hidden_size"], m["activation"], m["vocab_size"]) == (3, 96, "gelu_new", V)
-    assert res["lr0"] == pytest.approx(1e-3 / 4) and res["iteration"] == 1  # fresh schedule: warmup step 1 of 4
+    # fresh schedule, Megatron's warmup (issue 15): the first update runs at lr 0, the next at 1/4 of the peak
+    assert res["lr0"] == 0.0 and res["lr1"] == pytest.approx(1e-3 / 4) and res["iteration"] == 1
     (tokens, labels), = res["batch"]
     hf = GPT2LMHeadModel.from_pretrained(str(source)).eval()
     with torch.no_grad():
