@@ -98,6 +98,7 @@ def test_second_training_run_into_a_locked_run_dir_is_refused(tmp_path):
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and f"is in use by another training run (pid {holder.pid}" in lines[0], res.stderr
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    assert not (run / "config.json").exists() and not (run / "ds_config.json").exists()  # nothing overwritten
 
 
 # ------------------------------------------------------------------------------------------- metrics

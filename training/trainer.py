@@ -128,9 +128,6 @@ class Trainer:
         self.peak = self._peak_tflops()
         n_params = count_parameters(self.model, self.ps)  # collective under PP: every rank calls it
         if self.is_rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt.atomic_write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
-            ckpt.atomic_write_text(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=2))
             logger.info("%r | dtype %s | padded vocab %d | parameters %s | grad accumulation %d",
                         self.ps, self.dtype, self.padded_vocab, f"{n_params:,}",
                         t.global_batch_size // (t.micro_batch_size * self.dp))
@@ -262,6 +259,9 @@ class Trainer:
         cfg = self.cfg
         lock = run_lock.acquire_for_rank0(self.run_dir, self.is_rank0)  # one run per run.dir (collective)
         try:
+            if self.is_rank0:  # only once the run directory is ours: a refused launch changes nothing in it
+                ckpt.atomic_write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+                ckpt.atomic_write_text(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=2))
             resumed = ckpt.load(self)
             writer = MetricsWriter(self.run_dir, cfg.train.iters, self.is_rank0,
                                    getattr(self.engine, "monitor", None),
