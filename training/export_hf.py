@@ -83,18 +83,24 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], num_layers: int, vocab_size: i
         raise ExportError(f"embedding has {wte.size(0)} rows but the vocabulary has {vocab_size} ids")
     out = {"transformer.wte.weight": wte[:vocab_size].clone(),
            "transformer.wpe.weight": get("embedding.position_embeddings.weight")}
+    for ours, theirs, transpose in gpt2_layer_names(num_layers):
+        out[theirs] = get(ours).t().contiguous() if transpose else get(ours)
+    return out
+
+
+def gpt2_layer_names(num_layers: int) -> list[tuple[str, str, bool]]:
+    """(our name, transformers' GPT-2 name, transposed?) for every tensor after the embeddings: the one
+    mapping export and :mod:`training.import_hf` both use (HF ``Conv1D`` stores ``[in, out]``)."""
+    names = []
     for i in range(num_layers):
         a, h = f"layers.{i}.", f"transformer.h.{i}."
         for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
-            out[h + theirs + ".weight"] = get(a + ours + ".weight")
-            out[h + theirs + ".bias"] = get(a + ours + ".bias")
+            names += [(a + ours + p, h + theirs + p, False) for p in (".weight", ".bias")]
         for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
                              ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            out[h + theirs + ".weight"] = get(a + ours + ".weight").t().contiguous()
-            out[h + theirs + ".bias"] = get(a + ours + ".bias")
-    out["transformer.ln_f.weight"] = get("final_ln.weight")
-    out["transformer.ln_f.bias"] = get("final_ln.bias")
-    return out
+            names += [(a + ours + ".weight", h + theirs + ".weight", True), (a + ours + ".bias", h + theirs + ".bias", False)]
+    names += [("final_ln" + p, "transformer.ln_f" + p, False) for p in (".weight", ".bias")]
+    return names
 
 
 def build_hf_model(sd: dict[str, torch.Tensor], model_cfg, vocab_size: int, eod: int | None):

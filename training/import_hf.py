@@ -140,17 +140,10 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], num_layers: int) -> dict[str
                             "imported (our GPT-2 ties them)")
     out = {"embedding.word_embeddings.weight": wte,
            "embedding.position_embeddings.weight": get("transformer.wpe.weight")}
-    for i in range(num_layers):
-        h, a = f"transformer.h.{i}.", f"layers.{i}."
-        for theirs, ours in (("ln_1", "ln1"), ("ln_2", "ln2")):
-            out[a + ours + ".weight"] = get(h + theirs + ".weight")
-            out[a + ours + ".bias"] = get(h + theirs + ".bias")
-        for theirs, ours in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"),
-                             ("mlp.c_fc", "mlp.fc"), ("mlp.c_proj", "mlp.proj")):
-            out[a + ours + ".weight"] = get(h + theirs + ".weight").t().contiguous()
-            out[a + ours + ".bias"] = get(h + theirs + ".bias")
-    out["final_ln.weight"] = get("transformer.ln_f.weight")
-    out["final_ln.bias"] = get("transformer.ln_f.bias")
+    from training.export_hf import gpt2_layer_names
+
+    for ours, theirs, transpose in gpt2_layer_names(num_layers):
+        out[ours] = get(theirs).t().contiguous() if transpose else get(theirs)
     return out
 
 
