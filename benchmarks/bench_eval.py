@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from training.process_env import configure  # noqa: E402
+from training.runtime.process_env import configure  # noqa: E402
 
 configure()  # THP_MEM_ALLOC_ENABLE before torch loads, as every entry point
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (vocab_json.is_file() and tokens.is_file()):
         raise SystemExit(f"error: needs {vocab_json} and {tokens} (../shared/data beside the repository)")
 
-    from data_pipeline.tokenizer import GPT2BPETokenizer
+    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
     from evaluation.detokenizer import wikitext_detokenizer
     from evaluation.scoring import LMScorer, gpt2_scorer
     from evaluation.wikitext import WindowPlan, read_tokens_file, score_stream

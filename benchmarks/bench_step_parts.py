@@ -26,7 +26,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from training.process_env import configure  # noqa: E402
+from training.runtime.process_env import configure  # noqa: E402
 
 configure()  # THP_MEM_ALLOC_ENABLE before torch loads, as every entry point
 
@@ -127,7 +127,7 @@ def step_gemms(b: int, s: int, h: int, n: int, layers: int, vocab: int) -> list[
 def bench_gemm_bound(args) -> None:
     """Seconds per step spent in GEMMs alone, shape by shape; MFU bound = step FLOPs / that / peak."""
     from training.config import padded_vocab_size
-    from training.hardware import measure_cpu_peak_tflops
+    from training.runtime.hardware import measure_cpu_peak_tflops
     from training.metrics import model_flops_per_iteration
 
     padded = padded_vocab_size(args.vocab, 128, 1)

@@ -36,7 +36,7 @@ from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from training.process_env import configure  # noqa: E402
+from training.runtime.process_env import configure  # noqa: E402
 
 configure()  # THP_MEM_ALLOC_ENABLE before torch loads, as every entry point
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

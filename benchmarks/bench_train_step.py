@@ -13,8 +13,8 @@ Repetitions are interleaved (ours, HF, matmul peak; rotated each repetition); ea
 times ``--steps`` steps after ``--warmup`` untimed ones. MFU = model FLOPs per step
 (``training.metrics.model_flops_per_iteration``, no recomputation counted) / step time / peak. On
 CPU the peak is the dense matmul FLOP/s measured in the same repetition
-(``training.hardware.measure_cpu_peak_tflops``); on a GPU it is the data-sheet dense peak of the
-dtype (``training.hardware``), and the measured large-matmul rate is reported beside it.
+(``training.runtime.hardware.measure_cpu_peak_tflops``); on a GPU it is the data-sheet dense peak of the
+dtype (``training.runtime.hardware``), and the measured large-matmul rate is reported beside it.
 
     .venv/bin/python benchmarks/bench_train_step.py --reps 5 --steps 2
     .venv/bin/python benchmarks/bench_train_step.py --profile 3        # torch.profiler tables instead
@@ -30,7 +30,7 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from training.process_env import configure  # noqa: E402
+from training.runtime.process_env import configure  # noqa: E402
 
 configure()  # THP_MEM_ALLOC_ENABLE before torch loads, as every entry point
 
@@ -102,7 +102,7 @@ def init_single_process(device: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_SIZE="1")
-    from training.distributed import init_distributed
+    from training.runtime.distributed import init_distributed
 
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
     from training.config import padded_vocab_size
-    from training.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
+    from training.runtime.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
     from training.metrics import model_flops_per_iteration
 
     if args.device == "cpu" and args.dtype == "fp16":
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         kind = detect_device_kind()
         sheet = peak_tflops(kind, args.dtype)
         if sheet is None:
-            raise SystemExit(f"no data-sheet {args.dtype} peak for device kind {kind!r} in training/hardware.py")
+            raise SystemExit(f"no data-sheet {args.dtype} peak for device kind {kind!r} in training/runtime/hardware.py")
         candidates["matmul"] = lambda: common.gpu_matmul_tflops(args.dtype)
         peak_what = f"data-sheet dense {args.dtype} peak of {kind}: {sheet:.1f} TFLOP/s"
     samples = common.interleaved(candidates, args.reps)
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
                                  "MFU % (per rep)", "MFU % best/best", *last], rows))
     if args.device == "cpu":
         print(f"\nTHP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')} (huge pages for large CPU "
-              f"allocations; set by training.process_env.configure(), override with THP_MEM_ALLOC_ENABLE=0)")
+              f"allocations; set by training.runtime.process_env.configure(), override with THP_MEM_ALLOC_ENABLE=0)")
     if "ours" in runners and "hf" in runners:
         speed = common.ratio_samples(samples["hf"], samples["ours"])
         line = f"\nSpeed-up ours/HF (HF step time / ours, per repetition): {speed.fmt('.3f')}"

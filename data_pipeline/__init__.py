@@ -17,8 +17,8 @@ from typing import Any
 def build(config: Any, overrides: list[str] | None = None, force: bool = False) -> Path:
     """Build the corpus described by ``config`` (a :class:`~data_pipeline.config.BuildConfig` or a
     YAML path) and return the output directory (which holds ``corpus.json``)."""
-    from .config import BuildConfig, load_config
-    from .stages import build as _build
+    from data_pipeline.config import BuildConfig, load_config
+    from data_pipeline.stages import build as _build
 
     cfg = config if isinstance(config, BuildConfig) else load_config(config, overrides)
     out, _ = _build(cfg, force=force)

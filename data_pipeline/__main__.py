@@ -13,11 +13,11 @@ import argparse
 import logging
 import sys
 
-from .config import ConfigError, load_config
-from .corpus import CorpusError
-from .indexed_dataset import IndexedDatasetError
-from .tokenizer import TokenizerError
-from .stages import STAGES, StageError, build, fingerprint, is_done, run_stage, summary_table
+from data_pipeline.config import ConfigError, load_config
+from megatron_ds_suite.core.corpus import CorpusError
+from megatron_ds_suite.core.indexed_dataset import IndexedDatasetError
+from megatron_ds_suite.core.tokenizer import TokenizerError
+from data_pipeline.stages import STAGES, StageError, build, fingerprint, is_done, run_stage, summary_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,14 +72,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:<10} {'done' if is_done(cfg, name) else 'to do':<6} {fingerprint(cfg, name)}")
             return 0
         if args.cmd == "dedup-worker":
-            from .distributed_dedup import run_dedup_worker
+            from data_pipeline.distributed_dedup import run_dedup_worker
 
             info = run_dedup_worker(cfg, args.shard, args.redis, args.barrier_timeout, args.edges_dir)
             print(f"shard {args.shard}: {info['signed']} documents inserted, {info['candidate_pairs']} candidate "
                   f"pairs, {info['edges']} verified edges; when every shard is done run `dedup-merge`")
             return 0
         if args.cmd == "dedup-merge":
-            from .distributed_dedup import run_clear, run_dedup_merge
+            from data_pipeline.distributed_dedup import run_clear, run_dedup_merge
 
             if args.clear_only:
                 print(f"deleted {run_clear(cfg, args.redis)} Redis keys of this run's index")
@@ -112,7 +112,7 @@ def _overlap(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    from .overlap import OverlapError, overlap_report, parse_against
+    from data_pipeline.overlap import OverlapError, overlap_report, parse_against
 
     try:
         if args.n < 1:
@@ -127,7 +127,7 @@ def _overlap(args: argparse.Namespace) -> int:
     for name, r in rep["sets"].items():
         print(f"  {name:<16} {r['ngrams']:>10,} {r['found']:>10,} {r['percent']:>10.2f}")
     if args.output:
-        from .store import atomic_write_json
+        from data_pipeline.store import atomic_write_json
 
         atomic_write_json(Path(args.output), rep)
     else:

@@ -62,8 +62,8 @@ import xxhash
 from datasketch import LeanMinHash, MinHash, MinHashLSH
 from datasketch.lsh import _optimal_param
 
-from .config import ConfigError
-from .store import DocStore, atomic_save_npy
+from data_pipeline.config import ConfigError
+from data_pipeline.store import DocStore, atomic_save_npy
 
 log = logging.getLogger(__name__)
 

@@ -45,12 +45,12 @@ from typing import Any
 import numpy as np
 from datasketch import LeanMinHash
 
-from . import dedup as dd
-from .config import BuildConfig, ConfigError
-from .report import StageTimer
-from .stages import (StageError, _begin, _dedup_result_keys, _digest, _finish, _require, dedup_specs, fingerprint,
+from data_pipeline import dedup as dd
+from data_pipeline.config import BuildConfig, ConfigError
+from data_pipeline.report import StageTimer
+from data_pipeline.stages import (StageError, _begin, _dedup_result_keys, _digest, _finish, _require, dedup_specs, fingerprint,
                      work_dir)
-from .store import DocStore, atomic_save_npy, atomic_write_json, read_json, write_jsonl_atomic
+from data_pipeline.store import DocStore, atomic_save_npy, atomic_write_json, read_json, write_jsonl_atomic
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .dedup import DedupResult
-from .store import DocStore, atomic_save_npy, atomic_write_json, reset_dir, shard_name
+from data_pipeline.dedup import DedupResult
+from data_pipeline.store import DocStore, atomic_save_npy, atomic_write_json, reset_dir, shard_name
 
 KEY = "blake2b-128 of the cleaned text's UTF-8 bytes"
 

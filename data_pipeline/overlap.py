@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .dedup import ShingleSpec, shingle_fingerprints_batch
+from data_pipeline.dedup import ShingleSpec, shingle_fingerprints_batch
 
 _WORD = re.compile(r"\w+")
 

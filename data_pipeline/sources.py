@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .config import BuildConfig, ConfigError, SourceConfig
+from data_pipeline.config import BuildConfig, ConfigError, SourceConfig
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ def read_hf(cfg: BuildConfig, src: SourceConfig, max_bytes: int) -> Iterator[Raw
 
 
 def read_default(max_bytes: int) -> Iterator[RawRecord]:
-    from .default_corpus import iter_default_corpus
+    from data_pipeline.default_corpus import iter_default_corpus
 
     for sid, text in iter_default_corpus():
         yield _check_text(sid, text, "text", max_bytes)

@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from .clean import clean_text
-from .config import BuildConfig, ConfigError
-from .report import StageTimer, peak_rss_mib, summary_table
-from .sources import REJECT_REASONS, RawRecord, input_fingerprint, iter_records
-from .store import (DocStore, ShardWriter, atomic_save_npy, atomic_write_json, done_shards, iter_shard,
+from data_pipeline.clean import clean_text
+from data_pipeline.config import BuildConfig, ConfigError
+from data_pipeline.report import StageTimer, peak_rss_mib, summary_table
+from data_pipeline.sources import REJECT_REASONS, RawRecord, input_fingerprint, iter_records
+from data_pipeline.store import (DocStore, ShardWriter, atomic_save_npy, atomic_write_json, done_shards, iter_shard,
                     read_json, reset_dir, shard_counts, shard_name, write_jsonl_atomic)
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
             bar.update(pending.pop(0).get()["read"])
 
     if cfg.executor == "ray":  # one Ray task per shard; same shard function, same files
-        from .ray_executor import ray_map
+        from data_pipeline.ray_executor import ray_map
 
         def ray_jobs() -> Iterator[tuple[str, int, list[RawRecord], int, bool, bool]]:
             for k, first, recs in _shards_of(iter_records(cfg), cfg.shard_size):
@@ -262,8 +262,8 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------- tokenizer
 def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
-    from .corpus import copy_tokenizer_files
-    from .tokenizer import GPT2BPETokenizer, SentencePieceTokenizer, train_sentencepiece
+    from megatron_ds_suite.core.corpus import copy_tokenizer_files
+    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer, train_sentencepiece
 
     timer = StageTimer("tokenizer")
     t = cfg.tokenizer
@@ -288,7 +288,7 @@ def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
     elif t.type == "sentencepiece_model":
         spec = copy_tokenizer_files(SentencePieceTokenizer(cfg.resolve(t.model_file or "")).spec(), cfg.out)
     elif t.type in ("wordpiece", "hf"):  # a BERT vocab.txt / a tokenizer.json users already have
-        from .hf_tokenizers import HFTokenizer, WordPieceTokenizer
+        from megatron_ds_suite.core.hf_tokenizers import HFTokenizer, WordPieceTokenizer
 
         tok = (WordPieceTokenizer(cfg.resolve(t.vocab_file or ""), t.lowercase) if t.type == "wordpiece"
                else HFTokenizer(cfg.resolve(t.model_file or "")))
@@ -301,7 +301,7 @@ def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
 
 
 def load_stage_tokenizer(cfg: BuildConfig) -> Any:
-    from .tokenizer import load_tokenizer
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
 
     return load_tokenizer(_require(cfg, "tokenizer")["spec"])
 
@@ -350,10 +350,10 @@ class TokenIds:
 
 def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) -> dict[str, Any]:
     src_s, dst_s, k, spec, min_tokens, count_eod, batch = args
-    from .tokenizer import load_tokenizer
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
 
-    from .exact_dedup import text_key
-    from .indexed_dataset import best_dtype
+    from data_pipeline.exact_dedup import text_key
+    from megatron_ds_suite.core.indexed_dataset import best_dtype
 
     tok = load_tokenizer(spec)
     writer = ShardWriter(Path(dst_s), k)
@@ -403,7 +403,7 @@ def run_filter(cfg: BuildConfig) -> dict[str, Any]:
              cfg.dataset.tokenize_batch) for k in todo]
     bar = _bar(cfg, desc="filter: count tokens", unit="doc")
     if cfg.executor == "ray":
-        from .ray_executor import ray_map
+        from data_pipeline.ray_executor import ray_map
 
         for info in ray_map(cfg, _filter_shard, jobs):
             bar.update(info["in"])
@@ -430,7 +430,7 @@ def run_filter(cfg: BuildConfig) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------- dedup
 def dedup_specs(cfg: BuildConfig) -> tuple[Any, Any]:
-    from .dedup import LshSpec, ShingleSpec, lsh_params
+    from data_pipeline.dedup import LshSpec, ShingleSpec, lsh_params
 
     d = cfg.dedup
     b, r = lsh_params(d.threshold, d.num_perm, d.bands, d.rows, d.lsh_weights)
@@ -438,7 +438,7 @@ def dedup_specs(cfg: BuildConfig) -> tuple[Any, Any]:
 
 
 def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
-    from . import dedup as dd
+    from data_pipeline import dedup as dd
 
     timer = StageTimer("dedup")
     _require(cfg, "filter")
@@ -483,12 +483,12 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
                     (folder / "sigs.npy").unlink(missing_ok=True)
                 return np.asarray(sorted(found), dtype=np.int64).reshape(-1, 2)
 
-        from . import exact_dedup as ex
+        from data_pipeline import exact_dedup as ex
 
         def fuzzy(st: DocStore, sdir: Path) -> Any:
             cand = candidates
             if cfg.executor == "ray":  # signature chunks and the LSH band shuffle as Ray tasks
-                from .ray_executor import band_shuffle_pairs, ray_sign_chunks
+                from data_pipeline.ray_executor import band_shuffle_pairs, ray_sign_chunks
 
                 ray_sign_chunks(cfg, st, sdir, lsh.num_perm, lsh.seed, shingle, d.chunk_size)
 
@@ -546,7 +546,7 @@ def document_row(rec: dict[str, Any]) -> dict[str, Any]:
 def _decontaminate(cfg: BuildConfig, store: DocStore, removed: set[int]) -> dict[int, list[str]]:
     """Store positions of documents kept by dedup that share a ``decontaminate.ngram``-gram with an
     evaluation set → the sets' names; written to ``contaminated.jsonl`` (always, empty when off)."""
-    from .overlap import contaminated_positions, load_eval_set
+    from data_pipeline.overlap import contaminated_positions, load_eval_set
 
     found: dict[int, list[str]] = {}
     if cfg.decontaminate.against:
@@ -564,9 +564,9 @@ def _decontaminate(cfg: BuildConfig, store: DocStore, removed: set[int]) -> dict
 
 
 def run_export(cfg: BuildConfig) -> dict[str, Any]:
-    from .corpus import write_manifest
-    from .indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
-    from .sentences import split_sentences
+    from megatron_ds_suite.core.corpus import write_manifest
+    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
+    from data_pipeline.sentences import split_sentences
 
     timer = StageTimer("export")
     ing = _require(cfg, "ingest")
@@ -723,7 +723,7 @@ def run_stage(cfg: BuildConfig, stage: str) -> dict[str, Any]:
 def build(cfg: BuildConfig, force: bool = False) -> tuple[Path, dict[str, Any]]:
     """Run every stage that is not finished for this config (all of them with ``force``)."""
     if cfg.executor == "ray":  # reach the cluster before any work
-        from .ray_executor import connect
+        from data_pipeline.ray_executor import connect
 
         connect(cfg)
     cfg.out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import ConfigError
+from data_pipeline.config import ConfigError
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -1,8 +1,8 @@
 import sys
 
-from training.process_env import configure
+from training.runtime.process_env import configure
 
-configure()  # before torch loads (see training/process_env.py)
+configure()  # before torch loads (see training/runtime/process_env.py)
 
 from evaluation.cli import main  # noqa: E402
 

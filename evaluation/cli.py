@@ -155,7 +155,7 @@ def run_lambada(args) -> None:
 def run_race(args) -> None:
     from evaluation.model import setup_runtime
     from evaluation.race import race_accuracy
-    from evaluation.race_data import encode_questions, read_race_split
+    from megatron_ds_suite.core.race import encode_questions, read_race_split
 
     questions, report = read_race_split(args.data, args.split)
     if not questions:

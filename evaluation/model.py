@@ -17,7 +17,7 @@ import torch.distributed as dist
 from evaluation.errors import EvalError
 from evaluation.scoring import gpt2_scorer
 from evaluation.tasks import DataParallel
-from training import device as tdev
+from training.runtime import device as tdev
 
 logger = logging.getLogger(__name__)
 

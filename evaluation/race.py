@@ -1,6 +1,6 @@
 """RACE accuracy from any multiple-choice scorer (Megatron ``tasks/eval_utils.py``).
 
-``score_fn(batch) -> logits [n, 4]`` receives :func:`evaluation.race_data.collate` batches
+``score_fn(batch) -> logits [n, 4]`` receives :func:`megatron_ds_suite.core.race.collate` batches
 (``text``, ``types``, ``padding_mask`` int64 [n, 4, L]); prediction = argmax of the 4 logits;
 accuracy = correct / total per level (middle, high) and overall, through the local
 ``race_accuracy`` metric.
@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from evaluation.metrics import load_metric
-from evaluation.race_data import NUM_CHOICES, collate
+from megatron_ds_suite.core.race import NUM_CHOICES, collate
 
 ScoreFn = Callable[[dict], torch.Tensor]
 

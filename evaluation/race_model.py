@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from evaluation.errors import EvalError
-from training import device as tdev
+from training.runtime import device as tdev
 
 
 def load_multiple_choice(run_dir: str | Path, rt):

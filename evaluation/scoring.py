@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from training import device as tdev
+from training.runtime import device as tdev
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """tokens [b, s] int64 -> logits [b, s, V_local] (any float dtype; this rank's vocabulary columns)."""

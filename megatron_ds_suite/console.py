@@ -1,7 +1,7 @@
 """Console commands (``[project.scripts]`` in pyproject.toml): each one prepares the process, then runs the
 same ``main()`` as ``python -m <module>``.
 
-The preparation (:func:`training.process_env.configure`) must happen before torch is imported, which is
+The preparation (:func:`training.runtime.process_env.configure`) must happen before torch is imported, which is
 why these are functions here and not the modules' own ``main``: importing the stage modules imports torch.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 def _run(module: str, func: str = "main", prepare: bool = True) -> None:
     if prepare:
-        from training.process_env import configure
+        from training.runtime.process_env import configure
 
         configure()
     main = getattr(importlib.import_module(module), func)
@@ -40,13 +40,13 @@ def evaluate() -> None:
 
 
 def export_hf() -> None:
-    """``megatron-ds-export-hf`` = ``python -m training.export_hf``."""
-    _run("training.export_hf")
+    """``megatron-ds-export-hf`` = ``python -m training.tools.export_hf``."""
+    _run("training.tools.export_hf")
 
 
 def reshard() -> None:
-    """``megatron-ds-reshard`` = ``python -m training.reshard``."""
-    _run("training.reshard")
+    """``megatron-ds-reshard`` = ``python -m training.tools.reshard``."""
+    _run("training.tools.reshard")
 
 
 def plan() -> None:

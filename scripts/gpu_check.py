@@ -191,7 +191,7 @@ def resume_equal(ctx: Context) -> tuple[bool, str]:
 
 def hf_export(ctx: Context) -> tuple[bool, str]:
     out = ctx.out / "hf_export"
-    ctx.run("hf_export", ["-m", "training.export_hf", "--checkpoint", str(ctx.out / "gpt2_tp1_pp1_fp16"), "--out",
+    ctx.run("hf_export", ["-m", "training.tools.export_hf", "--checkpoint", str(ctx.out / "gpt2_tp1_pp1_fp16"), "--out",
                           str(out), "--overwrite"], nproc=0)
     ctx.run("hf_export", [str(Path(__file__).resolve()), "--compare-hf", str(ctx.out / "gpt2_tp1_pp1_fp16"), str(out),
                           "--data", str(ctx.data)], nproc=0)
@@ -241,10 +241,10 @@ def prepare_bert_corpus(root: Path, data: Path) -> None:
     Botchan and Tiny Shakespeare, with an 8,000-piece BERT-flavoured sentencepiece vocabulary."""
     import numpy as np
 
-    from data_pipeline.corpus import write_manifest
-    from data_pipeline.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
+    from megatron_ds_suite.core.corpus import write_manifest
+    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
     from data_pipeline.sentences import split_sentences
-    from data_pipeline.tokenizer import train_sentencepiece
+    from megatron_ds_suite.core.tokenizer import train_sentencepiece
 
     docs = []
     for name in ("botchan.txt", "tinyshakespeare.txt"):
@@ -287,7 +287,7 @@ def bench_1p2b(out: Path, data: Path, steps: int = 8) -> None:
     import torch
 
     from training.config import load_config
-    from training.distributed import init_distributed
+    from training.runtime.distributed import init_distributed
     from training.trainer import Trainer
 
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")

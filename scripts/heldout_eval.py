@@ -4,7 +4,7 @@
         [--stride 0] [--batch-size 8] [--max-documents 0] [--json OUT] [--tp 1]
 
 Documents: the ``--part`` (test or valid) of Megatron's document split ``--split`` of the corpus's GPT
-indexed dataset (``data_pipeline.gpt_dataset.split_documents``, the split training used, so none of
+indexed dataset (``training.data.gpt_dataset.split_documents``, the split training used, so none of
 these documents was trained on). Their tokens (each document ends with the EOD the corpus builder
 appended) are concatenated in corpus order into one stream of N tokens and scored with the evaluation
 package's overlapping windows (``evaluation.wikitext.WindowPlan`` / ``score_stream``): window length
@@ -39,8 +39,8 @@ PARTS = {"train": 0, "valid": 1, "test": 2}
 
 def heldout_tokens(corpus_dir: str | Path, split: str, part: str, max_documents: int = 0) -> tuple[np.ndarray, int, int]:
     """(token stream int64 [N], documents used, documents in the part) of one split part."""
-    from data_pipeline.corpus import load_corpus
-    from data_pipeline.gpt_dataset import split_documents
+    from megatron_ds_suite.core.corpus import load_corpus
+    from training.data.gpt_dataset import split_documents
 
     corpus = load_corpus(corpus_dir)
     ds = corpus.gpt_dataset()
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens, n_docs, part_docs = heldout_tokens(args.corpus, args.split, args.part, args.max_documents)
         rt = setup_runtime(args.tp)
         scorer, cfg, tok = load_scorer(args.checkpoint, rt)
-        from data_pipeline.corpus import load_corpus
+        from megatron_ds_suite.core.corpus import load_corpus
 
         corpus_vocab = load_corpus(args.corpus).tokenizer.vocab_size
         if corpus_vocab != tok.vocab_size:

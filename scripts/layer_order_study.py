@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from training.bert_data import BertDataset, BertVocab, MaskingConfig, collate  # noqa: E402
+from training.data.bert_data import BertDataset, BertVocab, MaskingConfig, collate  # noqa: E402
 from training.config import ModelConfig, OptimizerConfig, padded_vocab_size  # noqa: E402
 from training.models.bert import BertModel, bert_loss  # noqa: E402
 from training.optim import lr_at, param_groups  # noqa: E402
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     depths = [int(x) for x in args.depths.split(",")]
     if any(d < 1 for d in depths) or args.hidden % args.heads:
         ap.error("depths must be >= 1 and --hidden divisible by --heads")
-    from data_pipeline.corpus import load_corpus
+    from megatron_ds_suite.core.corpus import load_corpus
     from tqdm import tqdm
 
     corpus_dir = (ROOT / args.corpus) if not Path(args.corpus).is_absolute() else Path(args.corpus)

@@ -235,7 +235,7 @@ def write_report(inp: ReportInputs) -> Path:
                               num(100 * mfu if mfu is not None else None, 2), num(th["step_time_s"], 4),
                               num(th["n"])]]), ""]
             peaks = [e for e in events if e.get("event") == "cpu_peak"]
-            if peaks:  # training/cpu_peak.py: all ranks measured together after a barrier
+            if peaks:  # training/runtime/cpu_peak.py: all ranks measured together after a barrier
                 pk = peaks[-1]
                 parts += [f"MFU's CPU peak: {pk['tflops']:.4f} TFLOP/s per rank ({pk['dtype']}; {pk['ranks']} rank(s) "
                           f"x {pk['threads']} thread(s) measuring together for {pk['seconds']:.1f} s after a barrier; "

@@ -12,10 +12,10 @@ Here the real numbers stay on the CPU, but each tensor carries the device the co
   Inside autograd's backward pass, gradients are made by C++ and carry no tag; there the checks are
   off and tags only propagate (backward placement follows the forward's by construction).
 * :func:`patched_accelerator` makes DeepSpeed's (CPU) accelerator report ``cuda``, so the engine and
-  :func:`training.device.local_device` place the model on ``cuda:LOCAL_RANK`` -- emulated.
+  :func:`training.runtime.device.local_device` place the model on ``cuda:LOCAL_RANK`` -- emulated.
 * :class:`CollectiveGuard` wraps ``torch.distributed`` and ``deepspeed.comm`` collectives and checks
   that every tensor operand is on the device the code claims is the engine's
-  (:func:`training.device.local_device`), recording each violation with its caller (the run goes on, so
+  (:func:`training.runtime.device.local_device`), recording each violation with its caller (the run goes on, so
   one run lists them all); it counts what it checked so a test can show it ran.
 """
 from __future__ import annotations
@@ -275,7 +275,7 @@ class CollectiveGuard:
 @contextlib.contextmanager
 def emulated_cuda_run(index: int):
     """Accelerator reporting ``cuda:index``, emulated placement, and the collective guard, together."""
-    from training.device import local_device
+    from training.runtime.device import local_device
 
     with patched_accelerator(index), CollectiveGuard(local_device) as guard, EmulatedCuda(index) as mode:
         yield guard, mode

@@ -33,7 +33,7 @@ def _worker(rank, world_size, port, fn, args, queue):
     torch.set_num_threads(1)
     try:
         # DeepSpeed's comm layer wraps torch.distributed (its checkpointing RNG and engine need it)
-        from training.distributed import init_distributed
+        from training.runtime.distributed import init_distributed
 
         init_distributed("gloo")
         result = fn(rank, world_size, *args)

@@ -5,7 +5,7 @@
 Model parameters become fake ``cuda:0`` tensors; the real data loaders (GPT sampler, BERT dataset,
 RACE files, WikiText windows, LAMBADA examples) feed each task's forward + loss, the validation
 reduction, the parameter count, the grad norm and the evaluation scorers. The project's one batch
-mover, ``training.device.to_device``, is replaced by one that makes fake CUDA copies (a CPU torch
+mover, ``training.runtime.device.to_device``, is replaced by one that makes fake CUDA copies (a CPU torch
 cannot ``.to("cuda")``), so a path that skips the mover hands a host tensor to a fake CUDA one and
 ``FakeTensorDeviceMismatchError`` is raised. ``--skip-move`` replaces the mover by one that moves
 nothing: the control that shows the checks can fail; ``--with-control`` runs both, one after the other.
@@ -102,7 +102,7 @@ def fake_cuda(build) -> torch.nn.Module:
 
 
 def fake_to_device(batch, device):
-    """The stand-in for ``training.device.to_device``: a fake copy of every tensor on ``device``."""
+    """The stand-in for ``training.runtime.device.to_device``: a fake copy of every tensor on ``device``."""
     if isinstance(batch, torch.Tensor):
         return torch.empty_strided(batch.shape, batch.stride(), dtype=batch.dtype, device=device)
     if isinstance(batch, dict):
@@ -195,7 +195,7 @@ class Setup:
     def __init__(self, work: Path):
         from training.config import padded_vocab_size
         from training.parallel.state import ParallelState
-        from training.tasks import GPTTask
+        from training.tasks.gpt import GPTTask
 
         self.work = work
         self.ps = ParallelState(tp=1)
@@ -214,9 +214,9 @@ class Setup:
     def bert(self):
         """(BertTask with data, RACE dev samples) over a small sentence-level corpus of Botchan."""
         if self._bert is None:
-            from evaluation.race_data import encode_questions, read_race_split
+            from megatron_ds_suite.core.race import encode_questions, read_race_split
             from tests.test_bert_race import _botchan_docs, _write_corpus
-            from training.bert_task import BertTask
+            from training.tasks.bert import BertTask
             from training.config import config_from_dict
 
             root = self.work / "bert_corpus"
@@ -244,7 +244,7 @@ def check_gpt_task_loss(s: Setup) -> None:
 
 def check_gpt_pipe_forward(s: Setup) -> None:
     """The pipeline's layers on batches moved as the trainer moves them for ``train_batch``."""
-    from training import device as tdev
+    from training.runtime import device as tdev
     from training.models.gpt2_pipe import build_gpt2_pipe
 
     pipe = fake_cuda(lambda: build_gpt2_pipe(s.gpt_cfg.model, s.padded, s.ps, seed=1))
@@ -296,7 +296,7 @@ def check_grad_norm(s: Setup) -> None:
 def check_bert_task_loss(s: Setup) -> None:
     """BertTask.loss up to ``bert_loss``, which reads the parts' values for logging (fake tensors have
     none): there a stand-in checks that the MLM loss, SOP logits and SOP labels are all on CUDA."""
-    import training.bert_task as bt
+    import training.tasks.bert as bt
 
     task, cfg, tok, _ = s.bert()
     model = fake_cuda(lambda: task.build_model(s.bert_padded(tok)))
@@ -320,7 +320,7 @@ def check_bert_task_loss(s: Setup) -> None:
 
 
 def check_race_finetune_forward_and_accuracy_reduction(s: Setup) -> None:
-    from evaluation.race_data import collate
+    from megatron_ds_suite.core.race import collate
     from training.finetune_race import RaceFinetuner
     from training.models.bert import BertMultipleChoice
 
@@ -334,7 +334,7 @@ def check_race_finetune_forward_and_accuracy_reduction(s: Setup) -> None:
 
 
 def check_race_scorer(s: Setup) -> None:
-    from evaluation.race_data import collate
+    from megatron_ds_suite.core.race import collate
     from evaluation.race_model import multiple_choice_logits
     from training.models.bert import BertMultipleChoice
 
@@ -410,7 +410,7 @@ CHECKS = [check_gpt_task_loss, check_gpt_pipe_forward, check_trainer_validation_
 def run_checks(s: Setup, control: bool) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from training import device as tdev
+    from training.runtime import device as tdev
 
     tdev.to_device = no_move if control else fake_to_device
     for check in CHECKS:
@@ -426,7 +426,7 @@ def run_checks(s: Setup, control: bool) -> None:
 
 def main(argv: list[str]) -> int:
     from tests.distributed import free_port
-    from training.distributed import init_distributed
+    from training.runtime.distributed import init_distributed
 
     work = Path(argv[0])
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -26,9 +26,9 @@ def _need(p: Path) -> Path:
 
 def _write_corpus(root: Path, docs: list[list[str]], flavor: str = "bert", bert: bool = True):
     """A corpus directory (manifest + tokenizer + sentence-level dataset) like `python -m data_pipeline build`."""
-    from data_pipeline.corpus import write_manifest
-    from data_pipeline.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
-    from data_pipeline.tokenizer import train_sentencepiece
+    from megatron_ds_suite.core.corpus import write_manifest
+    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
+    from megatron_ds_suite.core.tokenizer import train_sentencepiece
 
     texts = [" ".join(d) for d in docs]
     race_text = [json.loads(line)["article"] for f in sorted(_need(RACE).glob("*/*/*.txt"))
@@ -58,7 +58,7 @@ def bert_corpus(tmp_path_factory):
 
 # --------------------------------------------------------------------------------------------------
 def test_real_race_files_encode_for_bert(bert_corpus):
-    from evaluation.race_data import clean_text, encode_questions, read_race_split
+    from megatron_ds_suite.core.race import clean_text, encode_questions, read_race_split
 
     _, tok = bert_corpus
     qs, report = read_race_split(_need(RACE), "dev")
@@ -85,7 +85,7 @@ def test_real_race_files_encode_for_bert(bert_corpus):
 
 
 def test_finetuning_a_tiny_model_lowers_the_loss(bert_corpus):
-    from evaluation.race_data import collate, encode_questions, read_race_split
+    from megatron_ds_suite.core.race import collate, encode_questions, read_race_split
     from training.config import ModelConfig
     from training.models.bert import BertMultipleChoice
 
@@ -152,7 +152,7 @@ def _e2e_worker(rank, world, corpus, pre_dir, ft_dir):
 
 def test_pretrain_tp2_then_finetune_tp2_then_score_tp1(bert_corpus, tmp_path):
     from evaluation.race import race_accuracy
-    from evaluation.race_data import encode_questions, read_race_split
+    from megatron_ds_suite.core.race import encode_questions, read_race_split
     from training.checkpoint import load_model_for_eval
 
     corpus, _ = bert_corpus
@@ -207,7 +207,7 @@ def test_pretrain_tp2_then_finetune_tp2_then_score_tp1(bert_corpus, tmp_path):
 
 # --------------------------------------------------------------------------------------------------
 def test_bad_bert_data_fails_at_once_with_a_clear_message(tmp_path):
-    from training.bert_task import BertTask
+    from training.tasks.bert import BertTask
     from training.config import ConfigError
 
     docs = _botchan_docs()[:20]

@@ -17,7 +17,7 @@ SPEC = {"kind": "gpt2_bpe", "vocab_file": str(GPT2 / "gpt2-vocab.json"), "merges
 
 @pytest.mark.parametrize("weights", [[0.3, 0.7], [0.2, 0.5, 0.3], [0.01, 0.99]])
 def test_blend_order_keeps_every_prefix_within_one_sample_of_its_weight(weights):
-    from training.blending import blend_order
+    from training.data.blending import blend_order
 
     n = 10_000
     d, k = blend_order(weights, n)
@@ -35,8 +35,8 @@ def test_blend_order_keeps_every_prefix_within_one_sample_of_its_weight(weights)
 def prefixes(tmp_path_factory):
     if not (GPT2.is_dir() and (DATA / "corpus" / "botchan.txt").is_file()):
         pytest.skip("../shared/data absent")
-    from data_pipeline.tokenizer import load_tokenizer
-    from training.data import tokenize_text_files
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
+    from training.data.loader import tokenize_text_files
 
     tok = load_tokenizer(SPEC)
     d = tmp_path_factory.mktemp("prefixes")
@@ -56,8 +56,8 @@ def _cfg(tmp_path, prefixes, extra=()):
 
 
 def test_blended_training_data_draws_by_weight_and_resumes(prefixes, tmp_path):
-    from data_pipeline.gpt_dataset import build_gpt_datasets
-    from training.data import BatchSampler, build_datasets, resolve_sources
+    from training.data.gpt_dataset import build_gpt_datasets
+    from training.data.loader import BatchSampler, build_datasets, resolve_sources
 
     cfg = _cfg(tmp_path, prefixes)
     src = resolve_sources(cfg)
@@ -82,7 +82,7 @@ def test_blended_training_data_draws_by_weight_and_resumes(prefixes, tmp_path):
 
 def test_bad_prefixes_fail_with_one_clear_line(prefixes, tmp_path):
     from training.config import ConfigError
-    from training.data import build_datasets, resolve_sources
+    from training.data.loader import build_datasets, resolve_sources
 
     with pytest.raises(ConfigError, match=r"data.prefixes\[1\]: .*nope.bin does not exist"):
         resolve_sources(_cfg(tmp_path, [prefixes[0], str(tmp_path / "nope")]))
@@ -96,7 +96,7 @@ def test_bad_prefixes_fail_with_one_clear_line(prefixes, tmp_path):
         resolve_sources(bad)
     small = _cfg(tmp_path, prefixes)  # a tokenizer with fewer ids than the data uses
     spm = DATA / "corpus" / "botchan.txt"
-    from data_pipeline.tokenizer import train_sentencepiece
+    from megatron_ds_suite.core.tokenizer import train_sentencepiece
 
     tok = train_sentencepiece([spm.read_text(encoding="utf-8")], tmp_path / "spm", 400, "gpt")
     small.data.tokenizer = {"kind": "sentencepiece", "model_file": str(tok.model_file)}

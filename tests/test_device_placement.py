@@ -76,8 +76,8 @@ def _gpt_overrides(run_dir: Path) -> list[str]:
 
 
 def _race_samples(tok_spec: dict):
-    from data_pipeline.tokenizer import load_tokenizer
-    from evaluation.race_data import encode_questions, read_race_split
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
+    from megatron_ds_suite.core.race import encode_questions, read_race_split
 
     qs, _ = read_race_split(RACE, "dev")
     return encode_questions(qs, load_tokenizer(tok_spec), 48)
@@ -114,7 +114,7 @@ def _guarded_eval(rank, run_dir, race_tok):
     from evaluation.model import load_scorer, setup_runtime
     from evaluation.tasks import lambada_eval, wikitext_eval
     from evaluation.wikitext import first_lines
-    from training import device as tdev
+    from training.runtime import device as tdev
     from training.finetune_race import RaceFinetuner
     from training.models.bert import BertMultipleChoice
 
@@ -138,7 +138,7 @@ def _guarded_eval(rank, run_dir, race_tok):
 
 @pytest.fixture(scope="module")
 def race_tokenizer(tmp_path_factory):
-    from data_pipeline.tokenizer import train_sentencepiece
+    from megatron_ds_suite.core.tokenizer import train_sentencepiece
 
     texts = [json.loads(line)["article"] for f in sorted(RACE.glob("*/*/*.txt"))
              for line in f.read_text().splitlines() if line.strip()]

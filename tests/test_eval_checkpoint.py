@@ -48,7 +48,7 @@ def test_export_loads_in_transformers_with_equal_logits(runs, tp, tmp_path):
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
     from training.checkpoint import load_model_for_eval
-    from training.export_hf import main
+    from training.tools.export_hf import main
 
     assert main(["--checkpoint", str(runs[tp]), "--out", str(tmp_path / "hf")]) == 0
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
@@ -68,7 +68,7 @@ def test_cli_wikitext_and_lambada(runs, tmp_path, capsys):
     from transformers import GPT2LMHeadModel
 
     from evaluation.cli import main
-    from training.export_hf import export
+    from training.tools.export_hf import export
 
     raw = WT.read_text(encoding="utf-8")[:1200]
     (tmp_path / "small.tokens").write_text(raw, encoding="utf-8")
@@ -79,7 +79,7 @@ def test_cli_wikitext_and_lambada(runs, tmp_path, capsys):
     # brute force with the exported HF model: every target once, window of L=32 ending at it, stride 8
     export(runs[2], tmp_path / "hf")
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
-    from data_pipeline.tokenizer import GPT2BPETokenizer
+    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
     from evaluation.detokenizer import wikitext_detokenizer
 
     tok = GPT2BPETokenizer(GPT2 / "gpt2-vocab.json", GPT2 / "gpt2-merges.txt")

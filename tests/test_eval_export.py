@@ -22,7 +22,7 @@ def _cfg(vocab=300):
 def test_hf_model_logits_equal_ours(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    from training.export_hf import build_hf_model
+    from training.tools.export_hf import build_hf_model
     from training.models.gpt2 import GPT2Model
 
     cfg = _cfg()

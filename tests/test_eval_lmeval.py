@@ -1,6 +1,6 @@
 """Our strict LAMBADA scoring equals lm-evaluation-harness ``lambada_openai`` on an exported checkpoint.
 
-A tiny GPT-2 is trained 2 steps (TP=1), exported with ``training.export_hf`` and scored on the first
+A tiny GPT-2 is trained 2 steps (TP=1), exported with ``training.tools.export_hf`` and scored on the first
 ``K`` lines of the real ``lambada_test.jsonl`` (the file lm-eval pins by sha256) twice:
 
 * ours: ``python -m evaluation lambada --strict`` (CLI, for the totals) and ``build_examples`` +
@@ -51,7 +51,7 @@ def _train(rank, world, overrides):
 def exported(tmp_path_factory):
     if not (LAMBADA.is_file() and BOTCHAN.is_file() and GPT2.is_dir()):
         pytest.skip("../shared/data (lambada_test.jsonl, botchan.txt, gpt2 tokenizer) absent")
-    from training.export_hf import export
+    from training.tools.export_hf import export
 
     spec = {"kind": "gpt2_bpe", "vocab_file": str((GPT2 / "gpt2-vocab.json").resolve()),
             "merges_file": str((GPT2 / "gpt2-merges.txt").resolve())}
@@ -144,16 +144,16 @@ def test_lambada_strict_equals_lm_eval_lambada_openai(exported, tmp_path, monkey
 @pytest.fixture(scope="module")
 def exported_sentencepiece(tmp_path_factory):
     """The main job's kind of run: a GPT-2 with a SentencePiece BPE (gpt flavour) tokenizer trained on the
-    corpus. Random weights (std 0.2, written with training.import_hf's checkpoint writer) instead of
+    corpus. Random weights (std 0.2, written with training.tools.import_hf's checkpoint writer) instead of
     training keep it cheap: the comparison is of the two scorers and the exported tokenizer."""
     if not (LAMBADA.is_file() and BOTCHAN.is_file()):
         pytest.skip("../shared/data (lambada_test.jsonl, botchan.txt) absent")
     import shutil
 
-    from data_pipeline.tokenizer import train_sentencepiece
+    from megatron_ds_suite.core.tokenizer import train_sentencepiece
     from training.config import Config, ModelConfig, padded_vocab_size
-    from training.export_hf import export
-    from training.import_hf import write_checkpoint
+    from training.tools.export_hf import export
+    from training.tools.import_hf import write_checkpoint
     from training.models.gpt2 import GPT2Model
 
     root = tmp_path_factory.mktemp("lmeval_spm")

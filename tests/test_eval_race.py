@@ -11,7 +11,7 @@ import torch
 
 from evaluation.errors import EvalError
 from evaluation.race import race_accuracy
-from evaluation.race_data import (SPLITS, clean_text, encode_question, encode_questions, read_race_dir,
+from megatron_ds_suite.core.race import (SPLITS, clean_text, encode_question, encode_questions, read_race_dir,
                                   read_race_split)
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -33,7 +33,7 @@ def all_questions():
 @pytest.fixture(scope="module")
 def bert_tok(tmp_path_factory, all_questions):
     """A real BERT-flavour (WordPiece-like) SentencePiece vocabulary trained on the RACE text itself."""
-    from data_pipeline.tokenizer import train_sentencepiece
+    from megatron_ds_suite.core.tokenizer import train_sentencepiece
 
     texts = sorted({q.article for qs in all_questions.values() for q in qs})
     return train_sentencepiece(texts, tmp_path_factory.mktemp("sp") / "race", 600, flavor="bert", lowercase=True)

@@ -28,7 +28,7 @@ def _need(p: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def gpt2_tok():
-    from data_pipeline.tokenizer import GPT2BPETokenizer
+    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
 
     _need(GPT2)
     return GPT2BPETokenizer(GPT2 / "gpt2-vocab.json", GPT2 / "gpt2-merges.txt")

@@ -28,9 +28,9 @@ BOTCHAN = ROOT / ".." / "shared" / "data" / "corpus" / "botchan.txt"
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Sentence-level BERT corpus of Botchan's first 1,500 lines (documents of 30 lines), spm vocab 1000."""
-    from data_pipeline.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder, best_dtype
+    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder, best_dtype
     from data_pipeline.sentences import split_sentences
-    from data_pipeline.tokenizer import train_sentencepiece
+    from megatron_ds_suite.core.tokenizer import train_sentencepiece
 
     if not BOTCHAN.is_file():
         pytest.skip(f"shared data {BOTCHAN} is absent")
@@ -55,8 +55,8 @@ def _count(run) -> tuple[int, int]:
 
 
 def test_bert_flops_match_flop_counter(corpus):
-    from training.bert_data import BertDataset, BertVocab, collate
-    from training.bert_task import masking_config
+    from training.data.bert_data import BertDataset, BertVocab, collate
+    from training.tasks.bert import masking_config
     from training.models.bert import BertModel, bert_loss
 
     tok, indexed = corpus

@@ -3,7 +3,7 @@
 Against an fp32 engine on the same weights and batch: gradients after ``engine.backward`` are the fp32
 gradients times the loss scale, and one optimizer step moves the (fp32 master) weights as far as the fp32
 step, up to DeepSpeed's zero-gradient Adam step at construction (explained below). Without
-``training.ds_compat`` DeepSpeed 0.19 leaves the gradients unscaled (and ``step()`` divides them by the
+``training.runtime.ds_compat`` DeepSpeed 0.19 leaves the gradients unscaled (and ``step()`` divides them by the
 scale): the gradient check fails by a factor 4096.
 """
 from __future__ import annotations

@@ -112,7 +112,7 @@ def _scales(run_dir) -> list[float]:
 
 
 def _peak(rank, world, seconds):
-    from training.cpu_peak import measure_cpu_peak_together
+    from training.runtime.cpu_peak import measure_cpu_peak_together
 
     return measure_cpu_peak_together("fp32", seconds=seconds, n=256)
 

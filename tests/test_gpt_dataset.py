@@ -9,16 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline.corpus import CorpusError, copy_tokenizer_files, load_corpus, write_manifest
-from data_pipeline.gpt_dataset import (
+from megatron_ds_suite.core.corpus import CorpusError, copy_tokenizer_files, load_corpus, write_manifest
+from training.data.gpt_dataset import (
     GPTDataset,
     GPTDatasetError,
     build_gpt_datasets,
     num_epochs_for,
     split_boundaries,
 )
-from data_pipeline.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
-from data_pipeline.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
+from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
 EOD = 999
 
@@ -229,7 +229,7 @@ def test_zero_token_split_and_bad_requests(tmp_path: Path) -> None:
 
 def test_bert_layout_split_follows_documents(tmp_path: Path) -> None:
     """With one item per sentence, splits are contiguous document ranges expanded to their sentences."""
-    from data_pipeline.gpt_dataset import split_documents
+    from training.data.gpt_dataset import split_documents
 
     with MMapIndexedDatasetBuilder(tmp_path / "s", np.uint16) as b:
         for k in range(10):

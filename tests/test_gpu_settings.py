@@ -8,8 +8,8 @@ from collections import namedtuple
 import pytest
 import torch
 
-from training import device as tdev
-from training.gpu_settings import DeviceSettings, settings_for
+from training.runtime import device as tdev
+from training.runtime.gpu_settings import DeviceSettings, settings_for
 
 
 def test_cuda_fp16_gets_deepspeeds_fused_adam_nccl_set_device_and_causal_sdpa():

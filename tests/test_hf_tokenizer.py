@@ -1,4 +1,4 @@
-"""training.hf_tokenizer: the main job's tokenizer kind (SentencePiece BPE, gpt flavour) and GPT-2 BPE written
+"""training.tools.hf_tokenizer: the main job's tokenizer kind (SentencePiece BPE, gpt flavour) and GPT-2 BPE written
 as tokenizer.json that AutoTokenizer loads with ids identical to ours on real text; other models refused."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _real_texts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def spm_models(tmp_path_factory):
-    from data_pipeline.tokenizer import train_sentencepiece
+    from megatron_ds_suite.core.tokenizer import train_sentencepiece
 
     bot = DATA / "corpus" / "botchan.txt"
     if not bot.is_file():
@@ -42,7 +42,7 @@ def spm_models(tmp_path_factory):
 def test_sentencepiece_bpe_tokenizer_json_gives_our_ids_on_real_text(spm_models, tmp_path):
     from transformers import AutoTokenizer
 
-    from training.hf_tokenizer import save_hf_tokenizer
+    from training.tools.hf_tokenizer import save_hf_tokenizer
 
     ours = spm_models["bpe"]
     save_hf_tokenizer(ours, tmp_path / "tok", 1024)
@@ -62,8 +62,8 @@ def test_sentencepiece_bpe_tokenizer_json_gives_our_ids_on_real_text(spm_models,
 def test_gpt2_bpe_tokenizer_json_gives_our_ids(tmp_path):
     from transformers import AutoTokenizer
 
-    from data_pipeline.tokenizer import GPT2BPETokenizer
-    from training.hf_tokenizer import save_hf_tokenizer
+    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
+    from training.tools.hf_tokenizer import save_hf_tokenizer
 
     g = DATA / "tokenizers" / "gpt2"
     ours = GPT2BPETokenizer(g / "gpt2-vocab.json", g / "gpt2-merges.txt")
@@ -74,7 +74,7 @@ def test_gpt2_bpe_tokenizer_json_gives_our_ids(tmp_path):
 
 
 def test_models_that_would_change_ids_are_refused(spm_models, tmp_path):
-    from training.hf_tokenizer import TokenizerExportError, save_hf_tokenizer
+    from training.tools.hf_tokenizer import TokenizerExportError, save_hf_tokenizer
 
     with pytest.raises(TokenizerExportError, match="not a SentencePiece BPE model"):
         save_hf_tokenizer(spm_models["unigram"], tmp_path / "u", 64)

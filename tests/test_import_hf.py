@@ -1,4 +1,4 @@
-"""training.import_hf: a random transformers GPT-2 of an odd shape becomes our checkpoint at TP=1, TP=2 and
+"""training.tools.import_hf: a random transformers GPT-2 of an odd shape becomes our checkpoint at TP=1, TP=2 and
 PP=2 with logits equal to transformers', export(import(x)) == x, and train.init_from starts a run from it."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def source(random_gpt2):
 
 @pytest.fixture(scope="module")
 def imported(random_gpt2, tmp_path_factory):
-    from training.import_hf import import_hf
+    from training.tools.import_hf import import_hf
 
     src, tp1 = random_gpt2
     root = tmp_path_factory.mktemp("imported")
@@ -96,7 +96,7 @@ def test_export_of_import_equals_source(source, imported, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from training.export_hf import export
+    from training.tools.export_hf import export
 
     out = export(imported[(2, 1)], tmp_path / "back")
     a, b = load_file(str(source / "model.safetensors")), load_file(str(out / "model.safetensors"))
@@ -114,14 +114,14 @@ def test_export_of_import_equals_source(source, imported, tmp_path):
 
 def test_bad_inputs_fail_with_one_line(source, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
-    cmd = [sys.executable, "-m", "training.import_hf", "--model", "gpt2", "--out", str(tmp_path / "x")]
+    cmd = [sys.executable, "-m", "training.tools.import_hf", "--model", "gpt2", "--out", str(tmp_path / "x")]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     err = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(err) == 1, p.stderr
     assert err[0].startswith("error: --model gpt2 is not a local folder") and "--local-dir" in err[0]
     assert not (tmp_path / "x").exists()
 
-    from training.import_hf import ImportHFError, import_hf
+    from training.tools.import_hf import ImportHFError, import_hf
 
     from training.config import ConfigError
 

@@ -56,8 +56,8 @@ def test_bert_import_equals_transformers_and_exports_back(vocab_dir, tmp_path, c
     from transformers import AutoTokenizer
 
     from training.checkpoint import load_merged_state_dict, load_model_for_eval
-    from training.export_hf import export
-    from training.import_hf import import_hf
+    from training.tools.export_hf import export
+    from training.tools.import_hf import import_hf
 
     src = tmp_path / "src"
     V = _save_random_bert(src, vocab_dir, cls_name)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline.indexed_dataset import (
+from megatron_ds_suite.core.indexed_dataset import (
     HEADER_SIZE,
     IndexedDatasetError,
     MMapIndexedDataset,
@@ -255,7 +255,7 @@ def test_clear_errors_for_garbled_files(tmp_path: Path) -> None:
 
 def test_pointer_check_blocks_agree_with_the_running_sum():
     """The blockwise pointer check (issue 14) against a plain cumsum, across block boundaries."""
-    from data_pipeline.indexed_dataset import _first_bad_pointer
+    from megatron_ds_suite.core.indexed_dataset import _first_bad_pointer
 
     rng = np.random.default_rng(0)
     sizes = rng.integers(0, 50, size=1000).astype(np.int32)

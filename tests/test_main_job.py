@@ -189,7 +189,7 @@ def test_report_numbers_finite_and_consistent(job):
     assert f(row["iterations"]) == 11
     for s in later:  # the metrics themselves are coherent: tokens/s = global batch x seq / step time
         assert math.isclose(s["tokens_per_s"], 8 * 64 / s["step_time_s"], rel_tol=1e-6)
-    # MFU's CPU peak: both ranks measured together (training/cpu_peak.py); the report prints the last one
+    # MFU's CPU peak: both ranks measured together (training/runtime/cpu_peak.py); the report prints the last one
     peaks = [e for e in events if e["event"] == "cpu_peak"]
     assert peaks and all(p["ranks"] == 2 and p["rank_min"] <= p["tflops"] <= p["rank_max"] for p in peaks)
     assert f"MFU's CPU peak: {peaks[-1]['tflops']:.4f} TFLOP/s per rank" in text
@@ -229,8 +229,8 @@ def test_heldout_perplexity_matches_plain_torch(job):
     import torch
     import torch.nn.functional as F
 
-    from data_pipeline.gpt_dataset import split_boundaries
-    from data_pipeline.indexed_dataset import MMapIndexedDataset
+    from training.data.gpt_dataset import split_boundaries
+    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
     from training.checkpoint import load_model_for_eval
 
     run = job["run"]

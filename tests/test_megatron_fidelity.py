@@ -259,7 +259,7 @@ def _single_piece_vocab(size: int = 500):
     """Every ordinary piece is a whole word, so the budget (not word boundaries) decides the count."""
     import numpy as np
 
-    from training.bert_data import BertVocab
+    from training.data.bert_data import BertVocab
 
     return BertVocab(cls=1, sep=2, mask=3, pad=0, word_start=np.ones(size, dtype=bool), random_ids=np.arange(5, size))
 
@@ -271,7 +271,7 @@ def test_bert_masking_budget_is_megatrons_float_cap(target, real_len, predicted)
     (round(0.15 x 128) = 19 without the cap); a short target of 50: cap 7.5 -> 7 (round(7.95) = 8)."""
     import numpy as np
 
-    from training.bert_data import MaskingConfig, build_sample
+    from training.data.bert_data import MaskingConfig, build_sample
 
     vocab = _single_piece_vocab()
     cfg = MaskingConfig()
@@ -337,8 +337,8 @@ def test_gpt_separate_last_epoch_matches_megatron_2021(tmp_path, extra_fraction,
     with one epoch) the order is Megatron 2020's, the default."""
     import numpy as np
 
-    from data_pipeline.gpt_dataset import GPTDataset
-    from data_pipeline.indexed_dataset import MMapIndexedDataset
+    from training.data.gpt_dataset import GPTDataset
+    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
     from tests.test_gpt_dataset import make_gpt_corpus
 
     make_gpt_corpus(tmp_path / "c", 40, seed=3)

@@ -144,7 +144,7 @@ def test_training_split_without_training_part(tmp_path):
 @pytest.mark.parametrize("content,message", [(b"", "is empty"), (b"\x00\x01binary\xff", "is not UTF-8 text")])
 def test_training_text_file_empty_or_binary(tmp_path, content, message):
     from training.config import ConfigError, load_config
-    from training.data import resolve_sources
+    from training.data.loader import resolve_sources
 
     f = tmp_path / "t.txt"
     f.write_bytes(content)
@@ -170,7 +170,7 @@ def test_wikitext_one_word_file(tmp_path, capsys):
 def test_text_files_cache_is_keyed_by_content(tmp_path):
     """An edit that keeps the size must not reuse the old tokens (the key used to be path + size)."""
     from training.config import load_config
-    from training.data import resolve_sources
+    from training.data.loader import resolve_sources
 
     f = tmp_path / "t.txt"
     spec = {"kind": "gpt2_bpe", "vocab_file": str(GPT2 / "gpt2-vocab.json"), "merges_file": str(GPT2 / "gpt2-merges.txt")}

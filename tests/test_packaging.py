@@ -77,7 +77,7 @@ def test_no_side_effects_at_import():
             "import training, evaluation, data_pipeline, megatron_ds_suite, megatron_ds_suite.console\n"
             "import training.config, training.tracking, training.metrics, training.pretrain, training.plan\n"
             "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n"
-            "from training.process_env import configure; configure()\n"
+            "from training.runtime.process_env import configure; configure()\n"
             "print(os.environ['THP_MEM_ALLOC_ENABLE'])")
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     env["PYTHONPATH"] = str(ROOT)
@@ -116,7 +116,7 @@ def test_every_third_party_import_is_declared():
 def test_deepspeed_version_check():
     import deepspeed
 
-    from training.ds_compat import untested_deepspeed
+    from training.runtime.ds_compat import untested_deepspeed
 
     assert untested_deepspeed("0.19.8") is None and untested_deepspeed("0.19.0") is None
     for bad in ("0.18.9", "0.20.0", "1.0.0"):

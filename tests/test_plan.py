@@ -1,4 +1,4 @@
-"""Tests for the memory/speed planner (training.plan) and the hardware table (training.hardware).
+"""Tests for the memory/speed planner (training.plan) and the hardware table (training.runtime.hardware).
 
 Parameter counts are checked against independent torch models (a plain nn.Module re-statement of the
 architecture written here, and the project's own GPT2Model incl. its TP=2 shards) and against the
@@ -15,7 +15,7 @@ from torch import nn
 
 from training import plan
 from training.config import ConfigError, ModelConfig
-from training.hardware import (HARDWARE, detect_device_kind, device_kind_from_name, get_hardware,
+from training.runtime.hardware import (HARDWARE, detect_device_kind, device_kind_from_name, get_hardware,
                                measure_cpu_peak_tflops, peak_tflops)
 from training.plan import Layout, ModelShape
 

@@ -34,7 +34,7 @@ def _steps(run_dir: Path):
 
 @needs_corpus
 def test_reshard_tp2pp2_to_tp1_to_tp4(spm_model, tmp_path):
-    from training.reshard import reshard
+    from training.tools.reshard import reshard
 
     common = {"train.iters": 4, "optimizer.lr": 3e-3, "optimizer.warmup_iters": 2, "train.global_batch_size": 4}
     a = tmp_path / "a"
@@ -67,7 +67,7 @@ def _bert_stages(rank, world, corpus, run_dir, tp, stages):
 def test_reshard_bert_tp2_to_tp1_resumes_with_the_same_loss(tmp_path, tmp_path_factory):
     """BERT (vocabulary 1500 pads to 1536 at TP=1 and TP=2): the converted run continues the original."""
     from tests.test_bert_race import _botchan_docs, _write_corpus
-    from training.reshard import reshard
+    from training.tools.reshard import reshard
 
     corpus = tmp_path_factory.mktemp("bert_corpus_reshard")
     _write_corpus(corpus, _botchan_docs())

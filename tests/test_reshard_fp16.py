@@ -15,7 +15,7 @@ from tests.test_training import _overrides, needs_corpus, spm_model  # noqa: F40
 
 def _state(run_dir: Path, tag: str) -> tuple[dict, dict]:
     """(merged fp32 masters and moments read by DeepSpeed in the run's own layout, checkpoint metadata)."""
-    from training import reshard_optim
+    from training.tools import reshard_optim
     from training.checkpoint import load_merged_state_dict
 
     _, _, meta = load_merged_state_dict(run_dir, tag)
@@ -26,7 +26,7 @@ def _state(run_dir: Path, tag: str) -> tuple[dict, dict]:
 @pytest.mark.parametrize("zero,divisible_by,padded", [(0, 128, (1024, 1024)), (1, 96, (1152, 1056))],
                          ids=["fp16-same-vocab", "fp16-zero1-vocab-1152-to-1056"])
 def test_reshard_fp16_tp2_to_tp1_keeps_masters_and_moments(spm_model, tmp_path, zero, divisible_by, padded):
-    from training.reshard import reshard
+    from training.tools.reshard import reshard
 
     # vocabulary 1000: pads to 1024 at TP=2 and TP=1 (x128), or to 1152 (96 x 2) and 1056 (96 x 1)
     common = {"train.iters": 4, "optimizer.lr": 3e-3, "optimizer.warmup_iters": 0, "train.global_batch_size": 4,

@@ -45,11 +45,11 @@ def _dead(pid: int, within: float) -> bool:
 
 # ---------------------------------------------------------------------------------------------- lock
 def test_lock_busy_then_stale_after_kill(tmp_path, caplog):
-    from training.run_lock import RunDirBusy, RunDirLock
+    from training.runtime.run_lock import RunDirBusy, RunDirLock
 
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from training.run_lock import RunDirLock
+        from training.runtime.run_lock import RunDirLock
         RunDirLock({str(tmp_path)!r}).acquire()
         print("locked", flush=True)
         time.sleep(120)""")], env=_env(), stdout=subprocess.PIPE, text=True)
@@ -74,7 +74,7 @@ def test_second_training_run_into_a_locked_run_dir_is_refused(tmp_path):
     run = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from training.run_lock import RunDirLock
+        from training.runtime.run_lock import RunDirLock
         RunDirLock({str(run)!r}).acquire()
         print("locked", flush=True)
         time.sleep(300)""")], env=_env(), stdout=subprocess.PIPE, text=True)
@@ -123,7 +123,7 @@ def test_ranks_stop_when_the_deepspeed_runner_alone_gets_sigint(tmp_path):
     runner alone ends it (DeepSpeed's single-node runner forwards nothing): the rank must stop by itself."""
     rank = textwrap.dedent("""
         import os, time
-        from training import orphan_guard
+        from training.runtime import orphan_guard
         runner = orphan_guard.launcher_runner_pid()
         orphan_guard.exit_when_gone(runner, interval=0.1)
         print(os.getpid(), runner, flush=True)

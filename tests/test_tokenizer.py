@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from data_pipeline.tokenizer import (
+from megatron_ds_suite.core.tokenizer import (
     GPT2BPETokenizer,
     SentencePieceTokenizer,
     TokenizerError,

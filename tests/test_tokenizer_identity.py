@@ -28,7 +28,7 @@ def _swap_two_merges(path: Path) -> None:
 
 
 def test_swapped_tokenizer_of_same_size_is_refused(files):
-    from data_pipeline.tokenizer import GPT2BPETokenizer, TokenizerError, _sha256, load_tokenizer
+    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, TokenizerError, _sha256, load_tokenizer
 
     tok = GPT2BPETokenizer(files / "vocab.json", files / "merges.txt")
     spec = tok.spec()
@@ -44,9 +44,9 @@ def test_swapped_tokenizer_of_same_size_is_refused(files):
 def test_corpus_manifest_records_and_checks_sha256(files, tmp_path):
     import numpy as np
 
-    from data_pipeline.corpus import CorpusError, load_corpus, write_manifest
-    from data_pipeline.indexed_dataset import MMapIndexedDatasetBuilder
-    from data_pipeline.tokenizer import GPT2BPETokenizer
+    from megatron_ds_suite.core.corpus import CorpusError, load_corpus, write_manifest
+    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder
+    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
 
     root = tmp_path / "corpus"
     root.mkdir()

@@ -74,7 +74,7 @@ def test_deepspeed_checkpoint_engine_loads_weights_only(tmp_path):
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.state_dict_factory import SDLoaderFactory
 
-    from training import ds_compat
+    from training.runtime import ds_compat
     from training.safe_load import CheckpointError
 
     ds_compat.apply()
@@ -97,9 +97,9 @@ def test_commands_refuse_a_malicious_checkpoint(tmp_path, command):
                 "--no-progress"]
     elif command == "export_hf":
         pytest.importorskip("transformers")
-        args = ["-m", "training.export_hf", "--checkpoint", str(run), "--out", str(tmp_path / "hf")]
+        args = ["-m", "training.tools.export_hf", "--checkpoint", str(run), "--out", str(tmp_path / "hf")]
     else:
-        args = ["-m", "training.reshard", "--checkpoint", str(run), "--tp", "1", "--out", str(tmp_path / "new")]
+        args = ["-m", "training.tools.reshard", "--checkpoint", str(run), "--tp", "1", "--out", str(tmp_path / "new")]
     res = _run(args)
     assert res.returncode == 2, res.stderr
     lines = _error_lines(res)

@@ -45,7 +45,7 @@ def vocab_txt(tmp_path_factory):
 def test_wordpiece_ids_equal_transformers_bert_tokenizers(vocab_txt, lowercase):
     from transformers import BertTokenizerFast
 
-    from data_pipeline.tokenizer import load_tokenizer
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
 
     ours = load_tokenizer({"kind": "wordpiece", "vocab_file": str(vocab_txt), "lowercase": lowercase})
     assert (ours.pad, ours.unk, ours.cls, ours.sep, ours.mask, ours.eod) == (0, 1, 2, 3, 4, 3)
@@ -69,7 +69,7 @@ def test_wordpiece_ids_equal_transformers_bert_tokenizers(vocab_txt, lowercase):
 def test_hf_tokenizer_json_kind(vocab_txt, tmp_path):
     from transformers import BertTokenizerFast
 
-    from data_pipeline.tokenizer import TokenizerError, load_tokenizer
+    from megatron_ds_suite.core.tokenizer import TokenizerError, load_tokenizer
 
     BertTokenizerFast.from_pretrained(str(vocab_txt.parent), do_lower_case=True).save_pretrained(str(tmp_path / "tok"))
     ours = load_tokenizer({"kind": "hf", "tokenizer_file": str(tmp_path / "tok" / "tokenizer.json")})
@@ -77,10 +77,10 @@ def test_hf_tokenizer_json_kind(vocab_txt, tmp_path):
     texts = [t for t in _texts() if "[SEP]" not in t]
     assert ours.encode_batch(texts) == ref.encode_batch(texts)  # no [CLS]/[SEP] post-processing added
     assert ours.eod == ref.sep and ours.cls == ref.cls and ours.vocab_size == ref.vocab_size
-    # both kinds export back to a tokenizer AutoTokenizer loads with the same ids (training.hf_tokenizer)
+    # both kinds export back to a tokenizer AutoTokenizer loads with the same ids (training.tools.hf_tokenizer)
     from transformers import AutoTokenizer
 
-    from training.hf_tokenizer import save_hf_tokenizer
+    from training.tools.hf_tokenizer import save_hf_tokenizer
 
     for kind, tok in (("hf", ours), ("wordpiece", ref)):
         save_hf_tokenizer(tok, tmp_path / f"export_{kind}", 512)
@@ -95,8 +95,8 @@ def test_race_and_bert_samples_encode_with_wordpiece(vocab_txt):
     race = DATA / "eval" / "RACE"
     if not race.is_dir():
         pytest.skip("RACE sample absent")
-    from data_pipeline.tokenizer import load_tokenizer
-    from evaluation.race_data import encode_questions, read_race_split
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
+    from megatron_ds_suite.core.race import encode_questions, read_race_split
 
     tok = load_tokenizer({"kind": "wordpiece", "vocab_file": str(vocab_txt)})
     qs, _ = read_race_split(race, "dev")

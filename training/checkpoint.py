@@ -141,7 +141,7 @@ def partition_tags(model: torch.nn.Module, num_layers: int | None = None, pp_gro
 def _tokenizer_spec(trainer) -> dict:
     """Tokenizer files copied into RUN_DIR/tokenizer so a run directory is self-contained; the
     returned spec names them relative to RUN_DIR."""
-    from data_pipeline.corpus import copy_tokenizer_files
+    from megatron_ds_suite.core.corpus import copy_tokenizer_files
 
     spec = trainer.task.tokenizer.spec()
     if trainer.is_rank0:
@@ -192,7 +192,7 @@ def load(trainer) -> bool:
     if tag is None:
         return False
     meta = read_client_state(trainer.run_dir, tag)
-    if meta.get("weights_only"):  # written by training.import_hf: no optimizer, schedule or RNG to resume
+    if meta.get("weights_only"):  # written by training.tools.import_hf: no optimizer, schedule or RNG to resume
         raise ConfigError(f"{trainer.run_dir} holds imported weights only ({meta.get('imported_from')}), not a run "
                           f"to resume: start a new run from it with train.init_from={trainer.run_dir} and another run.dir")
     saved_sha = (meta.get("tokenizer") or {}).get("sha256")
@@ -204,7 +204,7 @@ def load(trainer) -> bool:
     if (saved["tp"], saved["pp"]) != (trainer.ps.dims.tp, trainer.ps.dims.pp):
         raise ConfigError(f"checkpoint {trainer.run_dir}/checkpoints/{tag} was saved with TP={saved['tp']} "
                           f"PP={saved['pp']} but this run uses TP={trainer.ps.dims.tp} PP={trainer.ps.dims.pp}: "
-                          f"convert it with python -m training.reshard --checkpoint {trainer.run_dir} "
+                          f"convert it with python -m training.tools.reshard --checkpoint {trainer.run_dir} "
                           f"--tp {trainer.ps.dims.tp} --pp {trainer.ps.dims.pp} --out NEW_RUN_DIR, or resume with "
                           f"parallel.tensor={saved['tp']} parallel.pipeline={saved['pp']}")
     safe_load.install()  # DeepSpeed's own reads with weights_only=True as well
@@ -279,7 +279,7 @@ def load_merged_state_dict(run_dir: str | Path, tag: str | None = None) -> tuple
 def load_model_for_eval(run_dir: str | Path, group=None, device: str = "cpu", tag: str | None = None):
     """(model, config, tokenizer) from a checkpoint of any TP degree, re-split for ``group``'s TP degree
     (None = one process). The model is fp32, in eval mode."""
-    from data_pipeline.tokenizer import load_tokenizer
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
     from training.models.gpt2 import GPT2Model
     from training.parallel.layers import _shard_master
     from training.parallel.mappings import group_rank, group_size

@@ -24,7 +24,7 @@ def setup_rank_logging() -> int:
                         format="%(asctime)s [%(name)s] %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     for noisy in ("DeepSpeed", "deepspeed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from training import orphan_guard
+    from training.runtime import orphan_guard
 
     orphan_guard.exit_when_gone(orphan_guard.launcher_runner_pid())  # never train on after `deepspeed` is gone
     return rank

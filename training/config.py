@@ -143,7 +143,7 @@ class TrainConfig:
     progress_bar: bool | None = None
     """Progress bar on stderr: None = only when stderr is a terminal (not in Slurm logs); true/false force it."""
     init_from: str | None = None
-    """Run directory (any TP/PP, e.g. written by training.import_hf) whose weights start this run, with a
+    """Run directory (any TP/PP, e.g. written by training.tools.import_hf) whose weights start this run, with a
     fresh optimizer, schedule and data position; its model shape replaces model.* (see training.init_from).
     Ignored once this run has a checkpoint of its own (resume wins)."""
 
@@ -158,12 +158,12 @@ class DataConfig:
     """Tokenizer spec for text_files, e.g. {kind: gpt2_bpe, vocab_file: ..., merges_file: ...}."""
     prefixes: list[list[Any]] = field(default_factory=list)
     """Alternative to `corpus`: Megatron .bin/.idx datasets blended by weight, [[0.3, /data/a_text_document],
-    [0.7, /data/b]] (GPT-2; tokenizer from data.tokenizer; see training.blending)."""
+    [0.7, /data/b]] (GPT-2; tokenizer from data.tokenizer; see training.data.blending)."""
     split: str = "969,30,1"
     """train,valid,test proportions over documents (of each prefix when blending)."""
     separate_last_epoch: bool = False
     """GPT sample order: Megatron 2021+ shuffles a short last epoch (< 80 % used) apart from the others;
-    False = Megatron 2020 (all epochs shuffled together). See data_pipeline/gpt_dataset.py."""
+    False = Megatron 2020 (all epochs shuffled together). See training/data/gpt_dataset.py."""
     num_workers: int = 0
 
 
@@ -200,7 +200,7 @@ class RunConfig:
 
 @dataclass
 class BertDataConfig:
-    """BERT pretraining samples (training.bert_data); ignored by GPT-2."""
+    """BERT pretraining samples (training.data.bert_data); ignored by GPT-2."""
 
     masked_lm_prob: float = 0.15
     """Fraction of each sample's tokens to predict (Megatron: round(0.15 x length), at least 1, at most the

@@ -7,7 +7,7 @@ any TP degree: the shards are merged and re-split for ``parallel.tensor``); ``co
 the fine-tuning run (TP, batch, optimizer, dropout, ``finetune.*``, ``run.dir``). Keys of the
 checkpoint's model shape cannot be overridden.
 
-Each question = 4 sequences ``[CLS] question+option [SEP] article [SEP]`` (``evaluation.race_data``,
+Each question = 4 sequences ``[CLS] question+option [SEP] article [SEP]`` (``megatron_ds_suite.core.race``,
 the same encoding the RACE scorer uses); head: pooler -> dropout -> Linear(h, 1) -> 4 logits ->
 cross-entropy. Batches count questions (``train.micro_batch_size`` 4 questions = 16 sequences).
 Schedule: ``finetune.epochs`` passes over the shuffled training questions (incomplete last batch
@@ -19,7 +19,7 @@ After every epoch: dev (and test) accuracy; the checkpoint is saved only when de
 from __future__ import annotations
 
 if __name__ == "__main__":  # run as `python -m`: process settings before torch loads
-    from training.process_env import configure
+    from training.runtime.process_env import configure
 
     configure()
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from training import device as tdev
+from training.runtime import device as tdev
 from training.cli import launcher_parser, setup_rank_logging
 from training.config import Config, ConfigError, _merge, check_world, config_from_dict, parse_overrides
 
@@ -158,8 +158,8 @@ class RaceFinetuner:
     def __init__(self, cfg: Config, meta: dict):
         import deepspeed
 
-        from data_pipeline.tokenizer import load_tokenizer
-        from evaluation.race_data import encode_questions, read_race_split
+        from megatron_ds_suite.core.tokenizer import load_tokenizer
+        from megatron_ds_suite.core.race import encode_questions, read_race_split
         from training import tracking
         from training.config import deepspeed_config, padded_vocab_size
         from training.optim import build_optimizer
@@ -238,7 +238,7 @@ class RaceFinetuner:
 
     def step_batches(self, order: np.ndarray, step: int):
         """This DP rank's micro-batches of step ``step`` within an epoch's question order."""
-        from evaluation.race_data import collate
+        from megatron_ds_suite.core.race import collate
 
         t = self.cfg.train
         mb, dp, r = t.micro_batch_size, self.dp, self.ps.dp_rank
@@ -278,7 +278,7 @@ class RaceFinetuner:
         import torch
         import torch.distributed as dist
 
-        from evaluation.race_data import collate
+        from megatron_ds_suite.core.race import collate
 
         samples = self.data[split]
         levels = sorted({s["level"] for s in samples})
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch.distributed as dist
 
-    from training.distributed import init_distributed
+    from training.runtime.distributed import init_distributed
 
     init_distributed()
     try:

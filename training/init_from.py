@@ -2,7 +2,7 @@
 
 The source may have any TP/PP layout (its shards are merged by their partition tags and re-split for
 this run's TP degree, its vocabulary padding re-cut for this run's padding) and may be an import
-(``python -m training.import_hf``) or a finished run. Only weights move: the optimizer, LR schedule,
+(``python -m training.tools.import_hf``) or a finished run. Only weights move: the optimizer, LR schedule,
 iteration and data position start fresh. The model *shape* (:data:`SHAPE_KEYS`) is the source's;
 everything else (sequence length up to its positions, dropout, batch, optimizer, data, TP/PP) is this
 run's config. Once this run has saved a checkpoint of its own, resuming from it wins and

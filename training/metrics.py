@@ -33,7 +33,7 @@ def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vo
 def bert_expected_masked_positions(masked_lm_prob: float, short_seq_prob: float, seq: int) -> float:
     """Expected number of masked (predicted) positions of one BERT pretraining sequence of length ``seq``.
 
-    ``training.bert_data.mask_tokens`` masks ``max(1, round(masked_lm_prob * n))`` tokens, capped at
+    ``training.data.bert_data.mask_tokens`` masks ``max(1, round(masked_lm_prob * n))`` tokens, capped at
     ``masked_lm_prob`` x the sample's target length (Megatron's float cap), of a sample of ``n`` real
     tokens (whole-word spans may stop short of it; none when ``masked_lm_prob`` is 0). ``n`` is
     random per sample (``build_samples_mapping``): ``seq`` with probability ``1 - short_seq_prob``, else a

@@ -53,10 +53,10 @@ def lr_at(it: int, cfg: OptimizerConfig, train_iters: int) -> float:
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, train_iters: int, device_type: str = "cpu",
                     dtype: str = "fp32"):
-    """AdamW + schedule. ``device_type``/``dtype`` pick the implementation (training.gpu_settings):
+    """AdamW + schedule. ``device_type``/``dtype`` pick the implementation (training.runtime.gpu_settings):
     DeepSpeed's FusedAdam for fp16 on CUDA (so the engine uses its fused FP16_Optimizer), torch's
     fused AdamW otherwise."""
-    from training.gpu_settings import fused_adam_available, settings_for
+    from training.runtime.gpu_settings import fused_adam_available, settings_for
 
     groups = param_groups(model, cfg.weight_decay)
     kind = settings_for(device_type, dtype, fused_adam_available() if device_type == "cuda" else False).optimizer

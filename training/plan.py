@@ -28,7 +28,7 @@ import yaml
 
 from training.config import (BertDataConfig, Config, ConfigError, ModelConfig, _build, _merge, padded_vocab_size,
                              parse_overrides)
-from training.hardware import Hardware, canonical_kind, get_hardware
+from training.runtime.hardware import Hardware, canonical_kind, get_hardware
 from training.metrics import bert_expected_masked_positions
 
 log = logging.getLogger(__name__)
@@ -457,7 +457,7 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
     f = compute_fraction if compute_fraction is not None else (tm.compute_fraction or hw.achievable_fraction)
     peak = hw.peak_tflops.get(dtype)
     if peak is None:
-        raise ConfigError(f"{hw.name} has no {dtype} peak in training/hardware.py: choose another --dtype")
+        raise ConfigError(f"{hw.name} has no {dtype} peak in training/runtime/hardware.py: choose another --dtype")
     t, p, d, m, G = lay.tp, lay.pp, lay.dp, lay.num_micro, lay.gpus_per_node
     act_bytes = 2 if dtype in ("fp16", "bf16") else 4
     flops_dev = step_flops(shape, lay.global_batch, ckpt) / (t * p * d)
@@ -703,7 +703,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: parallel.tensor)")
     ap.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (default: parallel.pipeline)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel degree")
-    ap.add_argument("--gpu", default="v100", help="device kind from training/hardware.py (v100, a100, h100, h200, cpu)")
+    ap.add_argument("--gpu", default="v100", help="device kind from training/runtime/hardware.py (v100, a100, h100, h200, cpu)")
     ap.add_argument("--gpus-per-node", type=int, default=None, help="override the table's GPUs per node")
     ap.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None,
                     help="training dtype (default: precision.dtype, 'auto' = fp16)")
@@ -738,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("give --config PATH and/or --model PRESET "
                               f"(presets: {', '.join(PRESETS)})")
         if canonical_kind(args.gpu) is None:
-            raise ConfigError(f"unknown --gpu {args.gpu!r}; see training/hardware.py (v100, a100, h100, h200, cpu)")
+            raise ConfigError(f"unknown --gpu {args.gpu!r}; see training/runtime/hardware.py (v100, a100, h100, h200, cpu)")
         hw = get_hardware(args.gpu)
         cfg = load_plan_config(args.config, args.model, args.overrides)
         tp = args.tp if args.tp is not None else cfg.parallel.tensor
@@ -754,9 +754,9 @@ def main(argv: list[str] | None = None) -> int:
         shape = ModelShape.from_config(cfg.model, tp, cfg.bert)
         validate(shape, lay)
         if hw.name != "cpu" and hw.peak_tflops.get(dtype) is None:
-            raise ConfigError(f"{hw.name} has no {dtype} peak in training/hardware.py: choose another --dtype")
+            raise ConfigError(f"{hw.name} has no {dtype} peak in training/runtime/hardware.py: choose another --dtype")
         if hw.name == "cpu":
-            from training.hardware import peak_tflops
+            from training.runtime.hardware import peak_tflops
             measured = peak_tflops("cpu", dtype)
             hw = dataclasses.replace(hw, peak_tflops={dtype: measured})
         print(render_plan(shape, lay, hw, tm, dtype, scores_stored=not args.flash_attention))

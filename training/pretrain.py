@@ -9,7 +9,7 @@ DS_ACCELERATOR=cpu to skip accelerator detection). One process without the launc
 from __future__ import annotations
 
 if __name__ == "__main__":  # run as `python -m`: process settings before torch loads
-    from training.process_env import configure
+    from training.runtime.process_env import configure
 
     configure()
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from training.distributed import init_distributed
+    from training.runtime.distributed import init_distributed
     from training.safe_load import CheckpointError
     from training.trainer import Trainer, TrainingAborted
 

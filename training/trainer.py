@@ -20,19 +20,19 @@ from training.parallel.grad_norm import clip_grad_norm
 
 from training import checkpoint as ckpt
 from training import init_from
-from training import run_lock
-from training import device as tdev
+from training.runtime import run_lock
+from training.runtime import device as tdev
 from training import tracking
-from training import ds_compat
+from training.runtime import ds_compat
 from training.config import (Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype,
 )
-from training.cpu_peak import measure_cpu_peak_together
-from training.hardware import canonical_kind, detect_device_kind, peak_tflops
+from training.runtime.cpu_peak import measure_cpu_peak_together
+from training.runtime.hardware import canonical_kind, detect_device_kind, peak_tflops
 from training.metrics import MetricsWriter, flops_per_iteration, progress_enabled
 from training.optim import build_optimizer
 from training.parallel import random as tp_random
 from training.parallel.state import ParallelState
-from training.tasks import make_task
+from training.tasks.gpt import make_task
 
 logger = logging.getLogger("training")
 
@@ -137,7 +137,7 @@ class Trainer:
             return self.cfg.run.device_peak_tflops
         kind = self.cfg.run.device_kind or detect_device_kind()
         if canonical_kind(kind) == "cpu":
-            # measured dense matmul rate in the training dtype, all ranks at once (training/cpu_peak.py)
+            # measured dense matmul rate in the training dtype, all ranks at once (training/runtime/cpu_peak.py)
             self.cpu_peak = measure_cpu_peak_together(self.dtype)
             if self.is_rank0:
                 logger.info("%s", self.cpu_peak.describe())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from training.device import local_device
+from training.runtime.device import local_device
 from training.parallel.utils import is_tensor_parallel
 
 

@@ -1,6 +1,6 @@
-"""fp32 master weights and Adam moments of fp16 and ZeRO-1 checkpoints, for ``training.reshard``.
+"""fp32 master weights and Adam moments of fp16 and ZeRO-1 checkpoints, for ``training.tools.reshard``.
 
-An fp32 run without ZeRO keeps Adam's state per model parameter, which ``training.reshard`` reads straight
+An fp32 run without ZeRO keeps Adam's state per model parameter, which ``training.tools.reshard`` reads straight
 from the checkpoint files. fp16 runs keep fp32 *master* copies inside DeepSpeed's ``FP16_UnfusedOptimizer``
 (the fp16 weights are only their rounding) and ZeRO-1 keeps masters and moments as flat buffers
 partitioned over the data-parallel ranks. Rather than parse those private layouts, the checkpoint is
@@ -26,7 +26,7 @@ import torch
 from training.checkpoint import checkpoint_dir
 from training.config import config_from_dict
 
-logger = logging.getLogger("training.reshard")
+logger = logging.getLogger("training.tools.reshard")
 KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -144,7 +144,7 @@ def _step_tensor(step, device) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 def extract(run_dir: Path, tag: str, meta: dict, work_dir: Path) -> dict[str, dict]:
     """Full (TP-merged) fp32 masters and moments of checkpoint ``run_dir``/``tag``, by parameter name."""
-    from training.reshard import _spawn_entry
+    from training.tools.reshard import _spawn_entry
 
     par = meta["parallel"]
     world = par["tp"] * par["pp"] * par["dp"]

@@ -117,7 +117,7 @@ class MMapIndexedDatasetBuilder:
         self.prefix = Path(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in _CODE_OF:
-            raise IndexedDatasetError(f"unsupported dtype {self.dtype}; use data_pipeline.indexed_dataset.best_dtype")
+            raise IndexedDatasetError(f"unsupported dtype {self.dtype}; use megatron_ds_suite.core.indexed_dataset.best_dtype")
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         tag = f".tmp-{os.getpid()}-{id(self):x}"
         self._bin_path = data_file_path(self.prefix)

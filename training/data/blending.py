@@ -80,7 +80,7 @@ class BlendedDataset:
 def build_blended_datasets(weights: list[float], prefixes: list[Path], split: str, num_samples: tuple[int, int, int],
                            seq_length: int, seed: int, cache_dir: Path | None, vocab_size: int):
     """Train/valid/test blends (None where no prefix has that split)."""
-    from data_pipeline.gpt_dataset import build_gpt_datasets
+    from training.data.gpt_dataset import build_gpt_datasets
 
     per = []
     for w, p in zip(weights, prefixes):
@@ -104,7 +104,7 @@ def build_blended_datasets(weights: list[float], prefixes: list[Path], split: st
 def _max_token(prefix: Path, head: int = 1 << 20) -> int:
     """Largest token id among the first ``head`` tokens of ``prefix.bin`` (a cheap tokenizer check that
     does not read a whole large corpus)."""
-    from data_pipeline.indexed_dataset import MMapIndexedDataset
+    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
 
     ds = MMapIndexedDataset(prefix)
     if ds.num_tokens == 0:

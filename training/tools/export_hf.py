@@ -1,13 +1,13 @@
 """Export a GPT-2 or BERT checkpoint to a Hugging Face ``transformers`` folder.
 
-    python -m training.export_hf --checkpoint RUN_DIR --out DIR [--overwrite] [--no-tokenizer]
+    python -m training.tools.export_hf --checkpoint RUN_DIR --out DIR [--overwrite] [--no-tokenizer]
 
 BERT goes to ``MegatronBertForPreTraining`` (``layer_order: pre_ln``) or ``BertForPreTraining``
-(``post_ln``), see :mod:`training.hf_bert`; the rest of this docstring is about GPT-2.
+(``post_ln``), see :mod:`training.tools.hf_bert`; the rest of this docstring is about GPT-2.
 
 Writes ``config.json`` (``GPT2Config``), ``model.safetensors`` (TP shards merged by
 ``training.checkpoint.load_merged_state_dict``, vocabulary padding rows removed) and the tokenizer
-(``tokenizer.json`` + configs, see :mod:`training.hf_tokenizer`; GPT-2 BPE also ``vocab.json`` /
+(``tokenizer.json`` + configs, see :mod:`training.tools.hf_tokenizer`; GPT-2 BPE also ``vocab.json`` /
 ``merges.txt``; SentencePiece BPE, the main job's tokenizer, converted with identical ids), so that
 ``GPT2LMHeadModel.from_pretrained(DIR)`` gives logits equal to ours on the real vocabulary and
 ``AutoTokenizer.from_pretrained(DIR)`` our ids. Needs the ``hf`` extra (transformers).
@@ -29,7 +29,7 @@ scale 1/sqrt(head_dim), learned positions, tied output layer without bias.
 from __future__ import annotations
 
 if __name__ == "__main__":  # run as `python -m`: process settings before torch loads
-    from training.process_env import configure
+    from training.runtime.process_env import configure
 
     configure()
 
@@ -90,7 +90,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], num_layers: int, vocab_size: i
 
 def gpt2_layer_names(num_layers: int) -> list[tuple[str, str, bool]]:
     """(our name, transformers' GPT-2 name, transposed?) for every tensor after the embeddings: the one
-    mapping export and :mod:`training.import_hf` both use (HF ``Conv1D`` stores ``[in, out]``)."""
+    mapping export and :mod:`training.tools.import_hf` both use (HF ``Conv1D`` stores ``[in, out]``)."""
     names = []
     for i in range(num_layers):
         a, h = f"layers.{i}.", f"transformer.h.{i}."
@@ -121,7 +121,7 @@ def build_hf_model(sd: dict[str, torch.Tensor], model_cfg, vocab_size: int, eod:
 
 def _save_tokenizer(tokenizer, out: Path, max_len: int) -> None:
     """tokenizer.json + configs for AutoTokenizer (GPT-2 BPE or SentencePiece BPE, ids checked equal to ours)."""
-    from training.hf_tokenizer import TokenizerExportError, save_hf_tokenizer
+    from training.tools.hf_tokenizer import TokenizerExportError, save_hf_tokenizer
 
     try:
         save_hf_tokenizer(tokenizer, out, max_len)
@@ -140,10 +140,10 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False, with_t
         raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
     if not Path(run_dir).is_dir():
         raise ExportError(f"checkpoint directory {run_dir} does not exist")
-    from training.import_hf import require_transformers
+    from training.tools.import_hf import require_transformers
 
     require_transformers()  # one line naming the `hf` extra when transformers is missing
-    from data_pipeline.tokenizer import load_tokenizer
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
     from training.checkpoint import load_merged_state_dict
 
     sd, cfg, meta = load_merged_state_dict(run_dir)
@@ -151,8 +151,8 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False, with_t
     vocab = tokenizer.vocab_size
     if cfg.model.vocab_size is not None and cfg.model.vocab_size != vocab:
         raise ExportError(f"checkpoint vocabulary ({cfg.model.vocab_size}) does not match its tokenizer ({vocab})")
-    if cfg.model.arch == "bert":  # Megatron-BERT (pre_ln) / BERT (post_ln), training.hf_bert
-        from training.hf_bert import BertMappingError, build_hf_bert
+    if cfg.model.arch == "bert":  # Megatron-BERT (pre_ln) / BERT (post_ln), training.tools.hf_bert
+        from training.tools.hf_bert import BertMappingError, build_hf_bert
 
         try:
             model = build_hf_bert(sd, cfg.model, vocab)
@@ -178,7 +178,7 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False, with_t
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(prog="python -m training.export_hf", description="Export a GPT-2 or BERT checkpoint to transformers")
+    ap = argparse.ArgumentParser(prog="python -m training.tools.export_hf", description="Export a GPT-2 or BERT checkpoint to transformers")
     ap.add_argument("--checkpoint", required=True, help="run directory")
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--overwrite", action="store_true")

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
-from data_pipeline.tokenizer import Tokenizer, load_tokenizer
+from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
+from megatron_ds_suite.core.tokenizer import Tokenizer, load_tokenizer
 
 MANIFEST_NAME = "corpus.json"
 MANIFEST_FORMAT = "megatron-ds-suite-corpus"

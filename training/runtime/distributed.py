@@ -6,7 +6,7 @@ port, that is never unlinked: every run leaves ~64 MB per rank behind, and a tes
 runs fills /dev/shm (RAM) until the OOM killer stops it. That kernel only serves DeepSpeed's
 inference all-reduce, which this project does not use (all collectives go through
 torch.distributed), so it is switched off before DeepSpeed's backend starts. DeepSpeed's fp16 loss
-scaling at ZeRO-0 is repaired here too (``training.ds_compat``), since every entry point passes here
+scaling at ZeRO-0 is repaired here too (``training.runtime.ds_compat``), since every entry point passes here
 before ``deepspeed.initialize``.
 """
 from __future__ import annotations
@@ -25,14 +25,14 @@ def init_distributed(backend: str | None = None) -> None:
 
     from deepspeed.accelerator import get_accelerator
 
-    from training import ds_compat
+    from training.runtime import ds_compat
 
     if get_accelerator().device_name() == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    ds_compat.apply()  # fp16 loss scaling at ZeRO-0 (see training/ds_compat.py)
+    ds_compat.apply()  # fp16 loss scaling at ZeRO-0 (see training/runtime/ds_compat.py)
     # each process on its own GPU before the first group: NCCL (the accelerator's backend on CUDA) and
-    # all_gather_object otherwise all use GPU 0 (training/device.py)
-    from training.device import set_local_device
+    # all_gather_object otherwise all use GPU 0 (training/runtime/device.py)
+    from training.runtime.device import set_local_device
 
     set_local_device()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)

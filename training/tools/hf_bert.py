@@ -1,4 +1,4 @@
-"""BERT <-> ``transformers``: one name map for import (:mod:`training.import_hf`) and export (:mod:`training.export_hf`).
+"""BERT <-> ``transformers``: one name map for import (:mod:`training.tools.import_hf`) and export (:mod:`training.tools.export_hf`).
 
 Our two layer orders are exactly two ``transformers`` classes:
 

@@ -230,7 +230,7 @@ class SentencePieceTokenizer(Tokenizer):
         if eod is None:
             raise TokenizerError(
                 f"SentencePiece model {str(self.model_file)!r} has no {GPT_EOD_PIECE!r}, EOS or [SEP] piece to "
-                "use as end-of-document; train it with data_pipeline.tokenizer.train_sentencepiece"
+                "use as end-of-document; train it with megatron_ds_suite.core.tokenizer.train_sentencepiece"
             )
         self._eod = eod
         self.flavor: Literal["gpt", "bert"] = "bert" if self.cls is not None and self.mask is not None else "gpt"
@@ -323,8 +323,8 @@ def load_tokenizer(spec: dict[str, Any], base_dir: str | Path | None = None) -> 
         tok = GPT2BPETokenizer(path("vocab_file"), path("merges_file"))
     elif kind == SentencePieceTokenizer.kind:
         tok = SentencePieceTokenizer(path("model_file"))
-    elif kind in ("wordpiece", "hf"):  # tokenizers users bring (data_pipeline.hf_tokenizers)
-        from .hf_tokenizers import HFTokenizer, WordPieceTokenizer
+    elif kind in ("wordpiece", "hf"):  # tokenizers users bring (megatron_ds_suite.core.hf_tokenizers)
+        from megatron_ds_suite.core.hf_tokenizers import HFTokenizer, WordPieceTokenizer
 
         tok = (WordPieceTokenizer(path("vocab_file"), bool(spec.get("lowercase", True))) if kind == "wordpiece"
                else HFTokenizer(path("tokenizer_file"), spec.get("eod_token")))

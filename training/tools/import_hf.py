@@ -1,6 +1,6 @@
 """Import a Hugging Face ``transformers`` GPT-2 or BERT into a run directory of this project, at any TP/PP.
 
-    python -m training.import_hf --model DIR_OR_NAME --out RUN_DIR [--tp K] [--pp P] [--seq-length S]
+    python -m training.tools.import_hf --model DIR_OR_NAME --out RUN_DIR [--tp K] [--pp P] [--seq-length S]
 
 ``--model`` is a folder written by ``save_pretrained`` (``config.json``, ``model.safetensors`` or
 ``pytorch_model.bin``, and the tokenizer: ``vocab.json`` + ``merges.txt`` or ``tokenizer.json``), or a
@@ -8,7 +8,7 @@ hub name (``gpt2``), which needs the network or a filled Hugging Face cache; off
 line saying how to get the folder. Model classes: ``GPT2LMHeadModel``; ``MegatronBertForPreTraining``
 (-> ``model.layer_order: pre_ln``) and ``BertForPreTraining`` (-> ``post_ln``) with a WordPiece
 ``vocab.txt`` (-> tokenizer kind ``wordpiece``) or ``tokenizer.json`` (-> ``hf``); BERT's name map is
-:mod:`training.hf_bert`. BERT is tensor-parallel only (no ``--pp``).
+:mod:`training.tools.hf_bert`. BERT is tensor-parallel only (no ``--pp``).
 
 The output is a checkpoint in the layout training writes (``checkpoints/iter_0000000/mp_rank_XX_...``,
 the pipeline's ``layer_XX-model_YY-...`` files when ``--pp`` > 1, ``checkpoints/latest``) holding the
@@ -20,9 +20,9 @@ GeLU, LayerNorm eps, positions, MLP width). It holds weights only (no optimizer,
     python -m evaluation generate --checkpoint RUN_DIR --prompt "..."         # sample from it
     python -m evaluation lambada --checkpoint RUN_DIR --data ...              # score it
     python -m training.pretrain --config X.yaml train.init_from=RUN_DIR ...   # train on from it
-    python -m training.export_hf --checkpoint RUN_DIR --out DIR               # and back (== the source)
+    python -m training.tools.export_hf --checkpoint RUN_DIR --out DIR               # and back (== the source)
 
-Name/layout mapping (inverse of :mod:`training.export_hf`; HF ``Conv1D`` stores ``[in, out]``):
+Name/layout mapping (inverse of :mod:`training.tools.export_hf`; HF ``Conv1D`` stores ``[in, out]``):
 
     transformer.wte.weight [V, h]               -> embedding.word_embeddings.weight [V_padded, h]
     transformer.wpe.weight                      -> embedding.position_embeddings.weight
@@ -140,7 +140,7 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], num_layers: int) -> dict[str
                             "imported (our GPT-2 ties them)")
     out = {"embedding.word_embeddings.weight": wte,
            "embedding.position_embeddings.weight": get("transformer.wpe.weight")}
-    from training.export_hf import gpt2_layer_names
+    from training.tools.export_hf import gpt2_layer_names
 
     for ours, theirs, transpose in gpt2_layer_names(num_layers):
         out[ours] = get(theirs).t().contiguous() if transpose else get(theirs)
@@ -171,7 +171,7 @@ def import_tokenizer(folder: Path, dest: Path, model_type: str):
     """
     from transformers import AutoTokenizer
 
-    from data_pipeline.tokenizer import load_tokenizer
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
 
     dest.mkdir(parents=True, exist_ok=True)
     has = {n: (folder / n).is_file() for n in ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json")}
@@ -291,7 +291,7 @@ def import_hf(model: str, out: str | Path, tp: int = 1, pp: int = 1, seq_length:
     if model_type == "gpt2":
         model_cfg = model_config_from_hf(hf_cfg, seq_length)
     elif model_type in ("megatron-bert", "bert"):
-        from training.hf_bert import model_config_from_hf as bert_config_from_hf
+        from training.tools.hf_bert import model_config_from_hf as bert_config_from_hf
 
         model_cfg = bert_config_from_hf(hf_cfg, seq_length)
     else:
@@ -305,7 +305,7 @@ def import_hf(model: str, out: str | Path, tp: int = 1, pp: int = 1, seq_length:
     if model_type == "gpt2":
         weights = from_hf_state_dict(hf_sd, cfg.model.num_layers)
     else:
-        from training.hf_bert import from_hf as bert_from_hf
+        from training.tools.hf_bert import from_hf as bert_from_hf
 
         weights = bert_from_hf(hf_sd, cfg.model)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -330,7 +330,7 @@ def import_hf(model: str, out: str | Path, tp: int = 1, pp: int = 1, seq_length:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(prog="python -m training.import_hf", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m training.tools.import_hf", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="transformers GPT-2 folder, or a hub name (needs network/cache)")
     ap.add_argument("--out", required=True, help="new run directory")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the written checkpoint")

@@ -1,6 +1,6 @@
 """Convert a training checkpoint to another tensor/pipeline-parallel layout.
 
-    python -m training.reshard --checkpoint RUN_DIR --tp K --pp M [--dp D] --out NEW_RUN_DIR
+    python -m training.tools.reshard --checkpoint RUN_DIR --tp K --pp M [--dp D] --out NEW_RUN_DIR
 
 Shards are merged by their saved partition tags (column-parallel weights on output rows,
 row-parallel on input columns, the fused QKV head-aligned through its stride, the vocabulary by
@@ -13,7 +13,7 @@ from it (a ZeRO-1 checkpoint partitions the optimizer over DP ranks: resume it w
 Moved along: weights, Adam moments, the LR schedule, iteration and data position. fp32 runs without
 ZeRO keep Adam's state per model parameter, read from the files; fp16 runs (fp32 master weights in
 DeepSpeed's fp16 optimizer) and ZeRO-1 runs (flat partitions) are loaded by DeepSpeed in their source
-layout and their fp32 masters and moments read per parameter (``training/reshard_optim.py``). The
+layout and their fp32 masters and moments read per parameter (``training/tools/reshard_optim.py``). The
 dropout RNG streams of a
 new layout cannot be mapped from the old ranks: they are re-seeded with seed + iteration (as
 Megatron-DeepSpeed does for universal checkpoints).
@@ -21,7 +21,7 @@ Megatron-DeepSpeed does for universal checkpoints).
 from __future__ import annotations
 
 if __name__ == "__main__":  # run as `python -m`: process settings before torch loads
-    from training.process_env import configure
+    from training.runtime.process_env import configure
 
     configure()
 
@@ -39,9 +39,9 @@ import torch
 from training.checkpoint import _model_files, checkpoint_dir, load_merged_state_dict
 from training import safe_load
 from training.config import ConfigError, config_from_dict, validate_static
-from training import reshard_optim
+from training.tools import reshard_optim
 
-logger = logging.getLogger("training.reshard")
+logger = logging.getLogger("training.tools.reshard")
 
 
 def merge_optimizer_state(run_dir: Path, tag: str | None, meta: dict) -> dict[str, dict] | None:
@@ -222,7 +222,7 @@ def _entry(rank, world, port, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from training.distributed import init_distributed
+    from training.runtime.distributed import init_distributed
 
     logging.basicConfig(level=logging.WARNING)
     init_distributed("gloo")
@@ -233,7 +233,7 @@ def _entry(rank, world, port, fn, args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.reshard", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m training.tools.reshard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="run directory with checkpoints/latest")
     parser.add_argument("--tp", type=int, required=True, help="target tensor-parallel degree")

@@ -1,7 +1,7 @@
 """BERT pretraining as a trainer task: MLM + SOP over a sentence-level corpus.
 
-Same interface as :class:`training.tasks.GPTTask`; the trainer handles DeepSpeed, precision, metrics
-and checkpoints. Batches are dicts of int64 tensors (``training.bert_data.collate``); the loss is
+Same interface as :class:`training.tasks.gpt.GPTTask`; the trainer handles DeepSpeed, precision, metrics
+and checkpoints. Batches are dicts of int64 tensors (``training.data.bert_data.collate``); the loss is
 ``mlm + sop`` and both parts are logged (``mlm_loss``, ``sop_loss``).
 
 Sample order: as the GPT task (Megatron's sampler): DP rank d of a step starting at ``consumed``
@@ -17,10 +17,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_pipeline.corpus import load_corpus
-from data_pipeline.gpt_dataset import split_boundaries
-from training import device as tdev
-from training.bert_data import BertDataError, BertDataset, BertVocab, MaskingConfig, collate, usable_documents
+from megatron_ds_suite.core.corpus import load_corpus
+from training.data.gpt_dataset import split_boundaries
+from training.runtime import device as tdev
+from training.data.bert_data import BertDataError, BertDataset, BertVocab, MaskingConfig, collate, usable_documents
 from training.config import Config, ConfigError
 from training.models.bert import BertModel, bert_loss
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from training import device as tdev
+from training.runtime import device as tdev
 from training.config import Config
-from training.data import BatchSampler, build_datasets, resolve_sources
+from training.data.loader import BatchSampler, build_datasets, resolve_sources
 from training.models.gpt2 import GPT2Model
 
 
@@ -63,7 +63,7 @@ def make_task(cfg: Config, ps, dp: int):
     if cfg.model.arch == "gpt2":
         return GPTTask(cfg, ps, dp)
     if cfg.model.arch == "bert":
-        from training.bert_task import BertTask  # noqa: PLC0415 - BERT pulls in its own data code
+        from training.tasks.bert import BertTask  # noqa: PLC0415 - BERT pulls in its own data code
 
         return BertTask(cfg, ps, dp)
     raise ValueError(f"unknown model.arch {cfg.model.arch!r}")

@@ -12,7 +12,7 @@
   (no BOS/EOS post-processing); ``eod`` is ``eod_token`` from the spec or the first of
   ``<|endoftext|>``, ``</s>``, ``<eos>``, ``[SEP]`` in the vocabulary.
 
-Both follow :class:`data_pipeline.tokenizer.Tokenizer` (``spec()`` / ``load_tokenizer``).
+Both follow :class:`megatron_ds_suite.core.tokenizer.Tokenizer` (``spec()`` / ``load_tokenizer``).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from data_pipeline.tokenizer import BERT_SPECIAL_PIECES, Tokenizer, TokenizerError, _need_file
+from megatron_ds_suite.core.tokenizer import BERT_SPECIAL_PIECES, Tokenizer, TokenizerError, _need_file
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 

@@ -11,7 +11,7 @@ On CUDA:
   in ``FP16_UnfusedOptimizer`` (a Python loop over parameters). bf16/fp32 use torch's fused AdamW (one
   CUDA kernel for all parameters); so does fp16 when the FusedAdam kernel cannot be built (no nvcc).
 * **process group** -- ``torch.cuda.set_device(LOCAL_RANK)`` before any group
-  (:func:`training.device.set_local_device`), then NCCL (DeepSpeed's accelerator backend).
+  (:func:`training.runtime.device.set_local_device`), then NCCL (DeepSpeed's accelerator backend).
 * **attention** -- ``F.scaled_dot_product_attention`` with ``is_causal=True`` and no explicit mask
   (GPT-2), which lets PyTorch pick the flash / memory-efficient kernels; BERT passes its key-padding
   mask (memory-efficient kernel). The CPU-only fp32 dropout path of ``training.models.ops`` is never

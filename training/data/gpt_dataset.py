@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_pipeline.indexed_dataset import MMapIndexedDataset
+from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ def untested_deepspeed(version: str) -> str | None:
     lo, hi = TESTED_DEEPSPEED
     if m and lo <= (int(m.group(1)), int(m.group(2))) < hi:
         return None
-    return (f"DeepSpeed {version} is untested here (tested: {lo[0]}.{lo[1]}.x): training/ds_compat.py's fp16 "
+    return (f"DeepSpeed {version} is untested here (tested: {lo[0]}.{lo[1]}.x): training/runtime/ds_compat.py's fp16 "
             f"loss-scaling repair detects the need by reading DeepSpeed's source; check it with "
             f"tests/test_fp16_loss_scale.py or install the pinned release (pip install -c constraints.txt deepspeed)")
 

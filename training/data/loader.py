@@ -4,7 +4,7 @@ Sources (config ``data``):
 - ``corpus``: a directory from ``python -m data_pipeline build`` (tokenizer + indexed dataset);
 - ``text_files``: plain text tokenized once into RUN_DIR/data (documents = blank-line blocks) with
   the tokenizer named in ``data.tokenizer``, cached by content digest;
-- ``prefixes``: Megatron ``.bin/.idx`` datasets blended by weight (:mod:`training.blending`).
+- ``prefixes``: Megatron ``.bin/.idx`` datasets blended by weight (:mod:`training.data.blending`).
 
 Order: for iteration k and micro-batch m, DP rank d reads samples
 ``k*G + m*(mb*dp) + d*mb + [0, mb)`` of the shuffled dataset (G = global batch, mb = micro-batch), so a
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_pipeline.corpus import load_corpus
-from data_pipeline.gpt_dataset import build_gpt_datasets
-from data_pipeline.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype, dataset_exists
-from data_pipeline.tokenizer import Tokenizer, load_tokenizer
+from megatron_ds_suite.core.corpus import load_corpus
+from training.data.gpt_dataset import build_gpt_datasets
+from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype, dataset_exists
+from megatron_ds_suite.core.tokenizer import Tokenizer, load_tokenizer
 from training.config import Config, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -55,8 +55,8 @@ def resolve_sources(cfg: Config) -> DataSources:
         if corpus.gpt_prefix is None:
             raise ConfigError(f"data.corpus={d.corpus} has no GPT dataset; build it with a GPT tokenizer")
         return DataSources(corpus.tokenizer, corpus.gpt_prefix, corpus.manifest["tokenizer"], corpus.root)
-    if d.prefixes:  # Megatron .bin/.idx datasets blended by weight (training.blending)
-        from training.blending import parse_prefixes
+    if d.prefixes:  # Megatron .bin/.idx datasets blended by weight (training.data.blending)
+        from training.data.blending import parse_prefixes
 
         weights, prefixes = parse_prefixes(d.prefixes)
         if not d.tokenizer:
@@ -128,7 +128,7 @@ def build_datasets(cfg: Config, src: DataSources, num_samples: tuple[int, int, i
             logger.info("tokenizing %d text file(s) into %s", len(cfg.data.text_files), src.prefix)
             tokenize_text_files(cfg.data.text_files, src.tokenizer, src.prefix)
         if src.blend is not None:
-            from training.blending import build_blended_datasets
+            from training.data.blending import build_blended_datasets
 
             return build_blended_datasets(*src.blend, cfg.data.split, num_samples, cfg.model.seq_length,
                                           cfg.train.seed, cache, src.tokenizer.vocab_size)

@@ -1,0 +1,1 @@
+"""The process environment: devices, process groups, DeepSpeed compatibility, hardware peaks, run locks."""

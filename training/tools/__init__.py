@@ -1,0 +1,1 @@
+"""Offline tools over checkpoints: Hugging Face export/import and tensor-parallel resharding."""
