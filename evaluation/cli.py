@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from evaluation.errors import EvalError
+from megatron_ds_suite.core.errors import SuiteError
 from training.metrics import progress_enabled
 from evaluation.report import format_table, write_json_atomic
 
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
          "generate": run_generate}[args.task](args)
     except Exception as e:  # noqa: BLE001
         # bad input from any stage (EvalError, training's ConfigError, the TokenizerError ...): one line
-        if isinstance(e, EvalError) or type(e).__name__ in ONE_LINE_ERRORS:
+        if isinstance(e, SuiteError) or type(e).__name__ in ONE_LINE_ERRORS:
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise

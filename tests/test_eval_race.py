@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from evaluation.errors import EvalError
+from megatron_ds_suite.core.errors import RaceDataError
 from evaluation.race import race_accuracy
 from megatron_ds_suite.core.race import (SPLITS, clean_text, encode_question, encode_questions, read_race_dir,
                                   read_race_split)
@@ -111,9 +111,9 @@ def test_bad_input_is_reported_and_skipped(tmp_path):
     msgs = "\n".join(rep.problems)
     assert "broken.txt" in msgs and "invalid JSON" in msgs
     assert "three.txt" in msgs and "answer_e.txt" in msgs and "'E'" in msgs
-    with pytest.raises(EvalError, match="no \\*.txt"):
+    with pytest.raises(RaceDataError, match="no \\*.txt"):
         read_race_dir(tmp_path / "RACE" / "test" / "high")
-    with pytest.raises(EvalError, match="no dev/"):
+    with pytest.raises(RaceDataError, match="no dev/"):
         read_race_split(tmp_path / "RACE", "dev")
 
 

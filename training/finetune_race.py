@@ -372,12 +372,12 @@ class RaceFinetuner:
 def main(argv: list[str] | None = None) -> int:
     args = launcher_parser("python -m training.finetune_race", __doc__, "fine-tuning config YAML (see configs/race.yaml)").parse_args(argv)
     rank = setup_rank_logging()
-    from evaluation.errors import EvalError
+    from megatron_ds_suite.core.errors import RaceDataError
 
     try:
         cfg, meta = load_finetune_config(args.config, args.overrides)
         check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    except (ConfigError, EvalError) as e:
+    except (ConfigError, RaceDataError) as e:
         if rank == 0:
             print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             b = res["best"]
             print(f"\nRACE fine-tuning: best epoch {res['best_epoch']} | " +
                   " | ".join(f"{s} accuracy {v['accuracy']:.4f} ({v['count']} questions)" for s, v in b.items()))
-    except (ConfigError, EvalError) as e:
+    except (ConfigError, RaceDataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

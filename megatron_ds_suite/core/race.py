@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluation.errors import EvalError
+from megatron_ds_suite.core.errors import RaceDataError
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def option_text(question: str, option: str) -> str:
 def _special_ids(tokenizer) -> tuple[int, int, int]:
     ids = (getattr(tokenizer, "cls", None), getattr(tokenizer, "sep", None), getattr(tokenizer, "pad", None))
     if any(i is None for i in ids):
-        raise EvalError(f"RACE encoding needs a tokenizer with [CLS], [SEP] and [PAD] ids; {tokenizer!r} lacks them "
+        raise RaceDataError(f"RACE encoding needs a tokenizer with [CLS], [SEP] and [PAD] ids; {tokenizer!r} lacks them "
                         "(use a BERT-flavour vocabulary)")
     return ids  # type: ignore[return-value]
 
@@ -142,7 +142,7 @@ def read_race_dir(path: str | Path, level: str | None = None, report: RaceReadRe
     d = Path(path)
     report = report if report is not None else RaceReadReport()
     if not d.is_dir():
-        raise EvalError(f"RACE directory {d} does not exist (expected RACE/<split>/<middle|high>/*.txt)")
+        raise RaceDataError(f"RACE directory {d} does not exist (expected RACE/<split>/<middle|high>/*.txt)")
     level = level or d.name
     out: list[RaceQuestion] = []
     for f in sorted(d.glob("*.txt")):
@@ -185,7 +185,7 @@ def read_race_dir(path: str | Path, level: str | None = None, report: RaceReadRe
                 out.append(RaceQuestion(f.name, str(data["article"]), q, list(o), ord(a) - ord("A"), level,
                                         f"{data.get('id', f.stem)}-{qi}"))
     if report.files == 0:
-        raise EvalError(f"RACE directory {d} has no *.txt files")
+        raise RaceDataError(f"RACE directory {d} has no *.txt files")
     return out, report
 
 
@@ -193,9 +193,9 @@ def read_race_split(root: str | Path, split: str = "test", levels: Sequence[str]
     """``root/split/{middle,high}`` (the Megatron layout); questions in level order."""
     r = Path(root)
     if split not in SPLITS:
-        raise EvalError(f"RACE split must be one of {', '.join(SPLITS)}, got {split!r}")
+        raise RaceDataError(f"RACE split must be one of {', '.join(SPLITS)}, got {split!r}")
     if not (r / split).is_dir():
-        raise EvalError(f"RACE folder {r} has no {split}/ directory (expected {r}/{split}/{{middle,high}}/*.txt)")
+        raise RaceDataError(f"RACE folder {r} has no {split}/ directory (expected {r}/{split}/{{middle,high}}/*.txt)")
     report = RaceReadReport()
     out: list[RaceQuestion] = []
     for lv in levels:
