@@ -17,6 +17,7 @@ Layout written by ``python -m data_pipeline build`` and read by training and eva
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 import shutil
@@ -59,10 +60,13 @@ def copy_tokenizer_files(tokenizer_spec: dict[str, Any], root: str | Path, subdi
         if k.endswith("_file"):
             src = Path(v)
             target = dest / src.name
-            if src.resolve() != target.resolve():
+            if src.resolve() != target.resolve() and not (target.is_file() and filecmp.cmp(src, target, shallow=False)):
                 tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-                shutil.copyfile(src, tmp)
-                os.replace(tmp, target)
+                try:
+                    shutil.copyfile(src, tmp)
+                    os.replace(tmp, target)
+                finally:  # a full disk mid-copy leaves nothing behind
+                    tmp.unlink(missing_ok=True)
             out[k] = str(target.resolve())
     return out
 
