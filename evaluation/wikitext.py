@@ -84,12 +84,13 @@ def lines_to_tokens_text(lines: list[str]) -> str:
 
 
 def read_hf_wikitext(name: str, split: str = "test", column: str = "text") -> str:
-    """``NAME[:CONFIG]`` through ``datasets.load_dataset`` (a hub name, or a local folder/script)."""
-    import datasets
+    """``NAME[:CONFIG]`` through ``datasets.load_dataset`` (a hub name or a local data folder; loading scripts are refused)."""
+    from megatron_ds_suite.core.hf_datasets import check_no_script, load_hf_dataset
 
     ds_name, _, config = name.partition(":")
+    check_no_script(ds_name)  # a loading script is refused (one line), never run
     try:
-        ds = datasets.load_dataset(ds_name, config or None, split=split)
+        ds = load_hf_dataset(ds_name, config or None, split=split)
     except Exception as e:  # noqa: BLE001 - any loader failure becomes one line
         raise EvalError(f"cannot load dataset {name!r} split {split!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if column not in ds.column_names:
