@@ -33,14 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = Path(__file__).resolve().parent
-for p in (str(ROOT), str(SCRIPTS)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+from megatron_ds_suite.main_job.config import ConfigError, MainConfig, flatten, load_main_config
+from megatron_ds_suite.main_job.proc import Progress, free_port, network_reachable, run_logged
 
-from main_job_config import ConfigError, MainConfig, flatten, load_main_config  # noqa: E402
-from main_job_proc import Progress, free_port, network_reachable, run_logged  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 log = logging.getLogger("main_job")
 GPT_STAGES = ("corpus", "train", "eval_heldout", "eval_wikitext103", "eval_lambada", "report")
@@ -342,7 +338,7 @@ class MainJob:
         return self.train_fp, {"outputs_ok": ok}, run
 
     def _train_summary(self) -> str:
-        from main_job_report import read_metrics
+        from megatron_ds_suite.main_job.report import read_metrics
 
         steps, events = read_metrics(self.train_dir / "metrics.jsonl")
         s = f"{len(steps)} iterations, final loss {steps[-1]['loss']:.4f}" if steps else "no steps"
@@ -365,7 +361,7 @@ class MainJob:
         fp = digest(["heldout", self.train_fp, dataclasses.asdict(h), self.cfg.eval.tp])
 
         def run() -> str:
-            target = [str(SCRIPTS / "heldout_eval.py"), "--checkpoint", str(self.train_dir), "--corpus",
+            target = ["-m", "evaluation", "heldout", "--checkpoint", str(self.train_dir), "--corpus",
                       str(self.corpus_dir), "--split", self.train_cfg.data.split, "--part", h.part,
                       "--stride", str(h.stride), "--batch-size", str(h.batch_size),
                       "--max-documents", str(h.max_documents), "--json", str(out)]
@@ -491,7 +487,7 @@ class MainJob:
 
     # ------------------------------------------------------------------------------------- report
     def stage_report(self) -> Path:
-        from main_job_report import ReportInputs, write_report
+        from megatron_ds_suite.main_job.report import ReportInputs, write_report
 
         cmd = "bash scripts/run_main.sh" + (f" --config {self.config_path}" if self.config_path else "") + \
               "".join(f" {o}" for o in self.overrides)
