@@ -1,7 +1,7 @@
 """Perplexity of a GPT checkpoint on the held-out documents of its own corpus.
 
-    python scripts/heldout_eval.py --checkpoint RUN_DIR --corpus CORPUS_DIR --split 90,5,5 --part test \
-        [--stride 0] [--batch-size 8] [--max-documents 0] [--json OUT] [--tp 1]
+    python -m evaluation heldout --checkpoint RUN_DIR --corpus CORPUS_DIR --split 90,5,5 --part test \
+        [--stride 0] [--batch-size 8] [--max-documents 0] [--json OUT] [--tp 1] [--no-progress]
 
 Documents: the ``--part`` (test or valid) of Megatron's document split ``--split`` of the corpus's GPT
 indexed dataset (``training.data.gpt_dataset.split_documents``, the split training used, so none of
@@ -20,18 +20,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from evaluation.errors import EvalError  # noqa: E402
-from evaluation.report import format_table, write_json_atomic  # noqa: E402
+from evaluation.errors import EvalError
+from evaluation.report import format_table, write_json_atomic
 
 logger = logging.getLogger("heldout")
 PARTS = {"train": 0, "valid": 1, "test": 2}
@@ -53,8 +48,10 @@ def heldout_tokens(corpus_dir: str | Path, split: str, part: str, max_documents:
     return stream, len(used), len(items)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="scripts/heldout_eval.py", description=__doc__.split("\n\n")[0])
+def add_parser(sub) -> None:
+    """The ``heldout`` subcommand of ``python -m evaluation``."""
+    ap = sub.add_parser("heldout", help="perplexity on the held-out documents of the checkpoint's own corpus",
+                        description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True, help="training run directory")
     ap.add_argument("--corpus", required=True, help="corpus directory (corpus.json) the run trained on")
     ap.add_argument("--split", required=True, help="the run's data.split, e.g. 90,5,5")
@@ -66,57 +63,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        from evaluation.model import load_scorer, setup_runtime
-        from evaluation.wikitext import WindowPlan, perplexity_numbers, score_stream
-
-        if args.batch_size < 1 or args.stride < 0 or args.max_documents < 0:
-            raise EvalError("--batch-size must be >= 1, --stride and --max-documents >= 0")
-        if not Path(args.corpus, "corpus.json").is_file():
-            raise EvalError(f"{args.corpus} is not a corpus directory (no corpus.json)")
-        tokens, n_docs, part_docs = heldout_tokens(args.corpus, args.split, args.part, args.max_documents)
-        rt = setup_runtime(args.tp)
-        scorer, cfg, tok = load_scorer(args.checkpoint, rt)
-        from megatron_ds_suite.core.corpus import load_corpus
-
-        corpus_vocab = load_corpus(args.corpus).tokenizer.vocab_size
-        if corpus_vocab != tok.vocab_size:
-            raise EvalError(f"corpus tokenizer ({corpus_vocab} ids) is not the checkpoint's ({tok.vocab_size} ids): "
-                            "score the corpus the model was trained on")
-        L = cfg.model.seq_length
-        stride = args.stride or L
-        plan = WindowPlan(tokens, L, stride, tok.eod)
-        t0 = time.perf_counter()
-        res = score_stream(scorer, plan, args.batch_size, rt.dp.rank, rt.dp.world, rt.dp.group,
-                           progress=not args.no_progress and rt.is_main)
-        elapsed = time.perf_counter() - t0
-        if res.scored_tokens != len(tokens) - 1:
-            raise RuntimeError(f"scored {res.scored_tokens} targets, expected {len(tokens) - 1}")
-        nums = perplexity_numbers(res.total_nll, len(tokens), len(tokens))
-        out = {"task": "heldout", "checkpoint": str(args.checkpoint), "corpus": str(args.corpus),
-               "split": args.split, "part": args.part, "documents": n_docs, "part_documents": part_docs,
-               "tokens": int(len(tokens)), "scored_targets": res.scored_tokens, "total_nll": res.total_nll,
-               "loss": nums["loss"], "ppl": nums["ppl"], "seq_length": L, "stride": stride,
-               "windows": plan.num_windows, "score_seconds": elapsed}
-        if rt.is_main:
-            path = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / "heldout.json"
-            write_json_atomic(path, out)
-            print(format_table(f"Held-out perplexity ({args.part} documents of the corpus)", [
-                ("documents", n_docs), ("tokens N", int(len(tokens))), ("loss / token (nats)", nums["loss"]),
-                ("perplexity", nums["ppl"]), ("windows (L, stride)", f"{plan.num_windows} ({L}, {stride})")]))
-            print(f"wrote {path}")
-    except EvalError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - bad inputs from other packages: one line
-        if type(e).__name__ in ("ConfigError", "CorpusError", "TokenizerError", "CheckpointError", "GPTDatasetError"):
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        raise
-    return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run_heldout(args: argparse.Namespace) -> None:
+    """Score the part; bad input raises :class:`EvalError` (one line, exit code 2 in the CLI)."""
+    from evaluation.model import load_scorer, setup_runtime
+    from evaluation.wikitext import WindowPlan, perplexity_numbers, score_stream
+    from megatron_ds_suite.core.corpus import load_corpus
+
+    if args.batch_size < 1 or args.stride < 0 or args.max_documents < 0:
+        raise EvalError("--batch-size must be >= 1, --stride and --max-documents >= 0")
+    if not Path(args.corpus, "corpus.json").is_file():
+        raise EvalError(f"{args.corpus} is not a corpus directory (no corpus.json)")
+    tokens, n_docs, part_docs = heldout_tokens(args.corpus, args.split, args.part, args.max_documents)
+    rt = setup_runtime(args.tp)
+    scorer, cfg, tok = load_scorer(args.checkpoint, rt)
+    corpus_vocab = load_corpus(args.corpus).tokenizer.vocab_size
+    if corpus_vocab != tok.vocab_size:
+        raise EvalError(f"corpus tokenizer ({corpus_vocab} ids) is not the checkpoint's ({tok.vocab_size} ids): "
+                        "score the corpus the model was trained on")
+    L = cfg.model.seq_length
+    stride = args.stride or L
+    plan = WindowPlan(tokens, L, stride, tok.eod)
+    t0 = time.perf_counter()
+    res = score_stream(scorer, plan, args.batch_size, rt.dp.rank, rt.dp.world, rt.dp.group,
+                       progress=not args.no_progress and rt.is_main)
+    elapsed = time.perf_counter() - t0
+    if res.scored_tokens != len(tokens) - 1:
+        raise RuntimeError(f"scored {res.scored_tokens} targets, expected {len(tokens) - 1}")
+    nums = perplexity_numbers(res.total_nll, len(tokens), len(tokens))
+    out = {"task": "heldout", "checkpoint": str(args.checkpoint), "corpus": str(args.corpus),
+           "split": args.split, "part": args.part, "documents": n_docs, "part_documents": part_docs,
+           "tokens": int(len(tokens)), "scored_targets": res.scored_tokens, "total_nll": res.total_nll,
+           "loss": nums["loss"], "ppl": nums["ppl"], "seq_length": L, "stride": stride,
+           "windows": plan.num_windows, "score_seconds": elapsed}
+    if rt.is_main:
+        path = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / "heldout.json"
+        write_json_atomic(path, out)
+        print(format_table(f"Held-out perplexity ({args.part} documents of the corpus)", [
+            ("documents", n_docs), ("tokens N", int(len(tokens))), ("loss / token (nats)", nums["loss"]),
+            ("perplexity", nums["ppl"]), ("windows (L, stride)", f"{plan.num_windows} ({L}, {stride})")]))
+        print(f"wrote {path}")

@@ -1,5 +1,5 @@
 import sys
 
-from megatron_ds_suite.main_job.job import main
+from megatron_ds_suite.main_job.cli import main
 
 sys.exit(main())
