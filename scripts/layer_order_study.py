@@ -1,6 +1,6 @@
 """Layer-order study: post-LN (original BERT) vs pre-LN (Megatron, Figure 7) BERT at increasing depth.
 
-    python scripts/layer_order_study.py [--corpus runs/corpus-bert] [--depths 2,4,8,16] [--iters 150] ...
+    python -m scripts.layer_order_study [--corpus runs/corpus-bert] [--depths 2,4,8,16] [--iters 150] ...
 
 Every (order, depth) pair trains from the same seed on the same sample order with the same budget and
 learning-rate schedule (single process, fp32, CPU; the model is ``training.models.bert.BertModel`` at
@@ -32,13 +32,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from training.config import ModelConfig, OptimizerConfig, padded_vocab_size
+from training.data.bert_data import BertDataset, BertVocab, MaskingConfig, collate
+from training.models.bert import BertModel, bert_loss
+from training.optim import lr_at, param_groups
 
-from training.data.bert_data import BertDataset, BertVocab, MaskingConfig, collate  # noqa: E402
-from training.config import ModelConfig, OptimizerConfig, padded_vocab_size  # noqa: E402
-from training.models.bert import BertModel, bert_loss  # noqa: E402
-from training.optim import lr_at, param_groups  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 logger = logging.getLogger("layer_order_study")
 

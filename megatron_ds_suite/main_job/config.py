@@ -21,7 +21,7 @@ from typing import Any, Literal
 import yaml
 
 # the strict dataclass loader shared with the training config (unknown keys, types, Literals)
-from training.config import ConfigError, build_dataclass as _build, merge_dicts as _merge  # noqa: E402
+from training.config import ConfigError, build_dataclass as _build, merge_dicts as _merge
 
 @dataclass
 class CorpusSection:
