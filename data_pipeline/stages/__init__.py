@@ -352,7 +352,7 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
     src_s, dst_s, k, spec, min_tokens, count_eod, batch = args
     from megatron_ds_suite.core.tokenizer import load_tokenizer
 
-    from data_pipeline.exact_dedup import text_key
+    from data_pipeline.dedup.exact import text_key
     from megatron_ds_suite.core.indexed_dataset import best_dtype
 
     tok = load_tokenizer(spec)
@@ -483,7 +483,7 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
                     (folder / "sigs.npy").unlink(missing_ok=True)
                 return np.asarray(sorted(found), dtype=np.int64).reshape(-1, 2)
 
-        from data_pipeline import exact_dedup as ex
+        from data_pipeline.dedup import exact as ex
 
         def fuzzy(st: DocStore, sdir: Path) -> Any:
             cand = candidates
