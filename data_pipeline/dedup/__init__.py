@@ -28,8 +28,8 @@ document), not texts or shingles.
 LSH: documents share a candidate bucket in band ``b`` iff their signatures are equal on rows
 ``[b·r, (b+1)·r)`` — datasketch ``MinHashLSH(params=(bands, rows))`` semantics. In memory this is one
 sort per band of a 64-bit hash of the band (adjacent equal hashes are checked row by row, so a hash
-collision can never add a pair; a collision makes that band fall back to an exact ``np.unique``). With
-``storage: redis`` datasketch's own ``MinHashLSH`` with Redis storage is used (same pairs, tested).
+collision can never add a pair; a collision makes that band fall back to an exact ``np.unique``); equal
+to the buckets of datasketch's own in-memory ``MinHashLSH`` (tested).
 Default bands×rows from datasketch's ``_optimal_param(threshold, num_perm, 0.1, 0.9)`` — biased to
 recall: 20×6 at 0.7/128 finds a pair at exactly J=0.7 with probability 0.92 (equal weights: 14×9, 0.44).
 
@@ -62,7 +62,6 @@ import xxhash
 from datasketch import LeanMinHash, MinHash, MinHashLSH
 from datasketch.lsh import _optimal_param
 
-from data_pipeline.config import ConfigError
 from data_pipeline.store import DocStore, atomic_save_npy
 
 log = logging.getLogger(__name__)
@@ -513,167 +512,22 @@ def candidates_in_memory(sigs: np.ndarray, active: np.ndarray, lsh: LshSpec, pro
     return set(map(tuple, band_pairs(sigs, active, lsh.bands, lsh.rows).tolist()))  # type: ignore[arg-type]
 
 
-def make_lsh(lsh: LshSpec, storage_config: dict[str, Any] | None = None) -> MinHashLSH:
-    """datasketch's index; with Redis storage keys are :func:`redis_key` bytes, never pickles
-    (``prepickle=False``: datasketch would otherwise ``pickle.loads`` whatever a bucket in Redis holds)."""
-    return MinHashLSH(threshold=lsh.threshold, num_perm=lsh.num_perm, params=(lsh.bands, lsh.rows),
-                      storage_config=storage_config, prepickle=False)
-
-
-# ------------------------------------------------------------------------------------- Redis (untrusted)
-# Anyone who can write to the Redis server can put anything into a bucket. Members are therefore plain
-# 8-byte big-endian document positions, decoded by int.from_bytes after a length check: a foreign
-# value is refused with one line, it can never run code (no pickle), whatever it holds.
-REDIS_KEY_BYTES = 8
-
-
-class RedisIndexError(ConfigError):
-    """The shared Redis index is unreachable, refuses us, or holds values this pipeline did not write."""
-
-
-def redis_key(position: int) -> bytes:
-    """The Redis member of document ``position``: 8 bytes, big-endian."""
-    return int(position).to_bytes(REDIS_KEY_BYTES, "big")
-
-
-def redis_member(m: Any) -> int:
-    """Inverse of :func:`redis_key`; anything else in a bucket is refused."""
-    if not isinstance(m, (bytes, bytearray)) or len(m) != REDIS_KEY_BYTES:
-        raise RedisIndexError(f"the Redis LSH index holds a member {bytes(m)[:24]!r} that this pipeline did not "
-                              f"write (expected {REDIS_KEY_BYTES}-byte document ids): another program writes to "
-                              f"these keys; clear the index and use a Redis server only this pipeline can write "
-                              f"to (password and TLS: docs/data_pipeline.md)")
-    return int.from_bytes(m, "big")
-
-
-def redis_auth(dedup_cfg: Any) -> dict[str, Any]:
-    """``redis.Redis`` keyword arguments for authentication and TLS from ``dedup.*``: the password is
-    read from the environment variable named by ``dedup.redis_password_env`` (never from a config file),
-    ``dedup.redis_tls`` turns on TLS (``rediss://``), ``dedup.redis_ca_certs`` names the CA bundle."""
-    import os
-
-    out: dict[str, Any] = {}
-    env = getattr(dedup_cfg, "redis_password_env", "") or ""
-    if env and os.environ.get(env):
-        out["password"] = os.environ[env]
-        if getattr(dedup_cfg, "redis_username", None):
-            out["username"] = dedup_cfg.redis_username
-    if getattr(dedup_cfg, "redis_tls", False):
-        out["ssl"] = True
-        if getattr(dedup_cfg, "redis_ca_certs", None):
-            out["ssl_ca_certs"] = dedup_cfg.redis_ca_certs
-    return out
-
-
-def redis_client(params: dict[str, Any]) -> Any:
-    """A connected ``redis.Redis`` for ``params``; an unreachable server or failed login is one line."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    client = redis.Redis(**params)
-    where = f"{params.get('host', params.get('unix_socket_path'))}:{params.get('port', '')}/{params.get('db', 0)}"
-    try:
-        # the check fails at once (redis-py retries a refused connection or login with back-off)
-        redis.Redis(**params, retry=Retry(NoBackoff(), 0)).ping()
-    except (redis.AuthenticationError, redis.ResponseError) as e:
-        if not isinstance(e, redis.AuthenticationError) and not any(w in str(e) for w in ("NOAUTH", "WRONGPASS",
-                                                                                          "authenticated")):
-            raise RedisIndexError(f"Redis at {where} answered an error: {str(e)[:200]}") from None
-        how = "a wrong password was given" if params.get("password") else "no password was given"
-        raise RedisIndexError(f"Redis at {where} refused the login ({how}): put the password in the environment "
-                              f"variable named by dedup.redis_password_env (default REDIS_PASSWORD) or in the "
-                              f"--redis URL") from None
-    except redis.RedisError as e:
-        raise RedisIndexError(f"cannot reach Redis at {where}: {e}; start redis-server there or fix "
-                              f"dedup.redis_host/redis_port (TLS: dedup.redis_tls)") from None
-    if not params.get("password") and params.get("host") not in (None, "127.0.0.1", "localhost", "::1"):
-        log.warning("Redis at %s is used without a password: anyone who can reach it can alter the dedup "
-                    "index (set dedup.redis_password_env; docs/data_pipeline.md)", where)
-    return client
+def make_lsh(lsh: LshSpec) -> MinHashLSH:
+    """datasketch's in-memory index with the same (bands, rows): the reference :func:`band_pairs` is tested against."""
+    return MinHashLSH(threshold=lsh.threshold, num_perm=lsh.num_perm, params=(lsh.bands, lsh.rows))
 
 
 def bucket_pairs(index: MinHashLSH, bands: Iterable[int] | None = None) -> set[tuple[int, int]]:
     """Every pair (i, j), i < j, of keys that share a bucket in one of ``bands`` (all by default),
-    read from the index's own storage (dict or Redis; Redis buckets fetched with pipelined ``getmany``)."""
+    read from the index's own in-memory storage."""
     pairs: set[tuple[int, int]] = set()
     for b in range(index.b) if bands is None else bands:
         table = index.hashtables[b]
-        keys = list(table.keys())
-        groups = table.getmany(*keys) if hasattr(table, "getmany") and keys else [table.get(k) for k in keys]
-        for members in groups:
+        for members in (table.get(k) for k in list(table.keys())):
             if len(members) < 2:
                 continue
-            ids = sorted(m if isinstance(m, int) else redis_member(m) for m in set(members))
+            ids = sorted(int(m) for m in set(members))
             pairs.update((ids[x], ids[y]) for x in range(len(ids)) for y in range(x + 1, len(ids)))
-    return pairs
-
-
-def redis_storage_config(host: str, port: int, db: int, basename: str, **auth: Any) -> dict[str, Any]:
-    """datasketch ``storage_config``; ``auth``: :func:`redis_auth`'s password/TLS arguments."""
-    return {"type": "redis", "basename": basename.encode(), "redis": {"host": host, "port": port, "db": db, **auth}}
-
-
-def redis_clear(host: str, port: int, db: int, basename: str, **auth: Any) -> int:
-    """Delete every key of one shared index (a previous, possibly crashed, run): datasketch names them
-    ``<basename>_keys`` and ``<basename>_bucket_<band>``, so another run whose basename merely starts
-    with this one is left alone."""
-    r = redis_client({"host": host, "port": port, "db": db, **auth})
-    return delete_index_keys(r, basename)
-
-
-def delete_index_keys(client: Any, basename: str, extra: tuple[str, ...] = ()) -> int:
-    """Delete the keys datasketch writes for ``basename`` (``<basename>_keys…``, ``<basename>_bucket_…``)
-    and ``<basename><suffix>…`` for each of ``extra``; returns how many."""
-    n = 0
-    for suffix in ("_keys", "_bucket_", *extra):
-        for k in client.scan_iter(match=_glob_escape(basename + suffix) + "*", count=1000):
-            n += client.delete(k)
-    return n
-
-
-def _glob_escape(text: str) -> str:
-    """``text`` as a literal in a Redis MATCH pattern."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
-def redis_insert_worker(args: tuple[str, dict[str, Any], LshSpec, int, int]) -> int:
-    """Worker ``rank`` of ``world``: insert its share (positions ≡ rank mod world, in chunks) of the
-    signatures into the shared Redis index through datasketch's storage backend."""
-    sig_file, storage, lsh, rank, world = args
-    sigs = np.load(sig_file, mmap_mode="r")
-    active = np.load(sig_file.replace("sigs.npy", "active.npy"))
-    index = make_lsh(lsh, storage)
-    n = 0
-    with index.insertion_session(buffer_size=10000) as session:
-        for j in np.flatnonzero(active).tolist():
-            if j % world != rank:
-                continue
-            session.insert(redis_key(j), LeanMinHash(seed=lsh.seed, hashvalues=np.array(sigs[j]), scheme="affine32"),
-                           check_duplication=False)
-            n += 1
-    return n
-
-
-def redis_query_worker(args: tuple[str, dict[str, Any], LshSpec, int, int]) -> list[tuple[int, int]]:
-    """Worker ``rank`` of ``world``: after every worker has inserted, enumerate the buckets of bands
-    ``rank, rank + world, ...`` of the shared index and return the pairs (i, j), i < j, found there."""
-    sig_file, storage, lsh, rank, world = args
-    index = make_lsh(lsh, storage)
-    return sorted(bucket_pairs(index, range(rank, index.b, world)))
-
-
-def candidates_redis(sig_file: Path, lsh: LshSpec, storage: dict[str, Any], workers: int
-                     ) -> set[tuple[int, int]]:
-    """Same candidate set as :func:`candidates_in_memory`, from ``workers`` processes sharing one
-    Redis-backed index: all insert their share, then (after the barrier) each enumerates its bands."""
-    jobs = [(str(sig_file), storage, lsh, r, workers) for r in range(workers)]
-    with get_context("spawn").Pool(workers) as pool:
-        inserted = sum(pool.map(redis_insert_worker, jobs))
-        log.info("redis lsh: %d signatures inserted by %d workers", inserted, workers)
-        pairs: set[tuple[int, int]] = set()
-        for part in pool.map(redis_query_worker, jobs):
-            pairs.update(part)
     return pairs
 
 
@@ -803,9 +657,7 @@ def duplicate_rows(store: DocStore, clusters: dict[int, list[int]], link: dict[i
     One row per cluster: ``{"kept": source id, "kept_i": input index, "removed": [{"id", "i", "jaccard"
     (to the survivor, 6 decimals), "linked_via" (input index of the other end of the first merging edge
     touching it), "link_jaccard"}, ...]}`` (members in store order). ``to_survivor(root, member)`` gives
-    the Jaccard of a removed member to its survivor. Shared by the single-machine stage
-    (``stages.run_dedup``) and the multi-machine merge (``distributed_dedup.run_dedup_merge``), whose
-    outputs are compared byte for byte.
+    the Jaccard of a removed member to its survivor.
     """
     rows: list[dict[str, Any]] = []
     removed: list[int] = []

@@ -57,11 +57,16 @@ def work_dir(cfg: BuildConfig, stage: str) -> Path:
     return cfg.out / "work" / stage
 
 
+#: config fields of the retired Redis LSH flow: never part of a fingerprint (unchanged stage fingerprints)
+_RETIRED_DEDUP_KEYS = ("storage", "redis_host", "redis_port", "redis_db", "basename", "redis_password_env",
+                       "redis_username", "redis_tls", "redis_ca_certs")
+
+
 def _dedup_result_keys(cfg: BuildConfig) -> dict[str, Any]:
+    """``dedup.*`` settings that change the result (the retired Redis keys are dropped while config has them)."""
     d = dataclasses.asdict(cfg.dedup)
-    for k in ("chunk_size", "storage", "redis_host", "redis_port", "redis_db", "basename", "verify_block_docs",
-              "redis_password_env", "redis_username", "redis_tls", "redis_ca_certs"):
-        d.pop(k)
+    for k in ("chunk_size", "verify_block_docs", *_RETIRED_DEDUP_KEYS):
+        d.pop(k, None)
     return d
 
 
@@ -458,7 +463,7 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
                             "survivor": "lowest input index of each union-find cluster",
                             "p_candidate": {str(s): round(dd.candidate_probability(s, lsh.bands, lsh.rows), 4)
                                             for s in (0.5, 0.6, 0.7, 0.75, 0.8, 0.9)},
-                            "storage": d.storage, "executor": cfg.executor}
+                            "storage": "dict", "executor": cfg.executor}
     removed: list[int] = []
     clusters: dict[int, list[int]] = {}
     rows: list[dict[str, Any]] = []
@@ -468,21 +473,6 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
                                                                  d.shingle_size, d.shingle_unit,
                                                                  dd.FINGERPRINT_VERSION, d.chunk_size]))
         candidates = None
-        if d.storage == "redis":
-            basename = d.basename or f"dp-{_digest([str(cfg.out), fingerprint(cfg, 'dedup')])}"
-
-            def candidates(sigs: np.ndarray, active: np.ndarray) -> np.ndarray:
-                dd.redis_clear(d.redis_host, d.redis_port, d.redis_db, basename, **dd.redis_auth(d))
-                atomic_save_npy(folder / "sigs.npy", sigs)
-                atomic_save_npy(folder / "active.npy", active)
-                storage = dd.redis_storage_config(d.redis_host, d.redis_port, d.redis_db, basename, **dd.redis_auth(d))
-                try:
-                    found = dd.candidates_redis(folder / "sigs.npy", lsh, storage, max(1, cfg.num_workers))
-                finally:
-                    dd.redis_clear(d.redis_host, d.redis_port, d.redis_db, basename, **dd.redis_auth(d))
-                    (folder / "sigs.npy").unlink(missing_ok=True)
-                return np.asarray(sorted(found), dtype=np.int64).reshape(-1, 2)
-
         from data_pipeline.dedup import exact as ex
 
         def fuzzy(st: DocStore, sdir: Path) -> Any:
