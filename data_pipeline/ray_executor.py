@@ -93,7 +93,7 @@ def ray_sign_chunks(cfg: BuildConfig, store: Any, sig_dir: Path, num_perm: int, 
                     chunk_size: int) -> None:
     """The signature chunks ``dedup.compute_signatures`` would compute, as Ray tasks (``dedup.sign_chunk``,
     same files); finished chunks are kept, so the stage then only loads them."""
-    from data_pipeline.dedup import _chunk_files, sign_chunk
+    from data_pipeline.dedup.minhash import _chunk_files, sign_chunk
 
     sig_dir.mkdir(parents=True, exist_ok=True)
     n = len(store)
@@ -116,7 +116,7 @@ def _band_key_hash(band: int, rows: np.ndarray) -> np.ndarray:
 def band_map(args: tuple[str, int, int, int, int, int]) -> list[np.ndarray]:
     """Map task of one signature chunk: per partition, int64 rows ``[band, doc, r_0 .. r_{rows-1}]`` of
     the chunk's active documents (a document with no shingle has no key, as in ``band_pairs``)."""
-    from data_pipeline.dedup import _chunk_files
+    from data_pipeline.dedup.minhash import _chunk_files
 
     sig_dir, start, bands, rows, parts, _ = args
     f = _chunk_files(Path(sig_dir), start)
