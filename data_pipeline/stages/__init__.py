@@ -16,8 +16,9 @@ chunk with its own completion marker, so a crashed run resumes without recomputi
 from __future__ import annotations
 
 from data_pipeline.report import summary_table
-from data_pipeline.stages.bookkeeping import (STAGES, StageError, _begin, _digest, _finish, _require, assemble_stats,
-                                              fingerprint, is_done, stage_record, work_dir)
+from data_pipeline.stages.bookkeeping import (STAGES, StageError, assemble_stats, begin_stage, digest, finish_stage,
+                                              fingerprint, is_done, progress_bar, require_stage, stage_record,
+                                              work_dir)
 from data_pipeline.stages.dedup import dedup_specs, run_dedup
 from data_pipeline.stages.export import document_row, run_export
 from data_pipeline.stages.filter import TokenIds, _filter_shard, run_filter, save_token_ids
@@ -25,7 +26,8 @@ from data_pipeline.stages.ingest import _ingest_shard, run_ingest
 from data_pipeline.stages.runner import RUNNERS, build, run_stage
 from data_pipeline.stages.tokenizer import load_stage_tokenizer, run_tokenizer
 
-__all__ = ["RUNNERS", "STAGES", "StageError", "TokenIds", "assemble_stats", "build", "dedup_specs", "document_row",
-           "fingerprint", "is_done", "load_stage_tokenizer", "run_dedup", "run_export", "run_filter", "run_ingest",
-           "run_stage", "run_tokenizer", "save_token_ids", "stage_record", "summary_table", "work_dir",
-           "_begin", "_digest", "_filter_shard", "_finish", "_ingest_shard", "_require"]
+__all__ = ["RUNNERS", "STAGES", "StageError", "TokenIds", "assemble_stats", "begin_stage", "build", "dedup_specs",
+           "digest", "document_row", "finish_stage", "fingerprint", "is_done", "load_stage_tokenizer",
+           "progress_bar", "require_stage", "run_dedup", "run_export", "run_filter", "run_ingest", "run_stage",
+           "run_tokenizer", "save_token_ids", "stage_record", "summary_table", "work_dir",
+           "_filter_shard", "_ingest_shard"]

@@ -30,11 +30,13 @@ class StageError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------ bookkeeping
-def _digest(obj: Any) -> str:
+def digest(obj: Any) -> str:
+    """16 hex digits of the SHA-256 of ``obj`` as sorted-key JSON."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def work_dir(cfg: BuildConfig, stage: str) -> Path:
+    """``<output_dir>/work/<stage>``."""
     return cfg.out / "work" / stage
 
 
@@ -54,25 +56,25 @@ def _dedup_result_keys(cfg: BuildConfig) -> dict[str, Any]:
 def fingerprint(cfg: BuildConfig, stage: str) -> str:
     """Hash of everything that determines a stage's output."""
     if stage == "ingest":
-        return _digest(["ingest", [dataclasses.asdict(s) for s in cfg.sources], input_fingerprint(cfg),
+        return digest(["ingest", [dataclasses.asdict(s) for s in cfg.sources], input_fingerprint(cfg),
                         dataclasses.asdict(cfg.clean), cfg.shard_size])
     if stage == "tokenizer":
         t = dataclasses.asdict(cfg.tokenizer)
         if cfg.tokenizer.type != "sentencepiece":
             t = {k: t[k] for k in ("type", "model_file", "vocab_file", "merges_file")
                  + (("lowercase",) if cfg.tokenizer.type == "wordpiece" else ())}
-            return _digest(["tokenizer", t, _file_stats(cfg)])
-        return _digest(["tokenizer", fingerprint(cfg, "ingest"), t, cfg.seed])
+            return digest(["tokenizer", t, _file_stats(cfg)])
+        return digest(["tokenizer", fingerprint(cfg, "ingest"), t, cfg.seed])
     if stage == "filter":
-        return _digest(["filter", fingerprint(cfg, "ingest"), fingerprint(cfg, "tokenizer"),
+        return digest(["filter", fingerprint(cfg, "ingest"), fingerprint(cfg, "tokenizer"),
                         dataclasses.asdict(cfg.length)])
     if stage == "dedup":
-        return _digest(["dedup", fingerprint(cfg, "filter"), _dedup_result_keys(cfg)])
+        return digest(["dedup", fingerprint(cfg, "filter"), _dedup_result_keys(cfg)])
     if stage == "export":
         parts = ["export", fingerprint(cfg, "dedup"), dataclasses.asdict(cfg.dataset)]
         if cfg.decontaminate.against:  # unchanged fingerprint when decontamination is off
             parts.append([cfg.decontaminate.ngram, _decontam_files(cfg)])
-        return _digest(parts)
+        return digest(parts)
     raise ValueError(stage)
 
 
@@ -96,16 +98,18 @@ def _decontam_files(cfg: BuildConfig) -> list[Any]:
 
 
 def stage_record(cfg: BuildConfig, stage: str) -> dict[str, Any] | None:
+    """The stage's ``_stage.json``, or None before it started."""
     p = work_dir(cfg, stage) / "_stage.json"
     return read_json(p) if p.exists() else None
 
 
 def is_done(cfg: BuildConfig, stage: str) -> bool:
+    """Finished, with the fingerprint of this config."""
     rec = stage_record(cfg, stage)
     return bool(rec and rec.get("status") == "done" and rec.get("fingerprint") == fingerprint(cfg, stage))
 
 
-def _begin(cfg: BuildConfig, stage: str) -> Path:
+def begin_stage(cfg: BuildConfig, stage: str) -> Path:
     """Prepare a stage folder: keep finished shards of the same fingerprint (resume), else wipe it."""
     folder = work_dir(cfg, stage)
     rec = stage_record(cfg, stage)
@@ -116,35 +120,39 @@ def _begin(cfg: BuildConfig, stage: str) -> Path:
     return folder
 
 
-def _finish(cfg: BuildConfig, stage: str, stats: dict[str, Any]) -> dict[str, Any]:
+def finish_stage(cfg: BuildConfig, stage: str, stats: dict[str, Any]) -> dict[str, Any]:
+    """Mark the stage done with its stats (the last write of a stage)."""
     atomic_write_json(work_dir(cfg, stage) / "_stage.json",
                       {"fingerprint": fingerprint(cfg, stage), "status": "done", "stats": stats})
     log.info("stage %s done in %.2fs", stage, stats.get("seconds", 0.0))
     return stats
 
 
-def _require(cfg: BuildConfig, stage: str) -> dict[str, Any]:
+def require_stage(cfg: BuildConfig, stage: str) -> dict[str, Any]:
+    """The stats of a finished upstream stage; one-line ``StageError`` otherwise."""
     if not is_done(cfg, stage):
         raise StageError(f"stage '{stage}' has not finished for this config in {cfg.out}: run "
                          f"`python -m data_pipeline build --config ...` (or `stage {stage}`) first")
     return stage_record(cfg, stage)["stats"]  # type: ignore[index]
 
 
-def _bar(cfg: BuildConfig, **kw: Any) -> Any:
+def progress_bar(cfg: BuildConfig, **kw: Any) -> Any:
+    """A tqdm bar, silent unless ``cfg.progress``."""
     from tqdm import tqdm
 
     return tqdm(disable=not cfg.progress, **kw)
 
 
 def assemble_stats(cfg: BuildConfig, reused: set[str] | None = None) -> dict[str, Any]:
-    ing = _require(cfg, "ingest")
-    flt = _require(cfg, "filter")
-    ded = _require(cfg, "dedup")
-    exp = _require(cfg, "export")
+    """``stats.json``: every stage's stats, the document reconciliation, the config."""
+    ing = require_stage(cfg, "ingest")
+    flt = require_stage(cfg, "filter")
+    ded = require_stage(cfg, "dedup")
+    exp = require_stage(cfg, "export")
     read, malformed = ing["read"], ing["rejected"]
     too_short, dups, kept = flt["too_short"], ded["removed"], exp["kept"]
     contaminated = exp.get("contaminated", 0)
-    stage_stats = {s: {**{k: _require(cfg, s)[k] for k in ("seconds", "docs_in", "docs_per_s", "peak_rss_mib",
+    stage_stats = {s: {**{k: require_stage(cfg, s)[k] for k in ("seconds", "docs_in", "docs_per_s", "peak_rss_mib",
                                                              "peak_rss_children_mib")},
                        "reused": s in (reused or set())} for s in STAGES}
     tok = flt["tokenizer"]

@@ -11,7 +11,7 @@ import numpy as np
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
-from data_pipeline.stages.bookkeeping import _begin, _digest, _finish, _require, fingerprint, work_dir
+from data_pipeline.stages.bookkeeping import begin_stage, digest, finish_stage, fingerprint, require_stage, work_dir
 from data_pipeline.store import DocStore, atomic_save_npy, write_jsonl_atomic
 
 if TYPE_CHECKING:
@@ -34,8 +34,8 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
     from data_pipeline import dedup as dd
 
     timer = StageTimer("dedup")
-    _require(cfg, "filter")
-    folder = _begin(cfg, "dedup")
+    require_stage(cfg, "filter")
+    folder = begin_stage(cfg, "dedup")
     store = DocStore(work_dir(cfg, "filter"))
     d = cfg.dedup
     shingle, lsh = dedup_specs(cfg)
@@ -57,7 +57,7 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     times: dict[str, float] = {}
     if d.enabled and n:
-        sig_dir = cfg.out / "work" / ("signatures-" + _digest([fingerprint(cfg, "filter"), d.num_perm, d.seed,
+        sig_dir = cfg.out / "work" / ("signatures-" + digest([fingerprint(cfg, "filter"), d.num_perm, d.seed,
                                                                  d.shingle_size, d.shingle_unit,
                                                                  dd.FINGERPRINT_VERSION, d.chunk_size]))
         candidates = None
@@ -107,4 +107,4 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
     log.info("dedup: %d docs, %d exact duplicates, %d candidate pairs, %d verified, %d clusters, %d removed %s",
              n, info["exact_duplicates"], info["candidate_pairs"], info["verified_pairs"], info["clusters"],
              info["removed"], times)
-    return _finish(cfg, "dedup", timer.finish(n, **info))
+    return finish_stage(cfg, "dedup", timer.finish(n, **info))

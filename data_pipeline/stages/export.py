@@ -11,7 +11,8 @@ import numpy as np
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
-from data_pipeline.stages.bookkeeping import _bar, _begin, _finish, _require, assemble_stats, work_dir
+from data_pipeline.stages.bookkeeping import (assemble_stats, begin_stage, finish_stage, progress_bar, require_stage,
+                                              work_dir)
 from data_pipeline.stages.filter import TokenIds
 from data_pipeline.stages.tokenizer import load_stage_tokenizer
 from data_pipeline.store import DocStore, atomic_write_json, done_shards, shard_name, write_jsonl_atomic
@@ -54,11 +55,11 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     from data_pipeline.sentences import split_sentences
 
     timer = StageTimer("export")
-    ing = _require(cfg, "ingest")
-    tok_stats = _require(cfg, "tokenizer")
-    flt = _require(cfg, "filter")
-    ded = _require(cfg, "dedup")
-    _begin(cfg, "export")
+    ing = require_stage(cfg, "ingest")
+    tok_stats = require_stage(cfg, "tokenizer")
+    flt = require_stage(cfg, "filter")
+    ded = require_stage(cfg, "dedup")
+    begin_stage(cfg, "export")
     out = cfg.out
     tok = load_stage_tokenizer(cfg)
     store = DocStore(work_dir(cfg, "filter"))
@@ -71,7 +72,7 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     kept = tokens = sentences = 0
     batch: list[dict[str, Any]] = []
     batch_pos: list[int] = []
-    bar = _bar(cfg, total=len(store), desc="export: tokenize+write", unit="doc")
+    bar = progress_bar(cfg, total=len(store), desc="export: tokenize+write", unit="doc")
 
     cached = TokenIds(store)
     eod = np.asarray([tok.eod], dtype=dtype)
@@ -148,7 +149,7 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     exp = timer.finish(len(store), kept=kept, tokens=tokens, sentences=sentences, contaminated=len(contaminated),
                        decontaminate={"ngram": cfg.decontaminate.ngram, "against": cfg.decontaminate.against}
                        if cfg.decontaminate.against else None)
-    _finish(cfg, "export", exp)
+    finish_stage(cfg, "export", exp)
     stats = assemble_stats(cfg)
     atomic_write_json(out / "stats.json", stats)
     write_manifest(out, tok_stats["spec"], cfg.dataset.gpt_prefix if gpt else None,

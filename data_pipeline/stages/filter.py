@@ -11,7 +11,7 @@ import numpy as np
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
-from data_pipeline.stages.bookkeeping import _bar, _begin, _finish, _require, work_dir
+from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, progress_bar, require_stage, work_dir
 from data_pipeline.store import (DocStore, ShardWriter, atomic_save_npy, done_shards, iter_shard, shard_counts,
                                  shard_name, write_jsonl_atomic)
 
@@ -104,14 +104,14 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
 def run_filter(cfg: BuildConfig) -> dict[str, Any]:
     """Tokenize every document once, keep those of at least ``length.min_tokens`` tokens."""
     timer = StageTimer("filter")
-    _require(cfg, "ingest")
-    spec = _require(cfg, "tokenizer")["spec"]
+    require_stage(cfg, "ingest")
+    spec = require_stage(cfg, "tokenizer")["spec"]
     src = work_dir(cfg, "ingest")
-    dst = _begin(cfg, "filter")
+    dst = begin_stage(cfg, "filter")
     todo = [k for k in done_shards(src) if k not in set(done_shards(dst))]
     jobs = [(str(src), str(dst), k, spec, cfg.length.min_tokens, cfg.length.count_eod,
              cfg.dataset.tokenize_batch) for k in todo]
-    bar = _bar(cfg, desc="filter: count tokens", unit="doc")
+    bar = progress_bar(cfg, desc="filter: count tokens", unit="doc")
     if cfg.executor == "ray":
         from data_pipeline.ray_executor import ray_map
 
@@ -135,4 +135,4 @@ def run_filter(cfg: BuildConfig) -> dict[str, Any]:
     stats = timer.finish(tot["in"], kept=tot["kept"], too_short=tot["too_short"], tokens=tot["tokens"],
                          min_tokens=cfg.length.min_tokens, count_eod=cfg.length.count_eod,
                          tokenizer=tok_spec, too_short_examples=examples)
-    return _finish(cfg, "filter", stats)
+    return finish_stage(cfg, "filter", stats)

@@ -12,7 +12,7 @@ from data_pipeline.clean import clean_text
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.sources import REJECT_REASONS, RawRecord, iter_records
-from data_pipeline.stages.bookkeeping import StageError, _bar, _begin, _finish
+from data_pipeline.stages.bookkeeping import StageError, begin_stage, finish_stage, progress_bar
 from data_pipeline.store import ShardWriter, done_shards, shard_counts, shard_name, write_jsonl_atomic
 
 log = logging.getLogger(__name__)
@@ -67,12 +67,12 @@ def _shards_of(records: Iterator[RawRecord], size: int) -> Iterator[tuple[int, i
 def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
     """Read and clean every source into shards (finished shards are kept on resume)."""
     timer = StageTimer("ingest")
-    folder = _begin(cfg, "ingest")
+    folder = begin_stage(cfg, "ingest")
     done = set(done_shards(folder))
     if done:
         log.info("ingest: resuming, %d shard(s) already finished", len(done))
     workers = cfg.num_workers
-    bar = _bar(cfg, desc="ingest: read+clean", unit="doc")
+    bar = progress_bar(cfg, desc="ingest: read+clean", unit="doc")
     pending: list[Any] = []
 
     def drain(limit: int) -> None:
@@ -125,4 +125,4 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
     if clean == 0:
         raise StageError(f"no usable document in the inputs ({read} records read, all rejected: "
                          f"{dict(by_reason)}); see {folder}/*.rejects.jsonl")
-    return _finish(cfg, "ingest", stats)
+    return finish_stage(cfg, "ingest", stats)

@@ -7,7 +7,7 @@ from typing import Any
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
-from data_pipeline.stages.bookkeeping import _begin, _finish, _require, work_dir
+from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, require_stage, work_dir
 from data_pipeline.store import DocStore
 
 
@@ -18,11 +18,11 @@ def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
 
     timer = StageTimer("tokenizer")
     t = cfg.tokenizer
-    _begin(cfg, "tokenizer")
+    begin_stage(cfg, "tokenizer")
     tok_dir = cfg.out / "tokenizer"
     n_docs = 0
     if t.type == "sentencepiece":
-        _require(cfg, "ingest")
+        require_stage(cfg, "ingest")
         store = DocStore(work_dir(cfg, "ingest"))
 
         def texts() -> Iterator[str]:
@@ -48,10 +48,10 @@ def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
         spec = copy_tokenizer_files(GPT2BPETokenizer(cfg.resolve(t.vocab_file or ""),
                                                      cfg.resolve(t.merges_file or "")).spec(), cfg.out)
     spec = {k: (str(Path(v).resolve()) if k.endswith("_file") else v) for k, v in spec.items()}
-    return _finish(cfg, "tokenizer", timer.finish(n_docs, spec=spec, trained_on_docs=n_docs))
+    return finish_stage(cfg, "tokenizer", timer.finish(n_docs, spec=spec, trained_on_docs=n_docs))
 
 
 def load_stage_tokenizer(cfg: BuildConfig) -> Any:
     from megatron_ds_suite.core.tokenizer import load_tokenizer
 
-    return load_tokenizer(_require(cfg, "tokenizer")["spec"])
+    return load_tokenizer(require_stage(cfg, "tokenizer")["spec"])
