@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_pipeline.dedup import DedupResult
+from data_pipeline.dedup.verify import DedupResult
 from data_pipeline.store import DocStore, atomic_save_npy, atomic_write_json, reset_dir, shard_name
 
 KEY = "blake2b-128 of the cleaned text's UTF-8 bytes"
