@@ -13,6 +13,7 @@ import sys
 
 from data_pipeline.config import ConfigError, load_config
 from megatron_ds_suite.core.corpus import CorpusError
+from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.indexed_dataset import IndexedDatasetError
 from megatron_ds_suite.core.tokenizer import TokenizerError
 from data_pipeline.stages import STAGES, StageError, build, fingerprint, is_done, run_stage, summary_table
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summary_table(stats))
         print(f"\n  output: {out}  (stats.json, documents.jsonl, duplicates.jsonl, rejects.jsonl, corpus.json)")
         return 0
-    except (ConfigError, StageError, TokenizerError, CorpusError, IndexedDatasetError) as e:
+    except (ConfigError, StageError, TokenizerError, CorpusError, IndexedDatasetError, SuiteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # finished stages and shards are kept; rerun the same command to resume
