@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from training.config import ConfigError
+from megatron_ds_suite.core.errors import ConfigError
 
 
 class CheckpointError(ConfigError):
