@@ -26,6 +26,8 @@ from megatron_ds_suite.core.errors import ConfigError
 class CheckpointError(ConfigError):
     """A checkpoint file that cannot be loaded safely or at all (one line: which file, why, what to do)."""
 
+    label = "checkpoint error"
+
 
 def _numpy_array_types() -> list:
     """What a pickled numpy array needs (checkpoints written before the RNG state was stored as a list
