@@ -81,3 +81,14 @@ def test_one_config_error_class(exceptions):
     named = [n for n, cls in exceptions.items() if cls.__name__ == "ConfigError"]
     assert named == ["megatron_ds_suite.core.errors.ConfigError"]
     assert issubclass(SuiteError, ValueError)  # callers that catch ValueError keep working
+
+
+def test_one_line_and_report_error(capsys):
+    from training.cli import report_error
+    from training.safe_load import CheckpointError
+
+    assert ConfigError("a\nb").one_line() == "config error: a b"
+    assert CheckpointError("x").one_line() == "checkpoint error: x"
+    assert SuiteError("y").one_line() == "error: y"
+    assert report_error(ConfigError("bad key"), rank=1) == 2 and capsys.readouterr().err == ""  # one rank says it
+    assert report_error(ConfigError("bad key")) == 2 and capsys.readouterr().err == "config error: bad key\n"
