@@ -76,19 +76,10 @@ class DedupConfig:
     lsh_weights: list[float] = field(default_factory=lambda: [0.1, 0.9])  # (false-positive, false-negative)
     seed: int = 1
     chunk_size: int = 1000  # documents per signature chunk (unit of parallelism and of resume)
-    storage: str = "dict"  # dict: in-process LSH index; redis: shared datasketch Redis storage
-    redis_host: str = "127.0.0.1"
-    redis_port: int = 6379
-    redis_db: int = 0
-    redis_password_env: str = "REDIS_PASSWORD"  # env var holding the Redis password (never in config files)
-    redis_username: str | None = None  # Redis ACL user (with the password above); None: the default user
-    redis_tls: bool = False  # TLS to Redis (what rediss:// URLs mean)
-    redis_ca_certs: str | None = None  # CA bundle to verify the server's TLS certificate (None: system CAs)
-    basename: str | None = None  # Redis key prefix; None: derived from the output dir and settings
     verify_block_docs: int = 20000  # max distinct documents loaded at once during exact verification
-    # exact dedup first (hash of the cleaned text), then MinHash on the survivors; the shipped configs turn it
-    # on; off by default because the dedup-worker/dedup-merge path does not implement it
-    exact: bool = False
+    # exact dedup first (hash of the cleaned text, counted in stats), then MinHash on the survivors, as NeMo
+    # Curator orders them
+    exact: bool = True
 
 
 @dataclass
@@ -160,7 +151,6 @@ _ENUMS = {
     "tokenizer.type": ("sentencepiece", "sentencepiece_model", "gpt2", "wordpiece", "hf"),
     "tokenizer.flavor": ("gpt", "bert"),
     "dedup.shingle_unit": ("word", "char"),
-    "dedup.storage": ("dict", "redis"),
     "executor": ("local", "ray"),
 }
 
@@ -188,10 +178,7 @@ def _validate(cfg: BuildConfig) -> None:
     enum("tokenizer.type", cfg.tokenizer.type)
     enum("tokenizer.flavor", cfg.tokenizer.flavor)
     enum("dedup.shingle_unit", cfg.dedup.shingle_unit)
-    enum("dedup.storage", cfg.dedup.storage)
     enum("executor", cfg.executor)
-    if cfg.executor == "ray" and cfg.dedup.storage != "dict":
-        raise ConfigError("executor: ray shuffles LSH bands itself: use dedup.storage=dict")
     t = cfg.tokenizer
     need = {"sentencepiece_model": ["model_file"], "gpt2": ["vocab_file", "merges_file"], "wordpiece": ["vocab_file"],
             "hf": ["model_file"]}.get(t.type, [])

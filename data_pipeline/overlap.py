@@ -27,11 +27,12 @@ from typing import Any
 import numpy as np
 
 from data_pipeline.dedup.hashing import ShingleSpec, shingle_fingerprints_batch
+from megatron_ds_suite.core.errors import SuiteError
 
 _WORD = re.compile(r"\w+")
 
 
-class OverlapError(ValueError):
+class OverlapError(SuiteError):
     """Bad input for the overlap check (one line: what is wrong and how to fix it)."""
 
 

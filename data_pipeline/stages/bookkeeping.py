@@ -18,6 +18,7 @@ from typing import Any
 from data_pipeline.config import BuildConfig
 from data_pipeline.sources import input_fingerprint
 from data_pipeline.store import atomic_write_json, read_json, reset_dir
+from megatron_ds_suite.core.errors import SuiteError
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 STAGES = ("ingest", "tokenizer", "filter", "dedup", "export")
 
 
-class StageError(RuntimeError):
+class StageError(SuiteError):
     """A stage cannot run (e.g. its upstream stage has not finished); one line."""
 
 
@@ -40,15 +41,10 @@ def work_dir(cfg: BuildConfig, stage: str) -> Path:
     return cfg.out / "work" / stage
 
 
-#: config fields of the retired Redis LSH flow: never part of a fingerprint (unchanged stage fingerprints)
-_RETIRED_DEDUP_KEYS = ("storage", "redis_host", "redis_port", "redis_db", "basename", "redis_password_env",
-                       "redis_username", "redis_tls", "redis_ca_certs")
-
-
 def _dedup_result_keys(cfg: BuildConfig) -> dict[str, Any]:
-    """``dedup.*`` settings that change the result (the retired Redis keys are dropped while config has them)."""
+    """``dedup.*`` settings that change the result."""
     d = dataclasses.asdict(cfg.dedup)
-    for k in ("chunk_size", "verify_block_docs", *_RETIRED_DEDUP_KEYS):
+    for k in ("chunk_size", "verify_block_docs"):
         d.pop(k, None)
     return d
 

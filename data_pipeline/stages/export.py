@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from typing import Any
 
@@ -16,6 +15,7 @@ from data_pipeline.stages.bookkeeping import (assemble_stats, begin_stage, finis
 from data_pipeline.stages.filter import TokenIds
 from data_pipeline.stages.tokenizer import load_stage_tokenizer
 from data_pipeline.store import DocStore, atomic_write_json, done_shards, shard_name, write_jsonl_atomic
+from megatron_ds_suite.core import atomic
 
 
 def document_row(rec: dict[str, Any]) -> dict[str, Any]:
@@ -68,7 +68,6 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     dtype = best_dtype(tok.vocab_size)
     gpt = MMapIndexedDatasetBuilder(out / cfg.dataset.gpt_prefix, dtype) if cfg.dataset.gpt else None
     bert = MMapIndexedDatasetBuilder(out / cfg.dataset.bert_prefix, dtype) if cfg.dataset.bert else None
-    docs_tmp = out / f"documents.jsonl.tmp{os.getpid()}"
     kept = tokens = sentences = 0
     batch: list[dict[str, Any]] = []
     batch_pos: list[int] = []
@@ -107,7 +106,7 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
         batch_pos.clear()
 
     try:
-        with open(docs_tmp, "w", encoding="utf-8") as f:
+        with atomic.atomic_open(out / "documents.jsonl", "w") as f:  # published only when every batch is written
             for pos, rec in enumerate(store):
                 if pos in removed or pos in contaminated:
                     bar.update(1)
@@ -119,18 +118,15 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
                     flush(f)
             if batch:
                 flush(f)
-        for b in (gpt, bert):
-            if b is not None:
-                b.finalize()
-        os.replace(docs_tmp, out / "documents.jsonl")
+            for b in (gpt, bert):
+                if b is not None:
+                    b.finalize()
     finally:
-        docs_tmp.unlink(missing_ok=True)
         bar.close()
     # rejects (all of them, in input order) and the duplicates report
     ingest_dir = work_dir(cfg, "ingest")
-    tmp = out / f"rejects.jsonl.tmp{os.getpid()}"
     filter_dir = work_dir(cfg, "filter")
-    with open(tmp, "wb") as f:
+    with atomic.atomic_open(out / "rejects.jsonl", "wb") as f:
         for k in done_shards(ingest_dir):
             short = filter_dir / f"{shard_name(k)}.too_short.jsonl"
             with open(ingest_dir / f"{shard_name(k)}.rejects.jsonl", "rb") as r:
@@ -141,10 +137,7 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
                 rows = [json.loads(x) for x in r] + [json.loads(x) for x in open(short, "rb")]
             for row in sorted(rows, key=lambda x: x["i"]):
                 f.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
-    os.replace(tmp, out / "rejects.jsonl")
-    tmp = out / f"duplicates.jsonl.tmp{os.getpid()}"
-    shutil.copyfile(work_dir(cfg, "dedup") / "duplicates.jsonl", tmp)
-    os.replace(tmp, out / "duplicates.jsonl")
+    atomic.copy_file(work_dir(cfg, "dedup") / "duplicates.jsonl", out / "duplicates.jsonl")
 
     exp = timer.finish(len(store), kept=kept, tokens=tokens, sentences=sentences, contaminated=len(contaminated),
                        decontaminate={"ngram": cfg.decontaminate.ngram, "against": cfg.decontaminate.against}
