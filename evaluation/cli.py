@@ -16,7 +16,8 @@ from evaluation import heldout
 from evaluation.errors import EvalError
 from megatron_ds_suite.core.errors import SuiteError
 from training.metrics import progress_enabled
-from evaluation.report import format_table, write_json_atomic
+from evaluation.report import format_table
+from megatron_ds_suite.core import atomic
 
 logger = logging.getLogger("evaluation")
 ONE_LINE_ERRORS = {"ConfigError", "TokenizerError", "CheckpointError", "ExportError", "CorpusError", "GPTDatasetError"}
@@ -103,7 +104,7 @@ def _finish(args, rt, title: str, rows: list, result: dict) -> None:
         return
     out = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / f"{args.task}.json"
     result = {"task": args.task, "checkpoint": str(args.checkpoint), "limit": args.limit, **result}
-    write_json_atomic(out, result)
+    atomic.write_json(out, result)
     print(format_table(title, rows))
     print(f"wrote {out}")
 
@@ -207,7 +208,7 @@ def run_generate(args) -> None:
               "completions": [{"prompt": p, "text": c.text, "tokens": c.tokens, "stopped_at_eod": c.stopped_at_eod}
                               for p, c in zip(prompts, out)]}
     dest = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / "generate.json"
-    write_json_atomic(dest, result)
+    atomic.write_json(dest, result)
     print(f"wrote {dest}")
 
 

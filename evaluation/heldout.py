@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from evaluation.errors import EvalError
-from evaluation.report import format_table, write_json_atomic
+from evaluation.report import format_table
+from megatron_ds_suite.core import atomic
 
 logger = logging.getLogger("heldout")
 PARTS = {"train": 0, "valid": 1, "test": 2}
@@ -99,7 +100,7 @@ def run_heldout(args: argparse.Namespace) -> None:
            "windows": plan.num_windows, "score_seconds": elapsed}
     if rt.is_main:
         path = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / "heldout.json"
-        write_json_atomic(path, out)
+        atomic.write_json(path, out)
         print(format_table(f"Held-out perplexity ({args.part} documents of the corpus)", [
             ("documents", n_docs), ("tokens N", int(len(tokens))), ("loss / token (nats)", nums["loss"]),
             ("perplexity", nums["ppl"]), ("windows (L, stride)", f"{plan.num_windows} ({L}, {stride})")]))

@@ -1,10 +1,8 @@
 """Short result tables on stdout and atomic JSON files."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from megatron_ds_suite.core import atomic
 
 
 def format_table(title: str, rows: list[tuple[str, Any]]) -> str:
@@ -25,6 +23,3 @@ def format_table(title: str, rows: list[tuple[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def write_json_atomic(path: str | Path, obj: dict[str, Any]) -> Path:
-    """Write ``obj`` as indented JSON to a temporary name, then rename (never half-written)."""
-    return atomic.write_json(path, obj, indent=2)

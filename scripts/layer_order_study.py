@@ -23,7 +23,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from training.config import ModelConfig, OptimizerConfig, padded_vocab_size
 from training.data.bert_data import BertDataset, BertVocab, MaskingConfig, collate
 from training.models.bert import BertModel, bert_loss
 from training.optim import lr_at, param_groups
+from megatron_ds_suite.core import atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,9 +137,8 @@ def plot(rows: list[dict], path: Path, args) -> None:
     ax2.legend()
     fig.suptitle(f"BERT layer order, hidden {args.hidden}, {args.iters} iterations x {args.batch} samples, lr {args.lr}")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    with atomic.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
               f"unigram predictor scores held-out MLM {unigram:.3f}, chance SOP = ln 2 = 0.693.\n\n")
     for name, text in (("results.md", header + md + "\n"),
                        ("results.json", json.dumps({"args": vars(args), "unigram_mlm_loss": unigram, "runs": rows}, indent=2))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+        atomic.write_text(out / name, text)
     plot(rows, out / "layer_order.png", args)
     print()
     print(header + md)

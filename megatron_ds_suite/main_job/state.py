@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from megatron_ds_suite.core import atomic
 
 
 class StageFailed(RuntimeError):
@@ -28,13 +29,7 @@ def file_id(path: str | Path) -> list[Any]:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic.write_text(path, text)
 
 
 class State:
