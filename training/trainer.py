@@ -1,7 +1,10 @@
 """The training loop under DeepSpeed: engine set-up, steps, overflow handling, validation, checkpoints.
 
 ``Trainer(cfg)`` expects torch.distributed initialised through ``deepspeed.init_distributed``; it builds
-the parallel groups, seeds, data, model and engine. ``train()`` runs to ``train.iters``. Tests drive
+the parallel groups, seeds, data, model and engine. What is trained is a task
+(:class:`training.tasks.protocol.Task`: GPT-2, BERT, RACE); the layout comes from
+:func:`training.layout.derive_layout` and the resumable counters live in ``trainer.state``
+(:class:`training.checkpoint.TrainState`). ``train()`` runs to ``train.iters``. Tests drive
 the same object directly (e.g. to inject an fp16 overflow with a gradient hook).
 """
 from __future__ import annotations
