@@ -33,3 +33,14 @@ def test_layout_refusals():
         derive_layout(_cfg(tp=4), 6)
     with pytest.raises(ConfigError, match="global_batch_size=32 is not divisible by micro_batch_size x DP = 4 x 3"):
         derive_layout(_cfg(), 3)
+
+
+def test_sample_order_positions_by_hand():
+    from training.data.sample_order import micro_batch_positions
+
+    # step starting at sample 16, global 16, micro 2, DP 4 -> 2 micro-batches per rank; rank 1 reads
+    # 16 + 0*8 + 1*2 = [18, 20) and 16 + 1*8 + 2 = [26, 28)
+    assert [list(r) for r in micro_batch_positions(16, 2, 4, 1, 16)] == [[18, 19], [26, 27]]
+    # DP 2 and DP 1 with twice the accumulation read the same samples in one step
+    dp2 = sorted(p for rank in (0, 1) for r in micro_batch_positions(8, 2, 2, rank, 8) for p in r)
+    assert dp2 == sorted(p for r in micro_batch_positions(8, 2, 1, 0, 8) for p in r) == list(range(8, 16))
