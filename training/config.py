@@ -366,17 +366,10 @@ def validate_static(cfg: Config) -> None:
 # Derived values
 # --------------------------------------------------------------------------------------------------
 def check_world(cfg: Config, world_size: int) -> int:
-    """Data-parallel size for ``world_size`` ranks; raises if the layout does not fit."""
-    mp = cfg.parallel.tensor * cfg.parallel.pipeline
-    if world_size % mp:
-        raise ConfigError(f"world size {world_size} is not divisible by TP x PP = {cfg.parallel.tensor} x "
-                          f"{cfg.parallel.pipeline}: launch a multiple of {mp} processes or change parallel.*")
-    dp = world_size // mp
-    t = cfg.train
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x "
-                          f"DP = {t.micro_batch_size} x {dp}: change one of them")
-    return dp
+    """Data-parallel size for ``world_size`` ranks; raises if the layout does not fit (``training.layout``)."""
+    from training.layout import derive_layout
+
+    return derive_layout(cfg, world_size).dp
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -397,8 +390,10 @@ def resolve_dtype(cfg: Config, on_gpu: bool) -> str:
 
 def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
     """The DeepSpeed JSON, derived from the run config (saved as RUN_DIR/ds_config.json)."""
+    from training.layout import grad_accumulation
+
     t, pr = cfg.train, cfg.precision
-    gas = t.global_batch_size // (t.micro_batch_size * dp)
+    gas = grad_accumulation(t.global_batch_size, t.micro_batch_size, dp)
     ds: dict[str, Any] = {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,

@@ -7,9 +7,9 @@ any TP degree: the shards are merged and re-split for ``parallel.tensor``); ``co
 the fine-tuning run (TP, batch, optimizer, dropout, ``finetune.*``, ``run.dir``). Keys of the
 checkpoint's model shape cannot be overridden.
 
-Each question = 4 sequences ``[CLS] question+option [SEP] article [SEP]`` (``megatron_ds_suite.core.race``,
-the same encoding the RACE scorer uses); head: pooler -> dropout -> Linear(h, 1) -> 4 logits ->
-cross-entropy. Batches count questions (``train.micro_batch_size`` 4 questions = 16 sequences).
+A thin driver: the config (pretrained checkpoint's config <- race.yaml <- overrides) and the CLI; the
+training is :class:`training.trainer.Trainer` with the RACE task (:mod:`training.tasks.race`: data, model,
+loss, sample order, the end-of-epoch accuracy hook that saves the best epoch).
 Schedule: ``finetune.epochs`` passes over the shuffled training questions (incomplete last batch
 dropped), linear warmup over ``finetune.warmup_fraction`` of the steps then linear decay.
 After every epoch: dev (and test) accuracy; the checkpoint is saved only when dev accuracy improves
@@ -23,19 +23,14 @@ if __name__ == "__main__":  # run as `python -m`: process settings before torch 
 
     configure()
 
-import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-
-from training.runtime import device as tdev
 from training.cli import launcher_parser, setup_rank_logging
-from training.config import Config, ConfigError, _merge, check_world, config_from_dict, parse_overrides
+from training.config import Config, ConfigError, _merge, config_from_dict, parse_overrides
+from training.layout import derive_layout
 
 logger = logging.getLogger("training")
 
@@ -50,7 +45,7 @@ def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -
     """The fine-tuning Config and the pretrained checkpoint's metadata. Raises ConfigError."""
     import yaml
 
-    from training.checkpoint import read_client_state
+    from training.checkpoint_reader import read_client_state
 
     from megatron_ds_suite.configs_lookup import find_config
 
@@ -118,255 +113,46 @@ def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -
     return cfg, meta
 
 
-def schedule(cfg: Config, n_train: int, dp: int) -> tuple[int, int]:
-    """(steps per epoch, total steps); sets train.iters and optimizer.warmup_iters in ``cfg``."""
-    t = cfg.train
-    steps = n_train // t.global_batch_size
-    if steps < 1:
-        raise ConfigError(f"{n_train} training questions do not fill one batch of train.global_batch_size="
-                          f"{t.global_batch_size}")
-    total = steps * cfg.finetune.epochs
-    t.iters = total
-    cfg.optimizer.warmup_iters = int(round(cfg.finetune.warmup_fraction * total))
-    return steps, total
-
-
 # --------------------------------------------------------------------------------------------------
-# Model: pretrained encoder (merged, re-split) + multiple-choice head
-# --------------------------------------------------------------------------------------------------
-def build_model(cfg: Config, pretrained: str, padded: int, group):
-    """BertMultipleChoice at this TP degree with the pretrained encoder loaded into this rank's shards."""
-    from training.checkpoint import load_merged_state_dict
-    from training.init_from import local_weights
-    from training.models.bert import BertMultipleChoice, load_pretrained_encoder
-    from training.parallel.mappings import group_rank, group_size
-
-    world, rank = group_size(group), group_rank(group)
-    model = BertMultipleChoice(cfg.model, padded, group, seed=cfg.train.seed)
-    state, _, _ = load_merged_state_dict(pretrained)
-    local = local_weights(model.bert.named_parameters(), state, padded, rank, world)  # shared with train.init_from
-    fresh = load_pretrained_encoder(model, local)
-    return model, fresh
-
-
-# --------------------------------------------------------------------------------------------------
-# Fine-tuning run
+# Fine-tuning run: the trainer with the RACE task
 # --------------------------------------------------------------------------------------------------
 class RaceFinetuner:
-    """Attributes mirror :class:`training.trainer.Trainer` where :mod:`training.checkpoint` reads them."""
+    """``Trainer(cfg)`` with :class:`training.tasks.race.RaceTask`; ``train()`` returns the RACE results
+    (also in RUN_DIR/race_results.json)."""
 
     def __init__(self, cfg: Config, meta: dict):
-        import deepspeed
-
-        from megatron_ds_suite.core.tokenizer import load_tokenizer
-        from megatron_ds_suite.core.race import encode_questions, read_race_split
-        from training import tracking
-        from training.config import deepspeed_config, padded_vocab_size
-        from training.optim import build_optimizer
-        from training.trainer import start_process
+        from training.runtime import device as tdev
+        from training.tasks.race import RaceTask
+        from training.trainer import Trainer
 
         self.cfg, self.meta = cfg, meta
-        f = cfg.finetune
-        self.run_dir = Path(cfg.run.dir)
-        self.world, self.dp, self.dtype, self.ps, self.is_rank0 = start_process(cfg)
-
-        pretrained = Path(f.pretrained)
-        self.tokenizer = load_tokenizer(meta["tokenizer"], base_dir=pretrained)
-        missing = [k for k in ("cls", "sep", "pad") if getattr(self.tokenizer, k, None) is None]
-        if missing:
-            raise ConfigError(f"the tokenizer of {pretrained} lacks {missing}: RACE needs a BERT vocabulary")
-        self.task = self  # checkpoint.save reads trainer.task.tokenizer
-        seq = f.seq_length or cfg.model.seq_length
-        self.seq = seq
-        self.data: dict[str, list[dict]] = {}
-        self.read_reports: dict[str, Any] = {}
-        for split in filter(None, (f.train_split, f.valid_split, f.test_split)):
-            qs, report = read_race_split(f.race_dir, split, f.levels)
-            self.read_reports[split] = report
-            self.data[split] = encode_questions(qs, self.tokenizer, seq, f.max_qa_length)
-            if self.is_rank0:
-                logger.info("RACE %s: %d questions from %d files (%d skipped)", split, len(qs), report.files,
-                            report.skipped)
-        self.steps_per_epoch, total = schedule(cfg, len(self.data[f.train_split]), self.dp)
-        self.gas = cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp)
-
-        padded = int(meta["padded_vocab_size"])
-        if padded % cfg.parallel.tensor:
-            padded = padded_vocab_size(cfg.model.vocab_size or self.tokenizer.vocab_size,
-                                       cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor)
-        self.padded_vocab = padded
-        self.model, fresh = build_model(cfg, str(pretrained), padded, self.ps.tp_group)
-        if self.is_rank0:
-            logger.info("loaded pretrained encoder from %s; freshly initialised: %s", pretrained, ", ".join(fresh))
-        optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, total, tdev.local_device().type, self.dtype)
-        self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
-        tracking.start(cfg)  # W&B mode/dir before DeepSpeed's monitor calls wandb.init
-        self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                    mpu=self.ps, config=self.ds_config, dist_init_required=False)
-        self.pipe = False  # tensor parallelism only (checkpoint.save reads it)
-        self.device = tdev.module_device(self.engine)  # where DeepSpeed put the model: batches follow it
-        # as the Trainer: fp32 without ZeRO clips with our TP-aware norm (DeepSpeed's discards it)
-        self._fp32_norm: float | None = None
-        if self.dtype == "fp32" and cfg.parallel.zero_stage == 0:
-            self.engine.clip_fp32_gradients = self._clip_fp32_gradients
-        self.iteration = 0
-        self.consumed_samples = 0
-        if self.is_rank0:
-            logger.info("%r | dtype %s | %d steps/epoch x %d epochs | warmup %d | gas %d", self.ps, self.dtype,
-                        self.steps_per_epoch, f.epochs, cfg.optimizer.warmup_iters, self.gas)
-
-    def _clip_fp32_gradients(self) -> None:
-        from training.parallel.grad_norm import clip_grad_norm
-
-        self._fp32_norm = clip_grad_norm(self.engine.module.parameters(), self.cfg.optimizer.clip_grad,
-                                         self.ps.tp_rank, self.ps.tp_group)
-
-    # ---- batches ---------------------------------------------------------------------------------
-    def _to_device(self, batch: dict) -> dict:
-        return tdev.to_device(batch, self.device)
+        self.trainer = Trainer(cfg, lambda c, ps, dp: RaceTask(c, meta, ps, dp))
+        self.task = self.trainer.task
+        self.engine, self.ps, self.dp = self.trainer.engine, self.trainer.ps, self.trainer.dp
+        self.data = self.task.data
+        self.device = tdev.module_device(self.engine)
 
     def _logits(self, batch: dict):
-        """Choice logits [n, 4] of a host batch (moved to the engine's device here)."""
-        b = self._to_device(batch)
-        return self.engine(b["text"], b["types"], b["padding_mask"])
+        """Choice logits [n, 4] of a host batch (moved to the engine's device)."""
+        from training.tasks.race import choice_logits
+
+        return choice_logits(self.engine, batch)
 
     def _loss(self, batch: dict):
-        """Cross-entropy of the 4 choices for a host batch (logits and labels on the engine's device)."""
-        import torch.nn.functional as F
+        """Cross-entropy of the 4 choices of a host batch."""
+        from training.tasks.race import choice_loss
 
-        return F.cross_entropy(self._logits(batch).float(), self._to_device(batch["label"]))
-
-    def step_batches(self, order: np.ndarray, step: int):
-        """This DP rank's micro-batches of step ``step`` within an epoch's question order."""
-        from megatron_ds_suite.core.race import collate
-
-        t = self.cfg.train
-        mb, dp, r = t.micro_batch_size, self.dp, self.ps.dp_rank
-        base = step * t.global_batch_size
-        samples = self.data[self.cfg.finetune.train_split]
-        for m in range(self.gas):
-            start = base + m * mb * dp + r * mb
-            yield collate([samples[int(i)] for i in order[start:start + mb]])
-
-    # ---- training --------------------------------------------------------------------------------
-    def train_step(self, order: np.ndarray, step: int) -> dict:
-        import torch
-        import torch.distributed as dist
-
-        t0 = time.perf_counter()
-        lr = self.engine.get_lr()[0]
-        losses, norm = [], None
-        self._fp32_norm = None
-        for batch in self.step_batches(order, step):
-            loss = self._loss(batch)
-            self.engine.backward(loss)
-            self.engine.step()
-            losses.append(loss.detach().float())
-        norm = self._fp32_norm
-        self.iteration += 1
-        self.consumed_samples += self.cfg.train.global_batch_size
-        loss = torch.stack(losses).mean()
-        dist.all_reduce(loss, group=self.ps.dp_group)
-        if norm is None and self.engine.was_step_applied():
-            g = self.engine.get_global_grad_norm()
-            norm = float(g) if g is not None else None
-        return {"iteration": self.iteration, "lr": lr, "loss": loss.item() / self.dp, "grad_norm": norm,
-                "step_applied": bool(self.engine.was_step_applied()), "step_time_s": time.perf_counter() - t0}
+        return choice_loss(self.engine, batch)
 
     def accuracy(self, split: str) -> dict:
-        """Accuracy overall and per level; each question scored on exactly one DP replica."""
-        import torch
-        import torch.distributed as dist
+        """Accuracy overall and per level of ``split``; each question scored on exactly one DP replica."""
+        from training.tasks.race import dp_accuracy
 
-        from megatron_ds_suite.core.race import collate
-
-        samples = self.data[split]
-        levels = sorted({s["level"] for s in samples})
-        mine = [s for i, s in enumerate(samples) if i % self.dp == self.ps.dp_rank]
-        # counted on the host per question, summed over DP as one device tensor (NCCL takes no host tensor)
-        correct = [0.0] * (len(levels) + 1)
-        count = [0.0] * (len(levels) + 1)
-        self.engine.eval()
-        bs = self.cfg.finetune.eval_batch_size
-        with torch.no_grad():
-            for b in range(0, len(mine), bs):
-                chunk = mine[b:b + bs]
-                pred = self._logits(collate(chunk)).float().argmax(-1).cpu()
-                for s, p in zip(chunk, pred.tolist()):
-                    k = levels.index(s["level"])
-                    ok = float(p == int(s["label"]))
-                    correct[k] += ok
-                    count[k] += 1
-                    correct[-1] += ok
-                    count[-1] += 1
-        self.engine.train()
-        totals = tdev.host_to([correct, count], self.device, torch.float64)   # [2, levels + 1]
-        dist.all_reduce(totals, group=self.ps.dp_group)
-        correct, count = totals.cpu()
-        out = {"accuracy": (correct[-1] / count[-1]).item() if count[-1] else float("nan"), "count": int(count[-1])}
-        for k, lv in enumerate(levels):
-            out[f"{lv}/accuracy"] = (correct[k] / count[k]).item() if count[k] else float("nan")
-        return out
+        return dp_accuracy(self.engine, self.data[split], self.dp, self.ps.dp_rank, self.ps.dp_group,
+                           self.cfg.finetune.eval_batch_size)
 
     def train(self) -> dict:
-        from tqdm import tqdm
-
-        from training import checkpoint as ckpt
-        from training import tracking
-        from training.metrics import MetricsWriter, progress_enabled
-
-        cfg, f = self.cfg, self.cfg.finetune
-        if self.is_rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt.atomic_write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
-            ckpt.atomic_write_text(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=2))
-        writer = MetricsWriter(self.run_dir, cfg.train.iters, self.is_rank0)
-        results: dict[str, Any] = {"pretrained": str(f.pretrained), "epochs": [], "best_epoch": None,
-                                   "skipped_questions": {s: r.skipped for s, r in self.read_reports.items()},
-                                   "problems": {s: r.problems for s, r in self.read_reports.items()}}
-        best = -1.0
-        initial = {s: self.accuracy(s) for s in (f.valid_split, f.test_split) if s}
-        results["before_finetuning"] = initial
-        bar = tqdm(total=cfg.train.iters, desc="race", unit="it", leave=False,
-                   disable=not (self.is_rank0 and progress_enabled(cfg.train.progress_bar)))
-        try:
-            for epoch in range(1, f.epochs + 1):
-                order = np.random.RandomState(cfg.train.seed + epoch).permutation(len(self.data[f.train_split]))
-                losses = []
-                for step in range(self.steps_per_epoch):
-                    m = self.train_step(order, step)
-                    losses.append(m["loss"])
-                    if self.is_rank0:
-                        writer.file.write(json.dumps({**m, "epoch": epoch}) + "\n")
-                        writer.file.flush()
-                    bar.update(1)
-                row = {"epoch": epoch, "train_loss": float(np.mean(losses)), "iteration": self.iteration}
-                for s in (f.valid_split, f.test_split):
-                    if s:
-                        row[s] = self.accuracy(s)
-                improved = row[f.valid_split]["accuracy"] > best
-                if improved:
-                    best = row[f.valid_split]["accuracy"]
-                    results["best_epoch"] = epoch
-                    ckpt.save(self)  # keep_last = 1: only the best epoch's checkpoint stays
-                row["saved"] = improved
-                results["epochs"].append(row)
-                writer.event("race", {"epoch": epoch, "train_loss": row["train_loss"],
-                                      **{f"{s}_accuracy": row[s]["accuracy"] for s in (f.valid_split, f.test_split)
-                                         if s}}, self.iteration)
-                if self.is_rank0:
-                    accs = " | ".join(f"{s} acc {row[s]['accuracy']:.4f}" for s in (f.valid_split, f.test_split) if s)
-                    logger.info("epoch %d/%d | train loss %.4f | %s%s", epoch, f.epochs, row["train_loss"], accs,
-                                " | saved (best)" if improved else "")
-        finally:
-            bar.close()
-            writer.close()
-            tracking.finish(cfg, self.is_rank0)
-        best_row = results["epochs"][results["best_epoch"] - 1]
-        results["best"] = {s: best_row[s] for s in (f.valid_split, f.test_split) if s}
-        if self.is_rank0:
-            ckpt.atomic_write_text(self.run_dir / "race_results.json", json.dumps(results, indent=2))
-        return results
+        return self.trainer.train()["task"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg, meta = load_finetune_config(args.config, args.overrides)
-        check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        derive_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group exists
     except (ConfigError, RaceDataError) as e:
         if rank == 0:
             print(f"config error: {e}", file=sys.stderr)

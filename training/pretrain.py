@@ -17,7 +17,8 @@ import os
 import sys
 
 from training.cli import launcher_parser, setup_rank_logging
-from training.config import ConfigError, check_world, load_config
+from training.config import ConfigError, load_config
+from training.layout import derive_layout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = setup_rank_logging()
     try:
         cfg = load_config(args.config, args.overrides)
-        check_world(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group exists
+        derive_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group exists
     except ConfigError as e:
         if rank == 0:  # every rank checks; one says it
             print(f"config error: {e}", file=sys.stderr)

@@ -1,7 +1,10 @@
 """The training loop under DeepSpeed: engine set-up, steps, overflow handling, validation, checkpoints.
 
 ``Trainer(cfg)`` expects torch.distributed initialised through ``deepspeed.init_distributed``; it builds
-the parallel groups, seeds, data, model and engine. ``train()`` runs to ``train.iters``. Tests drive
+the parallel groups, seeds, data, model and engine. What is trained is a task
+(:class:`training.tasks.protocol.Task`: GPT-2, BERT, RACE); the layout comes from
+:func:`training.layout.derive_layout` and the resumable counters live in ``trainer.state``
+(:class:`training.checkpoint.TrainState`). ``train()`` runs to ``train.iters``. Tests drive
 the same object directly (e.g. to inject an fp16 overflow with a gradient hook).
 """
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Callable
 
 import deepspeed
 import torch
@@ -24,8 +28,8 @@ from training.runtime import run_lock
 from training.runtime import device as tdev
 from training import tracking
 from training.runtime import ds_compat
-from training.config import (Config, ConfigError, check_world, deepspeed_config, padded_vocab_size, resolve_dtype,
-)
+from training.config import Config, ConfigError, deepspeed_config, resolve_dtype
+from training.layout import Layout, derive_layout
 from training.runtime.cpu_peak import measure_cpu_peak_together
 from training.runtime.hardware import canonical_kind, detect_device_kind, peak_tflops
 from training.metrics import MetricsWriter, flops_per_iteration, progress_enabled
@@ -33,6 +37,7 @@ from training.optim import build_optimizer
 from training.parallel import random as tp_random
 from training.parallel.state import ParallelState
 from training.tasks.gpt import make_task
+from training.tasks.protocol import Task, batch_to_device
 
 logger = logging.getLogger("training")
 
@@ -53,7 +58,7 @@ def start_process(cfg: Config):
     process groups, then the RNG streams (DeepSpeed's tracker configured before any seeding).
     Returns (world, dp, dtype, ParallelState, is_rank0)."""
     world = dist.get_world_size()
-    dp = check_world(cfg, world)
+    dp = derive_layout(cfg, world).dp
     on_gpu = tdev.local_device().type == "cuda"  # the accelerator DeepSpeed will use, not just torch's view
     dtype = resolve_dtype(cfg, on_gpu)
     if dtype == "fp16" and not on_gpu:
@@ -84,19 +89,23 @@ def allow_fp16_on_cpu() -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    """The one training loop. ``task_factory(cfg, ps, dp)`` builds the task (default: GPT-2 or BERT by
+    ``model.arch``); RACE fine-tuning passes its own (``training.finetune_race``)."""
+
+    def __init__(self, cfg: Config, task_factory: Callable[[Config, ParallelState, int], Task] | None = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         init_from.adopt_model_config(cfg)  # train.init_from: the source's model shape (no-op when unset)
         self.world, self.dp, self.dtype, self.ps, self.is_rank0 = start_process(cfg)
 
-        self.task = make_task(cfg, self.ps, self.dp)
+        self.task: Task = (task_factory or make_task)(cfg, self.ps, self.dp)
         tok_vocab = self.task.tokenizer.vocab_size
         vocab = cfg.model.vocab_size or tok_vocab
         if vocab < tok_vocab:
             raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {tok_vocab}")
         cfg.model.vocab_size = vocab
-        self.padded_vocab = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor)
+        self.layout: Layout = derive_layout(cfg, self.world, vocab)
+        self.padded_vocab = self.task.padded_vocab(self.layout)
         t = cfg.train
         self.task.build_data()
         self.model = self.task.build_model(self.padded_vocab)
@@ -118,19 +127,33 @@ class Trainer:
         self.fp32_clip_override = self.dtype == "fp32" and cfg.parallel.zero_stage == 0
         if self.fp32_clip_override:
             self.engine.clip_fp32_gradients = self._clip_fp32_gradients
-        self.gas = t.global_batch_size // (t.micro_batch_size * self.dp)
-        self.iteration = 0
-        self.consumed_samples = 0
-        self.consecutive_skipped = 0
+        self.gas = self.layout.grad_accumulation
+        self.state = ckpt.TrainState()
         self.flops_per_step = flops_per_iteration(cfg, self.padded_vocab)  # GPT-2 or BERT count (model.arch)
         self.tokens_per_step = t.global_batch_size * self.task.tokens_per_sample
         self.cpu_peak = None
         self.peak = self._peak_tflops()
         n_params = count_parameters(self.model, self.ps)  # collective under PP: every rank calls it
         if self.is_rank0:
-            logger.info("%r | dtype %s | padded vocab %d | parameters %s | grad accumulation %d",
-                        self.ps, self.dtype, self.padded_vocab, f"{n_params:,}",
-                        t.global_batch_size // (t.micro_batch_size * self.dp))
+            logger.info("%r | dtype %s | padded vocab %d | parameters %s | grad accumulation %d | iterations %d",
+                        self.ps, self.dtype, self.padded_vocab, f"{n_params:,}", self.gas, t.iters)
+
+    # the train state's counters, as attributes (tools such as training.tools.reshard set them)
+    @property
+    def iteration(self) -> int:
+        return self.state.iteration
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self.state.iteration = value
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.state.consumed_samples
+
+    @consumed_samples.setter
+    def consumed_samples(self, value: int) -> None:
+        self.state.consumed_samples = value
 
     def _peak_tflops(self) -> float | None:
         if self.cfg.run.device_peak_tflops:
@@ -167,13 +190,14 @@ class Trainer:
         lr = self.engine.get_lr()[0]  # the rate this step uses
         self._fp32_norm = None
         losses, parts = [], {}
+        st = self.state
+        extra_metrics = self.task.step_metrics(st.consumed_samples)
         if self.pipe:
-            dev = tdev.module_device(self.engine)
-            batches = [tdev.to_device(b, dev) for b in self.task.micro_batches(self.consumed_samples)]
+            batches = [batch_to_device(b, self.engine) for b in self.task.micro_batches(st.consumed_samples)]
             losses.append(self.engine.train_batch(data_iter=iter(batches)).detach().float().sum())
             batches = []  # the pipeline engine ran them
         else:
-            batches = self.task.micro_batches(self.consumed_samples)
+            batches = self.task.micro_batches(st.consumed_samples)
         for batch in batches:
             loss, extra = self.task.loss(self.engine, batch)
             for k, v in extra.items():
@@ -182,8 +206,8 @@ class Trainer:
             self.engine.step()
             losses.append(loss.detach().float())
         applied = self.engine.was_step_applied()
-        self.iteration += 1
-        self.consumed_samples += self.cfg.train.global_batch_size
+        st.iteration += 1
+        st.consumed_samples += self.cfg.train.global_batch_size
         # mean loss over micro-batches and DP replicas (logging only)
         loss = torch.stack(losses).mean()
         dist.all_reduce(loss, group=self.ps.dp_group)
@@ -210,21 +234,22 @@ class Trainer:
             "mfu": tflops / self.peak if self.peak else None,
             "step_applied": bool(applied),
             "step_time_s": elapsed,
-            "consumed_samples": self.consumed_samples,
+            "consumed_samples": st.consumed_samples,
             **parts,
+            **extra_metrics,
         }
         if not applied:
-            self.consecutive_skipped += 1
+            st.consecutive_skipped += 1
             if self.is_rank0:
-                logger.warning("iteration %d: fp16 overflow, step skipped; loss scale now %s", self.iteration, scale)
+                logger.warning("iteration %d: fp16 overflow, step skipped; loss scale now %s", st.iteration, scale)
             limit = self.cfg.precision.max_consecutive_skipped
-            if limit and self.consecutive_skipped >= limit:
+            if limit and st.consecutive_skipped >= limit:
                 raise TrainingAborted(
-                    f"{self.consecutive_skipped} consecutive steps skipped for fp16 overflow (loss scale {scale}): "
+                    f"{st.consecutive_skipped} consecutive steps skipped for fp16 overflow (loss scale {scale}): "
                     f"the loss or gradients are inf/NaN; lower optimizer.lr, use precision.dtype=bf16, or raise "
                     f"precision.max_consecutive_skipped")
         else:
-            self.consecutive_skipped = 0
+            st.consecutive_skipped = 0
         if not math.isfinite(loss) and applied:
             raise TrainingAborted(f"iteration {self.iteration}: loss is {loss} but the step was applied (no loss "
                                   f"scaling in {self.dtype}); lower optimizer.lr or check the data")
@@ -241,7 +266,7 @@ class Trainer:
         n = 0
         for i in range(self.cfg.train.eval_iters):
             if self.pipe:
-                batches = [tdev.to_device(b, dev) for b in self.task.valid_micro_batches(i)]
+                batches = [batch_to_device(b, self.engine) for b in self.task.valid_micro_batches(i)]
                 total += self.engine.eval_batch(data_iter=iter(batches)).detach().float().sum()
                 n += 1
                 continue
@@ -275,7 +300,9 @@ class Trainer:
         bar = tqdm(total=cfg.train.iters, initial=self.iteration, desc="train", unit="it",
                    disable=not (self.is_rank0 and progress_enabled(cfg.train.progress_bar)), leave=False)
         last, vl = {}, None
+        saves = self.task.periodic_checkpoints
         try:
+            self.task.on_train_start(self, writer)
             stop = min(cfg.train.iters, cfg.train.exit_at or cfg.train.iters)
             while self.iteration < stop:
                 last = self.train_step()
@@ -287,7 +314,8 @@ class Trainer:
                     vl = self.evaluate()
                     if vl is not None:
                         writer.event("valid", {"loss": vl, "ppl": math.exp(min(vl, 20))}, self.iteration)
-                if cfg.train.save_interval and self.iteration % cfg.train.save_interval == 0:
+                self.task.on_step_end(self, last, writer)
+                if saves and cfg.train.save_interval and self.iteration % cfg.train.save_interval == 0:
                     ckpt.save(self)
             evaluated_now = bool(cfg.train.eval_interval) and self.iteration % cfg.train.eval_interval == 0 and bool(last)
             valid = vl if evaluated_now else self.evaluate()
@@ -295,12 +323,13 @@ class Trainer:
                 writer.event("valid", {"loss": valid, "ppl": math.exp(min(valid, 20))}, self.iteration)
                 if self.is_rank0:
                     logger.info("validation loss %.4f | ppl %.2f", valid, math.exp(min(valid, 20)))
-            if not (cfg.train.save_interval and self.iteration % cfg.train.save_interval == 0 and last):
+            if saves and not (cfg.train.save_interval and self.iteration % cfg.train.save_interval == 0 and last):
                 ckpt.save(self)
+            task_result = self.task.on_train_end(self)
         finally:
             bar.close()
             writer.close()
             if lock is not None:
                 lock.release()
             tracking.finish(cfg, self.is_rank0)
-        return {"last": last, "valid_loss": valid}
+        return {"last": last, "valid_loss": valid, "task": task_result}

@@ -28,6 +28,7 @@ from megatron_ds_suite.core.corpus import load_corpus
 from training.data.gpt_dataset import build_gpt_datasets
 from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype, dataset_exists
 from megatron_ds_suite.core.tokenizer import Tokenizer, load_tokenizer
+from training.data.sample_order import micro_batch_positions
 from training.config import Config, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -149,14 +150,12 @@ class BatchSampler:
 
     def __init__(self, dataset, micro_batch: int, dp_size: int, dp_rank: int, global_batch: int):
         self.dataset, self.mb, self.dp, self.rank, self.gb = dataset, micro_batch, dp_size, dp_rank, global_batch
-        self.gas = global_batch // (micro_batch * dp_size)
 
     def micro_batches(self, consumed_samples: int):
         """The ``gas`` micro-batches (tokens [mb, s], labels [mb, s]) of the step that starts at
         ``consumed_samples``."""
         n = len(self.dataset)
-        for m in range(self.gas):
-            start = consumed_samples + m * self.mb * self.dp + self.rank * self.mb
-            rows = np.stack([self.dataset[(start + i) % n] for i in range(self.mb)])
+        for positions in micro_batch_positions(consumed_samples, self.mb, self.dp, self.rank, self.gb):
+            rows = np.stack([self.dataset[p % n] for p in positions])
             t = torch.from_numpy(rows.astype(np.int64))
             yield t[:, :-1].contiguous(), t[:, 1:].contiguous()

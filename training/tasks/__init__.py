@@ -1,1 +1,2 @@
-"""Tasks of the trainer: what a batch is, how the model is built and what its loss is (GPT-2, BERT)."""
+"""Tasks of the trainer (``protocol.Task``): what a batch is, how the model is built and what its loss is
+(GPT-2 and BERT pretraining, RACE fine-tuning)."""

@@ -1,6 +1,6 @@
 """BERT pretraining as a trainer task: MLM + SOP over a sentence-level corpus.
 
-Same interface as :class:`training.tasks.gpt.GPTTask`; the trainer handles DeepSpeed, precision, metrics
+A :class:`training.tasks.protocol.Task`; the trainer handles DeepSpeed, precision, metrics
 and checkpoints. Batches are dicts of int64 tensors (``training.data.bert_data.collate``); the loss is
 ``mlm + sop`` and both parts are logged (``mlm_loss``, ``sop_loss``).
 
@@ -19,10 +19,11 @@ import torch.distributed as dist
 
 from megatron_ds_suite.core.corpus import load_corpus
 from training.data.gpt_dataset import split_boundaries
-from training.runtime import device as tdev
+from training.data.sample_order import micro_batch_positions
 from training.data.bert_data import BertDataError, BertDataset, BertVocab, MaskingConfig, collate, usable_documents
 from training.config import Config, ConfigError
 from training.models.bert import BertModel, bert_loss
+from training.tasks.protocol import Task, batch_to_device
 
 logger = logging.getLogger("training")
 
@@ -50,7 +51,7 @@ def masking_config(cfg: Config) -> MaskingConfig:
     return MaskingConfig(b.masked_lm_prob, b.mask_token_prob, b.random_token_prob, b.max_ngram, b.whole_word)
 
 
-class BertTask:
+class BertTask(Task):
     """Masked-LM + sentence-order prediction over ``data.corpus``'s BERT (sentence) dataset."""
 
     def __init__(self, cfg: Config, ps, dp: int):
@@ -118,12 +119,10 @@ class BertTask:
 
     def _micro_batches(self, ds, consumed_samples: int):
         t = self.cfg.train
-        mb, dp, rank = t.micro_batch_size, self._dp, self.ps.dp_rank
-        gas = t.global_batch_size // (mb * dp)
         n = len(ds)
-        for m in range(gas):
-            start = consumed_samples + m * mb * dp + rank * mb
-            yield collate([ds[(start + i) % n] for i in range(mb)])
+        for positions in micro_batch_positions(consumed_samples, t.micro_batch_size, self._dp, self.ps.dp_rank,
+                                               t.global_batch_size):
+            yield collate([ds[p % n] for p in positions])
 
     def micro_batches(self, consumed_samples: int):
         return self._micro_batches(self.train_ds, consumed_samples)
@@ -138,7 +137,7 @@ class BertTask:
         return BertModel(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed)
 
     def loss(self, engine, batch) -> tuple[torch.Tensor, dict]:
-        batch = tdev.to_device(batch, tdev.module_device(engine))
+        batch = batch_to_device(batch, engine)
         lm_loss, sop_logits = engine(batch["text"], batch["types"], batch["padding_mask"], batch["labels"],
                                      batch["loss_mask"])
         return bert_loss(lm_loss, sop_logits, batch["is_random"])

@@ -1,24 +1,19 @@
-"""What the trainer trains: a task owns the model, the batches of one DP rank and the loss.
+"""GPT-2 pretraining as a trainer task: causal language modelling over a GPT dataset.
 
-The trainer (DeepSpeed engine, steps, metrics, checkpoints) is the same for every task.
-A task provides:
-    build_model(padded_vocab) -> nn.Module
-    micro_batches(consumed_samples) -> iterator over the gas micro-batches of the step
-    valid_micro_batches(i)        -> the same for validation batch i (None if no validation split)
-    loss(engine, batch) -> (scalar loss to back-propagate, {name: scalar} parts to log)
-    tokenizer, tokenizer_spec, tokens_per_sample
+See :class:`training.tasks.protocol.Task` for what a task provides; batches are (tokens, labels) host
+tensors in Megatron's sample order (:mod:`training.data.sample_order`).
 """
 from __future__ import annotations
 
 import torch
 
-from training.runtime import device as tdev
 from training.config import Config
 from training.data.loader import BatchSampler, build_datasets, resolve_sources
 from training.models.gpt2 import GPT2Model
+from training.tasks.protocol import Task, batch_to_device
 
 
-class GPTTask:
+class GPTTask(Task):
     """Causal language modelling over a GPT dataset (samples of seq_len+1 tokens)."""
 
     def __init__(self, cfg: Config, ps, dp: int):
@@ -54,12 +49,11 @@ class GPTTask:
         return self.valid_sampler.micro_batches(i * self.cfg.train.global_batch_size)
 
     def loss(self, engine, batch) -> tuple[torch.Tensor, dict]:
-        # DeepSpeed's engine does not move inputs: the sampler's host batch goes to the model's device
-        tokens, labels = tdev.to_device(batch, tdev.module_device(engine))
+        tokens, labels = batch_to_device(batch, engine)
         return engine(tokens, labels).mean(), {}
 
 
-def make_task(cfg: Config, ps, dp: int):
+def make_task(cfg: Config, ps, dp: int) -> Task:
     if cfg.model.arch == "gpt2":
         return GPTTask(cfg, ps, dp)
     if cfg.model.arch == "bert":

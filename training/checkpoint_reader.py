@@ -1,0 +1,144 @@
+"""Reading checkpoints without an engine (evaluation, export, fine-tuning, ``train.init_from``).
+
+The layout of RUN_DIR/checkpoints (``latest`` names a tag directory; DeepSpeed's mp_rank_XX files hold
+the client state written by :mod:`training.checkpoint`), and the merge of a checkpoint's TP shards (and
+pipeline stages) into one TP=1 state dict, re-split for any TP degree.
+
+Every file is read with ``weights_only=True`` (``training.safe_load``); ``latest`` must name a tag
+directory inside the run's checkpoints/ folder.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from training import safe_load
+from training.config import Config, ConfigError, config_from_dict
+from training.safe_load import CheckpointError
+
+LATEST = "latest"
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_tag(run_dir: str | Path) -> str | None:
+    """The tag ``checkpoints/latest`` names; it must be a directory directly inside checkpoints/."""
+    f = checkpoint_dir(run_dir) / LATEST
+    if not f.is_file():
+        return None
+    tag = f.read_text().strip()
+    check_tag(run_dir, tag, f"{f} names")
+    return tag
+
+
+def check_tag(run_dir: str | Path, tag: str, what: str = "tag") -> None:
+    """A tag is one plain directory name under checkpoints/ (never a path leading elsewhere) that exists."""
+    root = checkpoint_dir(run_dir)
+    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag:
+        raise CheckpointError(f"{what} {tag!r}, which is not a checkpoint name (expected e.g. iter_0000020 inside "
+                              f"{root}): fix the file or delete it to start afresh")
+    if not (root / tag).is_dir():
+        have = sorted(p.name for p in root.glob("iter_*") if p.is_dir())
+        raise CheckpointError(f"{what} {tag!r} but {root / tag} does not exist (present: {', '.join(have) or 'none'}): "
+                              f"write the newest present tag into {root / LATEST} or delete it to start afresh")
+
+
+def canonical_name(pipe_name: str, num_layers: int) -> str | None:
+    """PipelineModule parameter name ('3.attn.qkv.weight') -> GPT2Model name; None for the tied copy."""
+    from training.models.gpt2_pipe import pipe_layer_names
+
+    if pipe_name.startswith("tied_modules.embed."):
+        return "embedding." + pipe_name[len("tied_modules.embed."):]
+    idx, rest = pipe_name.split(".", 1)
+    prefix = pipe_layer_names(num_layers).get(int(idx))
+    return None if prefix is None else prefix + rest
+
+
+def _model_files(run_dir: str | Path, tag: str | None) -> tuple[str, list[Path]]:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {run_dir} does not exist")
+    if tag is not None:
+        check_tag(run_dir, tag, "--tag")
+    tag = tag or latest_tag(run_dir)
+    if tag is None:
+        raise FileNotFoundError(f"{run_dir} has no checkpoints/latest: train with run.dir={run_dir} first")
+    files = sorted((checkpoint_dir(run_dir) / tag).glob("mp_rank_*_model_states.pt"))
+    if not files:
+        raise FileNotFoundError(f"{checkpoint_dir(run_dir) / tag} holds no mp_rank_*_model_states.pt files")
+    return tag, files
+
+
+def read_client_state(run_dir: str | Path, tag: str | None = None) -> dict:
+    _, files = _model_files(run_dir, tag)
+    return safe_load.load(files[0])
+
+
+def load_merged_state_dict(run_dir: str | Path, tag: str | None = None) -> tuple[dict, Config, dict]:
+    """TP shards merged into one TP=1 state dict (vocabulary padding kept), the run config and the
+    checkpoint metadata (``padded_vocab_size``, ``tokenizer`` spec, ...)."""
+    tag, files = _model_files(run_dir, tag)
+    meta = safe_load.load(files[0])
+    tp, pp = meta["parallel"]["tp"], meta["parallel"]["pp"]
+    if len(files) != tp * pp:
+        raise FileNotFoundError(f"checkpoint {tag} has {len(files)} model files but was saved with TP={tp} PP={pp}")
+    if pp == 1:
+        shard_dicts = [safe_load.load(f)["module"] for f in files]
+    else:  # pipeline layout: layer_XX-model_YY-model_states.pt, one file per (layer, TP rank)
+        num_layers = meta["config"]["model"]["num_layers"]
+        shard_dicts = [{} for _ in range(tp)]
+        for f in sorted((checkpoint_dir(run_dir) / tag).glob("layer_*-model_*-model_states.pt")):
+            idx, rank = int(f.name.split("-")[0][6:]), int(f.name.split("-")[1][6:])
+            for k, v in safe_load.load(f).items():
+                name = canonical_name(f"{idx}.{k}", num_layers)
+                if name is not None:
+                    shard_dicts[rank][name] = v
+    merged = {}
+    for name in shard_dicts[0]:
+        tags = meta["partition"].get(name)
+        shards = [s[name].float() for s in shard_dicts]
+        if tags is None or tp == 1:
+            merged[name] = shards[0]
+            continue
+        dim, stride = tags
+        pieces = [s.chunk(stride, dim) for s in shards]
+        merged[name] = torch.cat([pieces[r][k] for k in range(stride) for r in range(tp)], dim)
+    cfg = config_from_dict(meta["config"])
+    cfg.parallel.tensor = 1
+    return merged, cfg, meta
+
+
+def load_model_for_eval(run_dir: str | Path, group=None, device: str = "cpu", tag: str | None = None):
+    """(model, config, tokenizer) from a checkpoint of any TP degree, re-split for ``group``'s TP degree
+    (None = one process). The model is fp32, in eval mode."""
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
+    from training.models.gpt2 import GPT2Model
+    from training.parallel.layers import _shard_master
+    from training.parallel.mappings import group_rank, group_size
+
+    state, cfg, meta = load_merged_state_dict(run_dir, tag)
+    tokenizer = load_tokenizer(meta["tokenizer"], base_dir=Path(run_dir))
+    world, rank = group_size(group), group_rank(group)
+    padded = meta["padded_vocab_size"]
+    if padded % world:
+        raise ConfigError(f"padded vocabulary {padded} of {run_dir} is not divisible by TP={world}")
+    cfg.parallel.tensor = world
+    cfg.model.activation_checkpointing = False
+    if cfg.model.arch == "bert":
+        from training.models.bert import build_bert_for_eval
+
+        model = build_bert_for_eval(cfg.model, padded, group, cfg.train.seed, cfg.model.head == "multiple_choice")
+    else:
+        model = GPT2Model(cfg.model, padded, group, seed=cfg.train.seed)
+    local = {}
+    for name, p in model.named_parameters():
+        full = state[name]
+        tags = meta["partition"].get(name)
+        local[name] = _shard_master(full, tags[0], rank, world, tags[1]) if tags and world > 1 else full
+    model.load_state_dict(local, strict=True)
+    if tokenizer.vocab_size > padded:
+        raise ConfigError(f"tokenizer vocabulary {tokenizer.vocab_size} exceeds the model's {padded}")
+    return model.to(device).eval(), cfg, tokenizer
