@@ -28,8 +28,8 @@ import os
 import sys
 from pathlib import Path
 
-from training.cli import launcher_parser, setup_rank_logging
-from training.config import Config, ConfigError, _merge, config_from_dict, parse_overrides
+from training.cli import launcher_parser, report_error, setup_rank_logging
+from training.config import Config, ConfigError, config_from_dict
 from training.layout import derive_layout
 
 logger = logging.getLogger("training")
@@ -43,22 +43,12 @@ TUNABLE_MODEL_KEYS = {"hidden_dropout", "attention_dropout", "activation_checkpo
 # --------------------------------------------------------------------------------------------------
 def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -> tuple[Config, dict]:
     """The fine-tuning Config and the pretrained checkpoint's metadata. Raises ConfigError."""
-    import yaml
-
+    from megatron_ds_suite.configs_lookup import find_config
+    from megatron_ds_suite.core.config import apply_overrides, merge_dicts, read_yaml
     from training.checkpoint_reader import read_client_state
 
-    from megatron_ds_suite.configs_lookup import find_config
-
-    p = find_config(path)  # an existing file, else a bundled config of that name
-    if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist (see configs/race.yaml)")
-    try:
-        own = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(own, dict):
-        raise ConfigError(f"config file {p} must be a mapping of sections")
-    own = _merge(own, parse_overrides(overrides or []))
+    own = read_yaml(find_config(path), hint=" (see configs/race.yaml)")  # a file, else a bundled config
+    own = apply_overrides(own, overrides, example="finetune.epochs=3")
     ft = own.get("finetune") or {}
     pretrained = ft.get("pretrained") if isinstance(ft, dict) else None
     if not pretrained:
@@ -85,7 +75,7 @@ def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -
         base.pop(sec, None)
     base["train"] = {k: v for k, v in base.get("train", {}).items() if k == "seed"}  # seed carries over
     base["optimizer"] = {}
-    merged = _merge(base, own)
+    merged = merge_dicts(base, own)
     merged["model"]["head"] = "multiple_choice"
     merged["train"]["keep_last"] = 1
     merged["train"].setdefault("iters", 1)  # placeholder: set from the data in main()
@@ -158,15 +148,17 @@ class RaceFinetuner:
 def main(argv: list[str] | None = None) -> int:
     args = launcher_parser("python -m training.finetune_race", __doc__, "fine-tuning config YAML (see configs/race.yaml)").parse_args(argv)
     rank = setup_rank_logging()
-    from megatron_ds_suite.core.errors import RaceDataError
+    from megatron_ds_suite.core.errors import RaceDataError, SuiteError
 
     try:
         cfg, meta = load_finetune_config(args.config, args.overrides)
         derive_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group exists
-    except (ConfigError, RaceDataError) as e:
+    except RaceDataError as e:  # the RACE folder, read while checking the config
         if rank == 0:
             print(f"config error: {e}", file=sys.stderr)
         return 2
+    except SuiteError as e:
+        return report_error(e, rank)
     import torch.distributed as dist
 
     from training.runtime.distributed import init_distributed
@@ -178,9 +170,11 @@ def main(argv: list[str] | None = None) -> int:
             b = res["best"]
             print(f"\nRACE fine-tuning: best epoch {res['best_epoch']} | " +
                   " | ".join(f"{s} accuracy {v['accuracy']:.4f} ({v['count']} questions)" for s, v in b.items()))
-    except (ConfigError, RaceDataError) as e:
+    except RaceDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except SuiteError as e:  # checkpoint, data or config problems met while training
+        return report_error(e)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

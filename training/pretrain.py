@@ -16,8 +16,9 @@ if __name__ == "__main__":  # run as `python -m`: process settings before torch 
 import os
 import sys
 
-from training.cli import launcher_parser, setup_rank_logging
-from training.config import ConfigError, load_config
+from training.cli import launcher_parser, report_error, setup_rank_logging
+from megatron_ds_suite.core.errors import SuiteError
+from training.config import load_config
 from training.layout import derive_layout
 
 
@@ -27,27 +28,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         derive_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group exists
-    except ConfigError as e:
-        if rank == 0:  # every rank checks; one says it
-            print(f"config error: {e}", file=sys.stderr)
-        return 2
+    except SuiteError as e:
+        return report_error(e, rank)  # every rank checks; one says it
 
     import torch.distributed as dist
 
     from training.runtime.distributed import init_distributed
-    from training.safe_load import CheckpointError
     from training.trainer import Trainer, TrainingAborted
 
     init_distributed()
     try:
         trainer = Trainer(cfg)
         trainer.train()
-    except CheckpointError as e:  # unsafe, truncated or missing checkpoint files, a bad `latest`
-        print(f"checkpoint error: {e}", file=sys.stderr)
-        return 2
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    except SuiteError as e:  # bad config, unsafe/truncated/missing checkpoint files, a bad `latest`, bad data
+        return report_error(e)  # from whichever rank met it
     except TrainingAborted as e:
         print(f"training aborted: {e}", file=sys.stderr)
         return 3
