@@ -5,7 +5,8 @@ rank = pipe * (dp * tp) + data * tp + model, i.e. tensor-parallel ranks are adja
 data-parallel ranks strided by TP, pipeline stages outermost. Building the groups from that topology
 object keeps our groups and DeepSpeed's pipeline grid in agreement.
 
-Sizes are validated by :class:`ParallelDims` (a pure dataclass) before any process group exists.
+Sizes are validated by :class:`ParallelDims` (a pure dataclass) before any process group exists; a bad
+layout raises the suite's :class:`~megatron_ds_suite.core.errors.ConfigError` (one line, exit code 2).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from training.config import ConfigError
+from megatron_ds_suite.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
