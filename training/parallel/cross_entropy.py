@@ -22,7 +22,8 @@ from training.parallel.utils import vocab_range
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, inplace):
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None,
+                inplace: bool) -> torch.Tensor:
         # logits [b, s, V/p] any float dtype; target [b, s] global ids
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()  # fp16/bf16 logits: the loss is computed in fp32, on our own copy
@@ -50,7 +51,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         exp, sum_exp, foreign, local_target = ctx.saved_tensors
         # d loss / d logit = (exp / sum_exp - 1[target]) * grad_loss, the 1[target] only on the rank
         # owning the target; one pass over the saved buffer (backward runs once, so it is reused)
@@ -60,7 +61,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None = None,
                                  inplace: bool = False) -> torch.Tensor:
     """Per-token loss [b, s] from vocab-parallel logits [b, s, V/p] and global targets [b, s].
 

@@ -10,6 +10,8 @@ first rank (the grid's pipe x model rank); the trainer installs this function in
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 
@@ -25,7 +27,8 @@ def _empty_device(groups: tuple[dist.ProcessGroup | None, ...]) -> torch.device:
     return torch.device("cpu")
 
 
-def grad_norm(params, tp_rank: int, tp_group=None, pp_group=None) -> torch.Tensor:
+def grad_norm(params: Iterable[torch.Tensor], tp_rank: int, tp_group: dist.ProcessGroup | None = None,
+              pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """sqrt of the summed squares (float64), on the parameters' device: it is all-reduced (NCCL on GPU)."""
     params = list(params)
     device = params[0].device if params else _empty_device((tp_group, pp_group))
@@ -41,7 +44,8 @@ def grad_norm(params, tp_rank: int, tp_group=None, pp_group=None) -> torch.Tenso
     return total.sqrt()
 
 
-def clip_grad_norm(params, max_norm: float, tp_rank: int, tp_group=None, pp_group=None) -> float:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, tp_rank: int,
+                   tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None) -> float:
     """Scale gradients so their global norm is at most ``max_norm`` (0 = no clipping); returns the
     norm before clipping."""
     params = list(params)

@@ -26,7 +26,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel size {name}={getattr(self, name)} must be >= 1")
@@ -85,7 +85,7 @@ class ParallelState:
                 f"tp_rank={self.tp_rank}, dp_rank={self.dp_rank}, pp_rank={self.pp_rank})")
 
     # ---- tensor parallel ------------------------------------------------------------------------
-    def get_tensor_model_parallel_group(self):
+    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
         return self.tp_group
 
     def get_tensor_model_parallel_rank(self) -> int:
@@ -105,7 +105,7 @@ class ParallelState:
     get_model_parallel_src_rank = get_tensor_model_parallel_src_rank
 
     # ---- data parallel --------------------------------------------------------------------------
-    def get_data_parallel_group(self):
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
         return self.dp_group
 
     def get_data_parallel_rank(self) -> int:
@@ -115,7 +115,7 @@ class ParallelState:
         return self.dims.dp
 
     # ---- pipeline parallel ----------------------------------------------------------------------
-    def get_pipeline_model_parallel_group(self):
+    def get_pipeline_model_parallel_group(self) -> dist.ProcessGroup:
         return self.pp_group
 
     def get_pipeline_model_parallel_rank(self) -> int:
