@@ -22,7 +22,7 @@ def _modules() -> list[str]:
 
 def test_every_parallel_module_is_listed():
     names = _modules()
-    for expected in ("cross_entropy", "grad_norm", "layers", "mappings", "random", "state", "utils"):
+    for expected in ("cross_entropy", "grad_norm", "layers", "mappings", "random", "sharding", "state", "utils"):
         assert f"training.parallel.{expected}" in names
 
 

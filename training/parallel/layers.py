@@ -25,18 +25,15 @@ from training.parallel.mappings import (
     reduce_from_parallel_region,
     scatter_to_parallel_region,
 )
+from training.parallel.sharding import shard
 from training.parallel.utils import divide, set_tensor_parallel_attributes, vocab_range
 
 InitMethod = Callable[[torch.Tensor], None]  # fills a full master weight in place
 
 
-def _shard_master(master: torch.Tensor, dim: int, rank: int, world: int, stride: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``master`` along ``dim``; with stride s the dim is cut into s*world
-    pieces and the rank keeps pieces rank, rank+world, ... (e.g. Q_r, K_r, V_r of a fused QKV)."""
-    per_partition = divide(master.size(dim), world)
-    per_stride = divide(per_partition, stride)
-    pieces = torch.split(master, per_stride, dim=dim)
-    return torch.cat(pieces[rank::world], dim=dim).contiguous()
+# NOTE: the former private name, still imported by training/checkpoint.py and training/init_from.py;
+# new code imports training.parallel.sharding.shard
+_shard_master = shard
 
 
 def _master_weight(shape: tuple[int, ...], init_method: InitMethod | None) -> torch.Tensor:
@@ -103,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_rank, world = group_rank(group), group_size(group)
         self.out_per_partition = divide(out_features, world)
         master = _master_weight((out_features, in_features), init_method)
-        self.weight = nn.Parameter(_shard_master(master, 0, self.tp_rank, world, stride))
+        self.weight = nn.Parameter(shard(master, 0, self.tp_rank, world, stride))
         set_tensor_parallel_attributes(self.weight, partition_dim=0, stride=stride)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_per_partition))
@@ -130,7 +127,7 @@ class RowParallelLinear(nn.Module):
         self.tp_rank, world = group_rank(group), group_size(group)
         self.in_per_partition = divide(in_features, world)
         master = _master_weight((out_features, in_features), init_method)
-        self.weight = nn.Parameter(_shard_master(master, 1, self.tp_rank, world))
+        self.weight = nn.Parameter(shard(master, 1, self.tp_rank, world))
         set_tensor_parallel_attributes(self.weight, partition_dim=1)
         # The bias is added once after the all-reduce: replicated, untagged.
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
@@ -154,7 +151,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, world = group_rank(group), group_size(group)
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, self.tp_rank, world)
         master = _master_weight((num_embeddings, embedding_dim), init_method)
-        self.weight = nn.Parameter(_shard_master(master, 0, self.tp_rank, world))
+        self.weight = nn.Parameter(shard(master, 0, self.tp_rank, world))
         set_tensor_parallel_attributes(self.weight, partition_dim=0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
