@@ -163,8 +163,8 @@ class BertModel(nn.Module):
             raise RuntimeError("this BertModel was built without a pooler")
         return torch.tanh(self.pooler(hidden[:, 0]))
 
-    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., h] -> vocab-parallel logits [..., V/p]."""
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """MLM head: hidden [..., h] -> vocab-parallel logits [..., V/p] (tied to the word embedding)."""
         return self.lm_head(hidden, self.embedding.word_embeddings.weight)
 
     # ---- pretraining forward ---------------------------------------------------------------------
@@ -175,9 +175,9 @@ class BertModel(nn.Module):
         if self.lm_head is None:
             return hidden, sop_logits
         if lm_labels is None:
-            return self.lm_logits(hidden), sop_logits
+            return self.output_logits(hidden), sop_logits
         sel = (loss_mask if loss_mask is not None else lm_labels >= 0).bool()  # [b, s]
-        logits = self.lm_logits(hidden[sel])                                   # [m, V/p]
+        logits = self.output_logits(hidden[sel])                                # [m, V/p]
         lm_loss = vocab_parallel_cross_entropy(logits.unsqueeze(0), lm_labels[sel].clamp(min=0).unsqueeze(0),
                                                self.group).squeeze(0)          # [m] fp32
         return lm_loss, sop_logits

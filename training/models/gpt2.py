@@ -137,6 +137,7 @@ class GPT2Model(nn.Module):
         self.final_ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> final hidden states [b, s, h] (after the final LayerNorm)."""
         b, s = tokens.shape
         if s > self.cfg.positions:
             raise ValueError(f"sequence length {s} exceeds max_position_embeddings {self.cfg.positions}")
@@ -150,10 +151,14 @@ class GPT2Model(nn.Module):
                 x = layer(x)
         return self.final_ln(x)                                            # [b, s, h]
 
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied output layer: f, then x @ E_local^T -> logits for this rank's vocabulary rows.
+
+        hidden [..., h] (replicated, e.g. :meth:`hidden_states`) -> vocab-parallel logits [..., V/p]."""
+        return F.linear(copy_to_parallel_region(hidden, self.group), self.embedding.word_embeddings.weight)
+
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.hidden_states(tokens)
-        # Tied output layer: f, then x @ E_local^T -> logits for this rank's vocabulary rows.
-        logits = F.linear(copy_to_parallel_region(x, self.group), self.embedding.word_embeddings.weight)  # [b, s, V/p]
+        logits = self.output_logits(self.hidden_states(tokens))           # [b, s, V/p]
         if labels is None:
             return logits
         # the logits are ours and unused after this (the linear's backward needs x and E, not its
