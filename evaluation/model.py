@@ -17,6 +17,7 @@ import torch.distributed as dist
 from evaluation.errors import EvalError
 from evaluation.scoring import gpt2_scorer
 from evaluation.tasks import DataParallel
+from training.parallel.utils import vocab_range
 from training.runtime import device as tdev
 
 logger = logging.getLogger(__name__)
@@ -80,5 +81,5 @@ def load_scorer(run_dir: str | Path, rt: Runtime, include_vocab_padding: bool = 
     tp = rt.pstate.dims.tp if rt.pstate is not None else 1
     tp_rank = rt.pstate.tp_rank if rt.pstate is not None else 0
     scorer = gpt2_scorer(model, padded if include_vocab_padding else tokenizer.vocab_size, cfg.model.positions,
-                         rt.device, vocab_start=tp_rank * (padded // tp), tp_group=group)
+                         rt.device, vocab_start=vocab_range(padded, tp_rank, tp)[0], tp_group=group)
     return scorer, cfg, tokenizer

@@ -3,7 +3,8 @@
 A model is seen through :data:`LogitsFn`: ``tokens [b, s] (int64) -> logits [b, s, V_local]``. At
 TP = 1 ``V_local`` is the whole (possibly padded) vocabulary; under tensor parallelism each rank holds
 the columns ``[vocab_start, vocab_start + V_local)`` of the padded vocabulary, and the scores below
-are computed *without gathering the logits* (three all-reduces of ``b*s`` numbers + one for argmax).
+are computed *without gathering the logits* (three all-reduces of ``b*s`` numbers + one for argmax) by
+:func:`training.parallel.cross_entropy.vocab_parallel_token_scores` (imported here as ``token_scores``).
 
 For targets ``y [b, s]`` (global ids) the scores are, in fp32,
 
@@ -23,58 +24,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from training.parallel.cross_entropy import vocab_parallel_token_scores as token_scores
 from training.runtime import device as tdev
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """tokens [b, s] int64 -> logits [b, s, V_local] (any float dtype; this rank's vocabulary columns)."""
-
-
-def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
-
-
-def token_scores(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    vocab_size: int,
-    vocab_start: int = 0,
-    group: dist.ProcessGroup | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(nll [b, s] fp32, correct [b, s] bool)`` from (vocab-parallel) ``logits [b, s, V_local]``.
-
-    ``labels`` are global ids; ``group`` is the tensor-parallel group holding the other columns
-    (None at TP = 1). Columns with global id >= ``vocab_size`` are ignored.
-    """
-    z = logits.float()
-    v_local = z.size(-1)
-    n_real = max(0, min(v_local, vocab_size - vocab_start))  # real columns held here
-    z = z[..., :n_real]
-    big = torch.finfo(torch.float32).max
-    if n_real > 0:
-        local_max, local_arg = z.max(dim=-1)  # first maximal index on ties
-    else:
-        local_max = torch.full(labels.shape, -big, device=z.device)
-        local_arg = torch.zeros(labels.shape, dtype=torch.long, device=z.device)
-    gmax = local_max.clone()
-    _all_reduce(gmax, group, dist.ReduceOp.MAX)
-
-    # global argmax = smallest global index among ranks whose local max equals the global max
-    cand = torch.where(local_max == gmax, local_arg + vocab_start, torch.full_like(local_arg, 2**62))
-    _all_reduce(cand, group, dist.ReduceOp.MIN)
-
-    sum_exp = (z - gmax.unsqueeze(-1)).exp().sum(dim=-1) if n_real > 0 else torch.zeros_like(gmax)
-    _all_reduce(sum_exp, group)
-
-    local_idx = labels - vocab_start
-    mine = (local_idx >= 0) & (local_idx < n_real)
-    tgt = torch.zeros_like(gmax)
-    if n_real > 0:
-        tgt = z.gather(-1, local_idx.clamp(0, n_real - 1).unsqueeze(-1)).squeeze(-1)
-        tgt = torch.where(mine, tgt, torch.zeros_like(tgt))
-    _all_reduce(tgt, group)
-    nll = torch.log(sum_exp) + gmax - tgt
-    return nll, cand == labels
 
 
 @dataclass
@@ -124,10 +78,7 @@ class LMScorer:
 
 def gpt2_scorer(model, vocab_size: int, max_length: int, device: torch.device = torch.device("cpu"),
                 vocab_start: int = 0, tp_group: dist.ProcessGroup | None = None) -> LMScorer:
-    """Scorer for ``training.models.gpt2.GPT2Model``: hidden states, then the tied (vocab-parallel) output
-    layer ``x @ E_local^T`` on the scored positions only."""
-    import torch.nn.functional as F
-
+    """Scorer for ``training.models.gpt2.GPT2Model``: hidden states, then the model's tied (vocab-parallel)
+    output layer (``output_logits``) on the scored positions only."""
     return LMScorer(model, vocab_size, max_length, device, vocab_start, tp_group,
-                    hidden_fn=model.hidden_states,
-                    head_fn=lambda x: F.linear(x, model.embedding.word_embeddings.weight))
+                    hidden_fn=model.hidden_states, head_fn=model.output_logits)

@@ -169,7 +169,7 @@ def _layout_worker(rank, world, tp):
 
 
 def test_parallel_dims_validated_without_process_groups():
-    from training.config import ConfigError
+    from megatron_ds_suite.core.errors import ConfigError
     from training.parallel.state import ParallelDims
 
     assert ParallelDims(8, tp=2, pp=2).dp == 2

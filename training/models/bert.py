@@ -1,4 +1,4 @@
-"""BERT with Megatron tensor parallelism, built from the GPT-2 pieces (attention, MLP, vocab-parallel layers).
+"""BERT with Megatron tensor parallelism, built from the blocks it shares with GPT-2 (``training.models.blocks``).
 
 Notation: b batch, s sequence, h hidden, p = TP degree, V padded vocabulary, m masked positions.
 
@@ -28,12 +28,13 @@ model equals the TP=1 model split k ways (same padded vocabulary).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from training.config import ModelConfig
-from training.models.gpt2 import ParallelMLP, ParallelSelfAttention, activation, normal_init
-from training.models.ops import dropout, dropout_add
+from training.models.blocks import TransformerLayer, activation, normal_init
+from training.models.ops import dropout
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.layers import VocabParallelEmbedding
@@ -48,33 +49,18 @@ def attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
     return padding_mask.bool()[:, None, None, :]
 
 
-class BertLayer(nn.Module):
-    """One transformer layer in either order (see the module docstring)."""
+class BertLayer(TransformerLayer):
+    """One bidirectional transformer layer in the configured order (``model.layer_order``, see the module
+    docstring): the shared :class:`training.models.blocks.TransformerLayer` without the causal mask."""
 
-    def __init__(self, cfg: ModelConfig, group, seed: int, index: int):
-        super().__init__()
-        prefix = f"layers.{index}."
-        self.pre_ln = cfg.layer_order == "pre_ln"
-        self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.attn = ParallelSelfAttention(cfg, group, seed, prefix + "attn.", causal=False, layer_number=index + 1)
-        self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
-        self.mlp = ParallelMLP(cfg, group, seed, prefix + "mlp.")
-        self.dropout = cfg.hidden_dropout  # TP-replicated activations: default generator
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [b, s, h], mask [b, 1, 1, s] bool -> [b, s, h]."""
-        p, train = self.dropout, self.training
-        if self.pre_ln:
-            x = dropout_add(self.attn(self.ln1(x), mask), x, p, train)
-            return dropout_add(self.mlp(self.ln2(x)), x, p, train)
-        x = self.ln1(dropout_add(self.attn(x, mask), x, p, train))
-        return self.ln2(dropout_add(self.mlp(x), x, p, train))
+    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None, seed: int, index: int):
+        super().__init__(cfg, group, seed, index, causal=False, pre_ln=cfg.layer_order == "pre_ln")
 
 
 class BertLMHead(nn.Module):
     """dense -> GeLU -> LayerNorm -> tied vocab-parallel logits + vocab-parallel bias."""
 
-    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group, seed: int):
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group: dist.ProcessGroup | None, seed: int):
         super().__init__()
         self.group = group
         self.act = activation(cfg.activation)
@@ -99,7 +85,8 @@ class BertModel(nn.Module):
     returns ``(vocab-parallel logits [b, s, V/p], sop_logits)``.
     """
 
-    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group=None, seed: int = 1234,
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group: dist.ProcessGroup | None = None,
+                 seed: int = 1234,
                  add_lm_head: bool = True, add_binary_head: bool | None = None, add_pooler: bool | None = None):
         super().__init__()
         self.cfg, self.group = cfg, group
@@ -163,8 +150,8 @@ class BertModel(nn.Module):
             raise RuntimeError("this BertModel was built without a pooler")
         return torch.tanh(self.pooler(hidden[:, 0]))
 
-    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., h] -> vocab-parallel logits [..., V/p]."""
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """MLM head: hidden [..., h] -> vocab-parallel logits [..., V/p] (tied to the word embedding)."""
         return self.lm_head(hidden, self.embedding.word_embeddings.weight)
 
     # ---- pretraining forward ---------------------------------------------------------------------
@@ -175,9 +162,9 @@ class BertModel(nn.Module):
         if self.lm_head is None:
             return hidden, sop_logits
         if lm_labels is None:
-            return self.lm_logits(hidden), sop_logits
+            return self.output_logits(hidden), sop_logits
         sel = (loss_mask if loss_mask is not None else lm_labels >= 0).bool()  # [b, s]
-        logits = self.lm_logits(hidden[sel])                                   # [m, V/p]
+        logits = self.output_logits(hidden[sel])                                # [m, V/p]
         lm_loss = vocab_parallel_cross_entropy(logits.unsqueeze(0), lm_labels[sel].clamp(min=0).unsqueeze(0),
                                                self.group).squeeze(0)          # [m] fp32
         return lm_loss, sop_logits
@@ -218,7 +205,8 @@ class BertMultipleChoice(nn.Module):
 
     num_choices = NUM_CHOICES
 
-    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group=None, seed: int = 1234):
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group: dist.ProcessGroup | None = None,
+                 seed: int = 1234):
         super().__init__()
         self.cfg, self.group = cfg, group
         self.padded_vocab_size = padded_vocab_size
@@ -256,7 +244,8 @@ def load_pretrained_encoder(mc: BertMultipleChoice, pretrained: dict[str, torch.
     return missing + ["choice_head.weight", "choice_head.bias"]
 
 
-def build_bert_for_eval(cfg: ModelConfig, padded_vocab_size: int, group, seed: int, multiple_choice: bool) -> nn.Module:
+def build_bert_for_eval(cfg: ModelConfig, padded_vocab_size: int, group: dist.ProcessGroup | None, seed: int,
+                        multiple_choice: bool) -> nn.Module:
     """The module a BERT checkpoint's state dict fits: the multiple-choice model or the pretraining model."""
     if multiple_choice:
         return BertMultipleChoice(cfg, padded_vocab_size, group, seed)

@@ -10,24 +10,26 @@ so a PP=k model holds exactly the PP=1 weights.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from training.config import ModelConfig
-from training.models.gpt2 import TransformerLayer, normal_init
+from training.models.blocks import TransformerLayer, normal_init
 from training.models.ops import dropout
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.layers import VocabParallelEmbedding
 from training.parallel.mappings import copy_to_parallel_region
+from training.parallel.state import ParallelState
 
 
 class EmbeddingPipe(nn.Module):
     """Token + position embeddings and embedding dropout (stage 0); its word embedding doubles as
     the output layer on the last stage."""
 
-    def __init__(self, cfg: ModelConfig, padded_vocab: int, group, seed: int):
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, group: dist.ProcessGroup | None, seed: int):
         super().__init__()
         self.cfg, self.group = cfg, group
         std = cfg.init_method_std
@@ -51,7 +53,7 @@ class FinalLayerNorm(nn.LayerNorm):
     pass
 
 
-def build_gpt2_pipe(cfg: ModelConfig, padded_vocab: int, ps, seed: int) -> PipelineModule:
+def build_gpt2_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed: int) -> PipelineModule:
     group = ps.tp_group
 
     def loss_fn(logits, labels):

@@ -1,4 +1,4 @@
-"""Cross-entropy over vocabulary-parallel logits, without ever gathering the logits.
+"""Cross-entropy and per-token scores over vocabulary-parallel logits, without ever gathering the logits.
 
 Each rank holds logits [b, s, V/p] for its vocabulary rows. Three all-reduces of b*s values each
 (max, target logit, sum of exponentials) give the exact loss; the backward is analytic
@@ -10,6 +10,9 @@ one more logits-sized buffer (b*s*V/p floats: 206 MB for the CPU benchmark model
 allocation cost more than the subtraction itself). Only for a caller that owns the logits and never reads
 them again, e.g. ``GPT2Model.forward`` (the output layer's backward needs its input and weight, not its
 output).
+
+:func:`vocab_parallel_token_scores` is the evaluation form (no autograd): per-token negative
+log-likelihood and greedy correctness over the *real* vocabulary, padding columns excluded.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from training.parallel.utils import vocab_range
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, inplace):
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None,
+                inplace: bool) -> torch.Tensor:
         # logits [b, s, V/p] any float dtype; target [b, s] global ids
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()  # fp16/bf16 logits: the loss is computed in fp32, on our own copy
@@ -50,7 +54,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         exp, sum_exp, foreign, local_target = ctx.saved_tensors
         # d loss / d logit = (exp / sum_exp - 1[target]) * grad_loss, the 1[target] only on the rank
         # owning the target; one pass over the saved buffer (backward runs once, so it is reused)
@@ -60,9 +64,55 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None = None,
                                  inplace: bool = False) -> torch.Tensor:
     """Per-token loss [b, s] from vocab-parallel logits [b, s, V/p] and global targets [b, s].
 
     ``inplace=True``: the logits' memory is reused (their values are destroyed); see the module docstring."""
     return _VocabParallelCrossEntropy.apply(logits, target, group, inplace)
+
+
+def vocab_parallel_token_scores(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, vocab_start: int = 0,
+                                group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(nll [b, s] fp32, correct [b, s] bool)`` from (vocab-parallel) ``logits [b, s, V_local]``.
+
+    For global target ids ``y [b, s]``, in fp32 over the columns ``v < vocab_size``:
+
+        nll[b, t]     = logsumexp_v z[b, t, v] - z[b, t, y]          (natural log, = cross-entropy)
+        correct[b, t] = (argmax_v z[b, t, v] == y)                   (first index on ties, like torch.argmax)
+
+    This rank holds the columns ``[vocab_start, vocab_start + V_local)``; ``group`` is the tensor-parallel
+    group holding the others (None at TP = 1). Columns with global id >= ``vocab_size`` (Megatron's
+    vocabulary padding) are ignored; pass the padded size to include them, as
+    :func:`vocab_parallel_cross_entropy` does. Four all-reduces of b*s values (max, argmax, sum of
+    exponentials, target logit).
+    """
+    z = logits.float()
+    v_local = z.size(-1)
+    n_real = max(0, min(v_local, vocab_size - vocab_start))  # real columns held here
+    z = z[..., :n_real]
+    big = torch.finfo(torch.float32).max
+    if n_real > 0:
+        local_max, local_arg = z.max(dim=-1)  # first maximal index on ties
+    else:
+        local_max = torch.full(labels.shape, -big, device=z.device)
+        local_arg = torch.zeros(labels.shape, dtype=torch.long, device=z.device)
+    gmax = local_max.clone()
+    all_reduce(gmax, group, dist.ReduceOp.MAX)
+
+    # global argmax = smallest global index among ranks whose local max equals the global max
+    cand = torch.where(local_max == gmax, local_arg + vocab_start, torch.full_like(local_arg, 2**62))
+    all_reduce(cand, group, dist.ReduceOp.MIN)
+
+    sum_exp = (z - gmax.unsqueeze(-1)).exp().sum(dim=-1) if n_real > 0 else torch.zeros_like(gmax)
+    all_reduce(sum_exp, group)
+
+    local_idx = labels - vocab_start
+    mine = (local_idx >= 0) & (local_idx < n_real)
+    tgt = torch.zeros_like(gmax)
+    if n_real > 0:
+        tgt = z.gather(-1, local_idx.clamp(0, n_real - 1).unsqueeze(-1)).squeeze(-1)
+        tgt = torch.where(mine, tgt, torch.zeros_like(tgt))
+    all_reduce(tgt, group)
+    nll = torch.log(sum_exp) + gmax - tgt
+    return nll, cand == labels

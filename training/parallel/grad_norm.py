@@ -10,17 +10,28 @@ first rank (the grid's pipe x model rank); the trainer installs this function in
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 
-from training.runtime.device import local_device
 from training.parallel.utils import is_tensor_parallel
 
 
-def grad_norm(params, tp_rank: int, tp_group=None, pp_group=None) -> torch.Tensor:
+def _empty_device(groups: tuple[dist.ProcessGroup | None, ...]) -> torch.device:
+    """Where a rank without parameters keeps its (zero) partial sum: the device its collectives use
+    (the current CUDA device under NCCL, the host under gloo or without groups)."""
+    for group in groups:
+        if group is not None and dist.get_backend(group) == dist.Backend.NCCL:
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def grad_norm(params: Iterable[torch.Tensor], tp_rank: int, tp_group: dist.ProcessGroup | None = None,
+              pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """sqrt of the summed squares (float64), on the parameters' device: it is all-reduced (NCCL on GPU)."""
     params = list(params)
-    device = params[0].device if params else local_device()
+    device = params[0].device if params else _empty_device((tp_group, pp_group))
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         if p.grad is None or getattr(p, "ds_pipe_replicated", False):
@@ -33,7 +44,8 @@ def grad_norm(params, tp_rank: int, tp_group=None, pp_group=None) -> torch.Tenso
     return total.sqrt()
 
 
-def clip_grad_norm(params, max_norm: float, tp_rank: int, tp_group=None, pp_group=None) -> float:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, tp_rank: int,
+                   tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None) -> float:
     """Scale gradients so their global norm is at most ``max_norm`` (0 = no clipping); returns the
     norm before clipping."""
     params = list(params)

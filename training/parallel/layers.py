@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,18 +25,15 @@ from training.parallel.mappings import (
     reduce_from_parallel_region,
     scatter_to_parallel_region,
 )
+from training.parallel.sharding import shard
 from training.parallel.utils import divide, set_tensor_parallel_attributes, vocab_range
 
 InitMethod = Callable[[torch.Tensor], None]  # fills a full master weight in place
 
 
-def _shard_master(master: torch.Tensor, dim: int, rank: int, world: int, stride: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``master`` along ``dim``; with stride s the dim is cut into s*world
-    pieces and the rank keeps pieces rank, rank+world, ... (e.g. Q_r, K_r, V_r of a fused QKV)."""
-    per_partition = divide(master.size(dim), world)
-    per_stride = divide(per_partition, stride)
-    pieces = torch.split(master, per_stride, dim=dim)
-    return torch.cat(pieces[rank::world], dim=dim).contiguous()
+# NOTE: the former private name, still imported by training/checkpoint.py and training/init_from.py;
+# new code imports training.parallel.sharding.shard
+_shard_master = shard
 
 
 def _master_weight(shape: tuple[int, ...], init_method: InitMethod | None) -> torch.Tensor:
@@ -50,7 +48,8 @@ def _master_weight(shape: tuple[int, ...], init_method: InitMethod | None) -> to
 # --------------------------------------------------------------------------------------------------
 # Functional forms
 # --------------------------------------------------------------------------------------------------
-def column_parallel_linear(x, weight, bias, group, gather_output: bool = False):
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           group: dist.ProcessGroup | None, gather_output: bool = False) -> torch.Tensor:
     """Y = X A + b with A = [A_1 ... A_p] split by output columns.
 
     x [..., in] (replicated) -> f -> Y_i = X A_i + b_i [..., out/p] -> optional all-gather [..., out].
@@ -60,7 +59,8 @@ def column_parallel_linear(x, weight, bias, group, gather_output: bool = False):
     return gather_from_parallel_region(y, group) if gather_output else y
 
 
-def row_parallel_linear(x, weight, bias, group, input_is_parallel: bool = True):
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        group: dist.ProcessGroup | None, input_is_parallel: bool = True) -> torch.Tensor:
     """Y = X A + b with A split by input rows, X split on its last dim.
 
     x [..., in/p] -> X_i A_i [..., out] -> g (all-reduce) -> + b (full bias, added once).
@@ -73,7 +73,8 @@ def row_parallel_linear(x, weight, bias, group, input_is_parallel: bool = True):
     return y if bias is None else y + bias
 
 
-def vocab_parallel_embedding(ids, weight, group, vocab_start: int, vocab_end: int):
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None,
+                             vocab_start: int, vocab_end: int) -> torch.Tensor:
     """Look up ids in this rank's rows [vocab_start, vocab_end); foreign ids give zeros; g sums."""
     if group_size(group) == 1:
         return F.embedding(ids, weight)
@@ -91,7 +92,7 @@ def vocab_parallel_embedding(ids, weight, group, vocab_start: int, vocab_end: in
 class ColumnParallelLinear(nn.Module):
     """Linear layer with the weight split by output features: local weight [out/p, in]."""
 
-    def __init__(self, in_features: int, out_features: int, group=None, bias: bool = True,
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None = None, bias: bool = True,
                  gather_output: bool = False, init_method: InitMethod | None = None, stride: int = 1):
         super().__init__()
         self.group, self.gather_output = group, gather_output
@@ -99,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_rank, world = group_rank(group), group_size(group)
         self.out_per_partition = divide(out_features, world)
         master = _master_weight((out_features, in_features), init_method)
-        self.weight = nn.Parameter(_shard_master(master, 0, self.tp_rank, world, stride))
+        self.weight = nn.Parameter(shard(master, 0, self.tp_rank, world, stride))
         set_tensor_parallel_attributes(self.weight, partition_dim=0, stride=stride)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_per_partition))
@@ -107,10 +108,10 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linear(x, self.weight, self.bias, self.group, self.gather_output)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.out_per_partition}), "
                 f"tp_rank={self.tp_rank}, gather_output={self.gather_output}")
 
@@ -118,7 +119,7 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Linear layer with the weight split by input features: local weight [out, in/p]; bias replicated."""
 
-    def __init__(self, in_features: int, out_features: int, group=None, bias: bool = True,
+    def __init__(self, in_features: int, out_features: int, group: dist.ProcessGroup | None = None, bias: bool = True,
                  input_is_parallel: bool = True, init_method: InitMethod | None = None):
         super().__init__()
         self.group, self.input_is_parallel = group, input_is_parallel
@@ -126,15 +127,15 @@ class RowParallelLinear(nn.Module):
         self.tp_rank, world = group_rank(group), group_size(group)
         self.in_per_partition = divide(in_features, world)
         master = _master_weight((out_features, in_features), init_method)
-        self.weight = nn.Parameter(_shard_master(master, 1, self.tp_rank, world))
+        self.weight = nn.Parameter(shard(master, 1, self.tp_rank, world))
         set_tensor_parallel_attributes(self.weight, partition_dim=1)
         # The bias is added once after the all-reduce: replicated, untagged.
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_parallel_linear(x, self.weight, self.bias, self.group, self.input_is_parallel)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"in={self.in_features} (local {self.in_per_partition}), out={self.out_features}, "
                 f"tp_rank={self.tp_rank}")
 
@@ -142,19 +143,20 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding with the (padded) vocabulary split across TP ranks: local weight [V/p, h]."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, init_method: InitMethod | None = None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: dist.ProcessGroup | None = None,
+                 init_method: InitMethod | None = None):
         super().__init__()
         self.group = group
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.tp_rank, world = group_rank(group), group_size(group)
         self.vocab_start, self.vocab_end = vocab_range(num_embeddings, self.tp_rank, world)
         master = _master_weight((num_embeddings, embedding_dim), init_method)
-        self.weight = nn.Parameter(_shard_master(master, 0, self.tp_rank, world))
+        self.weight = nn.Parameter(shard(master, 0, self.tp_rank, world))
         set_tensor_parallel_attributes(self.weight, partition_dim=0)
 
-    def forward(self, ids):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_embedding(ids, self.weight, self.group, self.vocab_start, self.vocab_end)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end}), "
                 f"tp_rank={self.tp_rank}")

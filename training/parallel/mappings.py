@@ -34,7 +34,8 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce of ``x`` (counted)."""
     if group_size(group) == 1:
         return x
@@ -44,7 +45,7 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, op=dist.ReduceO
     return x
 
 
-def _split_last(x: torch.Tensor, group) -> torch.Tensor:
+def _split_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     world = group_size(group)
     if world == 1:
         return x
@@ -53,7 +54,7 @@ def _split_last(x: torch.Tensor, group) -> torch.Tensor:
     return x.chunk(world, dim=-1)[group_rank(group)].contiguous()
 
 
-def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
+def _gather_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     world = group_size(group)
     if world == 1:
         return x
@@ -69,12 +70,12 @@ class _CopyToParallelRegion(torch.autograd.Function):
     """f: forward identity, backward all-reduce."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return all_reduce(grad.contiguous(), ctx.group), None
 
 
@@ -82,11 +83,11 @@ class _ReduceFromParallelRegion(torch.autograd.Function):
     """g: forward all-reduce, backward identity."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         return all_reduce(x.contiguous(), group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -94,12 +95,12 @@ class _ScatterToParallelRegion(torch.autograd.Function):
     """Forward: keep this rank's chunk of the last dim. Backward: all-gather."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return _split_last(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _gather_last(grad, ctx.group), None
 
 
@@ -107,30 +108,30 @@ class _GatherFromParallelRegion(torch.autograd.Function):
     """Forward: all-gather the last dim. Backward: keep this rank's chunk."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return _gather_last(x, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _split_last(grad, ctx.group), None
 
 
-def copy_to_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def copy_to_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """f: identity forward, all-reduce backward (enter a tensor-parallel region)."""
     return x if group_size(group) == 1 else _CopyToParallelRegion.apply(x, group)
 
 
-def reduce_from_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_from_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """g: all-reduce forward, identity backward (leave a tensor-parallel region)."""
     return x if group_size(group) == 1 else _ReduceFromParallelRegion.apply(x, group)
 
 
-def scatter_to_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def scatter_to_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Split the last dim, keep this rank's chunk; all-gather in backward."""
     return x if group_size(group) == 1 else _ScatterToParallelRegion.apply(x, group)
 
 
-def gather_from_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def gather_from_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-gather the last dim; split in backward."""
     return x if group_size(group) == 1 else _GatherFromParallelRegion.apply(x, group)

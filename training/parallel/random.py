@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import Callable
+from typing import Any
 
 import deepspeed
 import numpy as np
@@ -22,8 +24,8 @@ import torch
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
 
-def configure(mpu, num_layers: int, ds_config: dict | None = None) -> None:
-    """Hook our mpu into DeepSpeed's activation checkpointing (before any seeding)."""
+def configure(mpu: Any, num_layers: int, ds_config: dict | None = None) -> None:
+    """Hook our mpu (a :class:`training.parallel.state.ParallelState`) into DeepSpeed's activation checkpointing (before any seeding)."""
     deepspeed.checkpointing.configure(mpu, deepspeed_config=ds_config, partition_activations=False,
                                       contiguous_checkpointing=False, num_checkpoints=num_layers,
                                       checkpoint_in_cpu=False, synchronize=False, profile=False)
@@ -37,11 +39,12 @@ def set_seed(seed: int) -> None:
     deepspeed.checkpointing.model_parallel_cuda_manual_seed(seed)
 
 
-def get_tracker():
+def get_tracker() -> Any:
+    """DeepSpeed's ``CudaRNGStatesTracker`` (named RNG streams; despite the name, on any device)."""
     return deepspeed.checkpointing.get_cuda_rng_tracker()
 
 
-def model_parallel_rng():
+def model_parallel_rng() -> contextlib.AbstractContextManager:
     """Context manager: run the body on the TP-local stream (no-op before :func:`configure`)."""
     tracker = get_tracker()
     if MODEL_PARALLEL_RNG in tracker.get_states():
@@ -49,7 +52,7 @@ def model_parallel_rng():
     return contextlib.nullcontext()
 
 
-def checkpoint(function, *args):
+def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     """Recompute ``function(*args)`` in backward with the forward's RNG states restored."""
     return deepspeed.checkpointing.checkpoint(function, *args)
 
@@ -66,6 +69,7 @@ def get_rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore what :func:`get_rng_state` returned."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

@@ -5,7 +5,8 @@ rank = pipe * (dp * tp) + data * tp + model, i.e. tensor-parallel ranks are adja
 data-parallel ranks strided by TP, pipeline stages outermost. Building the groups from that topology
 object keeps our groups and DeepSpeed's pipeline grid in agreement.
 
-Sizes are validated by :class:`ParallelDims` (a pure dataclass) before any process group exists.
+Sizes are validated by :class:`ParallelDims` (a pure dataclass) before any process group exists; a bad
+layout raises the suite's :class:`~megatron_ds_suite.core.errors.ConfigError` (one line, exit code 2).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from training.config import ConfigError
+from megatron_ds_suite.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel size {name}={getattr(self, name)} must be >= 1")
@@ -84,7 +85,7 @@ class ParallelState:
                 f"tp_rank={self.tp_rank}, dp_rank={self.dp_rank}, pp_rank={self.pp_rank})")
 
     # ---- tensor parallel ------------------------------------------------------------------------
-    def get_tensor_model_parallel_group(self):
+    def get_tensor_model_parallel_group(self) -> dist.ProcessGroup:
         return self.tp_group
 
     def get_tensor_model_parallel_rank(self) -> int:
@@ -104,7 +105,7 @@ class ParallelState:
     get_model_parallel_src_rank = get_tensor_model_parallel_src_rank
 
     # ---- data parallel --------------------------------------------------------------------------
-    def get_data_parallel_group(self):
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
         return self.dp_group
 
     def get_data_parallel_rank(self) -> int:
@@ -114,7 +115,7 @@ class ParallelState:
         return self.dims.dp
 
     # ---- pipeline parallel ----------------------------------------------------------------------
-    def get_pipeline_model_parallel_group(self):
+    def get_pipeline_model_parallel_group(self) -> dist.ProcessGroup:
         return self.pp_group
 
     def get_pipeline_model_parallel_rank(self) -> int:

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from training.parallel.sharding import resize_vocab_rows
+
 logger = logging.getLogger(__name__)
 
 
@@ -81,7 +83,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], num_layers: int, vocab_size: i
     wte = get("embedding.word_embeddings.weight")
     if wte.size(0) < vocab_size:
         raise ExportError(f"embedding has {wte.size(0)} rows but the vocabulary has {vocab_size} ids")
-    out = {"transformer.wte.weight": wte[:vocab_size].clone(),
+    out = {"transformer.wte.weight": resize_vocab_rows(wte, vocab_size).clone(),
            "transformer.wpe.weight": get("embedding.position_embeddings.weight")}
     for ours, theirs, transpose in gpt2_layer_names(num_layers):
         out[theirs] = get(ours).t().contiguous() if transpose else get(ours)

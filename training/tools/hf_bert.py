@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from training.config import ModelConfig
+from training.parallel.sharding import is_vocab_sized, resize_vocab_rows
 
 ACTS = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new"}
 
@@ -111,7 +112,7 @@ def to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: int) -> dic
         if name not in sd:
             raise BertMappingError(f"checkpoint lacks {name!r}: not a BERT pretraining model of this project")
         t = sd[name].detach().to(torch.float32).cpu()
-        return t[:vocab_size].clone() if name in ("embedding.word_embeddings.weight", "lm_head.bias") else t
+        return resize_vocab_rows(t, vocab_size).clone() if is_vocab_sized(name) else t
 
     out = {theirs: get(ours) for ours, theirs in _pairs(cfg)}
     h = cfg.hidden_size

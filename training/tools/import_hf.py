@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from training.config import Config, ModelConfig, padded_vocab_size, validate_static
+from training.parallel.sharding import is_vocab_sized, resize_vocab_rows, shard_tagged
 
 logger = logging.getLogger(__name__)
 
@@ -221,9 +222,8 @@ def partition_tags(model_cfg: ModelConfig) -> dict[str, tuple[int, int] | None]:
 
 
 def shard(full: torch.Tensor, tag: tuple[int, int] | None, rank: int, world: int) -> torch.Tensor:
-    from training.parallel.layers import _shard_master
-
-    return _shard_master(full, tag[0], rank, world, tag[1]).clone() if tag and world > 1 else full.clone()
+    """This rank's own copy of its shard of ``full`` (``tag``: the parameter's partition tag)."""
+    return shard_tagged(full, tag, rank, world).clone()
 
 
 def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], tokenizer_spec: dict,
@@ -243,9 +243,7 @@ def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], t
     tags = partition_tags(m)
     if set(tags) != set(weights):
         raise ImportHFError(f"weight names do not match the model: {sorted(set(tags) ^ set(weights))[:3]}")
-    from training.init_from import _is_vocab_sized, resize_vocab
-
-    weights = {k: (resize_vocab(v, padded) if _is_vocab_sized(k) else v) for k, v in weights.items()}
+    weights = {k: (resize_vocab_rows(v, padded) if is_vocab_sized(k) else v) for k, v in weights.items()}
     folder = out / "checkpoints" / TAG
     folder.mkdir(parents=True)
     meta = {"config": cfg.to_dict(), "iteration": 0, "consumed_samples": 0, "padded_vocab_size": padded,

@@ -39,6 +39,7 @@ import torch
 from training.checkpoint import _model_files, checkpoint_dir, load_merged_state_dict
 from training import safe_load
 from training.config import ConfigError, config_from_dict, validate_static
+from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_vocab_rows, shard_tagged
 from training.tools import reshard_optim
 
 logger = logging.getLogger("training.tools.reshard")
@@ -66,34 +67,15 @@ def merge_optimizer_state(run_dir: Path, tag: str | None, meta: dict) -> dict[st
         tags = meta["partition"].get(name)
         out = {"step": parts[0]["step"]}
         for key in ("exp_avg", "exp_avg_sq"):
-            tensors = [p[key].float() for p in parts if p is not None]
-            if tags is None or len(tensors) == 1:
-                out[key] = tensors[0]
-            else:
-                dim, stride = tags
-                pieces = [t.chunk(stride, dim) for t in tensors]
-                out[key] = torch.cat([pieces[r][k] for k in range(stride) for r in range(len(tensors))], dim)
+            out[key] = merge_tagged([p[key].float() for p in parts if p is not None], tags)
         merged[name] = out
     return merged
-
-
-def _is_vocab_sized(name: str) -> bool:
-    """Parameters with one row per (padded) vocabulary entry: the word embedding and BERT's LM-head bias."""
-    return name.endswith("word_embeddings.weight") or name.endswith("lm_head.bias")
-
-
-def _resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """Trim or zero-pad the vocabulary rows (padding rows are never targets)."""
-    if t.size(0) >= rows:
-        return t[:rows].clone()
-    return torch.cat([t, t.new_zeros(rows - t.size(0), *t.shape[1:])])
 
 
 def _worker(rank, world, payload_path: str, out_dir: str):
     """Runs in each of the K x M target processes (gloo initialised by the spawner)."""
     from training import checkpoint as ckpt
     from training.parallel import random as tp_random
-    from training.parallel.layers import _shard_master
     from training.trainer import Trainer
 
     payload = safe_load.load(payload_path)
@@ -104,15 +86,18 @@ def _worker(rank, world, payload_path: str, out_dir: str):
     names = ckpt.canonical_names(trainer)
     params = dict(trainer.model.named_parameters())
     opt = getattr(trainer.engine, "basic_optimizer", None) or trainer.engine.optimizer
+    tp_rank, tp = trainer.ps.tp_rank, trainer.ps.dims.tp
+
+    def local(t: torch.Tensor, name: str) -> torch.Tensor:
+        """This rank's shard of a merged (TP=1) tensor, its vocabulary rows re-cut for the new padding."""
+        if is_vocab_sized(name):
+            t = resize_vocab_rows(t, trainer.padded_vocab)
+        return shard_tagged(t, payload["partition"].get(name), tp_rank, tp)
+
     with torch.no_grad():
         for pname, p in params.items():
             name = names[pname]
-            full = payload["weights"][name]
-            if _is_vocab_sized(name):
-                full = _resize_vocab(full, trainer.padded_vocab)
-            tags = payload["partition"].get(name)
-            shard = _shard_master(full, tags[0], trainer.ps.tp_rank, trainer.ps.dims.tp, tags[1]) if tags else full
-            p.copy_(shard.to(p.dtype))
+            p.copy_(local(payload["weights"][name], name).to(p.dtype))
             moments = (payload["moments"] or {}).get(name)
             if moments is not None:
                 # Adam's state lives with its parameter (on the GPU under CUDA); a fused/capturable
@@ -120,25 +105,18 @@ def _worker(rank, world, payload_path: str, out_dir: str):
                 on_dev = bool(opt.defaults.get("fused") or opt.defaults.get("capturable"))
                 st = {}
                 for key in ("exp_avg", "exp_avg_sq"):
-                    m = moments[key]
-                    if _is_vocab_sized(name):
-                        m = _resize_vocab(m, trainer.padded_vocab)
-                    st[key] = (_shard_master(m, tags[0], trainer.ps.tp_rank, trainer.ps.dims.tp, tags[1])
-                               if tags else m).to(device=p.device, dtype=p.dtype, copy=True)
+                    st[key] = local(moments[key], name).to(device=p.device, dtype=p.dtype, copy=True)
                 step = moments["step"].clone() if torch.is_tensor(moments["step"]) else torch.tensor(
                     float(moments["step"]))
                 st["step"] = step.to(p.device) if on_dev else step
                 opt.state[p] = st
     if payload["engine_state"] is not None:  # fp16 masters / ZeRO: through the engine's optimizer
-        local = {}
+        state = {}
         for name, st in payload["engine_state"].items():
-            tags = payload["partition"].get(name)
-            local[name] = {"step": st["step"]}
+            state[name] = {"step": st["step"]}
             for key in ("master", *reshard_optim.KEYS):
-                t = _resize_vocab(st[key], trainer.padded_vocab) if _is_vocab_sized(name) else st[key]
-                local[name][key] = (_shard_master(t, tags[0], trainer.ps.tp_rank, trainer.ps.dims.tp, tags[1])
-                                    if tags else t).clone()
-        reshard_optim.write_state(trainer, local)
+                state[name][key] = local(st[key], name).clone()
+        reshard_optim.write_state(trainer, state)
     trainer.iteration = payload["iteration"]
     trainer.consumed_samples = payload["consumed_samples"]
     if payload["lr_scheduler"] is not None:

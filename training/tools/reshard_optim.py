@@ -25,6 +25,7 @@ import torch
 
 from training.checkpoint import checkpoint_dir
 from training.config import config_from_dict
+from training.parallel.sharding import merge_tagged
 
 logger = logging.getLogger("training.tools.reshard")
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -164,13 +165,7 @@ def extract(run_dir: Path, tag: str, meta: dict, work_dir: Path) -> dict[str, di
         tags = meta["partition"].get(name)
         merged[name] = {"step": parts[0]["step"]}
         for key in ("master", *KEYS):
-            tensors = [p[key] for p in parts]
-            if tags is None or len(tensors) == 1:
-                merged[name][key] = tensors[0]
-            else:
-                dim, stride = tags
-                pieces = [t.chunk(stride, dim) for t in tensors]
-                merged[name][key] = torch.cat([pieces[r][k] for k in range(stride) for r in range(len(tensors))], dim)
+            merged[name][key] = merge_tagged([p[key] for p in parts], tags)
     return merged
 
 
