@@ -146,7 +146,7 @@ def forward_cached(model, tokens: torch.Tensor, positions: torch.Tensor, valid: 
     """Feed t new tokens [b, t] (positions [b, t]; ``valid`` [b, T_max] marks real tokens) and return
     the full-vocabulary logits of the last one [b, V_padded]. Same modules and math as
     ``GPT2Model.forward`` in eval mode."""
-    from training.parallel.mappings import copy_to_parallel_region, gather_from_parallel_region
+    from training.parallel.mappings import gather_from_parallel_region
 
     emb = model.embedding
     x = emb.word_embeddings(tokens) + emb.position_embeddings(positions)   # [b, t, h]
@@ -156,7 +156,7 @@ def forward_cached(model, tokens: torch.Tensor, positions: torch.Tensor, valid: 
         x = x + layer.mlp(layer.ln2(x))
     cache.length += tokens.size(1)
     x = model.final_ln(x[:, -1])                                            # [b, h]
-    logits = F.linear(copy_to_parallel_region(x, model.group), emb.word_embeddings.weight)  # [b, V/p]
+    logits = model.output_logits(x)                                         # [b, V/p]
     return gather_from_parallel_region(logits, model.group)                 # [b, V]
 
 

@@ -22,8 +22,8 @@ CORE = ("megatron_ds_suite.core", "megatron_ds_suite.configs_lookup")
 RULES: list[tuple[str, tuple[str, ...], tuple[str, ...], str]] = [
     ("megatron_ds_suite.core", CORE, (), "the core imports none of the stages"),
     ("megatron_ds_suite.configs_lookup", CORE, (), "the core imports none of the stages"),
-    ("training.parallel", ("training.parallel",), (),
-     "training/parallel imports only torch, the standard library and other parallel modules"),
+    ("training.parallel", ("training.parallel", *CORE), (),
+     "training/parallel imports only torch, the standard library, the core and other parallel modules"),
     ("data_pipeline", ("data_pipeline", *CORE), (), "data_pipeline imports only the core"),
     ("training", ("training", *CORE), (), "training imports the core (not data_pipeline, not evaluation)"),
     ("evaluation", ("evaluation", "training", *CORE), (), "evaluation imports the core and training"),

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 
 from training import safe_load
 from training.config import Config, ConfigError, config_from_dict
@@ -96,16 +95,10 @@ def load_merged_state_dict(run_dir: str | Path, tag: str | None = None) -> tuple
                 name = canonical_name(f"{idx}.{k}", num_layers)
                 if name is not None:
                     shard_dicts[rank][name] = v
-    merged = {}
-    for name in shard_dicts[0]:
-        tags = meta["partition"].get(name)
-        shards = [s[name].float() for s in shard_dicts]
-        if tags is None or tp == 1:
-            merged[name] = shards[0]
-            continue
-        dim, stride = tags
-        pieces = [s.chunk(stride, dim) for s in shards]
-        merged[name] = torch.cat([pieces[r][k] for k in range(stride) for r in range(tp)], dim)
+    from training.parallel.sharding import merge_tagged
+
+    merged = {name: merge_tagged([s[name].float() for s in shard_dicts], meta["partition"].get(name))
+              for name in shard_dicts[0]}
     cfg = config_from_dict(meta["config"])
     cfg.parallel.tensor = 1
     return merged, cfg, meta
@@ -116,8 +109,8 @@ def load_model_for_eval(run_dir: str | Path, group=None, device: str = "cpu", ta
     (None = one process). The model is fp32, in eval mode."""
     from megatron_ds_suite.core.tokenizer import load_tokenizer
     from training.models.gpt2 import GPT2Model
-    from training.parallel.layers import _shard_master
     from training.parallel.mappings import group_rank, group_size
+    from training.parallel.sharding import shard_tagged
 
     state, cfg, meta = load_merged_state_dict(run_dir, tag)
     tokenizer = load_tokenizer(meta["tokenizer"], base_dir=Path(run_dir))
@@ -135,9 +128,7 @@ def load_model_for_eval(run_dir: str | Path, group=None, device: str = "cpu", ta
         model = GPT2Model(cfg.model, padded, group, seed=cfg.train.seed)
     local = {}
     for name, p in model.named_parameters():
-        full = state[name]
-        tags = meta["partition"].get(name)
-        local[name] = _shard_master(full, tags[0], rank, world, tags[1]) if tags and world > 1 else full
+        local[name] = shard_tagged(state[name], meta["partition"].get(name), rank, world)
     model.load_state_dict(local, strict=True)
     if tokenizer.vocab_size > padded:
         raise ConfigError(f"tokenizer vocabulary {tokenizer.vocab_size} exceeds the model's {padded}")

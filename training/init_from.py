@@ -29,21 +29,6 @@ SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "ffn_h
               "num_tokentypes")
 
 
-def _is_vocab_sized(name: str) -> bool:
-    """One row per (padded) vocabulary entry: the word embedding and BERT's LM-head bias."""
-    return name.endswith("word_embeddings.weight") or name.endswith("lm_head.bias")
-
-
-def resize_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """Trim or zero-pad the vocabulary-padding rows (never real ids) to ``rows``."""
-    if t.size(0) == rows:
-        return t
-    out = t.new_zeros((rows, *t.shape[1:]))
-    n = min(rows, t.size(0))
-    out[:n] = t[:n]
-    return out
-
-
 def local_weights(named_params: Iterable[tuple[str, torch.nn.Parameter]], state: dict[str, torch.Tensor],
                   padded: int, rank: int, world: int,
                   canonical: Callable[[str], str | None] = lambda n: n) -> dict[str, torch.Tensor]:
@@ -53,7 +38,7 @@ def local_weights(named_params: Iterable[tuple[str, torch.nn.Parameter]], state:
     state lacks are left out (the caller keeps their fresh initialisation). Raises ConfigError on a
     shape mismatch.
     """
-    from training.parallel.layers import _shard_master
+    from training.parallel.sharding import is_vocab_sized, resize_vocab_rows, shard
 
     local = {}
     for name, p in named_params:
@@ -61,10 +46,10 @@ def local_weights(named_params: Iterable[tuple[str, torch.nn.Parameter]], state:
         if key is None or key not in state:
             continue
         full = state[key]
-        if _is_vocab_sized(key):
-            full = resize_vocab(full, padded)
+        if is_vocab_sized(key):
+            full = resize_vocab_rows(full, padded)
         if getattr(p, "tensor_model_parallel", False) and world > 1:
-            full = _shard_master(full, p.partition_dim, rank, world, getattr(p, "partition_stride", 1))
+            full = shard(full, p.partition_dim, rank, world, getattr(p, "partition_stride", 1))
         if tuple(full.shape) != tuple(p.shape):
             raise ConfigError(f"checkpoint weight {key} has shape {tuple(full.shape)} but this model's is "
                               f"{tuple(p.shape)}: the model configs differ")

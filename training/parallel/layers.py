@@ -31,9 +31,6 @@ from training.parallel.utils import divide, set_tensor_parallel_attributes, voca
 InitMethod = Callable[[torch.Tensor], None]  # fills a full master weight in place
 
 
-# NOTE: the former private name, still imported by training/checkpoint.py and training/init_from.py;
-# new code imports training.parallel.sharding.shard
-_shard_master = shard
 
 
 def _master_weight(shape: tuple[int, ...], init_method: InitMethod | None) -> torch.Tensor:
