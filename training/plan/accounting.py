@@ -118,8 +118,11 @@ def stage_params(shape: ModelShape, tp: int, pp: int) -> list[int]:
     """Parameters held by one TP rank of each pipeline stage.
 
     Stage 0 holds the embeddings, the last stage the final LN/heads; with pp > 1 the last stage also
-    keeps its own copy of the word embedding for the tied output layer (Megatron 2021), so the tied
-    weight is stored twice in the pipeline.
+    keeps its own copy of the embedding module for the tied output layer (``training.models.gpt2_pipe``
+    ties the whole ``EmbeddingPipe`` between the two ends), so the word embedding is stored twice in the
+    pipeline, and so is the position table, which the output layer does not use but which is held with
+    its gradient and Adam states all the same (Megatron 2021 keeps only the word embedding there).
+    Checked against the engine's tensors in ``tests/test_plan_measured.py``.
     """
     per_stage_layers = shape.num_layers // pp
     out = []
@@ -130,7 +133,7 @@ def stage_params(shape: ModelShape, tp: int, pp: int) -> list[int]:
         if i == pp - 1:
             n += head_params(shape, tp)
             if pp > 1:
-                n += shape.vocab * shape.hidden // tp
+                n += embedding_params(shape, tp)
         out.append(n)
     return out
 

@@ -1,0 +1,116 @@
+"""The planner against the engine's real tensors (issue 15 item 5, first part).
+
+A tiny GPT-2 is trained for one step by the real ``Trainer`` under DeepSpeed on 1 to 4 gloo ranks; each rank
+then adds up the bytes of the tensors it really holds, and the planner's per-rank numbers
+(``stage_params`` x ``state_bytes_per_param``, the inputs of ``memory``) must equal them exactly:
+
+* weights: the model's parameters on that rank (fp16 after DeepSpeed's ``half()`` in fp16 runs);
+* gradients: the ``.grad`` of those parameters when the optimizer steps (a step pre-hook on it);
+* optimizer: every tensor the base torch optimizer holds beyond the model's parameters, its fp32 master
+  copies (fp16) and the Adam moments ``exp_avg``/``exp_avg_sq``, distinct storages counted once. Adam's
+  per-tensor ``step`` counters (0-d, 4 bytes per parameter *tensor*, not per parameter) are not counted:
+  the planner does not model them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import SHARED_DATA, run_distributed
+from training.config import load_config
+from training.plan import Layout, ModelShape, memory, stage_params, state_bytes_per_param
+
+ROOT = Path(__file__).resolve().parents[1]
+BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
+VOCAB = 1000  # the tokenizer below; padded to 1024 at TP 1, 2 and 4
+
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    if not BOTCHAN.is_file():
+        pytest.skip("../shared/data/corpus/botchan.txt not present")
+    from megatron_ds_suite.core.tokenizer import train_sentencepiece
+
+    out = tmp_path_factory.mktemp("spm") / "botchan"
+    lines = [line for line in BOTCHAN.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return train_sentencepiece(lines, out, vocab_size=VOCAB, flavor="gpt", seed=1).spec()
+
+
+def _overrides(spec: dict, run_dir: Path, tp: int, pp: int, dtype: str) -> list[str]:
+    values = {
+        "data.corpus": "null",
+        "data.text_files": f"[{BOTCHAN}]",
+        "data.tokenizer": json.dumps(spec),
+        "run.dir": str(run_dir),
+        "train.progress_bar": "false",
+        "model.seq_length": "32",
+        "train.micro_batch_size": "2",
+        "train.global_batch_size": "4",
+        "train.iters": "1",
+        "optimizer.warmup_iters": "0",
+        "parallel.tensor": str(tp),
+        "parallel.pipeline": str(pp),
+        "precision.dtype": dtype,
+    }
+    if dtype == "fp16":
+        values.update({"precision.allow_fp16_on_cpu": "true", "precision.initial_scale_power": "4"})
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def _storage_bytes(tensors: list) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view of a flat buffer counts the buffer once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _measure_worker(rank: int, world: int, overrides: list[str]) -> dict:
+    import torch
+
+    from training.trainer import Trainer
+
+    cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides)
+    trainer = Trainer(cfg)
+    params = list(trainer.model.parameters())
+    base = trainer.engine.optimizer  # DeepSpeed's fp16 wrapper holds the torch optimizer as .optimizer
+    while not isinstance(base, torch.optim.Optimizer):
+        base = base.optimizer
+    seen: dict[str, int] = {}
+
+    def read_grads(*_: object) -> None:  # the gradients as Adam's step receives them
+        with_grad = [p.grad for p in params if p.grad is not None]
+        seen.update(grads=_storage_bytes(with_grad), with_grad=len(with_grad))
+
+    base.register_step_pre_hook(read_grads)
+    applied = trainer.train_step()["step_applied"]  # an fp16 overflow would skip Adam's first step
+
+    model_ids = {id(p) for p in params}
+    masters = [p for g in base.param_groups for p in g["params"] if id(p) not in model_ids]
+    moments = [v for state in base.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {"applied": applied, "stage": trainer.ps.pp_rank, "padded_vocab": trainer.padded_vocab, "dtype": trainer.dtype,
+            "weights": _storage_bytes(params), "weights_elements": sum(p.numel() for p in params),
+            "grads": seen["grads"], "with_grad": seen["with_grad"], "params": len(params),
+            "optimizer": _storage_bytes(masters + moments)}
+
+
+@pytest.mark.parametrize("tp,pp,dtype", [(1, 1, "fp32"), (2, 1, "fp16"), (4, 1, "fp32"), (1, 2, "fp32"),
+                                         (2, 2, "fp16")], ids=lambda v: str(v))
+def test_planner_state_bytes_equal_the_engines_tensors(spm_model, tmp_path, tp, pp, dtype):
+    overrides = _overrides(spm_model, tmp_path / "run", tp, pp, dtype)
+    ranks = run_distributed(_measure_worker, tp * pp, overrides, timeout=600)
+    cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides + [f"model.vocab_size={VOCAB}"])
+    shape = ModelShape.from_config(cfg.model, tp, cfg.bert)
+    per_stage = stage_params(shape, tp, pp)
+    wb, gb, ob = state_bytes_per_param(dtype)
+    for r in ranks:
+        assert r["applied"] and r["dtype"] == dtype and r["padded_vocab"] == shape.vocab
+        n = per_stage[r["stage"]]
+        assert r["weights_elements"] == n
+        assert r["with_grad"] == r["params"]  # every parameter holds a gradient
+        assert (r["weights"], r["grads"], r["optimizer"]) == (wb * n, gb * n, ob * n), r
+    assert sorted({r["stage"] for r in ranks}) == list(range(pp))
+    # the report's numbers: the most loaded stage (DP = 1 here, so ZeRO-1 divides by 1)
+    mem = memory(shape, Layout(tp=tp, pp=pp, micro_batch=2, global_batch=4), dtype)
+    loaded = max(ranks, key=lambda r: r["weights"])
+    assert (mem.params, mem.grads, mem.optimizer) == (loaded["weights"], loaded["grads"], loaded["optimizer"])
