@@ -1,15 +1,20 @@
 """The planner against the engine's real tensors (issue 15 item 5, first part).
 
-A tiny GPT-2 is trained for one step by the real ``Trainer`` under DeepSpeed on 1 to 4 gloo ranks; each rank
-then adds up the bytes of the tensors it really holds, and the planner's per-rank numbers
-(``stage_params`` x ``state_bytes_per_param``, the inputs of ``memory``) must equal them exactly:
+A tiny GPT-2 is trained for one step by the real ``Trainer`` under DeepSpeed on 1 to 4 gloo ranks (TP 1/2/4,
+PP 2, ZeRO-1 over DP 2; fp32 and fp16); each rank then adds up the bytes of the tensors it really holds, and
+the planner's per-rank numbers (``stage_params`` x ``state_bytes_per_param``, the inputs of ``memory``) must
+equal them exactly:
 
 * weights: the model's parameters on that rank (fp16 after DeepSpeed's ``half()`` in fp16 runs);
-* gradients: the ``.grad`` of those parameters when the optimizer steps (a step pre-hook on it);
+* gradients: the ``.grad`` of those parameters, read as backward accumulates it and when the optimizer
+  steps (ZeRO-1 frees them before the step; DeepSpeed's pipeline sets some directly);
 * optimizer: every tensor the base torch optimizer holds beyond the model's parameters, its fp32 master
-  copies (fp16) and the Adam moments ``exp_avg``/``exp_avg_sq``, distinct storages counted once. Adam's
-  per-tensor ``step`` counters (0-d, 4 bytes per parameter *tensor*, not per parameter) are not counted:
-  the planner does not model them.
+  copies (fp16; and ZeRO-1's fp32 partition in every dtype) and the Adam moments ``exp_avg``/``exp_avg_sq``,
+  distinct storages counted once. Adam's per-tensor ``step`` counters (0-d, 4 bytes per parameter
+  *tensor*, not per parameter) are not counted: the planner does not model them.
+
+With ZeRO-1 (DP 2) the optimizer part is the rank's partition: ``ZERO_OPTIMIZER_BYTES_PER_PARAM`` / d per
+parameter (12 in fp32 too: before this check the planner said 8).
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ import pytest
 
 from tests.distributed import SHARED_DATA, run_distributed
 from training.config import load_config
-from training.plan import Layout, ModelShape, memory, stage_params, state_bytes_per_param
+from training.plan import (ZERO_OPTIMIZER_BYTES_PER_PARAM, Layout, ModelShape, memory, stage_params,
+                           state_bytes_per_param)
 
 ROOT = Path(__file__).resolve().parents[1]
 BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
@@ -38,7 +44,7 @@ def spm_model(tmp_path_factory):
     return train_sentencepiece(lines, out, vocab_size=VOCAB, flavor="gpt", seed=1).spec()
 
 
-def _overrides(spec: dict, run_dir: Path, tp: int, pp: int, dtype: str) -> list[str]:
+def _overrides(spec: dict, run_dir: Path, tp: int, pp: int, dtype: str, zero: int = 0) -> list[str]:
     values = {
         "data.corpus": "null",
         "data.text_files": f"[{BOTCHAN}]",
@@ -53,6 +59,7 @@ def _overrides(spec: dict, run_dir: Path, tp: int, pp: int, dtype: str) -> list[
         "parallel.tensor": str(tp),
         "parallel.pipeline": str(pp),
         "precision.dtype": dtype,
+        "parallel.zero_stage": str(zero),
     }
     if dtype == "fp16":
         values.update({"precision.allow_fp16_on_cpu": "true", "precision.initial_scale_power": "4"})
@@ -76,11 +83,17 @@ def _measure_worker(rank: int, world: int, overrides: list[str]) -> dict:
     base = trainer.engine.optimizer  # DeepSpeed's fp16 wrapper holds the torch optimizer as .optimizer
     while not isinstance(base, torch.optim.Optimizer):
         base = base.optimizer
-    seen: dict[str, int] = {}
+    grads: dict[int, int] = {}
 
-    def read_grads(*_: object) -> None:  # the gradients as Adam's step receives them
-        with_grad = [p.grad for p in params if p.grad is not None]
-        seen.update(grads=_storage_bytes(with_grad), with_grad=len(with_grad))
+    def read_grad(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            grads[id(p)] = max(grads.get(id(p), 0), p.grad.numel() * p.grad.element_size())
+
+    for p in params:  # as backward accumulates it ...
+        p.register_post_accumulate_grad_hook(read_grad)
+    def read_grads(*_: object) -> None:  # ... and as the optimizer steps (DeepSpeed sets some directly, e.g.
+        for p in params:                  # the last stage's unused position table)
+            read_grad(p)
 
     base.register_step_pre_hook(read_grads)
     applied = trainer.train_step()["step_applied"]  # an fp16 overflow would skip Adam's first step
@@ -90,15 +103,16 @@ def _measure_worker(rank: int, world: int, overrides: list[str]) -> dict:
     moments = [v for state in base.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
     return {"applied": applied, "stage": trainer.ps.pp_rank, "padded_vocab": trainer.padded_vocab, "dtype": trainer.dtype,
             "weights": _storage_bytes(params), "weights_elements": sum(p.numel() for p in params),
-            "grads": seen["grads"], "with_grad": seen["with_grad"], "params": len(params),
+            "grads": sum(grads.values()), "with_grad": len(grads), "params": len(params),
             "optimizer": _storage_bytes(masters + moments)}
 
 
-@pytest.mark.parametrize("tp,pp,dtype", [(1, 1, "fp32"), (2, 1, "fp16"), (4, 1, "fp32"), (1, 2, "fp32"),
-                                         (2, 2, "fp16")], ids=lambda v: str(v))
-def test_planner_state_bytes_equal_the_engines_tensors(spm_model, tmp_path, tp, pp, dtype):
-    overrides = _overrides(spm_model, tmp_path / "run", tp, pp, dtype)
-    ranks = run_distributed(_measure_worker, tp * pp, overrides, timeout=600)
+@pytest.mark.parametrize("tp,pp,dp,zero,dtype", [(1, 1, 1, 0, "fp32"), (2, 1, 1, 0, "fp16"), (4, 1, 1, 0, "fp32"),
+                                                  (1, 2, 1, 0, "fp32"), (2, 2, 1, 0, "fp16"), (1, 1, 2, 1, "fp32"),
+                                                  (2, 1, 2, 1, "fp16")], ids=lambda v: str(v))
+def test_planner_state_bytes_equal_the_engines_tensors(spm_model, tmp_path, tp, pp, dp, zero, dtype):
+    overrides = _overrides(spm_model, tmp_path / "run", tp, pp, dtype, zero)
+    ranks = run_distributed(_measure_worker, tp * pp * dp, overrides, timeout=600)
     cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides + [f"model.vocab_size={VOCAB}"])
     shape = ModelShape.from_config(cfg.model, tp, cfg.bert)
     per_stage = stage_params(shape, tp, pp)
@@ -108,9 +122,11 @@ def test_planner_state_bytes_equal_the_engines_tensors(spm_model, tmp_path, tp, 
         n = per_stage[r["stage"]]
         assert r["weights_elements"] == n
         assert r["with_grad"] == r["params"]  # every parameter holds a gradient
-        assert (r["weights"], r["grads"], r["optimizer"]) == (wb * n, gb * n, ob * n), r
+        optimizer = ZERO_OPTIMIZER_BYTES_PER_PARAM * n // dp if zero else ob * n
+        assert (r["weights"], r["grads"], r["optimizer"]) == (wb * n, gb * n, optimizer), r
     assert sorted({r["stage"] for r in ranks}) == list(range(pp))
-    # the report's numbers: the most loaded stage (DP = 1 here, so ZeRO-1 divides by 1)
-    mem = memory(shape, Layout(tp=tp, pp=pp, micro_batch=2, global_batch=4), dtype)
+    # the report's numbers: the most loaded stage
+    mem = memory(shape, Layout(tp=tp, pp=pp, dp=dp, micro_batch=2, global_batch=4), dtype)
     loaded = max(ranks, key=lambda r: r["weights"])
-    assert (mem.params, mem.grads, mem.optimizer) == (loaded["weights"], loaded["grads"], loaded["optimizer"])
+    assert (mem.params, mem.grads, mem.optimizer_zero1 if zero else mem.optimizer) == (
+        loaded["weights"], loaded["grads"], loaded["optimizer"])

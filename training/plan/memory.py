@@ -1,8 +1,10 @@
 """Memory per device: weights, gradients and Adam states per parameter, and activations.
 
 Weights/gradients/optimizer: fp16/bf16 mixed precision 2 + 2 + 12 bytes per parameter (fp32 master, m,
-v), fp32 training 4 + 4 + 8; ZeRO-1 divides the optimizer part by DP. Activations per Korthikanti et al.
-2022, with and without full activation checkpointing, at the peak of a 1F1B schedule.
+v), fp32 training 4 + 4 + 8; ZeRO-1 divides the optimizer part by DP, where DeepSpeed's ZeRO optimizer
+keeps an fp32 copy of the weights in fp32 training too (12 bytes per parameter in every dtype).
+Activations per Korthikanti et al. 2022, with and without full activation checkpointing, at the peak of a
+1F1B schedule.
 """
 from __future__ import annotations
 
@@ -12,6 +14,11 @@ from training.plan.accounting import ModelShape, stage_params
 from training.plan.layout import Layout
 
 GIB = 1024**3
+ZERO_OPTIMIZER_BYTES_PER_PARAM = 12
+"""Bytes per parameter of DeepSpeed's ZeRO-1 optimizer part, before dividing by DP, in every dtype: its
+``DeepSpeedZeroOptimizer`` keeps an fp32 copy of its partition of the weights even in fp32 training
+(``single_partition_of_fp32_groups``) next to Adam's m and v, so 4 + 4 + 4 (measured in
+``tests/test_plan_measured.py``; DeepSpeed's alignment padding of the partitions is not counted)."""
 
 
 def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
@@ -89,7 +96,7 @@ def memory(shape: ModelShape, lay: Layout, dtype: str = "fp16", scores_stored: b
     params = stage_params(shape, lay.tp, lay.pp)
     best: Memory | None = None
     for i, n in enumerate(params):
-        m = Memory(params=wb * n, grads=gb * n, optimizer=ob * n, optimizer_zero1=ob * n / lay.dp,
+        m = Memory(params=wb * n, grads=gb * n, optimizer=ob * n, optimizer_zero1=ZERO_OPTIMIZER_BYTES_PER_PARAM * n / lay.dp,
                    activations=stage_activation_bytes(shape, lay, i, False, scores_stored),
                    activations_ckpt=stage_activation_bytes(shape, lay, i, True, scores_stored))
         if best is None or m.total(False, False) > best.total(False, False):
