@@ -18,52 +18,25 @@ parameter (12 in fp32 too: before this check the planner said 8).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from tests.distributed import SHARED_DATA, run_distributed
+from tests.distributed import run_distributed
+from tests.test_training import ROOT, _overrides, needs_corpus, spm_model  # noqa: F401 - fixture
 from training.config import load_config
 from training.plan import (ZERO_OPTIMIZER_BYTES_PER_PARAM, Layout, ModelShape, memory, stage_params,
                            state_bytes_per_param)
 
-ROOT = Path(__file__).resolve().parents[1]
-BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
-VOCAB = 1000  # the tokenizer below; padded to 1024 at TP 1, 2 and 4
+VOCAB = 1000  # test_training's sentencepiece model; padded to 1024 at TP 1, 2 and 4
 
 
-@pytest.fixture(scope="module")
-def spm_model(tmp_path_factory):
-    if not BOTCHAN.is_file():
-        pytest.skip("../shared/data/corpus/botchan.txt not present")
-    from megatron_ds_suite.core.tokenizer import train_sentencepiece
-
-    out = tmp_path_factory.mktemp("spm") / "botchan"
-    lines = [line for line in BOTCHAN.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return train_sentencepiece(lines, out, vocab_size=VOCAB, flavor="gpt", seed=1).spec()
-
-
-def _overrides(spec: dict, run_dir: Path, tp: int, pp: int, dtype: str, zero: int = 0) -> list[str]:
-    values = {
-        "data.corpus": "null",
-        "data.text_files": f"[{BOTCHAN}]",
-        "data.tokenizer": json.dumps(spec),
-        "run.dir": str(run_dir),
-        "train.progress_bar": "false",
-        "model.seq_length": "32",
-        "train.micro_batch_size": "2",
-        "train.global_batch_size": "4",
-        "train.iters": "1",
-        "optimizer.warmup_iters": "0",
-        "parallel.tensor": str(tp),
-        "parallel.pipeline": str(pp),
-        "precision.dtype": dtype,
-        "parallel.zero_stage": str(zero),
-    }
-    if dtype == "fp16":
-        values.update({"precision.allow_fp16_on_cpu": "true", "precision.initial_scale_power": "4"})
-    return [f"{k}={v}" for k, v in values.items()]
+def _run_overrides(spec: dict, run_dir: Path, tp: int, pp: int, dtype: str, zero: int) -> list[str]:
+    extra = {"train.global_batch_size": 4, "train.iters": 1, "optimizer.warmup_iters": 0, "parallel.tensor": tp,
+             "parallel.pipeline": pp, "precision.dtype": dtype, "parallel.zero_stage": zero}
+    if dtype == "fp16":  # a small scale: no overflow skips Adam's first step
+        extra.update({"precision.allow_fp16_on_cpu": "true", "precision.initial_scale_power": 4})
+    return _overrides(spec, run_dir, **extra)
 
 
 def _storage_bytes(tensors: list) -> int:
@@ -107,11 +80,12 @@ def _measure_worker(rank: int, world: int, overrides: list[str]) -> dict:
             "optimizer": _storage_bytes(masters + moments)}
 
 
+@needs_corpus
 @pytest.mark.parametrize("tp,pp,dp,zero,dtype", [(1, 1, 1, 0, "fp32"), (2, 1, 1, 0, "fp16"), (4, 1, 1, 0, "fp32"),
                                                   (1, 2, 1, 0, "fp32"), (2, 2, 1, 0, "fp16"), (1, 1, 2, 1, "fp32"),
                                                   (2, 1, 2, 1, "fp16")], ids=lambda v: str(v))
 def test_planner_state_bytes_equal_the_engines_tensors(spm_model, tmp_path, tp, pp, dp, zero, dtype):
-    overrides = _overrides(spm_model, tmp_path / "run", tp, pp, dtype, zero)
+    overrides = _run_overrides(spm_model, tmp_path / "run", tp, pp, dtype, zero)
     ranks = run_distributed(_measure_worker, tp * pp * dp, overrides, timeout=600)
     cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides + [f"model.vocab_size={VOCAB}"])
     shape = ModelShape.from_config(cfg.model, tp, cfg.bert)
@@ -126,7 +100,8 @@ def test_planner_state_bytes_equal_the_engines_tensors(spm_model, tmp_path, tp, 
         assert (r["weights"], r["grads"], r["optimizer"]) == (wb * n, gb * n, optimizer), r
     assert sorted({r["stage"] for r in ranks}) == list(range(pp))
     # the report's numbers: the most loaded stage
-    mem = memory(shape, Layout(tp=tp, pp=pp, dp=dp, micro_batch=2, global_batch=4), dtype)
+    mem = memory(shape, Layout(tp=tp, pp=pp, dp=dp, micro_batch=cfg.train.micro_batch_size,
+                               global_batch=cfg.train.global_batch_size), dtype)
     loaded = max(ranks, key=lambda r: r["weights"])
     assert (mem.params, mem.grads, mem.optimizer_zero1 if zero else mem.optimizer) == (
         loaded["weights"], loaded["grads"], loaded["optimizer"])
