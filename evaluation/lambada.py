@@ -59,11 +59,12 @@ def read_lambada_jsonl(path: str | Path, key: str = "text") -> list[str]:
 
 def read_hf_lambada(name: str, split: str = "test", column: str = "text") -> list[str]:
     """``NAME[:CONFIG]`` via ``datasets.load_dataset`` (e.g. ``EleutherAI/lambada_openai:en``)."""
-    import datasets
+    from megatron_ds_suite.core.hf_datasets import check_no_script, load_hf_dataset
 
     ds_name, _, config = name.partition(":")
+    check_no_script(ds_name)  # a loading script is refused (one line), never run
     try:
-        ds = datasets.load_dataset(ds_name, config or None, split=split)
+        ds = load_hf_dataset(ds_name, config or None, split=split)
     except Exception as e:  # noqa: BLE001
         raise EvalError(f"cannot load dataset {name!r} split {split!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if column not in ds.column_names:

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 def first_lines(text: str, n: int) -> str:
     """The first ``n`` lines of ``text`` as iterating over the file in text mode yields them (universal
     newlines: ``\r\n`` and ``\r`` read as ``\n``; only those end a line), i.e. exactly the file
-    ``scripts/main_job.py`` cuts for ``eval.wikitext103.limit_lines`` (``--limit``)."""
+    the main job (``python -m megatron_ds_suite.main_job``) cuts for ``eval.wikitext103.limit_lines`` (``--limit``)."""
     if n < 1:
         raise EvalError(f"--limit must be >= 1, got {n}")
     return "".join(itertools.islice(io.StringIO(text, newline=None), n))
@@ -84,12 +84,13 @@ def lines_to_tokens_text(lines: list[str]) -> str:
 
 
 def read_hf_wikitext(name: str, split: str = "test", column: str = "text") -> str:
-    """``NAME[:CONFIG]`` through ``datasets.load_dataset`` (a hub name, or a local folder/script)."""
-    import datasets
+    """``NAME[:CONFIG]`` through ``datasets.load_dataset`` (a hub name or a local data folder; loading scripts are refused)."""
+    from megatron_ds_suite.core.hf_datasets import check_no_script, load_hf_dataset
 
     ds_name, _, config = name.partition(":")
+    check_no_script(ds_name)  # a loading script is refused (one line), never run
     try:
-        ds = datasets.load_dataset(ds_name, config or None, split=split)
+        ds = load_hf_dataset(ds_name, config or None, split=split)
     except Exception as e:  # noqa: BLE001 - any loader failure becomes one line
         raise EvalError(f"cannot load dataset {name!r} split {split!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if column not in ds.column_names:

@@ -172,7 +172,12 @@ def save(trainer) -> Path:
         "rng": _encode_rng(tp_random.get_rng_state()),
         "dtype": trainer.dtype,
     }
-    trainer.engine.save_checkpoint(str(root), tag=tag, client_state=client, save_latest=False)
+    try:
+        trainer.engine.save_checkpoint(str(root), tag=tag, client_state=client, save_latest=False)
+    except (OSError, RuntimeError) as e:  # a full disk surfaces from torch.save as RuntimeError (zip writer)
+        shutil.rmtree(root / tag, ignore_errors=True)  # no half-written checkpoint; `latest` still names a whole one
+        cause = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip().splitlines()[-1]
+        raise OSError(getattr(e, "errno", None), f"could not write checkpoint {tag} ({cause})", str(root / tag)) from e
     dist.barrier()
     if trainer.is_rank0:
         atomic_write_text(root / LATEST, tag)
@@ -184,11 +189,26 @@ def save(trainer) -> Path:
     return root / tag
 
 
+def _remove_unfinished(trainer, latest: str | None) -> None:
+    """Checkpoint folders newer than ``latest`` were being written when a run died (killed, out of disk):
+    never complete, never named by ``latest``. Rank 0 removes them before training goes on."""
+    root = checkpoint_dir(trainer.run_dir)
+    if trainer.is_rank0 and root.is_dir():
+        for p in sorted(root.glob("iter_*")):
+            if p.is_dir() and (latest is None or p.name > latest):
+                logger.warning("removing unfinished checkpoint %s (newer than %s: its save never completed)",
+                               p, root / LATEST if latest else "any complete checkpoint")
+                shutil.rmtree(p, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def load(trainer) -> bool:
     """Resume from RUN_DIR's newest checkpoint, if any. Returns True when it resumed."""
     from training.parallel import random as tp_random
 
     tag = latest_tag(trainer.run_dir)
+    _remove_unfinished(trainer, tag)
     if tag is None:
         return False
     meta = read_client_state(trainer.run_dir, tag)
