@@ -9,9 +9,8 @@ import logging
 import sys
 from typing import Any
 
-import yaml
-
-from training.config import Config, ConfigError, _build, _merge, parse_overrides
+from megatron_ds_suite.core.config import apply_overrides, build_dataclass, merge_dicts, read_yaml
+from training.config import Config, ConfigError
 from training.plan.accounting import ModelShape
 from training.plan.layout import Layout, validate
 from training.plan.presets import PRESETS
@@ -33,18 +32,12 @@ def load_plan_config(path: str | None, model: str | None, overrides: list[str]) 
         from megatron_ds_suite.configs_lookup import find_config
 
         p = find_config(path)  # an existing file, else a bundled config of that name
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist (see configs/ for examples)")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        data = read_yaml(p, "config file", " (see configs/ for examples)")
     if model is not None:
         if model not in PRESETS:
             raise ConfigError(f"unknown --model {model!r}; choose one of: {', '.join(PRESETS)}")
-        data = _merge(data, {"model": PRESETS[model]})
-    data = _merge(data, parse_overrides(overrides))
-    return _build(Config, data, "")
+        data = merge_dicts(data, {"model": PRESETS[model]})
+    return build_dataclass(Config, apply_overrides(data, overrides, example="train.iters=50"))
 
 
 def build_parser() -> argparse.ArgumentParser:
