@@ -130,7 +130,7 @@ def test_stage_params_tp_pp_split():
     stages = plan.stage_params(s, 8, 4)
     assert stages[0] == 18 * per_layer + V * h // 8 + P * h
     assert stages[1] == stages[2] == 18 * per_layer
-    assert stages[3] == 18 * per_layer + 2 * h + V * h // 8  # final LN + tied embedding copy
+    assert stages[3] == 18 * per_layer + 2 * h + V * h // 8 + P * h  # final LN + tied embedding module copy
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""The parallel layout the planner evaluates (TP x PP x DP, micro and global batch) and its checks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from training.config import ConfigError
+from training.plan.accounting import ModelShape
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 8
+    global_batch: int = 8
+    gpus_per_node: int = 8
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_micro(self) -> int:
+        """m: micro-batches per optimizer step on one data-parallel replica."""
+        return self.global_batch // (self.micro_batch * self.dp)
+
+
+def validate(shape: ModelShape, lay: Layout) -> None:
+    """One-line ConfigError for every impossible combination, before any arithmetic."""
+    for name, v in [("--tp", lay.tp), ("--pp", lay.pp), ("--dp", lay.dp), ("micro batch", lay.micro_batch),
+                    ("global batch", lay.global_batch), ("gpus per node", lay.gpus_per_node)]:
+        if v < 1:
+            raise ConfigError(f"{name} must be >= 1, got {v}")
+    if shape.hidden % shape.heads:
+        raise ConfigError(f"hidden size {shape.hidden} is not divisible by {shape.heads} heads")
+    if shape.heads % lay.tp:
+        raise ConfigError(f"--tp {lay.tp} does not divide the {shape.heads} attention heads: choose a TP "
+                          f"degree that divides the head count")
+    if shape.ffn % lay.tp:
+        raise ConfigError(f"--tp {lay.tp} does not divide the MLP width {shape.ffn}")
+    if shape.vocab % lay.tp:
+        raise ConfigError(f"--tp {lay.tp} does not divide the padded vocabulary {shape.vocab}")
+    if shape.num_layers % lay.pp:
+        raise ConfigError(f"--pp {lay.pp} does not divide the {shape.num_layers} layers: choose a PP degree "
+                          f"that divides model.num_layers")
+    if lay.pp > 1 and shape.arch == "bert":
+        raise ConfigError("--pp > 1 with BERT: pipeline parallelism is GPT-only (BERT is TP-only under DeepSpeed)")
+    if lay.global_batch % (lay.micro_batch * lay.dp):
+        raise ConfigError(f"global batch {lay.global_batch} is not divisible by micro batch x DP = "
+                          f"{lay.micro_batch} x {lay.dp}: change train.global_batch_size or --dp")
+    if shape.positions < shape.seq:
+        raise ConfigError(f"max_position_embeddings {shape.positions} < seq_length {shape.seq}")
+

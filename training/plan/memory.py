@@ -1,0 +1,105 @@
+"""Memory per device: weights, gradients and Adam states per parameter, and activations.
+
+Weights/gradients/optimizer: fp16/bf16 mixed precision 2 + 2 + 12 bytes per parameter (fp32 master, m,
+v), fp32 training 4 + 4 + 8; ZeRO-1 divides the optimizer part by DP, where DeepSpeed's ZeRO optimizer
+keeps an fp32 copy of the weights in fp32 training too (12 bytes per parameter in every dtype).
+Activations per Korthikanti et al. 2022, with and without full activation checkpointing, at the peak of a
+1F1B schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from training.plan.accounting import ModelShape, stage_params
+from training.plan.layout import Layout
+
+GIB = 1024**3
+ZERO_OPTIMIZER_BYTES_PER_PARAM = 12
+"""Bytes per parameter of DeepSpeed's ZeRO-1 optimizer part, before dividing by DP, in every dtype: its
+``DeepSpeedZeroOptimizer`` keeps an fp32 copy of its partition of the weights even in fp32 training
+(``single_partition_of_fp32_groups``) next to Adam's m and v, so 4 + 4 + 4 (measured in
+``tests/test_plan_measured.py``; DeepSpeed's alignment padding of the partitions is not counted)."""
+
+
+def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
+    """(weights, grads, optimizer) bytes per parameter for Adam.
+
+    fp16/bf16 mixed precision: 2 (half weights) + 2 (half grads) + 12 (fp32 master, m, v).
+    fp32: 4 + 4 + 8 (m, v; the weights are the master).
+    """
+    return (2, 2, 12) if dtype in ("fp16", "bf16") else (4, 4, 8)
+
+
+def activation_bytes_per_layer(shape: ModelShape, micro_batch: int, tp: int, scores_stored: bool = True) -> float:
+    """Korthikanti et al. 2022, eq. (1)/(2) (no sequence parallelism), 16-bit activations:
+
+        s b h (34 + 5 a s / h)                       t = 1
+        s b h (10 + 24/t + 5 a s / (h t))            tensor parallel
+
+    Terms: 10 sbh replicated on every TP rank (two LN inputs 4, QKV and h->4h inputs 4, two dropout
+    masks 2); 24/t split (Q, K, V 6, projection input 2, GeLU input and output 2 x 8); 5 a s^2 b / t
+    for the attention scores (softmax output 2, dropout mask 1, dropout output 2). For an MLP width f
+    the 16 becomes 4 f / h. ``scores_stored=False`` drops the s^2 term (flash attention).
+    """
+    s, b, h, a = shape.seq, micro_batch, shape.hidden, shape.heads
+    per_sbh = 10 + (8 + 4 * shape.ffn / h) / tp
+    if scores_stored:
+        per_sbh += 5 * a * s / (h * tp)
+    return s * b * h * per_sbh
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on the most loaded device."""
+
+    params: float
+    grads: float
+    optimizer: float
+    optimizer_zero1: float
+    activations: float
+    activations_ckpt: float
+
+    def total(self, zero1: bool, ckpt: bool) -> float:
+        return (self.params + self.grads + (self.optimizer_zero1 if zero1 else self.optimizer)
+                + (self.activations_ckpt if ckpt else self.activations))
+
+
+def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: bool,
+                           scores_stored: bool = True) -> float:
+    """Activations alive on one TP rank of ``stage`` at the peak of a 1F1B schedule.
+
+    Stage i keeps min(p - i, m) micro-batches in flight (one when p = 1: gradient accumulation runs
+    micro-batches one after another and frees each before the next). Without checkpointing each
+    keeps the full per-layer set for its l/p layers; with full checkpointing only the layer input
+    (2 s b h per layer) plus the working set of the one layer being recomputed. Extras (Korthikanti
+    sec. 4.3, no SP): embedding dropout mask s b h on stage 0; final-LN input 2 s b h, output-layer
+    input 2 s b h and fp32 logits 4 s b V / t on the last stage.
+    """
+    s, b, h = shape.seq, lay.micro_batch, shape.hidden
+    per_layer = activation_bytes_per_layer(shape, b, lay.tp, scores_stored)
+    layers = shape.num_layers // lay.pp
+    in_flight = min(lay.pp - stage, lay.num_micro)
+    if ckpt:
+        act = in_flight * layers * 2 * s * b * h + per_layer
+    else:
+        act = in_flight * layers * per_layer
+    if stage == 0:
+        act += in_flight * s * b * h
+    if stage == lay.pp - 1:
+        act += 4 * s * b * h + 4 * s * b * shape.vocab / lay.tp
+    return act
+
+
+def memory(shape: ModelShape, lay: Layout, dtype: str = "fp16", scores_stored: bool = True) -> Memory:
+    """Per-device memory of the most loaded stage (max over stages of each total)."""
+    wb, gb, ob = state_bytes_per_param(dtype)
+    params = stage_params(shape, lay.tp, lay.pp)
+    best: Memory | None = None
+    for i, n in enumerate(params):
+        m = Memory(params=wb * n, grads=gb * n, optimizer=ob * n, optimizer_zero1=ZERO_OPTIMIZER_BYTES_PER_PARAM * n / lay.dp,
+                   activations=stage_activation_bytes(shape, lay, i, False, scores_stored),
+                   activations_ckpt=stage_activation_bytes(shape, lay, i, True, scores_stored))
+        if best is None or m.total(False, False) > best.total(False, False):
+            best = m
+    assert best is not None
+    return best

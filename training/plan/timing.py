@@ -1,0 +1,182 @@
+"""Communication volume per step for TP, PP and DP, and the predicted step time (an alpha-beta model).
+
+``TimeModel`` holds every constant of the step-time model (docs/plan.md explains each); ``step_time``
+adds compute, the element-wise work TP does not split, the TP all-reduces, PP sends and bubble, and the
+exposed part of the DP all-reduce.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from training.config import ConfigError
+from training.plan.accounting import ModelShape, stage_params, step_flops
+from training.plan.layout import Layout
+from training.plan.memory import state_bytes_per_param
+from training.runtime.hardware import Hardware
+
+
+def ring_allreduce_wire(n_bytes: float, group: int) -> float:
+    """Bytes each rank sends in a ring all-reduce: reduce-scatter + all-gather = 2 (g - 1) / g x n."""
+    return 2 * (group - 1) / group * n_bytes if group > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Per device per optimizer step (most loaded stage). ``*_payload`` = size of the tensors
+    reduced/sent; ``*_wire`` = bytes that rank actually sends; ``*_ops`` = number of collectives."""
+
+    tp_ops: int
+    tp_payload: float
+    tp_wire: float
+    pp_ops: int
+    pp_payload: float
+    dp_payload: float
+    dp_wire: float
+
+
+def tp_allreduces_per_micro(shape: ModelShape, lay: Layout, ckpt: bool) -> int:
+    """All-reduces of b s h elements on one stage per micro-batch: per layer 2 in forward (g after the
+    attention and MLP row-parallel projections) + 2 in backward (f before QKV and h->4h), + 2 more with
+    checkpointing (the recomputed forward); + 1 for the vocab-parallel embedding (stage 0) and + 1 for
+    the f in front of the tied output layer (backward, last stage). The vocab-parallel cross-entropy's
+    three b s-sized all-reduces are counted separately (they are tiny)."""
+    if lay.tp == 1:
+        return 0
+    per_layer = 4 + (2 if ckpt else 0)
+    ends = 2 if lay.pp == 1 else 1
+    return (shape.num_layers // lay.pp) * per_layer + ends
+
+
+def comm(shape: ModelShape, lay: Layout, ckpt: bool, dtype: str = "fp16") -> Comm:
+    act_bytes = 2 if dtype in ("fp16", "bf16") else 4
+    sbh = shape.seq * lay.micro_batch * shape.hidden * act_bytes
+    m = lay.num_micro
+    n_ar = tp_allreduces_per_micro(shape, lay, ckpt)
+    ce = 3 * shape.seq * lay.micro_batch * 4 if lay.tp > 1 else 0  # max, target logit, sum-exp (fp32)
+    tp_payload = m * (n_ar * sbh + ce)
+    pp_ops = 2 * m if lay.pp > 1 else 0  # activations forward + their gradients backward, each way
+    local = max(stage_params(shape, lay.tp, lay.pp))
+    grad_bytes = state_bytes_per_param(dtype)[1]
+    return Comm(tp_ops=m * (n_ar + (3 if lay.tp > 1 else 0)), tp_payload=tp_payload,
+                tp_wire=ring_allreduce_wire(tp_payload, lay.tp),
+                pp_ops=pp_ops, pp_payload=pp_ops * sbh,
+                dp_payload=local * grad_bytes if lay.dp > 1 else 0.0,
+                dp_wire=ring_allreduce_wire(local * grad_bytes, lay.dp))
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Constants of the step-time model (docs/plan.md explains each and how sensitive the result is).
+
+    step = compute + replicated + TP + PP p2p + bubble + (1 - dp_overlap) x DP
+    """
+
+    compute_fraction: float | None = None
+    """Achieved fraction of the 16-bit peak on dense work; None = calibrate (V100: from the paper's
+    39 TFLOP/s 1.2B baseline) or the hardware table's value."""
+    alpha_intra_s: float = 5e-6
+    """Latency per ring step inside a node (NCCL over NVLink/NVSwitch: a few microseconds)."""
+    alpha_inter_s: float = 10e-6
+    """Latency per ring step across nodes (InfiniBand + NCCL proxy)."""
+    link_efficiency: float = 1.0
+    """Achieved fraction of the link bandwidth; 1.0 = data-sheet per-direction rate."""
+    replicated_bytes_per_sbh: float = 38.0
+    """HBM traffic (bytes per s b h element) of the forward element-wise work that tensor parallelism
+    does NOT split, per layer: LN1 4, attention bias-add 4, dropout 5, residual add 6, LN2 4, MLP
+    bias-add 4, dropout 5, residual add 6 (un-fused PyTorch ops, 2-byte activations, 1-byte masks).
+    Backward moves about as much again, the checkpointed re-forward as much again."""
+    memory_efficiency: float = 0.8
+    """Achieved fraction of the HBM bandwidth for those element-wise kernels."""
+    dp_overlap: float = 0.0
+    """Fraction of the DP all-reduce hidden behind backward compute (0: Megatron's 2019 'local' DDP
+    reduces after backward; torch DDP / DeepSpeed buckets overlap part of it)."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    replicated: float
+    tp: float
+    pp: float
+    bubble: float
+    dp: float
+    dp_exposed: float
+    flops_per_device: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.replicated + self.tp + self.pp + self.bubble + self.dp_exposed
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.flops_per_device / self.total / 1e12
+
+
+def _allreduce_time(n_bytes: float, group: int, alpha: float, bw: float) -> float:
+    if group <= 1 or math.isinf(bw):  # inf = no link data (cpu entry): not modelled
+        return 0.0
+    return 2 * (group - 1) * alpha + ring_allreduce_wire(n_bytes, group) / bw
+
+
+def _bw(gbs: float | None, eff: float) -> float:
+    return math.inf if gbs is None else gbs * 1e9 * eff
+
+
+def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt: bool = True,
+              dtype: str = "fp16", compute_fraction: float | None = None) -> StepTime:
+    """Predicted seconds per optimizer step on one device (every device waits for the slowest).
+
+    * compute = hardware FLOPs per device / (peak x fraction). FLOPs per device = step_flops / (t p d).
+    * replicated = (1 - 1/t) x (element-wise bytes of l/p layers x m micro-batches) / (HBM x eff):
+      the fraction calibrates this work at t = 1 as part of "compute"; with TP every rank repeats it
+      instead of doing 1/t of it.
+    * TP: each all-reduce of n bytes over t ranks costs 2 (t-1) alpha + 2 (t-1)/t n / beta; on the
+      critical path (no overlap in Megatron TP). Intra-node link if t <= gpus_per_node.
+    * PP: 2 m point-to-point sends of b s h per stage (alpha + n / beta), plus the 1F1B bubble
+      (p - 1)/m x (compute + replicated + TP).
+    * DP: ring all-reduce of the local gradients. If the DP group (t d consecutive-stride ranks) fits in
+      one node it uses NVLink; otherwise every node's NICs carry one ring crossing per DP group with
+      members on that node: (gpus_per_node / k) rings, k = max(1, gpus_per_node // t) members per node.
+    """
+    f = compute_fraction if compute_fraction is not None else (tm.compute_fraction or hw.achievable_fraction)
+    peak = hw.peak_tflops.get(dtype)
+    if peak is None:
+        raise ConfigError(f"{hw.name} has no {dtype} peak in training/runtime/hardware.py: choose another --dtype")
+    t, p, d, m, G = lay.tp, lay.pp, lay.dp, lay.num_micro, lay.gpus_per_node
+    act_bytes = 2 if dtype in ("fp16", "bf16") else 4
+    flops_dev = step_flops(shape, lay.global_batch, ckpt) / (t * p * d)
+    compute = flops_dev / (peak * 1e12 * f)
+
+    sbh = shape.seq * lay.micro_batch * shape.hidden
+    passes = 3 if ckpt else 2
+    repl_bytes = tm.replicated_bytes_per_sbh * passes * sbh * (act_bytes / 2) * (shape.num_layers // p) * m
+    replicated = (1 - 1 / t) * repl_bytes / _bw(hw.hbm_gbs, tm.memory_efficiency)
+
+    if t <= G:
+        tp_bw, tp_alpha = _bw(hw.intra_node_gbs, tm.link_efficiency), tm.alpha_intra_s
+    else:  # TP across nodes: each GPU gets its share of the node's NICs
+        tp_bw, tp_alpha = _bw(hw.inter_node_gbs, tm.link_efficiency) / G, tm.alpha_inter_s
+    n_ar = tp_allreduces_per_micro(shape, lay, ckpt)
+    tp = m * (n_ar * _allreduce_time(sbh * act_bytes, t, tp_alpha, tp_bw)
+              + (3 * _allreduce_time(shape.seq * lay.micro_batch * 4, t, tp_alpha, tp_bw) if t > 1 else 0.0))
+
+    pp = 0.0
+    if p > 1:
+        if t * d * p <= G:
+            pp_bw, pp_alpha = _bw(hw.intra_node_gbs, tm.link_efficiency), tm.alpha_intra_s
+        else:
+            pp_bw, pp_alpha = _bw(hw.inter_node_gbs, tm.link_efficiency) / G, tm.alpha_inter_s
+        pp = 0.0 if math.isinf(pp_bw) else 2 * m * (pp_alpha + sbh * act_bytes / pp_bw)
+    bubble = (p - 1) / m * (compute + replicated + tp)
+
+    grad_bytes = max(stage_params(shape, t, p)) * state_bytes_per_param(dtype)[1]
+    if t * d <= G:
+        dp = _allreduce_time(grad_bytes, d, tm.alpha_intra_s, _bw(hw.intra_node_gbs, tm.link_efficiency))
+    else:
+        k = max(1, G // t)
+        rings_per_node = G / k
+        dp = _allreduce_time(grad_bytes, d, tm.alpha_inter_s,
+                             _bw(hw.inter_node_gbs, tm.link_efficiency) / rings_per_node)
+    return StepTime(compute=compute, replicated=replicated, tp=tp, pp=pp, bubble=bubble, dp=dp,
+                    dp_exposed=(1 - tm.dp_overlap) * dp, flops_per_device=flops_dev)
