@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_ds_suite.core.config import (apply_overrides, build_dataclass, merge_dicts, overrides_to_dict,
+from megatron_ds_suite.core.config import (apply_overrides, build_dataclass, overrides_to_dict,
                                             read_yaml)
 from megatron_ds_suite.core.errors import ConfigError
 
@@ -257,10 +257,6 @@ class Config:
 # --------------------------------------------------------------------------------------------------
 # Loading: dict -> dataclass with strict key and type checks
 # --------------------------------------------------------------------------------------------------
-_build = build_dataclass  # the suite's one strict loader (megatron_ds_suite.core.config); old names kept
-_merge = merge_dicts
-
-
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """``["train.iters=50", "parallel.tensor=2"]`` -> nested dict; values parsed as YAML scalars."""
     return overrides_to_dict(overrides, example="train.iters=50")
