@@ -20,9 +20,6 @@ from evaluation.report import format_table
 from megatron_ds_suite.core import atomic
 
 logger = logging.getLogger("evaluation")
-ONE_LINE_ERRORS = {"ConfigError", "TokenizerError", "CheckpointError", "ExportError", "CorpusError", "GPTDatasetError"}
-
-
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="run directory written by training")
     p.add_argument("--json", default=None, help="output JSON (default RUN_DIR/eval/<task>.json)")
@@ -224,10 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         {"wikitext103": run_wikitext, "lambada": run_lambada, "race": run_race,
          "generate": run_generate, "heldout": heldout.run_heldout}[args.task](args)
-    except Exception as e:  # noqa: BLE001
-        # bad input from any stage (EvalError, training's ConfigError, the TokenizerError ...): one line
-        if isinstance(e, SuiteError) or type(e).__name__ in ONE_LINE_ERRORS:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        raise
+    except SuiteError as e:  # bad input from any stage (EvalError, ConfigError, TokenizerError ...): one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -39,11 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from megatron_ds_suite.core.errors import SuiteError
 
 logger = logging.getLogger(__name__)
 
 
-class BertDataError(ValueError):
+class BertDataError(SuiteError):
     """The data cannot make BERT samples (one clear line saying why and how to fix it)."""
 
 

@@ -47,13 +47,14 @@ import numpy as np
 import torch
 
 from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
+from megatron_ds_suite.core.errors import SuiteError
 
 logger = logging.getLogger(__name__)
 
 MAX_INDEX_ENTRIES = 2**31 - 1  # doc_idx longer than this: the split is far too small for num_samples
 
 
-class GPTDatasetError(ValueError):
+class GPTDatasetError(SuiteError):
     """Bad split string, empty split or impossible sample request (one clear line)."""
 
 

@@ -43,11 +43,12 @@ from pathlib import Path
 import torch
 
 from training.parallel.sharding import resize_vocab_rows
+from megatron_ds_suite.core.errors import SuiteError
 
 logger = logging.getLogger(__name__)
 
 
-class ExportError(ValueError):
+class ExportError(SuiteError):
     """Bad export input (one line)."""
 
 

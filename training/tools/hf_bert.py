@@ -19,11 +19,12 @@ import torch
 
 from training.config import ModelConfig
 from training.parallel.sharding import is_vocab_sized, resize_vocab_rows
+from megatron_ds_suite.core.errors import SuiteError
 
 ACTS = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new"}
 
 
-class BertMappingError(ValueError):
+class BertMappingError(SuiteError):
     """A BERT config or state dict that does not map (one line)."""
 
 

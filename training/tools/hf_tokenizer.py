@@ -24,6 +24,7 @@ different (e.g. a BERT-flavour model: NFKC, dummy prefix). Unigram models are re
 from __future__ import annotations
 
 from pathlib import Path
+from megatron_ds_suite.core.errors import SuiteError
 
 WORD = "\u2581"
 PROBES = ("Hello  world\t tabs\n\nnew   lines 12345 3.14 -7,5%",
@@ -32,7 +33,7 @@ PROBES = ("Hello  world\t tabs\n\nnew   lines 12345 3.14 -7,5%",
           "UPPER lower MiXeD \r\n crlf \u3000 ideographic space; literal <unk> and <0x41> spellings")
 
 
-class TokenizerExportError(ValueError):
+class TokenizerExportError(SuiteError):
     """A tokenizer that cannot be written as an identical HF tokenizer (one line)."""
 
 

@@ -46,6 +46,7 @@ import torch
 
 from training.config import Config, ModelConfig, padded_vocab_size, validate_static
 from training.parallel.sharding import is_vocab_sized, resize_vocab_rows, shard_tagged
+from megatron_ds_suite.core.errors import SuiteError
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ HF_EXTRA = "pip install 'megatron-ds-suite[hf]' (or pip install transformers)"
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new"}
 
 
-class ImportHFError(ValueError):
+class ImportHFError(SuiteError):
     """Bad import input (one line: what is wrong and how to fix it)."""
 
 
