@@ -17,9 +17,7 @@ tensors and plain data, so the numpy RNG state is stored as a list rather than a
 from __future__ import annotations
 
 import logging
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,27 +30,11 @@ from training.checkpoint_reader import (  # noqa: F401 - re-exported: callers im
     load_model_for_eval, read_client_state)
 from training.config import ConfigError
 from training.safe_load import CheckpointError
+from megatron_ds_suite.core import atomic
 
 logger = logging.getLogger("training")
 
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)  # read once at import (the only way to read it), restored at once
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the file the mode open() would
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+atomic_write_text = atomic.write_text  # the name callers and tests use
 
 
 def _encode_rng(state: dict) -> dict:

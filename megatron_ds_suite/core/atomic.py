@@ -14,6 +14,7 @@ end so writers that add one when it is missing (``numpy.save``) use the name as 
 * :func:`atomic_path` -- a temporary path for writers that take a file name (``numpy.save``,
   ``torch.save``, ``shutil.copyfile``); it is published when the ``with`` block ends without error.
 * :func:`copy_file` -- copy a file into place atomically.
+* :func:`atomic_dir` -- a temporary folder that replaces the target folder when complete.
 """
 from __future__ import annotations
 
@@ -125,3 +126,22 @@ def copy_file(src: str | Path, dst: str | Path) -> Path:
     with atomic_path(dst) as tmp:
         shutil.copyfile(src, tmp)
     return Path(dst)
+
+
+@contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield a new empty hidden directory next to ``path`` to fill; when the block ends without error it
+    replaces ``path`` (an existing ``path`` is removed first). On an error it is removed and ``path`` is
+    left as it was. For outputs that are a folder of files (a Hugging Face export, an imported run)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp creates 0700; give the folder the mode mkdir() would
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename

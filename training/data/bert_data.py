@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from megatron_ds_suite.core.errors import SuiteError
+from megatron_ds_suite.core import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -316,14 +316,9 @@ class BertDataset:
             return z["mapping"], st
         mapping, st = build_samples_mapping(self.indexed.doc_idx, self.indexed.sizes, docs, num_samples,
                                             self.max_seq_length, ssp, self.seed)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
-        try:
+        with atomic.atomic_path(path) as tmp:  # keeps the .npz suffix np.savez would otherwise add
             np.savez(tmp, mapping=mapping, documents=st.documents, skipped_short_documents=st.skipped_short_documents,
                      samples_per_epoch=st.samples_per_epoch, epochs=st.epochs, samples=st.samples)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
         logger.info("BERT %s samples mapping: %d samples (%d per epoch, %d epochs) from %d documents, %d skipped "
                     "(< 2 sentences) -> %s", self.name, st.samples, st.samples_per_epoch, st.epochs, st.documents,
                     st.skipped_short_documents, path)

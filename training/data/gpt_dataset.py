@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -48,6 +47,7 @@ import torch
 
 from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
 from megatron_ds_suite.core.errors import SuiteError
+from megatron_ds_suite.core import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -160,15 +160,8 @@ def separate_last_epoch_samples(tokens_per_epoch: int, seq_length: int, num_samp
 
 
 def _atomic_save(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, arr, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic.atomic_open(path, "wb") as f:
+        np.save(f, arr, allow_pickle=False)
 
 
 class GPTDataset(torch.utils.data.Dataset):

@@ -35,7 +35,6 @@ if __name__ == "__main__":  # run as `python -m`: process settings before torch 
 
 import argparse
 import logging
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch
 
 from training.parallel.sharding import resize_vocab_rows
 from megatron_ds_suite.core.errors import SuiteError
+from megatron_ds_suite.core import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -163,17 +163,10 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False, with_t
             raise ExportError(str(e)) from None
     else:
         model = build_hf_model(sd, cfg.model, vocab, getattr(tokenizer, "eod", None))
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic.atomic_dir(out) as tmp:  # a failed export leaves the previous folder (or none)
         model.save_pretrained(str(tmp), safe_serialization=True)
         if with_tokenizer:
             _save_tokenizer(tokenizer, tmp, cfg.model.positions)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     logger.info("exported %s -> %s (%d layers, hidden %d, vocab %d)", run_dir, out, cfg.model.num_layers,
                 cfg.model.hidden_size, vocab)
     return out

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import sys
 from dataclasses import replace
@@ -47,6 +46,7 @@ import torch
 from training.config import Config, ModelConfig, padded_vocab_size, validate_static
 from training.parallel.sharding import is_vocab_sized, resize_vocab_rows, shard_tagged
 from megatron_ds_suite.core.errors import SuiteError
+from megatron_ds_suite.core import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -307,20 +307,12 @@ def import_hf(model: str, out: str | Path, tp: int = 1, pp: int = 1, seq_length:
         from training.tools.hf_bert import from_hf as bert_from_hf
 
         weights = bert_from_hf(hf_sd, cfg.model)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
+    with atomic.atomic_dir(out) as tmp:  # a failed import leaves the previous folder (or none)
         tok, spec = import_tokenizer(folder, tmp / "tokenizer", model_type)
         if tok.vocab_size != cfg.model.vocab_size:
             raise ImportHFError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
                                 f"{cfg.model.vocab_size}")
         write_checkpoint(tmp, cfg, weights, spec, str(model))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     logger.info("imported %s -> %s (TP=%d PP=%d, %d layers, hidden %d, vocab %d padded to %d)", model, out, tp, pp,
                 cfg.model.num_layers, cfg.model.hidden_size, cfg.model.vocab_size,
                 padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, tp))

@@ -17,7 +17,6 @@ files, and does not cover the non-ZeRO fp16 optimizer, the paper's default.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 from training.checkpoint import checkpoint_dir
 from training.config import config_from_dict
 from training.parallel.sharding import merge_tagged
+from megatron_ds_suite.core import atomic
 
 logger = logging.getLogger("training.tools.reshard")
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -186,6 +186,5 @@ def _extract_worker(run_dir: str, tag: str, work_dir: str) -> None:
     state = read_state(trainer)
     if trainer.ps.dp_rank == 0:
         out = Path(work_dir) / f"tp_{trainer.ps.tp_rank}_pp_{trainer.ps.pp_rank}.pt"
-        tmp = out.with_name(f".{out.name}.{os.getpid()}")
-        torch.save(state, tmp)
-        os.replace(tmp, out)
+        with atomic.atomic_path(out) as tmp:
+            torch.save(state, tmp)
