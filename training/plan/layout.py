@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from training.config import ConfigError
 from training.plan.accounting import ModelShape
+from training.layout import grad_accumulation
 
 
 @dataclass(frozen=True)
@@ -22,8 +23,8 @@ class Layout:
 
     @property
     def num_micro(self) -> int:
-        """m: micro-batches per optimizer step on one data-parallel replica."""
-        return self.global_batch // (self.micro_batch * self.dp)
+        """m: micro-batches per optimizer step on one data-parallel replica (training.layout's rule)."""
+        return grad_accumulation(self.global_batch, self.micro_batch, self.dp)
 
 
 def validate(shape: ModelShape, lay: Layout) -> None:

@@ -41,6 +41,7 @@ from training import safe_load
 from training.config import ConfigError, config_from_dict, validate_static
 from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_vocab_rows, shard_tagged
 from training.tools import reshard_optim
+from training.layout import grad_accumulation
 
 logger = logging.getLogger("training.tools.reshard")
 
@@ -142,9 +143,12 @@ def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | N
     validate_static(cfg)  # TP must divide heads, PP <= layers, ...
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} exists and is not empty: choose a new directory")
-    if dp < 1 or cfg.train.global_batch_size % (cfg.train.micro_batch_size * dp):
-        raise ConfigError(f"--dp {dp}: train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
-                          f"micro_batch_size x DP = {cfg.train.micro_batch_size} x {dp}")
+    if dp < 1:
+        raise ConfigError(f"--dp must be >= 1, got {dp}")
+    try:
+        grad_accumulation(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp)
+    except ConfigError as e:
+        raise ConfigError(f"--dp {dp}: {e}") from None
     moments = engine_state = None
     out.mkdir(parents=True)
     if reshard_optim.needs_engine(meta):
