@@ -18,7 +18,8 @@ from training.data.gpt_dataset import (
     split_boundaries,
 )
 from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
-from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer
+from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
 
 EOD = 999
 

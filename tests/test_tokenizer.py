@@ -14,8 +14,8 @@ from megatron_ds_suite.core.tokenizer import (
     SentencePieceTokenizer,
     TokenizerError,
     load_tokenizer,
-    train_sentencepiece,
 )
+from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 VOCAB = DATA / "tokenizers" / "gpt2" / "gpt2-vocab.json"

@@ -23,7 +23,7 @@ def spm_model(tmp_path_factory):
     """A 1000-piece sentencepiece model trained on Botchan (small vocab keeps CPU runs fast)."""
     if not BOTCHAN.is_file():
         pytest.skip("../shared/data/corpus/botchan.txt not present")
-    from megatron_ds_suite.core.tokenizer import train_sentencepiece
+    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
 
     out = tmp_path_factory.mktemp("spm") / "botchan"
     lines = [line for line in BOTCHAN.read_text(encoding="utf-8").splitlines() if line.strip()]

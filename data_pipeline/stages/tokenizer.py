@@ -14,7 +14,8 @@ from data_pipeline.store import DocStore
 def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
     """Train or load the tokenizer; its spec goes in the stage's stats."""
     from megatron_ds_suite.core.corpus import copy_tokenizer_files
-    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer, train_sentencepiece
+    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer
+    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
 
     timer = StageTimer("tokenizer")
     t = cfg.tokenizer
