@@ -25,17 +25,20 @@ machine_constraints=$("$PY" -m pip config list 2>/dev/null | sed -n "s/^global\.
 export PIP_CONSTRAINT="$OLDEST_VENV/oldest-constraints.txt${machine_constraints:+ $machine_constraints}"
 deepspeed_oldest=$(sed -n 's/^deepspeed==//p' "$OLDEST_VENV/oldest-constraints.txt")
 VENV="$OLDEST_VENV" DEEPSPEED_VERSION="$deepspeed_oldest" bash scripts/setup_env.sh --no-constraints
-"$OLDEST_VENV/bin/python" -m pip install -q --disable-pip-version-check "pytest>=7" "pytest-timeout>=2"
+"$OLDEST_VENV/bin/python" -m pip install -q --disable-pip-version-check "pytest>=7" "pytest-timeout>=2" regex  # regex: the tests' reference GPT-2 BPE port
 "$OLDEST_VENV/bin/python" -m pip list --disable-pip-version-check > "$OLDEST_VENV/installed.txt"
 echo "check_oldest: installed (pins above honoured; the rest resolved by pip) -> $OLDEST_VENV/installed.txt"
 
 # The tests of the code that uses the pinned packages: corpus building (datasketch, ftfy, xxhash, redis,
 # pyarrow, datasets, tqdm, numpy), tokenizers (tokenizers, sentencepiece), the indexed dataset and GPT
-# sampling (numpy), Hugging Face dataset loading (datasets), and one single-process DeepSpeed training run
-# (deepspeed, pyyaml, safetensors via the export test). The hf/eval/tracking extras are not installed:
-# tests that import transformers are deselected.
+# sampling (numpy), Hugging Face dataset loading (datasets), WikiText/LAMBADA/RACE scoring through the
+# local `evaluate` metrics, and single-process DeepSpeed training runs (deepspeed, pyyaml, sentencepiece).
+# The hf/eval/tracking extras are not installed: the tests that import transformers are deselected (and
+# safetensors and matplotlib, used only through transformers' export and the main job's report, are
+# installed but not exercised; docs/dependencies.md).
 TESTS=(tests/test_data_*.py tests/test_tokenizer.py tests/test_indexed_dataset.py tests/test_gpt_dataset.py
        tests/test_hf_dataset_scripts.py tests/test_blending.py
+       tests/test_eval_wikitext.py tests/test_eval_lambada.py tests/test_eval_race.py
        tests/test_training.py::test_fp16_overflow_skips_step_halves_scale_and_aborts
        tests/test_training.py::test_bad_config_fails_with_one_clear_line)
 DESELECT=(--deselect tests/test_tokenizer.py::test_gpt2_matches_transformers_on_real_text
