@@ -4,7 +4,7 @@
 # the tested version), then runs the tests that exercise those packages.
 #   bash scripts/check_oldest.sh [pytest args]      # OLDEST_VENV=/tmp/oldest-venv by default
 # Not run by CI: it downloads and installs a second full environment (a few hundred MB of old wheels,
-# some built from source) and takes 10-20 minutes on 2 cores, for bounds that change rarely. Run it when
+# some built from source) and takes 8-20 minutes on 2 cores, for bounds that change rarely. Run it when
 # a bound in pyproject.toml moves; docs/dependencies.md lists the bounds and what this found.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,8 @@ echo "check_oldest: installed (pins above honoured; the rest resolved by pip) ->
 # The tests of the code that uses the pinned packages: corpus building (datasketch, ftfy, xxhash, redis,
 # pyarrow, datasets, tqdm, numpy), tokenizers (tokenizers, sentencepiece), the indexed dataset and GPT
 # sampling (numpy), Hugging Face dataset loading (datasets), WikiText/LAMBADA/RACE scoring through the
-# local `evaluate` metrics, and single-process DeepSpeed training runs (deepspeed, pyyaml, sentencepiece).
+# local `evaluate` metrics, a single-process DeepSpeed fp16 training run and the start-up config errors
+# (deepspeed, pyyaml, sentencepiece).
 # The hf/eval/tracking extras are not installed: the tests that import transformers are deselected (and
 # safetensors and matplotlib, used only through transformers' export and the main job's report, are
 # installed but not exercised; docs/dependencies.md).
