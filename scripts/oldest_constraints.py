@@ -7,9 +7,9 @@ runs the tests that exercise those packages (docs/dependencies.md).
 
 Two kinds of dependency are not pinned to their bound:
 
-* torch stays at the version in ``constraints.txt`` (the one CI tests): the oldest allowed CPU wheel is a
-  separate ~200 MB download and its CUDA build on PyPI a ~1.6 GB one (plus its NVIDIA libraries), which
-  is too much for a routine check. Its bound (``torch>=2.4``, fused AdamW on CPU) is the one such check
+* torch stays at the version in ``constraints.txt`` (the one CI tests, and on CI machines a local wheel):
+  the oldest allowed torch would be a separate download, about 200 MB for a CPU wheel and several GB for
+  PyPI's CUDA build with its NVIDIA libraries, which is too much for a routine check. Its bound (``torch>=2.4``, fused AdamW on CPU) is the one such check
   does not cover; ``scripts/torch_source.py`` enforces it at set-up.
 * the names in ``EXCLUDED`` below, each with the reason.
 
