@@ -11,7 +11,11 @@ cd "$(dirname "$0")/.."
 OLDEST_VENV=${OLDEST_VENV:-/tmp/oldest-venv}
 PY=${PYTHON:-python3}
 
-rm -rf "$OLDEST_VENV"
+# throwaway: an earlier venv there is replaced; anything else there is refused, never deleted
+if [ -e "$OLDEST_VENV" ]; then
+  [ -f "$OLDEST_VENV/pyvenv.cfg" ] || { echo "check_oldest: $OLDEST_VENV exists and is not a venv; set OLDEST_VENV" >&2; exit 2; }
+  rm -rf "$OLDEST_VENV"
+fi
 "$PY" -m venv "$OLDEST_VENV"
 "$PY" scripts/oldest_constraints.py > "$OLDEST_VENV/oldest-constraints.txt"
 echo "check_oldest: pins ($OLDEST_VENV/oldest-constraints.txt):"
