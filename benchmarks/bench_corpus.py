@@ -21,7 +21,7 @@
      xxh3, no false-positive check; timed from load to save) with ``--textdedup-python``
      (venv: ``pip install text-dedup``).
 
-    .venv/bin/python benchmarks/bench_corpus.py --families 600 --variants 4 --reps 5 --workers 2 \
+    .venv/bin/python -m benchmarks.bench_corpus --families 600 --variants 4 --reps 5 --workers 2 \
         [--datatrove-python /tmp/venv-dt/bin/python] [--textdedup-python /tmp/venv-td/bin/python]
 
 4. ``--e2e-docs N`` (only this part runs): the full build at scale, each stage in its own process
@@ -34,7 +34,7 @@
    runs the stages from another checkout (e.g. ``git archive`` of the previous commit) on the same
    generated corpus, for before/after numbers::
 
-    .venv/bin/python benchmarks/bench_corpus.py --e2e-docs 20000 --workers 2 [--code-root /tmp/before]
+    .venv/bin/python -m benchmarks.bench_corpus --e2e-docs 20000 --workers 2 [--code-root /tmp/before]
 """
 from __future__ import annotations
 
@@ -56,14 +56,13 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from data_pipeline import dedup as dd
+from data_pipeline.config import config_from_dict
+from data_pipeline.planted import planted_corpus, real_words
+from data_pipeline.stages import build
+from data_pipeline.store import DocStore, ShardWriter
 
-from data_pipeline import dedup as dd  # noqa: E402
-from data_pipeline.config import config_from_dict  # noqa: E402
-from data_pipeline.planted import planted_corpus, real_words  # noqa: E402
-from data_pipeline.stages import build  # noqa: E402
-from data_pipeline.store import DocStore, ShardWriter  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DATA = ROOT / ".." / "shared" / "data" / "corpus"
 

@@ -1,6 +1,6 @@
 """Evaluation speed: WikiText-103 window scoring, batched vs one window at a time (GPT-2 BPE).
 
-    .venv/bin/python benchmarks/bench_eval.py --windows 48 --reps 5 [--batches 1,2,4,8,16]
+    .venv/bin/python -m benchmarks.bench_eval --windows 48 --reps 5 [--batches 1,2,4,8,16]
 
 A randomly initialised GPT-2 of the given size (speed does not depend on the weights) scores the first
 ``--windows`` overlapping windows (length ``--seq``, stride ``--stride``) of the real detokenized
@@ -14,19 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from benchmarks import common
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from training.runtime.process_env import configure  # noqa: E402
-
-configure()  # THP_MEM_ALLOC_ENABLE before torch loads, as every entry point
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from benchmarks import common  # noqa: E402
 
 DATA = Path(ROOT) / ".." / "shared" / "data"
 

@@ -1,8 +1,8 @@
 """Parts of a CPU training step timed alone, for the model of ``bench_train_step.py`` (same defaults).
 
-    .venv/bin/python benchmarks/bench_step_parts.py gemm-bound --reps 5 --steps 3
-    .venv/bin/python benchmarks/bench_step_parts.py attention --reps 15 --steps 5
-    .venv/bin/python benchmarks/bench_step_parts.py dropout --reps 10 --steps 5
+    .venv/bin/python -m benchmarks.bench_step_parts gemm-bound --reps 5 --steps 3
+    .venv/bin/python -m benchmarks.bench_step_parts attention --reps 15 --steps 5
+    .venv/bin/python -m benchmarks.bench_step_parts dropout --reps 10 --steps 5
 
 * ``gemm-bound``: every matrix product of one forward + backward (each linear's forward, input-gradient
   and weight-gradient GEMM in the layouts autograd uses, the tied logits, and the attention bmm's, whose two
@@ -22,18 +22,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from training.runtime.process_env import configure  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-configure()  # THP_MEM_ALLOC_ENABLE before torch loads, as every entry point
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from benchmarks import common  # noqa: E402
+from benchmarks import common
 
 
 def warm_then_interleave(cands: dict, reps: int) -> tuple[dict, dict]:

@@ -20,7 +20,7 @@ layer plus one for the embedding, backward 2 per layer plus one for the tied out
 3 all-reduces of b*s  ->  ((4 L + 2) b s h + 3 b s) * 4 bytes. A ring all-reduce sends
 2 (p-1)/p of its payload per rank.
 
-    .venv/bin/python benchmarks/bench_tp_overhead.py --reps 3 --steps 2
+    .venv/bin/python -m benchmarks.bench_tp_overhead --reps 3 --steps 2
 """
 from __future__ import annotations
 
@@ -29,19 +29,13 @@ import functools
 import inspect
 import logging
 import os
-import sys
 import time
 import warnings
 from collections import Counter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from training.runtime.process_env import configure  # noqa: E402
+from benchmarks import common
 
-configure()  # THP_MEM_ALLOC_ENABLE before torch loads, as every entry point
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-from benchmarks import common  # noqa: E402
 
 log = logging.getLogger("bench_tp_overhead")
 DEGREES = (1, 2, 4)
@@ -177,7 +171,7 @@ def _worker(rank: int, world: int, a: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
-    from tests.distributed import run_distributed
+    from megatron_ds_suite.testing import run_distributed
     from training.config import padded_vocab_size
 
     info = common.machine_info()

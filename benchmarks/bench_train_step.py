@@ -16,27 +16,21 @@ CPU the peak is the dense matmul FLOP/s measured in the same repetition
 (``training.runtime.hardware.measure_cpu_peak_tflops``); on a GPU it is the data-sheet dense peak of the
 dtype (``training.runtime.hardware``), and the measured large-matmul rate is reported beside it.
 
-    .venv/bin/python benchmarks/bench_train_step.py --reps 5 --steps 2
-    .venv/bin/python benchmarks/bench_train_step.py --profile 3        # torch.profiler tables instead
-    python benchmarks/bench_train_step.py --device cuda --dtype fp16 --preset gpt2-1.2b --reps 5 --steps 5
+    .venv/bin/python -m benchmarks.bench_train_step --reps 5 --steps 2
+    .venv/bin/python -m benchmarks.bench_train_step --profile 3        # torch.profiler tables instead
+    python -m benchmarks.bench_train_step --device cuda --dtype fp16 --preset gpt2-1.2b --reps 5 --steps 5
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import sys
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from training.runtime.process_env import configure  # noqa: E402
+import torch
 
-configure()  # THP_MEM_ALLOC_ENABLE before torch loads, as every entry point
+from benchmarks import common
 
-import torch  # noqa: E402
-
-from benchmarks import common  # noqa: E402
 
 log = logging.getLogger("bench_train_step")
 
@@ -98,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def init_single_process(device: str) -> None:
     """World of one process (gloo on CPU, NCCL on a GPU): DeepSpeed's engine and our ParallelState
     need torch.distributed."""
-    from tests.distributed import free_port
+    from megatron_ds_suite.testing import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_SIZE="1")

@@ -203,8 +203,11 @@ def with_peak_gpu_memory(fn: Callable[[], float], out: Samples) -> Callable[[], 
 
 
 def command_line() -> str:
-    """The command that produced the figures, as it can be pasted back (repo-relative python path)."""
-    return ".venv/bin/python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    """The command that produced the figures, as it can be pasted back (``-m benchmarks.NAME`` when run as a
+    module, else the repo-relative script path)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = ["-m", spec.name] if spec is not None and spec.name else [os.path.relpath(sys.argv[0], ROOT)]
+    return ".venv/bin/python " + " ".join(shlex.quote(a) for a in [*head, *sys.argv[1:]])
 
 
 def markdown_header(info: dict[str, str], load_after: str | None = None) -> str:

@@ -28,6 +28,6 @@ cat <<'EOF'
 
 Carry .whl to the GPU machine and run (repository root):
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD && PYTHONUNBUFFERED=1 python3 benchmarks/bench_train_step.py \
+    && export PYTHONPATH=/tmp/site:$PWD && PYTHONUNBUFFERED=1 python3 -m benchmarks.bench_train_step \
     --device cuda --dtype fp16 --preset gpt2-1.2b --reps 5 --steps 5
 EOF

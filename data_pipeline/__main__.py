@@ -3,8 +3,6 @@
     python -m data_pipeline build  --config configs/data/default.yaml [key.sub=value ...] [--force]
     python -m data_pipeline stage  dedup --config configs/data/default.yaml dedup.threshold=0.8
     python -m data_pipeline status --config configs/data/default.yaml
-    python -m data_pipeline dedup-worker --config C --shard I/N --redis redis://host:6379/0  # each machine
-    python -m data_pipeline dedup-merge  --config C [--redis URL]  # then `build` exports
     python -m data_pipeline overlap --corpus DIR --against wikitext103=FILE lambada=FILE [--n 8]
 """
 from __future__ import annotations
@@ -15,6 +13,7 @@ import sys
 
 from data_pipeline.config import ConfigError, load_config
 from megatron_ds_suite.core.corpus import CorpusError
+from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.indexed_dataset import IndexedDatasetError
 from megatron_ds_suite.core.tokenizer import TokenizerError
 from data_pipeline.stages import STAGES, StageError, build, fingerprint, is_done, run_stage, summary_table
@@ -28,18 +27,6 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("stage", help="run one stage now (its upstream stages must be finished)")
     s.add_argument("name", choices=STAGES)
     st = sub.add_parser("status", help="which stages are finished for this config")
-    w = sub.add_parser("dedup-worker", help="one machine's shard of a dedup sharing one Redis LSH index")
-    w.add_argument("--shard", required=True, help="I/N: this worker's shard (0-based) of N")
-    w.add_argument("--redis", default=None, help="redis://host:port/db (default: dedup.redis_host/port/db)")
-    w.add_argument("--barrier-timeout", type=float, default=3600.0,
-                   help="seconds to wait for the other shards to finish inserting (default 3600)")
-    m = sub.add_parser("dedup-merge", help="union-find over every shard's verified edges -> the dedup stage")
-    m.add_argument("--redis", default=None, help="also delete this run's index from this Redis when done")
-    m.add_argument("--clear-only", action="store_true", help="only delete this run's Redis index (needs --redis "
-                                                             "or dedup.redis_host/port/db), merge nothing")
-    for a in (w, m):
-        a.add_argument("--edges-dir", default=None,
-                       help="folder of shard-*.npz/.json (default: <output_dir>/work/dedup-shards/<basename>)")
     o = sub.add_parser("overlap", help="percentage of each evaluation set's word n-grams found in a corpus")
     o.add_argument("--corpus", required=True, help="built corpus folder (documents.jsonl), or jsonl file/folder")
     o.add_argument("--against", required=True, nargs="+", metavar="NAME=FILE",
@@ -48,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--workers", type=int, default=0, help="processes (0 = all cores)")
     o.add_argument("--output", default=None, help="also write the report as JSON here")
     o.add_argument("-v", "--verbose", action="store_true")
-    for a in (b, s, st, w, m):
+    for a in (b, s, st):
         a.add_argument("--config", required=True, help="YAML file, e.g. configs/data/default.yaml")
         a.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. dedup.threshold=0.8")
         a.add_argument("-v", "--verbose", action="store_true")
@@ -71,22 +58,6 @@ def main(argv: list[str] | None = None) -> int:
             for name in STAGES:
                 print(f"{name:<10} {'done' if is_done(cfg, name) else 'to do':<6} {fingerprint(cfg, name)}")
             return 0
-        if args.cmd == "dedup-worker":
-            from data_pipeline.distributed_dedup import run_dedup_worker
-
-            info = run_dedup_worker(cfg, args.shard, args.redis, args.barrier_timeout, args.edges_dir)
-            print(f"shard {args.shard}: {info['signed']} documents inserted, {info['candidate_pairs']} candidate "
-                  f"pairs, {info['edges']} verified edges; when every shard is done run `dedup-merge`")
-            return 0
-        if args.cmd == "dedup-merge":
-            from data_pipeline.distributed_dedup import run_clear, run_dedup_merge
-
-            if args.clear_only:
-                print(f"deleted {run_clear(cfg, args.redis)} Redis keys of this run's index")
-                return 0
-            st_ = run_dedup_merge(cfg, args.edges_dir, args.redis)
-            print(f"dedup merged: {st_['clusters']} clusters, {st_['removed']} removed; run `build` to export")
-            return 0
         if args.cmd == "stage":
             run_stage(cfg, args.name)
             print(f"stage {args.name} finished; run `build` to redo the stages after it")
@@ -95,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summary_table(stats))
         print(f"\n  output: {out}  (stats.json, documents.jsonl, duplicates.jsonl, rejects.jsonl, corpus.json)")
         return 0
-    except (ConfigError, StageError, TokenizerError, CorpusError, IndexedDatasetError) as e:
+    except (ConfigError, StageError, TokenizerError, CorpusError, IndexedDatasetError, SuiteError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # finished stages and shards are kept; rerun the same command to resume

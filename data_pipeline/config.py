@@ -2,22 +2,19 @@
 
 Every key has a type; an unknown key, a wrong type, a value out of range or a missing input path
 raises :class:`ConfigError` with one line saying what is wrong and how to fix it, before any work.
+Reading, overrides and key/type checks are the suite's one loader (:mod:`megatron_ds_suite.core.config`);
+this module holds the dataclasses and the value checks of the corpus builder.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-
-class ConfigError(ValueError):
-    """A bad configuration: one line naming the key, the problem and the fix."""
+from megatron_ds_suite.core.config import apply_overrides, build_dataclass, read_yaml
+from megatron_ds_suite.core.errors import ConfigError
 
 
 @dataclass
@@ -79,19 +76,10 @@ class DedupConfig:
     lsh_weights: list[float] = field(default_factory=lambda: [0.1, 0.9])  # (false-positive, false-negative)
     seed: int = 1
     chunk_size: int = 1000  # documents per signature chunk (unit of parallelism and of resume)
-    storage: str = "dict"  # dict: in-process LSH index; redis: shared datasketch Redis storage
-    redis_host: str = "127.0.0.1"
-    redis_port: int = 6379
-    redis_db: int = 0
-    redis_password_env: str = "REDIS_PASSWORD"  # env var holding the Redis password (never in config files)
-    redis_username: str | None = None  # Redis ACL user (with the password above); None: the default user
-    redis_tls: bool = False  # TLS to Redis (what rediss:// URLs mean)
-    redis_ca_certs: str | None = None  # CA bundle to verify the server's TLS certificate (None: system CAs)
-    basename: str | None = None  # Redis key prefix; None: derived from the output dir and settings
     verify_block_docs: int = 20000  # max distinct documents loaded at once during exact verification
-    # exact dedup first (hash of the cleaned text), then MinHash on the survivors; the shipped configs turn it
-    # on; off by default because the dedup-worker/dedup-merge path does not implement it
-    exact: bool = False
+    # exact dedup first (hash of the cleaned text, counted in stats), then MinHash on the survivors, as NeMo
+    # Curator orders them
+    exact: bool = True
 
 
 @dataclass
@@ -163,90 +151,8 @@ _ENUMS = {
     "tokenizer.type": ("sentencepiece", "sentencepiece_model", "gpt2", "wordpiece", "hf"),
     "tokenizer.flavor": ("gpt", "bert"),
     "dedup.shingle_unit": ("word", "char"),
-    "dedup.storage": ("dict", "redis"),
     "executor": ("local", "ray"),
 }
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list, got {type(value).__name__} {value!r}")
-        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key or 'config'} must be a mapping, got {type(value).__name__} {value!r}")
-        return _build(tp, value, key)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is bool and not isinstance(value, bool) or tp in (int, float) and isinstance(value, bool):
-        raise ConfigError(f"{key} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
-    if not isinstance(value, tp):
-        raise ConfigError(f"{key} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for k, v in data.items():
-        full = f"{prefix}.{k}" if prefix else str(k)
-        if k not in names:
-            raise ConfigError(f"unknown config key '{full}' (valid keys here: {', '.join(names)})")
-        kwargs[k] = _coerce(v, hints[k], full)
-    return cls(**kwargs)
-
-
-def _set_override(data: dict[str, Any], dotted: str, raw: str) -> None:
-    value = yaml.safe_load(raw) if raw != "" else ""
-    parts = dotted.split(".")
-    node: Any = data
-    for i, p in enumerate(parts[:-1]):
-        if isinstance(node, list):
-            if not p.isdigit() or int(p) >= len(node):
-                raise ConfigError(f"override '{dotted}': '{p}' is not an index of a list of {len(node)}")
-            node = node[int(p)]
-        else:
-            if p not in node or node[p] is None:
-                node[p] = {}
-            node = node[p]
-    last = parts[-1]
-    if isinstance(node, list):
-        if not last.isdigit() or int(last) >= len(node):
-            raise ConfigError(f"override '{dotted}': '{last}' is not an index of a list of {len(node)}")
-        node[int(last)] = value
-    else:
-        node[last] = value
-
-
-def parse_overrides(overrides: list[str] | None) -> list[tuple[str, str]]:
-    out = []
-    for o in overrides or []:
-        if "=" not in o or o.startswith("="):
-            raise ConfigError(f"override '{o}' must look like key.subkey=value (e.g. dedup.threshold=0.8)")
-        k, v = o.split("=", 1)
-        out.append((k.strip(), v))
-    return out
 
 
 def _validate(cfg: BuildConfig) -> None:
@@ -272,10 +178,7 @@ def _validate(cfg: BuildConfig) -> None:
     enum("tokenizer.type", cfg.tokenizer.type)
     enum("tokenizer.flavor", cfg.tokenizer.flavor)
     enum("dedup.shingle_unit", cfg.dedup.shingle_unit)
-    enum("dedup.storage", cfg.dedup.storage)
     enum("executor", cfg.executor)
-    if cfg.executor == "ray" and cfg.dedup.storage != "dict":
-        raise ConfigError("executor: ray shuffles LSH bands itself: use dedup.storage=dict")
     t = cfg.tokenizer
     need = {"sentencepiece_model": ["model_file"], "gpt2": ["vocab_file", "merges_file"], "wordpiece": ["vocab_file"],
             "hf": ["model_file"]}.get(t.type, [])
@@ -330,15 +233,11 @@ def _glob(p: Path) -> list[Path]:
 def config_from_dict(data: dict[str, Any], base_dir: str | Path = ".",
                      overrides: list[str] | None = None) -> BuildConfig:
     """Build and validate a :class:`BuildConfig` from a plain mapping (YAML content)."""
-    import copy
-
-    data = copy.deepcopy(data) if data else {}
-    if not isinstance(data, dict):
+    if data and not isinstance(data, dict):
         raise ConfigError(f"the config must be a mapping at top level, got {type(data).__name__}")
-    for k, v in parse_overrides(overrides):
-        _set_override(data, k, v)
+    data = apply_overrides(data or {}, overrides, example="dedup.threshold=0.8")
     data.setdefault("base_dir", str(base_dir))
-    cfg = _build(BuildConfig, data, "")
+    cfg = build_dataclass(BuildConfig, data)
     _validate(cfg)
     return cfg
 
@@ -349,10 +248,5 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> BuildCo
     from megatron_ds_suite.configs_lookup import find_config
 
     path = find_config(path)  # an existing file, else a bundled default config of that name
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path} (`megatron-ds-configs list` shows the bundled ones)")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
-    return config_from_dict(data or {}, base_dir=".", overrides=overrides)
+    data = read_yaml(path, "config file", " (`megatron-ds-configs list` shows the bundled ones)")
+    return config_from_dict(data, base_dir=".", overrides=overrides)

@@ -4,7 +4,7 @@ N-grams are over lower-cased ``\\w+`` words (the dedup stage's word units), so t
 between a corpus and an evaluation file do not matter: WikiText's ``@-@`` / ``@,@`` separators vanish
 (``well @-@ known`` and ``well-known`` are the same two words) and an n-gram never spans a ``<unk>``
 (each evaluation text is split at ``<unk>``). An n-gram is its 64-bit fingerprint from
-:func:`data_pipeline.dedup.shingle_fingerprints_batch` (xxh64 per word, position-weighted mix, fmix64).
+:func:`data_pipeline.dedup.hashing.shingle_fingerprints_batch` (xxh64 per word, position-weighted mix, fmix64).
 
 Memory is bounded by the evaluation sets, never by the corpus: an evaluation set's distinct n-gram
 fingerprints are one sorted ``uint64`` array (8 bytes per n-gram: WikiText-103 test ~240k), corpus
@@ -26,12 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.dedup import ShingleSpec, shingle_fingerprints_batch
+from data_pipeline.dedup.hashing import ShingleSpec, shingle_fingerprints_batch
+from megatron_ds_suite.core.errors import SuiteError
 
 _WORD = re.compile(r"\w+")
 
 
-class OverlapError(ValueError):
+class OverlapError(SuiteError):
     """Bad input for the overlap check (one line: what is wrong and how to fix it)."""
 
 

@@ -2,14 +2,14 @@
 
 What runs where (the driver is the ``python -m data_pipeline build`` process):
 
-* ingest: one task per input shard (``stages._ingest_shard``; the driver reads the sources and ships each
+* ingest: one task per input shard (``stages.ingest._ingest_shard``; the driver reads the sources and ships each
   shard's records, at most ``2 x cluster CPUs`` shards in flight);
-* filter: one task per ingest shard (``stages._filter_shard``);
-* dedup: one task per signature chunk (``dedup.sign_chunk``), then the LSH **shuffle by band key**: one map
+* filter: one task per ingest shard (``stages.filter._filter_shard``);
+* dedup: one task per signature chunk (``dedup.minhash.sign_chunk``), then the LSH **shuffle by band key**: one map
   task per chunk hashes every (band, band rows) key of its documents to one of ``P`` partitions, one
   reduce task per partition sorts its keys and emits the pairs of documents with equal (band, rows) —
   every key lands in exactly one partition, so the union of the reducers' pairs is exactly
-  ``dedup.band_pairs`` (the local candidates); then the driver verifies candidates and takes connected
+  ``dedup.lsh.band_pairs`` (the local candidates); then the driver verifies candidates and takes connected
   components (union-find, lowest index survives) exactly as the local stage does;
 * tokenizer training and export stay on the driver.
 
@@ -19,6 +19,8 @@ system; on one machine it is simply the local disk) and the project importable (
 ``executor: local`` (``tests/test_ray_executor.py``): the tasks are the local stage's own functions on
 the same shards, and results are assembled in shard/chunk order. Resume: a failed task is retried by
 Ray (``max_retries``); a killed driver resumes like a local build (finished shards and chunks are kept).
+This is the pipeline's only multi-machine path (the Redis-coordinated ``dedup-worker``/``dedup-merge`` flow
+was retired in its favour).
 """
 from __future__ import annotations
 
@@ -91,9 +93,9 @@ def ray_map(cfg: BuildConfig, fn: Callable[[Any], Any], jobs: Iterable[Any], max
 
 def ray_sign_chunks(cfg: BuildConfig, store: Any, sig_dir: Path, num_perm: int, seed: int, shingle: Any,
                     chunk_size: int) -> None:
-    """The signature chunks ``dedup.compute_signatures`` would compute, as Ray tasks (``dedup.sign_chunk``,
+    """The signature chunks ``dedup.minhash.compute_signatures`` would compute, as Ray tasks (``sign_chunk``,
     same files); finished chunks are kept, so the stage then only loads them."""
-    from data_pipeline.dedup import _chunk_files, sign_chunk
+    from data_pipeline.dedup.minhash import _chunk_files, sign_chunk
 
     sig_dir.mkdir(parents=True, exist_ok=True)
     n = len(store)
@@ -116,7 +118,7 @@ def _band_key_hash(band: int, rows: np.ndarray) -> np.ndarray:
 def band_map(args: tuple[str, int, int, int, int, int]) -> list[np.ndarray]:
     """Map task of one signature chunk: per partition, int64 rows ``[band, doc, r_0 .. r_{rows-1}]`` of
     the chunk's active documents (a document with no shingle has no key, as in ``band_pairs``)."""
-    from data_pipeline.dedup import _chunk_files
+    from data_pipeline.dedup.minhash import _chunk_files
 
     sig_dir, start, bands, rows, parts, _ = args
     f = _chunk_files(Path(sig_dir), start)

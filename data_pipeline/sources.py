@@ -264,11 +264,15 @@ def read_parquet(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawR
 
 def read_hf(cfg: BuildConfig, src: SourceConfig, max_bytes: int) -> Iterator[RawRecord]:
     """Hugging Face datasets: a local ``save_to_disk`` folder is memory-mapped (``load_from_disk``);
-    anything else goes to ``load_dataset(..., streaming=True)`` (Hub name or local data folder)."""
+    anything else goes to ``load_dataset(..., streaming=True)`` (Hub name or local data folder; a loading
+    script is refused, never run: megatron_ds_suite.core.hf_datasets)."""
     import datasets
+
+    from megatron_ds_suite.core.hf_datasets import check_no_script, load_hf_dataset
 
     path = src.path or ""
     local = cfg.resolve(path)
+    check_no_script(local)  # a loading script is code: refused in one line (SuiteError), never run
     row = 0
     try:
         if local.is_dir() and ((local / "state.json").exists() or (local / "dataset_dict.json").exists()):
@@ -279,7 +283,7 @@ def read_hf(cfg: BuildConfig, src: SourceConfig, max_bytes: int) -> Iterator[Raw
             name = str(local)
         else:
             target = str(local) if local.exists() else path
-            ds = datasets.load_dataset(target, src.hf_name, split=src.hf_split, streaming=True)
+            ds = load_hf_dataset(target, src.hf_name, split=src.hf_split, streaming=True)
             it = iter(ds)
             name = path
         for ex in it:

@@ -12,7 +12,6 @@ shard or nothing that counts.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -21,22 +20,20 @@ from typing import Any
 import numpy as np
 
 from data_pipeline.config import ConfigError
+from megatron_ds_suite.core import atomic
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic.write_text(path, text)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+    atomic.write_json(path, obj, indent=1, sort_keys=True, ensure_ascii=False)
 
 
 def atomic_save_npy(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}.npy")
-    np.save(tmp, arr)
-    os.replace(tmp, path)
+    with atomic.atomic_path(path) as tmp:
+        np.save(tmp, arr)
 
 
 def read_json(path: Path) -> Any:
@@ -53,8 +50,8 @@ class ShardWriter:
     def __init__(self, folder: Path, k: int):
         self.folder, self.k = folder, k
         self.path = folder / f"{shard_name(k)}.jsonl"
-        self.tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
-        self.f = open(self.tmp, "wb")
+        self._file = atomic.atomic_open(self.path, "wb")  # a hidden temporary file until commit
+        self.f = self._file.__enter__()
         self.index: list[tuple[int, int, int]] = []
         self.offset = 0
 
@@ -65,15 +62,14 @@ class ShardWriter:
         self.offset += len(line)
 
     def commit(self, counts: dict[str, Any]) -> None:
-        self.f.close()
-        os.replace(self.tmp, self.path)
+        self._file.__exit__(None, None, None)  # fsync, rename into place
         atomic_save_npy(self.folder / f"{shard_name(self.k)}.idx.npy",
                         np.asarray(self.index, dtype=np.int64).reshape(-1, 3))
         atomic_write_json(self.folder / f"{shard_name(self.k)}.done.json", counts)
 
     def abort(self) -> None:
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
+        stop = RuntimeError("shard aborted")
+        self._file.__exit__(type(stop), stop, None)  # closes and removes the temporary file
 
 
 def done_shards(folder: Path) -> list[int]:
@@ -157,11 +153,9 @@ def reset_dir(folder: Path) -> None:
 
 
 def write_jsonl_atomic(path: Path, rows: Iterable[dict[str, Any]]) -> int:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic.atomic_open(path, "w") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
             n += 1
-    os.replace(tmp, path)
     return n

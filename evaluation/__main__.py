@@ -2,8 +2,12 @@ import sys
 
 from training.runtime.process_env import configure
 
-configure()  # before torch loads (see training/runtime/process_env.py)
 
-from evaluation.cli import main  # noqa: E402
+def _main() -> int:
+    configure()  # before torch loads (see training/runtime/process_env.py)
+    from evaluation.cli import main
 
-sys.exit(main())
+    return main()
+
+
+sys.exit(_main())

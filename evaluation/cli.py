@@ -1,4 +1,4 @@
-"""``python -m evaluation {wikitext103,lambada,race,generate} --checkpoint RUN_DIR ...``
+"""``python -m evaluation {wikitext103,lambada,race,generate,heldout} --checkpoint RUN_DIR ...``
 
 Each command prints a short table and writes its numbers as JSON (``--json OUT``; default
 ``RUN_DIR/eval/<task>.json``). Bad input fails before any model is loaded with one line on stderr
@@ -12,13 +12,15 @@ import logging
 import sys
 from pathlib import Path
 
+from evaluation import heldout
 from evaluation.errors import EvalError
 from megatron_ds_suite.core.errors import SuiteError
 from training.metrics import progress_enabled
-from evaluation.report import format_table, write_json_atomic
+from evaluation.report import format_table
+from megatron_ds_suite.core import atomic
 
 logger = logging.getLogger("evaluation")
-ONE_LINE_ERRORS = {"ConfigError", "TokenizerError", "CheckpointError", "ExportError"}
+ONE_LINE_ERRORS = {"ConfigError", "TokenizerError", "CheckpointError", "ExportError", "CorpusError", "GPTDatasetError"}
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -62,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--detokenizer", default="wikitext", choices=["wikitext", "ptb", "none"])
     w.add_argument("--include-vocab-padding", action="store_true",
                    help="softmax over the padded vocabulary as Megatron does (default: real vocabulary only)")
-    _limit(w, "lines of the .tokens text (the same cut as scripts/main_job.py's eval.wikitext103.limit_lines)")
+    _limit(w, "lines of the .tokens text (the same cut as the main job's eval.wikitext103.limit_lines)")
 
     la = sub.add_parser("lambada", help="LAMBADA last-word accuracy")
     _common(la)
@@ -92,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--no-stop-at-eod", action="store_true", help="keep generating after the end-of-document id")
+
+    heldout.add_parser(sub)
     return ap
 
 
@@ -100,7 +104,7 @@ def _finish(args, rt, title: str, rows: list, result: dict) -> None:
         return
     out = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / f"{args.task}.json"
     result = {"task": args.task, "checkpoint": str(args.checkpoint), "limit": args.limit, **result}
-    write_json_atomic(out, result)
+    atomic.write_json(out, result)
     print(format_table(title, rows))
     print(f"wrote {out}")
 
@@ -204,7 +208,7 @@ def run_generate(args) -> None:
               "completions": [{"prompt": p, "text": c.text, "tokens": c.tokens, "stopped_at_eod": c.stopped_at_eod}
                               for p, c in zip(prompts, out)]}
     dest = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / "generate.json"
-    write_json_atomic(dest, result)
+    atomic.write_json(dest, result)
     print(f"wrote {dest}")
 
 
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         {"wikitext103": run_wikitext, "lambada": run_lambada, "race": run_race,
-         "generate": run_generate}[args.task](args)
+         "generate": run_generate, "heldout": heldout.run_heldout}[args.task](args)
     except Exception as e:  # noqa: BLE001
         # bad input from any stage (EvalError, training's ConfigError, the TokenizerError ...): one line
         if isinstance(e, SuiteError) or type(e).__name__ in ONE_LINE_ERRORS:

@@ -1,10 +1,8 @@
 """Short result tables on stdout and atomic JSON files."""
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Any
+
 
 
 def format_table(title: str, rows: list[tuple[str, Any]]) -> str:
@@ -25,16 +23,3 @@ def format_table(title: str, rows: list[tuple[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def write_json_atomic(path: str | Path, obj: dict[str, Any]) -> Path:
-    """Write ``obj`` as indented JSON to a temporary name, then rename (never half-written)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, p)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return p

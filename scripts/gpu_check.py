@@ -1,7 +1,7 @@
 """GPU smoke suite: the product's main paths on NVIDIA GPUs, one table at the end.
 
     bash scripts/gpu_check.sh [--gpus N] [--only NAME ...] [--steps 30] [--out runs/gpu_check]
-    python scripts/gpu_check.py --cpu-dry-run      # CPU: parse arguments, list the plan, render the table
+    python -m scripts.gpu_check --cpu-dry-run      # CPU: parse arguments, list the plan, render the table
 
 Checks (each a real run through the project's own entry points, ``torchrun`` for several GPUs):
 
@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script: the project's packages
 DEFAULT_DATA = ROOT.parent / "shared" / "data"
 
 
@@ -126,7 +125,7 @@ def gpt2(tp: int, dtype: str, pp: int = 1) -> Callable[[Context], tuple[bool, st
 
 def bert_20(ctx: Context) -> tuple[bool, str]:
     corpus = ctx.out / "bert_corpus"
-    ctx.run("bert_corpus", [str(Path(__file__).resolve()), "--prepare-bert-corpus", str(corpus), "--data",
+    ctx.run("bert_corpus", ["-m", "scripts.gpu_check", "--prepare-bert-corpus", str(corpus), "--data",
                             str(ctx.data)], nproc=0)
     ov = {"data.corpus": str(corpus), "run.dir": str(ctx.out / "bert"), "train.iters": "20", "parallel.tensor": "1",
           "train.progress_bar": "false", "precision.initial_scale_power": "16", "train.eval_interval": "10"}
@@ -193,7 +192,7 @@ def hf_export(ctx: Context) -> tuple[bool, str]:
     out = ctx.out / "hf_export"
     ctx.run("hf_export", ["-m", "training.tools.export_hf", "--checkpoint", str(ctx.out / "gpt2_tp1_pp1_fp16"), "--out",
                           str(out), "--overwrite"], nproc=0)
-    ctx.run("hf_export", [str(Path(__file__).resolve()), "--compare-hf", str(ctx.out / "gpt2_tp1_pp1_fp16"), str(out),
+    ctx.run("hf_export", ["-m", "scripts.gpu_check", "--compare-hf", str(ctx.out / "gpt2_tp1_pp1_fp16"), str(out),
                           "--data", str(ctx.data)], nproc=0)
     if ctx.dry:
         return True, "planned"
@@ -203,7 +202,7 @@ def hf_export(ctx: Context) -> tuple[bool, str]:
 
 def gpt2_1p2b(ctx: Context) -> tuple[bool, str]:
     out = ctx.out / "gpt2_1.2b.json"
-    ctx.run("gpt2_1.2b", [str(Path(__file__).resolve()), "--bench-1p2b", str(out), "--data", str(ctx.data)], nproc=0)
+    ctx.run("gpt2_1.2b", ["-m", "scripts.gpu_check", "--bench-1p2b", str(out), "--data", str(ctx.data)], nproc=0)
     if ctx.dry:
         return True, "planned"
     r = json.loads(out.read_text())
@@ -319,7 +318,7 @@ def render(rows: list[Row], header: str) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="scripts/gpu_check.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m scripts.gpu_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     p.add_argument("--only", nargs="+", choices=NAMES, default=None, metavar="NAME", help="run only these checks")

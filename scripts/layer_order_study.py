@@ -1,6 +1,6 @@
 """Layer-order study: post-LN (original BERT) vs pre-LN (Megatron, Figure 7) BERT at increasing depth.
 
-    python scripts/layer_order_study.py [--corpus runs/corpus-bert] [--depths 2,4,8,16] [--iters 150] ...
+    python -m scripts.layer_order_study [--corpus runs/corpus-bert] [--depths 2,4,8,16] [--iters 150] ...
 
 Every (order, depth) pair trains from the same seed on the same sample order with the same budget and
 learning-rate schedule (single process, fp32, CPU; the model is ``training.models.bert.BertModel`` at
@@ -23,7 +23,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import subprocess
 import sys
 import time
@@ -32,13 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from training.config import ModelConfig, OptimizerConfig, padded_vocab_size
+from training.data.bert_data import BertDataset, BertVocab, MaskingConfig, collate
+from training.models.bert import BertModel, bert_loss
+from training.optim import lr_at, param_groups
+from megatron_ds_suite.core import atomic
 
-from training.data.bert_data import BertDataset, BertVocab, MaskingConfig, collate  # noqa: E402
-from training.config import ModelConfig, OptimizerConfig, padded_vocab_size  # noqa: E402
-from training.models.bert import BertModel, bert_loss  # noqa: E402
-from training.optim import lr_at, param_groups  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 logger = logging.getLogger("layer_order_study")
 
@@ -138,9 +137,8 @@ def plot(rows: list[dict], path: Path, args) -> None:
     ax2.legend()
     fig.suptitle(f"BERT layer order, hidden {args.hidden}, {args.iters} iterations x {args.batch} samples, lr {args.lr}")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    with atomic.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
               f"unigram predictor scores held-out MLM {unigram:.3f}, chance SOP = ln 2 = 0.693.\n\n")
     for name, text in (("results.md", header + md + "\n"),
                        ("results.json", json.dumps({"args": vars(args), "unigram_mlm_loss": unigram, "runs": rows}, indent=2))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+        atomic.write_text(out / name, text)
     plot(rows, out / "layer_order.png", args)
     print()
     print(header + md)

@@ -46,7 +46,7 @@ def planted(tmp_path_factory):
     return DocStore(folder), docs, truth
 
 
-def run_dedup(store, workers=2, threshold=0.7, storage=None, tmp=None):
+def run_dedup(store, workers=2, threshold=0.7, tmp=None):
     shingle = dd.ShingleSpec(5, "word")
     b, r = dd.lsh_params(threshold, 128, None, None, (0.1, 0.9))
     lsh = dd.LshSpec(threshold, 128, b, r, 1)
@@ -54,12 +54,7 @@ def run_dedup(store, workers=2, threshold=0.7, storage=None, tmp=None):
     shutil.rmtree(sig_dir, ignore_errors=True)
     sigs, nsh = dd.compute_signatures(store, sig_dir, 128, 1, shingle, 100, workers, progress=False)
     active = nsh > 0
-    if storage is None:
-        pairs = dd.candidates_in_memory(sigs, active, lsh, progress=False)
-    else:
-        np.save(tmp / "sigs.npy", sigs)
-        np.save(tmp / "active.npy", active)
-        pairs = dd.candidates_redis(tmp / "sigs.npy", lsh, storage, workers)
+    pairs = dd.candidates_in_memory(sigs, active, lsh, progress=False)
     verified = dd.verify_pairs(store, pairs, shingle, 50, workers, progress=False)
     clusters, link = dd.cluster(verified, threshold)
     return pairs, verified, clusters, link
@@ -128,18 +123,3 @@ def test_planted_recall_precision_determinism(planted, tmp_path):
     _, verified2, clusters2, _ = run_dedup(store, workers=1, tmp=tmp_path)
     assert clusters2 == clusters and sorted(verified2) == sorted(verified)
 
-
-def test_redis_index_same_clusters(planted, tmp_path, redis_port):
-    import redis
-
-    store, docs, truth = planted
-    _, verified_mem, clusters_mem, _ = run_dedup(store, tmp=tmp_path)
-    pairs_mem = {(i, j) for i, j, _ in verified_mem}
-    storage = dd.redis_storage_config("127.0.0.1", redis_port, 0, "test-planted")
-    pairs_r, verified_r, clusters_r, _ = run_dedup(store, storage=storage, tmp=tmp_path)
-    assert pairs_r == pairs_mem
-    assert clusters_r == clusters_mem
-    r = redis.Redis(host="127.0.0.1", port=redis_port)
-    assert r.dbsize() > 0  # the index really lived in Redis
-    assert dd.redis_clear("127.0.0.1", redis_port, 0, "test-planted") > 0
-    assert r.dbsize() == 0

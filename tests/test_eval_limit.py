@@ -1,4 +1,4 @@
-"""``python -m evaluation ... --limit N``: the WikiText cut equals scripts/main_job.py's first-N-lines file
+"""``python -m evaluation ... --limit N``: the WikiText cut equals the main job (megatron_ds_suite.main_job)'s first-N-lines file
 (byte for byte, on the real file and on odd line endings); N < 1 is a one-line error before any model.
 
 Scoring with ``--limit`` against scoring main_job's cut file is checked end to end with a real checkpoint in
@@ -6,7 +6,6 @@ tests/test_eval_checkpoint.py (WikiText, LAMBADA) and tests/test_bert_race.py (R
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,13 +19,10 @@ WT = ROOT / ".." / "shared" / "data" / "eval" / "wikitext-103" / "wiki.test.toke
 
 
 def main_job_cut(src: Path, limit: int, run: Path, kind: str = "wikitext") -> Path:
-    """The file scripts/main_job.py evaluates for ``eval.<task>.limit_lines/limit = limit`` (its own code)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import main_job
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    path, ident, source = main_job.MainJob._eval_input(SimpleNamespace(run=run), "wikitext103", str(src), None,
+    """The file the main job (megatron_ds_suite.main_job) evaluates for ``eval.<task>.limit_lines/limit = limit`` (its own code)."""
+    from megatron_ds_suite.main_job.job import MainJob
+
+    path, ident, source = MainJob._eval_input(SimpleNamespace(run=run), "wikitext103", str(src), None,
                                                        "test", limit, kind)
     assert source == src.resolve() and ident[1] == limit and path != source
     return path

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from scripts import gpu_check
 
-import gpu_check  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rows(out: str) -> dict[str, list[str]]:

@@ -52,3 +52,14 @@ def test_evaluation_refuses_a_script_dataset_in_one_line(tmp_path, task):
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert res.returncode == 2 and len(lines) == 1 and "is a loading script" in lines[0], res.stderr
     assert not marker.exists()
+
+
+def test_corpus_build_refuses_a_script_source_in_one_line(tmp_path):
+    folder, marker = _script_dataset(tmp_path)
+    conf = tmp_path / "data.yaml"
+    conf.write_text(f"output_dir: {tmp_path / 'out'}\nprogress: false\nsources:\n  - type: hf\n    path: {folder}\n")
+    res = subprocess.run([sys.executable, "-m", "data_pipeline", "build", "--config", str(conf)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert res.returncode == 2 and "is a loading script" in lines[-1], res.stderr
+    assert not marker.exists()

@@ -106,29 +106,6 @@ def test_disk_full_is_one_line(tmp_path):
     assert line.startswith("error: File too large: ") and "check free disk space" in line
 
 
-def test_unreachable_redis_in_build_is_one_line(tmp_path, capsys):
-    import socket
-
-    from data_pipeline.__main__ import main
-    from data_pipeline.config import load_config
-    from data_pipeline.stages import run_stage
-
-    if not GPT2.is_dir():
-        pytest.skip("../shared/data absent")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (tmp_path / "b.txt").write_text(" ".join(f"word{i}" for i in range(400)) + "\n\n" + " ".join(
-        f"other{i}" for i in range(400)), encoding="utf-8")
-    conf = _config(tmp_path, "out", dedup={"storage": "redis", "redis_port": port})
-    cfg = load_config(conf, [])
-    for stage in ("ingest", "tokenizer", "filter"):
-        run_stage(cfg, stage)
-    assert main(["stage", "dedup", "--config", str(conf)]) == 2
-    line = _one_line(capsys.readouterr().err)
-    assert line.startswith(f"error: cannot reach Redis at 127.0.0.1:{port}/0") and "start redis-server" in line
-
-
 @needs_data
 def test_training_split_without_training_part(tmp_path):
     spec = {"kind": "gpt2_bpe", "vocab_file": str(GPT2 / "gpt2-vocab.json"), "merges_file": str(GPT2 / "gpt2-merges.txt")}

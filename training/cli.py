@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 
+from megatron_ds_suite.core.errors import SuiteError
+
 
 def launcher_parser(prog: str, description: str | None, config_help: str) -> argparse.ArgumentParser:
     """``--config YAML``, the launcher's ``--local_rank`` (hidden) and ``section.key=value`` overrides."""
@@ -28,3 +30,11 @@ def setup_rank_logging() -> int:
 
     orphan_guard.exit_when_gone(orphan_guard.launcher_runner_pid())  # never train on after `deepspeed` is gone
     return rank
+
+
+def report_error(error: SuiteError, rank: int = 0) -> int:
+    """Print a :class:`SuiteError` as its one line (``config error: ...``, ``checkpoint error: ...``) on
+    stderr, from rank 0 only (every rank checks the same config; one says it); returns the exit code 2."""
+    if rank == 0:
+        print(error.one_line(), file=sys.stderr)
+    return 2

@@ -11,19 +11,14 @@ config does not model go in its ``deepspeed:`` section, merged in (keys the conf
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-
-class ConfigError(ValueError):
-    """A bad config: the message is one line naming the key and the fix."""
+from megatron_ds_suite.core.config import (apply_overrides, build_dataclass, merge_dicts, overrides_to_dict,
+                                            read_yaml)
+from megatron_ds_suite.core.errors import ConfigError
 
 
 # --------------------------------------------------------------------------------------------------
@@ -262,121 +257,13 @@ class Config:
 # --------------------------------------------------------------------------------------------------
 # Loading: dict -> dataclass with strict key and type checks
 # --------------------------------------------------------------------------------------------------
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check ``value`` against annotation ``tp``; ints are accepted for floats. Raises ConfigError."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
-        return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    raise ConfigError(f"{where}: unsupported type {_type_name(tp)}")
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)  # deterministic: no set order
-            hint = f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(sorted(names))}"
-            raise ConfigError(f"unknown config key '{where + '.' if where else ''}{key}'{hint}")
-    kwargs = {k: _coerce(v, hints[k], f"{where + '.' if where else ''}{k}") for k, v in data.items()}
-    return cls(**kwargs)
-
-
-def build_dataclass(cls: type, data: Any, where: str = "") -> Any:
-    """Public name of the strict loader: a dict -> dataclass ``cls`` (unknown keys and wrong types raise
-    ConfigError). Shared by the main-job config."""
-    return _build(cls, data, where)
+_build = build_dataclass  # the suite's one strict loader (megatron_ds_suite.core.config); old names kept
+_merge = merge_dicts
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """``["train.iters=50", "parallel.tensor=2"]`` -> nested dict; values parsed as YAML scalars."""
-    nested: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.iters=50)")
-        key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        if not all(parts):
-            raise ConfigError(f"override {item!r}: empty key part")
-        value = yaml.safe_load(raw) if raw != "" else ""
-        node = nested
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r} conflicts with another override of {p!r}")
-        node[parts[-1]] = value
-    return nested
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-merge_dicts = _merge
+    return overrides_to_dict(overrides, example="train.iters=50")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
@@ -386,15 +273,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         from megatron_ds_suite.configs_lookup import find_config
 
         p = find_config(path)  # an existing file, else a bundled default config of that name
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist (see configs/ for examples; "
-                              f"`megatron-ds-configs list` shows the bundled ones)")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
-    data = _merge(data, parse_overrides(overrides or []))
-    cfg = _build(Config, data, "")
+        data = read_yaml(p, "config file", " (see configs/ for examples; `megatron-ds-configs list` shows the "
+                                           "bundled ones)")
+    data = apply_overrides(data, overrides, example="train.iters=50")
+    cfg = build_dataclass(Config, data)
     validate_static(cfg)
     validate_data_source(cfg)
     return cfg
@@ -408,7 +290,7 @@ def validate_data_source(cfg: Config) -> None:
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
-    cfg = _build(Config, data, "")
+    cfg = build_dataclass(Config, data)
     validate_static(cfg)
     return cfg
 

@@ -20,11 +20,13 @@ from pathlib import Path
 
 import torch
 
-from training.config import ConfigError
+from megatron_ds_suite.core.errors import ConfigError
 
 
 class CheckpointError(ConfigError):
     """A checkpoint file that cannot be loaded safely or at all (one line: which file, why, what to do)."""
+
+    label = "checkpoint error"
 
 
 def _numpy_array_types() -> list:

@@ -21,6 +21,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megatron_ds_suite.core.config import merge_dicts
+from megatron_ds_suite.core.errors import ConfigError
+
 # DeepSpeed keys (dotted; a prefix owns everything below it) derived from a run-config field.
 OWNERS: dict[str, str] = {
     "train_batch_size": "train.global_batch_size",
@@ -65,8 +68,6 @@ def owner_of(key: str) -> str | None:
 
 def check_passthrough(section: dict[str, Any]) -> None:
     """Refuse a ``deepspeed:`` key the run config owns (one line naming the field that owns it)."""
-    from training.config import ConfigError
-
     for key in _leaves(section):
         owner = owner_of(key)
         if owner:
@@ -77,14 +78,7 @@ def check_passthrough(section: dict[str, Any]) -> None:
 def merge_passthrough(derived: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
     """``derived`` with ``section`` merged in (nested dicts merged key by key; checked first)."""
     check_passthrough(section)
-    return _merge(derived, section)
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+    return merge_dicts(derived, section)
 
 
 def monitor_config(cfg) -> dict[str, Any]:

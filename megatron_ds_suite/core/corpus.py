@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import filecmp
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_ds_suite.core import atomic
+from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
 from megatron_ds_suite.core.tokenizer import Tokenizer, load_tokenizer
 
@@ -33,7 +33,7 @@ MANIFEST_FORMAT = "megatron-ds-suite-corpus"
 MANIFEST_VERSION = 1
 
 
-class CorpusError(ValueError):
+class CorpusError(SuiteError):
     """Not a corpus directory, or a manifest that does not match the files (one clear line)."""
 
 
@@ -61,12 +61,7 @@ def copy_tokenizer_files(tokenizer_spec: dict[str, Any], root: str | Path, subdi
             src = Path(v)
             target = dest / src.name
             if src.resolve() != target.resolve() and not (target.is_file() and filecmp.cmp(src, target, shallow=False)):
-                tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-                try:
-                    shutil.copyfile(src, tmp)
-                    os.replace(tmp, target)
-                finally:  # a full disk mid-copy leaves nothing behind
-                    tmp.unlink(missing_ok=True)
+                atomic.copy_file(src, target)  # a full disk mid-copy leaves nothing behind
             out[k] = str(target.resolve())
     return out
 
@@ -96,14 +91,7 @@ def write_manifest(root: str | Path, tokenizer_spec: dict[str, Any], gpt_prefix:
         **prefixes,
         "extra": extra,
     }
-    text = json.dumps(manifest, indent=2, sort_keys=False, default=str) + "\n"
-    path = root / MANIFEST_NAME
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic.write_json(root / MANIFEST_NAME, manifest, indent=2, default=str)
 
 
 @dataclass

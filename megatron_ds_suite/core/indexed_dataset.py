@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from megatron_ds_suite.core.errors import SuiteError
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -58,7 +60,7 @@ _CODE_OF = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3, 
             np.dtype(np.int64): 5, np.dtype(np.float64): 6, np.dtype(np.uint16): 8}
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(SuiteError):
     """A missing, garbled or inconsistent ``.bin``/``.idx`` pair (one line saying what is wrong)."""
 
 

@@ -28,6 +28,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from megatron_ds_suite.core import atomic
+from megatron_ds_suite.core.errors import SuiteError
+
 logger = logging.getLogger(__name__)
 
 GPT2_EOD_TOKEN = "<|endoftext|>"
@@ -36,7 +39,7 @@ BERT_SPECIAL_PIECES = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 WORD_START = "\u2581"  # '▁': SentencePiece's marker for "this piece starts a new word"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(SuiteError):
     """Bad tokenizer files or spec (one line saying what is wrong)."""
 
 
@@ -484,19 +487,9 @@ def train_sentencepiece(
 
     model_path = out_prefix.with_name(out_prefix.name + ".model")
     vocab_path = out_prefix.with_name(out_prefix.name + ".vocab")
-    tmp_model = model_path.with_name(f".{model_path.name}.tmp-{os.getpid()}")
-    tmp_vocab = vocab_path.with_name(f".{vocab_path.name}.tmp-{os.getpid()}")
-    try:
-        tmp_model.write_bytes(model_bytes)
-        sp = spm.SentencePieceProcessor(model_proto=model_bytes)
-        with open(tmp_vocab, "w", encoding="utf-8") as f:
-            for i in range(sp.GetPieceSize()):
-                f.write(f"{sp.IdToPiece(i)}\t{sp.GetScore(i):g}\n")
-        os.replace(tmp_vocab, vocab_path)
-        os.replace(tmp_model, model_path)
-    finally:
-        for p in (tmp_model, tmp_vocab):
-            p.unlink(missing_ok=True)
+    sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+    atomic.write_text(vocab_path, "".join(f"{sp.IdToPiece(i)}\t{sp.GetScore(i):g}\n" for i in range(sp.GetPieceSize())))
+    atomic.write_bytes(model_path, model_bytes)  # the .model after its .vocab, as before
     logger.info(
         "trained SentencePiece %s/%s: %d sentences, vocab %d -> %s", flavor, model_type, counter["n"], vocab_size, model_path
     )

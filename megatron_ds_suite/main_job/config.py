@@ -20,8 +20,10 @@ from typing import Any, Literal
 
 import yaml
 
-# the strict dataclass loader shared with the training config (unknown keys, types, Literals)
-from training.config import ConfigError, build_dataclass as _build, merge_dicts as _merge  # noqa: E402
+# the suite's one strict loader (unknown keys, types, Literals, YAML 1.2 floats, a.b=value overrides)
+from megatron_ds_suite.core.config import (StrictYAMLLoader, apply_overrides, build_dataclass, merge_dicts,
+                                            read_yaml)
+from megatron_ds_suite.core.errors import ConfigError
 
 @dataclass
 class CorpusSection:
@@ -130,35 +132,17 @@ def _expand_dotted(d: dict[str, Any]) -> dict[str, Any]:
         for p in parts[:-1]:
             node = node.setdefault(p, {})
         if isinstance(v, dict) and isinstance(node.get(parts[-1]), dict):
-            node[parts[-1]] = _merge(node[parts[-1]], _expand_dotted(v))
+            node[parts[-1]] = merge_dicts(node[parts[-1]], _expand_dotted(v))
         else:
             node[parts[-1]] = _expand_dotted(v) if isinstance(v, dict) else v
     return out
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """``["train.set.train.iters=50"]`` -> nested dict; values are YAML scalars."""
-    nested: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.set.train.iters=50)")
-        key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
-        nested = _merge(nested, _expand_dotted({key.strip(): value}))
-    return nested
-
 def load_main_config(path: str | Path | None, overrides: list[str] | None = None) -> MainConfig:
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"main-job config {p} does not exist (see configs/main/)")
-        try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"main-job config {p} is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"main-job config {p} must be a mapping of sections")
-    cfg = _build(MainConfig, _merge(_expand_dotted(data), parse_overrides(overrides or [])), "")
+        data = read_yaml(path, "main-job config", " (see configs/main/)")
+    data = apply_overrides(_expand_dotted(data), overrides, example="train.set.train.iters=50")
+    cfg = build_dataclass(MainConfig, _expand_dotted(data))  # again: dotted keys inside mapping-valued overrides
     for name, v in (("train.procs", cfg.train.procs), ("eval.tp", cfg.eval.tp),
                     ("eval.heldout.batch_size", cfg.eval.heldout.batch_size),
                     ("eval.wikitext103.batch_size", cfg.eval.wikitext103.batch_size),
@@ -193,7 +177,7 @@ def yaml_scalar(v: Any) -> str:
     """A value written so that ``yaml.safe_load`` on the other side gives it back unchanged."""
     if isinstance(v, str):
         try:
-            if yaml.safe_load(v) == v:
+            if yaml.load(v, Loader=StrictYAMLLoader) == v:  # read back by the stage's loader (core.config)
                 return v
         except yaml.YAMLError:
             pass

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from megatron_ds_suite.core import atomic
 
 
 @dataclass
@@ -113,13 +113,11 @@ def plot_curve(steps: list[dict[str, Any]], events: list[dict[str, Any]], path: 
     ax2.grid(alpha=0.3)
     ax2.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
+        with atomic.atomic_path(path) as tmp:  # keeps the .png suffix savefig reads the format from
+            fig.savefig(tmp, dpi=110)
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -256,7 +254,5 @@ def write_report(inp: ReportInputs) -> Path:
     parts += ["## Evaluation", "", table(["task", "data", "metric", "value", "count"], rows) if rows else
               "No evaluation results.", ""]
     out = run / "report.md"
-    tmp = out.with_name(f".report.md.tmp-{os.getpid()}")
-    tmp.write_text("\n".join(parts), encoding="utf-8")
-    os.replace(tmp, out)
+    atomic.write_text(out, "\n".join(parts))
     return out

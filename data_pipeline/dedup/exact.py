@@ -12,13 +12,13 @@ signature. Collision probability for n documents: about n^2 / 2^129.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
 
-from data_pipeline.dedup import DedupResult
+from data_pipeline.dedup.verify import DedupResult
 from data_pipeline.store import DocStore, atomic_save_npy, atomic_write_json, reset_dir, shard_name
+from megatron_ds_suite.core import atomic
 
 KEY = "blake2b-128 of the cleaned text's UTF-8 bytes"
 
@@ -69,9 +69,7 @@ def write_subset(store: DocStore, keep: np.ndarray, folder: Path) -> DocStore:
         lens = tab[:, 2]
         idx = np.stack([tab[:, 0], np.concatenate([[0], np.cumsum(lens)[:-1]]), lens], axis=1) if len(rows) \
             else np.zeros((0, 3), np.int64)
-        tmp = folder / f"{shard_name(k)}.jsonl.tmp{os.getpid()}"
-        tmp.write_bytes(b"".join(src[o:o + n] for o, n in tab[:, 1:].tolist()))
-        os.replace(tmp, folder / f"{shard_name(k)}.jsonl")
+        atomic.write_bytes(folder / f"{shard_name(k)}.jsonl", b"".join(src[o:o + n] for o, n in tab[:, 1:].tolist()))
         atomic_save_npy(folder / f"{shard_name(k)}.idx.npy", idx.astype(np.int64))
         atomic_write_json(folder / f"{shard_name(k)}.done.json", {"kept": int(len(rows))})
     return DocStore(folder)

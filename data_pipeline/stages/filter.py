@@ -1,0 +1,138 @@
+"""Stage ``filter``: count tokens per document, drop those under ``length.min_tokens`` → ``work/filter/``."""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data_pipeline.config import BuildConfig
+from data_pipeline.report import StageTimer
+from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, progress_bar, require_stage, work_dir
+from data_pipeline.store import (DocStore, ShardWriter, atomic_save_npy, done_shards, iter_shard, shard_counts,
+                                 shard_name, write_jsonl_atomic)
+
+
+def _uid_extra(rec: dict[str, Any]) -> dict[str, Any]:
+    """The user's id of a store record (``id_field``), carried from ingest to export when there is one."""
+    return {"uid": rec["uid"]} if "uid" in rec else {}
+
+
+def save_token_ids(folder: Path, k: int, ids: list[list[int]], dtype: Any) -> None:
+    """Shard ``k``'s token ids, one row per stored document: ``docs-K.tok.npy`` (concatenated, EOD not
+    included) and ``docs-K.tokoff.npy`` (int64 offsets, len = documents + 1). Written before the shard's
+    ``.done.json`` marker, so a finished shard always has them."""
+    off = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum([len(x) for x in ids], out=off[1:])
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(off[-1]))  # one pass, no per-doc array
+    atomic_save_npy(folder / f"{shard_name(k)}.tok.npy", flat)
+    atomic_save_npy(folder / f"{shard_name(k)}.tokoff.npy", off)
+
+
+class TokenIds:
+    """Random access to the filter stage's token ids by store position (``None`` when the filter output
+    predates the token files; export then tokenizes again, with the same result)."""
+
+    def __init__(self, store: DocStore):
+        self.folder = store.folder
+        self.ok = all((store.folder / f"{shard_name(k)}.tokoff.npy").exists() for k in store.shards)
+        counts = np.bincount(np.searchsorted(store.shards, store.shard_of), minlength=len(store.shards)) \
+            if len(store) else np.zeros(len(store.shards), np.int64)
+        self.first = dict(zip(store.shards, np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()))
+        self.shard_of = store.shard_of
+        self._k: int | None = None
+        self._tok: np.ndarray | None = None
+        self._off: np.ndarray | None = None
+
+    def get(self, pos: int) -> np.ndarray:
+        k = int(self.shard_of[pos])
+        if k != self._k:  # export reads in order: one shard's arrays at a time
+            self._tok = np.load(self.folder / f"{shard_name(k)}.tok.npy", mmap_mode="r")
+            self._off = np.load(self.folder / f"{shard_name(k)}.tokoff.npy")
+            self._k = k
+        j = pos - self.first[k]
+        return self._tok[self._off[j]:self._off[j + 1]]  # type: ignore[index]
+
+
+def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) -> dict[str, Any]:
+    src_s, dst_s, k, spec, min_tokens, count_eod, batch = args
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
+
+    from data_pipeline.dedup.exact import text_key
+    from megatron_ds_suite.core.indexed_dataset import best_dtype
+
+    tok = load_tokenizer(spec)
+    writer = ShardWriter(Path(dst_s), k)
+    too_short, kept, tokens = 0, 0, 0
+    kept_ids: list[list[int]] = []  # the kept documents' token ids, reused by export (tokenized once)
+    keys: list[np.ndarray] = []  # exact-dedup keys of the kept documents (hashed while the text is at hand)
+    dtype = best_dtype(tok.vocab_size)
+    examples, short_rows = [], []
+    try:
+        recs = list(iter_shard(Path(src_s), k))
+        for s in range(0, len(recs), batch):
+            part = recs[s:s + batch]
+            for rec, ids in zip(part, tok.encode_batch([r["text"] for r in part])):
+                n = len(ids) + (1 if count_eod else 0)
+                if n >= min_tokens:
+                    writer.add(rec["i"], rec["src"], rec["text"], **_uid_extra(rec), ntok=n)
+                    kept_ids.append(ids)
+                    keys.append(text_key(rec["text"]))
+                    kept += 1
+                    tokens += n
+                else:
+                    too_short += 1
+                    short_rows.append({"i": rec["i"], "src": rec["src"], "reason": "too_short",
+                                       "detail": f"{n} tokens < length.min_tokens={min_tokens}"})
+                    if len(examples) < 3:
+                        examples.append({"i": rec["i"], "src": rec["src"], "tokens": n})
+        info = {"in": len(recs), "kept": kept, "too_short": too_short, "tokens": tokens, "examples": examples}
+        save_token_ids(Path(dst_s), k, kept_ids, dtype)
+        atomic_save_npy(Path(dst_s) / f"{shard_name(k)}.key.npy",
+                        np.stack(keys) if keys else np.zeros((0, 2), np.uint64))
+        write_jsonl_atomic(Path(dst_s) / f"{shard_name(k)}.too_short.jsonl", short_rows)  # for rejects.jsonl
+        writer.commit(info)
+        return info
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def run_filter(cfg: BuildConfig) -> dict[str, Any]:
+    """Tokenize every document once, keep those of at least ``length.min_tokens`` tokens."""
+    timer = StageTimer("filter")
+    require_stage(cfg, "ingest")
+    spec = require_stage(cfg, "tokenizer")["spec"]
+    src = work_dir(cfg, "ingest")
+    dst = begin_stage(cfg, "filter")
+    todo = [k for k in done_shards(src) if k not in set(done_shards(dst))]
+    jobs = [(str(src), str(dst), k, spec, cfg.length.min_tokens, cfg.length.count_eod,
+             cfg.dataset.tokenize_batch) for k in todo]
+    bar = progress_bar(cfg, desc="filter: count tokens", unit="doc")
+    if cfg.executor == "ray":
+        from data_pipeline.ray_executor import ray_map
+
+        for info in ray_map(cfg, _filter_shard, jobs):
+            bar.update(info["in"])
+    elif cfg.num_workers > 1 and len(jobs) > 1:
+        with get_context("fork").Pool(min(cfg.num_workers, len(jobs))) as pool:
+            for info in pool.imap_unordered(_filter_shard, jobs):
+                bar.update(info["in"])
+    else:
+        for j in jobs:
+            bar.update(_filter_shard(j)["in"])
+    bar.close()
+    tot: Counter[str] = Counter()
+    examples: list[Any] = []
+    for k in done_shards(dst):
+        c = shard_counts(dst, k)
+        tot.update({x: c[x] for x in ("in", "kept", "too_short", "tokens")})
+        examples += c["examples"][: max(0, 5 - len(examples))]
+    tok_spec = {k: v for k, v in spec.items()}
+    stats = timer.finish(tot["in"], kept=tot["kept"], too_short=tot["too_short"], tokens=tot["tokens"],
+                         min_tokens=cfg.length.min_tokens, count_eod=cfg.length.count_eod,
+                         tokenizer=tok_spec, too_short_examples=examples)
+    return finish_stage(cfg, "filter", stats)

@@ -1,0 +1,128 @@
+"""Stage ``ingest``: read every source, reject malformed records, clean (ftfy + whitespace) → ``work/ingest/``."""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from data_pipeline.clean import clean_text
+from data_pipeline.config import BuildConfig
+from data_pipeline.report import StageTimer
+from data_pipeline.sources import REJECT_REASONS, RawRecord, iter_records
+from data_pipeline.stages.bookkeeping import StageError, begin_stage, finish_stage, progress_bar
+from data_pipeline.store import ShardWriter, done_shards, shard_counts, shard_name, write_jsonl_atomic
+
+log = logging.getLogger(__name__)
+
+
+def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool]) -> dict[str, Any]:
+    folder_s, k, records, first, use_ftfy, ws = args
+    folder = Path(folder_s)
+    writer = ShardWriter(folder, k)
+    counts: Counter[str] = Counter()
+    rejects = []
+    try:
+        for n, rec in enumerate(records):
+            i = first + n
+            if rec.text is not None:
+                text = clean_text(rec.text, use_ftfy, ws)
+                if text:
+                    writer.add(i, rec.src, text, **_uid_of(rec))
+                    counts["clean"] += 1
+                    continue
+                rec = RawRecord(rec.src, None, "empty", "no text left after cleaning: " + repr(rec.text[:100]))
+            counts[rec.reason or "unknown"] += 1
+            rejects.append({"i": i, "src": rec.src, "reason": rec.reason, "detail": rec.detail})
+        write_jsonl_atomic(folder / f"{shard_name(k)}.rejects.jsonl", rejects)
+        info = {"read": len(records), "first": first, "clean": counts.pop("clean", 0), "rejected": dict(counts)}
+        writer.commit(info)
+        return info
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _uid_of(rec: RawRecord) -> dict[str, Any]:
+    """``{"uid": id}`` for a record with a user id (JSON scalars kept as they are, anything else as str)."""
+    if rec.uid is None:
+        return {}
+    return {"uid": rec.uid if isinstance(rec.uid, (str, int, float, bool)) else str(rec.uid)}
+
+
+def _shards_of(records: Iterator[RawRecord], size: int) -> Iterator[tuple[int, int, list[RawRecord]]]:
+    buf: list[RawRecord] = []
+    k = first = 0
+    for rec in records:
+        buf.append(rec)
+        if len(buf) == size:
+            yield k, first, buf
+            k, first, buf = k + 1, first + size, []
+    if buf:
+        yield k, first, buf
+
+
+def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
+    """Read and clean every source into shards (finished shards are kept on resume)."""
+    timer = StageTimer("ingest")
+    folder = begin_stage(cfg, "ingest")
+    done = set(done_shards(folder))
+    if done:
+        log.info("ingest: resuming, %d shard(s) already finished", len(done))
+    workers = cfg.num_workers
+    bar = progress_bar(cfg, desc="ingest: read+clean", unit="doc")
+    pending: list[Any] = []
+
+    def drain(limit: int) -> None:
+        while len(pending) > limit:
+            bar.update(pending.pop(0).get()["read"])
+
+    if cfg.executor == "ray":  # one Ray task per shard; same shard function, same files
+        from data_pipeline.ray_executor import ray_map
+
+        def ray_jobs() -> Iterator[tuple[str, int, list[RawRecord], int, bool, bool]]:
+            for k, first, recs in _shards_of(iter_records(cfg), cfg.shard_size):
+                if k in done:
+                    bar.update(len(recs))
+                    continue
+                yield (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace)
+
+        try:
+            for info in ray_map(cfg, _ingest_shard, ray_jobs()):
+                bar.update(info["read"])
+        finally:
+            bar.close()
+    ctx = get_context("fork")
+    pool = ctx.Pool(workers) if workers > 1 and cfg.executor == "local" else None
+    try:
+        for k, first, recs in (_shards_of(iter_records(cfg), cfg.shard_size) if cfg.executor == "local" else ()):
+            if k in done:
+                bar.update(len(recs))
+                continue
+            job = (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace)
+            if pool is None:
+                bar.update(_ingest_shard(job)["read"])
+            else:
+                pending.append(pool.apply_async(_ingest_shard, (job,)))
+                drain(2 * workers)  # bounded: at most ~2 shards per worker in flight
+        drain(0)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+        bar.close()
+    read = clean = 0
+    by_reason: Counter[str] = Counter()
+    for k in done_shards(folder):
+        c = shard_counts(folder, k)
+        read += c["read"]
+        clean += c["clean"]
+        by_reason.update(c["rejected"])
+    stats = timer.finish(read, read=read, clean=clean, rejected=sum(by_reason.values()),
+                         rejected_by_reason={r: by_reason.get(r, 0) for r in REJECT_REASONS})
+    if clean == 0:
+        raise StageError(f"no usable document in the inputs ({read} records read, all rejected: "
+                         f"{dict(by_reason)}); see {folder}/*.rejects.jsonl")
+    return finish_stage(cfg, "ingest", stats)

@@ -1,0 +1,57 @@
+"""Stage ``tokenizer``: train sentencepiece on the cleaned documents, or load the given tokenizer files."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from data_pipeline.config import BuildConfig
+from data_pipeline.report import StageTimer
+from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, require_stage, work_dir
+from data_pipeline.store import DocStore
+
+
+def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
+    """Train or load the tokenizer; its spec goes in the stage's stats."""
+    from megatron_ds_suite.core.corpus import copy_tokenizer_files
+    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer, train_sentencepiece
+
+    timer = StageTimer("tokenizer")
+    t = cfg.tokenizer
+    begin_stage(cfg, "tokenizer")
+    tok_dir = cfg.out / "tokenizer"
+    n_docs = 0
+    if t.type == "sentencepiece":
+        require_stage(cfg, "ingest")
+        store = DocStore(work_dir(cfg, "ingest"))
+
+        def texts() -> Iterator[str]:
+            nonlocal n_docs
+            for rec in store:
+                if n_docs >= t.train_max_docs:
+                    return
+                n_docs += 1
+                yield rec["text"]
+
+        tok = train_sentencepiece(texts(), tok_dir / f"spm_{t.flavor}_{t.vocab_size}", t.vocab_size,
+                                  flavor=t.flavor, seed=cfg.seed)  # type: ignore[arg-type]
+        spec = tok.spec()
+    elif t.type == "sentencepiece_model":
+        spec = copy_tokenizer_files(SentencePieceTokenizer(cfg.resolve(t.model_file or "")).spec(), cfg.out)
+    elif t.type in ("wordpiece", "hf"):  # a BERT vocab.txt / a tokenizer.json users already have
+        from megatron_ds_suite.core.hf_tokenizers import HFTokenizer, WordPieceTokenizer
+
+        tok = (WordPieceTokenizer(cfg.resolve(t.vocab_file or ""), t.lowercase) if t.type == "wordpiece"
+               else HFTokenizer(cfg.resolve(t.model_file or "")))
+        spec = copy_tokenizer_files(tok.spec(), cfg.out)
+    else:
+        spec = copy_tokenizer_files(GPT2BPETokenizer(cfg.resolve(t.vocab_file or ""),
+                                                     cfg.resolve(t.merges_file or "")).spec(), cfg.out)
+    spec = {k: (str(Path(v).resolve()) if k.endswith("_file") else v) for k, v in spec.items()}
+    return finish_stage(cfg, "tokenizer", timer.finish(n_docs, spec=spec, trained_on_docs=n_docs))
+
+
+def load_stage_tokenizer(cfg: BuildConfig) -> Any:
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
+
+    return load_tokenizer(require_stage(cfg, "tokenizer")["spec"])

@@ -1,0 +1,306 @@
+"""The one strict config loader: YAML file -> ``a.b=value`` overrides -> typed dataclass.
+
+Every config of the suite (corpus builder, training run, main job) is a tree of dataclasses read by
+this module, so they all accept and refuse the same things:
+
+* YAML with YAML 1.2 numbers: ``1e-4`` and ``7e-1`` are floats (PyYAML implements YAML 1.1, where a
+  float needs a dot and a signed exponent, so ``safe_load`` returns ``'7e-1'`` as a string). A key
+  written twice in one mapping is refused instead of silently keeping the last value.
+* Overrides ``a.b=value``: the value is a YAML scalar or flow collection (``x=[1, 2]``,
+  ``x={a: 1}``); a number in the path indexes a list (``sources.0.limit=5``); a mapping value merges
+  into the mapping already there. Precedence: overrides > file > dataclass defaults.
+* Strict checks: an unknown key names the valid keys at that level (and the closest one); a value of
+  the wrong type names the key, the expected type and the value. ``int`` is accepted where a
+  ``float`` is expected; ``bool`` is never an ``int``; ``None`` (YAML ``null``) only where the
+  annotation allows it; ``Literal[...]`` values are checked; nested dataclasses, ``list[T]`` and
+  ``dict[str, T]`` are checked item by item.
+
+Every problem raises :class:`~megatron_ds_suite.core.errors.ConfigError` with one line; the command
+line tools print it as ``config error: ...`` (or ``error: ...``) and exit with code 2.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from megatron_ds_suite.core.errors import ConfigError
+
+T = TypeVar("T")
+
+# --------------------------------------------------------------------------------------------------
+# YAML with YAML 1.2 floats
+# --------------------------------------------------------------------------------------------------
+#: floats with an exponent as YAML 1.2 writes them (no dot needed, optional exponent sign); the forms
+#: without exponent are already floats for PyYAML's YAML 1.1 resolver
+FLOAT_EXPONENT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+
+
+class StrictYAMLLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that reads YAML 1.2 exponent floats and refuses duplicate keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: SafeLoader reports it below
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+StrictYAMLLoader.add_implicit_resolver("tag:yaml.org,2002:float", FLOAT_EXPONENT, list("-+0123456789."))
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML ``text`` -> Python objects (:class:`StrictYAMLLoader`); ``where`` names it in the error."""
+    try:
+        return yaml.load(text, Loader=StrictYAMLLoader)  # noqa: S506 -- a SafeLoader subclass
+    except yaml.YAMLError as e:
+        if isinstance(e, yaml.MarkedYAMLError) and e.problem:
+            mark = e.problem_mark
+            detail = e.problem + (f" (line {mark.line + 1}, column {mark.column + 1})" if mark else "")
+        else:
+            detail = str(e).splitlines()[0]
+        raise ConfigError(f"{where} is not valid YAML: {detail}") from None
+
+
+def read_yaml(path: str | Path, what: str = "config file", hint: str = "") -> dict[str, Any]:
+    """Read a YAML file that holds a mapping (an empty file is ``{}``).
+
+    ``what`` names the file in errors (``"config file"``, ``"main-job config"``); ``hint`` is added to
+    the "does not exist" message (e.g. where the examples are)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {p} does not exist{hint}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} {p} cannot be read: {e}") from None
+    data = parse_yaml(text, f"{what} {p}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {p} must be a mapping of keys at top level, got {_kind(data)}")
+    return data
+
+
+# --------------------------------------------------------------------------------------------------
+# Overrides
+# --------------------------------------------------------------------------------------------------
+def parse_value(raw: str, item: str = "") -> Any:
+    """An override's value: a YAML scalar or flow collection; the empty string stays ``""``."""
+    if raw == "":
+        return ""
+    return parse_yaml(raw, f"override {item!r}: the value")
+
+
+def parse_override(item: str, example: str = "section.key=value") -> tuple[list[str], Any]:
+    """``"a.b.0=1e-4"`` -> (``["a", "b", "0"]``, ``0.0001``)."""
+    if "=" not in item or item.startswith("="):
+        raise ConfigError(f"override {item!r} must look like key.subkey=value (e.g. {example})")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r}: empty key part (write key.subkey=value)")
+    return parts, parse_value(raw, item)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | None,
+                    example: str = "section.key=value") -> dict[str, Any]:
+    """A copy of ``data`` with each ``a.b=value`` override applied in order.
+
+    Missing (or null) sections on the way are created; a number indexes an existing list item; a
+    mapping value merges into an existing mapping, anything else replaces the value. Whether the
+    keys exist is checked later, by :func:`build_dataclass`, with the full list of valid keys."""
+    out = copy.deepcopy(data) if data else {}
+    for item in overrides or []:
+        parts, value = parse_override(item, example)
+        node: Any = out
+        for i, p in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                if not p.isdigit() or int(p) >= len(node):
+                    raise ConfigError(f"override {item!r}: {p!r} is not an index of {'.'.join(parts[:i])}, "
+                                      f"a list of {len(node)} item(s)")
+                key: Any = int(p)
+            elif isinstance(node, dict):
+                key = p
+                if not last and node.get(p) is None:
+                    node[p] = {}
+            else:
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:i])} is {_kind(node)} {_short(node)}, "
+                                  f"not a section with keys")
+            if last:
+                old = node[key] if isinstance(node, list) else node.get(key)
+                node[key] = merge_dicts(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+            else:
+                node = node[key]
+    return out
+
+
+def overrides_to_dict(overrides: list[str] | None, example: str = "section.key=value") -> dict[str, Any]:
+    """``["train.iters=50", "parallel.tensor=2"]`` -> ``{"train": {"iters": 50}, "parallel": {"tensor": 2}}``."""
+    return apply_overrides({}, overrides, example)
+
+
+def merge_dicts(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``, mappings merged recursively (neither argument is modified)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge_dicts(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# dict -> dataclass
+# --------------------------------------------------------------------------------------------------
+def build_dataclass(cls: type[T], data: Any, where: str = "") -> T:
+    """``data`` (a mapping, or None for all defaults) -> dataclass ``cls``, strictly checked.
+
+    ``where`` is the dotted path of ``data`` inside the whole config ("" at the top), used in messages."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {_kind(data)} {_short(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    names = [f.name for f in fields]
+    prefix = f"{where}." if where else ""
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            did_you_mean = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown config key '{prefix}{key}'{did_you_mean}; valid keys here: "
+                              f"{', '.join(sorted(names))}")
+    for f in fields:
+        if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{prefix}{f.name} is required (no default)")
+    kwargs = {k: coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; returns it (ints as floats for ``float``)."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return _coerce_union(value, tp, where)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if not any(value == c and type(value) is type(c) for c in choices):
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise _type_error(where, tp, value)
+        (item,) = typing.get_args(tp) or (Any,)
+        return [coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise _type_error(where, tp, value)
+        _, val_tp = typing.get_args(tp) or (Any, Any)
+        return {k: coerce(v, val_tp, f"{where}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _type_error(where, tp, value)
+        return build_dataclass(tp, value, where)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _type_error(where, tp, value)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _type_error(where, tp, value)
+        return value
+    if tp is float:
+        if isinstance(value, str) and FLOAT_EXPONENT.match(value):
+            value = float(value.replace("_", ""))  # ``7e-1`` read by a plain YAML 1.1 parser (yaml.safe_load)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _type_error(where, tp, value)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _type_error(where, tp, value)
+        return value
+    raise ConfigError(f"{where}: unsupported annotation {_type_name(tp)} in the config dataclass")
+
+
+def _coerce_union(value: Any, tp: Any, where: str) -> Any:
+    arms = [a for a in typing.get_args(tp) if a is not type(None)]
+    if value is None:
+        if len(arms) < len(typing.get_args(tp)):
+            return None
+        raise _type_error(where, tp, value)
+    for arm in arms:
+        try:
+            return coerce(value, arm, where)
+        except ConfigError as e:
+            if _same_shape(value, arm):  # the right kind of container with a bad item inside: say which
+                raise e from None
+    raise _type_error(where, tp, value)
+
+
+def _same_shape(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp) or tp
+    return (origin is list and isinstance(value, list)) or (
+        (origin is dict or dataclasses.is_dataclass(tp)) and isinstance(value, dict))
+
+
+def _type_error(where: str, tp: Any, value: Any) -> ConfigError:
+    return ConfigError(f"{where}: expected {_describe(tp)}, got {_short(value)} ({where} must be {_type_name(tp)})")
+
+
+_DESCRIBE = {bool: "true/false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return "a list"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping of keys"
+    return _DESCRIBE.get(tp, _type_name(tp))
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(tp))
+        return f"{getattr(origin, '__name__', origin)}[{args}]"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a section"
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."

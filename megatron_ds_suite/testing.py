@@ -1,0 +1,88 @@
+"""Helpers shared by tests and benchmarks: one spawn utility for multi-process gloo runs on CPU, a free port.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, each initialising a gloo
+process group on a free loopback port, runs ``fn(rank, world_size, *args)`` and returns the list of
+per-rank return values (must be picklable). A child exception fails the test with its traceback;
+a hung child is killed after ``timeout`` seconds.
+"""
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (for a rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size),
+                      DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    try:
+        # DeepSpeed's comm layer wraps torch.distributed (its checkpointing RNG and engine need it)
+        from training.runtime.distributed import init_distributed
+
+        init_distributed("gloo")
+        result = fn(rank, world_size, *args)
+        buf = io.BytesIO()
+        torch.save(result, buf)  # plain bytes: no shared-memory handles that die with the child
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+_TRANSIENT = ("Address already in use", "EADDRINUSE", "connectFullMesh failed", "Connection reset by peer")
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, retries: int = 2):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; retried (on a new port) when
+    the rendezvous itself fails, e.g. another process took the free port between probe and bind."""
+    for attempt in range(retries + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except AssertionError as e:
+            if attempt == retries or not any(t in str(e) for t in _TRANSIENT):
+                raise
+
+
+def _run_once(fn, world_size: int, args, timeout: float):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+            import torch
+
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else timeout)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("distributed worker failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
