@@ -33,8 +33,8 @@ VENV="$OLDEST_VENV" DEEPSPEED_VERSION="$deepspeed_oldest" bash scripts/setup_env
 "$OLDEST_VENV/bin/python" -m pip list --disable-pip-version-check > "$OLDEST_VENV/installed.txt"
 echo "check_oldest: installed (pins above honoured; the rest resolved by pip) -> $OLDEST_VENV/installed.txt"
 
-# The tests of the code that uses the pinned packages: corpus building (datasketch, ftfy, xxhash, redis,
-# pyarrow, datasets, tqdm, numpy), tokenizers (tokenizers, sentencepiece), the indexed dataset and GPT
+# The tests of the code that uses the pinned packages: corpus building (datasketch, ftfy, xxhash, pyarrow,
+# datasets, tqdm, numpy), tokenizers (tokenizers, sentencepiece), the indexed dataset and GPT
 # sampling (numpy), Hugging Face dataset loading (datasets), WikiText/LAMBADA/RACE scoring through the
 # local `evaluate` metrics, a single-process DeepSpeed fp16 training run and the start-up config errors
 # (deepspeed, pyyaml, sentencepiece).
