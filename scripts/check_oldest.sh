@@ -4,7 +4,7 @@
 # the tested version), then runs the tests that exercise those packages.
 #   bash scripts/check_oldest.sh [pytest args]      # OLDEST_VENV=/tmp/oldest-venv by default
 # Not run by CI: it downloads and installs a second full environment (a few hundred MB of old wheels,
-# some built from source) and takes 8-20 minutes on 2 cores, for bounds that change rarely. Run it when
+# some built from source) and takes 5-20 minutes on 2 cores, for bounds that change rarely. Run it when
 # a bound in pyproject.toml moves; docs/dependencies.md lists the bounds and what this found.
 set -euo pipefail
 cd "$(dirname "$0")/.."
