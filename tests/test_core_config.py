@@ -190,3 +190,26 @@ def test_every_stage_config_uses_the_one_loader():
     run = train_config.config_from_dict({"optimizer": {"lr": 1e-4}})
     assert run.optimizer.lr == 1e-4
     assert train_config.parse_overrides(["optimizer.lr=7e-1"]) == {"optimizer": {"lr": 0.7}}
+
+
+def test_a_frozen_training_config_refuses_writes_and_copies_stay_frozen():
+    import copy
+
+    from megatron_ds_suite.core.config import FrozenConfigError, freeze, is_frozen
+    from training.config import config_from_dict, load_config
+
+    cfg = load_config("configs/gpt2_tiny.yaml", ["train.iters=7"])
+    cfg.train.iters = 8  # mutable until the trainer has derived the layout
+    assert freeze(cfg) is cfg and is_frozen(cfg) and is_frozen(cfg.model) and is_frozen(cfg.train)
+    with pytest.raises(FrozenConfigError, match=r"frozen once the run layout is derived: TrainConfig\.iters cannot"):
+        cfg.train.iters = 9
+    with pytest.raises(FrozenConfigError, match=r"Config\.model cannot change"):
+        cfg.model = cfg.model
+    assert cfg.train.iters == 8
+    dup = copy.deepcopy(cfg)
+    assert is_frozen(dup.optimizer)
+    with pytest.raises(FrozenConfigError):
+        dup.optimizer.lr = 0.5
+    fresh = config_from_dict(cfg.to_dict())  # the way to change values: a new config
+    fresh.optimizer.lr = 0.5
+    assert not is_frozen(fresh) and fresh.optimizer.lr == 0.5 and cfg.optimizer.lr != 0.5

@@ -157,7 +157,7 @@ def _resume_worker(rank, world, overrides, base):
     Trainer(full).train()
     part = load_config(config, overrides + [f"run.dir={base}/part", "train.exit_at=2"])
     Trainer(part).train()                     # stops (and saves) at iteration 2
-    part.train.exit_at = None
+    part = load_config(config, overrides + [f"run.dir={base}/part"])
     Trainer(part).train()                     # a fresh trainer resumes from the checkpoint
     return rows(full), rows(part)
 

@@ -124,13 +124,14 @@ def _tokenizer_spec(trainer) -> dict:
     return {k: (f"tokenizer/{Path(v).name}" if k.endswith("_file") else v) for k, v in spec.items()}
 
 
-def save(trainer) -> Path:
-    """Collective: every rank calls it. ``trainer.state`` (a :class:`TrainState`) and the model's description."""
+def save(trainer, config: dict | None = None) -> Path:
+    """Collective: every rank calls it. ``trainer.state`` (a :class:`TrainState`) and the model's description;
+    ``config`` is the config to record (default ``trainer.cfg``; reshard records the source's precision)."""
     state: TrainState = trainer.state
     tag = f"iter_{state.iteration:07d}"
     root = checkpoint_dir(trainer.run_dir)
     client = {
-        "config": trainer.cfg.to_dict(),
+        "config": trainer.cfg.to_dict() if config is None else config,
         **state.to_client(),
         "padded_vocab_size": trainer.padded_vocab,
         "tokenizer": _tokenizer_spec(trainer),

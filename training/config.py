@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_ds_suite.core.config import (apply_overrides, build_dataclass, overrides_to_dict,
+from megatron_ds_suite.core.config import (Freezable, apply_overrides, build_dataclass, overrides_to_dict,
                                             read_yaml)
 from megatron_ds_suite.core.errors import ConfigError
 
@@ -25,7 +25,7 @@ from megatron_ds_suite.core.errors import ConfigError
 # Sections
 # --------------------------------------------------------------------------------------------------
 @dataclass
-class ModelConfig:
+class ModelConfig(Freezable):
     arch: Literal["gpt2", "bert"] = "gpt2"
     """Model family."""
     num_layers: int = 2
@@ -73,7 +73,7 @@ class ModelConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Freezable):
     tensor: int = 1
     """Tensor-parallel degree (ranks that split every layer)."""
     pipeline: int = 1
@@ -84,7 +84,7 @@ class ParallelConfig:
 
 
 @dataclass
-class PrecisionConfig:
+class PrecisionConfig(Freezable):
     dtype: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
     """'auto' = fp16 on a GPU (the paper's default), fp32 on CPU."""
     allow_fp16_on_cpu: bool = False
@@ -101,7 +101,7 @@ class PrecisionConfig:
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(Freezable):
     lr: float = 1.5e-4
     min_lr: float = 1.0e-5
     weight_decay: float = 0.01
@@ -118,7 +118,7 @@ class OptimizerConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Freezable):
     micro_batch_size: int = 4
     """Samples per forward/backward on one data-parallel replica."""
     global_batch_size: int = 8
@@ -144,7 +144,7 @@ class TrainConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Freezable):
     corpus: str | None = None
     """Corpus directory written by `python -m data_pipeline build` (indexed dataset + tokenizer)."""
     text_files: list[str] = field(default_factory=list)
@@ -163,7 +163,7 @@ class DataConfig:
 
 
 @dataclass
-class WandbConfig:
+class WandbConfig(Freezable):
     """Weights & Biases through DeepSpeed's monitor (training.tracking); needs the ``tracking`` extra."""
 
     enabled: bool = False
@@ -178,7 +178,7 @@ class WandbConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Freezable):
     dir: str = "runs/default"
     """Run directory: config, DeepSpeed JSON, metrics.jsonl, checkpoints."""
     tensorboard: bool = False
@@ -194,7 +194,7 @@ class RunConfig:
 
 
 @dataclass
-class BertDataConfig:
+class BertDataConfig(Freezable):
     """BERT pretraining samples (training.data.bert_data); ignored by GPT-2."""
 
     masked_lm_prob: float = 0.15
@@ -213,7 +213,7 @@ class BertDataConfig:
 
 
 @dataclass
-class FinetuneConfig:
+class FinetuneConfig(Freezable):
     """RACE fine-tuning (python -m training.finetune_race); ignored by pretraining."""
 
     pretrained: str | None = None
@@ -236,7 +236,7 @@ class FinetuneConfig:
 
 
 @dataclass
-class Config:
+class Config(Freezable):
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)

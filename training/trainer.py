@@ -38,6 +38,7 @@ from training.parallel import random as tp_random
 from training.parallel.state import ParallelState
 from training.tasks.gpt import make_task
 from training.tasks.protocol import Task, batch_to_device
+from megatron_ds_suite.core.config import freeze
 
 logger = logging.getLogger("training")
 
@@ -105,6 +106,7 @@ class Trainer:
             raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {tok_vocab}")
         cfg.model.vocab_size = vocab
         self.layout: Layout = derive_layout(cfg, self.world, vocab)
+        freeze(cfg)  # everything derived from the config is in self.layout (or the task) from here on
         self.padded_vocab = self.task.padded_vocab(self.layout)
         t = cfg.train
         self.task.build_data()

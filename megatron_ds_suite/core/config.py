@@ -304,3 +304,36 @@ def _kind(value: Any) -> str:
 def _short(value: Any, limit: int = 80) -> str:
     r = repr(value)
     return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+# --------------------------------------------------------------------------------------------------
+# Freezing: a config is settled once the run's derived values are known
+# --------------------------------------------------------------------------------------------------
+class FrozenConfigError(ConfigError):
+    """A write to a config after :func:`freeze` (a bug in the caller, reported as one line)."""
+
+
+class Freezable:
+    """Mixin for config dataclasses: after :func:`freeze`, setting a field raises FrozenConfigError."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise FrozenConfigError(f"the config is frozen once the run layout is derived: {type(self).__name__}."
+                                    f"{name} cannot change now; set it in the YAML or as an override")
+        object.__setattr__(self, name, value)
+
+
+def freeze(cfg: Any) -> Any:
+    """Freeze ``cfg`` and every nested :class:`Freezable` dataclass in place; returns ``cfg``.
+
+    A ``copy.deepcopy`` (or pickle) of a frozen config is frozen too; to change values build a new one
+    from ``to_dict()`` (``config_from_dict``)."""
+    if isinstance(cfg, Freezable):
+        for f in dataclasses.fields(cfg):  # type: ignore[arg-type]
+            freeze(getattr(cfg, f.name))
+        object.__setattr__(cfg, "_frozen", True)
+    return cfg
+
+
+def is_frozen(cfg: Any) -> bool:
+    return bool(getattr(cfg, "_frozen", False))

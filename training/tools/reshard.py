@@ -126,10 +126,10 @@ def _worker(rank, world, payload_path: str, out_dir: str):
         for group, lr in zip(opt.param_groups, sched.get_last_lr()):  # the rate of the next step
             group["lr"] = lr
     tp_random.set_seed(cfg.train.seed + payload["iteration"])
-    cfg.precision = precision  # saved config = the source's ('auto' stays 'auto')
+    saved = {**cfg.to_dict(), "precision": dataclasses.asdict(precision)}  # the source's ('auto' stays 'auto')
     if trainer.is_rank0:
-        ckpt.atomic_write_text(trainer.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
-    ckpt.save(trainer)
+        ckpt.atomic_write_text(trainer.run_dir / "config.json", json.dumps(saved, indent=2))
+    ckpt.save(trainer, config=saved)
     return trainer.ps.rank
 
 
