@@ -1,0 +1,167 @@
+"""The planner's step-time model against measured CPU training steps (issue 15 item 5, last part).
+
+A sweep of small GPT-2s (hidden x layers x seq x TP) is trained as training runs it: ``GPT2Model`` under
+``deepspeed.initialize`` with the project's AdamW and schedule, fp32, dropout 0.1, forward to the mean
+token loss, ``engine.backward``, ``engine.step``, in gloo process groups of exactly TP ranks (DP = 1,
+PP = 1, no activation checkpointing), spawned by ``megatron_ds_suite.testing.run_distributed``. Every rank
+runs one intra-op thread: a "device" is one core, so TP = 2 uses both cores of the machine. Each launch
+times ``--steps`` steps after ``--warmup``; the figure is the median step (the slowest rank's).
+
+The planner (``training.plan.step_time``, ``Hardware`` "cpu" with this process's measured one-thread
+fp32 matmul peak) is calibrated on ONE configuration (``--calibrate``, default the first): its
+``compute_fraction`` is set so that the prediction equals that measurement. It then predicts the others;
+the table gives the error. On the CPU entry the planner models no communication and no replicated
+element-wise work (no link or memory-bandwidth data), so TP = 2 is predicted as half the TP = 1 compute.
+
+    .venv/bin/python -m benchmarks.bench_plan_fidelity --steps 5
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import logging
+import os
+import statistics
+import time
+import warnings
+
+from benchmarks import common
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+log = logging.getLogger("bench_plan_fidelity")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, nargs="+", default=[128, 256])
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--seq", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--calibrate", default=None, help="config to calibrate on, 'h,l,s,tp' (default: the first)")
+    args = p.parse_args(argv)
+    for h in args.hidden:
+        if h % args.heads:
+            p.error(f"--hidden {h} is not divisible by --heads {args.heads}")
+    for tp in args.tp:
+        if tp < 1 or args.heads % tp:
+            p.error(f"TP={tp} must divide --heads {args.heads}")
+    return args
+
+
+def _worker(rank: int, world: int, a: dict) -> float:
+    """Median seconds per training step on this rank."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from training.config import Config, ModelConfig, deepspeed_config
+    from training.models.gpt2 import GPT2Model
+    from training.optim import build_optimizer
+    from training.parallel import random as tp_random
+    from training.parallel.state import ParallelState
+
+    warnings.filterwarnings("ignore")
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    cfg = Config()
+    cfg.model = ModelConfig(num_layers=a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"],
+                            seq_length=a["seq"], vocab_size=a["vocab"])
+    cfg.train.micro_batch_size = cfg.train.global_batch_size = a["batch"]
+    ps = ParallelState(tp=world)
+    tp_random.configure(ps, cfg.model.num_layers)
+    tp_random.set_seed(cfg.train.seed)
+    model = GPT2Model(cfg.model, a["padded"], ps.tp_group, seed=cfg.train.seed).train()
+    opt, sched = build_optimizer(model, cfg.optimizer, 10**6)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=ps,
+                                      config=deepspeed_config(cfg, 1, "fp32"), dist_init_required=False)
+    engine.enable_backward_allreduce = False  # DP = 1, as the trainer sets it
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, a["vocab"], (a["batch"], a["seq"] + 1), generator=gen)
+    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    def step() -> None:
+        loss = engine(tokens, labels).mean()
+        engine.backward(loss)
+        engine.step()
+
+    for _ in range(a["warmup"]):
+        step()
+    times = []
+    for _ in range(a["steps"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def predict(hidden: int, layers: int, seq: int, tp: int, a: dict, hw, fraction: float) -> float:
+    """The planner's seconds per step for one configuration."""
+    from training.plan import Layout, ModelShape, TimeModel, step_time
+
+    shape = ModelShape(arch="gpt2", num_layers=layers, hidden=hidden, heads=a["heads"], seq=seq, vocab=a["padded"],
+                       positions=seq, ffn=4 * hidden)
+    lay = Layout(tp=tp, pp=1, dp=1, micro_batch=a["batch"], global_batch=a["batch"])
+    return step_time(shape, lay, hw, TimeModel(), ckpt=False, dtype="fp32", compute_fraction=fraction).total
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    import torch
+
+    from megatron_ds_suite.testing import run_distributed
+    from training.config import padded_vocab_size
+    from training.runtime.hardware import get_hardware, measure_cpu_peak_tflops
+
+    info = common.machine_info()
+    torch.set_num_threads(1)
+    peak = measure_cpu_peak_tflops("fp32", budget_s=2.0)
+    hw = dataclasses.replace(get_hardware("cpu"), peak_tflops={"fp32": peak})
+    padded = padded_vocab_size(args.vocab, 128, max(args.tp))
+    configs = list(itertools.product(args.hidden, args.layers, args.seq, args.tp))
+    calib = tuple(int(v) for v in args.calibrate.split(",")) if args.calibrate else configs[0]
+    if calib not in configs:
+        raise SystemExit(f"--calibrate {calib} is not in the sweep")
+    measured: dict[tuple, float] = {}
+    for c in configs:
+        h, l, s, tp = c
+        a = {"hidden": h, "layers": l, "seq": s, "heads": args.heads, "batch": args.batch, "vocab": args.vocab,
+             "padded": padded, "steps": args.steps, "warmup": args.warmup}
+        measured[c] = max(run_distributed(_worker, tp, a, timeout=1800.0))  # the slowest rank
+        log.info("h %d l %d s %d tp %d: %.4f s/step", h, l, s, tp, measured[c])
+    base = {"heads": args.heads, "batch": args.batch, "padded": padded}
+    # step_time is linear in 1 / fraction here (CPU: no communication or replicated terms): calibrate exactly
+    fraction = predict(*calib, base, hw, 1.0) / measured[calib]
+    rows, errors = [], []
+    for c in configs:
+        pred = predict(*c, base, hw, fraction)
+        err = (pred - measured[c]) / measured[c] * 100
+        if c != calib:
+            errors.append(abs(err))
+        rows.append([str(c[0]), str(c[1]), str(c[2]), str(c[3]), f"{measured[c]:.4f}", f"{pred:.4f}",
+                     "calibration" if c == calib else f"{err:+.1f}"])
+    print()
+    print(common.markdown_header(info, common.load_average()))
+    print(f"- GPT-2 fp32, dropout 0.1, {args.heads} heads, batch {args.batch}, vocab {args.vocab} padded to {padded}, "
+          f"DeepSpeed engine + AdamW, DP = 1, no checkpointing, 1 thread per rank; median of {args.steps} steps "
+          f"after {args.warmup} warm-up, slowest rank")
+    print(f"- one-thread fp32 matmul peak {peak * 1e3:.1f} GFLOP/s; calibrated compute fraction {fraction:.3f} on "
+          f"h {calib[0]}, l {calib[1]}, s {calib[2]}, TP {calib[3]}")
+    print(f"- |error| over the {len(errors)} predicted: median {statistics.median(errors):.1f} %, "
+          f"max {max(errors):.1f} %, {sum(e <= 20 for e in errors)} of {len(errors)} within 20 %")
+    print()
+    print(common.markdown_table(["hidden", "layers", "seq", "TP", "measured s/step", "predicted s/step", "error %"],
+                                rows))
+
+
+if __name__ == "__main__":
+    main()
