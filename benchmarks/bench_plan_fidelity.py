@@ -10,8 +10,12 @@ times ``--steps`` steps after ``--warmup``; the figure is the median step (the s
 The planner (``training.plan.step_time``, ``Hardware`` "cpu" with this process's measured one-thread
 fp32 matmul peak) is calibrated on ONE configuration (``--calibrate``, default the first): its
 ``compute_fraction`` is set so that the prediction equals that measurement. It then predicts the others;
-the table gives the error. On the CPU entry the planner models no communication and no replicated
-element-wise work (no link or memory-bandwidth data), so TP = 2 is predicted as half the TP = 1 compute.
+the table gives the error. The planner's CPU entry has no link or memory-bandwidth data, so it models no
+communication and no replicated element-wise work: "compute only" predicts TP = 2 as half the TP = 1
+compute. The "+ links" column fills those constants from separate measurements made before the sweep (not
+fitted to any step): the gloo all-reduce between two one-thread ranks, timed at five sizes and fitted to
+``2 (t-1) alpha + 2 (t-1)/t n / beta`` (``alpha_intra_s``, ``intra_node_gbs``), and the one-thread
+bandwidth of an element-wise add (``hbm_gbs``, ``memory_efficiency`` 1) for the replicated term.
 
     .venv/bin/python -m benchmarks.bench_plan_fidelity --steps 5
 """
@@ -103,14 +107,55 @@ def _worker(rank: int, world: int, a: dict) -> float:
     return statistics.median(times)
 
 
-def predict(hidden: int, layers: int, seq: int, tp: int, a: dict, hw, fraction: float) -> float:
+def _link_worker(rank: int, world: int, sizes: list[int]) -> list[float]:
+    """Seconds per gloo all-reduce of ``n`` fp32 elements between one-thread ranks, for each n in ``sizes``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    out = []
+    for n in sizes:
+        x = torch.ones(n)
+        for _ in range(3):
+            dist.all_reduce(x)
+        dist.barrier()
+        reps = 20
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(x)
+        out.append((time.perf_counter() - t0) / reps)
+    return out
+
+
+def measure_links(run_distributed) -> tuple[float, float]:
+    """(alpha s per ring step, beta bytes/s) of a 2-rank gloo all-reduce: least squares of
+    t(n) = 2 alpha + n bytes / beta (the ring formula at t = 2) over five sizes."""
+    import numpy as np
+
+    sizes = [1024, 16384, 65536, 262144, 1048576]
+    secs = [max(v) for v in zip(*run_distributed(_link_worker, 2, sizes))]
+    slope, intercept = np.polyfit([4 * n for n in sizes], secs, 1)
+    return max(intercept / 2, 0.0), 1.0 / slope
+
+
+def measure_elementwise_bandwidth() -> float:
+    """Bytes/s of a one-thread out-of-place fp32 add of 4M elements (reads 2, writes 1)."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b, c = torch.ones(1 << 22), torch.ones(1 << 22), torch.empty(1 << 22)
+    best = min(common.timed(lambda: torch.add(a, b, out=c), 5) for _ in range(5))
+    return 3 * 4 * (1 << 22) / best
+
+
+def predict(hidden: int, layers: int, seq: int, tp: int, a: dict, hw, fraction: float, tm=None) -> float:
     """The planner's seconds per step for one configuration."""
     from training.plan import Layout, ModelShape, TimeModel, step_time
 
     shape = ModelShape(arch="gpt2", num_layers=layers, hidden=hidden, heads=a["heads"], seq=seq, vocab=a["padded"],
                        positions=seq, ffn=4 * hidden)
     lay = Layout(tp=tp, pp=1, dp=1, micro_batch=a["batch"], global_batch=a["batch"])
-    return step_time(shape, lay, hw, TimeModel(), ckpt=False, dtype="fp32", compute_fraction=fraction).total
+    return step_time(shape, lay, hw, tm or TimeModel(), ckpt=False, dtype="fp32", compute_fraction=fraction).total
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,12 +165,17 @@ def main(argv: list[str] | None = None) -> None:
 
     from megatron_ds_suite.testing import run_distributed
     from training.config import padded_vocab_size
+    from training.plan import TimeModel
     from training.runtime.hardware import get_hardware, measure_cpu_peak_tflops
 
     info = common.machine_info()
     torch.set_num_threads(1)
     peak = measure_cpu_peak_tflops("fp32", budget_s=2.0)
     hw = dataclasses.replace(get_hardware("cpu"), peak_tflops={"fp32": peak})
+    alpha, beta = measure_links(run_distributed)
+    membw = measure_elementwise_bandwidth()
+    hw_links = dataclasses.replace(hw, intra_node_gbs=beta / 1e9, hbm_gbs=membw / 1e9, gpus_per_node=max(args.tp))
+    tm_links = TimeModel(alpha_intra_s=alpha, memory_efficiency=1.0)
     padded = padded_vocab_size(args.vocab, 128, max(args.tp))
     configs = list(itertools.product(args.hidden, args.layers, args.seq, args.tp))
     calib = tuple(int(v) for v in args.calibrate.split(",")) if args.calibrate else configs[0]
@@ -141,14 +191,18 @@ def main(argv: list[str] | None = None) -> None:
     base = {"heads": args.heads, "batch": args.batch, "padded": padded}
     # step_time is linear in 1 / fraction here (CPU: no communication or replicated terms): calibrate exactly
     fraction = predict(*calib, base, hw, 1.0) / measured[calib]
-    rows, errors = [], []
+    rows, errors, errors_links = [], [], []
     for c in configs:
         pred = predict(*c, base, hw, fraction)
+        pred_links = predict(*c, base, hw_links, fraction, tm_links)
         err = (pred - measured[c]) / measured[c] * 100
+        err_links = (pred_links - measured[c]) / measured[c] * 100
         if c != calib:
             errors.append(abs(err))
+            errors_links.append(abs(err_links))
         rows.append([str(c[0]), str(c[1]), str(c[2]), str(c[3]), f"{measured[c]:.4f}", f"{pred:.4f}",
-                     "calibration" if c == calib else f"{err:+.1f}"])
+                     "calibration" if c == calib else f"{err:+.1f}", f"{pred_links:.4f}",
+                     "calibration" if c == calib else f"{err_links:+.1f}"])
     print()
     print(common.markdown_header(info, common.load_average()))
     print(f"- GPT-2 fp32, dropout 0.1, {args.heads} heads, batch {args.batch}, vocab {args.vocab} padded to {padded}, "
@@ -156,11 +210,14 @@ def main(argv: list[str] | None = None) -> None:
           f"after {args.warmup} warm-up, slowest rank")
     print(f"- one-thread fp32 matmul peak {peak * 1e3:.1f} GFLOP/s; calibrated compute fraction {fraction:.3f} on "
           f"h {calib[0]}, l {calib[1]}, s {calib[2]}, TP {calib[3]}")
-    print(f"- |error| over the {len(errors)} predicted: median {statistics.median(errors):.1f} %, "
-          f"max {max(errors):.1f} %, {sum(e <= 20 for e in errors)} of {len(errors)} within 20 %")
+    print(f"- links (measured before the sweep): gloo all-reduce alpha {alpha * 1e6:.1f} us per ring step, "
+          f"beta {beta / 1e9:.2f} GB/s; one-thread element-wise {membw / 1e9:.2f} GB/s")
+    for name, errs in (("compute only", errors), ("+ links", errors_links)):
+        print(f"- |error| {name}, over the {len(errs)} predicted: median {statistics.median(errs):.1f} %, "
+              f"max {max(errs):.1f} %, {sum(e <= 20 for e in errs)} of {len(errs)} within 20 %")
     print()
-    print(common.markdown_table(["hidden", "layers", "seq", "TP", "measured s/step", "predicted s/step", "error %"],
-                                rows))
+    print(common.markdown_table(["hidden", "layers", "seq", "TP", "measured s/step", "predicted, compute only",
+                                 "error %", "predicted, + links", "error %"], rows))
 
 
 if __name__ == "__main__":
