@@ -62,3 +62,20 @@ def test_eval_benchmark_candidates_agree():
                          "--batches", "1,4", "--reps", "1"])
     text = out.getvalue()
     assert "scored positions, batch 4" in text and "full logits, batch 1" in text
+
+
+def test_plan_fidelity_benchmark_calibrates_on_one_config_and_predicts_the_others(capsys):
+    from benchmarks import bench_plan_fidelity
+
+    bench_plan_fidelity.main(["--hidden", "32", "--layers", "1", "2", "--seq", "16", "--tp", "1", "--heads", "2",
+                              "--batch", "2", "--vocab", "256", "--steps", "1", "--warmup", "1"])
+    text = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip("| \n").split("|")] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| hidden")]
+    assert [r[:4] for r in rows] == [["32", "1", "16", "1"], ["32", "2", "16", "1"]], text
+    calib, other = rows
+    assert calib[6] == calib[8] == "calibration" and calib[4] == calib[5] == calib[7]
+    # twice the layers: the planner predicts more time than the calibration run, in both columns
+    assert float(other[5]) > float(calib[5]) and float(other[7]) > float(calib[7])
+    measured, predicted = float(other[4]), float(other[5])
+    assert float(other[6]) == pytest.approx((predicted - measured) / measured * 100, abs=0.2)

@@ -20,7 +20,7 @@ LayerNorms' mean and 1/std (2 x 2 s b floats, 0.2 % here). With full activation 
 only its input (e s b h) and backward recomputes one layer at a time, whose saved set is again the per-layer
 formula (measured during backward). DeepSpeed's ``CheckpointFunction`` also keeps three RNG states per
 checkpointed layer (CPU, accelerator = CPU here, and the model-parallel tracker's: 3 x 5,056 bytes), a
-constant the planner does not count (15 KB per layer: 0.3 % of one 2.5B-model layer input); the test
+constant the planner does not count (15 KB per layer: 0.05 % of one 2.5B-model layer input at b 8); the test
 subtracts exactly that and checks it is all of the difference.
 """
 from __future__ import annotations
