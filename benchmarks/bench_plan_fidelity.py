@@ -5,7 +5,9 @@ A sweep of small GPT-2s (hidden x layers x seq x TP) is trained as training runs
 token loss, ``engine.backward``, ``engine.step``, in gloo process groups of exactly TP ranks (DP = 1,
 PP = 1, no activation checkpointing), spawned by ``megatron_ds_suite.testing.run_distributed``. Every rank
 runs one intra-op thread: a "device" is one core, so TP = 2 uses both cores of the machine. Each launch
-times ``--steps`` steps after ``--warmup``; the figure is the median step (the slowest rank's).
+times ``--steps`` steps after ``--warmup``; the figure is the median step (the slowest rank's), next to
+the CPU seconds the busiest rank's process used per step (below the wall time when it waited: for the other
+rank at a collective, or for a core that another job holds).
 
 The planner (``training.plan.step_time``, ``Hardware`` "cpu" with this process's measured one-thread
 fp32 matmul peak) is calibrated on ONE configuration (``--calibrate``, default the first): its
@@ -59,8 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _worker(rank: int, world: int, a: dict) -> float:
-    """Median seconds per training step on this rank."""
+def _worker(rank: int, world: int, a: dict) -> tuple[float, float]:
+    """Median (wall, CPU) seconds per training step on this rank (CPU: this process, all threads)."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -98,13 +100,14 @@ def _worker(rank: int, world: int, a: dict) -> float:
 
     for _ in range(a["warmup"]):
         step()
-    times = []
+    times, cpu = [], []
     for _ in range(a["steps"]):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def _link_worker(rank: int, world: int, sizes: list[int]) -> list[float]:
@@ -182,12 +185,15 @@ def main(argv: list[str] | None = None) -> None:
     if calib not in configs:
         raise SystemExit(f"--calibrate {calib} is not in the sweep")
     measured: dict[tuple, float] = {}
+    cpu_s: dict[tuple, float] = {}
     for c in configs:
         h, l, s, tp = c
         a = {"hidden": h, "layers": l, "seq": s, "heads": args.heads, "batch": args.batch, "vocab": args.vocab,
              "padded": padded, "steps": args.steps, "warmup": args.warmup}
-        measured[c] = max(run_distributed(_worker, tp, a, timeout=1800.0))  # the slowest rank
-        log.info("h %d l %d s %d tp %d: %.4f s/step", h, l, s, tp, measured[c])
+        ranks = run_distributed(_worker, tp, a, timeout=1800.0)
+        measured[c] = max(r[0] for r in ranks)  # the step ends when the slowest rank ends
+        cpu_s[c] = max(r[1] for r in ranks)
+        log.info("h %d l %d s %d tp %d: %.4f s/step (CPU %.4f s)", h, l, s, tp, measured[c], cpu_s[c])
     base = {"heads": args.heads, "batch": args.batch, "padded": padded}
     # step_time is linear in 1 / fraction here (CPU: no communication or replicated terms): calibrate exactly
     fraction = predict(*calib, base, hw, 1.0) / measured[calib]
@@ -200,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         if c != calib:
             errors.append(abs(err))
             errors_links.append(abs(err_links))
-        rows.append([str(c[0]), str(c[1]), str(c[2]), str(c[3]), f"{measured[c]:.4f}", f"{pred:.4f}",
+        rows.append([str(c[0]), str(c[1]), str(c[2]), str(c[3]), f"{measured[c]:.4f}", f"{cpu_s[c]:.4f}", f"{pred:.4f}",
                      "calibration" if c == calib else f"{err:+.1f}", f"{pred_links:.4f}",
                      "calibration" if c == calib else f"{err_links:+.1f}"])
     print()
@@ -216,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"- |error| {name}, over the {len(errs)} predicted: median {statistics.median(errs):.1f} %, "
               f"max {max(errs):.1f} %, {sum(e <= 20 for e in errs)} of {len(errs)} within 20 %")
     print()
-    print(common.markdown_table(["hidden", "layers", "seq", "TP", "measured s/step", "predicted, compute only",
+    print(common.markdown_table(["hidden", "layers", "seq", "TP", "measured s/step", "CPU s/step (max rank)",
+                                 "predicted, compute only",
                                  "error %", "predicted, + links", "error %"], rows))
 
 

@@ -74,8 +74,9 @@ def test_plan_fidelity_benchmark_calibrates_on_one_config_and_predicts_the_other
             if line.startswith("| ") and not line.startswith("| hidden")]
     assert [r[:4] for r in rows] == [["32", "1", "16", "1"], ["32", "2", "16", "1"]], text
     calib, other = rows
-    assert calib[6] == calib[8] == "calibration" and calib[4] == calib[5] == calib[7]
+    assert calib[7] == calib[9] == "calibration" and calib[4] == calib[6] == calib[8]
     # twice the layers: the planner predicts more time than the calibration run, in both columns
-    assert float(other[5]) > float(calib[5]) and float(other[7]) > float(calib[7])
-    measured, predicted = float(other[4]), float(other[5])
-    assert float(other[6]) == pytest.approx((predicted - measured) / measured * 100, abs=0.2)
+    assert float(other[6]) > float(calib[6]) and float(other[8]) > float(calib[8])
+    measured, predicted = float(other[4]), float(other[6])
+    # error % from the unrounded times; the printed ones are rounded to 0.1 ms (steps of ~2 ms here)
+    assert float(other[7]) == pytest.approx((predicted - measured) / measured * 100, abs=8)
