@@ -5,7 +5,8 @@ A sweep of small GPT-2s (hidden x layers x seq x TP) is trained as training runs
 token loss, ``engine.backward``, ``engine.step``, in gloo process groups of exactly TP ranks (DP = 1,
 PP = 1, no activation checkpointing), spawned by ``megatron_ds_suite.testing.run_distributed``. Every rank
 runs one intra-op thread: a "device" is one core, so TP = 2 uses both cores of the machine. Each launch
-times ``--steps`` steps after ``--warmup``; the figure is the median step (the slowest rank's), next to
+times ``--steps`` steps after ``--warmup``; every configuration is launched ``--reps`` times in rotating
+order and the figure is the best launch's median step (the slowest rank's), next to
 the CPU seconds the busiest rank's process used per step (below the wall time when it waited: for the other
 rank at a collective, or for a core that another job holds).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -49,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3, help="launches per configuration, in rotating order")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--calibrate", default=None, help="config to calibrate on, 'h,l,s,tp' (default: the first)")
     args = p.parse_args(argv)
@@ -184,16 +187,23 @@ def main(argv: list[str] | None = None) -> None:
     calib = tuple(int(v) for v in args.calibrate.split(",")) if args.calibrate else configs[0]
     if calib not in configs:
         raise SystemExit(f"--calibrate {calib} is not in the sweep")
-    measured: dict[tuple, float] = {}
-    cpu_s: dict[tuple, float] = {}
-    for c in configs:
+    cpu_runs: dict[tuple, list[tuple[float, float]]] = {c: [] for c in configs}
+
+    def launch(c: tuple) -> float:
         h, l, s, tp = c
         a = {"hidden": h, "layers": l, "seq": s, "heads": args.heads, "batch": args.batch, "vocab": args.vocab,
              "padded": padded, "steps": args.steps, "warmup": args.warmup}
         ranks = run_distributed(_worker, tp, a, timeout=1800.0)
-        measured[c] = max(r[0] for r in ranks)  # the step ends when the slowest rank ends
-        cpu_s[c] = max(r[1] for r in ranks)
-        log.info("h %d l %d s %d tp %d: %.4f s/step (CPU %.4f s)", h, l, s, tp, measured[c], cpu_s[c])
+        wall = max(r[0] for r in ranks)  # the step ends when the slowest rank ends
+        cpu_runs[c].append((wall, max(r[1] for r in ranks)))
+        log.info("h %d l %d s %d tp %d: %.4f s/step (CPU %.4f s)", h, l, s, tp, wall, cpu_runs[c][-1][1])
+        return wall
+
+    samples = common.interleaved({c: functools.partial(launch, c) for c in configs}, args.reps)
+    # the fastest launch: the one least slowed by the other jobs of this shared machine
+    measured = {c: samples[c].lo for c in configs}
+    cpu_s = {c: min(cpu_runs[c])[1] for c in configs}
+    spread = {c: samples[c].hi / samples[c].lo - 1 for c in configs}
     base = {"heads": args.heads, "batch": args.batch, "padded": padded}
     # step_time is linear in 1 / fraction here (CPU: no communication or replicated terms): calibrate exactly
     fraction = predict(*calib, base, hw, 1.0) / measured[calib]
@@ -206,14 +216,15 @@ def main(argv: list[str] | None = None) -> None:
         if c != calib:
             errors.append(abs(err))
             errors_links.append(abs(err_links))
-        rows.append([str(c[0]), str(c[1]), str(c[2]), str(c[3]), f"{measured[c]:.4f}", f"{cpu_s[c]:.4f}", f"{pred:.4f}",
+        rows.append([str(c[0]), str(c[1]), str(c[2]), str(c[3]), f"{measured[c]:.4f}", f"+{spread[c] * 100:.0f} %",
+                     f"{cpu_s[c]:.4f}", f"{pred:.4f}",
                      "calibration" if c == calib else f"{err:+.1f}", f"{pred_links:.4f}",
                      "calibration" if c == calib else f"{err_links:+.1f}"])
     print()
     print(common.markdown_header(info, common.load_average()))
     print(f"- GPT-2 fp32, dropout 0.1, {args.heads} heads, batch {args.batch}, vocab {args.vocab} padded to {padded}, "
           f"DeepSpeed engine + AdamW, DP = 1, no checkpointing, 1 thread per rank; median of {args.steps} steps "
-          f"after {args.warmup} warm-up, slowest rank")
+          f"after {args.warmup} warm-up, slowest rank; best of {args.reps} launches (rotating order)")
     print(f"- one-thread fp32 matmul peak {peak * 1e3:.1f} GFLOP/s; calibrated compute fraction {fraction:.3f} on "
           f"h {calib[0]}, l {calib[1]}, s {calib[2]}, TP {calib[3]}")
     print(f"- links (measured before the sweep): gloo all-reduce alpha {alpha * 1e6:.1f} us per ring step, "
@@ -222,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"- |error| {name}, over the {len(errs)} predicted: median {statistics.median(errs):.1f} %, "
               f"max {max(errs):.1f} %, {sum(e <= 20 for e in errs)} of {len(errs)} within 20 %")
     print()
-    print(common.markdown_table(["hidden", "layers", "seq", "TP", "measured s/step", "CPU s/step (max rank)",
+    print(common.markdown_table(["hidden", "layers", "seq", "TP", "measured s/step (best launch)",
+                                 "slowest launch", "CPU s/step (max rank)",
                                  "predicted, compute only",
                                  "error %", "predicted, + links", "error %"], rows))
 
