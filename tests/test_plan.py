@@ -155,6 +155,22 @@ def test_memory_hand_case():
     assert (fp32.params, fp32.grads, fp32.optimizer) == (7680, 7680, 15360)
 
 
+def test_activation_bytes_follow_the_stored_dtype():
+    # 16-bit (the default) is Korthikanti's formula; fp32 on CPU stores 4-byte activations and 4-byte masks
+    # (training.models.ops), measured in tests/test_plan_activations.py
+    assert plan.activation_element_bytes("fp16") == plan.activation_element_bytes("bf16") == (2, 1)
+    assert plan.activation_element_bytes("fp32") == (4, 1) and plan.activation_element_bytes("fp32", cpu=True) == (4, 4)
+    assert plan.activation_bytes_per_layer(HAND, 1, 1, True, 2, 1) == plan.activation_bytes_per_layer(HAND, 1, 1) == 1248
+    # s b h (72 + 12 a s / h) at t = 1, f = 4h: 32 * (72 + 12) = 2688
+    assert plan.activation_bytes_per_layer(HAND, 1, 1, True, 4, 4) == 2688
+    lay = Layout(tp=1, pp=1, dp=2, micro_batch=1, global_batch=2)
+    cpu = plan.memory(HAND, lay, "fp32", cpu=True)
+    # 2 layers + embedding mask k sbh 128 + final-LN/output inputs 2 e sbh 256 + fp32 logits 256
+    assert cpu.activations == 2 * 2688 + 128 + 256 + 256
+    assert cpu.activations_ckpt == 2 * 4 * 32 + 2688 + 128 + 256 + 256
+    assert plan.memory(HAND, lay, "fp16", cpu=True).activations == plan.memory(HAND, lay, "fp16").activations
+
+
 def test_activation_tp_formula():
     # Korthikanti eq. 2: s b h (10 + 24/t + 5 a s/(h t)) with s=4, b=3, h=8, a=2, t=2 -> 96 * (10 + 12 + 2.5)
     assert plan.activation_bytes_per_layer(HAND, 3, 2) == 96 * 24.5

@@ -32,7 +32,8 @@ from training.plan.accounting import (ModelShape, bert_expected_masked_positions
                                       training_flops, transformer_layer_forward_flops)
 from training.plan.cli import build_parser, load_plan_config, main
 from training.plan.layout import Layout, validate
-from training.plan.memory import (GIB, ZERO_OPTIMIZER_BYTES_PER_PARAM, Memory, activation_bytes_per_layer, memory,
+from training.plan.memory import (GIB, ZERO_OPTIMIZER_BYTES_PER_PARAM, Memory, activation_bytes_per_layer,
+                                  activation_element_bytes, memory,
                                   stage_activation_bytes, state_bytes_per_param)
 from training.plan.paper import (PAPER_BASELINE_TFLOPS, PAPER_WEAK_SCALING, ScalingRow, calibrate_compute_fraction,
                                  default_compute_fraction, paper_weak_scaling)
@@ -44,7 +45,8 @@ from training.plan.timing import (Comm, StepTime, TimeModel, comm, ring_allreduc
 __all__ = [
     "GIB", "PAPER_BASELINE_TFLOPS", "PAPER_WEAK_SCALING", "PRESETS", "ZERO_OPTIMIZER_BYTES_PER_PARAM", "Comm",
     "Layout", "Memory", "ModelShape",
-    "ScalingRow", "StepTime", "TimeModel", "activation_bytes_per_layer", "bert_expected_masked_positions",
+    "ScalingRow", "StepTime", "TimeModel", "activation_bytes_per_layer", "activation_element_bytes",
+    "bert_expected_masked_positions",
     "bert_flops_per_iteration", "bert_heads_forward_flops", "build_parser", "calibrate_compute_fraction", "comm",
     "default_compute_fraction", "embedding_params", "flops_per_iteration", "gpt_head_forward_flops", "head_params",
     "layer_forward_flops", "layer_params", "load_plan_config", "main", "memory", "model_flops_per_iteration",

@@ -30,8 +30,22 @@ def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
     return (2, 2, 12) if dtype in ("fp16", "bf16") else (4, 4, 8)
 
 
-def activation_bytes_per_layer(shape: ModelShape, micro_batch: int, tp: int, scores_stored: bool = True) -> float:
-    """Korthikanti et al. 2022, eq. (1)/(2) (no sequence parallelism), 16-bit activations:
+def activation_element_bytes(dtype: str, cpu: bool = False) -> tuple[int, int]:
+    """(bytes per stored activation element, bytes per dropout-mask element) as our models store them.
+
+    fp16/bf16: 2 and 1 (``F.dropout`` keeps a bool mask), Korthikanti's assumption. fp32: 4, and 1 on GPUs
+    (``F.dropout``) but 4 on CPU, where ``training.models.ops`` keeps the scaled fp32 mask {0, 1/(1-p)} of
+    its faster dropout (measured in ``tests/test_plan_activations.py``).
+    """
+    if dtype in ("fp16", "bf16"):
+        return 2, 1
+    return 4, (4 if cpu else 1)
+
+
+def activation_bytes_per_layer(shape: ModelShape, micro_batch: int, tp: int, scores_stored: bool = True,
+                               act_bytes: int = 2, mask_bytes: int = 1) -> float:
+    """Korthikanti et al. 2022, eq. (1)/(2) (no sequence parallelism); with the defaults 16-bit activations
+    and 1-byte masks:
 
         s b h (34 + 5 a s / h)                       t = 1
         s b h (10 + 24/t + 5 a s / (h t))            tensor parallel
@@ -40,11 +54,19 @@ def activation_bytes_per_layer(shape: ModelShape, micro_batch: int, tp: int, sco
     masks 2); 24/t split (Q, K, V 6, projection input 2, GeLU input and output 2 x 8); 5 a s^2 b / t
     for the attention scores (softmax output 2, dropout mask 1, dropout output 2). For an MLP width f
     the 16 becomes 4 f / h. ``scores_stored=False`` drops the s^2 term (flash attention).
+
+    In elements: e = ``act_bytes`` per activation, k = ``mask_bytes`` per mask element,
+
+        s b h (e (4 + (4 + 2 f/h) / t) + 2 k) + a s^2 b (2 e + k) / t
+
+    (e = 4, k = 4 for fp32 on CPU: :func:`activation_element_bytes`). Not counted: the LayerNorms' mean
+    and 1/std (2 x 2 s b fp32 values, < 0.5 % at h >= 64).
     """
     s, b, h, a = shape.seq, micro_batch, shape.hidden, shape.heads
-    per_sbh = 10 + (8 + 4 * shape.ffn / h) / tp
+    e, k = act_bytes, mask_bytes
+    per_sbh = e * (4 + (4 + 2 * shape.ffn / h) / tp) + 2 * k
     if scores_stored:
-        per_sbh += 5 * a * s / (h * tp)
+        per_sbh += (2 * e + k) * a * s / (h * tp)
     return s * b * h * per_sbh
 
 
@@ -65,7 +87,7 @@ class Memory:
 
 
 def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: bool,
-                           scores_stored: bool = True) -> float:
+                           scores_stored: bool = True, act_bytes: int = 2, mask_bytes: int = 1) -> float:
     """Activations alive on one TP rank of ``stage`` at the peak of a 1F1B schedule.
 
     Stage i keeps min(p - i, m) micro-batches in flight (one when p = 1: gradient accumulation runs
@@ -73,32 +95,37 @@ def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: boo
     keeps the full per-layer set for its l/p layers; with full checkpointing only the layer input
     (2 s b h per layer) plus the working set of the one layer being recomputed. Extras (Korthikanti
     sec. 4.3, no SP): embedding dropout mask s b h on stage 0; final-LN input 2 s b h, output-layer
-    input 2 s b h and fp32 logits 4 s b V / t on the last stage.
+    input 2 s b h and fp32 logits 4 s b V / t on the last stage. 16-bit by default; ``act_bytes`` and
+    ``mask_bytes`` as in :func:`activation_bytes_per_layer` (2 s b h -> e s b h, the mask k s b h).
     """
     s, b, h = shape.seq, lay.micro_batch, shape.hidden
-    per_layer = activation_bytes_per_layer(shape, b, lay.tp, scores_stored)
+    e, k = act_bytes, mask_bytes
+    per_layer = activation_bytes_per_layer(shape, b, lay.tp, scores_stored, e, k)
     layers = shape.num_layers // lay.pp
     in_flight = min(lay.pp - stage, lay.num_micro)
     if ckpt:
-        act = in_flight * layers * 2 * s * b * h + per_layer
+        act = in_flight * layers * e * s * b * h + per_layer
     else:
         act = in_flight * layers * per_layer
     if stage == 0:
-        act += in_flight * s * b * h
+        act += in_flight * k * s * b * h
     if stage == lay.pp - 1:
-        act += 4 * s * b * h + 4 * s * b * shape.vocab / lay.tp
+        act += 2 * e * s * b * h + 4 * s * b * shape.vocab / lay.tp
     return act
 
 
-def memory(shape: ModelShape, lay: Layout, dtype: str = "fp16", scores_stored: bool = True) -> Memory:
-    """Per-device memory of the most loaded stage (max over stages of each total)."""
+def memory(shape: ModelShape, lay: Layout, dtype: str = "fp16", scores_stored: bool = True,
+           cpu: bool = False) -> Memory:
+    """Per-device memory of the most loaded stage (max over stages of each total); activations in the
+    bytes ``dtype`` stores them (``cpu``: fp32 dropout masks, :func:`activation_element_bytes`)."""
     wb, gb, ob = state_bytes_per_param(dtype)
+    e, k = activation_element_bytes(dtype, cpu)
     params = stage_params(shape, lay.tp, lay.pp)
     best: Memory | None = None
     for i, n in enumerate(params):
         m = Memory(params=wb * n, grads=gb * n, optimizer=ob * n, optimizer_zero1=ZERO_OPTIMIZER_BYTES_PER_PARAM * n / lay.dp,
-                   activations=stage_activation_bytes(shape, lay, i, False, scores_stored),
-                   activations_ckpt=stage_activation_bytes(shape, lay, i, True, scores_stored))
+                   activations=stage_activation_bytes(shape, lay, i, False, scores_stored, e, k),
+                   activations_ckpt=stage_activation_bytes(shape, lay, i, True, scores_stored, e, k))
         if best is None or m.total(False, False) > best.total(False, False):
             best = m
     assert best is not None

@@ -43,7 +43,7 @@ def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dty
     for i, n in enumerate(stages):
         out.append(f"  per device, stage {i}: {n:,} ({_fmt_params(n)})")
     out.append("")
-    mem = memory(shape, lay, dtype, scores_stored)
+    mem = memory(shape, lay, dtype, scores_stored, cpu=hw.name == "cpu")
     wb, gb, ob = state_bytes_per_param(dtype)
     out.append(f"memory per device, GiB (most loaded stage; {wb}+{gb}+{ob} bytes/param, "
                f"device has {hw.memory_gb:g}):")

@@ -1,0 +1,243 @@
+"""The planner's step-time model against measured CPU training steps (issue 15 item 5, last part).
+
+A sweep of small GPT-2s (hidden x layers x seq x TP) is trained as training runs it: ``GPT2Model`` under
+``deepspeed.initialize`` with the project's AdamW and schedule, fp32, dropout 0.1, forward to the mean
+token loss, ``engine.backward``, ``engine.step``, in gloo process groups of exactly TP ranks (DP = 1,
+PP = 1, no activation checkpointing), spawned by ``megatron_ds_suite.testing.run_distributed``. Every rank
+runs one intra-op thread: a "device" is one core, so TP = 2 uses both cores of the machine. Each launch
+times ``--steps`` steps after ``--warmup``; every configuration is launched ``--reps`` times in rotating
+order and the figure is the best launch's median step (the slowest rank's), next to
+the CPU seconds the busiest rank's process used per step (below the wall time when it waited: for the other
+rank at a collective, or for a core that another job holds).
+
+The planner (``training.plan.step_time``, ``Hardware`` "cpu" with this process's measured one-thread
+fp32 matmul peak) is calibrated on ONE configuration (``--calibrate``, default the first): its
+``compute_fraction`` is set so that the prediction equals that measurement. It then predicts the others;
+the table gives the error. The planner's CPU entry has no link or memory-bandwidth data, so it models no
+communication and no replicated element-wise work: "compute only" predicts TP = 2 as half the TP = 1
+compute. The "+ links" column fills those constants from separate measurements made before the sweep (not
+fitted to any step): the gloo all-reduce between two one-thread ranks, timed at five sizes and fitted to
+``2 (t-1) alpha + 2 (t-1)/t n / beta`` (``alpha_intra_s``, ``intra_node_gbs``), and the one-thread
+bandwidth of an element-wise add (``hbm_gbs``, ``memory_efficiency`` 1) for the replicated term.
+
+    .venv/bin/python -m benchmarks.bench_plan_fidelity --steps 5
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import logging
+import os
+import statistics
+import time
+import warnings
+
+from benchmarks import common
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+log = logging.getLogger("bench_plan_fidelity")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, nargs="+", default=[128, 256])
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--seq", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=3, help="launches per configuration, in rotating order")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--calibrate", default=None, help="config to calibrate on, 'h,l,s,tp' (default: the first)")
+    args = p.parse_args(argv)
+    for h in args.hidden:
+        if h % args.heads:
+            p.error(f"--hidden {h} is not divisible by --heads {args.heads}")
+    for tp in args.tp:
+        if tp < 1 or args.heads % tp:
+            p.error(f"TP={tp} must divide --heads {args.heads}")
+    return args
+
+
+def _worker(rank: int, world: int, a: dict) -> tuple[float, float]:
+    """Median (wall, CPU) seconds per training step on this rank (CPU: this process, all threads)."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from training.config import Config, ModelConfig, deepspeed_config
+    from training.models.gpt2 import GPT2Model
+    from training.optim import build_optimizer
+    from training.parallel import random as tp_random
+    from training.parallel.state import ParallelState
+
+    warnings.filterwarnings("ignore")
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    cfg = Config()
+    cfg.model = ModelConfig(num_layers=a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"],
+                            seq_length=a["seq"], vocab_size=a["vocab"])
+    cfg.train.micro_batch_size = cfg.train.global_batch_size = a["batch"]
+    ps = ParallelState(tp=world)
+    tp_random.configure(ps, cfg.model.num_layers)
+    tp_random.set_seed(cfg.train.seed)
+    model = GPT2Model(cfg.model, a["padded"], ps.tp_group, seed=cfg.train.seed).train()
+    opt, sched = build_optimizer(model, cfg.optimizer, 10**6)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=ps,
+                                      config=deepspeed_config(cfg, 1, "fp32"), dist_init_required=False)
+    engine.enable_backward_allreduce = False  # DP = 1, as the trainer sets it
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, a["vocab"], (a["batch"], a["seq"] + 1), generator=gen)
+    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    def step() -> None:
+        loss = engine(tokens, labels).mean()
+        engine.backward(loss)
+        engine.step()
+
+    for _ in range(a["warmup"]):
+        step()
+    times, cpu = [], []
+    for _ in range(a["steps"]):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(times), statistics.median(cpu)
+
+
+def _link_worker(rank: int, world: int, sizes: list[int]) -> list[float]:
+    """Seconds per gloo all-reduce of ``n`` fp32 elements between one-thread ranks, for each n in ``sizes``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    out = []
+    for n in sizes:
+        x = torch.ones(n)
+        for _ in range(3):
+            dist.all_reduce(x)
+        dist.barrier()
+        reps = 20
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(x)
+        out.append((time.perf_counter() - t0) / reps)
+    return out
+
+
+def measure_links(run_distributed) -> tuple[float, float]:
+    """(alpha s per ring step, beta bytes/s) of a 2-rank gloo all-reduce: least squares of
+    t(n) = 2 alpha + n bytes / beta (the ring formula at t = 2) over five sizes."""
+    import numpy as np
+
+    sizes = [1024, 16384, 65536, 262144, 1048576]
+    secs = [max(v) for v in zip(*run_distributed(_link_worker, 2, sizes))]
+    slope, intercept = np.polyfit([4 * n for n in sizes], secs, 1)
+    return max(intercept / 2, 0.0), 1.0 / slope
+
+
+def measure_elementwise_bandwidth() -> float:
+    """Bytes/s of a one-thread out-of-place fp32 add of 4M elements (reads 2, writes 1)."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b, c = torch.ones(1 << 22), torch.ones(1 << 22), torch.empty(1 << 22)
+    best = min(common.timed(lambda: torch.add(a, b, out=c), 5) for _ in range(5))
+    return 3 * 4 * (1 << 22) / best
+
+
+def predict(hidden: int, layers: int, seq: int, tp: int, a: dict, hw, fraction: float, tm=None) -> float:
+    """The planner's seconds per step for one configuration."""
+    from training.plan import Layout, ModelShape, TimeModel, step_time
+
+    shape = ModelShape(arch="gpt2", num_layers=layers, hidden=hidden, heads=a["heads"], seq=seq, vocab=a["padded"],
+                       positions=seq, ffn=4 * hidden)
+    lay = Layout(tp=tp, pp=1, dp=1, micro_batch=a["batch"], global_batch=a["batch"])
+    return step_time(shape, lay, hw, tm or TimeModel(), ckpt=False, dtype="fp32", compute_fraction=fraction).total
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    import torch
+
+    from megatron_ds_suite.testing import run_distributed
+    from training.config import padded_vocab_size
+    from training.plan import TimeModel
+    from training.runtime.hardware import get_hardware, measure_cpu_peak_tflops
+
+    info = common.machine_info()
+    torch.set_num_threads(1)
+    peak = measure_cpu_peak_tflops("fp32", budget_s=2.0)
+    hw = dataclasses.replace(get_hardware("cpu"), peak_tflops={"fp32": peak})
+    alpha, beta = measure_links(run_distributed)
+    membw = measure_elementwise_bandwidth()
+    hw_links = dataclasses.replace(hw, intra_node_gbs=beta / 1e9, hbm_gbs=membw / 1e9, gpus_per_node=max(args.tp))
+    tm_links = TimeModel(alpha_intra_s=alpha, memory_efficiency=1.0)
+    padded = padded_vocab_size(args.vocab, 128, max(args.tp))
+    configs = list(itertools.product(args.hidden, args.layers, args.seq, args.tp))
+    calib = tuple(int(v) for v in args.calibrate.split(",")) if args.calibrate else configs[0]
+    if calib not in configs:
+        raise SystemExit(f"--calibrate {calib} is not in the sweep")
+    cpu_runs: dict[tuple, list[tuple[float, float]]] = {c: [] for c in configs}
+
+    def launch(c: tuple) -> float:
+        h, l, s, tp = c
+        a = {"hidden": h, "layers": l, "seq": s, "heads": args.heads, "batch": args.batch, "vocab": args.vocab,
+             "padded": padded, "steps": args.steps, "warmup": args.warmup}
+        ranks = run_distributed(_worker, tp, a, timeout=1800.0)
+        wall = max(r[0] for r in ranks)  # the step ends when the slowest rank ends
+        cpu_runs[c].append((wall, max(r[1] for r in ranks)))
+        log.info("h %d l %d s %d tp %d: %.4f s/step (CPU %.4f s)", h, l, s, tp, wall, cpu_runs[c][-1][1])
+        return wall
+
+    samples = common.interleaved({c: functools.partial(launch, c) for c in configs}, args.reps)
+    # the fastest launch: the one least slowed by the other jobs of this shared machine
+    measured = {c: samples[c].lo for c in configs}
+    cpu_s = {c: min(cpu_runs[c])[1] for c in configs}
+    spread = {c: samples[c].hi / samples[c].lo - 1 for c in configs}
+    base = {"heads": args.heads, "batch": args.batch, "padded": padded}
+    # step_time is linear in 1 / fraction here (CPU: no communication or replicated terms): calibrate exactly
+    fraction = predict(*calib, base, hw, 1.0) / measured[calib]
+    rows, errors, errors_links = [], [], []
+    for c in configs:
+        pred = predict(*c, base, hw, fraction)
+        pred_links = predict(*c, base, hw_links, fraction, tm_links)
+        err = (pred - measured[c]) / measured[c] * 100
+        err_links = (pred_links - measured[c]) / measured[c] * 100
+        if c != calib:
+            errors.append(abs(err))
+            errors_links.append(abs(err_links))
+        rows.append([str(c[0]), str(c[1]), str(c[2]), str(c[3]), f"{measured[c]:.4f}", f"+{spread[c] * 100:.0f} %",
+                     f"{cpu_s[c]:.4f}", f"{pred:.4f}",
+                     "calibration" if c == calib else f"{err:+.1f}", f"{pred_links:.4f}",
+                     "calibration" if c == calib else f"{err_links:+.1f}"])
+    print()
+    print(common.markdown_header(info, common.load_average()))
+    print(f"- GPT-2 fp32, dropout 0.1, {args.heads} heads, batch {args.batch}, vocab {args.vocab} padded to {padded}, "
+          f"DeepSpeed engine + AdamW, DP = 1, no checkpointing, 1 thread per rank; median of {args.steps} steps "
+          f"after {args.warmup} warm-up, slowest rank; best of {args.reps} launches (rotating order)")
+    print(f"- one-thread fp32 matmul peak {peak * 1e3:.1f} GFLOP/s; calibrated compute fraction {fraction:.3f} on "
+          f"h {calib[0]}, l {calib[1]}, s {calib[2]}, TP {calib[3]}")
+    print(f"- links (measured before the sweep): gloo all-reduce alpha {alpha * 1e6:.1f} us per ring step, "
+          f"beta {beta / 1e9:.2f} GB/s; one-thread element-wise {membw / 1e9:.2f} GB/s")
+    for name, errs in (("compute only", errors), ("+ links", errors_links)):
+        print(f"- |error| {name}, over the {len(errs)} predicted: median {statistics.median(errs):.1f} %, "
+              f"max {max(errs):.1f} %, {sum(e <= 20 for e in errs)} of {len(errs)} within 20 %")
+    print()
+    print(common.markdown_table(["hidden", "layers", "seq", "TP", "measured s/step (best launch)",
+                                 "slowest launch", "CPU s/step (max rank)",
+                                 "predicted, compute only",
+                                 "error %", "predicted, + links", "error %"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""The planner's activation memory per layer against measurements (issue 15 item 5, second part).
+
+One :class:`training.models.blocks.TransformerLayer` and the whole :class:`training.models.gpt2.GPT2Model`
+train in fp32 on CPU (the training dtype there: ``precision.dtype: auto``), with dropout on, on 1 gloo rank
+(TP 1) and on 2 (TP 2, each rank measuring its own shard). Two independent measurements (inside the whole
+model at TP 2 only the second: there gloo's collective buffers, allocated and freed on its own threads, make
+the profiler's net count vary by a few s b h between runs):
+
+* ``torch.profiler`` with ``profile_memory=True``: the net bytes the CPU allocator holds after the forward
+  (the sum of every op's self allocations minus frees), i.e. what the forward leaves alive for backward,
+  plus its output;
+* ``torch.autograd.graph.saved_tensors_hooks``: the distinct storages autograd saves for backward,
+  parameters excluded.
+
+Planner: :func:`training.plan.activation_bytes_per_layer` with the element sizes our fp32 CPU model stores
+(:func:`training.plan.activation_element_bytes`): 4 bytes per activation element, and 4 per dropout-mask
+element, not Korthikanti's 1, because ``training.models.ops`` keeps the scaled fp32 mask {0, 1/(1-p)} of
+its fast CPU dropout (three masks per layer: after attention, after the MLP, on the attention
+probabilities). The 16-bit formula simply doubled (fp32 masks counted as 2 bytes) undercounts by 2 sbh + 2 a s^2 b
+per layer: 10.6-13.0 % at these shapes, so that check would fail (asserted below). Not in the formula: the two
+LayerNorms' mean and 1/std (2 x 2 s b floats, 0.2 % here). With full activation checkpointing a layer keeps
+only its input (e s b h) and backward recomputes one layer at a time, whose saved set is again the per-layer
+formula (measured during backward). DeepSpeed's ``CheckpointFunction`` also keeps three RNG states per
+checkpointed layer (CPU, accelerator = CPU here, and the model-parallel tracker's: 3 x 5,056 bytes), a
+constant the planner does not count (15 KB per layer: 0.05 % of one 2.5B-model layer input at b 8); at TP 1
+the test subtracts that from the profiler's count and checks that the rest is e s b h. (DeepSpeed keeps the
+checkpointed inputs outside autograd's saved tensors, so this one has no second measurement.)
+"""
+from __future__ import annotations
+
+import pytest
+
+from megatron_ds_suite.testing import run_distributed
+from training.plan import ModelShape, activation_bytes_per_layer, activation_element_bytes
+
+B, H, HEADS, VOCAB = 2, 64, 4, 256
+TOLERANCE = 0.10
+
+
+def _shape(seq: int, layers: int = 1) -> ModelShape:
+    return ModelShape(arch="gpt2", num_layers=layers, hidden=H, heads=HEADS, seq=seq, vocab=VOCAB, positions=seq,
+                      ffn=4 * H)
+
+
+def _profiled_net_bytes(fn):
+    """(fn(), net CPU bytes allocated and not freed while fn ran), from torch.profiler's memory events.
+
+    With TP > 1 the forward's all-reduces run on gloo's threads, which free their buffers a little after
+    the call returns: a barrier and a short pause inside the profiled region let them finish, so that
+    only what the forward leaves for backward (and its output) is counted."""
+    import time
+
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+            time.sleep(0.2)
+    return out, sum(e.self_cpu_memory_usage for e in prof.events())
+
+
+def _saved_bytes(fn, params):
+    """(fn(), bytes of the distinct non-parameter storages autograd saved while fn ran)."""
+    import torch
+
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _worker(rank: int, world: int, seq: int) -> dict:
+    import torch
+
+    from training.config import ModelConfig
+    from training.models.blocks import TransformerLayer
+    from training.models.gpt2 import GPT2Model
+    from training.parallel import random as tp_random
+    from training.parallel.state import ParallelState
+
+    ps = ParallelState(tp=world)
+    tp_random.configure(ps, num_layers=4)
+    tp_random.set_seed(1234)
+    out: dict = {"rng_state": torch.get_rng_state().numel() * 3}
+
+    # one layer, no checkpointing
+    cfg = ModelConfig(hidden_size=H, num_attention_heads=HEADS, seq_length=seq)
+    layer = TransformerLayer(cfg, ps.tp_group, 1234, 0).train()
+    x = torch.randn(B, seq, H, requires_grad=True)
+    for _ in range(2):  # warm-up: one-time allocations (the cached causal bias) before measuring
+        layer(x).sum().backward()
+    # the forward leaves its output and the saved tensors alive; the layer input is saved (LN1's input)
+    # but was allocated before the forward. Smallest of three: at TP 2 a gloo buffer of the forward's
+    # all-reduces is sometimes still alive when the window closes (only ever adds bytes)
+    nets = []
+    for _ in range(3):
+        y, net = _profiled_net_bytes(lambda: layer(x))
+        nets.append(net - _nbytes(y) + _nbytes(x))
+        del y
+    out["layer_profiler"] = min(nets)
+    _, out["layer_saved"] = _saved_bytes(lambda: layer(x), layer.parameters())
+
+    # the whole GPT-2 at 2 and 4 layers: the difference / 2 is one layer inside the model
+    tokens = torch.randint(0, VOCAB, (B, seq))
+    labels = torch.randint(0, VOCAB, (B, seq))
+    for ckpt in (False, True):
+        for layers in (2, 4):
+            mcfg = ModelConfig(num_layers=layers, hidden_size=H, num_attention_heads=HEADS, seq_length=seq,
+                               activation_checkpointing=ckpt)
+            model = GPT2Model(mcfg, VOCAB, ps.tp_group, seed=1234).train()
+            for _ in range(2):
+                model(tokens, labels).sum().backward()
+            if not ckpt:  # DeepSpeed's CheckpointFunction keeps its inputs outside autograd's saved tensors
+                _, out[f"saved_{layers}"] = _saved_bytes(lambda m=model: m(tokens, labels).sum(), model.parameters())
+            loss, net = _profiled_net_bytes(lambda m=model: m(tokens, labels).sum())
+            out[f"model_{layers}_{ckpt}"] = net
+            if ckpt:  # backward recomputes one layer at a time: what each recomputation saves
+                per_recompute: list[int] = []
+                skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+                storages: dict[int, int] = {}
+
+                def pack(t, storages=storages, skip=skip):
+                    st = t.untyped_storage()
+                    if st.data_ptr() not in skip:
+                        storages[st.data_ptr()] = st.nbytes()
+                    return t
+
+                def close_layer(*_, storages=storages, acc=per_recompute):
+                    acc.append(sum(storages.values()))
+                    storages.clear()
+
+                handles = [lay.register_forward_hook(close_layer) for lay in model.layers]
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss.backward()
+                for hd in handles:
+                    hd.remove()
+                out[f"recompute_{layers}"] = per_recompute
+    return out
+
+
+@pytest.mark.parametrize("tp,seq", [(1, 64), (1, 128), (2, 128)], ids=lambda v: str(v))
+def test_activation_memory_per_layer_matches_measurement(tp, seq):
+    ranks = run_distributed(_worker, tp, seq, timeout=600)
+    e, k = activation_element_bytes("fp32", cpu=True)
+    assert (e, k) == (4, 4)
+    shape = _shape(seq)
+    planned = activation_bytes_per_layer(shape, B, tp, True, e, k)
+    doubled_16bit = activation_bytes_per_layer(shape, B, tp, True, 4, 2)  # fp32 elements, 16-bit masks doubled
+    sbh = seq * B * H
+    for r in ranks:
+        # no checkpointing: one layer alone, two independent measurements, and one layer inside the model
+        assert r["layer_profiler"] == pytest.approx(r["layer_saved"], rel=0.01), r
+        assert r["layer_profiler"] == pytest.approx(planned, rel=TOLERANCE), (r, planned)
+        saved_in_model = (r["saved_4"] - r["saved_2"]) / 2
+        assert saved_in_model == pytest.approx(planned, rel=TOLERANCE), (saved_in_model, planned)
+        if tp == 1:  # at TP 2 gloo's collective buffers come and go in the profiler's window (docs/plan.md)
+            in_model = (r["model_4_False"] - r["model_2_False"]) / 2
+            assert in_model == pytest.approx(planned, rel=TOLERANCE), (in_model, planned)
+        # the doubled 16-bit formula misses the fp32 masks' extra bytes by more than the tolerance
+        assert abs(doubled_16bit - r["layer_profiler"]) > TOLERANCE * r["layer_profiler"]
+        # full checkpointing: each layer keeps its input (e s b h) ...
+        if tp == 1:  # (profiler only: see above)
+            kept = (r["model_4_True"] - r["model_2_True"]) / 2 - r["rng_state"]
+            assert kept == pytest.approx(e * sbh, rel=TOLERANCE), (kept, e * sbh)
+        # ... and backward recomputes one layer at a time, saving the per-layer set again
+        assert len(r["recompute_4"]) == 4
+        for recomputed in r["recompute_4"]:
+            assert recomputed == pytest.approx(planned, rel=TOLERANCE), (recomputed, planned)
