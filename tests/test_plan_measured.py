@@ -99,9 +99,10 @@ def test_planner_state_bytes_equal_the_engines_tensors(spm_model, tmp_path, tp, 
         optimizer = ZERO_OPTIMIZER_BYTES_PER_PARAM * n // dp if zero else ob * n
         assert (r["weights"], r["grads"], r["optimizer"]) == (wb * n, gb * n, optimizer), r
     assert sorted({r["stage"] for r in ranks}) == list(range(pp))
-    # the report's numbers: the most loaded stage
+    # the report's numbers: the stage the planner finds most loaded (state + activations; with fp32
+    # activations that can be stage 0, which holds more micro-batches in flight) is one the engine measured
     mem = memory(shape, Layout(tp=tp, pp=pp, dp=dp, micro_batch=cfg.train.micro_batch_size,
                                global_batch=cfg.train.global_batch_size), dtype)
-    loaded = max(ranks, key=lambda r: r["weights"])
-    assert (mem.params, mem.grads, mem.optimizer_zero1 if zero else mem.optimizer) == (
-        loaded["weights"], loaded["grads"], loaded["optimizer"])
+    picked = [r for r in ranks if r["weights"] == mem.params]
+    assert picked, (mem, ranks)
+    assert (mem.grads, mem.optimizer_zero1 if zero else mem.optimizer) == (picked[0]["grads"], picked[0]["optimizer"])
