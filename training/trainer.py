@@ -98,22 +98,7 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         init_from.adopt_model_config(cfg)  # train.init_from: the source's model shape (no-op when unset)
         self.world, self.dp, self.dtype, self.ps, self.is_rank0 = start_process(cfg)
-        # one run per run.dir (collective), before any data, model or engine is built: a refused launch
-        # costs nothing and leaves nothing behind; released by train() or close()
-        self._lock = run_lock.acquire_for_rank0(self.run_dir, self.is_rank0)
-        try:
-            self._build(cfg, task_factory)
-        except BaseException:
-            self.close()
-            raise
 
-    def close(self) -> None:
-        """Release the run directory (idempotent); train() does it when it ends."""
-        if getattr(self, "_lock", None) is not None:
-            self._lock.release()
-            self._lock = None
-
-    def _build(self, cfg: Config, task_factory: Callable[[Config, ParallelState, int], Task] | None) -> None:
         self.task: Task = (task_factory or make_task)(cfg, self.ps, self.dp)
         tok_vocab = self.task.tokenizer.vocab_size
         vocab = cfg.model.vocab_size or tok_vocab
@@ -299,8 +284,7 @@ class Trainer:
         from tqdm import tqdm
 
         cfg = self.cfg
-        if self._lock is None:  # a second train() after the first released the run directory
-            self._lock = run_lock.acquire_for_rank0(self.run_dir, self.is_rank0)
+        lock = run_lock.acquire_for_rank0(self.run_dir, self.is_rank0)  # one run per run.dir (collective)
         try:
             if self.is_rank0:  # only once the run directory is ours: a refused launch changes nothing in it
                 ckpt.atomic_write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
@@ -310,7 +294,8 @@ class Trainer:
                                    getattr(self.engine, "monitor", None),
                                    resume_iteration=self.iteration if resumed else None)
         except BaseException:
-            self.close()
+            if lock is not None:
+                lock.release()
             raise
         if self.cpu_peak is not None:
             writer.event("cpu_peak", self.cpu_peak.as_dict(), self.iteration)
@@ -346,6 +331,7 @@ class Trainer:
         finally:
             bar.close()
             writer.close()
-            self.close()
+            if lock is not None:
+                lock.release()
             tracking.finish(cfg, self.is_rank0)
         return {"last": last, "valid_loss": valid, "task": task_result}

@@ -130,7 +130,6 @@ def _worker(rank, world, payload_path: str, out_dir: str):
     if trainer.is_rank0:
         ckpt.atomic_write_text(trainer.run_dir / "config.json", json.dumps(saved, indent=2))
     ckpt.save(trainer, config=saved)
-    trainer.close()  # the converted run directory is free for the next training run
     return trainer.ps.rank
 
 

@@ -188,4 +188,3 @@ def _extract_worker(run_dir: str, tag: str, work_dir: str) -> None:
         out = Path(work_dir) / f"tp_{trainer.ps.tp_rank}_pp_{trainer.ps.pp_rank}.pt"
         with atomic.atomic_path(out) as tmp:
             torch.save(state, tmp)
-    trainer.close()
