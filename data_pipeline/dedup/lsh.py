@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from datasketch import MinHashLSH
-from datasketch.lsh import _optimal_param
 
 from data_pipeline.dedup.hashing import _POS_MULT, _fmix64
+
+if TYPE_CHECKING:  # datasketch (and the scipy it imports, ~0.3 s) is loaded only where it is used
+    from datasketch import MinHashLSH
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ def lsh_params(threshold: float, num_perm: int, bands: int | None, rows: int | N
     weights. P(candidate | J=s) = 1 − (1 − s^rows)^bands."""
     if bands is not None and rows is not None:
         return bands, rows
+    from datasketch.lsh import _optimal_param
+
     fp, fn = list(weights)
     return tuple(int(x) for x in _optimal_param(threshold, num_perm, fp, fn))  # type: ignore[return-value]
 
@@ -101,6 +105,8 @@ def candidates_in_memory(sigs: np.ndarray, active: np.ndarray, lsh: LshSpec, pro
 
 def make_lsh(lsh: LshSpec) -> MinHashLSH:
     """datasketch's in-memory index with the same (bands, rows): the reference :func:`band_pairs` is tested against."""
+    from datasketch import MinHashLSH
+
     return MinHashLSH(threshold=lsh.threshold, num_perm=lsh.num_perm, params=(lsh.bands, lsh.rows))
 
 

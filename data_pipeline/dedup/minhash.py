@@ -16,12 +16,15 @@ import time
 from collections.abc import Iterable
 from multiprocessing import get_context
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from datasketch import LeanMinHash, MinHash
 
 from data_pipeline.dedup.hashing import _U64, ShingleSpec, _fmix32, shingle_sets_batch
 from data_pipeline.store import DocStore, atomic_save_npy
+
+if TYPE_CHECKING:
+    from datasketch import LeanMinHash
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +33,8 @@ class Signer:
     """Batch MinHash (datasketch ``affine32`` scheme, datasketch's permutations for ``seed``)."""
 
     def __init__(self, num_perm: int, seed: int, spec: ShingleSpec) -> None:
+        from datasketch import MinHash  # imported where used: datasketch brings scipy (~0.3 s per process)
+
         a, b = MinHash(num_perm=num_perm, seed=seed).permutations
         self.a = np.asarray(a, dtype=np.uint32)
         self.b = np.asarray(b, dtype=np.uint32)
@@ -83,6 +88,8 @@ class Signer:
         return self.sign_sets(values, offsets, block_rows), np.diff(offsets)
 
     def lean(self, sig: np.ndarray) -> LeanMinHash:
+        from datasketch import LeanMinHash
+
         return LeanMinHash(seed=self.seed, hashvalues=sig, scheme="affine32")
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections import Counter
 from multiprocessing import get_context
 from pathlib import Path
@@ -57,14 +58,25 @@ class TokenIds:
         return self._tok[self._off[j]:self._off[j + 1]]  # type: ignore[index]
 
 
-def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) -> dict[str, Any]:
-    src_s, dst_s, k, spec, min_tokens, count_eod, batch = args
+_TOKENIZERS: dict[str, Any] = {}  # one per spec per worker process: its word cache lasts across shards
+
+
+def _tokenizer(spec: dict[str, Any]) -> Any:
     from megatron_ds_suite.core.tokenizer import load_tokenizer
 
+    key = json.dumps(spec, sort_keys=True)  # the spec holds the files' sha256: new files, new tokenizer
+    if key not in _TOKENIZERS:
+        _TOKENIZERS.clear()
+        _TOKENIZERS[key] = load_tokenizer(spec)
+    return _TOKENIZERS[key]
+
+
+def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) -> dict[str, Any]:
+    src_s, dst_s, k, spec, min_tokens, count_eod, batch = args
     from data_pipeline.dedup.exact import text_key
     from megatron_ds_suite.core.indexed_dataset import best_dtype
 
-    tok = load_tokenizer(spec)
+    tok = _tokenizer(spec)
     writer = ShardWriter(Path(dst_s), k)
     too_short, kept, tokens = 0, 0, 0
     kept_ids: list[list[int]] = []  # the kept documents' token ids, reused by export (tokenized once)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_ds_suite.core.errors import SuiteError
+from megatron_ds_suite.core.spm_words import WordCachedEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +210,7 @@ class SentencePieceTokenizer(Tokenizer):
         except (OSError, RuntimeError) as e:
             raise TokenizerError(f"{str(self.model_file)!r} is not a SentencePiece model: {e}") from None
         self._sp = sp
+        self._words = WordCachedEncoder(sp)  # same ids as sp.Encode, unseen words only go to SentencePiece
         self._vocab_size = int(sp.GetPieceSize())
 
         def piece(name: str) -> int | None:
@@ -250,10 +252,10 @@ class SentencePieceTokenizer(Tokenizer):
         return self._sp
 
     def encode(self, text: str) -> list[int]:
-        return list(self._sp.Encode(text, out_type=int))
+        return self._words.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [list(x) for x in self._sp.Encode(list(texts), out_type=int)]
+        return self._words.encode_batch(texts)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = self._check_ids(ids)
