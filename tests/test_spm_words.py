@@ -95,6 +95,9 @@ def test_same_ids_as_sentencepiece(flavor: str, model_type: str, lowercase: bool
     assert_same(tok, texts[:300] + TRICKY, batch=7, cache_limit=500)  # the cache overflows and is cleared
     # the tokenizer's own encode / encode_batch are the cached ones
     assert tok.encode_batch(TRICKY) == [list(x) for x in tok.processor.Encode(TRICKY, out_type=int)]
+    flat, lens = tok.encode_flat(TRICKY)  # the corpus builder's bulk form
+    expect = [list(x) for x in tok.processor.Encode(TRICKY, out_type=int)]
+    assert lens.tolist() == [len(x) for x in expect] and flat.tolist() == [i for x in expect for i in x]
     assert [tok.encode(t) for t in TRICKY[:12]] == [list(tok.processor.Encode(t, out_type=int)) for t in TRICKY[:12]]
 
 

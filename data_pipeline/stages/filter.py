@@ -1,7 +1,6 @@
 """Stage ``filter``: count tokens per document, drop those under ``length.min_tokens`` → ``work/filter/``."""
 from __future__ import annotations
 
-import itertools
 import json
 from collections import Counter
 from multiprocessing import get_context
@@ -22,13 +21,13 @@ def _uid_extra(rec: dict[str, Any]) -> dict[str, Any]:
     return {"uid": rec["uid"]} if "uid" in rec else {}
 
 
-def save_token_ids(folder: Path, k: int, ids: list[list[int]], dtype: Any) -> None:
+def save_token_ids(folder: Path, k: int, ids: list[np.ndarray], dtype: Any) -> None:
     """Shard ``k``'s token ids, one row per stored document: ``docs-K.tok.npy`` (concatenated, EOD not
     included) and ``docs-K.tokoff.npy`` (int64 offsets, len = documents + 1). Written before the shard's
     ``.done.json`` marker, so a finished shard always has them."""
     off = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum([len(x) for x in ids], out=off[1:])
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(off[-1]))  # one pass, no per-doc array
+    flat = np.concatenate(ids).astype(dtype) if ids else np.zeros(0, dtype=dtype)
     atomic_save_npy(folder / f"{shard_name(k)}.tok.npy", flat)
     atomic_save_npy(folder / f"{shard_name(k)}.tokoff.npy", off)
 
@@ -79,7 +78,7 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
     tok = _tokenizer(spec)
     writer = ShardWriter(Path(dst_s), k)
     too_short, kept, tokens = 0, 0, 0
-    kept_ids: list[list[int]] = []  # the kept documents' token ids, reused by export (tokenized once)
+    kept_ids: list[np.ndarray] = []  # the kept documents' token ids, reused by export (tokenized once)
     keys: list[np.ndarray] = []  # exact-dedup keys of the kept documents (hashed while the text is at hand)
     dtype = best_dtype(tok.vocab_size)
     examples, short_rows = [], []
@@ -87,8 +86,11 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
         recs = list(iter_shard(Path(src_s), k))
         for s in range(0, len(recs), batch):
             part = recs[s:s + batch]
-            for rec, ids in zip(part, tok.encode_batch([r["text"] for r in part])):
-                n = len(ids) + (1 if count_eod else 0)
+            flat, lens = tok.encode_flat([r["text"] for r in part])
+            ends = np.cumsum(lens).tolist()
+            for rec, end, m in zip(part, ends, lens.tolist()):
+                ids = flat[end - m:end]
+                n = m + (1 if count_eod else 0)
                 if n >= min_tokens:
                     writer.add(rec["i"], rec["src"], rec["text"], **_uid_extra(rec), ntok=n)
                     kept_ids.append(ids)

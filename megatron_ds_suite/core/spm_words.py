@@ -32,6 +32,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 # sentencepiece_model.proto field numbers (checked against sentencepiece's own descriptors in the tests)
 _MODEL_PIECES, _MODEL_TRAINER, _MODEL_NORMALIZER = 1, 2, 3
 _PIECE_TYPE = 3
@@ -106,18 +108,31 @@ def word_mode(model_proto: bytes) -> str | None:
 
 
 class WordCachedEncoder:
-    """``encode_batch(texts)`` equal to ``[list(x) for x in sp.Encode(texts, out_type=int)]``.
+    """``encode_batch(texts)`` equal to ``[list(x) for x in sp.Encode(texts, out_type=int)]``;
+    ``encode_flat(texts)`` the same ids concatenated (numpy) with one length per text.
 
-    Two caches: ``raw`` maps a word to the ids of exactly that string; ``spaced`` maps ``w`` to the ids of
-    ``" " + w``, so a text with single spaces between words (the common case) is split with ``str.split``
-    and needs no regex and no string building."""
+    Every cached word has a row in a growing CSR table (``ids[start[w]:start[w] + length[w]]``). Two word
+    dictionaries point into it: ``raw`` (the ids of exactly that string) and ``spaced`` (``w`` -> the ids of
+    ``" " + w``), so a text with single spaces between words, the common case, is split with ``str.split``
+    (no regex, no string building); a batch is then one dictionary lookup per word and one numpy gather."""
 
     def __init__(self, sp: Any, cache_limit: int = CACHE_LIMIT) -> None:
         self.sp = sp
         self.mode = word_mode(sp.serialized_model_proto())
-        self.raw: dict[str, list[int]] = {}
-        self.spaced: dict[str, list[int]] = {}
         self.cache_limit = cache_limit
+        self._reset()
+
+    def _reset(self) -> None:
+        self.raw: dict[str, int] = {}
+        self.spaced: dict[str, int] = {}
+        self._ids = np.zeros(1 << 16, dtype=np.int64)
+        self._start = np.zeros(1 << 12, dtype=np.int64)
+        self._len = np.zeros(1 << 12, dtype=np.int64)
+        self._n_words = self._n_ids = 0
+
+    @property
+    def cached_words(self) -> int:
+        return self._n_words
 
     def _split(self, text: str) -> tuple[list[str], list[str]] | None:
         """(words for ``raw``, words for ``spaced``), in order; ``None``: not word-wise, encode it whole."""
@@ -130,37 +145,86 @@ class WordCachedEncoder:
             return text.split(), []  # each word alone gets the dummy-prefix "▁", as in the text
         return None
 
-    def _fill(self, cache: dict[str, list[int]], words: set[str], prefix: str) -> None:
-        words.difference_update(cache.keys())
-        if words:
-            todo = list(words)
-            cache.update(zip(todo, self.sp.Encode([prefix + w for w in todo] if prefix else todo, out_type=int)))
+    def _add(self, table: dict[str, int], words: set[str], prefix: str) -> None:
+        words.difference_update(table.keys())
+        if not words:
+            return
+        todo = list(words)
+        encoded = self.sp.Encode([prefix + w for w in todo] if prefix else todo, out_type=int)
+        lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(todo))
+        flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64, count=int(lens.sum()))
+        w0, i0 = self._n_words, self._n_ids
+        w1, i1 = w0 + len(todo), i0 + len(flat)
+        if w1 > len(self._len):
+            cap = max(w1, 2 * len(self._len))
+            self._start, self._len = np.resize(self._start, cap), np.resize(self._len, cap)
+        if i1 > len(self._ids):
+            self._ids = np.resize(self._ids, max(i1, 2 * len(self._ids)))
+        self._ids[i0:i1] = flat
+        self._len[w0:w1] = lens
+        self._start[w0:w1] = i0 + np.cumsum(lens) - lens
+        table.update(zip(todo, range(w0, w1)))
+        self._n_words, self._n_ids = w1, i1
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of all texts concatenated, int64; tokens per text, int64)."""
         parts = [self._split(t) for t in texts]
-        if len(self.raw) + len(self.spaced) > self.cache_limit:
-            self.raw.clear()
-            self.spaced.clear()
-        new_raw: set[str] = set()
-        new_spaced: set[str] = set()
-        for p in parts:
-            if p is not None:
+        if self._n_words > self.cache_limit:
+            self._reset()
+        raw, spaced = self.raw.__getitem__, self.spaced.__getitem__
+        words: list[int] = []  # word-table rows of all word-wise texts, in order
+        words_per_text = np.zeros(len(texts), dtype=np.int64)
+        for attempt in (0, 1):
+            words.clear()
+            missing = []
+            for i, p in enumerate(parts):
+                if p is None:
+                    continue
+                n = len(words)
+                try:
+                    words.extend(map(raw, p[0]))
+                    words.extend(map(spaced, p[1]))
+                except KeyError:  # an unseen word: encode the batch's new words, then look up again
+                    del words[n:]
+                    missing.append(p)
+                words_per_text[i] = len(words) - n
+            if not missing:
+                break
+            assert attempt == 0, "every word was added"
+            new_raw: set[str] = set()
+            new_spaced: set[str] = set()
+            for p in missing:
                 new_raw.update(p[0])
                 new_spaced.update(p[1])
-        self._fill(self.raw, new_raw, "")
-        self._fill(self.spaced, new_spaced, " ")
-        out: list[list[int]] = [[] for _ in texts]
-        whole = [i for i, p in enumerate(parts) if p is None]  # not provably word-wise: SentencePiece itself
-        if whole:
-            for i, ids in zip(whole, self.sp.Encode([texts[i] for i in whole], out_type=int)):
-                out[i] = list(ids)
-        raw, spaced = self.raw.__getitem__, self.spaced.__getitem__
-        chain = itertools.chain.from_iterable
-        for i, p in enumerate(parts):
-            if p is not None:
-                out[i] = list(chain(map(raw, p[0]))) if not p[1] else [*chain(map(raw, p[0])), *chain(map(spaced, p[1]))]
-        return out
+            self._add(self.raw, new_raw, "")
+            self._add(self.spaced, new_spaced, " ")
+        whole: dict[int, list[int]] = {}
+        todo = [i for i, p in enumerate(parts) if p is None]  # not provably word-wise: SentencePiece itself
+        if todo:
+            whole = dict(zip(todo, map(list, self.sp.Encode([texts[i] for i in todo], out_type=int))))
+        w = np.asarray(words, dtype=np.int64)
+        lens = self._len[w]
+        total = int(lens.sum())
+        # gather: token t of word k is _ids[_start[w[k]] + t]
+        first = np.cumsum(lens) - lens
+        ids = self._ids[np.repeat(self._start[w] - first, lens) + np.arange(total)]
+        ntok = np.zeros(len(texts), dtype=np.int64)
+        word_bounds = np.concatenate([[0], np.cumsum(words_per_text)])
+        tok_at_word = np.concatenate([[0], np.cumsum(lens)])
+        ntok[:] = tok_at_word[word_bounds[1:]] - tok_at_word[word_bounds[:-1]]
+        if not whole:
+            return ids, ntok
+        pieces, pos = [], 0
+        for i in range(len(texts)):
+            if i in whole:
+                pieces.append(np.asarray(whole[i], dtype=np.int64))
+                ntok[i] = len(whole[i])
+            else:
+                pieces.append(ids[pos:pos + ntok[i]])
+                pos += int(ntok[i])
+        return (np.concatenate(pieces) if pieces else ids), ntok
 
-    @property
-    def cached_words(self) -> int:
-        return len(self.raw) + len(self.spaced)
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        ids, ntok = self.encode_flat(texts)
+        bounds = np.cumsum(ntok)[:-1]
+        return [x.tolist() for x in np.split(ids, bounds)] if len(texts) else []

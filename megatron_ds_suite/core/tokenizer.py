@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -86,6 +87,15 @@ class Tokenizer(abc.ABC):
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Encode many texts at once (implementations use the library's native batch path)."""
         return [self.encode(t) for t in texts]
+
+    def encode_flat(self, texts: Sequence[str]) -> tuple[Any, Any]:
+        """``(ids, lengths)``: the ids of all ``texts`` concatenated and the count per text (int64 numpy
+        arrays), for callers that store tokens in bulk (the corpus builder)."""
+        import numpy as np
+
+        out = self.encode_batch(texts)
+        lens = np.fromiter(map(len, out), dtype=np.int64, count=len(out))
+        return np.fromiter(itertools.chain.from_iterable(out), dtype=np.int64, count=int(lens.sum())), lens
 
     @abc.abstractmethod
     def decode(self, ids: Sequence[int]) -> str: ...
@@ -256,6 +266,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self._words.encode_batch(texts)
+
+    def encode_flat(self, texts: Sequence[str]) -> tuple[Any, Any]:
+        return self._words.encode_flat(texts)
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = self._check_ids(ids)
