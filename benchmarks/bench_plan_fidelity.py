@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import os
 import statistics
 import time
@@ -66,35 +67,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _worker(rank: int, world: int, a: dict) -> tuple[float, float]:
     """Median (wall, CPU) seconds per training step on this rank (CPU: this process, all threads)."""
-    import deepspeed
     import torch
     import torch.distributed as dist
-
-    from training.config import Config, ModelConfig, deepspeed_config
-    from training.models.gpt2 import GPT2Model
-    from training.optim import build_optimizer
-    from training.parallel import random as tp_random
-    from training.parallel.state import ParallelState
 
     warnings.filterwarnings("ignore")
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
     torch.set_num_threads(1)
-    cfg = Config()
-    cfg.model = ModelConfig(num_layers=a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"],
-                            seq_length=a["seq"], vocab_size=a["vocab"])
-    cfg.train.micro_batch_size = cfg.train.global_batch_size = a["batch"]
-    ps = ParallelState(tp=world)
-    tp_random.configure(ps, cfg.model.num_layers)
-    tp_random.set_seed(cfg.train.seed)
-    model = GPT2Model(cfg.model, a["padded"], ps.tp_group, seed=cfg.train.seed).train()
-    opt, sched = build_optimizer(model, cfg.optimizer, 10**6)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=ps,
-                                      config=deepspeed_config(cfg, 1, "fp32"), dist_init_required=False)
+    engine, tokens, labels = common.tp_gpt2_engine(a, world)
     engine.enable_backward_allreduce = False  # DP = 1, as the trainer sets it
-    gen = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, a["vocab"], (a["batch"], a["seq"] + 1), generator=gen)
-    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
     def step() -> None:
         loss = engine(tokens, labels).mean()
@@ -154,6 +135,19 @@ def measure_elementwise_bandwidth() -> float:
     return 3 * 4 * (1 << 22) / best
 
 
+def measure_overheads(run_distributed, heads: int, steps: int, warmup: int) -> tuple[float, float]:
+    """(seconds per step, seconds per layer per micro-batch) of host work that does not scale with FLOPs:
+    the same one-rank training step on a model too small to compute anything (hidden 4 x heads, seq 8,
+    batch 1, vocab 128) at 1 and 3 layers; per layer = half the difference, per step = the rest."""
+    secs = {}
+    for layers in (1, 3):
+        a = {"hidden": 4 * heads, "layers": layers, "seq": 8, "heads": heads, "batch": 1, "vocab": 128,
+             "padded": 128, "steps": steps, "warmup": warmup}
+        secs[layers] = min(run_distributed(_worker, 1, a)[0][0] for _ in range(3))
+    per_layer = max((secs[3] - secs[1]) / 2, 0.0)
+    return max(secs[1] - per_layer, 0.0), per_layer
+
+
 def predict(hidden: int, layers: int, seq: int, tp: int, a: dict, hw, fraction: float, tm=None) -> float:
     """The planner's seconds per step for one configuration."""
     from training.plan import Layout, ModelShape, TimeModel, step_time
@@ -180,8 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     hw = dataclasses.replace(get_hardware("cpu"), peak_tflops={"fp32": peak})
     alpha, beta = measure_links(run_distributed)
     membw = measure_elementwise_bandwidth()
+    per_step, per_layer = measure_overheads(run_distributed, args.heads, max(args.steps, 5), args.warmup)
     hw_links = dataclasses.replace(hw, intra_node_gbs=beta / 1e9, hbm_gbs=membw / 1e9, gpus_per_node=max(args.tp))
     tm_links = TimeModel(alpha_intra_s=alpha, memory_efficiency=1.0)
+    tm_full = dataclasses.replace(tm_links, overhead_step_s=per_step, overhead_layer_s=per_layer)
     padded = padded_vocab_size(args.vocab, 128, max(args.tp))
     configs = list(itertools.product(args.hidden, args.layers, args.seq, args.tp))
     calib = tuple(int(v) for v in args.calibrate.split(",")) if args.calibrate else configs[0]
@@ -205,38 +201,54 @@ def main(argv: list[str] | None = None) -> None:
     cpu_s = {c: min(cpu_runs[c])[1] for c in configs}
     spread = {c: samples[c].hi / samples[c].lo - 1 for c in configs}
     base = {"heads": args.heads, "batch": args.batch, "padded": padded}
-    # step_time is linear in 1 / fraction here (CPU: no communication or replicated terms): calibrate exactly
-    fraction = predict(*calib, base, hw, 1.0) / measured[calib]
-    rows, errors, errors_links = [], [], []
+    # at TP = 1 step_time is overhead + compute / fraction (no communication or replicated terms): calibrate
+    # each model exactly on the one configuration
+    def calibrated(tm) -> float:
+        with_overhead = predict(*calib, base, hw, 1.0, tm)
+        overhead = predict(*calib, base, hw, math.inf, tm)
+        if measured[calib] <= overhead:  # too small a configuration to calibrate on: that model is left out
+            log.warning("calibration configuration %s took %.4f s, not more than the fixed overhead %.4f s: "
+                        "choose a larger one with --calibrate", calib, measured[calib], overhead)
+            return math.nan
+        return (with_overhead - overhead) / (measured[calib] - overhead)
+
+    models = {"compute only": (hw, None), "+ links": (hw_links, tm_links), "+ links + overhead": (hw_links, tm_full)}
+    fractions = {name: calibrated(tm) for name, (_, tm) in models.items()}
+    rows = []
+    errors: dict[str, list[float]] = {name: [] for name in models}
     for c in configs:
-        pred = predict(*c, base, hw, fraction)
-        pred_links = predict(*c, base, hw_links, fraction, tm_links)
-        err = (pred - measured[c]) / measured[c] * 100
-        err_links = (pred_links - measured[c]) / measured[c] * 100
-        if c != calib:
-            errors.append(abs(err))
-            errors_links.append(abs(err_links))
-        rows.append([str(c[0]), str(c[1]), str(c[2]), str(c[3]), f"{measured[c]:.4f}", f"+{spread[c] * 100:.0f} %",
-                     f"{cpu_s[c]:.4f}", f"{pred:.4f}",
-                     "calibration" if c == calib else f"{err:+.1f}", f"{pred_links:.4f}",
-                     "calibration" if c == calib else f"{err_links:+.1f}"])
+        row = [str(c[0]), str(c[1]), str(c[2]), str(c[3]), f"{measured[c]:.4f}", f"+{spread[c] * 100:.0f} %",
+               f"{cpu_s[c]:.4f}"]
+        for name, (hw_m, tm) in models.items():
+            if math.isnan(fractions[name]):
+                row += ["n/a", "n/a"]
+                continue
+            pred = predict(*c, base, hw_m, fractions[name], tm)
+            err = (pred - measured[c]) / measured[c] * 100
+            if c != calib:
+                errors[name].append(abs(err))
+            row += [f"{pred:.4f}", "calibration" if c == calib else f"{err:+.1f}"]
+        rows.append(row)
     print()
     print(common.markdown_header(info, common.load_average()))
     print(f"- GPT-2 fp32, dropout 0.1, {args.heads} heads, batch {args.batch}, vocab {args.vocab} padded to {padded}, "
           f"DeepSpeed engine + AdamW, DP = 1, no checkpointing, 1 thread per rank; median of {args.steps} steps "
           f"after {args.warmup} warm-up, slowest rank; best of {args.reps} launches (rotating order)")
-    print(f"- one-thread fp32 matmul peak {peak * 1e3:.1f} GFLOP/s; calibrated compute fraction {fraction:.3f} on "
-          f"h {calib[0]}, l {calib[1]}, s {calib[2]}, TP {calib[3]}")
+    print(f"- one-thread fp32 matmul peak {peak * 1e3:.1f} GFLOP/s; calibrated on h {calib[0]}, l {calib[1]}, "
+          f"s {calib[2]}, TP {calib[3]}: compute fraction " + ", ".join(f"{v:.3f} ({k})" for k, v in fractions.items()))
     print(f"- links (measured before the sweep): gloo all-reduce alpha {alpha * 1e6:.1f} us per ring step, "
-          f"beta {beta / 1e9:.2f} GB/s; one-thread element-wise {membw / 1e9:.2f} GB/s")
-    for name, errs in (("compute only", errors), ("+ links", errors_links)):
+          f"beta {beta / 1e9:.2f} GB/s; one-thread element-wise {membw / 1e9:.2f} GB/s; fixed overhead "
+          f"{per_step * 1e3:.2f} ms per step + {per_layer * 1e3:.2f} ms per layer per micro-batch")
+    for name, errs in errors.items():
+        if not errs:
+            continue
         print(f"- |error| {name}, over the {len(errs)} predicted: median {statistics.median(errs):.1f} %, "
               f"max {max(errs):.1f} %, {sum(e <= 20 for e in errs)} of {len(errs)} within 20 %")
     print()
     print(common.markdown_table(["hidden", "layers", "seq", "TP", "measured s/step (best launch)",
                                  "slowest launch", "CPU s/step (max rank)",
-                                 "predicted, compute only",
-                                 "error %", "predicted, + links", "error %"], rows))
+                                 "predicted, compute only", "error %", "predicted, + links", "error %",
+                                 "predicted, + links + overhead", "error %"], rows))
 
 
 if __name__ == "__main__":

@@ -111,16 +111,11 @@ class CountingCollectives:
 
 
 def _worker(rank: int, world: int, a: dict) -> dict:
-    import deepspeed
+    import deepspeed  # noqa: F401  (imported before the collectives are wrapped)
     import torch
     import torch.distributed as dist
 
-    from training.config import Config, ModelConfig, deepspeed_config
-    from training.models.gpt2 import GPT2Model
-    from training.optim import build_optimizer
     from training.parallel import mappings
-    from training.parallel import random as tp_random
-    from training.parallel.state import ParallelState
 
     warnings.filterwarnings("ignore")
     for name in ("DeepSpeed", "deepspeed"):
@@ -128,21 +123,7 @@ def _worker(rank: int, world: int, a: dict) -> dict:
     torch.set_num_threads(max(1, a["cores"] // world))
     counting = CountingCollectives()
     counting.install()
-    cfg = Config()
-    cfg.model = ModelConfig(num_layers=a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"],
-                            seq_length=a["seq"], vocab_size=a["vocab"], hidden_dropout=a["dropout"],
-                            attention_dropout=a["dropout"])
-    cfg.train.micro_batch_size = cfg.train.global_batch_size = a["batch"]
-    ps = ParallelState(tp=world)
-    tp_random.configure(ps, cfg.model.num_layers)
-    tp_random.set_seed(cfg.train.seed)
-    model = GPT2Model(cfg.model, a["padded"], ps.tp_group, seed=cfg.train.seed).train()
-    opt, sched = build_optimizer(model, cfg.optimizer, 10**6)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=ps,
-                                      config=deepspeed_config(cfg, 1, "fp32"), dist_init_required=False)
-    gen = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, a["vocab"], (a["batch"], a["seq"] + 1), generator=gen)
-    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    engine, tokens, labels = common.tp_gpt2_engine(a, world)
 
     def step() -> float:
         loss = engine(tokens, labels).mean()

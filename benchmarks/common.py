@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,3 +222,33 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out)
+
+
+def tp_gpt2_engine(a: dict, world: int) -> tuple[Any, Any, Any]:
+    """(engine, tokens, labels): a TP = ``world`` GPT-2 (``a``: layers, hidden, heads, seq, vocab, padded,
+    batch, optional dropout) under ``deepspeed.initialize`` with the project's AdamW and schedule, fp32,
+    DP = 1, as training builds it, and one fixed random batch. Called inside a ``run_distributed`` rank."""
+    import deepspeed
+    import torch
+
+    from training.config import Config, ModelConfig, deepspeed_config
+    from training.models.gpt2 import GPT2Model
+    from training.optim import build_optimizer
+    from training.parallel import random as tp_random
+    from training.parallel.state import ParallelState
+
+    cfg = Config()
+    dropout = {"hidden_dropout": a["dropout"], "attention_dropout": a["dropout"]} if "dropout" in a else {}
+    cfg.model = ModelConfig(num_layers=a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"],
+                            seq_length=a["seq"], vocab_size=a["vocab"], **dropout)
+    cfg.train.micro_batch_size = cfg.train.global_batch_size = a["batch"]
+    ps = ParallelState(tp=world)
+    tp_random.configure(ps, cfg.model.num_layers)
+    tp_random.set_seed(cfg.train.seed)
+    model = GPT2Model(cfg.model, a["padded"], ps.tp_group, seed=cfg.train.seed).train()
+    opt, sched = build_optimizer(model, cfg.optimizer, 10**6)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=ps,
+                                      config=deepspeed_config(cfg, 1, "fp32"), dist_init_required=False)
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, a["vocab"], (a["batch"], a["seq"] + 1), generator=gen)
+    return engine, seq[:, :-1].contiguous(), seq[:, 1:].contiguous()

@@ -80,3 +80,7 @@ def test_plan_fidelity_benchmark_calibrates_on_one_config_and_predicts_the_other
     measured, predicted = float(other[4]), float(other[7])
     # error % from the unrounded times; the printed ones are rounded to 0.1 ms (steps of ~2 ms here)
     assert float(other[8]) == pytest.approx((predicted - measured) / measured * 100, abs=8)
+    # the model with the measured fixed overhead: calibrated too (or left out, "n/a", when the calibration
+    # run was not slower than the overhead alone), and the overhead is reported
+    assert calib[12] == "calibration" or calib[11:] == ["n/a", "n/a"]
+    assert "fixed overhead" in text and " ms per layer per micro-batch" in text

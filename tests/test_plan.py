@@ -243,6 +243,25 @@ def test_step_time_terms():
     # 4 stages, 8 micro-batches: bubble = 3/8 of the busy time
     pp = plan.step_time(s, Layout(pp=4, micro_batch=1, global_batch=8, gpus_per_node=16), hw, tm)
     assert pp.bubble == pytest.approx(3 / 8 * (pp.compute + pp.replicated + pp.tp))
+    assert one.overhead == pp.overhead == 0  # no host overhead on GPUs by default
+
+
+def test_step_time_fixed_overhead_is_per_step_plus_per_layer_and_not_split_by_tp():
+    hw = get_hardware("v100")
+    s = plan.preset_shape("gpt2-1.2b")
+    L = s.num_layers
+    tm = plan.TimeModel(compute_fraction=0.5, overhead_step_s=0.01, overhead_layer_s=0.002)
+    base = plan.TimeModel(compute_fraction=0.5)
+    lay = Layout(micro_batch=4, global_batch=8, gpus_per_node=16)  # 2 micro-batches
+    st, st0 = plan.step_time(s, lay, hw, tm), plan.step_time(s, lay, hw, base)
+    assert st.overhead == pytest.approx(0.01 + 0.002 * L * 2)
+    assert st.total == pytest.approx(st0.total + st.overhead)
+    tp = plan.step_time(s, dataclasses.replace(lay, tp=2), hw, tm)
+    assert tp.overhead == st.overhead  # every TP rank dispatches every op of its layers
+    # PP = 4: L/4 layers per stage; the bubble also waits for the per-layer part
+    pp = plan.step_time(s, dataclasses.replace(lay, pp=4), hw, tm)
+    assert pp.overhead == pytest.approx(0.01 + 0.002 * (L // 4) * 2)
+    assert pp.bubble == pytest.approx(3 / 2 * (0.002 * (L // 4) * 2 + pp.compute + pp.replicated + pp.tp))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def comm(shape: ModelShape, lay: Layout, ckpt: bool, dtype: str = "fp16") -> Com
 class TimeModel:
     """Constants of the step-time model (docs/plan.md explains each and how sensitive the result is).
 
-    step = compute + replicated + TP + PP p2p + bubble + (1 - dp_overlap) x DP
+    step = overhead + compute + replicated + TP + PP p2p + bubble + (1 - dp_overlap) x DP
     """
 
     compute_fraction: float | None = None
@@ -91,10 +91,18 @@ class TimeModel:
     dp_overlap: float = 0.0
     """Fraction of the DP all-reduce hidden behind backward compute (0: Megatron's 2019 'local' DDP
     reduces after backward; torch DDP / DeepSpeed buckets overlap part of it)."""
+    overhead_step_s: float = 0.0
+    """Fixed seconds per optimizer step that do not scale with FLOPs (the framework's step: Python, the
+    optimizer's loop over parameter tensors, the engine's bookkeeping). 0 on GPUs, where kernels queue
+    ahead of the host; measured on CPU (benchmarks/bench_plan_fidelity.py)."""
+    overhead_layer_s: float = 0.0
+    """Fixed seconds per layer per micro-batch (forward + backward op dispatch), not split by TP: every
+    TP rank dispatches every op of its layers. 0 on GPUs; measured on CPU."""
 
 
 @dataclass(frozen=True)
 class StepTime:
+    overhead: float
     compute: float
     replicated: float
     tp: float
@@ -106,7 +114,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.replicated + self.tp + self.pp + self.bubble + self.dp_exposed
+        return self.overhead + self.compute + self.replicated + self.tp + self.pp + self.bubble + self.dp_exposed
 
     @property
     def tflops_per_device(self) -> float:
@@ -127,6 +135,8 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
               dtype: str = "fp16", compute_fraction: float | None = None) -> StepTime:
     """Predicted seconds per optimizer step on one device (every device waits for the slowest).
 
+    * overhead = overhead_step_s + overhead_layer_s x (l/p layers) x m: host time that does not scale with
+      FLOPs (0 on GPUs; it dominates small models on CPU).
     * compute = hardware FLOPs per device / (peak x fraction). FLOPs per device = step_flops / (t p d).
     * replicated = (1 - 1/t) x (element-wise bytes of l/p layers x m micro-batches) / (HBM x eff):
       the fraction calibrates this work at t = 1 as part of "compute"; with TP every rank repeats it
@@ -134,7 +144,7 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
     * TP: each all-reduce of n bytes over t ranks costs 2 (t-1) alpha + 2 (t-1)/t n / beta; on the
       critical path (no overlap in Megatron TP). Intra-node link if t <= gpus_per_node.
     * PP: 2 m point-to-point sends of b s h per stage (alpha + n / beta), plus the 1F1B bubble
-      (p - 1)/m x (compute + replicated + TP).
+      (p - 1)/m x (per-layer overhead + compute + replicated + TP).
     * DP: ring all-reduce of the local gradients. If the DP group (t d consecutive-stride ranks) fits in
       one node it uses NVLink; otherwise every node's NICs carry one ring crossing per DP group with
       members on that node: (gpus_per_node / k) rings, k = max(1, gpus_per_node // t) members per node.
@@ -168,7 +178,8 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
         else:
             pp_bw, pp_alpha = _bw(hw.inter_node_gbs, tm.link_efficiency) / G, tm.alpha_inter_s
         pp = 0.0 if math.isinf(pp_bw) else 2 * m * (pp_alpha + sbh * act_bytes / pp_bw)
-    bubble = (p - 1) / m * (compute + replicated + tp)
+    layer_overhead = tm.overhead_layer_s * (shape.num_layers // p) * m
+    bubble = (p - 1) / m * (layer_overhead + compute + replicated + tp)
 
     grad_bytes = max(stage_params(shape, t, p)) * state_bytes_per_param(dtype)[1]
     if t * d <= G:
@@ -178,5 +189,5 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
         rings_per_node = G / k
         dp = _allreduce_time(grad_bytes, d, tm.alpha_inter_s,
                              _bw(hw.inter_node_gbs, tm.link_efficiency) / rings_per_node)
-    return StepTime(compute=compute, replicated=replicated, tp=tp, pp=pp, bubble=bubble, dp=dp,
+    return StepTime(overhead=tm.overhead_step_s + layer_overhead, compute=compute, replicated=replicated, tp=tp, pp=pp, bubble=bubble, dp=dp,
                     dp_exposed=(1 - tm.dp_overlap) * dp, flops_per_device=flops_dev)
