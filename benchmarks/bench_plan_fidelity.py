@@ -11,14 +11,18 @@ the CPU seconds the busiest rank's process used per step (below the wall time wh
 rank at a collective, or for a core that another job holds).
 
 The planner (``training.plan.step_time``, ``Hardware`` "cpu" with this process's measured one-thread
-fp32 matmul peak) is calibrated on ONE configuration (``--calibrate``, default the first): its
-``compute_fraction`` is set so that the prediction equals that measurement. It then predicts the others;
+fp32 matmul peak) is calibrated on ONE configuration (``--calibrate``, default the single-rank one of median
+FLOPs, a representative run): its ``compute_fraction`` is set so that the prediction equals that
+measurement. It then predicts the others;
 the table gives the error. The planner's CPU entry has no link or memory-bandwidth data, so it models no
 communication and no replicated element-wise work: "compute only" predicts TP = 2 as half the TP = 1
 compute. The "+ links" column fills those constants from separate measurements made before the sweep (not
 fitted to any step): the gloo all-reduce between two one-thread ranks, timed at five sizes and fitted to
 ``2 (t-1) alpha + 2 (t-1)/t n / beta`` (``alpha_intra_s``, ``intra_node_gbs``), and the one-thread
-bandwidth of an element-wise add (``hbm_gbs``, ``memory_efficiency`` 1) for the replicated term.
+bandwidth of an element-wise add (``hbm_gbs``, ``memory_efficiency`` 1) for the replicated term. The
+"+ links + overhead" column adds the host time that does not scale with FLOPs (``TimeModel.overhead_step_s``
+and ``overhead_layer_s``), measured by timing the same training step of a model too small to compute
+anything at 1 and 3 layers.
 
     .venv/bin/python -m benchmarks.bench_plan_fidelity --steps 5
 """
@@ -54,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--reps", type=int, default=3, help="launches per configuration, in rotating order")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--calibrate", default=None, help="config to calibrate on, 'h,l,s,tp' (default: the first)")
+    p.add_argument("--calibrate", default=None,
+                   help="config to calibrate on, 'h,l,s,tp' (default: the TP = 1 configuration of median FLOPs)")
     args = p.parse_args(argv)
     for h in args.hidden:
         if h % args.heads:
@@ -180,7 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     tm_full = dataclasses.replace(tm_links, overhead_step_s=per_step, overhead_layer_s=per_layer)
     padded = padded_vocab_size(args.vocab, 128, max(args.tp))
     configs = list(itertools.product(args.hidden, args.layers, args.seq, args.tp))
-    calib = tuple(int(v) for v in args.calibrate.split(",")) if args.calibrate else configs[0]
+    base = {"heads": args.heads, "batch": args.batch, "padded": padded}
+    if args.calibrate:
+        calib = tuple(int(v) for v in args.calibrate.split(","))
+    else:  # a representative run: the single-rank configuration of median FLOPs
+        single = sorted((c for c in configs if c[3] == 1) or configs, key=lambda c: predict(*c, base, hw, 1.0))
+        calib = single[(len(single) - 1) // 2]
     if calib not in configs:
         raise SystemExit(f"--calibrate {calib} is not in the sweep")
     cpu_runs: dict[tuple, list[tuple[float, float]]] = {c: [] for c in configs}
@@ -200,7 +210,6 @@ def main(argv: list[str] | None = None) -> None:
     measured = {c: samples[c].lo for c in configs}
     cpu_s = {c: min(cpu_runs[c])[1] for c in configs}
     spread = {c: samples[c].hi / samples[c].lo - 1 for c in configs}
-    base = {"heads": args.heads, "batch": args.batch, "padded": padded}
     # at TP = 1 step_time is overhead + compute / fraction (no communication or replicated terms): calibrate
     # each model exactly on the one configuration
     def calibrated(tm) -> float:
