@@ -67,7 +67,7 @@ def model(flavor: str, model_type: str, lowercase: bool = False) -> SentencePiec
                                lowercase=lowercase)
 
 
-def assert_same(tok: SentencePieceTokenizer, texts: list[str], batch: int = 64, cache_limit: int = 500_000) -> WordCachedEncoder:
+def assert_same(tok: SentencePieceTokenizer, texts: list[str], batch: int = 64, cache_limit: int = 200_000) -> WordCachedEncoder:
     sp = tok.processor
     enc = WordCachedEncoder(sp, cache_limit=cache_limit)
     for s in range(0, len(texts), batch):

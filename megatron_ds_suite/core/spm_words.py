@@ -43,7 +43,7 @@ _USER_DEFINED, _UNIGRAM, _BPE = 4, 1, 2
 
 _IDENTITY_WORDS = re.compile("[ \u2581]*[^ \u2581]+|[ \u2581]+")
 _PREFIX_NORMALIZERS = {"identity", "nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf"}
-CACHE_LIMIT = 500_000  # words cached per encoder (cleared when full; ~60 MB at most)
+CACHE_LIMIT = 200_000  # words cached per encoder (cleared when full; ~60 MB at most, measured)
 
 
 def _varint(buf: bytes, i: int) -> tuple[int, int]:
