@@ -99,6 +99,10 @@ def test_second_training_run_into_a_locked_run_dir_is_refused(tmp_path):
     assert len(lines) == 1 and f"is in use by another training run (pid {holder.pid}" in lines[0], res.stderr
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
     assert not (run / "config.json").exists() and not (run / "ds_config.json").exists()  # nothing overwritten
+    # refused before anything was built: no tokenized text or index maps written into the busy run directory,
+    # and the holder's lock file still names the holder
+    assert sorted(p.name for p in run.iterdir()) == [".lock"]
+    assert json.loads((run / ".lock").read_text())["pid"] == holder.pid
 
 
 # ------------------------------------------------------------------------------------------- metrics

@@ -33,13 +33,26 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    from training.runtime import run_lock
     from training.runtime.distributed import init_distributed
     from training.trainer import Trainer, TrainingAborted
 
     init_distributed()
+    lock = None
     try:
+        # one run per run.dir, claimed before any data, model or engine exists (a collective: every rank
+        # calls it here, right after the default group, so the order of collectives is the same on all
+        # ranks). A refused launch then builds nothing, writes nothing into the busy run directory and
+        # leaves only the default group, which destroy_process_group() below fully stops: once DeepSpeed
+        # has been initialised, its module globals (deepspeed.utils.groups.mpu, activation checkpointing's
+        # mpu/mp_group) keep the TP/DP/PP gloo groups and their C++ threads alive past
+        # destroy_process_group() until interpreter finalisation, where tearing them down could abort
+        # the process ("terminate called without an active exception") instead of exiting with 2.
+        lock = run_lock.acquire_for_rank0(cfg.run.dir, dist.get_rank() == 0)
         trainer = Trainer(cfg)
-        trainer.train()
+        trainer.train(run_dir_locked=True)  # the same on every rank: train() takes no lock of its own
+    except run_lock.RunDirBusy as e:  # every rank learnt it from rank 0 at once; one says it
+        return report_error(e, dist.get_rank())
     except SuiteError as e:  # bad config, unsafe/truncated/missing checkpoint files, a bad `latest`, bad data
         return report_error(e)  # from whichever rank met it
     except TrainingAborted as e:
@@ -53,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
               f"newest complete checkpoint is kept, rerun the same command to resume", file=sys.stderr)
         return 1
     finally:
+        if lock is not None:  # rank 0's claim (an empty file: a clean exit)
+            lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -279,12 +279,20 @@ class Trainer:
         dist.all_reduce(total, group=self.ps.dp_group)
         return total.item() / (n * self.dp)
 
-    def train(self) -> dict:
-        """Train to ``train.iters``, resuming from the newest checkpoint in RUN_DIR if there is one."""
+    def train(self, run_dir_locked: bool = False) -> dict:
+        """Train to ``train.iters``, resuming from the newest checkpoint in RUN_DIR if there is one.
+
+        One run per run directory: train() takes RUN_DIR's lock (:func:`run_lock.acquire_for_rank0`, a
+        collective) and releases it when it ends, unless ``run_dir_locked``: the caller took it on every
+        rank before building this trainer and releases it itself (``training.pretrain``, so a refused
+        launch builds nothing). ``run_dir_locked`` must be the same on every rank, never derived from
+        whether this rank holds the lock object (only rank 0 does): a rank that skipped the collective
+        another rank entered would deadlock the job."""
         from tqdm import tqdm
 
         cfg = self.cfg
-        lock = run_lock.acquire_for_rank0(self.run_dir, self.is_rank0)  # one run per run.dir (collective)
+        # one run per run.dir (collective, entered by every rank or by none)
+        lock = None if run_dir_locked else run_lock.acquire_for_rank0(self.run_dir, self.is_rank0)
         try:
             if self.is_rank0:  # only once the run directory is ours: a refused launch changes nothing in it
                 ckpt.atomic_write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
