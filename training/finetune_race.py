@@ -141,8 +141,8 @@ class RaceFinetuner:
         return dp_accuracy(self.engine, self.data[split], self.dp, self.ps.dp_rank, self.ps.dp_group,
                            self.cfg.finetune.eval_batch_size)
 
-    def train(self) -> dict:
-        return self.trainer.train()["task"]
+    def train(self, run_dir_locked: bool = False) -> dict:
+        return self.trainer.train(run_dir_locked=run_dir_locked)["task"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,21 +161,29 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(e, rank)
     import torch.distributed as dist
 
+    from training.runtime import run_lock
     from training.runtime.distributed import init_distributed
 
     init_distributed()
+    lock = None
     try:
-        res = RaceFinetuner(cfg, meta).train()
+        # the run directory is claimed before anything is built, on every rank (see training.pretrain)
+        lock = run_lock.acquire_for_rank0(cfg.run.dir, dist.get_rank() == 0)
+        res = RaceFinetuner(cfg, meta).train(run_dir_locked=True)
         if rank == 0:
             b = res["best"]
             print(f"\nRACE fine-tuning: best epoch {res['best_epoch']} | " +
                   " | ".join(f"{s} accuracy {v['accuracy']:.4f} ({v['count']} questions)" for s, v in b.items()))
+    except run_lock.RunDirBusy as e:  # every rank learnt it from rank 0 at once; one says it
+        return report_error(e, dist.get_rank())
     except RaceDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except SuiteError as e:  # checkpoint, data or config problems met while training
         return report_error(e)
     finally:
+        if lock is not None:
+            lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
