@@ -84,3 +84,17 @@ def test_plan_fidelity_benchmark_calibrates_on_one_config_and_predicts_the_other
     # run was not slower than the overhead alone), and the overhead is reported
     assert calib[12] == "calibration" or calib[11:] == ["n/a", "n/a"]
     assert "fixed overhead" in text and " ms per layer per micro-batch" in text
+
+
+def test_tokenize_benchmark_checks_the_word_cache_against_sentencepiece(capsys):
+    pytest.importorskip("sentencepiece")
+    from benchmarks import bench_corpus, bench_tokenize
+
+    if not (bench_corpus.DATA / "botchan.txt").is_file():
+        pytest.skip("../shared/data corpus absent")
+    bench_tokenize.main(["--docs", "300", "--vocab", "1000", "--batch", "64", "--reps", "1"])
+    text = capsys.readouterr().out  # the ids are asserted equal inside
+    rows = {r[0]: r for r in ([c.strip() for c in line.strip("| \n").split("|")] for line in text.splitlines()
+                              if line.startswith("| ") and not line.startswith("| tokenizer"))}
+    assert {"SentencePiece Encode", "word cache, cold", "word cache, warm"} <= set(rows)
+    assert rows["SentencePiece Encode"][4] == "1.00x" and float(rows["word cache, warm"][1]) > 0
