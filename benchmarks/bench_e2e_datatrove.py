@@ -169,15 +169,17 @@ for f in sorted((work / "remove_ids").glob("*.clusters")):
         ids = [json.loads(line)["id"] for line in g]
     for d, c in np.fromfile(f, dtype="<u4").reshape(-1, 2).tolist():
         member[ids[d]] = c
-parts = {}  # datatrove's own time per pipeline step, summed over tasks
+parts, counts = {}, {}  # datatrove's own time per pipeline step, summed over tasks
 for k in range(len(steps)):
     for x in json.loads((work / f"logs{k}" / "stats.json").read_text()):
         name = f"{k + 1}. " + " ".join(re.sub(r"[^a-zA-Z0-9 ]", " ", x["name"]).split())
         parts[name] = round(parts.get(name, 0) + x["time_stats"]["total"], 3)
+        if "Lambda" in name or "stage 4" in name:  # documents dropped by the length filter / by dedup
+            counts[name] = x["stats"].get("dropped", 0)
 tokenized = work / "tokenized"
 kept = sum(p.stat().st_size // 8 for p in tokenized.rglob("*.ds.index"))
 tokens = sum(p.stat().st_size // 2 for p in tokenized.rglob("*.ds"))
-print(json.dumps({"steps": step_s, "parts": parts, "member": member, "kept": kept, "tokens": tokens}))
+print(json.dumps({"steps": step_s, "parts": parts, "dropped": counts, "member": member, "kept": kept, "tokens": tokens}))
 '''
 
 
@@ -280,7 +282,7 @@ def run_datatrove(python: str, folder: Path, tmp: Path, workers: int) -> tuple[d
         return "datatrove failed: " + run.stderr[-3000:]
     res = json.loads(run.stdout.strip().splitlines()[-1])
     member = {int(k.rsplit("-", 1)[1]): int(v) for k, v in res["member"].items()}
-    shown = cmd[:2] + ["DATATROVE_SCRIPT"] + cmd[3:]
+    shown = cmd[:2] + ["$DATATROVE_SCRIPT"] + cmd[3:]
     return m, member, res, shown
 
 
@@ -290,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--datatrove-python", default=None, help="python of a venv with datatrove (see the docstring)")
     ap.add_argument("--skip-ours", action="store_true", help="run only datatrove")
+    ap.add_argument("--keep-tmp", action="store_true", help="keep the temp dir (inputs, configs, both outputs)")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench_e2e_dt_"))
     try:
@@ -306,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         mb = sum(p.stat().st_size for p in folder.iterdir()) / 1e6
         t = time.perf_counter()
         truth = similar_pairs(texts, THRESHOLD)
+        print(f"command: {shlex.join([Path(sys.executable).name, '-m', 'benchmarks.bench_e2e_datatrove', *sys.argv[1:]])}")
         print(f"## end to end vs datatrove: {args.docs} documents, {mb:.1f} MB jsonl in {args.workers} files, "
               f"workers={args.workers}; {len(truth)} pairs with word-5-gram Jaccard >= {THRESHOLD} "
               f"(found in {time.perf_counter() - t:.1f} s)")
@@ -314,8 +318,8 @@ def main(argv: list[str] | None = None) -> None:
             m, member, stats, cmd = run_ours(folder, tmp, args.workers)
             ded = stats["dedup"]
             stages = ", ".join(f"{k} {s['seconds']:.2f}" for k, s in stats["stages"].items())
-            notes.append(f"ours stages (s): {stages}; exact duplicates {ded.get('exact_duplicates')}, "
-                         f"removed {ded['removed']}")
+            notes.append(f"ours stages (s): {stages}; too short {stats['documents']['too_short']}, exact duplicates "
+                         f"{ded.get('exact_duplicates')}, removed by dedup {ded['removed']}")
             rows.append(("ours (data_pipeline build)", m, member, stats["documents"]["kept"], stats["tokens"]["kept"]))
             cmds.append(f"(cd {ROOT} && PYTHONPATH={ROOT} {shlex.join(cmd)})  # config: {tmp / 'ours.yaml'}")
         got = run_datatrove(args.datatrove_python, folder, tmp, args.workers) if args.datatrove_python \
@@ -326,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
             m, member, res, cmd = got
             notes.append(f"datatrove steps, wall (s): {res['steps']}")
             notes.append(f"datatrove pipeline steps, its own time summed over tasks (s): {res['parts']}")
+            notes.append(f"datatrove documents dropped: {res['dropped']}")
             rows.append(("datatrove 0.10 (local executor)", m, member, res["kept"], res["tokens"]))
             cmds.append(shlex.join(cmd))
         print(f"\n| tool | wall s | CPU s | docs/s | MB/s per core | peak RSS largest process (MiB) "
@@ -340,14 +345,16 @@ def main(argv: list[str] | None = None) -> None:
         print()
         for n in notes:
             print(n)
-        print("\ncommands (input folder and temp dir are removed afterwards):")
+        print(f"\ncommands, each run under WRAPPER ($DATATROVE_SCRIPT: the string in {Path(__file__).name}; temp dir "
+              f"{'kept' if args.keep_tmp else 'removed afterwards'}):")
         for c in cmds:
             print(f"    {c}")
         load1 = os.getloadavg()
         print(f"load average (1 min): start {load0[0]:.1f}, end {load1[0]:.1f}; machine: {os.cpu_count()} cores, "
               f"python {platform.python_version()}")
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not args.keep_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,11 @@ def test_e2e_datatrove_truth_pairs_match_brute_force():
 
     words = real_words([DATA / "botchan.txt", DATA / "tinyshakespeare.txt"])
     planted, _ = planted_corpus(words, 25, 4, max_edit_frac=0.12, seed=3)  # Jaccards spread over ~0.3-1.0
-    texts = planted + markov_corpus(words, 150, seed=5) + ["short text", "", planted[0]]
+    # a prefix of a document at Jaccard exactly 0.7, 0.69 and 0.5 to it: the pairs on which the prefix-filter bound
+    # is tight (the longer one's rarest shingles are its own, so only its last prefix slot holds a shared one)
+    base = [f"w{k}" for k in range(104)]  # 100 distinct shingles
+    cut = [" ".join(base[:m + 4]) for m in (70, 69, 50)]
+    texts = planted + markov_corpus(words, 150, seed=5) + ["short text", "", planted[0], " ".join(base)] + cut
     spec = dd.ShingleSpec(5, "word")
     sets = [dd.shingle_set(t, spec) for t in texts]
     brute = {(i, j): dd.jaccard(sets[i], sets[j]) for i, j in itertools.combinations(range(len(texts)), 2)}
@@ -102,6 +106,8 @@ def test_e2e_datatrove_truth_pairs_match_brute_force():
         assert set(got) == set(want) and len(want) > 20
         assert all(abs(got[p] - want[p]) < 1e-12 for p in want)
         assert any(v < 0.8 for v in want.values())  # pairs near the threshold are in play
+        n = len(texts)
+        assert ((n - 4, n - 3) in got) and ((n - 4, n - 2) in got) == (t == 0.5) and ((n - 4, n - 1) in got) == (t == 0.5)
 
 
 def test_e2e_datatrove_benchmark_runs_ours_and_skips_datatrove_cleanly(capsys):
