@@ -31,6 +31,25 @@ documents kept, tokens written, and pair recall: the fraction of the pairs with 
 similarity join over 64-bit shingle fingerprints) that the tool put in one cluster; and the number of pairs
 below 0.7 inside one cluster.
 
+Where datatrove's steps differ from ours (all are datatrove's defaults or its documented pipeline):
+
+* ftfy: ``FTFYFormatter`` turns off ftfy's ligature/width/quote/line-break fixes and NFC; ours runs ftfy's default
+  config, then normalises whitespace.
+* shingles: datatrove ``simplify_text`` (lower-case, digits → 0, punctuation removed, diacritics stripped) then
+  spaCy's blank-English word tokenizer, 5-grams joined by spaces, 64-bit xxhash, permutations mod 2^61 - 1; ours
+  lower-cased ``\\w+`` words, xxh64 per word mixed per 5-gram, datasketch's affine 32-bit permutations.
+* no verification: every LSH bucket collision is a union-find edge (so transitive chains and false positives
+  merge clusters); ours measures the Jaccard of each candidate pair not already joined and merges only >= 0.7.
+* no exact-dedup step (exact copies collide in every band anyway); survivor: the union-find root, ours the
+  lowest input index.
+* stage 4 re-reads the documents in stage 1's order, so stage 1 also writes the filtered documents as jsonl.
+* the token length is counted by a separate ``TokensCounter`` pass and the kept documents are tokenized again by
+  ``DocumentTokenizer`` (ours also encodes in the filter stage and again in export).
+* output: datatrove's own .ds + .ds.index per task (uint16 ids, uint64 document ends; no
+  ``DocumentTokenizerMerger`` run), ours one Megatron .bin/.idx plus documents/duplicates/rejects jsonl.
+* the ``tokenizer.json`` maps a literal ``<|endoftext|>`` in a text to id 50256; ours never makes EOD from text
+  (the generated corpus has none: on it both give the same ids).
+
 datatrove is not a project dependency: install it in a throwaway venv outside the repository (no torch
 is needed or pulled by these extras; datatrove 0.10.1 passes ``str`` to ``xxh64_intdigest``, which xxhash 4
 rejects)::
