@@ -98,3 +98,47 @@ def test_tokenize_benchmark_checks_the_word_cache_against_sentencepiece(capsys):
                               if line.startswith("| ") and not line.startswith("| tokenizer"))}
     assert {"SentencePiece Encode", "word cache, cold", "word cache, warm"} <= set(rows)
     assert rows["SentencePiece Encode"][4] == "1.00x" and float(rows["word cache, warm"][1]) > 0
+
+
+
+def test_e2e_datatrove_truth_pairs_match_brute_force():
+    import itertools
+
+    from benchmarks.bench_corpus import DATA, markov_corpus, real_words
+    from benchmarks.bench_e2e_datatrove import similar_pairs
+    from data_pipeline import dedup as dd
+    from data_pipeline.planted import planted_corpus
+
+    words = real_words([DATA / "botchan.txt", DATA / "tinyshakespeare.txt"])
+    planted, _ = planted_corpus(words, 25, 4, max_edit_frac=0.12, seed=3)  # Jaccards spread over ~0.3-1.0
+    # a prefix of a document at Jaccard exactly 0.7, 0.69 and 0.5 to it: the pairs on which the prefix-filter bound
+    # is tight (the longer one's rarest shingles are its own, so only its last prefix slot holds a shared one)
+    base = [f"w{k}" for k in range(104)]  # 100 distinct shingles
+    cut = [" ".join(base[:m + 4]) for m in (70, 69, 50)]
+    texts = planted + markov_corpus(words, 150, seed=5) + ["short text", "", planted[0], " ".join(base)] + cut
+    spec = dd.ShingleSpec(5, "word")
+    sets = [dd.shingle_set(t, spec) for t in texts]
+    brute = {(i, j): dd.jaccard(sets[i], sets[j]) for i, j in itertools.combinations(range(len(texts)), 2)}
+    for t in (0.7, 0.5):
+        want = {p: v for p, v in brute.items() if v >= t}
+        got = similar_pairs(texts, t)
+        assert set(got) == set(want) and len(want) > 20
+        assert all(abs(got[p] - want[p]) < 1e-12 for p in want)
+        assert any(v < 0.8 for v in want.values())  # pairs near the threshold are in play
+        n = len(texts)
+        assert ((n - 4, n - 3) in got) and ((n - 4, n - 2) in got) == (t == 0.5) and ((n - 4, n - 1) in got) == (t == 0.5)
+
+
+def test_e2e_datatrove_benchmark_runs_ours_and_skips_datatrove_cleanly(capsys):
+    import sys
+
+    from benchmarks import bench_e2e_datatrove
+
+    # this venv has no datatrove: the comparison is skipped with a message, ours still runs and is scored
+    bench_e2e_datatrove.main(["--docs", "300", "--workers", "2", "--datatrove-python", sys.executable])
+    text = capsys.readouterr().out
+    assert "datatrove skipped:" in text and "cannot import datatrove" in text
+    row = [c.strip() for c in next(x for x in text.splitlines() if x.startswith("| ours")).strip("| ").split("|")]
+    kept, tokens, recall, low = int(row[7]), int(row[8]), float(row[9]), int(row[10])
+    assert 200 < kept < 300 and tokens > kept * 128 and recall >= 0.95 and low >= 0
+    assert "data_pipeline build --config" in text
