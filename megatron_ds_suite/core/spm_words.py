@@ -27,12 +27,10 @@ below), so no protobuf runtime is needed.
 """
 from __future__ import annotations
 
-import itertools
 import re
-from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
+from megatron_ds_suite.core.word_cache import CACHE_LIMIT, Split, WordCache, single_space_split
 
 # sentencepiece_model.proto field numbers (checked against sentencepiece's own descriptors in the tests)
 _MODEL_PIECES, _MODEL_TRAINER, _MODEL_NORMALIZER = 1, 2, 3
@@ -43,7 +41,6 @@ _USER_DEFINED, _UNIGRAM, _BPE = 4, 1, 2
 
 _IDENTITY_WORDS = re.compile("[ \u2581]*[^ \u2581]+|[ \u2581]+")
 _PREFIX_NORMALIZERS = {"identity", "nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf"}
-CACHE_LIMIT = 200_000  # words cached per encoder (cleared when full; ~60 MB at most, measured)
 
 
 def _varint(buf: bytes, i: int) -> tuple[int, int]:
@@ -107,124 +104,33 @@ def word_mode(model_proto: bytes) -> str | None:
     return None
 
 
-class WordCachedEncoder:
-    """``encode_batch(texts)`` equal to ``[list(x) for x in sp.Encode(texts, out_type=int)]``;
-    ``encode_flat(texts)`` the same ids concatenated (numpy) with one length per text.
+def spm_split(mode: str | None) -> Split:
+    """The word split of :func:`word_mode`'s ``mode`` (``None``: every text whole)."""
+    def identity(text: str) -> tuple[list[str], list[str]]:
+        return single_space_split(text, _IDENTITY_WORDS, " \u2581")
 
-    Every cached word has a row in a growing CSR table (``ids[start[w]:start[w] + length[w]]``). Two word
-    dictionaries point into it: ``raw`` (the ids of exactly that string) and ``spaced`` (``w`` -> the ids of
-    ``" " + w``), so a text with single spaces between words, the common case, is split with ``str.split``
-    (no regex, no string building); a batch is then one dictionary lookup per word and one numpy gather."""
+    def prefix(text: str) -> tuple[list[str], list[str]] | None:
+        if text.isascii() and text.isprintable():
+            return text.split(), []  # each word alone gets the dummy-prefix "▁", as in the text
+        return None
+
+    return {"identity": identity, "prefix": prefix}.get(mode or "", lambda text: None)
+
+
+class WordCachedEncoder(WordCache):
+    """``encode_batch(texts)`` equal to ``[list(x) for x in sp.Encode(texts, out_type=int)]`` (and
+    ``encode_flat``, the same ids concatenated), through the word cache where :func:`word_mode` allows."""
 
     def __init__(self, sp: Any, cache_limit: int = CACHE_LIMIT) -> None:
         self.sp = sp
         self.mode = word_mode(sp.serialized_model_proto())
-        self.cache_limit = cache_limit
-        self._reset()
-
-    def _reset(self) -> None:
-        self.raw: dict[str, int] = {}
-        self.spaced: dict[str, int] = {}
-        self._ids = np.zeros(1 << 16, dtype=np.int64)
-        self._start = np.zeros(1 << 12, dtype=np.int64)
-        self._len = np.zeros(1 << 12, dtype=np.int64)
-        self._n_words = self._n_ids = 0
+        super().__init__(lambda texts: sp.Encode(texts, out_type=int), spm_split(self.mode), cache_limit)
 
     @property
-    def cached_words(self) -> int:
-        return self._n_words
+    def mode(self) -> str | None:
+        return self._mode
 
-    def _split(self, text: str) -> tuple[list[str], list[str]] | None:
-        """(words for ``raw``, words for ``spaced``), in order; ``None``: not word-wise, encode it whole."""
-        if self.mode == "identity":
-            if text and text[0] != " " and text[-1] != " " and "  " not in text and "\u2581" not in text:
-                words = text.split(" ")
-                return words[:1], words[1:]
-            return _IDENTITY_WORDS.findall(text), []
-        if self.mode == "prefix" and text.isascii() and text.isprintable():
-            return text.split(), []  # each word alone gets the dummy-prefix "▁", as in the text
-        return None
-
-    def _add(self, table: dict[str, int], words: set[str], prefix: str) -> None:
-        words.difference_update(table.keys())
-        if not words:
-            return
-        todo = list(words)
-        encoded = self.sp.Encode([prefix + w for w in todo] if prefix else todo, out_type=int)
-        lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(todo))
-        flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64, count=int(lens.sum()))
-        w0, i0 = self._n_words, self._n_ids
-        w1, i1 = w0 + len(todo), i0 + len(flat)
-        if w1 > len(self._len):
-            cap = max(w1, 2 * len(self._len))
-            self._start, self._len = np.resize(self._start, cap), np.resize(self._len, cap)
-        if i1 > len(self._ids):
-            self._ids = np.resize(self._ids, max(i1, 2 * len(self._ids)))
-        self._ids[i0:i1] = flat
-        self._len[w0:w1] = lens
-        self._start[w0:w1] = i0 + np.cumsum(lens) - lens
-        table.update(zip(todo, range(w0, w1)))
-        self._n_words, self._n_ids = w1, i1
-
-    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(ids of all texts concatenated, int64; tokens per text, int64)."""
-        parts = [self._split(t) for t in texts]
-        if self._n_words > self.cache_limit:
-            self._reset()
-        raw, spaced = self.raw.__getitem__, self.spaced.__getitem__
-        words: list[int] = []  # word-table rows of all word-wise texts, in order
-        words_per_text = np.zeros(len(texts), dtype=np.int64)
-        for attempt in (0, 1):
-            words.clear()
-            missing = []
-            for i, p in enumerate(parts):
-                if p is None:
-                    continue
-                n = len(words)
-                try:
-                    words.extend(map(raw, p[0]))
-                    words.extend(map(spaced, p[1]))
-                except KeyError:  # an unseen word: encode the batch's new words, then look up again
-                    del words[n:]
-                    missing.append(p)
-                words_per_text[i] = len(words) - n
-            if not missing:
-                break
-            assert attempt == 0, "every word was added"
-            new_raw: set[str] = set()
-            new_spaced: set[str] = set()
-            for p in missing:
-                new_raw.update(p[0])
-                new_spaced.update(p[1])
-            self._add(self.raw, new_raw, "")
-            self._add(self.spaced, new_spaced, " ")
-        whole: dict[int, list[int]] = {}
-        todo = [i for i, p in enumerate(parts) if p is None]  # not provably word-wise: SentencePiece itself
-        if todo:
-            whole = dict(zip(todo, map(list, self.sp.Encode([texts[i] for i in todo], out_type=int))))
-        w = np.asarray(words, dtype=np.int64)
-        lens = self._len[w]
-        total = int(lens.sum())
-        # gather: token t of word k is _ids[_start[w[k]] + t]
-        first = np.cumsum(lens) - lens
-        ids = self._ids[np.repeat(self._start[w] - first, lens) + np.arange(total)]
-        ntok = np.zeros(len(texts), dtype=np.int64)
-        word_bounds = np.concatenate([[0], np.cumsum(words_per_text)])
-        tok_at_word = np.concatenate([[0], np.cumsum(lens)])
-        ntok[:] = tok_at_word[word_bounds[1:]] - tok_at_word[word_bounds[:-1]]
-        if not whole:
-            return ids, ntok
-        pieces, pos = [], 0
-        for i in range(len(texts)):
-            if i in whole:
-                pieces.append(np.asarray(whole[i], dtype=np.int64))
-                ntok[i] = len(whole[i])
-            else:
-                pieces.append(ids[pos:pos + ntok[i]])
-                pos += int(ntok[i])
-        return (np.concatenate(pieces) if pieces else ids), ntok
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        ids, ntok = self.encode_flat(texts)
-        bounds = np.cumsum(ntok)[:-1]
-        return [x.tolist() for x in np.split(ids, bounds)] if len(texts) else []
+    @mode.setter
+    def mode(self, value: str | None) -> None:  # tests force a split the checks refuse
+        self._mode = value
+        self.split = spm_split(value)

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.spm_words import WordCachedEncoder
+from megatron_ds_suite.core.word_cache import WordCache, ascii_whitespace_split
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,12 @@ class GPT2BPETokenizer(Tokenizer):
         self._tok = tok
         self._vocab_size = len(vocab)
         self._eod = int(vocab[GPT2_EOD_TOKEN])
+        # encode_batch_fast (tokenizers >= 0.21) skips offset tracking; same ids, multi-threaded.
+        fast = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        self._encode_many = lambda texts: [e.ids for e in fast(texts, add_special_tokens=False)]
+        # GPT-2's pre-tokenizer never spans a non-space -> space boundary: ASCII texts go word by word
+        # through a cache (same ids, tested against OpenAI's encoder); others to the Rust library whole
+        self._words = WordCache(self._encode_many, ascii_whitespace_split)
 
     @property
     def vocab_size(self) -> int:
@@ -179,9 +186,10 @@ class GPT2BPETokenizer(Tokenizer):
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        # encode_batch_fast (tokenizers >= 0.21) skips offset tracking; same ids, multi-threaded.
-        fn = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        return [e.ids for e in fn(list(texts), add_special_tokens=False)]
+        return self._words.encode_batch(texts)
+
+    def encode_flat(self, texts: Sequence[str]) -> tuple[Any, Any]:
+        return self._words.encode_flat(texts)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(self._check_ids(ids), skip_special_tokens=False)

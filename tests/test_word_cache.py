@@ -1,7 +1,10 @@
-"""Word-cached SentencePiece encoding (megatron_ds_suite.core.spm_words) gives SentencePiece's own ids: on real
-corpora for both flavours and both model types, on inputs built to break each assumption (runs of spaces, a
-literal '▁', tabs and newlines, Unicode spaces, combining marks, emoji, digits, very long words), with a cache
-that overflows, and it refuses the cache for models where words are not independent."""
+"""Word-cached encoding (megatron_ds_suite.core.word_cache, spm_words) gives the tokenizer's own ids.
+
+SentencePiece: on real corpora for both flavours and both model types, on inputs built to break each
+assumption (runs of spaces, a literal '▁', tabs and newlines, Unicode spaces, combining marks, emoji, digits,
+very long words), with a cache that overflows; the cache is refused for models where words are not
+independent. GPT-2 byte-level BPE: the Rust library's whole-text ids on the same texts and on ASCII
+whitespace edge cases (runs, tabs, CRLF, vertical tab, form feed, the \x1c-\x1f separators, contractions)."""
 from __future__ import annotations
 
 import io
@@ -163,3 +166,30 @@ def test_proto_reader_on_a_hand_built_message() -> None:
     # field 1 varint 150, field 2 bytes b"hi", field 1 again (repeated), field 3 fixed64
     msg = bytes([0x08, 0x96, 0x01, 0x12, 0x02]) + b"hi" + bytes([0x08, 0x01, 0x19]) + b"\x00" * 8
     assert proto_fields(msg) == {1: [150, 1], 2: [b"hi"], 3: [b"\x00" * 8]}
+
+
+# ------------------------------------------------------------------------------------------------ GPT-2
+GPT2_DIR = DATA / "tokenizers" / "gpt2"
+ASCII_TRICKY = [
+    "Hello world", "  two leading", "trailing  ", "a\n\nb", "a \n b", " \n", "\n ", "x\t\ty", "line\r\nnext",
+    "don't 'S 're 'll 'd 've 'm 't 's", " 's 're", "word's", "3.14 42nd 1,000,000", "!!! ?? ...", "a  b   c",
+    "\x0bvertical\x0cfeed", "sep\x1crecord\x1dgroup\x1eunit\x1f", "   ", " ", "", "<|endoftext|> literal",
+    "end with newline\n", "\n\n\nParagraph\n\n\n", "tab\tthen space \t mixed",
+]
+
+
+@pytest.mark.skipif(not (GPT2_DIR / "gpt2-vocab.json").is_file(), reason="GPT-2 files absent")
+@needs_data
+def test_gpt2_word_cache_gives_the_rust_tokenizers_ids() -> None:
+    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
+
+    tok = GPT2BPETokenizer(GPT2_DIR / "gpt2-vocab.json", GPT2_DIR / "gpt2-merges.txt")
+    texts = corpus_texts() + eval_texts() + TRICKY + ASCII_TRICKY
+    texts += [line for t in corpus_texts()[:200] for line in t.splitlines()]
+    for s in range(0, len(texts), 64):
+        part = texts[s:s + 64]
+        assert tok.encode_batch(part) == [tok.encode(t) for t in part]  # encode: the library, whole text
+        flat, lens = tok.encode_flat(part)
+        assert flat.tolist() == [i for t in part for i in tok.encode(t)] and lens.tolist() == [len(tok.encode(t)) for t in part]
+    assert tok._words.cached_words > 1000  # ASCII texts really went word by word
+    assert tok._words.split("caf\u00e9 au lait") is None and tok._words.split("a\x1cb") is None
