@@ -44,7 +44,7 @@ Where datatrove's steps differ from ours (all are datatrove's defaults or its do
   lowest input index.
 * stage 4 re-reads the documents in stage 1's order, so stage 1 also writes the filtered documents as jsonl.
 * the token length is counted by a separate ``TokensCounter`` pass and the kept documents are tokenized again by
-  ``DocumentTokenizer`` (ours also encodes in the filter stage and again in export).
+  ``DocumentTokenizer`` (ours tokenizes once: export writes the filter stage's ids).
 * output: datatrove's own .ds + .ds.index per task (uint16 ids, uint64 document ends; no
   ``DocumentTokenizerMerger`` run), ours one Megatron .bin/.idx plus documents/duplicates/rejects jsonl.
 * the ``tokenizer.json`` maps a literal ``<|endoftext|>`` in a text to id 50256; ours never makes EOD from text
