@@ -199,6 +199,8 @@ def test_config_errors_are_one_line(tmp_path):
         config_from_dict({"sources": [{"type": "jsonl", "path": str(tmp_path / "nope.jsonl")}]})
     with pytest.raises(ConfigError, match="must be one of"):
         config_from_dict({"sources": [{"type": "csv", "path": "x"}]})
+    with pytest.raises(ConfigError, match="tokenizer.num_threads must be >= 1, got 0"):
+        config_from_dict({"sources": [{"type": "default"}]}, overrides=["tokenizer.num_threads=0"])
     cfg = load_config(ROOT / "configs" / "data" / "tiny.yaml", ["dedup.threshold=0.8", "sources.0.limit=5"])
     assert cfg.dedup.threshold == 0.8 and cfg.sources[0].limit == 5
     r = subprocess.run([sys.executable, "-m", "data_pipeline", "build", "--config",

@@ -35,7 +35,7 @@ def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
                 yield rec["text"]
 
         tok = train_sentencepiece(texts(), tok_dir / f"spm_{t.flavor}_{t.vocab_size}", t.vocab_size,
-                                  flavor=t.flavor, seed=cfg.seed)  # type: ignore[arg-type]
+                                  flavor=t.flavor, seed=cfg.seed, num_threads=t.num_threads)  # type: ignore[arg-type]
         spec = tok.spec()
     elif t.type == "sentencepiece_model":
         spec = copy_tokenizer_files(SentencePieceTokenizer(cfg.resolve(t.model_file or "")).spec(), cfg.out)
