@@ -55,9 +55,10 @@ class TokenizerConfig:
     vocab_file: str | None = None
     merges_file: str | None = None
     train_max_docs: int = 200_000  # sentencepiece training sample: the first N cleaned documents
-    # sentencepiece training threads. Part of the result: SentencePiece's BPE trainer gives a different (each
-    # time the same) model for each thread count, so this is a setting, not the machine's core count; more
-    # threads than cores only costs scheduling (16 on 2 cores: as fast as 2, 1.7x faster than 1)
+    # sentencepiece training threads. A setting, not the machine's core count: the learned pieces do not depend
+    # on it, but SentencePiece records it in the .model file, whose bytes (and sha256, in the manifest) would
+    # then differ between machines; more threads than cores only costs scheduling (16 on 2 cores: as fast as
+    # 2, 1.7x faster than 1)
     num_threads: int = 16
     lowercase: bool = True  # wordpiece: lower-case and strip accents (uncased BERT vocabularies)
 
