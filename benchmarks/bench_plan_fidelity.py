@@ -20,9 +20,10 @@ compute. The "+ links" column fills those constants from separate measurements m
 fitted to any step): the gloo all-reduce between two one-thread ranks, timed at five sizes and fitted to
 ``2 (t-1) alpha + 2 (t-1)/t n / beta`` (``alpha_intra_s``, ``intra_node_gbs``), and the one-thread
 bandwidth of an element-wise add (``hbm_gbs``, ``memory_efficiency`` 1) for the replicated term. The
-"+ links + overhead" column adds the host time that does not scale with FLOPs (``TimeModel.overhead_step_s``
-and ``overhead_layer_s``), measured by timing the same training step of a model too small to compute
-anything at 1 and 3 layers.
+"+ links + overhead" column adds the time that does not scale with FLOPs (``TimeModel.overhead_step_s`` and
+``overhead_layer_s``), measured at each TP degree by timing the same training step of a model too small to
+compute anything at 1 and 3 layers; at TP > 1 that includes the all-reduces' latency as it occurs inside a
+step, so that column takes only the bandwidth term from the link measurement.
 
     .venv/bin/python -m benchmarks.bench_plan_fidelity --steps 5
 """
@@ -140,15 +141,17 @@ def measure_elementwise_bandwidth() -> float:
     return 3 * 4 * (1 << 22) / best
 
 
-def measure_overheads(run_distributed, heads: int, steps: int, warmup: int) -> tuple[float, float]:
-    """(seconds per step, seconds per layer per micro-batch) of host work that does not scale with FLOPs:
-    the same one-rank training step on a model too small to compute anything (hidden 4 x heads, seq 8,
-    batch 1, vocab 128) at 1 and 3 layers; per layer = half the difference, per step = the rest."""
+def measure_overheads(run_distributed, heads: int, steps: int, warmup: int, tp: int = 1) -> tuple[float, float]:
+    """(seconds per step, seconds per layer per micro-batch) that do not scale with FLOPs at TP = ``tp``: the
+    same training step on a model too small to compute anything (hidden 4 x heads, seq 8, batch 1, vocab 128)
+    at 1 and 3 layers, slowest rank; per layer = half the difference, per step = the rest. At TP > 1 this
+    includes the latency of the layer's all-reduces as they occur inside a step (their payload here is a
+    few hundred bytes), so a model using it takes the links' bandwidth but not their latency."""
     secs = {}
     for layers in (1, 3):
         a = {"hidden": 4 * heads, "layers": layers, "seq": 8, "heads": heads, "batch": 1, "vocab": 128,
              "padded": 128, "steps": steps, "warmup": warmup}
-        secs[layers] = min(run_distributed(_worker, 1, a)[0][0] for _ in range(3))
+        secs[layers] = min(max(r[0] for r in run_distributed(_worker, tp, a)) for _ in range(3))
     per_layer = max((secs[3] - secs[1]) / 2, 0.0)
     return max(secs[1] - per_layer, 0.0), per_layer
 
@@ -179,10 +182,14 @@ def main(argv: list[str] | None = None) -> None:
     hw = dataclasses.replace(get_hardware("cpu"), peak_tflops={"fp32": peak})
     alpha, beta = measure_links(run_distributed)
     membw = measure_elementwise_bandwidth()
-    per_step, per_layer = measure_overheads(run_distributed, args.heads, max(args.steps, 5), args.warmup)
+    overheads = {tp: measure_overheads(run_distributed, args.heads, max(args.steps, 5), args.warmup, tp)
+                 for tp in sorted(set(args.tp))}
     hw_links = dataclasses.replace(hw, intra_node_gbs=beta / 1e9, hbm_gbs=membw / 1e9, gpus_per_node=max(args.tp))
     tm_links = TimeModel(alpha_intra_s=alpha, memory_efficiency=1.0)
-    tm_full = dataclasses.replace(tm_links, overhead_step_s=per_step, overhead_layer_s=per_layer)
+    # per TP degree: the fixed costs measured at that degree; at TP > 1 they hold the collectives' in-step
+    # latency, so the all-reduce latency (alpha) is not added again, only the bandwidth term
+    tm_full = {tp: dataclasses.replace(tm_links, overhead_step_s=ov[0], overhead_layer_s=ov[1],
+                                       alpha_intra_s=0.0 if tp > 1 else alpha) for tp, ov in overheads.items()}
     padded = padded_vocab_size(args.vocab, 128, max(args.tp))
     configs = list(itertools.product(args.hidden, args.layers, args.seq, args.tp))
     base = {"heads": args.heads, "batch": args.batch, "padded": padded}
@@ -212,9 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     spread = {c: samples[c].hi / samples[c].lo - 1 for c in configs}
     # at TP = 1 step_time is overhead + compute / fraction (no communication or replicated terms): calibrate
     # each model exactly on the one configuration
+    def tm_at(tm, tp: int):  # a TimeModel, or one per TP degree
+        return tm[tp] if isinstance(tm, dict) else tm
+
     def calibrated(tm) -> float:
-        with_overhead = predict(*calib, base, hw, 1.0, tm)
-        overhead = predict(*calib, base, hw, math.inf, tm)
+        with_overhead = predict(*calib, base, hw, 1.0, tm_at(tm, calib[3]))
+        overhead = predict(*calib, base, hw, math.inf, tm_at(tm, calib[3]))
         if measured[calib] <= overhead:  # too small a configuration to calibrate on: that model is left out
             log.warning("calibration configuration %s took %.4f s, not more than the fixed overhead %.4f s: "
                         "choose a larger one with --calibrate", calib, measured[calib], overhead)
@@ -232,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
             if math.isnan(fractions[name]):
                 row += ["n/a", "n/a"]
                 continue
-            pred = predict(*c, base, hw_m, fractions[name], tm)
+            pred = predict(*c, base, hw_m, fractions[name], tm_at(tm, c[3]))
             err = (pred - measured[c]) / measured[c] * 100
             if c != calib:
                 errors[name].append(abs(err))
@@ -246,8 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"- one-thread fp32 matmul peak {peak * 1e3:.1f} GFLOP/s; calibrated on h {calib[0]}, l {calib[1]}, "
           f"s {calib[2]}, TP {calib[3]}: compute fraction " + ", ".join(f"{v:.3f} ({k})" for k, v in fractions.items()))
     print(f"- links (measured before the sweep): gloo all-reduce alpha {alpha * 1e6:.1f} us per ring step, "
-          f"beta {beta / 1e9:.2f} GB/s; one-thread element-wise {membw / 1e9:.2f} GB/s; fixed overhead "
-          f"{per_step * 1e3:.2f} ms per step + {per_layer * 1e3:.2f} ms per layer per micro-batch")
+          f"beta {beta / 1e9:.2f} GB/s; one-thread element-wise {membw / 1e9:.2f} GB/s; fixed overhead " +
+          "; ".join(f"TP {tp}: {ov[0] * 1e3:.2f} ms per step + {ov[1] * 1e3:.2f} ms per layer per micro-batch"
+                    for tp, ov in overheads.items()))
     for name, errs in errors.items():
         if not errs:
             continue
