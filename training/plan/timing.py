@@ -97,7 +97,8 @@ class TimeModel:
     ahead of the host; measured on CPU (benchmarks/bench_plan_fidelity.py)."""
     overhead_layer_s: float = 0.0
     """Fixed seconds per layer per micro-batch (forward + backward op dispatch), not split by TP: every
-    TP rank dispatches every op of its layers. 0 on GPUs; measured on CPU."""
+    TP rank dispatches every op of its layers. 0 on GPUs; measured on CPU. Measured at the TP degree being
+    predicted, it can also hold the layer's all-reduce latency as it occurs inside a step; alpha is then 0."""
 
 
 @dataclass(frozen=True)
