@@ -191,5 +191,29 @@ def test_gpt2_word_cache_gives_the_rust_tokenizers_ids() -> None:
         assert tok.encode_batch(part) == [tok.encode(t) for t in part]  # encode: the library, whole text
         flat, lens = tok.encode_flat(part)
         assert flat.tolist() == [i for t in part for i in tok.encode(t)] and lens.tolist() == [len(tok.encode(t)) for t in part]
-    assert tok._words.cached_words > 1000  # ASCII texts really went word by word
-    assert tok._words.split("caf\u00e9 au lait") is None and tok._words.split("a\x1cb") is None
+    assert tok._words.cached_words > 1000  # the texts really went word by word
+    assert tok._words.split("caf\u00e9 au lait \u201cquoted\u201d") == (["caf\u00e9"], ["au", "lait", "\u201cquoted\u201d"])
+    assert tok._words.split("a\x1cb") is None  # Python whitespace, not Unicode's: whole
+
+
+@pytest.mark.skipif(not (GPT2_DIR / "gpt2-vocab.json").is_file(), reason="GPT-2 files absent")
+def test_gpt2_word_cache_at_every_whitespace_character() -> None:
+    """Every character Python calls whitespace (where words are cut), and a few that look like it but are
+    not (zero-width space, BOM, word joiner, Mongolian vowel separator), next to letters, digits, punctuation,
+    a space and each other: the cached ids equal the library's whole-text ids."""
+    import sys
+
+    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
+
+    tok = GPT2BPETokenizer(GPT2_DIR / "gpt2-vocab.json", GPT2_DIR / "gpt2-merges.txt")
+    spaces = [chr(i) for i in range(sys.maxunicode + 1) if chr(i).isspace()]
+    assert len(spaces) >= 25
+    texts = []
+    for c in spaces + ["\u200b", "\ufeff", "\u2060", "\u180e"]:
+        texts += [f"x{c}y", f"x{c}{c}y", f"x {c}y", f"x{c} y", f"{c}x", f"x{c}", f"it{c}'s", f"4{c}2", f"!{c}?",
+                  f"caf\u00e9{c}na\u00efve {c} \u201cq\u201d", f"a{c}\n b",
+                  f"\u00e9!{c}?", f"\u00e9 ({c}{c}) -{c}-"]  # non-ASCII: the Unicode path
+    texts += [f"a{c}{d}b" for c in spaces for d in (" ", "\n", "\t")]
+    for s in range(0, len(texts), 128):
+        part = texts[s:s + 128]
+        assert tok.encode_batch(part) == [tok.encode(t) for t in part]

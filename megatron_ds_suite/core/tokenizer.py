@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.spm_words import WordCachedEncoder
-from megatron_ds_suite.core.word_cache import WordCache, ascii_whitespace_split
+from megatron_ds_suite.core.word_cache import WordCache, whitespace_split
 
 logger = logging.getLogger(__name__)
 
@@ -170,9 +170,9 @@ class GPT2BPETokenizer(Tokenizer):
         # encode_batch_fast (tokenizers >= 0.21) skips offset tracking; same ids, multi-threaded.
         fast = getattr(tok, "encode_batch_fast", tok.encode_batch)
         self._encode_many = lambda texts: [e.ids for e in fast(texts, add_special_tokens=False)]
-        # GPT-2's pre-tokenizer never spans a non-space -> space boundary: ASCII texts go word by word
-        # through a cache (same ids, tested against OpenAI's encoder); others to the Rust library whole
-        self._words = WordCache(self._encode_many, ascii_whitespace_split)
+        # GPT-2's pre-tokenizer never spans a non-space -> space boundary: texts go word by word through a
+        # cache (same ids as the library, tests/test_word_cache.py); texts with \x1c-\x1f go to it whole
+        self._words = WordCache(self._encode_many, whitespace_split)
 
     @property
     def vocab_size(self) -> int:

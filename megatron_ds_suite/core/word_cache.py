@@ -26,6 +26,8 @@ Split = Callable[[str], "tuple[list[str], list[str]] | None"]
 
 _ASCII_WS = " \t\n\r\x0b\x0c"
 _ASCII_WORDS = re.compile(f"[{_ASCII_WS}]*[^{_ASCII_WS}]+|[{_ASCII_WS}]+")
+_WORDS = re.compile(r"\s*\S+|\s+")  # Python's \s: str.isspace (Unicode White_Space plus \x1c-\x1f)
+_OTHER_WS = re.compile(r"[^\S ]")  # any whitespace but the plain space
 _NOT_WS_EVERYWHERE = re.compile("[\x1c-\x1f]")  # whitespace to Python's str.isspace, not to Unicode/Rust
 
 
@@ -38,14 +40,21 @@ def single_space_split(text: str, word_re: re.Pattern[str], spaces: str) -> tupl
     return word_re.findall(text), []
 
 
-def ascii_whitespace_split(text: str) -> tuple[list[str], list[str]] | None:
-    """GPT-2's regex pre-tokenizer never matches across a non-whitespace -> whitespace boundary (its
-    whitespace runs end before a word, its words start with at most one space), so words split there are
-    independent. Only ASCII texts: there Python's whitespace and the Rust regex's agree (except the
-    separators \x1c-\x1f, which send the text to the tokenizer whole)."""
-    if not text.isascii() or _NOT_WS_EVERYWHERE.search(text):
+def whitespace_split(text: str) -> tuple[list[str], list[str]] | None:
+    r"""Words for GPT-2's regex pre-tokenizer, which never matches across a non-whitespace -> whitespace
+    boundary (its whitespace runs end before a word, its words start with at most one space; no lookbehind),
+    so words cut there are independent. A cut is made only where Python's whitespace follows Python's
+    non-whitespace: Python's whitespace (``str.isspace``) is Unicode White_Space, which the Rust regex's
+    ``\s`` is, plus the separators \x1c-\x1f, which are not, so a text holding one goes whole. Single-spaced
+    text without other whitespace takes ``str.split(" ")``."""
+    if _NOT_WS_EVERYWHERE.search(text):
         return None
-    return single_space_split(text, _ASCII_WORDS, _ASCII_WS)
+    if text.isascii():
+        return single_space_split(text, _ASCII_WORDS, _ASCII_WS)
+    if text and text[0] != " " and text[-1] != " " and "  " not in text and not _OTHER_WS.search(text):
+        words = text.split(" ")
+        return words[:1], words[1:]
+    return _WORDS.findall(text), []
 
 
 class WordCache:
