@@ -23,9 +23,7 @@ bandwidth of an element-wise add (``hbm_gbs``, ``memory_efficiency`` 1) for the 
 "+ links + overhead" column adds the time that does not scale with FLOPs (``TimeModel.overhead_step_s`` and
 ``overhead_layer_s``), measured at each TP degree by timing the same training step of a model too small to
 compute anything at 1 and 3 layers; at TP > 1 that includes the all-reduces' latency as it occurs inside a
-step, so that column takes only the bandwidth term from the link measurement. "+ GEMM-shape peak" replaces the one
-big-matmul peak by the one-thread throughput on exactly the GEMMs of each configuration's step on one TP rank
-(``gemm_tflops``, measured before the sweep), since small GEMMs run further below the peak than large ones.
+step, so that column takes only the bandwidth term from the link measurement.
 
     .venv/bin/python -m benchmarks.bench_plan_fidelity --steps 5
 """
@@ -158,32 +156,6 @@ def measure_overheads(run_distributed, heads: int, steps: int, warmup: int, tp: 
     return max(secs[1] - per_layer, 0.0), per_layer
 
 
-def gemm_tflops(batch: int, seq: int, hidden: int, heads: int, layers: int, vocab: int, tp: int,
-                reps: int = 5) -> float:
-    """One thread's TFLOP/s on exactly the GEMMs of one training step of this configuration on one TP rank
-    (``bench_step_parts.step_gemms``: forward, input- and weight-gradient GEMMs of every linear, attention's
-    bmm's), each shape timed alone (best of ``reps``): the matmul peak at the shapes the step has, where a
-    large square matmul overstates what small GEMMs reach."""
-    import torch
-
-    from benchmarks.bench_step_parts import step_gemms
-
-    gen = torch.Generator().manual_seed(0)
-
-    def make(shape):
-        if shape[0] == "T":  # an [r, c] transposed view of a [c, r] tensor, as autograd passes it
-            return torch.randn(*reversed(shape[1:]), generator=gen).transpose(-1, -2)
-        return torch.randn(*shape, generator=gen)
-
-    flops = secs = 0.0
-    for _, cnt, sa, sb in step_gemms(batch, seq, hidden, heads, layers, vocab, tp):
-        a, b = make(sa), make(sb)
-        fn = torch.bmm if a.dim() == 3 else torch.mm
-        flops += cnt * 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
-        secs += cnt * min(common.timed(lambda: fn(a, b), 3) for _ in range(reps))
-    return flops / secs / 1e12
-
-
 def predict(hidden: int, layers: int, seq: int, tp: int, a: dict, hw, fraction: float, tm=None) -> float:
     """The planner's seconds per step for one configuration."""
     from training.plan import Layout, ModelShape, TimeModel, step_time
@@ -250,24 +222,17 @@ def main(argv: list[str] | None = None) -> None:
     def tm_at(tm, tp: int):  # a TimeModel, or one per TP degree
         return tm[tp] if isinstance(tm, dict) else tm
 
-    def hw_at(hw_m, c: tuple):  # a Hardware, or one per configuration
-        return hw_m[c] if isinstance(hw_m, dict) else hw_m
-
-    def calibrated(hw_m, tm) -> float:
-        with_overhead = predict(*calib, base, hw_at(hw_m, calib), 1.0, tm_at(tm, calib[3]))
-        overhead = predict(*calib, base, hw_at(hw_m, calib), math.inf, tm_at(tm, calib[3]))
+    def calibrated(tm) -> float:
+        with_overhead = predict(*calib, base, hw, 1.0, tm_at(tm, calib[3]))
+        overhead = predict(*calib, base, hw, math.inf, tm_at(tm, calib[3]))
         if measured[calib] <= overhead:  # too small a configuration to calibrate on: that model is left out
             log.warning("calibration configuration %s took %.4f s, not more than the fixed overhead %.4f s: "
                         "choose a larger one with --calibrate", calib, measured[calib], overhead)
             return math.nan
         return (with_overhead - overhead) / (measured[calib] - overhead)
 
-    # the matmul peak at each configuration's own GEMM shapes (measured, one thread, before the sweep)
-    gemm_peak = {c: gemm_tflops(args.batch, c[2], c[0], args.heads, c[1], padded, c[3]) for c in configs}
-    hw_shapes = {c: dataclasses.replace(hw_links, peak_tflops={"fp32": gemm_peak[c]}) for c in configs}
-    models = {"compute only": (hw, None), "+ links": (hw_links, tm_links), "+ links + overhead": (hw_links, tm_full),
-              "+ GEMM-shape peak": (hw_shapes, tm_full)}
-    fractions = {name: calibrated(hw_m, tm) for name, (hw_m, tm) in models.items()}
+    models = {"compute only": (hw, None), "+ links": (hw_links, tm_links), "+ links + overhead": (hw_links, tm_full)}
+    fractions = {name: calibrated(tm) for name, (_, tm) in models.items()}
     rows = []
     errors: dict[str, list[float]] = {name: [] for name in models}
     for c in configs:
@@ -277,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
             if math.isnan(fractions[name]):
                 row += ["n/a", "n/a"]
                 continue
-            pred = predict(*c, base, hw_at(hw_m, c), fractions[name], tm_at(tm, c[3]))
+            pred = predict(*c, base, hw_m, fractions[name], tm_at(tm, c[3]))
             err = (pred - measured[c]) / measured[c] * 100
             if c != calib:
                 errors[name].append(abs(err))
@@ -294,8 +259,6 @@ def main(argv: list[str] | None = None) -> None:
           f"beta {beta / 1e9:.2f} GB/s; one-thread element-wise {membw / 1e9:.2f} GB/s; fixed overhead " +
           "; ".join(f"TP {tp}: {ov[0] * 1e3:.2f} ms per step + {ov[1] * 1e3:.2f} ms per layer per micro-batch"
                     for tp, ov in overheads.items()))
-    print("- one-thread matmul TFLOP/s at each configuration's GEMM shapes: " +
-          ", ".join(f"{c[0]}/{c[1]}/{c[2]}/TP{c[3]} {v * 1e3:.0f} G" for c, v in gemm_peak.items()))
     for name, errs in errors.items():
         if not errs:
             continue
@@ -305,8 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     print(common.markdown_table(["hidden", "layers", "seq", "TP", "measured s/step (best launch)",
                                  "slowest launch", "CPU s/step (max rank)",
                                  "predicted, compute only", "error %", "predicted, + links", "error %",
-                                 "predicted, + links + overhead", "error %", "predicted, + GEMM-shape peak",
-                                 "error %"], rows))
+                                 "predicted, + links + overhead", "error %"], rows))
 
 
 if __name__ == "__main__":

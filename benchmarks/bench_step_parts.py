@@ -97,21 +97,18 @@ def bench_attention(args) -> None:
     print(f"\nSpeed-up ours/sdpa: {common.ratio_samples(res['sdpa'], res['ours']).fmt('.3f')}")
 
 
-def step_gemms(b: int, s: int, h: int, n: int, layers: int, vocab: int,
-               tp: int = 1) -> list[tuple[str, int, tuple, tuple]]:
-    """(name, count per step, A shape, B shape) of every matmul in a forward + backward of GPT-2, on one
-    rank of a TP = ``tp`` group (column-parallel qkv, fc and logits split their outputs, row-parallel
-    projections their inputs, attention its heads).
+def step_gemms(b: int, s: int, h: int, n: int, layers: int, vocab: int) -> list[tuple[str, int, tuple, tuple]]:
+    """(name, count per step, A shape, B shape) of every matmul in a forward + backward of GPT-2.
 
     A linear y = x W^T with x [b s, k], W [j, k] costs three GEMMs: forward x @ W^T, input gradient
     dy @ W ([b s, j] x [j, k]) and weight gradient dy^T @ x ([j, b s] x [b s, k]). Attention per
     (batch, head): scores Q K^T [s, hn] x [hn, s] and probs V [s, s] x [s, hn], each with two gradient
     bmm's of the same size. Layouts are the ones autograd uses (transposed views, not copies).
     """
-    t, hn, bn = b * s, h // n, b * n // tp
+    t, hn, bn = b * s, h // n, b * n
     out = []
-    for name, k, j in (("qkv", h, 3 * h // tp), ("attn proj", h // tp, h), ("fc", h, 4 * h // tp),
-                       ("fc proj", 4 * h // tp, h), ("logits (tied)", h, vocab // tp)):
+    for name, k, j in (("qkv", h, 3 * h), ("attn proj", h, h), ("fc", h, 4 * h), ("fc proj", 4 * h, h),
+                       ("logits (tied)", h, vocab)):
         cnt = 1 if name.startswith("logits") else layers
         out += [(f"{name} fwd", cnt, (t, k), ("T", k, j)), (f"{name} dgrad", cnt, (t, j), (j, k)),
                 (f"{name} wgrad", cnt, ("T", j, t), (t, k))]
