@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
-from megatron_ds_suite.core.spm_words import WordCachedEncoder, proto_fields, word_mode
+from megatron_ds_suite.core.spm_words import WordCachedEncoder, proto_fields, spm_split, word_mode
+from megatron_ds_suite.core.word_cache import WordCache
 from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer
 from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
 
@@ -138,8 +139,8 @@ def test_words_would_differ_without_the_checks() -> None:
         sp = _train_raw(**settings)
         enc = WordCachedEncoder(sp)
         assert enc.mode is None
-        enc.mode = "prefix"  # force the word split the check refused
-        assert enc.encode_batch(flat) != [list(x) for x in sp.Encode(flat, out_type=int)]
+        forced = WordCache(lambda texts, sp=sp: sp.Encode(texts, out_type=int), spm_split("prefix"))  # refused split
+        assert forced.encode_batch(flat) != [list(x) for x in sp.Encode(flat, out_type=int)]
 
 
 def test_proto_field_numbers_match_sentencepiece_descriptors() -> None:

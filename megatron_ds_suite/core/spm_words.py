@@ -125,12 +125,3 @@ class WordCachedEncoder(WordCache):
         self.sp = sp
         self.mode = word_mode(sp.serialized_model_proto())
         super().__init__(lambda texts: sp.Encode(texts, out_type=int), spm_split(self.mode), cache_limit)
-
-    @property
-    def mode(self) -> str | None:
-        return self._mode
-
-    @mode.setter
-    def mode(self, value: str | None) -> None:  # tests force a split the checks refuse
-        self._mode = value
-        self.split = spm_split(value)
