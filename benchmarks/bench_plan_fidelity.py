@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--reps", type=int, default=3, help="launches per configuration, in rotating order")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", default=None, metavar="OUT",
+                   help="also write the measurements (peak, links, overheads, every launch) to OUT as JSON, so the "
+                        "model can be re-evaluated without re-measuring")
     p.add_argument("--calibrate", default=None,
                    help="config to calibrate on, 'h,l,s,tp' (default: the TP = 1 configuration of median FLOPs)")
     args = p.parse_args(argv)
@@ -248,6 +251,15 @@ def main(argv: list[str] | None = None) -> None:
                 errors[name].append(abs(err))
             row += [f"{pred:.4f}", "calibration" if c == calib else f"{err:+.1f}"]
         rows.append(row)
+    if args.json:
+        from megatron_ds_suite.core import atomic
+
+        atomic.write_json(args.json, {
+            "args": vars(args), "peak_tflops": peak, "alpha_s": alpha, "beta_bytes_s": beta, "elementwise_bytes_s": membw,
+            "overheads": {str(tp): list(ov) for tp, ov in overheads.items()}, "padded_vocab": padded,
+            "calibrate": list(calib), "cpu_count": os.cpu_count(),
+            "launches": [{"hidden": c[0], "layers": c[1], "seq": c[2], "tp": c[3], "wall_cpu_s": cpu_runs[c]}
+                         for c in configs]})
     print()
     print(common.markdown_header(info, common.load_average()))
     print(f"- GPT-2 fp32, dropout 0.1, {args.heads} heads, batch {args.batch}, vocab {args.vocab} padded to {padded}, "

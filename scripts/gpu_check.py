@@ -76,7 +76,16 @@ class Context:
 
     def validate(self, cmd: list[str], nproc: int) -> None:
         """Dry run: a planned pretraining command's config must load and fit its process count (the
-        same checks the entry point makes before any process group), so a bad plan fails on CPU."""
+        same checks the entry point makes before any process group), and an evaluation command must
+        parse with evaluation's own parser, so a bad plan fails on CPU."""
+        if cmd[:2] == ["-m", "evaluation"]:
+            from evaluation.cli import build_parser
+
+            try:
+                build_parser().parse_args(cmd[2:])
+            except SystemExit as e:
+                raise ValueError(f"planned evaluation command does not parse: {shlex.join(cmd)}") from e
+            return
         if cmd[:2] != ["-m", "training.pretrain"]:
             return
         from training.config import check_world, load_config
@@ -149,7 +158,7 @@ def race_finetune(ctx: Context) -> tuple[bool, str]:
 
 def evaluation(task: str) -> Callable[[Context], tuple[bool, str]]:
     def check(ctx: Context) -> tuple[bool, str]:
-        data = (ctx.data / "eval" / "wikitext-103" / "wiki.test.tokens" if task == "wikitext"
+        data = (ctx.data / "eval" / "wikitext-103" / "wiki.test.tokens" if task == "wikitext103"
                 else ctx.data / "eval" / "lambada" / "lambada_test.jsonl")
         out = ctx.out / "eval" / f"{task}.json"
         limit = str(ctx.args.eval_limit)
@@ -158,7 +167,7 @@ def evaluation(task: str) -> Callable[[Context], tuple[bool, str]]:
         if ctx.dry:
             return True, "planned"
         r = json.loads(out.read_text())
-        if task == "wikitext":
+        if task == "wikitext103":
             return math.isfinite(r["ppl"]), f"ppl {r['ppl']:.1f} (adjusted {r['adjusted_ppl']:.1f}), {limit} lines, " \
                                             f"{r['tokens_per_second']:.0f} tok/s"
         return 0.0 <= r["accuracy"] <= 1.0, f"accuracy {r['accuracy']:.4f} on {r['count']} examples"
@@ -219,7 +228,7 @@ CHECKS: list[tuple[str, int, Callable[[Context], tuple[bool, str]]]] = [
     ("gpt2_pp2", 2, gpt2(1, "fp16", pp=2)),
     ("bert_20", 1, bert_20),
     ("race_finetune", 1, race_finetune),
-    ("wikitext103", 1, evaluation("wikitext")),
+    ("wikitext103", 1, evaluation("wikitext103")),
     ("lambada", 1, evaluation("lambada")),
     ("resume_equal", 1, resume_equal),
     ("hf_export", 1, hf_export),

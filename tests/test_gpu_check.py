@@ -28,7 +28,7 @@ def test_dry_run_plans_every_check_and_renders_the_table(capsys, tmp_path):
     assert "--nproc_per_node=2 -m training.pretrain" in rows["gpt2_tp2_bf16"][1]
     assert "parallel.pipeline=2" in rows["gpt2_pp2"][1] and "precision.dtype=fp16" in rows["gpt2_pp2"][1]
     assert rows["resume_equal"][1].count("training.pretrain") == 3 and "train.exit_at=15" in rows["resume_equal"][1]
-    assert "-m evaluation wikitext" in rows["wikitext103"][1] and "--limit 500" in rows["wikitext103"][1]
+    assert "-m evaluation wikitext103 " in rows["wikitext103"][1] and "--limit 500" in rows["wikitext103"][1]
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
 
 
@@ -59,6 +59,15 @@ def test_a_bad_plan_fails_on_cpu(tmp_path):
     with pytest.raises(ConfigError, match="parallel.tensor=3"):
         ctx.run("x", ["-m", "training.pretrain", "--config", str(ROOT / "configs" / "gpt2_tiny.yaml"),
                       "parallel.tensor=3"], nproc=3)
+
+
+def test_a_planned_evaluation_command_must_parse(tmp_path):
+    # the GPU run of 2026-11-26 found the plan calling `evaluation wikitext` (the task is `wikitext103`):
+    # the dry run now parses every evaluation command with evaluation's own parser
+    ctx = gpu_check.Context(gpu_check.parse_args(["--cpu-dry-run"]), 1, True, tmp_path, tmp_path)
+    with pytest.raises(ValueError, match="does not parse: -m evaluation wikitext --checkpoint"):
+        ctx.run("x", ["-m", "evaluation", "wikitext", "--checkpoint", "c", "--data", "d"], nproc=1)
+    ctx.run("x", ["-m", "evaluation", "wikitext103", "--checkpoint", "c", "--data", "d"], nproc=1)
 
 
 def test_render_escapes_pipes():
