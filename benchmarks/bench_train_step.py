@@ -89,20 +89,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def init_single_process(device: str) -> None:
-    """World of one process (gloo on CPU, NCCL on a GPU): DeepSpeed's engine and our ParallelState
-    need torch.distributed."""
-    from megatron_ds_suite.testing import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", LOCAL_SIZE="1")
-    from training.runtime.distributed import init_distributed
-
-    if device == "cuda":
-        torch.cuda.set_device(0)
-    init_distributed("nccl" if device == "cuda" else "gloo")
-
-
 def project_config(args):
     from training.config import Config, ModelConfig
 
@@ -259,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ["DS_ACCELERATOR"] = args.device  # before deepspeed is imported
-    init_single_process(args.device)
+    common.init_single_process(args.device)
     for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
 

@@ -224,10 +224,28 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def init_single_process(device: str) -> None:
+    """World of one process (gloo on CPU, NCCL on a GPU): DeepSpeed's engine and our ParallelState
+    need torch.distributed."""
+    import torch
+
+    from megatron_ds_suite.testing import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_SIZE="1")
+    from training.runtime.distributed import init_distributed
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    init_distributed("nccl" if device == "cuda" else "gloo")
+
+
 def tp_gpt2_engine(a: dict, world: int) -> tuple[Any, Any, Any]:
     """(engine, tokens, labels): a TP = ``world`` GPT-2 (``a``: layers, hidden, heads, seq, vocab, padded,
-    batch, optional dropout) under ``deepspeed.initialize`` with the project's AdamW and schedule, fp32,
-    DP = 1, as training builds it, and one fixed random batch. Called inside a ``run_distributed`` rank."""
+    batch, optional dropout, optional device 'cpu'/'cuda' and dtype, default cpu fp32) under
+    ``deepspeed.initialize`` with the project's optimizer and schedule as training picks them for that device
+    and dtype (``training.optim.build_optimizer``: DeepSpeed's FusedAdam for fp16 on CUDA), DP = 1, and one
+    fixed random batch on the engine's device. Called inside a process with a default process group."""
     import deepspeed
     import torch
 
@@ -242,13 +260,15 @@ def tp_gpt2_engine(a: dict, world: int) -> tuple[Any, Any, Any]:
     cfg.model = ModelConfig(num_layers=a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"],
                             seq_length=a["seq"], vocab_size=a["vocab"], **dropout)
     cfg.train.micro_batch_size = cfg.train.global_batch_size = a["batch"]
+    device, dtype = a.get("device", "cpu"), a.get("dtype", "fp32")
+    cfg.precision.dtype = dtype
     ps = ParallelState(tp=world)
     tp_random.configure(ps, cfg.model.num_layers)
     tp_random.set_seed(cfg.train.seed)
     model = GPT2Model(cfg.model, a["padded"], ps.tp_group, seed=cfg.train.seed).train()
-    opt, sched = build_optimizer(model, cfg.optimizer, 10**6)
+    opt, sched = build_optimizer(model, cfg.optimizer, 10**6, device_type=device, dtype=dtype)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=ps,
-                                      config=deepspeed_config(cfg, 1, "fp32"), dist_init_required=False)
+                                      config=deepspeed_config(cfg, 1, dtype), dist_init_required=False)
     gen = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, a["vocab"], (a["batch"], a["seq"] + 1), generator=gen)
+    seq = torch.randint(0, a["vocab"], (a["batch"], a["seq"] + 1), generator=gen).to(engine.device)
     return engine, seq[:, :-1].contiguous(), seq[:, 1:].contiguous()

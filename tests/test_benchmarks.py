@@ -1,6 +1,8 @@
 """The benchmark scripts run, and their accounting is right (tiny sizes; no timing is asserted)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.distributed import SHARED_DATA, run_distributed
@@ -64,12 +66,19 @@ def test_eval_benchmark_candidates_agree():
     assert "scored positions, batch 4" in text and "full logits, batch 1" in text
 
 
-def test_plan_fidelity_benchmark_calibrates_on_one_config_and_predicts_the_others(capsys):
+def test_plan_fidelity_benchmark_calibrates_on_one_config_and_predicts_the_others(tmp_path, capsys):
     from benchmarks import bench_plan_fidelity
 
+    out = tmp_path / "fidelity.json"
     bench_plan_fidelity.main(["--hidden", "32", "--layers", "1", "2", "--seq", "16", "--tp", "1", "--heads", "2",
-                              "--batch", "2", "--vocab", "256", "--steps", "1", "--warmup", "1", "--reps", "1"])
+                              "--batch", "2", "--vocab", "256", "--steps", "1", "--warmup", "1", "--reps", "1",
+                              "--json", str(out)])
     text = capsys.readouterr().out
+    # --json: every launch's (wall, CPU) and the constants, for re-evaluating the model without re-measuring
+    d = json.loads(out.read_text())
+    assert [(r["hidden"], r["layers"], r["seq"], r["tp"]) for r in d["launches"]] == [(32, 1, 16, 1), (32, 2, 16, 1)]
+    assert all(len(r["wall_cpu_s"]) == 1 for r in d["launches"]) and set(d["overheads"]) == {"1"}
+    assert f"| 32 | 1 | 16 | 1 | {d['launches'][0]['wall_cpu_s'][0][0]:.4f} |" in text
     rows = [[c.strip() for c in line.strip("| \n").split("|")] for line in text.splitlines()
             if line.startswith("| ") and not line.startswith("| hidden")]
     assert [r[:4] for r in rows] == [["32", "1", "16", "1"], ["32", "2", "16", "1"]], text
@@ -84,6 +93,18 @@ def test_plan_fidelity_benchmark_calibrates_on_one_config_and_predicts_the_other
     # run was not slower than the overhead alone), and the overhead is reported
     assert calib[12] == "calibration" or calib[11:] == ["n/a", "n/a"]
     assert "fixed overhead" in text and " ms per layer per micro-batch" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cuda", "--tp", "1", "2"], "--tp 1 only (NCCL allows one rank per GPU)"),
+    (["--dtype", "fp16"], "--device cpu measures fp32"),
+])
+def test_plan_fidelity_refuses_what_it_cannot_measure(argv, message, capsys):
+    from benchmarks import bench_plan_fidelity
+
+    with pytest.raises(SystemExit) as e:
+        bench_plan_fidelity.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_tokenize_benchmark_checks_the_word_cache_against_sentencepiece(capsys):

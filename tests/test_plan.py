@@ -330,6 +330,30 @@ def test_cli_errors_are_one_line(argv, fragment, capsys):
     assert fragment in err and "\n" not in err and err.startswith("error: ")
 
 
+def _total_no_ckpt(out: str) -> float:
+    section = out[out.index("predicted step time"):]
+    line = next(x for x in section.splitlines() if x.strip().startswith("total"))
+    return float(line.split()[1])
+
+
+def test_cli_overhead_flags_add_the_measured_host_time(tmp_path, capsys):
+    """The H200 row of docs/plan.md (h 1536, l 24, s 1024, batch 8, fp16, TP 1): with the fixed costs
+    bench_plan_fidelity measured there (7.09 ms per step, 3.31 ms per layer) and its calibrated fraction
+    0.639, the CLI predicts the bench's 0.1512 s (measured 0.1770 s); the flags add exactly those costs."""
+    cfg = tmp_path / "h200.yaml"
+    cfg.write_text("model:\n  num_layers: 24\n  hidden_size: 1536\n  num_attention_heads: 16\n  seq_length: 1024\n"
+                   "  vocab_size: 50257\ntrain:\n  micro_batch_size: 8\n  global_batch_size: 8\n")
+    base = ["--config", str(cfg), "--gpu", "h200", "--dtype", "fp16", "--compute-fraction", "0.639"]
+    assert plan.main(base) == 0
+    plain = _total_no_ckpt(capsys.readouterr().out)
+    assert plan.main(base + ["--overhead-step-ms", "7.09", "--overhead-layer-ms", "3.31"]) == 0
+    with_host = _total_no_ckpt(capsys.readouterr().out)
+    assert with_host == pytest.approx(0.1512, abs=2e-4)
+    assert with_host - plain == pytest.approx(0.00709 + 24 * 0.00331, abs=2e-4)
+    assert plan.main(base + ["--overhead-layer-ms", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --overhead-layer-ms must be >= 0, got -1.0"
+
+
 def test_cli_paper_comparison(capsys):
     assert plan.main(["--paper-comparison"]) == 0
     out = capsys.readouterr().out

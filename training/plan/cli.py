@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fraction of the DP all-reduce hidden behind backward (0..1)")
     ap.add_argument("--compute-fraction", type=float, default=None,
                     help="achieved fraction of peak (default: calibrated/table value)")
+    ap.add_argument("--overhead-step-ms", type=float, default=0.0,
+                    help="host time per optimizer step that does not scale with FLOPs, in ms (default 0; measure it "
+                         "with benchmarks.bench_plan_fidelity: 7.1 ms on one H200 with this project's fp16 stack)")
+    ap.add_argument("--overhead-layer-ms", type=float, default=0.0,
+                    help="host time per layer per micro-batch, in ms (default 0; measured 3.3 ms on one H200, see "
+                         "docs/plan.md)")
     ap.add_argument("--paper-comparison", action="store_true",
                     help="print the Megatron-LM weak-scaling prediction vs the paper and exit")
     ap.add_argument("overrides", nargs="*", help="config overrides section.key=value")
@@ -74,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--dp-overlap must be in [0, 1], got {args.dp_overlap}")
         if args.compute_fraction is not None and not 0.0 < args.compute_fraction <= 1.0:
             raise ConfigError(f"--compute-fraction must be in (0, 1], got {args.compute_fraction}")
-        tm = TimeModel(compute_fraction=args.compute_fraction, dp_overlap=args.dp_overlap)
+        for flag in ("overhead_step_ms", "overhead_layer_ms"):
+            if getattr(args, flag) < 0:
+                raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+        tm = TimeModel(compute_fraction=args.compute_fraction, dp_overlap=args.dp_overlap,
+                       overhead_step_s=args.overhead_step_ms / 1e3, overhead_layer_s=args.overhead_layer_ms / 1e3)
         if args.paper_comparison:
             print(render_paper_comparison("v100-32gb", tm))
             return 0
