@@ -5,10 +5,14 @@
 #
 #   bash benchmarks/gpu_wheels.sh            # here: fills .whl/ (git-ignored), prints the command to run there
 #
-# DeepSpeed is built here as a pure-Python wheel (DS_BUILD_OPS=0: its CUDA ops are JIT-compiled on first
-# use, and the benchmark uses none of them: torch's fused AdamW, SDPA, our own layers). Its other missing
-# requirements (pydantic and friends, hjson) are downloaded as CPython 3.12 manylinux wheels, versions
-# pinned to what this project's .venv resolved, so the two sides run the same code.
+# DeepSpeed is built here as a pure-Python wheel (DS_BUILD_OPS=0: its CUDA ops, FusedAdam among them, are
+# JIT-compiled there on first use with the machine's nvcc and ninja). Its other missing requirements
+# (pydantic and friends, hjson) and the project's runtime dependencies the image lacks (ftfy, wcwidth,
+# datasketch for the corpus code; evaluate with datasets, dill, multiprocess for `python -m evaluation`) are
+# downloaded as CPython 3.12 manylinux wheels, versions pinned to what this project's .venv resolved, so the
+# two sides run the same code. With them `python -m scripts.gpu_check --data DIR` runs every check there
+# (DIR: a copy of ../shared/data inside the checkout, e.g. a git-ignored .gpudata/, since only the
+# checkout travels). Run of 2026-11-26 on one H200: benchmarks/RESULTS.md, "Training step (GPU)".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -21,7 +25,9 @@ DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl.tmp 
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .whl.tmp "pydantic==$(version pydantic)" "pydantic-core==$(version pydantic-core)" \
   "annotated-types==$(version annotated-types)" "typing-inspection==$(version typing-inspection)" \
-  "hjson==$(version hjson)"
+  "hjson==$(version hjson)" "ftfy==$(version ftfy)" "wcwidth==$(version wcwidth)" \
+  "datasketch==$(version datasketch)" "evaluate==$(version evaluate)" "datasets==$(version datasets)" \
+  "dill==$(version dill)" "multiprocess==$(version multiprocess)"
 rm -rf .whl && mv .whl.tmp .whl
 ls -l .whl
 cat <<'EOF'

@@ -16,7 +16,7 @@ if [[ " $* " != *" --cpu-dry-run "* ]]; then
     || { echo "gpu_check: $PY's torch has no CUDA: install a CUDA build of torch first" >&2; exit 2; }
   # the project and its requirements (a CUDA torch already present is kept); ninja for DeepSpeed's JIT
   # FusedAdam kernel, transformers for the HF export check
-  if ! "$PY" -c "import deepspeed, transformers, sentencepiece, datasets" >/dev/null 2>&1; then
+  if ! "$PY" -c "import deepspeed, transformers, sentencepiece, datasets, evaluate, ftfy, datasketch" >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-build-isolation -e . ninja transformers
   fi
   "$PY" -m pip install -q ninja >/dev/null 2>&1 || true
