@@ -239,8 +239,12 @@ def profile(runners: dict[str, Runner], steps: int, rows: int, device: str = "cp
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for name, r in runners.items():
-        r.step()
+        r.warm_up(2)  # past fp16's skipped steps: a skipped step has no optimizer work to profile
+        skipped = r.skipped()
+        sync()
+        t0 = time.perf_counter()
         with tprofile(activities=activities, record_shapes=False) as prof:
             for _ in range(steps):
                 with record_function(f"{name}.forward"):
@@ -254,7 +258,12 @@ def profile(runners: dict[str, Runner], steps: int, rows: int, device: str = "cp
                         clip_grad_norm_(r.model.parameters(), r.clip, mpu=r.mpu)
                 with record_function(f"{name}.optimizer_step"):
                     r.engine.step()
-        print(f"\n=== {name}: {steps} steps, operators by {sort.replace('_', ' ')} ===")
+        sync()
+        wall = (time.perf_counter() - t0) / steps
+        print(f"\n=== {name}: {steps} steps ({wall * 1e3:.1f} ms each, profiler on; {r.skipped() - skipped} skipped by "
+              f"fp16 loss scaling), operators by {sort.replace('_', ' ')} ===")
+        if device == "cuda":
+            print("(GPU busy share of a step = 'Self CUDA time total' below / steps / the step time above)")
         print(prof.key_averages().table(sort_by=sort, row_limit=rows))
         print(f"=== {name}: phases (total CPU time) ===")
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8))

@@ -48,6 +48,15 @@ def test_train_step_benchmark_runs_both_models(dtype):
         assert all(int(rows[m].rstrip(" |").split("|")[-1].split("(")[1].split(")")[0]) > 0 for m in ("ours", "hf"))
 
 
+def test_profile_mode_profiles_applied_fp16_steps():
+    argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "300",
+            "--dtype", "fp16", "--only", "ours", "--profile", "2", "--profile-rows", "5"]
+    text = run_distributed(_bench_worker, 1, argv)[0]
+    head = next(line for line in text.splitlines() if line.startswith("=== ours: 2 steps"))
+    assert "0 skipped by fp16 loss scaling" in head, head  # warmed up past the skips from 2^32 first
+    assert "ours.optimizer_step" in text
+
+
 def _timed_applied_worker(rank, world, steps):
     import torch
 
