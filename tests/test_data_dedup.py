@@ -66,6 +66,28 @@ def test_lsh_params_recall_biased():
     assert dd.lsh_params(0.7, 128, 16, 8) == (16, 8)
 
 
+@pytest.mark.parametrize("num_perm", [16, 64, 128, 256])
+def test_lsh_params_equal_datasketch_choice(num_perm):
+    """Our scipy-free optimum (Gauss-Legendre, exact for these polynomials) picks datasketch's pair."""
+    from datasketch.lsh import _optimal_param
+
+    for t in np.arange(0.3, 0.96, 0.05):
+        for w in ((0.1, 0.9), (0.5, 0.5), (0.9, 0.1), (0.3, 0.7)):
+            want = tuple(int(x) for x in _optimal_param(float(t), num_perm, *w))
+            assert dd.lsh_params(float(t), num_perm, None, None, w) == want, (t, w)
+
+
+def test_affine32_permutations_equal_datasketch():
+    from data_pipeline.dedup.minhash import affine32_permutations
+
+    for num_perm, seed in ((128, 1), (128, 1234), (64, 7), (256, 0)):
+        a, b = affine32_permutations(num_perm, seed)
+        ref_a, ref_b = MinHash(num_perm=num_perm, seed=seed, scheme="affine32").permutations
+        np.testing.assert_array_equal(a, ref_a)
+        np.testing.assert_array_equal(b, ref_b)
+        assert a.dtype == b.dtype == np.uint32 and np.all(a % 2 == 1)
+
+
 def test_signature_equals_datasketch_reference():
     spec = dd.ShingleSpec(5, "word")
     signer = dd.Signer(128, 7, spec)

@@ -29,15 +29,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def affine32_permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(a, b), uint32[num_perm] each: datasketch's ``affine32`` permutations ``h -> a·h + b mod 2^32`` (odd
+    ``a``) for ``seed``, drawn as datasketch 2.x draws them (``numpy.random.RandomState(seed)``: the halves
+    of ``a``, then ``b``). Drawn here because importing datasketch imports scipy (0.33 s in every build);
+    ``tests/test_data_dedup_fast.py`` checks them against ``datasketch.MinHash(...).permutations``."""
+    gen = np.random.RandomState(seed)
+    a = gen.randint(0, 1 << 31, num_perm, dtype=np.uint32) * np.uint32(2) + np.uint32(1)
+    b = gen.randint(0, 1 << 32, num_perm, dtype=np.uint32)
+    return a, b
+
+
 class Signer:
     """Batch MinHash (datasketch ``affine32`` scheme, datasketch's permutations for ``seed``)."""
 
     def __init__(self, num_perm: int, seed: int, spec: ShingleSpec) -> None:
-        from datasketch import MinHash  # imported where used: datasketch brings scipy (~0.3 s per process)
-
-        a, b = MinHash(num_perm=num_perm, seed=seed).permutations
-        self.a = np.asarray(a, dtype=np.uint32)
-        self.b = np.asarray(b, dtype=np.uint32)
+        self.a, self.b = affine32_permutations(num_perm, seed)
         self.num_perm, self.seed, self.spec = num_perm, seed, spec
 
     def signature_of_hashes(self, hv: np.ndarray) -> np.ndarray:

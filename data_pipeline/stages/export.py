@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from multiprocessing import get_context
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,9 +14,8 @@ from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.stages.bookkeeping import (assemble_stats, begin_stage, finish_stage, progress_bar, require_stage,
                                               work_dir)
-from data_pipeline.stages.filter import TokenIds
 from data_pipeline.stages.tokenizer import load_stage_tokenizer
-from data_pipeline.store import DocStore, atomic_write_json, done_shards, shard_name, write_jsonl_atomic
+from data_pipeline.store import DocStore, atomic_write_json, done_shards, iter_shard, shard_name, write_jsonl_atomic
 from megatron_ds_suite.core import atomic
 
 
@@ -48,6 +49,36 @@ def _decontaminate(cfg: BuildConfig, store: DocStore, removed: set[int]) -> dict
     return found
 
 
+def _export_shard(args: tuple[str, int, np.ndarray, dict[str, Any], bool, int, str]
+                  ) -> tuple[bytes, np.ndarray, np.ndarray, int]:
+    """Worker: filter shard ``k``'s documents not in ``drop`` (dedup's and decontamination's) → their
+    ``documents.jsonl`` lines, and with ``gpt`` their ids with EOD appended, concatenated, and each one's
+    size (the filter's ids: each document is tokenized once per build; tokenized here only for a filter
+    output older than its token files). Returns (lines, ids, sizes, documents read)."""
+    from data_pipeline.stages.filter import _tokenizer, token_ids_of_shard
+
+    folder_s, k, drop, spec, gpt, eod, dtype = args
+    folder = Path(folder_s)
+    keep = ~drop
+    lines, texts = [], []
+    for rec, ok in zip(iter_shard(folder, k), keep.tolist()):
+        if ok:
+            lines.append(json.dumps(document_row(rec), ensure_ascii=False))
+            texts.append(rec["text"])
+    rows = ("\n".join(lines) + "\n").encode("utf-8") if lines else b""
+    if not gpt:
+        return rows, np.zeros(0, np.int64), np.zeros(len(lines), np.int64), len(keep)
+    saved = token_ids_of_shard(folder, k)
+    if saved is not None:
+        flat, off = saved
+        lens = np.diff(off)[keep]
+        ids = flat[np.repeat(keep, np.diff(off))]
+    else:
+        ids, lens = _tokenizer(spec).encode_flat(texts)
+    # EOD after each document: inserted at each document's end
+    return rows, np.insert(ids.astype(dtype, copy=False), np.cumsum(lens), eod), lens + 1, len(keep)
+
+
 def run_export(cfg: BuildConfig) -> dict[str, Any]:
     """Write the kept documents, indexed datasets, rejects, duplicates, ``stats.json`` and the manifest."""
     from megatron_ds_suite.core.corpus import write_manifest
@@ -69,59 +100,40 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     gpt = MMapIndexedDatasetBuilder(out / cfg.dataset.gpt_prefix, dtype) if cfg.dataset.gpt else None
     bert = MMapIndexedDatasetBuilder(out / cfg.dataset.bert_prefix, dtype) if cfg.dataset.bert else None
     kept = tokens = sentences = 0
-    batch: list[dict[str, Any]] = []
-    batch_pos: list[int] = []
-    bar = progress_bar(cfg, total=len(store), desc="export: tokenize+write", unit="doc")
-
-    cached = TokenIds(store)
-    eod = np.asarray([tok.eod], dtype=dtype)
-
-    def flush(f: Any) -> None:
-        nonlocal tokens, sentences
-        texts = [r["text"] for r in batch]
-        if gpt is not None:
-            if cached.ok:  # the filter's ids: each document is tokenized once per build
-                for pos in batch_pos:
-                    ids = cached.get(pos)
-                    gpt.add_item(np.concatenate([ids, eod]))
-                    gpt.end_document()
-                    tokens += len(ids) + 1
-            else:
-                for ids in tok.encode_batch(texts):
-                    gpt.add_item(np.asarray(ids + [tok.eod], dtype=np.int64))
-                    gpt.end_document()
-                    tokens += len(ids) + 1
-        if bert is not None:
-            for text in texts:
-                sents = split_sentences(text)
-                items = [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(sents) if ids]
-                bert.add_document(items)
-                sentences += len(items)
-                if gpt is None:
-                    tokens += sum(len(x) for x in items)
-        for r in batch:
-            f.write(json.dumps(document_row(r), ensure_ascii=False) + "\n")
-        bar.update(len(batch))
-        batch.clear()
-        batch_pos.clear()
-
+    bar = progress_bar(cfg, total=len(store), desc="export: write", unit="doc")
+    drop = np.zeros(len(store), dtype=bool)
+    drop[np.fromiter(removed | set(contaminated), dtype=np.int64)] = True
+    bounds = np.searchsorted(store.shard_of, [*store.shards, (store.shards[-1] + 1) if store.shards else 0])
+    jobs = [(str(store.folder), k, drop[bounds[n]:bounds[n + 1]], tok_stats["spec"], cfg.dataset.gpt, tok.eod,
+             np.dtype(dtype).str) for n, k in enumerate(store.shards)]
+    pool = get_context("fork").Pool(min(cfg.num_workers, len(jobs))) if cfg.num_workers > 1 and len(jobs) > 1 \
+        else None
     try:
-        with atomic.atomic_open(out / "documents.jsonl", "w") as f:  # published only when every batch is written
-            for pos, rec in enumerate(store):
-                if pos in removed or pos in contaminated:
-                    bar.update(1)
-                    continue
-                batch.append(rec)
-                batch_pos.append(pos)
-                kept += 1
-                if len(batch) >= cfg.dataset.tokenize_batch:
-                    flush(f)
-            if batch:
-                flush(f)
+        with atomic.atomic_open(out / "documents.jsonl", "wb") as f:  # published only when every shard is written
+            # shards in order (imap keeps it): documents.jsonl and the .bin are the kept documents in input order
+            for rows, ids, sizes, n_in in (pool.imap(_export_shard, jobs) if pool else map(_export_shard, jobs)):
+                f.write(rows)
+                kept += len(sizes)
+                if gpt is not None:
+                    gpt.add_documents(ids, sizes)
+                    tokens += len(ids)
+                bar.update(n_in)
+            if bert is not None:  # one item per sentence: split and tokenized here
+                for pos, rec in enumerate(store):
+                    if not drop[pos]:
+                        sents = split_sentences(rec["text"])
+                        items = [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(sents) if ids]
+                        bert.add_document(items)
+                        sentences += len(items)
+                        if gpt is None:
+                            tokens += sum(len(x) for x in items)
             for b in (gpt, bert):
                 if b is not None:
                     b.finalize()
     finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
         bar.close()
     # rejects (all of them, in input order) and the duplicates report
     ingest_dir = work_dir(cfg, "ingest")

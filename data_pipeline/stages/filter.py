@@ -12,7 +12,7 @@ import numpy as np
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, progress_bar, require_stage, work_dir
-from data_pipeline.store import (DocStore, ShardWriter, atomic_save_npy, done_shards, iter_shard, shard_counts,
+from data_pipeline.store import (ShardWriter, atomic_save_npy, done_shards, iter_shard, shard_counts,
                                  shard_name, write_jsonl_atomic)
 
 
@@ -32,29 +32,13 @@ def save_token_ids(folder: Path, k: int, ids: list[np.ndarray], dtype: Any) -> N
     atomic_save_npy(folder / f"{shard_name(k)}.tokoff.npy", off)
 
 
-class TokenIds:
-    """Random access to the filter stage's token ids by store position (``None`` when the filter output
-    predates the token files; export then tokenizes again, with the same result)."""
-
-    def __init__(self, store: DocStore):
-        self.folder = store.folder
-        self.ok = all((store.folder / f"{shard_name(k)}.tokoff.npy").exists() for k in store.shards)
-        counts = np.bincount(np.searchsorted(store.shards, store.shard_of), minlength=len(store.shards)) \
-            if len(store) else np.zeros(len(store.shards), np.int64)
-        self.first = dict(zip(store.shards, np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()))
-        self.shard_of = store.shard_of
-        self._k: int | None = None
-        self._tok: np.ndarray | None = None
-        self._off: np.ndarray | None = None
-
-    def get(self, pos: int) -> np.ndarray:
-        k = int(self.shard_of[pos])
-        if k != self._k:  # export reads in order: one shard's arrays at a time
-            self._tok = np.load(self.folder / f"{shard_name(k)}.tok.npy", mmap_mode="r")
-            self._off = np.load(self.folder / f"{shard_name(k)}.tokoff.npy")
-            self._k = k
-        j = pos - self.first[k]
-        return self._tok[self._off[j]:self._off[j + 1]]  # type: ignore[index]
+def token_ids_of_shard(folder: Path, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Shard ``k``'s token ids and offsets (:func:`save_token_ids`), or ``None`` for a filter output that
+    predates the token files (export then tokenizes again, with the same result)."""
+    off = folder / f"{shard_name(k)}.tokoff.npy"
+    if not off.exists():
+        return None
+    return np.load(folder / f"{shard_name(k)}.tok.npy"), np.load(off)
 
 
 _TOKENIZERS: dict[str, Any] = {}  # one per spec per worker process: its word cache lasts across shards

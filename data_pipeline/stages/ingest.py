@@ -13,17 +13,26 @@ from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.sources import REJECT_REASONS, RawRecord, iter_records
 from data_pipeline.stages.bookkeeping import StageError, begin_stage, finish_stage, progress_bar
-from data_pipeline.store import ShardWriter, done_shards, shard_counts, shard_name, write_jsonl_atomic
+from data_pipeline.store import (ShardWriter, atomic_write_json, done_shards, shard_counts, shard_name,
+                                 write_jsonl_atomic)
+from megatron_ds_suite.core.tokenizer_train import count_training_words
 
 log = logging.getLogger(__name__)
 
 
-def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool]) -> dict[str, Any]:
-    folder_s, k, records, first, use_ftfy, ws = args
+def word_counts_path(folder: Path, k: int) -> Path:
+    """Shard ``k``'s training-word counts (:func:`~megatron_ds_suite.core.tokenizer_train.count_training_words`
+    of its clean texts, ``"words": null`` when they cannot be counted), read by the tokenizer stage."""
+    return folder / f"{shard_name(k)}.words.json"
+
+
+def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, bool]) -> dict[str, Any]:
+    folder_s, k, records, first, use_ftfy, ws, count_words = args
     folder = Path(folder_s)
     writer = ShardWriter(folder, k)
     counts: Counter[str] = Counter()
     rejects = []
+    texts = []
     try:
         for n, rec in enumerate(records):
             i = first + n
@@ -32,17 +41,27 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool]) -> di
                 if text:
                     writer.add(i, rec.src, text, **_uid_of(rec))
                     counts["clean"] += 1
+                    if count_words:
+                        texts.append(text)
                     continue
                 rec = RawRecord(rec.src, None, "empty", "no text left after cleaning: " + repr(rec.text[:100]))
             counts[rec.reason or "unknown"] += 1
             rejects.append({"i": i, "src": rec.src, "reason": rec.reason, "detail": rec.detail})
         write_jsonl_atomic(folder / f"{shard_name(k)}.rejects.jsonl", rejects)
+        if count_words:  # the tokenizer stage trains on these counts instead of reading the texts again
+            wc = count_training_words(texts)
+            atomic_write_json(word_counts_path(folder, k), wc.to_json() if wc is not None else {"words": None})
         info = {"read": len(records), "first": first, "clean": counts.pop("clean", 0), "rejected": dict(counts)}
         writer.commit(info)
         return info
     except BaseException:
         writer.abort()
         raise
+
+
+def trains_on_word_counts(cfg: BuildConfig) -> bool:
+    """Whether the tokenizer stage trains SentencePiece from word counts (the ``gpt`` flavour's BPE)."""
+    return cfg.tokenizer.type == "sentencepiece" and cfg.tokenizer.flavor == "gpt"
 
 
 def _uid_of(rec: RawRecord) -> dict[str, Any]:
@@ -72,6 +91,7 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
     if done:
         log.info("ingest: resuming, %d shard(s) already finished", len(done))
     workers = cfg.num_workers
+    count_words = trains_on_word_counts(cfg)  # shards that may hold training documents count their words
     bar = progress_bar(cfg, desc="ingest: read+clean", unit="doc")
     pending: list[Any] = []
 
@@ -87,7 +107,8 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
                 if k in done:
                     bar.update(len(recs))
                     continue
-                yield (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace)
+                yield (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace,
+                       count_words and first < cfg.tokenizer.train_max_docs)
 
         try:
             for info in ray_map(cfg, _ingest_shard, ray_jobs()):
@@ -101,7 +122,8 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
             if k in done:
                 bar.update(len(recs))
                 continue
-            job = (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace)
+            job = (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace,
+                   count_words and first < cfg.tokenizer.train_max_docs)
             if pool is None:
                 bar.update(_ingest_shard(job)["read"])
             else:

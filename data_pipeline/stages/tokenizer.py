@@ -8,7 +8,9 @@ from typing import Any
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, require_stage, work_dir
+from data_pipeline.stages.ingest import trains_on_word_counts
 from data_pipeline.store import DocStore
+from megatron_ds_suite.core.tokenizer_train import MAX_SENTENCES, WordCounts, count_training_words
 
 
 def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
@@ -34,8 +36,12 @@ def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
                 n_docs += 1
                 yield rec["text"]
 
+        counts = training_word_counts(cfg, store) if trains_on_word_counts(cfg) else None
+        if counts is not None:
+            n_docs = counts.docs
         tok = train_sentencepiece(texts(), tok_dir / f"spm_{t.flavor}_{t.vocab_size}", t.vocab_size,
-                                  flavor=t.flavor, seed=cfg.seed, num_threads=t.num_threads)  # type: ignore[arg-type]
+                                  flavor=t.flavor, seed=cfg.seed, num_threads=t.num_threads,  # type: ignore[arg-type]
+                                  word_counts=counts)
         spec = tok.spec()
     elif t.type == "sentencepiece_model":
         spec = copy_tokenizer_files(SentencePieceTokenizer(cfg.resolve(t.model_file or "")).spec(), cfg.out)
@@ -50,6 +56,36 @@ def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
                                                      cfg.resolve(t.merges_file or "")).spec(), cfg.out)
     spec = {k: (str(Path(v).resolve()) if k.endswith("_file") else v) for k, v in spec.items()}
     return finish_stage(cfg, "tokenizer", timer.finish(n_docs, spec=spec, trained_on_docs=n_docs))
+
+
+def training_word_counts(cfg: BuildConfig, store: DocStore) -> WordCounts | None:
+    """The training words of the first ``tokenizer.train_max_docs`` clean documents (at most 1,000,000
+    sentences), counted: the ingest workers' per-shard counts for every shard wholly inside those limits, a
+    count of the texts for the shard where they stop (or for a shard without counts, e.g. one ingested
+    before counting existed). ``None`` when some text cannot be given as counts (a tab; see
+    :func:`count_training_words`): train on the sentences then."""
+    import json
+
+    from data_pipeline.stages.ingest import word_counts_path
+    from data_pipeline.store import iter_shard
+
+    total = WordCounts()
+    max_docs, max_lines = cfg.tokenizer.train_max_docs, MAX_SENTENCES
+    for k in store.shards:
+        if total.docs >= max_docs or total.lines >= max_lines:
+            break
+        f = word_counts_path(store.folder, k)
+        saved = json.loads(f.read_text("utf-8")) if f.is_file() else None
+        if saved is not None and saved["words"] is None:
+            return None  # the ingest worker found a sentence that cannot be counted
+        part = WordCounts.from_json(saved) if saved is not None else None
+        if part is None or total.docs + part.docs > max_docs or total.lines + part.lines >= max_lines:
+            part = count_training_words((r["text"] for r in iter_shard(store.folder, k)),
+                                        max_docs=max_docs - total.docs, max_lines=max_lines - total.lines)
+            if part is None:
+                return None
+        total.merge(part)
+    return total
 
 
 def load_stage_tokenizer(cfg: BuildConfig) -> Any:

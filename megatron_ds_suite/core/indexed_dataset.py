@@ -96,6 +96,13 @@ class _GrowableArray:
         self._a[self._n] = v
         self._n += 1
 
+    def extend(self, values: np.ndarray) -> None:
+        need = self._n + len(values)
+        if need > len(self._a):
+            self._a = np.resize(self._a, max(need, 2 * len(self._a)))
+        self._a[self._n:need] = values
+        self._n = need
+
     def __len__(self) -> int:
         return self._n
 
@@ -165,6 +172,30 @@ class MMapIndexedDatasetBuilder:
         if self._done:
             raise IndexedDatasetError(f"builder for {self.prefix} is already finalized")
         self._doc_idx.append(len(self._sizes))
+
+    def add_documents(self, tokens: np.ndarray, sizes: np.ndarray) -> None:
+        """Many one-item documents at once: ``tokens`` is their ids concatenated, ``sizes`` each one's
+        length (the same files as ``add_item`` + ``end_document`` per document, in one write)."""
+        if self._done:
+            raise IndexedDatasetError(f"builder for {self.prefix} is already finalized")
+        sizes = np.asarray(sizes, dtype=np.int64)
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or int(sizes.sum()) != tokens.size or (sizes < 0).any() or (sizes >= 2**31).any():
+            raise IndexedDatasetError(f"add_documents: {tokens.size} tokens do not split into sizes summing to "
+                                      f"{int(sizes.sum())} (each in [0, 2^31))")
+        if tokens.size and self._lo is not None:
+            if not np.issubdtype(tokens.dtype, np.integer):
+                raise IndexedDatasetError(f"token ids must be integers, got dtype {tokens.dtype}")
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < self._lo or hi > self._hi:
+                raise IndexedDatasetError(
+                    f"token id out of range for {self.dtype}: min {lo}, max {hi} (vocabulary too large for this dtype?)"
+                )
+        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes(order="C"))
+        first = len(self._sizes)
+        self._sizes.extend(sizes)
+        self._doc_idx.extend(np.arange(first + 1, first + len(sizes) + 1, dtype=np.int64))
+        self._num_tokens += tokens.size
 
     def add_document(self, items: list[npt.ArrayLike]) -> None:
         """``add_item`` for each item, then ``end_document``."""

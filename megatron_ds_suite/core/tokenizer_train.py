@@ -10,7 +10,10 @@ from __future__ import annotations
 import io
 import itertools
 import logging
+import re
+from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,24 +24,96 @@ from megatron_ds_suite.core.tokenizer import (BERT_SPECIAL_PIECES, GPT_EOD_PIECE
 logger = logging.getLogger(__name__)
 
 
-def _training_sentences(texts: Iterable[str], max_sentences: int, max_sentence_length: int) -> Iterator[str]:
-    """Non-empty lines of ``texts`` (each text may hold many lines), at most ``max_sentences`` of them.
+MAX_SENTENCES = 1_000_000  # default cap on training sentences (the first ones, in order)
 
-    Lines longer than ``max_sentence_length`` bytes are cut at a character boundary (SentencePiece would
-    silently skip them otherwise).
-    """
-    n = 0
-    for text in texts:
-        for line in text.split("\n"):
-            if not line.strip():
-                continue
+
+def training_lines(text: str, max_sentence_length: int) -> list[str]:
+    """The sentences training takes from one text: its non-empty lines, each cut at a character boundary to
+    at most ``max_sentence_length`` UTF-8 bytes (SentencePiece would silently skip a longer one)."""
+    out = []
+    for line in text.split("\n"):
+        if not line.strip():
+            continue
+        if len(line) * 4 > max_sentence_length:  # a line this short in characters cannot be too long in bytes
             b = line.encode("utf-8")
             if len(b) > max_sentence_length:
                 line = b[:max_sentence_length].decode("utf-8", errors="ignore")
+        out.append(line)
+    return out
+
+
+def _training_sentences(texts: Iterable[str], max_sentences: int, max_sentence_length: int) -> Iterator[str]:
+    """Non-empty lines of ``texts`` (:func:`training_lines` of each), at most ``max_sentences`` of them."""
+    n = 0
+    for text in texts:
+        for line in training_lines(text, max_sentence_length):
             yield line
             n += 1
             if n >= max_sentences:
                 return
+
+
+#: A SentencePiece "word" of the ``gpt`` flavour (identity normalisation, no dummy prefix, whitespace kept,
+#: ``split_by_whitespace`` and ``allow_whitespace_only_pieces``): a word starts at a space that follows a
+#: non-space (only U+0020 becomes the meta symbol; a tab or NBSP is an ordinary character), so it is a run of
+#: spaces and the non-space run after it, or a trailing run of spaces. BPE merges never cross these cuts.
+_SPM_WORD = re.compile(r" *[^ ]+| +")
+
+
+@dataclass
+class WordCounts:
+    """How often each training word occurs in a run of documents, and how many documents and sentences those
+    were: what :func:`train_sentencepiece` needs instead of the sentences themselves (``gpt`` flavour)."""
+
+    words: Counter[str] = field(default_factory=Counter)
+    docs: int = 0
+    lines: int = 0
+
+    def merge(self, other: WordCounts) -> None:
+        self.words.update(other.words)
+        self.docs += other.docs
+        self.lines += other.lines
+
+    def to_json(self) -> dict[str, Any]:
+        return {"docs": self.docs, "lines": self.lines, "words": dict(self.words)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WordCounts:
+        return cls(Counter(d["words"]), int(d["docs"]), int(d["lines"]))
+
+
+def count_training_words(texts: Iterable[str], max_sentence_length: int = 4192, max_docs: int | None = None,
+                         max_lines: int | None = None) -> WordCounts | None:
+    """The words of the sentences :func:`train_sentencepiece` would train on for ``texts`` (at most
+    ``max_docs`` texts and ``max_lines`` sentences, cut exactly where the sentence iterator stops), counted.
+
+    ``None`` when a sentence holds a tab: SentencePiece reads ``word<TAB>count`` rows, so such a word cannot
+    be given as a count (train on the sentences instead). Single-spaced lines (all of them after the
+    builder's whitespace normalisation) are split with ``str.split``, the rest with :data:`_SPM_WORD`."""
+    first: Counter[str] = Counter()  # first words of single-spaced lines (no leading space)
+    rest: Counter[str] = Counter()  # the other words of single-spaced lines, without their one space
+    out = WordCounts()
+    for text in texts:
+        if max_docs is not None and out.docs >= max_docs:
+            break
+        out.docs += 1
+        lines = training_lines(text, max_sentence_length)
+        if max_lines is not None and out.lines + len(lines) >= max_lines:
+            lines = lines[:max_lines - out.lines]
+            max_docs = out.docs  # the sentence iterator stops inside this text
+        out.lines += len(lines)
+        for line in lines:
+            if "\t" in line:
+                return None
+            if line[0] != " " and line[-1] != " " and "  " not in line:
+                words = line.split(" ")
+                first[words[0]] += 1
+                rest.update(words[1:])
+            else:
+                out.words.update(_SPM_WORD.findall(line))
+    out.words.update(first)
+    out.words.update({" " + w: c for w, c in rest.items()})
+    return out
 
 
 def train_sentencepiece(
@@ -49,13 +124,20 @@ def train_sentencepiece(
     seed: int = 1234,
     *,
     model_type: Literal["bpe", "unigram"] = "bpe",
-    max_sentences: int = 1_000_000,
+    max_sentences: int = MAX_SENTENCES,
     max_sentence_length: int = 4192,
     character_coverage: float = 0.9995,
     num_threads: int = 1,
     lowercase: bool = False,
+    word_counts: WordCounts | None = None,
 ) -> SentencePieceTokenizer:
     """Train a SentencePiece model on an in-memory iterator and write ``{out_prefix}.model`` (+ ``.vocab``).
+
+    ``word_counts`` (``gpt`` flavour, BPE): train on :func:`count_training_words` of the texts instead of
+    the texts (``texts`` is then not read). SentencePiece's BPE trainer only ever sees words and their
+    counts: given as ``word<TAB>count`` rows (``input_format=tsv``) they yield the same pieces and scores as
+    the sentences (tested), about 10x faster, and the counting runs wherever the texts already are (the
+    corpus builder counts in its ingest workers). The ``.model`` then records ``input_format: "tsv"``.
 
     Flavours (ids fixed by construction):
 
@@ -85,6 +167,9 @@ def train_sentencepiece(
         raise TokenizerError(
             f"vocab_size {vocab_size} is too small: {n_reserved} special + 256 byte pieces are reserved; use >= {n_reserved + 257}"
         )
+    if word_counts is not None and (flavor != "gpt" or model_type != "bpe"):
+        raise TokenizerError("word_counts trains only the gpt flavour's BPE (NFKC, a dummy prefix or unigram "
+                             "scoring see the sentences, not words): pass the texts instead")
     if max_sentences < 1:
         raise TokenizerError(f"max_sentences must be >= 1, got {max_sentences}")
     out_prefix = Path(out_prefix)
@@ -135,7 +220,12 @@ def train_sentencepiece(
             counter["n"] += 1
             yield s
 
-    sentences = it()
+    if word_counts is not None:  # sorted rows: the same counts give the same input whatever their origin
+        common["input_format"] = "tsv"
+        counter["n"] = word_counts.lines
+        sentences: Iterator[str] = iter([f"{w}\t{c}" for w, c in sorted(word_counts.words.items()) if c > 0])
+    else:
+        sentences = it()
     try:
         first = next(sentences)
     except StopIteration:
