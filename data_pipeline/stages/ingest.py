@@ -1,6 +1,7 @@
 """Stage ``ingest``: read every source, reject malformed records, clean (ftfy + whitespace) → ``work/ingest/``."""
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
@@ -13,8 +14,8 @@ from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.sources import REJECT_REASONS, RawRecord, iter_records
 from data_pipeline.stages.bookkeeping import StageError, begin_stage, finish_stage, progress_bar
-from data_pipeline.store import (ShardWriter, atomic_write_json, done_shards, shard_counts, shard_name,
-                                 write_jsonl_atomic)
+from data_pipeline.store import ShardWriter, done_shards, shard_counts, shard_name, write_jsonl_atomic
+from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.tokenizer_train import count_training_words
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,9 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, bool])
             rejects.append({"i": i, "src": rec.src, "reason": rec.reason, "detail": rec.detail})
         write_jsonl_atomic(folder / f"{shard_name(k)}.rejects.jsonl", rejects)
         if count_words:  # the tokenizer stage trains on these counts instead of reading the texts again
-            wc = count_training_words(texts)
-            atomic_write_json(word_counts_path(folder, k), wc.to_json() if wc is not None else {"words": None})
+            wc = count_training_words(texts)  # one line of JSON: the C encoder (indent would take the Python one)
+            atomic.write_text(word_counts_path(folder, k),
+                              json.dumps(wc.to_json() if wc is not None else {"words": None}, ensure_ascii=False))
         info = {"read": len(records), "first": first, "clean": counts.pop("clean", 0), "rejected": dict(counts)}
         writer.commit(info)
         return info
