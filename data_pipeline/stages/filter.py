@@ -11,6 +11,7 @@ import numpy as np
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
+from data_pipeline.words import WordIndex, encode_indexed
 from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, progress_bar, require_stage, work_dir
 from data_pipeline.store import (ShardWriter, atomic_save_npy, done_shards, iter_shard, shard_counts,
                                  shard_name, write_jsonl_atomic)
@@ -68,9 +69,14 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
     examples, short_rows = [], []
     try:
         recs = list(iter_shard(Path(src_s), k))
-        for s in range(0, len(recs), batch):
-            part = recs[s:s + batch]
-            flat, lens = tok.encode_flat([r["text"] for r in part])
+        index = WordIndex.load(Path(src_s), k) if getattr(tok, "word_cache", None) is not None \
+            and tok.word_cache.mode == "identity" else None
+        if index is not None and len(index.raw_n) != len(recs):
+            index = None  # not this shard's texts (cannot happen short of a hand-edited folder): encode them
+        # the ingest worker's word ids when it cut the texts (the same ids: one numpy gather), else the texts
+        for part in [recs] if index is not None else [recs[s:s + batch] for s in range(0, len(recs), batch)]:
+            flat, lens = encode_indexed(tok.word_cache, index) if index is not None \
+                else tok.encode_flat([r["text"] for r in part])
             ends = np.cumsum(lens).tolist()
             for rec, end, m in zip(part, ends, lens.tolist()):
                 ids = flat[end - m:end]

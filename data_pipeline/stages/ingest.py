@@ -16,14 +16,14 @@ from data_pipeline.sources import REJECT_REASONS, RawRecord, iter_records
 from data_pipeline.stages.bookkeeping import StageError, begin_stage, finish_stage, progress_bar
 from data_pipeline.store import ShardWriter, done_shards, shard_counts, shard_name, write_jsonl_atomic
 from megatron_ds_suite.core import atomic
-from megatron_ds_suite.core.tokenizer_train import count_training_words
+from data_pipeline.words import WordIndex, training_counts
 
 log = logging.getLogger(__name__)
 
 
 def word_counts_path(folder: Path, k: int) -> Path:
-    """Shard ``k``'s training-word counts (:func:`~megatron_ds_suite.core.tokenizer_train.count_training_words`
-    of its clean texts, ``"words": null`` when they cannot be counted), read by the tokenizer stage."""
+    """Shard ``k``'s training-word counts (:func:`data_pipeline.words.training_counts` of its clean texts,
+    ``"words": null`` when they cannot be counted), read by the tokenizer stage."""
     return folder / f"{shard_name(k)}.words.json"
 
 
@@ -49,8 +49,10 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, bool])
             counts[rec.reason or "unknown"] += 1
             rejects.append({"i": i, "src": rec.src, "reason": rec.reason, "detail": rec.detail})
         write_jsonl_atomic(folder / f"{shard_name(k)}.rejects.jsonl", rejects)
-        if count_words:  # the tokenizer stage trains on these counts instead of reading the texts again
-            wc = count_training_words(texts)  # one line of JSON: the C encoder (indent would take the Python one)
+        if count_words:  # cut once into words: the tokenizer stage's counts and the filter's ids come from it
+            index = WordIndex.build(texts)
+            index.save(folder, k)
+            wc = training_counts(index, texts)  # one line of JSON: the C encoder (indent would take the Python one)
             atomic.write_text(word_counts_path(folder, k),
                               json.dumps(wc.to_json() if wc is not None else {"words": None}, ensure_ascii=False))
         info = {"read": len(records), "first": first, "clean": counts.pop("clean", 0), "rejected": dict(counts)}

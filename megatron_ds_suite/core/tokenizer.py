@@ -269,6 +269,11 @@ class SentencePieceTokenizer(Tokenizer):
         """The underlying ``sentencepiece.SentencePieceProcessor``."""
         return self._sp
 
+    @property
+    def word_cache(self) -> WordCachedEncoder:
+        """The word cache behind ``encode*`` (``.mode``: its word split; ``None`` = texts encoded whole)."""
+        return self._words
+
     def encode(self, text: str) -> list[int]:
         return self._words.encode_batch([text])[0]
 

@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 MAX_SENTENCES = 1_000_000  # default cap on training sentences (the first ones, in order)
+MAX_SENTENCE_LENGTH = 4192  # bytes: longer lines are cut (SentencePiece would skip them)
 
 
 def training_lines(text: str, max_sentence_length: int) -> list[str]:
@@ -82,13 +83,14 @@ class WordCounts:
         return cls(Counter(d["words"]), int(d["docs"]), int(d["lines"]))
 
 
-def count_training_words(texts: Iterable[str], max_sentence_length: int = 4192, max_docs: int | None = None,
+def count_training_words(texts: Iterable[str], max_sentence_length: int = MAX_SENTENCE_LENGTH, max_docs: int | None = None,
                          max_lines: int | None = None) -> WordCounts | None:
     """The words of the sentences :func:`train_sentencepiece` would train on for ``texts`` (at most
     ``max_docs`` texts and ``max_lines`` sentences, cut exactly where the sentence iterator stops), counted.
 
-    ``None`` when a sentence holds a tab: SentencePiece reads ``word<TAB>count`` rows, so such a word cannot
-    be given as a count (train on the sentences instead). Single-spaced lines (all of them after the
+    ``None`` when a sentence holds a tab (SentencePiece reads ``word<TAB>count`` rows: such a word cannot be
+    given as a count) or U+2581, SentencePiece's own space symbol (its runs with spaces are cut differently):
+    train on the sentences instead. Single-spaced lines (all of them after the
     builder's whitespace normalisation) are split with ``str.split``, the rest with :data:`_SPM_WORD`."""
     first: Counter[str] = Counter()  # first words of single-spaced lines (no leading space)
     rest: Counter[str] = Counter()  # the other words of single-spaced lines, without their one space
@@ -103,7 +105,7 @@ def count_training_words(texts: Iterable[str], max_sentence_length: int = 4192, 
             max_docs = out.docs  # the sentence iterator stops inside this text
         out.lines += len(lines)
         for line in lines:
-            if "\t" in line:
+            if "\t" in line or "\u2581" in line:
                 return None
             if line[0] != " " and line[-1] != " " and "  " not in line:
                 words = line.split(" ")
@@ -125,7 +127,7 @@ def train_sentencepiece(
     *,
     model_type: Literal["bpe", "unigram"] = "bpe",
     max_sentences: int = MAX_SENTENCES,
-    max_sentence_length: int = 4192,
+    max_sentence_length: int = MAX_SENTENCE_LENGTH,
     character_coverage: float = 0.9995,
     num_threads: int = 1,
     lowercase: bool = False,

@@ -101,6 +101,25 @@ class WordCache:
         table.update(zip(todo, range(w0, w1)))
         self._n_words, self._n_ids = w1, i1
 
+    def rows_of(self, raw: Sequence[str], spaced: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Table rows (int64) of the distinct words ``raw`` (encoded as they are) and ``spaced`` (encoded with
+        a leading space), unseen ones encoded now: with :meth:`gather`, the ids of texts already cut into
+        words by this cache's ``split`` (the corpus builder cuts them once, in its ingest workers). Rows stay
+        valid until the next call of this method or :meth:`encode_flat`."""
+        if self._n_words + len(raw) + len(spaced) > self.cache_limit:
+            self._reset()
+        self._add(self.raw, set(raw), "")
+        self._add(self.spaced, set(spaced), " ")
+        return (np.fromiter(map(self.raw.__getitem__, raw), dtype=np.int64, count=len(raw)),
+                np.fromiter(map(self.spaced.__getitem__, spaced), dtype=np.int64, count=len(spaced)))
+
+    def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of the words at table ``rows``, concatenated in order; tokens per word), both int64."""
+        lens = self._len[rows]
+        # token t of word k is _ids[_start[rows[k]] + t]
+        first = np.cumsum(lens) - lens
+        return self._ids[np.repeat(self._start[rows] - first, lens) + np.arange(int(lens.sum()))], lens
+
     def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """(ids of all texts concatenated, int64; tokens per text, int64)."""
         parts = [self.split(t) for t in texts]
@@ -137,14 +156,9 @@ class WordCache:
         todo = [i for i, p in enumerate(parts) if p is None]  # not provably word-wise: the tokenizer itself
         if todo:
             whole = dict(zip(todo, map(list, self.encode_many([texts[i] for i in todo]))))
-        w = np.asarray(words, dtype=np.int64)
-        lens = self._len[w]
-        total = int(lens.sum())
-        # gather: token t of word k is _ids[_start[w[k]] + t]
-        first = np.cumsum(lens) - lens
-        ids = self._ids[np.repeat(self._start[w] - first, lens) + np.arange(total)]
+        ids, lens = self.gather(np.asarray(words, dtype=np.int64))
         ntok = np.zeros(len(texts), dtype=np.int64)
-        word_bounds = np.concatenate([[0], np.cumsum(words_per_text)])
+        word_bounds = np.concatenate([[0], np.cumsum(words_per_text)])  # a text's words: [bounds[i], bounds[i+1])
         tok_at_word = np.concatenate([[0], np.cumsum(lens)])
         ntok[:] = tok_at_word[word_bounds[1:]] - tok_at_word[word_bounds[:-1]]
         if not whole:
