@@ -86,15 +86,32 @@ def iter_shard(folder: Path, k: int) -> Iterator[dict[str, Any]]:
             yield json.loads(line)
 
 
+def iter_rows(folder: Path, k: int, rows: np.ndarray) -> Iterator[dict[str, Any]]:
+    """The records of shard ``k``'s file in ``folder`` at the index ``rows`` ((input index, byte offset,
+    length), in file order)."""
+    with open(folder / f"{shard_name(k)}.jsonl", "rb") as f:
+        for offset, length in rows[:, 1:].tolist():
+            f.seek(offset)
+            yield json.loads(f.read(length))
+
+
 class StoreError(ConfigError):
     """A finished stage's files are missing or damaged (one line: which file, how to rebuild)."""
 
 
+TEXT_FROM = "_text_from.json"  # in a subset store (an index over another store's shard files): that folder
+
+
 class DocStore:
-    """Read side of a finished store: ordered iteration and random access by position."""
+    """Read side of a finished store: ordered iteration and random access by position.
+
+    A subset store (:func:`data_pipeline.dedup.exact.write_subset`) holds only the per-shard indexes, whose
+    offsets point into the shard files of the store named in its ``_text_from.json``."""
 
     def __init__(self, folder: Path):
         self.folder = folder
+        text_from = folder / TEXT_FROM
+        self.text_folder = Path(read_json(text_from)["folder"]) if text_from.is_file() else folder
         self.shards = done_shards(folder)
         idx = [np.load(folder / f"{shard_name(k)}.idx.npy") for k in self.shards]
         self.shard_of = np.concatenate([np.full(len(a), k, dtype=np.int64) for k, a in zip(self.shards, idx)]) \
@@ -102,13 +119,13 @@ class DocStore:
         self.table = np.concatenate(idx) if idx else np.zeros((0, 3), np.int64)  # (input idx, offset, len)
         self._files: dict[int, Any] = {}
         for k, a in zip(self.shards, idx):  # a deleted or cut shard is one line here, not a traceback later
-            f = folder / f"{shard_name(k)}.jsonl"
+            f = self.text_folder / f"{shard_name(k)}.jsonl"
             need = int((a[:, 1] + a[:, 2]).max()) if len(a) else 0
             have = f.stat().st_size if f.is_file() else None
             if have is None or have < need:
                 raise StoreError(f"{f} is {'missing' if have is None else f'truncated ({have} of {need} bytes)'}: "
                                  f"the finished stage output was damaged; rerun with `build --force` (or delete "
-                                 f"{folder} and run `build`)")
+                                 f"{self.text_folder} and run `build`)")
 
     def __len__(self) -> int:
         return len(self.table)
@@ -118,25 +135,26 @@ class DocStore:
         return self.table[:, 0]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.text_folder != self.folder:
+            yield from self.iter_range(0, len(self))
+            return
         for k in self.shards:
             yield from iter_shard(self.folder, k)
 
     def iter_range(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
-        """Records at positions [start, stop), read sequentially from the first one's offset."""
+        """Records at positions [start, stop), read in file order."""
         pos = start
         while pos < stop:
             k = int(self.shard_of[pos])
-            with open(self.folder / f"{shard_name(k)}.jsonl", "rb") as f:
-                f.seek(int(self.table[pos, 1]))
-                while pos < stop and int(self.shard_of[pos]) == k:
-                    yield json.loads(f.readline())
-                    pos += 1
+            end = min(stop, int(np.searchsorted(self.shard_of, k, side="right")))  # shards are stored in order
+            yield from iter_rows(self.text_folder, k, self.table[pos:end])
+            pos = end
 
     def get(self, pos: int) -> dict[str, Any]:
         k = int(self.shard_of[pos])
         f = self._files.get(k)
         if f is None:
-            f = self._files[k] = open(self.folder / f"{shard_name(k)}.jsonl", "rb")
+            f = self._files[k] = open(self.text_folder / f"{shard_name(k)}.jsonl", "rb")
         f.seek(int(self.table[pos, 1]))
         return json.loads(f.read(int(self.table[pos, 2])))
 

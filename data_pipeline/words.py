@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+from array import array
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,8 +61,7 @@ class WordIndex:
         raw: defaultdict[str, int] = defaultdict(itertools.count().__next__)  # word -> id, new ids on first sight
         spaced: defaultdict[str, int] = defaultdict(itertools.count().__next__)
         raw_id, spaced_id = raw.__getitem__, spaced.__getitem__
-        raw_ids: list[int] = []
-        spaced_ids: list[int] = []
+        raw_ids, spaced_ids = array("l"), array("l")  # C arrays: no Python int list to convert afterwards
         raw_n = np.empty(len(texts), dtype=np.int64)
         spaced_n = np.empty(len(texts), dtype=np.int64)
         for d, text in enumerate(texts):
@@ -91,8 +91,8 @@ class WordIndex:
             return cls(v["raw"], v["spaced"], z["raw_ids"], z["raw_n"], z["spaced_ids"], z["spaced_n"])
 
 
-def _ids(ids: list[int], distinct: int) -> np.ndarray:
-    return np.asarray(ids, dtype=np.uint16 if distinct <= 1 << 16 else np.int32)
+def _ids(ids: array[int], distinct: int) -> np.ndarray:
+    return np.frombuffer(ids, dtype=np.int64).astype(np.uint16 if distinct <= 1 << 16 else np.int32)
 
 
 def training_counts(index: WordIndex, texts: Sequence[str],
@@ -103,16 +103,12 @@ def training_counts(index: WordIndex, texts: Sequence[str],
     for words, ids, n, prefix in ((index.raw, index.raw_ids, index.raw_n, ""),
                                   (index.spaced, index.spaced_ids, index.spaced_n, " ")):
         counts = np.bincount(ids[np.repeat(safe, n)], minlength=len(words)).tolist()
+        out.words.update({prefix + w: c for w, c in zip(words, counts) if c and "\n" not in w})
         for w, c in zip(words, counts):
-            if not c:
-                continue
-            if "\n" not in w:
-                out.words[prefix + w] += c
-                continue
-            parts = (prefix + w).split("\n")  # the first piece ends a line, the others start lines
-            for p in parts:
-                if p:
-                    out.words[p] += c
+            if c and "\n" in w:  # the first piece ends a line, the others start lines
+                for piece in (prefix + w).split("\n"):
+                    if piece:
+                        out.words[piece] += c
     out.lines = sum(1 if "\n" not in t else sum(1 for line in t.split("\n") if line)
                     for t, ok in zip(texts, safe.tolist()) if ok)
     rest = count_training_words([t for t, ok in zip(texts, safe.tolist()) if not ok], max_sentence_length)

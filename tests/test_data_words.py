@@ -17,7 +17,8 @@ DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "corpus"
 BUILT = ["the cat sat on the mat", "  two leading spaces", "trailing spaces  ", "double  space", "a\n\nb c\nd",
          "line one \nline two", "line\n three", "tab\tinside words", "nbsp\u00a0and\u3000wide", "meta\u2581symbol a",
          "x" * 300 + " y", "é" * 200 + "\nshort", "東京 大阪 京都", "\nstarts with a break", "ends with a break\n",
-         "emoji 😀 and ligature ﬁ", "a", " ", "cr\rinside", "separators \x1c\x1f here", "one\n \ntwo"]
+         "emoji 😀 and ligature ﬁ", "a", " ", "cr\rinside", "separators \x1c\x1f here", "one\n \ntwo",
+         "x\nx\nx y\ny", "same\nsame same\nsame"]
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ def test_missing_or_truncated_shard(tmp_path, capsys, damage):
 
     conf = _config(tmp_path, "out")
     assert main(["build", "--config", str(conf)]) == 0
-    shard = tmp_path / "out" / "work" / "filter" / "docs-00000.jsonl"
+    shard = tmp_path / "out" / "work" / "ingest" / "docs-00000.jsonl"  # the filter store reads its texts there
     if damage == "missing":
         shard.unlink()
     else:

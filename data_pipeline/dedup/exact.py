@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from data_pipeline.dedup.verify import DedupResult
-from data_pipeline.store import DocStore, atomic_save_npy, atomic_write_json, reset_dir, shard_name
-from megatron_ds_suite.core import atomic
+from data_pipeline.store import TEXT_FROM, DocStore, atomic_save_npy, atomic_write_json, reset_dir, shard_name
 
 KEY = "blake2b-128 of the cleaned text's UTF-8 bytes"
 
@@ -56,21 +55,17 @@ def exact_representatives(keys: np.ndarray) -> np.ndarray:
 
 
 def write_subset(store: DocStore, keep: np.ndarray, folder: Path) -> DocStore:
-    """A store of the documents at positions ``keep`` (sorted), one shard per source shard, in order.
-    Lines are copied as bytes (no JSON decoding); the index gets their new offsets."""
+    """A store of the documents at positions ``keep`` (sorted), one shard per source shard, in order: only
+    the shard indexes are written (their offsets point into ``store``'s shard files, named in the subset's
+    ``_text_from.json``), so no text is copied."""
     reset_dir(folder)
     want = np.zeros(len(store), dtype=bool)
     want[keep] = True
+    atomic_write_json(folder / TEXT_FROM, {"folder": str(store.text_folder.resolve())})
     for k in store.shards:
         lo, hi = np.searchsorted(store.shard_of, [k, k + 1])  # shards are stored in order
         rows = lo + np.flatnonzero(want[lo:hi])
-        src = (store.folder / f"{shard_name(k)}.jsonl").read_bytes()
-        tab = store.table[rows]
-        lens = tab[:, 2]
-        idx = np.stack([tab[:, 0], np.concatenate([[0], np.cumsum(lens)[:-1]]), lens], axis=1) if len(rows) \
-            else np.zeros((0, 3), np.int64)
-        atomic.write_bytes(folder / f"{shard_name(k)}.jsonl", b"".join(src[o:o + n] for o, n in tab[:, 1:].tolist()))
-        atomic_save_npy(folder / f"{shard_name(k)}.idx.npy", idx.astype(np.int64))
+        atomic_save_npy(folder / f"{shard_name(k)}.idx.npy", store.table[rows].astype(np.int64))
         atomic_write_json(folder / f"{shard_name(k)}.done.json", {"kept": int(len(rows))})
     return DocStore(folder)
 

@@ -15,7 +15,7 @@ from data_pipeline.report import StageTimer
 from data_pipeline.stages.bookkeeping import (assemble_stats, begin_stage, finish_stage, progress_bar, require_stage,
                                               work_dir)
 from data_pipeline.stages.tokenizer import load_stage_tokenizer
-from data_pipeline.store import DocStore, atomic_write_json, done_shards, iter_shard, shard_name, write_jsonl_atomic
+from data_pipeline.store import DocStore, atomic_write_json, done_shards, iter_rows, shard_name, write_jsonl_atomic
 from megatron_ds_suite.core import atomic
 
 
@@ -49,7 +49,7 @@ def _decontaminate(cfg: BuildConfig, store: DocStore, removed: set[int]) -> dict
     return found
 
 
-def _export_shard(args: tuple[str, int, np.ndarray, dict[str, Any], bool, int, str]
+def _export_shard(args: tuple[str, str, int, np.ndarray, np.ndarray, dict[str, Any], bool, int, str]
                   ) -> tuple[bytes, np.ndarray, np.ndarray, int]:
     """Worker: filter shard ``k``'s documents not in ``drop`` (dedup's and decontamination's) → their
     ``documents.jsonl`` lines, and with ``gpt`` their ids with EOD appended, concatenated, and each one's
@@ -57,14 +57,13 @@ def _export_shard(args: tuple[str, int, np.ndarray, dict[str, Any], bool, int, s
     output older than its token files). Returns (lines, ids, sizes, documents read)."""
     from data_pipeline.stages.filter import _tokenizer, token_ids_of_shard
 
-    folder_s, k, drop, spec, gpt, eod, dtype = args
+    folder_s, text_folder, k, rows, drop, spec, gpt, eod, dtype = args
     folder = Path(folder_s)
     keep = ~drop
     lines, texts = [], []
-    for rec, ok in zip(iter_shard(folder, k), keep.tolist()):
-        if ok:
-            lines.append(json.dumps(document_row(rec), ensure_ascii=False))
-            texts.append(rec["text"])
+    for rec in iter_rows(Path(text_folder), k, rows[keep]):
+        lines.append(json.dumps(document_row(rec), ensure_ascii=False))
+        texts.append(rec["text"])
     rows = ("\n".join(lines) + "\n").encode("utf-8") if lines else b""
     if not gpt:
         return rows, np.zeros(0, np.int64), np.zeros(len(lines), np.int64), len(keep)
@@ -104,8 +103,9 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     drop = np.zeros(len(store), dtype=bool)
     drop[np.fromiter(removed | set(contaminated), dtype=np.int64)] = True
     bounds = np.searchsorted(store.shard_of, [*store.shards, (store.shards[-1] + 1) if store.shards else 0])
-    jobs = [(str(store.folder), k, drop[bounds[n]:bounds[n + 1]], tok_stats["spec"], cfg.dataset.gpt, tok.eod,
-             np.dtype(dtype).str) for n, k in enumerate(store.shards)]
+    jobs = [(str(store.folder), str(store.text_folder), k, store.table[bounds[n]:bounds[n + 1]],
+             drop[bounds[n]:bounds[n + 1]], tok_stats["spec"], cfg.dataset.gpt, tok.eod, np.dtype(dtype).str)
+            for n, k in enumerate(store.shards)]
     pool = get_context("fork").Pool(min(cfg.num_workers, len(jobs))) if cfg.num_workers > 1 and len(jobs) > 1 \
         else None
     try:

@@ -1,4 +1,8 @@
-"""Stage ``filter``: count tokens per document, drop those under ``length.min_tokens`` → ``work/filter/``."""
+"""Stage ``filter``: count tokens per document, drop those under ``length.min_tokens`` → ``work/filter/``.
+
+The filter's store is an index over the ingest shard files (no text is copied): per shard, the kept rows'
+``idx.npy``, their token ids, exact-dedup keys and the too-short rows; ``_text_from.json`` names the ingest
+folder (see :class:`data_pipeline.store.DocStore`)."""
 from __future__ import annotations
 
 import json
@@ -13,22 +17,16 @@ from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.words import WordIndex, encode_indexed
 from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, progress_bar, require_stage, work_dir
-from data_pipeline.store import (ShardWriter, atomic_save_npy, done_shards, iter_shard, shard_counts,
+from data_pipeline.store import (TEXT_FROM, atomic_save_npy, atomic_write_json, done_shards, iter_shard, shard_counts,
                                  shard_name, write_jsonl_atomic)
 
 
-def _uid_extra(rec: dict[str, Any]) -> dict[str, Any]:
-    """The user's id of a store record (``id_field``), carried from ingest to export when there is one."""
-    return {"uid": rec["uid"]} if "uid" in rec else {}
-
-
-def save_token_ids(folder: Path, k: int, ids: list[np.ndarray], dtype: Any) -> None:
-    """Shard ``k``'s token ids, one row per stored document: ``docs-K.tok.npy`` (concatenated, EOD not
-    included) and ``docs-K.tokoff.npy`` (int64 offsets, len = documents + 1). Written before the shard's
+def save_token_ids(folder: Path, k: int, flat: np.ndarray, lens: np.ndarray) -> None:
+    """Shard ``k``'s token ids, one row per stored document: ``docs-K.tok.npy`` (``flat``: concatenated, EOD
+    not included) and ``docs-K.tokoff.npy`` (int64 offsets, len = documents + 1). Written before the shard's
     ``.done.json`` marker, so a finished shard always has them."""
-    off = np.zeros(len(ids) + 1, dtype=np.int64)
-    np.cumsum([len(x) for x in ids], out=off[1:])
-    flat = np.concatenate(ids).astype(dtype) if ids else np.zeros(0, dtype=dtype)
+    off = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=off[1:])
     atomic_save_npy(folder / f"{shard_name(k)}.tok.npy", flat)
     atomic_save_npy(folder / f"{shard_name(k)}.tokoff.npy", off)
 
@@ -56,53 +54,52 @@ def _tokenizer(spec: dict[str, Any]) -> Any:
 
 
 def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) -> dict[str, Any]:
+    """Worker: ingest shard ``k`` → the filter's shard ``k``: the index rows of the documents kept (their text
+    stays in the ingest shard file, which the filter store reads through ``_text_from.json``), their token ids
+    (export writes them: each document is tokenized once), their exact-dedup keys and the too-short rows."""
     src_s, dst_s, k, spec, min_tokens, count_eod, batch = args
     from data_pipeline.dedup.exact import text_key
     from megatron_ds_suite.core.indexed_dataset import best_dtype
 
+    src, dst = Path(src_s), Path(dst_s)
     tok = _tokenizer(spec)
-    writer = ShardWriter(Path(dst_s), k)
-    too_short, kept, tokens = 0, 0, 0
-    kept_ids: list[np.ndarray] = []  # the kept documents' token ids, reused by export (tokenized once)
-    keys: list[np.ndarray] = []  # exact-dedup keys of the kept documents (hashed while the text is at hand)
-    dtype = best_dtype(tok.vocab_size)
-    examples, short_rows = [], []
-    try:
-        recs = list(iter_shard(Path(src_s), k))
-        index = WordIndex.load(Path(src_s), k) if getattr(tok, "word_cache", None) is not None \
-            and tok.word_cache.mode == "identity" else None
-        if index is not None and len(index.raw_n) != len(recs):
-            index = None  # not this shard's texts (cannot happen short of a hand-edited folder): encode them
-        # the ingest worker's word ids when it cut the texts (the same ids: one numpy gather), else the texts
-        for part in [recs] if index is not None else [recs[s:s + batch] for s in range(0, len(recs), batch)]:
-            flat, lens = encode_indexed(tok.word_cache, index) if index is not None \
-                else tok.encode_flat([r["text"] for r in part])
-            ends = np.cumsum(lens).tolist()
-            for rec, end, m in zip(part, ends, lens.tolist()):
-                ids = flat[end - m:end]
-                n = m + (1 if count_eod else 0)
-                if n >= min_tokens:
-                    writer.add(rec["i"], rec["src"], rec["text"], **_uid_extra(rec), ntok=n)
-                    kept_ids.append(ids)
-                    keys.append(text_key(rec["text"]))
-                    kept += 1
-                    tokens += n
-                else:
-                    too_short += 1
-                    short_rows.append({"i": rec["i"], "src": rec["src"], "reason": "too_short",
-                                       "detail": f"{n} tokens < length.min_tokens={min_tokens}"})
-                    if len(examples) < 3:
-                        examples.append({"i": rec["i"], "src": rec["src"], "tokens": n})
-        info = {"in": len(recs), "kept": kept, "too_short": too_short, "tokens": tokens, "examples": examples}
-        save_token_ids(Path(dst_s), k, kept_ids, dtype)
-        atomic_save_npy(Path(dst_s) / f"{shard_name(k)}.key.npy",
-                        np.stack(keys) if keys else np.zeros((0, 2), np.uint64))
-        write_jsonl_atomic(Path(dst_s) / f"{shard_name(k)}.too_short.jsonl", short_rows)  # for rejects.jsonl
-        writer.commit(info)
-        return info
-    except BaseException:
-        writer.abort()
-        raise
+    table = np.load(src / f"{shard_name(k)}.idx.npy")  # (input index, byte offset, length) per ingested text
+    index = WordIndex.load(src, k) if getattr(tok, "word_cache", None) is not None \
+        and tok.word_cache.mode == "identity" else None
+    recs: list[dict[str, Any]] | None = None
+    if index is not None and len(index.raw_n) == len(table):  # the ingest worker's words: one numpy gather
+        flat, lens = encode_indexed(tok.word_cache, index)
+    else:  # another tokenizer (or an ingest without the index): encode the texts
+        recs = list(iter_shard(src, k))
+        parts = [tok.encode_flat([r["text"] for r in recs[s:s + batch]]) for s in range(0, len(recs), batch)]
+        flat = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+        lens = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
+    n = lens + (1 if count_eod else 0)
+    keep = n >= min_tokens
+    save_token_ids(dst, k, flat[np.repeat(keep, lens)].astype(best_dtype(tok.vocab_size)), lens[keep])
+    keys_file = src / f"{shard_name(k)}.key.npy"  # hashed by the ingest worker while it had the text
+    keys = np.load(keys_file)[keep] if keys_file.exists() else \
+        np.asarray([text_key(r["text"]) for r, ok in zip(recs or iter_shard(src, k), keep.tolist()) if ok],
+                   dtype=np.uint64).reshape(-1, 2)
+    atomic_save_npy(dst / f"{shard_name(k)}.key.npy", keys)
+    short_rows, examples = [], []
+    with open(src / f"{shard_name(k)}.jsonl", "rb") as f:
+        for j in np.flatnonzero(~keep).tolist():  # only the too-short records are read back
+            if recs is not None:
+                rec = recs[j]
+            else:
+                f.seek(int(table[j, 1]))
+                rec = json.loads(f.read(int(table[j, 2])))
+            short_rows.append({"i": rec["i"], "src": rec["src"], "reason": "too_short",
+                               "detail": f"{int(n[j])} tokens < length.min_tokens={min_tokens}"})
+            if len(examples) < 3:
+                examples.append({"i": rec["i"], "src": rec["src"], "tokens": int(n[j])})
+    write_jsonl_atomic(dst / f"{shard_name(k)}.too_short.jsonl", short_rows)  # for rejects.jsonl
+    info = {"in": len(table), "kept": int(keep.sum()), "too_short": int((~keep).sum()), "tokens": int(n[keep].sum()),
+            "examples": examples}
+    atomic_save_npy(dst / f"{shard_name(k)}.idx.npy", table[keep])
+    atomic_write_json(dst / f"{shard_name(k)}.done.json", info)  # the shard's completion marker, last
+    return info
 
 
 def run_filter(cfg: BuildConfig) -> dict[str, Any]:
@@ -112,6 +109,7 @@ def run_filter(cfg: BuildConfig) -> dict[str, Any]:
     spec = require_stage(cfg, "tokenizer")["spec"]
     src = work_dir(cfg, "ingest")
     dst = begin_stage(cfg, "filter")
+    atomic_write_json(dst / TEXT_FROM, {"folder": str(src.resolve())})  # the kept texts stay where ingest wrote them
     todo = [k for k in done_shards(src) if k not in set(done_shards(dst))]
     jobs = [(str(src), str(dst), k, spec, cfg.length.min_tokens, cfg.length.count_eod,
              cfg.dataset.tokenize_batch) for k in todo]

@@ -9,12 +9,15 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from data_pipeline.clean import clean_text
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.sources import REJECT_REASONS, RawRecord, iter_records
 from data_pipeline.stages.bookkeeping import StageError, begin_stage, finish_stage, progress_bar
-from data_pipeline.store import ShardWriter, done_shards, shard_counts, shard_name, write_jsonl_atomic
+from data_pipeline.dedup.exact import text_key
+from data_pipeline.store import ShardWriter, atomic_save_npy, done_shards, shard_counts, shard_name, write_jsonl_atomic
 from megatron_ds_suite.core import atomic
 from data_pipeline.words import WordIndex, training_counts
 
@@ -34,6 +37,7 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, bool])
     counts: Counter[str] = Counter()
     rejects = []
     texts = []
+    keys = []
     try:
         for n, rec in enumerate(records):
             i = first + n
@@ -42,6 +46,7 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, bool])
                 if text:
                     writer.add(i, rec.src, text, **_uid_of(rec))
                     counts["clean"] += 1
+                    keys.append(text_key(text))
                     if count_words:
                         texts.append(text)
                     continue
@@ -49,6 +54,8 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, bool])
             counts[rec.reason or "unknown"] += 1
             rejects.append({"i": i, "src": rec.src, "reason": rec.reason, "detail": rec.detail})
         write_jsonl_atomic(folder / f"{shard_name(k)}.rejects.jsonl", rejects)
+        atomic_save_npy(folder / f"{shard_name(k)}.key.npy",  # exact-dedup keys, hashed while the text is at hand
+                        np.stack(keys) if keys else np.zeros((0, 2), np.uint64))
         if count_words:  # cut once into words: the tokenizer stage's counts and the filter's ids come from it
             index = WordIndex.build(texts)
             index.save(folder, k)
