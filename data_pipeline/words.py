@@ -1,20 +1,21 @@
-"""Each clean text cut into words once, in the ingest workers: the tokenizer's training counts and the filter's
-token ids both come from that one cut.
+"""Each clean text cut into words once, in the ingest workers: the filter's token ids and (for the tokenizer
+the builder trains) the tokenizer's training counts both come from that one cut.
 
-When the builder trains its SentencePiece ``gpt`` tokenizer (BPE, identity normalisation, split by whitespace),
-the word cache encodes a text as the concatenation of its words' ids, with the words of the ``identity``
-split (:func:`megatron_ds_suite.core.spm_words.spm_split`). So the ingest worker cuts each clean text with
-that split and keeps, per shard, a :class:`WordIndex`: the shard's distinct words and, per text, the ids of
-its words in them. From it
+The word cache (:mod:`megatron_ds_suite.core.word_cache`) encodes a text as the concatenation of its words'
+ids, with the words of the tokenizer's split: SentencePiece's ``identity`` split for the ``gpt`` flavour this
+builder trains (``sentencepiece-identity``), the whitespace split for GPT-2 BPE files (``gpt2-whitespace``).
+When the config names one of these tokenizers, the ingest worker cuts each clean text with its split and
+keeps, per shard, a :class:`WordIndex`: the shard's distinct words and, per text, the ids of its words in
+them. From it
 
-* the tokenizer's training counts are a ``bincount`` per distinct word (:func:`training_counts`): a word
-  spanning a line break is counted as its pieces, as the sentence iterator cuts lines; a text whose lines
-  this cannot reproduce (whitespace other than spaces and line breaks, a space next to a line break, a
-  line over ``max_sentence_length`` bytes) is counted from its text;
 * the filter encodes only the shard's distinct words (mostly cache hits) and gathers every text's ids with
-  numpy (:func:`encode_indexed`), instead of looking up each word of each text in Python again.
+  numpy (:func:`encode_indexed`), instead of looking up each word of each text in Python again;
+* the tokenizer's training counts are a ``bincount`` per distinct word (:func:`training_counts`, the
+  ``identity`` split only): a word spanning a line break is counted as its pieces, as the sentence iterator
+  cuts lines; a text whose lines this cannot reproduce (whitespace other than spaces and line breaks, a
+  space next to a line break, a line over ``max_sentence_length`` bytes) is counted from its text.
 
-Both give what the direct route gives (``count_training_words`` of the texts; ``encode_flat`` of the texts),
+Both give what the direct route gives (``encode_flat`` of the texts; ``count_training_words`` of the texts),
 tested. Files per shard: ``docs-K.wvocab.json`` (the split's name and the distinct words) and
 ``docs-K.wix.npz`` (the ids; read with ``allow_pickle=False``).
 """
@@ -25,7 +26,7 @@ import json
 import re
 from array import array
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,47 +37,70 @@ from data_pipeline.store import shard_name
 from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.tokenizer_train import MAX_SENTENCE_LENGTH, WordCounts, count_training_words
 
-SPLIT = "sentencepiece-identity"  # the only split indexed: the one of the tokenizer this builder trains
+SPM_IDENTITY, GPT2_WHITESPACE = "sentencepiece-identity", "gpt2-whitespace"  # word splits an index can use
+
+
+def _split(name: str) -> Callable[[str], tuple[list[str], list[str]] | None]:
+    """The word cache's split called ``name`` (``WordCache.split_name``)."""
+    if name == SPM_IDENTITY:
+        from megatron_ds_suite.core.spm_words import spm_split
+
+        return spm_split("identity")
+    if name == GPT2_WHITESPACE:
+        from megatron_ds_suite.core.word_cache import whitespace_split
+
+        return whitespace_split
+    raise ValueError(f"no word split named {name!r}")
+
+
 _OTHER_WS = re.compile(r"[^\S \n]")  # whitespace but the space and the line break (str.isspace's)
 _OTHER_ASCII_WS = "\t\r\x0b\x0c\x1c\x1d\x1e\x1f"  # the same, in ASCII (faster tested one by one)
 
 
 @dataclass
 class WordIndex:
-    """One shard's texts as word ids: text ``d``'s words are ``raw[raw_ids[...]]`` (``raw_n[d]`` of them, as
-    they are) then ``spaced[spaced_ids[...]]`` (``spaced_n[d]``, each after one space)."""
+    """One shard's texts as word ids under the word split ``split``: text ``d``'s words are
+    ``raw[raw_ids[...]]`` (``raw_n[d]`` of them, as they are) then ``spaced[spaced_ids[...]]`` (``spaced_n[d]``,
+    each after one space); a text the split declines (``whole[d]``) has no words and is encoded whole."""
 
+    split: str
     raw: list[str]
     spaced: list[str]
     raw_ids: np.ndarray
     raw_n: np.ndarray
     spaced_ids: np.ndarray
     spaced_n: np.ndarray
+    whole: np.ndarray
 
     @classmethod
-    def build(cls, texts: Sequence[str]) -> WordIndex:
-        from megatron_ds_suite.core.spm_words import spm_split
-
-        split = spm_split("identity")
+    def build(cls, texts: Sequence[str], split_name: str) -> WordIndex:
+        split = _split(split_name)
         raw: defaultdict[str, int] = defaultdict(itertools.count().__next__)  # word -> id, new ids on first sight
         spaced: defaultdict[str, int] = defaultdict(itertools.count().__next__)
         raw_id, spaced_id = raw.__getitem__, spaced.__getitem__
         raw_ids, spaced_ids = array("l"), array("l")  # C arrays: no Python int list to convert afterwards
-        raw_n = np.empty(len(texts), dtype=np.int64)
-        spaced_n = np.empty(len(texts), dtype=np.int64)
+        raw_n = np.zeros(len(texts), dtype=np.int64)
+        spaced_n = np.zeros(len(texts), dtype=np.int64)
+        whole = np.zeros(len(texts), dtype=bool)
         for d, text in enumerate(texts):
-            a, b = split(text)
+            words = split(text)
+            if words is None:
+                whole[d] = True
+                continue
+            a, b = words
             raw_ids.extend(map(raw_id, a))
             spaced_ids.extend(map(spaced_id, b))
             raw_n[d], spaced_n[d] = len(a), len(b)
-        return cls(list(raw), list(spaced), _ids(raw_ids, len(raw)), raw_n, _ids(spaced_ids, len(spaced)), spaced_n)
+        return cls(split_name, list(raw), list(spaced), _ids(raw_ids, len(raw)), raw_n,
+                   _ids(spaced_ids, len(spaced)), spaced_n, whole)
 
     def save(self, folder: Path, k: int) -> None:
         with atomic.atomic_path(folder / f"{shard_name(k)}.wix.npz") as tmp:
             with open(tmp, "wb") as f:
-                np.savez(f, raw_ids=self.raw_ids, raw_n=self.raw_n, spaced_ids=self.spaced_ids, spaced_n=self.spaced_n)
+                np.savez(f, raw_ids=self.raw_ids, raw_n=self.raw_n, spaced_ids=self.spaced_ids,
+                         spaced_n=self.spaced_n, whole=self.whole)
         atomic.write_text(folder / f"{shard_name(k)}.wvocab.json",
-                          json.dumps({"split": SPLIT, "raw": self.raw, "spaced": self.spaced}, ensure_ascii=False))
+                          json.dumps({"split": self.split, "raw": self.raw, "spaced": self.spaced}, ensure_ascii=False))
 
     @classmethod
     def load(cls, folder: Path, k: int) -> WordIndex | None:
@@ -85,10 +109,9 @@ class WordIndex:
         if not (vocab.is_file() and arrays.is_file()):
             return None
         v = json.loads(vocab.read_text(encoding="utf-8"))
-        if v.get("split") != SPLIT:
-            return None
         with np.load(arrays, allow_pickle=False) as z:
-            return cls(v["raw"], v["spaced"], z["raw_ids"], z["raw_n"], z["spaced_ids"], z["spaced_n"])
+            return cls(v["split"], v["raw"], v["spaced"], z["raw_ids"], z["raw_n"], z["spaced_ids"], z["spaced_n"],
+                       z["whole"])
 
 
 def _ids(ids: array[int], distinct: int) -> np.ndarray:
@@ -97,7 +120,10 @@ def _ids(ids: array[int], distinct: int) -> np.ndarray:
 
 def training_counts(index: WordIndex, texts: Sequence[str],
                     max_sentence_length: int = MAX_SENTENCE_LENGTH) -> WordCounts | None:
-    """``count_training_words(texts, max_sentence_length)``, from the index (see module docstring)."""
+    """``count_training_words(texts, max_sentence_length)``, from an index of the ``identity`` split (see
+    module docstring)."""
+    if index.split != SPM_IDENTITY:
+        raise ValueError(f"training counts come from a {SPM_IDENTITY} index, not {index.split}")
     safe = np.fromiter((_line_safe(t, max_sentence_length) for t in texts), dtype=bool, count=len(texts))
     out = WordCounts(docs=len(texts))
     for words, ids, n, prefix in ((index.raw, index.raw_ids, index.raw_n, ""),
@@ -136,23 +162,35 @@ def _line_safe(text: str, max_sentence_length: int) -> bool:
                for line in text.split("\n"))
 
 
-def encode_indexed(words: Any, index: WordIndex) -> tuple[np.ndarray, np.ndarray]:
+def encode_indexed(words: Any, index: WordIndex, text_of: Callable[[int], str]) -> tuple[np.ndarray, np.ndarray]:
     """(ids of every text concatenated, tokens per text): ``words.encode_flat(texts)`` for the texts the index
-    was built from, where ``words`` is a word cache with the ``identity`` split (tested equal)."""
+    was built from, where ``words`` is a word cache with the index's split (tested equal). ``text_of(d)``
+    gives text ``d``, read only for the texts the split declined."""
     raw_rows, spaced_rows = words.rows_of(index.raw, index.spaced)
-    n = len(index.raw_n)
     per_text = index.raw_n + index.spaced_n
     ends = np.cumsum(per_text)
-    rows = np.empty(int(ends[-1]) if n else 0, dtype=np.int64)
+    rows = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
     # in each text: its raw words, then its spaced words (the order encode_flat looks them up in)
     is_raw = np.zeros(len(rows), dtype=bool)
-    starts = ends - per_text
-    raw_pos = np.repeat(starts, index.raw_n) + (np.arange(int(index.raw_n.sum())) -
-                                                np.repeat(np.cumsum(index.raw_n) - index.raw_n, index.raw_n))
+    raw_pos = np.repeat(ends - per_text, index.raw_n) + (np.arange(int(index.raw_n.sum())) -
+                                                         np.repeat(np.cumsum(index.raw_n) - index.raw_n, index.raw_n))
     is_raw[raw_pos] = True
     rows[is_raw] = raw_rows[index.raw_ids]
     rows[~is_raw] = spaced_rows[index.spaced_ids]
     ids, lens = words.gather(rows)
     tok_at_word = np.concatenate([[0], np.cumsum(lens)])
     bounds = np.concatenate([[0], ends])
-    return ids, tok_at_word[bounds[1:]] - tok_at_word[bounds[:-1]]
+    ntok = tok_at_word[bounds[1:]] - tok_at_word[bounds[:-1]]
+    whole = np.flatnonzero(index.whole).tolist()
+    if not whole:
+        return ids, ntok
+    wids, wn = words.encode_flat([text_of(d) for d in whole])  # spliced in at their places
+    starts = np.concatenate([[0], np.cumsum(ntok)])
+    wstarts = np.concatenate([[0], np.cumsum(wn)])
+    pieces, prev = [], 0
+    for j, d in enumerate(whole):
+        pieces += [ids[starts[prev]:starts[d]], wids[wstarts[j]:wstarts[j + 1]]]
+        ntok[d] = wn[j]
+        prev = d + 1
+    pieces.append(ids[starts[prev]:])
+    return np.concatenate(pieces), ntok

@@ -64,11 +64,17 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
     src, dst = Path(src_s), Path(dst_s)
     tok = _tokenizer(spec)
     table = np.load(src / f"{shard_name(k)}.idx.npy")  # (input index, byte offset, length) per ingested text
-    index = WordIndex.load(src, k) if getattr(tok, "word_cache", None) is not None \
-        and tok.word_cache.mode == "identity" else None
+    index = WordIndex.load(src, k)
+    words = getattr(tok, "word_cache", None)
     recs: list[dict[str, Any]] | None = None
-    if index is not None and len(index.raw_n) == len(table):  # the ingest worker's words: one numpy gather
-        flat, lens = encode_indexed(tok.word_cache, index)
+    if index is not None and words is not None and index.split == words.split_name and len(index.raw_n) == len(table):
+        with open(src / f"{shard_name(k)}.jsonl", "rb") as f:  # the ingest worker's words: one numpy gather
+
+            def text_of(d: int) -> str:  # a text the split declined, read back
+                f.seek(int(table[d, 1]))
+                return json.loads(f.read(int(table[d, 2])))["text"]
+
+            flat, lens = encode_indexed(words, index, text_of)
     else:  # another tokenizer (or an ingest without the index): encode the texts
         recs = list(iter_shard(src, k))
         parts = [tok.encode_flat([r["text"] for r in recs[s:s + batch]]) for s in range(0, len(recs), batch)]

@@ -19,7 +19,7 @@ from data_pipeline.stages.bookkeeping import StageError, begin_stage, finish_sta
 from data_pipeline.dedup.exact import text_key
 from data_pipeline.store import ShardWriter, atomic_save_npy, done_shards, shard_counts, shard_name, write_jsonl_atomic
 from megatron_ds_suite.core import atomic
-from data_pipeline.words import WordIndex, training_counts
+from data_pipeline.words import GPT2_WHITESPACE, SPM_IDENTITY, WordIndex, training_counts
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,8 @@ def word_counts_path(folder: Path, k: int) -> Path:
     return folder / f"{shard_name(k)}.words.json"
 
 
-def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, bool]) -> dict[str, Any]:
-    folder_s, k, records, first, use_ftfy, ws, count_words = args
+def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, str | None, bool]) -> dict[str, Any]:
+    folder_s, k, records, first, use_ftfy, ws, split, count_words = args
     folder = Path(folder_s)
     writer = ShardWriter(folder, k)
     counts: Counter[str] = Counter()
@@ -47,7 +47,7 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, bool])
                     writer.add(i, rec.src, text, **_uid_of(rec))
                     counts["clean"] += 1
                     keys.append(text_key(text))
-                    if count_words:
+                    if split is not None:
                         texts.append(text)
                     continue
                 rec = RawRecord(rec.src, None, "empty", "no text left after cleaning: " + repr(rec.text[:100]))
@@ -56,10 +56,11 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, bool])
         write_jsonl_atomic(folder / f"{shard_name(k)}.rejects.jsonl", rejects)
         atomic_save_npy(folder / f"{shard_name(k)}.key.npy",  # exact-dedup keys, hashed while the text is at hand
                         np.stack(keys) if keys else np.zeros((0, 2), np.uint64))
-        if count_words:  # cut once into words: the tokenizer stage's counts and the filter's ids come from it
-            index = WordIndex.build(texts)
+        if split is not None:  # cut once into words: the filter's ids (and the tokenizer's counts) come from it
+            index = WordIndex.build(texts, split)
             index.save(folder, k)
-            wc = training_counts(index, texts)  # one line of JSON: the C encoder (indent would take the Python one)
+        if split is not None and count_words:  # one line of JSON: the C encoder (indent takes the Python one)
+            wc = training_counts(index, texts)
             atomic.write_text(word_counts_path(folder, k),
                               json.dumps(wc.to_json() if wc is not None else {"words": None}, ensure_ascii=False))
         info = {"read": len(records), "first": first, "clean": counts.pop("clean", 0), "rejected": dict(counts)}
@@ -73,6 +74,14 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, bool])
 def trains_on_word_counts(cfg: BuildConfig) -> bool:
     """Whether the tokenizer stage trains SentencePiece from word counts (the ``gpt`` flavour's BPE)."""
     return cfg.tokenizer.type == "sentencepiece" and cfg.tokenizer.flavor == "gpt"
+
+
+def index_split(cfg: BuildConfig) -> str | None:
+    """The word split of the config's tokenizer when the ingest workers can cut texts with it
+    (:mod:`data_pipeline.words`), else ``None``."""
+    if trains_on_word_counts(cfg):
+        return SPM_IDENTITY
+    return GPT2_WHITESPACE if cfg.tokenizer.type == "gpt2" else None
 
 
 def _uid_of(rec: RawRecord) -> dict[str, Any]:
@@ -102,6 +111,7 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
     if done:
         log.info("ingest: resuming, %d shard(s) already finished", len(done))
     workers = cfg.num_workers
+    split = index_split(cfg)
     count_words = trains_on_word_counts(cfg)  # shards that may hold training documents count their words
     bar = progress_bar(cfg, desc="ingest: read+clean", unit="doc")
     pending: list[Any] = []
@@ -118,7 +128,7 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
                 if k in done:
                     bar.update(len(recs))
                     continue
-                yield (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace,
+                yield (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace, split,
                        count_words and first < cfg.tokenizer.train_max_docs)
 
         try:
@@ -133,7 +143,7 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
             if k in done:
                 bar.update(len(recs))
                 continue
-            job = (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace,
+            job = (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace, split,
                    count_words and first < cfg.tokenizer.train_max_docs)
             if pool is None:
                 bar.update(_ingest_shard(job)["read"])

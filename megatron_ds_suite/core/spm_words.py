@@ -124,4 +124,5 @@ class WordCachedEncoder(WordCache):
     def __init__(self, sp: Any, cache_limit: int = CACHE_LIMIT) -> None:
         self.sp = sp
         self.mode = word_mode(sp.serialized_model_proto())
-        super().__init__(lambda texts: sp.Encode(texts, out_type=int), spm_split(self.mode), cache_limit)
+        super().__init__(lambda texts: sp.Encode(texts, out_type=int), spm_split(self.mode), cache_limit,
+                         f"sentencepiece-{self.mode}" if self.mode else None)

@@ -172,7 +172,7 @@ class GPT2BPETokenizer(Tokenizer):
         self._encode_many = lambda texts: [e.ids for e in fast(texts, add_special_tokens=False)]
         # GPT-2's pre-tokenizer never spans a non-space -> space boundary: texts go word by word through a
         # cache (same ids as the library, tests/test_word_cache.py); texts with \x1c-\x1f go to it whole
-        self._words = WordCache(self._encode_many, whitespace_split)
+        self._words = WordCache(self._encode_many, whitespace_split, split_name="gpt2-whitespace")
 
     @property
     def vocab_size(self) -> int:
@@ -190,6 +190,11 @@ class GPT2BPETokenizer(Tokenizer):
 
     def encode_flat(self, texts: Sequence[str]) -> tuple[Any, Any]:
         return self._words.encode_flat(texts)
+
+    @property
+    def word_cache(self) -> WordCache:
+        """The word cache behind ``encode*`` (``split_name``: its word split)."""
+        return self._words
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(self._check_ids(ids), skip_special_tokens=False)

@@ -62,9 +62,10 @@ class WordCache:
     built from cached words (see module docstring); texts ``split`` declines go to ``encode_many`` whole."""
 
     def __init__(self, encode_many: Callable[[list[str]], list[list[int]]], split: Split,
-                 cache_limit: int = CACHE_LIMIT) -> None:
+                 cache_limit: int = CACHE_LIMIT, split_name: str | None = None) -> None:
         self.encode_many = encode_many
         self.split = split
+        self.split_name = split_name  # names ``split`` for texts cut elsewhere (data_pipeline/words.py)
         self.cache_limit = cache_limit
         self._reset()
 
