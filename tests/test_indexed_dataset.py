@@ -266,3 +266,29 @@ def test_pointer_check_blocks_agree_with_the_running_sum():
             bad = pointers.copy()
             bad[k] += 2
             assert _first_bad_pointer(sizes, bad, 2, block) == k
+
+
+def test_add_documents_equals_one_item_per_document(tmp_path: Path) -> None:
+    """The bulk path export uses writes the same bytes as add_item + end_document per document, also after
+    documents added one by one, and refuses ids that do not split or do not fit the dtype."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 60000, int(n)).astype(np.uint16) for n in rng.integers(0, 40, 50)]
+    ref = MMapIndexedDatasetBuilder(tmp_path / "ref", np.uint16)
+    for d in docs:
+        ref.add_item(d)
+        ref.end_document()
+    ref.finalize()
+    bulk = MMapIndexedDatasetBuilder(tmp_path / "bulk", np.uint16)
+    bulk.add_item(docs[0])
+    bulk.end_document()
+    bulk.add_documents(np.concatenate(docs[1:30]), np.asarray([len(d) for d in docs[1:30]]))
+    bulk.add_documents(np.concatenate(docs[30:]), np.asarray([len(d) for d in docs[30:]]))
+    bulk.finalize()
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"bulk{ext}").read_bytes() == (tmp_path / f"ref{ext}").read_bytes()
+    b = MMapIndexedDatasetBuilder(tmp_path / "bad", np.uint16)
+    with pytest.raises(IndexedDatasetError, match="do not split into sizes"):
+        b.add_documents(np.arange(5, dtype=np.int64), np.asarray([2, 2]))
+    with pytest.raises(IndexedDatasetError, match="out of range"):
+        b.add_documents(np.asarray([70000], dtype=np.int64), np.asarray([1]))
+    b.abort()

@@ -146,13 +146,8 @@ class MMapIndexedDatasetBuilder:
             self._lo = self._hi = None
 
     # -- writing -----------------------------------------------------------------------------------
-    def add_item(self, tokens: npt.ArrayLike) -> None:
-        """Append one item (a 1-D array of token ids); values must fit the dtype."""
-        if self._done:
-            raise IndexedDatasetError(f"builder for {self.prefix} is already finalized")
-        arr = np.asarray(tokens)
-        if arr.ndim != 1:
-            raise IndexedDatasetError(f"add_item expects a 1-D token array, got shape {arr.shape}")
+    def _check_ids(self, arr: np.ndarray) -> None:
+        """Integer ids that fit the dtype (one line naming the range otherwise)."""
         if arr.size and self._lo is not None:
             if not np.issubdtype(arr.dtype, np.integer):
                 raise IndexedDatasetError(f"token ids must be integers, got dtype {arr.dtype}")
@@ -161,6 +156,15 @@ class MMapIndexedDatasetBuilder:
                 raise IndexedDatasetError(
                     f"token id out of range for {self.dtype}: min {lo}, max {hi} (vocabulary too large for this dtype?)"
                 )
+
+    def add_item(self, tokens: npt.ArrayLike) -> None:
+        """Append one item (a 1-D array of token ids); values must fit the dtype."""
+        if self._done:
+            raise IndexedDatasetError(f"builder for {self.prefix} is already finalized")
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise IndexedDatasetError(f"add_item expects a 1-D token array, got shape {arr.shape}")
+        self._check_ids(arr)
         if arr.size >= 2**31:
             raise IndexedDatasetError(f"item of {arr.size} tokens does not fit the int32 sizes array")
         self._bin.write(np.ascontiguousarray(arr, dtype=self.dtype).tobytes(order="C"))
@@ -183,14 +187,7 @@ class MMapIndexedDatasetBuilder:
         if tokens.ndim != 1 or int(sizes.sum()) != tokens.size or (sizes < 0).any() or (sizes >= 2**31).any():
             raise IndexedDatasetError(f"add_documents: {tokens.size} tokens do not split into sizes summing to "
                                       f"{int(sizes.sum())} (each in [0, 2^31))")
-        if tokens.size and self._lo is not None:
-            if not np.issubdtype(tokens.dtype, np.integer):
-                raise IndexedDatasetError(f"token ids must be integers, got dtype {tokens.dtype}")
-            lo, hi = int(tokens.min()), int(tokens.max())
-            if lo < self._lo or hi > self._hi:
-                raise IndexedDatasetError(
-                    f"token id out of range for {self.dtype}: min {lo}, max {hi} (vocabulary too large for this dtype?)"
-                )
+        self._check_ids(tokens)
         self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes(order="C"))
         first = len(self._sizes)
         self._sizes.extend(sizes)
