@@ -86,13 +86,17 @@ def iter_shard(folder: Path, k: int) -> Iterator[dict[str, Any]]:
             yield json.loads(line)
 
 
+def read_record(f: Any, row: np.ndarray) -> dict[str, Any]:
+    """The record at index ``row`` (input index, byte offset, length) of the open shard file ``f``."""
+    f.seek(int(row[1]))
+    return json.loads(f.read(int(row[2])))
+
+
 def iter_rows(folder: Path, k: int, rows: np.ndarray) -> Iterator[dict[str, Any]]:
-    """The records of shard ``k``'s file in ``folder`` at the index ``rows`` ((input index, byte offset,
-    length), in file order)."""
+    """The records of shard ``k``'s file in ``folder`` at the index ``rows`` (in file order)."""
     with open(folder / f"{shard_name(k)}.jsonl", "rb") as f:
-        for offset, length in rows[:, 1:].tolist():
-            f.seek(offset)
-            yield json.loads(f.read(length))
+        for row in rows:
+            yield read_record(f, row)
 
 
 class StoreError(ConfigError):

@@ -17,8 +17,8 @@ from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.words import WordIndex, encode_indexed
 from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, progress_bar, require_stage, work_dir
-from data_pipeline.store import (TEXT_FROM, atomic_save_npy, atomic_write_json, done_shards, iter_shard, shard_counts,
-                                 shard_name, write_jsonl_atomic)
+from data_pipeline.store import (TEXT_FROM, atomic_save_npy, atomic_write_json, done_shards, iter_shard, read_record,
+                                 shard_counts, shard_name, write_jsonl_atomic)
 
 
 def save_token_ids(folder: Path, k: int, flat: np.ndarray, lens: np.ndarray) -> None:
@@ -70,11 +70,7 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
     if index is not None and words is not None and index.split == words.split_name and len(index.raw_n) == len(table):
         with open(src / f"{shard_name(k)}.jsonl", "rb") as f:  # the ingest worker's words: one numpy gather
 
-            def text_of(d: int) -> str:  # a text the split declined, read back
-                f.seek(int(table[d, 1]))
-                return json.loads(f.read(int(table[d, 2])))["text"]
-
-            flat, lens = encode_indexed(words, index, text_of)
+            flat, lens = encode_indexed(words, index, lambda d: read_record(f, table[d])["text"])  # declined texts
     else:  # another tokenizer (or an ingest without the index): encode the texts
         recs = list(iter_shard(src, k))
         parts = [tok.encode_flat([r["text"] for r in recs[s:s + batch]]) for s in range(0, len(recs), batch)]
@@ -91,11 +87,7 @@ def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) ->
     short_rows, examples = [], []
     with open(src / f"{shard_name(k)}.jsonl", "rb") as f:
         for j in np.flatnonzero(~keep).tolist():  # only the too-short records are read back
-            if recs is not None:
-                rec = recs[j]
-            else:
-                f.seek(int(table[j, 1]))
-                rec = json.loads(f.read(int(table[j, 2])))
+            rec = recs[j] if recs is not None else read_record(f, table[j])
             short_rows.append({"i": rec["i"], "src": rec["src"], "reason": "too_short",
                                "detail": f"{int(n[j])} tokens < length.min_tokens={min_tokens}"})
             if len(examples) < 3:

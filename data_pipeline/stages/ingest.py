@@ -123,7 +123,7 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
     if cfg.executor == "ray":  # one Ray task per shard; same shard function, same files
         from data_pipeline.ray_executor import ray_map
 
-        def ray_jobs() -> Iterator[tuple[str, int, list[RawRecord], int, bool, bool]]:
+        def ray_jobs() -> Iterator[tuple[str, int, list[RawRecord], int, bool, bool, str | None, bool]]:
             for k, first, recs in _shards_of(iter_records(cfg), cfg.shard_size):
                 if k in done:
                     bar.update(len(recs))
