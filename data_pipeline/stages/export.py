@@ -64,9 +64,9 @@ def _export_shard(args: tuple[str, str, int, np.ndarray, np.ndarray, dict[str, A
     for rec in iter_rows(Path(text_folder), k, rows[keep]):
         lines.append(json.dumps(document_row(rec), ensure_ascii=False))
         texts.append(rec["text"])
-    rows = ("\n".join(lines) + "\n").encode("utf-8") if lines else b""
+    text = ("\n".join(lines) + "\n").encode("utf-8") if lines else b""
     if not gpt:
-        return rows, np.zeros(0, np.int64), np.zeros(len(lines), np.int64), len(keep)
+        return text, np.zeros(0, np.int64), np.zeros(len(lines), np.int64), len(keep)
     saved = token_ids_of_shard(folder, k)
     if saved is not None:
         flat, off = saved
@@ -75,7 +75,7 @@ def _export_shard(args: tuple[str, str, int, np.ndarray, np.ndarray, dict[str, A
     else:
         ids, lens = _tokenizer(spec).encode_flat(texts)
     # EOD after each document: inserted at each document's end
-    return rows, np.insert(ids.astype(dtype, copy=False), np.cumsum(lens), eod), lens + 1, len(keep)
+    return text, np.insert(ids.astype(dtype, copy=False), np.cumsum(lens), eod), lens + 1, len(keep)
 
 
 def run_export(cfg: BuildConfig) -> dict[str, Any]:

@@ -62,8 +62,8 @@ def training_word_counts(cfg: BuildConfig, store: DocStore) -> WordCounts | None
     """The training words of the first ``tokenizer.train_max_docs`` clean documents (at most 1,000,000
     sentences), counted: the ingest workers' per-shard counts for every shard wholly inside those limits, a
     count of the texts for the shard where they stop (or for a shard without counts, e.g. one ingested
-    before counting existed). ``None`` when some text cannot be given as counts (a tab; see
-    :func:`count_training_words`): train on the sentences then."""
+    before counting existed). ``None`` when some text cannot be given as counts (a tab or a literal
+    U+2581; see :func:`count_training_words`): train on the sentences then."""
     import json
 
     from data_pipeline.stages.ingest import word_counts_path
