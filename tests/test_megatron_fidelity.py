@@ -248,7 +248,7 @@ def test_ingest_stage_writes_ftfy_fixed_text(tmp_path):
     from data_pipeline.store import iter_shard
 
     recs = [RawRecord(f"t:{i}", raw) for i, (raw, _) in enumerate(FTFY_CASES)]
-    _ingest_shard((str(tmp_path), 0, recs, 0, True, True))
+    _ingest_shard((str(tmp_path), 0, recs, 0, True, True, None, False))
     assert [d["text"] for d in iter_shard(tmp_path, 0)] == [fixed for _, fixed in FTFY_CASES]
 
 
