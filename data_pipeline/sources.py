@@ -12,6 +12,7 @@ embedded default corpus (:mod:`data_pipeline.default_corpus`).
 """
 from __future__ import annotations
 
+import functools
 import glob as globmod
 import gzip
 import json
@@ -78,6 +79,14 @@ class RawRecord:
     reason: str | None = None
     detail: str = ""  # for the rejects file: error message and/or a prefix of the raw input
     uid: Any = None  # the user's own id (``id_field``), kept verbatim for documents.jsonl's "id"
+    line: bytes | None = None  # a jsonl line not parsed yet (``lazy`` reading): :meth:`resolve` parses it
+    fields: tuple[str, str | None, int] | None = None  # (text_field, id_field, max_bytes) for :meth:`resolve`
+
+    def resolve(self) -> RawRecord:
+        """This record, its jsonl line parsed (in the ingest worker: the reader then only cuts lines)."""
+        if self.line is None or self.fields is None:
+            return self
+        return parse_jsonl_line(self.src, self.line, *self.fields)
 
 
 def _snippet(b: bytes | str, n: int = 200) -> str:
@@ -138,13 +147,36 @@ def _check_text(src: str, text: Any, field: str, max_bytes: int) -> RawRecord:
     return RawRecord(src, text)
 
 
-def read_jsonl(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawRecord]:
+def parse_jsonl_line(sid: str, line: bytes, text_field: str, id_field: str | None, max_bytes: int) -> RawRecord:
+    """One non-blank jsonl line (at most ``max_bytes``) → its record, or a rejected one with the reason."""
+    try:
+        s = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return RawRecord(sid, None, "invalid_utf8", f"{e.reason} at byte {e.start}: " + _snippet(line))
+    try:
+        obj = json.loads(s)
+    except json.JSONDecodeError as e:
+        return RawRecord(sid, None, "bad_json", f"{e.msg} (col {e.colno}): " + _snippet(s))
+    if not isinstance(obj, dict):
+        return RawRecord(sid, None, "bad_json", f"not a JSON object ({type(obj).__name__}): " + _snippet(s))
+    rec = _check_text(sid, obj.get(text_field), text_field, max_bytes)
+    if id_field and obj.get(id_field) is not None:
+        rec.src = f"{sid}#{obj[id_field]}"
+        rec.uid = obj[id_field]
+    return rec
+
+
+def read_jsonl(path: Path, src: SourceConfig, max_bytes: int, lazy: bool = False) -> Iterator[RawRecord]:
+    """Records of a jsonl file; with ``lazy`` each non-blank line comes unparsed (``RawRecord.line``), for
+    the ingest worker to parse (:meth:`RawRecord.resolve`: the same record), so reading the input is only
+    cutting lines and does not bound the build's throughput to one process's JSON parsing."""
     try:
         f = _open_bytes(path)
     except OSError as e:
         yield RawRecord(str(path), None, "unreadable_file", f"{type(e).__name__}: {e}")
         return
     lineno = 0
+    fields = (src.text_field, src.id_field, max_bytes)
     try:
         with f:
             for line, size in _read_lines_bounded(f, max_bytes):
@@ -157,25 +189,7 @@ def read_jsonl(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawRec
                     continue
                 if not line.strip():
                     continue  # a blank line is not a record
-                try:
-                    s = line.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    yield RawRecord(sid, None, "invalid_utf8", f"{e.reason} at byte {e.start}: " + _snippet(line))
-                    continue
-                try:
-                    obj = json.loads(s)
-                except json.JSONDecodeError as e:
-                    yield RawRecord(sid, None, "bad_json", f"{e.msg} (col {e.colno}): " + _snippet(s))
-                    continue
-                if not isinstance(obj, dict):
-                    yield RawRecord(sid, None, "bad_json", f"not a JSON object ({type(obj).__name__}): "
-                                    + _snippet(s))
-                    continue
-                rec = _check_text(sid, obj.get(src.text_field), src.text_field, max_bytes)
-                if src.id_field and obj.get(src.id_field) is not None:
-                    rec.src = f"{sid}#{obj[src.id_field]}"
-                    rec.uid = obj[src.id_field]
-                yield rec
+                yield RawRecord(sid, None, line=line, fields=fields) if lazy else parse_jsonl_line(sid, line, *fields)
     except (OSError, EOFError, gzip.BadGzipFile, ValueError) as e:  # truncated/corrupt archive, I/O errors
         yield RawRecord(f"{path}:{lineno + 1}", None, "unreadable_file", f"{type(e).__name__}: {e}")
 
@@ -306,14 +320,16 @@ def read_default(max_bytes: int) -> Iterator[RawRecord]:
         yield _check_text(sid, text, "text", max_bytes)
 
 
-def iter_source(cfg: BuildConfig, src: SourceConfig) -> Iterator[RawRecord]:
+def iter_source(cfg: BuildConfig, src: SourceConfig, lazy: bool = False) -> Iterator[RawRecord]:
+    """A source's records in order; ``lazy``: jsonl lines come unparsed (see :func:`read_jsonl`)."""
     max_bytes = cfg.clean.max_doc_bytes
     if src.type == "default":
         gen = read_default(max_bytes)
     elif src.type == "hf":
         gen = read_hf(cfg, src, max_bytes)
     else:
-        reader = {"jsonl": read_jsonl, "text": read_text, "parquet": read_parquet}[src.type]
+        reader = {"jsonl": functools.partial(read_jsonl, lazy=lazy), "text": read_text,
+                  "parquet": read_parquet}[src.type]
         paths = expand_paths(cfg, src)
         if not paths:
             raise ConfigError(f"source {src.type} {src.path!r}: no {src.type} files there "
@@ -329,10 +345,10 @@ def iter_source(cfg: BuildConfig, src: SourceConfig) -> Iterator[RawRecord]:
                           f"dataset): fix its path or remove the source")
 
 
-def iter_records(cfg: BuildConfig) -> Iterator[RawRecord]:
+def iter_records(cfg: BuildConfig, lazy: bool = False) -> Iterator[RawRecord]:
     """All sources, in config order; the position in this stream is a record's input index."""
     for src in cfg.sources:
-        yield from iter_source(cfg, src)
+        yield from iter_source(cfg, src, lazy)
 
 
 def input_fingerprint(cfg: BuildConfig) -> list[Any]:

@@ -216,3 +216,29 @@ def test_sentence_splitter():
                  "Then he left, e.g. at 5 p.m. today.", "New paragraph without end"]
     assert split_sentences("J. R. R. Tolkien wrote books. They sold well? Yes.") == [
         "J. R. R. Tolkien wrote books.", "They sold well?", "Yes."]
+
+
+def test_lazy_jsonl_records_resolve_to_the_eager_ones(tmp_path):
+    """The ingest stage reads jsonl lazily (the reader only cuts lines; the worker parses each): every record,
+    rejected ones included (reason, detail, provenance, user id), equals the eagerly parsed one."""
+    from dataclasses import asdict
+
+    from data_pipeline.sources import iter_source
+
+    lines = [b"\xef\xbb\xbf" + json.dumps({"id": "first", "text": "a BOM before the first record"}).encode(),
+             b"{not json", json.dumps({"body": "no text field"}).encode(), json.dumps({"text": 42}).encode(),
+             json.dumps([1, 2]).encode(), json.dumps({"id": 7, "text": "an id that is a number"}).encode(),
+             b'{"text": "lone \\ud800 surrogate"}', b"", b"   ", b'{"text": "bad \xff\xfe utf8"}', b"x" * 5000,
+             json.dumps({"text": "y" * 3000}).encode(), json.dumps({"id": None, "text": "null id"}).encode()]
+    (tmp_path / "a.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wb") as f:
+        f.write(json.dumps({"id": "gz", "text": "from a gzip file"}).encode() + b"\n")
+    cfg = config_from_dict({"sources": [{"type": "jsonl", "path": str(tmp_path), "id_field": "id"}],
+                            "clean": {"max_doc_bytes": 2000}})
+    eager = list(iter_source(cfg, cfg.sources[0]))
+    lazy = list(iter_source(cfg, cfg.sources[0], lazy=True))
+    assert any(r.line is not None for r in lazy) and all(r.line is None for r in eager)
+    assert [asdict(r.resolve()) for r in lazy] == [asdict(r) for r in eager]
+    reasons = [r.reason for r in eager]
+    assert reasons.count("bad_json") == 2 and "invalid_utf8" in reasons and reasons.count("too_large") == 2
+    assert eager[0].text == "a BOM before the first record" and eager[0].uid == "first"

@@ -41,6 +41,7 @@ def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, str | 
     try:
         for n, rec in enumerate(records):
             i = first + n
+            rec = rec.resolve()  # a jsonl line is parsed here, in the worker
             if rec.text is not None:
                 text = clean_text(rec.text, use_ftfy, ws)
                 if text:
@@ -124,7 +125,7 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
         from data_pipeline.ray_executor import ray_map
 
         def ray_jobs() -> Iterator[tuple[str, int, list[RawRecord], int, bool, bool, str | None, bool]]:
-            for k, first, recs in _shards_of(iter_records(cfg), cfg.shard_size):
+            for k, first, recs in _shards_of(iter_records(cfg, lazy=True), cfg.shard_size):
                 if k in done:
                     bar.update(len(recs))
                     continue
@@ -139,7 +140,7 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
     ctx = get_context("fork")
     pool = ctx.Pool(workers) if workers > 1 and cfg.executor == "local" else None
     try:
-        for k, first, recs in (_shards_of(iter_records(cfg), cfg.shard_size) if cfg.executor == "local" else ()):
+        for k, first, recs in (_shards_of(iter_records(cfg, lazy=True), cfg.shard_size) if cfg.executor == "local" else ()):
             if k in done:
                 bar.update(len(recs))
                 continue
