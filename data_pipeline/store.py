@@ -3,7 +3,9 @@
 A store is a folder of shards ``docs-00000.jsonl`` (one JSON object per line: ``{"i": input index,
 "src": source id, "text": cleaned text}``) plus, per shard, ``docs-00000.idx.npy``: an int64 array of
 shape ``[n, 3]`` = (input index, byte offset, byte length) that lets a later stage re-read any document
-with one ``seek`` (dedup verification reads texts this way instead of keeping them in memory).
+with one ``seek`` (dedup verification reads texts this way instead of keeping them in memory). A later
+stage's store may hold only the indexes, pointing into an earlier store's shard files (``_text_from.json``
+names that folder: the filter keeps its documents' texts where ingest wrote them).
 
 Every file is written under a temporary name and ``os.replace``-d into place; a shard's ``.done.json``
 (its counts) is written last and is the shard's completion marker, so a crash leaves either a finished
@@ -103,14 +105,15 @@ class StoreError(ConfigError):
     """A finished stage's files are missing or damaged (one line: which file, how to rebuild)."""
 
 
-TEXT_FROM = "_text_from.json"  # in a subset store (an index over another store's shard files): that folder
+TEXT_FROM = "_text_from.json"  # in an index-only store (the filter's, dedup's exact survivors): the text's folder
 
 
 class DocStore:
     """Read side of a finished store: ordered iteration and random access by position.
 
-    A subset store (:func:`data_pipeline.dedup.exact.write_subset`) holds only the per-shard indexes, whose
-    offsets point into the shard files of the store named in its ``_text_from.json``."""
+    An index-only store (the filter stage's; :func:`data_pipeline.dedup.exact.write_subset`) holds only the
+    per-shard indexes, whose offsets point into the shard files of the store named in its
+    ``_text_from.json``."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -159,8 +162,7 @@ class DocStore:
         f = self._files.get(k)
         if f is None:
             f = self._files[k] = open(self.text_folder / f"{shard_name(k)}.jsonl", "rb")
-        f.seek(int(self.table[pos, 1]))
-        return json.loads(f.read(int(self.table[pos, 2])))
+        return read_record(f, self.table[pos])
 
     def close(self) -> None:
         for f in self._files.values():

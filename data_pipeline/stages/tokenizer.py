@@ -1,6 +1,7 @@
 """Stage ``tokenizer``: train sentencepiece on the cleaned documents, or load the given tokenizer files."""
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -8,8 +9,8 @@ from typing import Any
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, require_stage, work_dir
-from data_pipeline.stages.ingest import trains_on_word_counts
-from data_pipeline.store import DocStore
+from data_pipeline.stages.ingest import trains_on_word_counts, word_counts_path
+from data_pipeline.store import DocStore, iter_shard
 from megatron_ds_suite.core.tokenizer_train import MAX_SENTENCES, WordCounts, count_training_words
 
 
@@ -37,9 +38,9 @@ def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
                 yield rec["text"]
 
         counts = training_word_counts(cfg, store) if trains_on_word_counts(cfg) else None
-        if counts is not None:
+        if counts is not None:  # trained from the ingest workers' word counts; the texts are not read
             n_docs = counts.docs
-        tok = train_sentencepiece(texts(), tok_dir / f"spm_{t.flavor}_{t.vocab_size}", t.vocab_size,
+        tok = train_sentencepiece(texts() if counts is None else (), tok_dir / f"spm_{t.flavor}_{t.vocab_size}", t.vocab_size,
                                   flavor=t.flavor, seed=cfg.seed, num_threads=t.num_threads,  # type: ignore[arg-type]
                                   word_counts=counts)
         spec = tok.spec()
@@ -64,11 +65,6 @@ def training_word_counts(cfg: BuildConfig, store: DocStore) -> WordCounts | None
     count of the texts for the shard where they stop (or for a shard without counts, e.g. one ingested
     before counting existed). ``None`` when some text cannot be given as counts (a tab or a literal
     U+2581; see :func:`count_training_words`): train on the sentences then."""
-    import json
-
-    from data_pipeline.stages.ingest import word_counts_path
-    from data_pipeline.store import iter_shard
-
     total = WordCounts()
     max_docs, max_lines = cfg.tokenizer.train_max_docs, MAX_SENTENCES
     for k in store.shards:
