@@ -78,7 +78,7 @@ class WordIndex:
         raw: defaultdict[str, int] = defaultdict(itertools.count().__next__)  # word -> id, new ids on first sight
         spaced: defaultdict[str, int] = defaultdict(itertools.count().__next__)
         raw_id, spaced_id = raw.__getitem__, spaced.__getitem__
-        raw_ids, spaced_ids = array("l"), array("l")  # C arrays: no Python int list to convert afterwards
+        raw_ids, spaced_ids = array("q"), array("q")  # 64-bit C arrays (any platform): no Python int list to convert afterwards
         raw_n = np.zeros(len(texts), dtype=np.int64)
         spaced_n = np.zeros(len(texts), dtype=np.int64)
         whole = np.zeros(len(texts), dtype=bool)
