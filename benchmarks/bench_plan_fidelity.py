@@ -21,9 +21,16 @@ fitted to any step): the gloo all-reduce between two one-thread ranks, timed at 
 ``2 (t-1) alpha + 2 (t-1)/t n / beta`` (``alpha_intra_s``, ``intra_node_gbs``), and the one-thread
 bandwidth of an element-wise add (``hbm_gbs``, ``memory_efficiency`` 1) for the replicated term. The
 "+ links + overhead" column adds the time that does not scale with FLOPs (``TimeModel.overhead_step_s`` and
-``overhead_layer_s``), measured at each TP degree by timing the same training step of a model too small to
-compute anything at 1 and 3 layers; at TP > 1 that includes the all-reduces' latency as it occurs inside a
-step, so that column takes only the bandwidth term from the link measurement.
+``overhead_layer_s``), measured by timing the same training step of a model too small to compute anything at 1
+and 3 layers at TP = 1 (op dispatch: every TP rank dispatches every op of its layers, so these hold at every
+degree), and replaces the back-to-back latency by the all-reduce's latency inside a step: the same tiny model at
+TP = t spends more per layer than at TP = 1 only in the layer's 4 all-reduces, so that difference / (4 x 2 (t-1))
+is ``alpha_intra_s`` at TP = t (the ranks meet at each all-reduce after their own compute, which costs more than
+an all-reduce loop). The planner then charges it to every all-reduce it counts, the embedding's and the
+vocab-parallel cross-entropy's included.
+
+``--json OUT`` saves every measurement (constants and each launch) and ``--replay OUT`` re-evaluates the
+models on a saved run without measuring, printing the same report.
 
 On one GPU (``--device cuda``: TP = 1 only, since NCCL allows one rank per GPU) each configuration runs in
 its own process (an NCCL world of one), in ``--dtype`` (fp16 by default: DeepSpeed's FusedAdam + fp16
@@ -33,6 +40,7 @@ skipped for overflow are neither warm-up nor timed. The planner uses the data-sh
 host's time to dispatch a layer's kernels, which the planner's GPU default (0) leaves out.
 
     .venv/bin/python -m benchmarks.bench_plan_fidelity --steps 5
+    .venv/bin/python -m benchmarks.bench_plan_fidelity --replay benchmarks/results/plan_fidelity_cpu.json
     python -m benchmarks.bench_plan_fidelity --device cuda --tp 1 --hidden 768 1536 --layers 12 24 --seq 512 1024 \
         --heads 16 --batch 8 --vocab 50257 --reps 1
 """
@@ -42,12 +50,14 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import math
 import os
 import statistics
 import time
 import warnings
+from pathlib import Path
 
 from benchmarks import common
 
@@ -77,7 +87,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "model can be re-evaluated without re-measuring")
     p.add_argument("--calibrate", default=None,
                    help="config to calibrate on, 'h,l,s,tp' (default: the TP = 1 configuration of median FLOPs)")
+    p.add_argument("--replay", default=None, metavar="JSON",
+                   help="measure nothing: re-evaluate the model on a run saved with --json (its sweep, constants and "
+                        "launches) and print the same report")
     args = p.parse_args(argv)
+    if args.replay:
+        if not Path(args.replay).is_file():
+            p.error(f"--replay {args.replay}: no such file (write one with --json)")
+        return args
     args.dtype = args.dtype or ("fp16" if args.device == "cuda" else "fp32")
     if args.device == "cuda" and set(args.tp) != {1}:
         p.error("--device cuda runs on one GPU: --tp 1 only (NCCL allows one rank per GPU)")
@@ -197,9 +214,9 @@ def measure_overheads(run_distributed, heads: int, steps: int, warmup: int, tp: 
                       extra: dict | None = None) -> tuple[float, float]:
     """(seconds per step, seconds per layer per micro-batch) that do not scale with FLOPs at TP = ``tp``: the
     same training step on a model too small to compute anything (hidden 4 x heads, seq 8, batch 1, vocab 128)
-    at 1 and 3 layers, slowest rank; per layer = half the difference, per step = the rest. At TP > 1 this
-    includes the latency of the layer's all-reduces as they occur inside a step (their payload here is a
-    few hundred bytes), so a model using it takes the links' bandwidth but not their latency."""
+    at 1 and 3 layers, slowest rank; per layer = half the difference, per step = the rest. At TP > 1 the per
+    layer figure also holds the latency of the layer's 4 all-reduces as they occur inside a step (their
+    payload here is a few hundred bytes): ``in_step_alpha`` takes it from there."""
     secs = {}
     for layers in (1, 3):
         a = {"hidden": 4 * heads, "layers": layers, "seq": 8, "heads": heads, "batch": 1, "vocab": 128,
@@ -222,89 +239,74 @@ def predict(hidden: int, layers: int, seq: int, tp: int, a: dict, hw, fraction: 
     return step_time(shape, lay, hw, tm or TimeModel(), ckpt=False, dtype=dtype, compute_fraction=fraction).total
 
 
-def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = parse_args(argv)
-    import torch
+def in_step_alpha(overheads: dict[int, tuple[float, float]], tp: int) -> float:
+    """Latency per ring step of one TP all-reduce as it occurs inside a training step, from the fixed costs
+    measured at TP = ``tp`` and TP = 1: the tiny model's extra time per layer at TP = ``tp`` is its layer's 4
+    all-reduces (2 forward, 2 backward), each 2 (t - 1) ring steps; the op dispatch is the same at both
+    degrees. 0 at TP = 1 (no TP all-reduce)."""
+    if tp == 1:
+        return 0.0
+    extra = overheads[tp][1] - overheads[1][1]
+    return max(extra, 0.0) / (4 * 2 * (tp - 1))
 
-    from megatron_ds_suite.testing import run_distributed
-    from training.config import padded_vocab_size
+
+def time_models(d: dict) -> dict[str, tuple]:
+    """The compared models, each (hardware, TimeModel or {tp: TimeModel} or None), from the measurements
+    ``d`` (the --json document)."""
     from training.plan import TimeModel
-    from training.runtime.hardware import get_hardware, measure_cpu_peak_tflops
+    from training.runtime.hardware import get_hardware
 
-    cuda = args.device == "cuda"
-    os.environ.setdefault("DS_ACCELERATOR", args.device)  # before deepspeed is imported (spawned ranks inherit it)
-    info = common.machine_info(gpu=cuda)
-    run = run_on_gpu if cuda else run_distributed
-    extra = {"device": args.device, "dtype": args.dtype}
-    if cuda:  # the data-sheet entry; no links at TP = 1 (and no replicated work)
-        from training.runtime.hardware import detect_device_kind
+    overheads = {int(tp): tuple(ov) for tp, ov in d["overheads"].items()}
+    tps = sorted({int(r["tp"]) for r in d["launches"]})
+    if d["args"]["device"] == "cuda":  # the data-sheet entry; no links at TP = 1 (and no replicated work)
+        hw = get_hardware(d["hardware"])
+        hw = dataclasses.replace(hw, peak_tflops={**hw.peak_tflops, d["args"]["dtype"]: d["peak_tflops"]})
+        ov = overheads[1]
+        return {"compute only": (hw, None),
+                "+ overhead": (hw, TimeModel(overhead_step_s=ov[0], overhead_layer_s=ov[1]))}
+    hw = dataclasses.replace(get_hardware("cpu"), peak_tflops={"fp32": d["peak_tflops"]})
+    hw_links = dataclasses.replace(hw, intra_node_gbs=d["beta_bytes_s"] / 1e9, hbm_gbs=d["elementwise_bytes_s"] / 1e9,
+                                   gpus_per_node=max(tps))
+    tm_links = TimeModel(alpha_intra_s=d["alpha_s"], memory_efficiency=1.0)
+    # the fixed costs (op dispatch, the framework's step) are TP = 1's at every degree: each rank dispatches
+    # every op of its layers; the all-reduces get the in-step latency measured at their degree (more than back
+    # to back: the ranks meet at each one after their own compute) and the links' bandwidth
+    step_s, layer_s = overheads[1]
+    tm_full = {tp: dataclasses.replace(tm_links, overhead_step_s=step_s, overhead_layer_s=layer_s,
+                                       alpha_intra_s=in_step_alpha(overheads, tp) if tp > 1 else d["alpha_s"])
+               for tp in tps}
+    return {"compute only": (hw, None), "+ links": (hw_links, tm_links), "+ links + overhead": (hw_links, tm_full)}
 
-        kind = args.gpu or detect_device_kind()
-        hw = get_hardware(kind)
-        peak = hw.peak_tflops[args.dtype]
-        hw_links, tm_links, alpha, beta, membw = hw, TimeModel(), 0.0, math.inf, math.nan
-    else:
-        torch.set_num_threads(1)
-        peak = measure_cpu_peak_tflops("fp32", budget_s=2.0)
-        hw = dataclasses.replace(get_hardware("cpu"), peak_tflops={"fp32": peak})
-        alpha, beta = measure_links(run_distributed)
-        membw = measure_elementwise_bandwidth()
-        hw_links = dataclasses.replace(hw, intra_node_gbs=beta / 1e9, hbm_gbs=membw / 1e9, gpus_per_node=max(args.tp))
-        tm_links = TimeModel(alpha_intra_s=alpha, memory_efficiency=1.0)
-    overheads = {tp: measure_overheads(run, args.heads, max(args.steps, 5), args.warmup, tp, extra)
-                 for tp in sorted(set(args.tp))}
-    # per TP degree: the fixed costs measured at that degree; at TP > 1 they hold the collectives' in-step
-    # latency, so the all-reduce latency (alpha) is not added again, only the bandwidth term
-    tm_full = {tp: dataclasses.replace(tm_links, overhead_step_s=ov[0], overhead_layer_s=ov[1],
-                                       alpha_intra_s=0.0 if tp > 1 else alpha) for tp, ov in overheads.items()}
-    padded = padded_vocab_size(args.vocab, 128, max(args.tp))
-    configs = list(itertools.product(args.hidden, args.layers, args.seq, args.tp))
-    base = {"heads": args.heads, "batch": args.batch, "padded": padded}
-    if args.calibrate:
-        calib = tuple(int(v) for v in args.calibrate.split(","))
-    else:  # a representative run: the single-rank configuration of median FLOPs
-        single = sorted((c for c in configs if c[3] == 1) or configs,
-                        key=lambda c: predict(*c, base, hw, 1.0, dtype=args.dtype))
-        calib = single[(len(single) - 1) // 2]
-    if calib not in configs:
-        raise SystemExit(f"--calibrate {calib} is not in the sweep")
-    cpu_runs: dict[tuple, list[tuple[float, float]]] = {c: [] for c in configs}
 
-    def launch(c: tuple) -> float:
-        h, l, s, tp = c
-        a = {"hidden": h, "layers": l, "seq": s, "heads": args.heads, "batch": args.batch, "vocab": args.vocab,
-             "padded": padded, "steps": args.steps, "warmup": args.warmup, **extra}
-        ranks = run(_worker, tp, a, timeout=1800.0)
-        wall = max(r[0] for r in ranks)  # the step ends when the slowest rank ends
-        cpu_runs[c].append((wall, max(r[1] for r in ranks)))
-        log.info("h %d l %d s %d tp %d: %.4f s/step (CPU %.4f s)", h, l, s, tp, wall, cpu_runs[c][-1][1])
-        return wall
-
-    samples = common.interleaved({c: functools.partial(launch, c) for c in configs}, args.reps)
+def evaluate(d: dict) -> dict:
+    """Calibrate every model on ``d['calibrate']`` and predict each configuration of the sweep ``d``: rows of
+    the table, the |errors| per model, the fractions. Pure: the same document gives the same table."""
+    a = d["args"]
+    base = {"heads": a["heads"], "batch": a["batch"], "padded": d["padded_vocab"]}
+    walls = {(r["hidden"], r["layers"], r["seq"], r["tp"]): r["wall_cpu_s"] for r in d["launches"]}
+    configs = list(walls)
+    calib = tuple(d["calibrate"])
     # the fastest launch: the one least slowed by the other jobs of this shared machine
-    measured = {c: samples[c].lo for c in configs}
-    cpu_s = {c: min(cpu_runs[c])[1] for c in configs}
-    spread = {c: samples[c].hi / samples[c].lo - 1 for c in configs}
-    # at TP = 1 step_time is overhead + compute / fraction (no communication or replicated terms): calibrate
-    # each model exactly on the one configuration
+    measured = {c: min(w for w, _ in walls[c]) for c in configs}
+    cpu_s = {c: min(walls[c])[1] for c in configs}
+    spread = {c: max(w for w, _ in walls[c]) / measured[c] - 1 for c in configs}
+    models = time_models(d)
+
     def tm_at(tm, tp: int):  # a TimeModel, or one per TP degree
         return tm[tp] if isinstance(tm, dict) else tm
 
-    def calibrated(tm) -> float:
-        with_overhead = predict(*calib, base, hw, 1.0, tm_at(tm, calib[3]), args.dtype)
-        overhead = predict(*calib, base, hw, math.inf, tm_at(tm, calib[3]), args.dtype)
+    def calibrated(hw_m, tm) -> float:
+        # step_time is (terms that do not scale with FLOPs) + compute / fraction: exact on the one configuration
+        with_overhead = predict(*calib, base, hw_m, 1.0, tm_at(tm, calib[3]), a["dtype"])
+        overhead = predict(*calib, base, hw_m, math.inf, tm_at(tm, calib[3]), a["dtype"])
         if measured[calib] <= overhead:  # too small a configuration to calibrate on: that model is left out
             log.warning("calibration configuration %s took %.4f s, not more than the fixed overhead %.4f s: "
                         "choose a larger one with --calibrate", calib, measured[calib], overhead)
             return math.nan
         return (with_overhead - overhead) / (measured[calib] - overhead)
 
-    models = ({"compute only": (hw, None), "+ overhead": (hw, tm_full)} if cuda else
-              {"compute only": (hw, None), "+ links": (hw_links, tm_links), "+ links + overhead": (hw_links, tm_full)})
-    fractions = {name: calibrated(tm) for name, (_, tm) in models.items()}
-    rows = []
-    errors: dict[str, list[float]] = {name: [] for name in models}
+    fractions = {name: calibrated(hw_m, tm) for name, (hw_m, tm) in models.items()}
+    rows, errors = [], {name: [] for name in models}
     for c in configs:
         row = [str(c[0]), str(c[1]), str(c[2]), str(c[3]), f"{measured[c]:.4f}", f"+{spread[c] * 100:.0f} %",
                f"{cpu_s[c]:.4f}"]
@@ -312,38 +314,101 @@ def main(argv: list[str] | None = None) -> None:
             if math.isnan(fractions[name]):
                 row += ["n/a", "n/a"]
                 continue
-            pred = predict(*c, base, hw_m, fractions[name], tm_at(tm, c[3]), args.dtype)
+            pred = predict(*c, base, hw_m, fractions[name], tm_at(tm, c[3]), a["dtype"])
             err = (pred - measured[c]) / measured[c] * 100
             if c != calib:
                 errors[name].append(abs(err))
             row += [f"{pred:.4f}", "calibration" if c == calib else f"{err:+.1f}"]
         rows.append(row)
-    if args.json:
-        from megatron_ds_suite.core import atomic
+    return {"models": list(models), "fractions": fractions, "rows": rows, "errors": errors}
 
-        atomic.write_json(args.json, {
-            "args": vars(args), "peak_tflops": peak, "alpha_s": alpha, "beta_bytes_s": beta, "elementwise_bytes_s": membw,
-            "overheads": {str(tp): list(ov) for tp, ov in overheads.items()}, "padded_vocab": padded,
-            "calibrate": list(calib), "cpu_count": os.cpu_count(),
-            "launches": [{"hidden": c[0], "layers": c[1], "seq": c[2], "tp": c[3], "wall_cpu_s": cpu_runs[c]}
-                         for c in configs]})
+
+def measure(args: argparse.Namespace) -> dict:
+    """Run the sweep: the constants (peak, links, fixed costs) first, then every configuration ``--reps``
+    times in rotating order. Returns the --json document (everything ``evaluate`` needs)."""
+    import torch
+
+    from megatron_ds_suite.testing import run_distributed
+    from training.config import padded_vocab_size
+    from training.runtime.hardware import get_hardware, measure_cpu_peak_tflops
+
+    cuda = args.device == "cuda"
+    run = run_on_gpu if cuda else run_distributed
+    extra = {"device": args.device, "dtype": args.dtype}
+    d = {"args": vars(args), "cpu_count": os.cpu_count()}
+    if cuda:
+        from training.runtime.hardware import detect_device_kind
+
+        d["hardware"] = args.gpu or detect_device_kind()
+        d["peak_tflops"] = get_hardware(d["hardware"]).peak_tflops[args.dtype]
+    else:
+        torch.set_num_threads(1)
+        d["peak_tflops"] = measure_cpu_peak_tflops("fp32", budget_s=2.0)
+        d["alpha_s"], d["beta_bytes_s"] = measure_links(run_distributed)
+        d["elementwise_bytes_s"] = measure_elementwise_bandwidth()
+    # TP = 1 always: its fixed costs hold at every degree, and a degree's in-step latency is the difference
+    tps = sorted({1, *args.tp})
+    d["overheads"] = {str(tp): list(measure_overheads(run, args.heads, max(args.steps, 5), args.warmup, tp, extra))
+                      for tp in tps}
+    d["padded_vocab"] = padded = padded_vocab_size(args.vocab, 128, max(args.tp))
+    configs = list(itertools.product(args.hidden, args.layers, args.seq, args.tp))
+    base = {"heads": args.heads, "batch": args.batch, "padded": padded}
+    if args.calibrate:
+        calib = tuple(int(v) for v in args.calibrate.split(","))
+    else:  # a representative run: the single-rank configuration of median FLOPs
+        hw = get_hardware("cpu") if not cuda else get_hardware(d["hardware"])
+        hw = dataclasses.replace(hw, peak_tflops={args.dtype: d["peak_tflops"]})
+        single = sorted((c for c in configs if c[3] == 1) or configs,
+                        key=lambda c: predict(*c, base, hw, 1.0, dtype=args.dtype))
+        calib = single[(len(single) - 1) // 2]
+    if calib not in configs:
+        raise SystemExit(f"--calibrate {calib} is not in the sweep")
+    d["calibrate"] = list(calib)
+    walls: dict[tuple, list[list[float]]] = {c: [] for c in configs}
+
+    def launch(c: tuple) -> float:
+        h, l, s, tp = c
+        a = {"hidden": h, "layers": l, "seq": s, "heads": args.heads, "batch": args.batch, "vocab": args.vocab,
+             "padded": padded, "steps": args.steps, "warmup": args.warmup, **extra}
+        ranks = run(_worker, tp, a, timeout=1800.0)
+        wall = max(r[0] for r in ranks)  # the step ends when the slowest rank ends
+        walls[c].append([wall, max(r[1] for r in ranks)])
+        log.info("h %d l %d s %d tp %d: %.4f s/step (CPU %.4f s)", h, l, s, tp, wall, walls[c][-1][1])
+        return wall
+
+    common.interleaved({c: functools.partial(launch, c) for c in configs}, args.reps)
+    d["launches"] = [{"hidden": c[0], "layers": c[1], "seq": c[2], "tp": c[3], "wall_cpu_s": walls[c]}
+                     for c in configs]
+    return d
+
+
+def report(d: dict, header: str) -> None:
+    """Print the markdown block of docs/plan.md: machine, constants, error summary, table."""
+    a, ev = d["args"], evaluate(d)
+    cuda = a["device"] == "cuda"
+    overheads = {int(tp): ov for tp, ov in d["overheads"].items()}
     print()
-    print(common.markdown_header(info, common.load_average()))
-    where = (f"{args.dtype} on one GPU ({hw.name}), DeepSpeed engine + the trainer's optimizer" if cuda else
+    print(header)
+    where = (f"{a['dtype']} on one GPU ({d['hardware']}), DeepSpeed engine + the trainer's optimizer" if cuda else
              "fp32, DeepSpeed engine + AdamW, 1 thread per rank")
-    print(f"- GPT-2 {where}, dropout 0.1, {args.heads} heads, batch {args.batch}, vocab {args.vocab} padded to {padded}, "
-          f"DP = 1, no checkpointing; median of {args.steps} applied steps after {args.warmup} warm-up, slowest rank; "
-          f"best of {args.reps} launches (rotating order)")
-    peak_what = (f"data-sheet dense {args.dtype} peak {peak:.0f} TFLOP/s" if cuda
+    print(f"- GPT-2 {where}, dropout 0.1, {a['heads']} heads, batch {a['batch']}, vocab {a['vocab']} padded to "
+          f"{d['padded_vocab']}, DP = 1, no checkpointing; median of {a['steps']} applied steps after {a['warmup']} "
+          f"warm-up, slowest rank; best of {a['reps']} launches (rotating order)")
+    peak = d["peak_tflops"]
+    peak_what = (f"data-sheet dense {a['dtype']} peak {peak:.0f} TFLOP/s" if cuda
                  else f"one-thread fp32 matmul peak {peak * 1e3:.1f} GFLOP/s")
-    print(f"- {peak_what}; calibrated on h {calib[0]}, l {calib[1]}, "
-          f"s {calib[2]}, TP {calib[3]}: compute fraction " + ", ".join(f"{v:.3f} ({k})" for k, v in fractions.items()))
-    links = ("" if cuda else f"gloo all-reduce alpha {alpha * 1e6:.1f} us per ring step, beta {beta / 1e9:.2f} GB/s; "
-                             f"one-thread element-wise {membw / 1e9:.2f} GB/s; ")
+    calib = d["calibrate"]
+    print(f"- {peak_what}; calibrated on h {calib[0]}, l {calib[1]}, s {calib[2]}, TP {calib[3]}: compute fraction "
+          + ", ".join(f"{v:.3f} ({k})" for k, v in ev["fractions"].items()))
+    links = ("" if cuda else f"gloo all-reduce alpha {d['alpha_s'] * 1e6:.1f} us per ring step (back to back), beta "
+                             f"{d['beta_bytes_s'] / 1e9:.2f} GB/s; one-thread element-wise "
+                             f"{d['elementwise_bytes_s'] / 1e9:.2f} GB/s; ")
+    in_step = ("" if cuda else "; in-step all-reduce alpha " + ", ".join(
+        f"TP {tp}: {in_step_alpha(overheads, tp) * 1e6:.0f} us per ring step" for tp in overheads if tp > 1))
     print(f"- measured before the sweep: {links}fixed overhead " +
           "; ".join(f"TP {tp}: {ov[0] * 1e3:.2f} ms per step + {ov[1] * 1e3:.2f} ms per layer per micro-batch"
-                    for tp, ov in overheads.items()))
-    for name, errs in errors.items():
+                    for tp, ov in overheads.items()) + in_step)
+    for name, errs in ev["errors"].items():
         if not errs:
             continue
         print(f"- |error| {name}, over the {len(errs)} predicted: median {statistics.median(errs):.1f} %, "
@@ -351,7 +416,26 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(common.markdown_table(["hidden", "layers", "seq", "TP", "measured s/step (best launch)",
                                  "slowest launch", "CPU s/step (max rank)"]
-                                + [h for name in models for h in (f"predicted, {name}", "error %")], rows))
+                                + [h for name in ev["models"] for h in (f"predicted, {name}", "error %")], ev["rows"]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    if args.replay:
+        d = json.loads(Path(args.replay).read_text())
+        machine = d.get("machine") or {"date": "not recorded"}
+        report(d, common.markdown_header(machine, d.get("load_after")) + f"\n- replayed from {args.replay}")
+        return
+    os.environ.setdefault("DS_ACCELERATOR", args.device)  # before deepspeed is imported (spawned ranks inherit it)
+    info = common.machine_info(gpu=args.device == "cuda")
+    d = measure(args)
+    d["machine"], d["load_after"] = info, common.load_average()
+    if args.json:
+        from megatron_ds_suite.core import atomic
+
+        atomic.write_json(args.json, d)
+    report(d, common.markdown_header(info, d["load_after"]))
 
 
 if __name__ == "__main__":
