@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="config to calibrate on, 'h,l,s,tp' (default: the TP = 1 configuration of median FLOPs)")
     p.add_argument("--replay", default=None, metavar="JSON",
                    help="measure nothing: re-evaluate the model on a run saved with --json (its sweep, constants and "
-                        "launches) and print the same report")
+                        "launches) and print the same report; with --calibrate, calibrated on that configuration")
     args = p.parse_args(argv)
     if args.replay:
         if not Path(args.replay).is_file():
@@ -424,6 +424,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.replay:
         d = json.loads(Path(args.replay).read_text())
+        if args.calibrate:  # the same measurements, calibrated on another configuration of the sweep
+            calib = [int(v) for v in args.calibrate.split(",")]
+            if not any([r["hidden"], r["layers"], r["seq"], r["tp"]] == calib for r in d["launches"]):
+                raise SystemExit(f"--calibrate {args.calibrate} is not in the sweep of {args.replay}")
+            d["calibrate"] = calib
         machine = d.get("machine") or {"date": "not recorded"}
         report(d, common.markdown_header(machine, d.get("load_after")) + f"\n- replayed from {args.replay}")
         return

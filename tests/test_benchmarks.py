@@ -124,6 +124,57 @@ def test_plan_fidelity_benchmark_calibrates_on_one_config_and_predicts_the_other
     # run was not slower than the overhead alone), and the overhead is reported
     assert calib[12] == "calibration" or calib[11:] == ["n/a", "n/a"]
     assert "fixed overhead" in text and " ms per layer per micro-batch" in text
+    # --replay: the same report from the saved document, nothing measured
+    bench_plan_fidelity.main(["--replay", str(out)])
+    replayed = capsys.readouterr().out
+    assert replayed.split("| hidden")[1] == text.split("| hidden")[1]
+    assert f"- replayed from {out}" in replayed and f"- git: {d['machine']['git']}" in replayed
+
+
+def test_plan_fidelity_in_step_latency_and_replay_of_a_sweep_the_planner_made(tmp_path, capsys):
+    """A sweep whose step times ARE the planner's, with fraction 0.6, TP = 1's fixed costs at both degrees
+    and the TP = 2 all-reduces at the in-step latency (the tiny model's extra 8 ms per layer at TP = 2 over its
+    4 all-reduces of 2 ring steps: 1 ms), replays with every error 0 and fraction 0.600 in the full model;
+    the other columns, without those terms, do not."""
+    import dataclasses
+
+    from benchmarks import bench_plan_fidelity
+    from training.plan import Layout, ModelShape, TimeModel, step_time
+    from training.runtime.hardware import get_hardware
+
+    overheads = {1: (1.3e-3, 0.5e-3), 2: (2.0e-3, 8.5e-3)}
+    assert bench_plan_fidelity.in_step_alpha(overheads, 2) == pytest.approx(1e-3)
+    assert bench_plan_fidelity.in_step_alpha({1: (1e-3, 0.5e-3), 4: (1e-3, 12.5e-3)}, 4) == pytest.approx(0.5e-3)
+    assert bench_plan_fidelity.in_step_alpha(overheads, 1) == 0.0
+    hw = dataclasses.replace(get_hardware("cpu"), peak_tflops={"fp32": 0.1}, intra_node_gbs=2.0, hbm_gbs=50.0,
+                             gpus_per_node=2)
+    launches = []
+    for h, l, s, tp in [(128, 2, 64, 1), (128, 4, 128, 1), (256, 2, 64, 1), (128, 2, 64, 2), (256, 4, 128, 2)]:
+        tm = TimeModel(alpha_intra_s=1e-3 if tp == 2 else 7e-4, memory_efficiency=1.0, overhead_step_s=1.3e-3,
+                       overhead_layer_s=0.5e-3)
+        shape = ModelShape(arch="gpt2", num_layers=l, hidden=h, heads=4, seq=s, vocab=8192, positions=s, ffn=4 * h)
+        t = step_time(shape, Layout(tp=tp, pp=1, dp=1, micro_batch=4, global_batch=4), hw, tm, ckpt=False,
+                      dtype="fp32", compute_fraction=0.6).total
+        launches.append({"hidden": h, "layers": l, "seq": s, "tp": tp, "wall_cpu_s": [[t * 1.1, t], [t, t]]})
+    doc = {"args": {"device": "cpu", "dtype": "fp32", "heads": 4, "batch": 4, "vocab": 8192, "steps": 5,
+                    "warmup": 2, "reps": 2},
+           "peak_tflops": 0.1, "alpha_s": 7e-4, "beta_bytes_s": 2e9, "elementwise_bytes_s": 5e10,
+           "overheads": {str(k): list(v) for k, v in overheads.items()}, "padded_vocab": 8192,
+           "calibrate": [128, 4, 128, 1], "launches": launches}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(doc))
+    bench_plan_fidelity.main(["--replay", str(path)])
+    text = capsys.readouterr().out
+    assert "calibrated on h 128, l 4, s 128, TP 1: compute fraction" in text and "0.600 (+ links + overhead)" in text
+    assert "in-step all-reduce alpha TP 2: 1000 us per ring step" in text
+    rows = [[c.strip() for c in line.strip("| \n").split("|")] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| hidden")]
+    assert len(rows) == 5 and all(r[5] == "+10 %" for r in rows)
+    full = [r[12] for r in rows if r[:4] != ["128", "4", "128", "1"]]
+    assert all(abs(float(e)) < 0.05 for e in full), full
+    assert "4 of 4 within 20 %" in text.split("+ links + overhead, over")[1]
+    # without the in-step latency and the TP = 1 fixed costs the TP = 2 rows are off
+    assert all(abs(float(r[10])) > 1.0 for r in rows if r[3] == "2")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -136,6 +187,15 @@ def test_plan_fidelity_refuses_what_it_cannot_measure(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         bench_plan_fidelity.parse_args(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_plan_fidelity_replay_of_a_missing_file_is_one_line(tmp_path, capsys):
+    from benchmarks import bench_plan_fidelity
+
+    with pytest.raises(SystemExit) as e:
+        bench_plan_fidelity.parse_args(["--replay", str(tmp_path / "none.json")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.endswith(f"--replay {tmp_path / 'none.json'}: no such file (write one with --json)")
 
 
 def test_tokenize_benchmark_checks_the_word_cache_against_sentencepiece(capsys):
