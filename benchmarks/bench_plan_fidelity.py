@@ -40,7 +40,7 @@ skipped for overflow are neither warm-up nor timed. The planner uses the data-sh
 host's time to dispatch a layer's kernels, which the planner's GPU default (0) leaves out.
 
     .venv/bin/python -m benchmarks.bench_plan_fidelity --steps 5
-    .venv/bin/python -m benchmarks.bench_plan_fidelity --replay benchmarks/results/plan_fidelity_cpu.json
+    .venv/bin/python -m benchmarks.bench_plan_fidelity --replay benchmarks/results/plan_fidelity_cpu_6.json
     python -m benchmarks.bench_plan_fidelity --device cuda --tp 1 --hidden 768 1536 --layers 12 24 --seq 512 1024 \
         --heads 16 --batch 8 --vocab 50257 --reps 1
 """

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -175,6 +176,30 @@ def test_plan_fidelity_in_step_latency_and_replay_of_a_sweep_the_planner_made(tm
     assert "4 of 4 within 20 %" in text.split("+ links + overhead, over")[1]
     # without the in-step latency and the TP = 1 fixed costs the TP = 2 rows are off
     assert all(abs(float(r[10])) > 1.0 for r in rows if r[3] == "2")
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+# the CPU sweeps of 2026-11-26 (docs/plan.md): "+ links + overhead" within 20 % of the measured step, of 15
+@pytest.mark.parametrize("run, within, worst", [(1, 15, 14.8), (2, 15, 19.0), (3, 15, 16.8), (4, 15, 14.1),
+                                               (5, 10, 26.0), (6, 15, 13.4)])
+def test_plan_fidelity_of_the_recorded_cpu_sweeps(run, within, worst, capsys):
+    """The planner's step-time model re-evaluated on the measured sweeps kept in benchmarks/results: a change
+    to training.plan that moves its predictions shows here (the counts of docs/plan.md)."""
+    from benchmarks import bench_plan_fidelity
+
+    bench_plan_fidelity.main(["--replay", str(RESULTS / f"plan_fidelity_cpu_{run}.json")])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("- |error| + links + overhead"))
+    assert line.endswith(f"max {worst:.1f} %, {within} of 15 within 20 %"), line
+
+
+def test_plan_fidelity_table_in_the_docs_is_the_recorded_run(capsys):
+    from benchmarks import bench_plan_fidelity
+
+    bench_plan_fidelity.main(["--replay", str(RESULTS / "plan_fidelity_cpu_6.json")])
+    table = "| hidden" + capsys.readouterr().out.split("| hidden")[1].rstrip("\n")
+    assert table in (RESULTS.parents[1] / "docs" / "plan.md").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -76,7 +76,8 @@ class TimeModel:
     """Achieved fraction of the 16-bit peak on dense work; None = calibrate (V100: from the paper's
     39 TFLOP/s 1.2B baseline) or the hardware table's value."""
     alpha_intra_s: float = 5e-6
-    """Latency per ring step inside a node (NCCL over NVLink/NVSwitch: a few microseconds)."""
+    """Latency per ring step inside a node (NCCL over NVLink/NVSwitch: a few microseconds). On CPU
+    benchmarks/bench_plan_fidelity.py measures it as it occurs inside a training step (gloo: ~1 ms)."""
     alpha_inter_s: float = 10e-6
     """Latency per ring step across nodes (InfiniBand + NCCL proxy)."""
     link_efficiency: float = 1.0
@@ -97,8 +98,8 @@ class TimeModel:
     ahead of the host; measured on CPU (benchmarks/bench_plan_fidelity.py)."""
     overhead_layer_s: float = 0.0
     """Fixed seconds per layer per micro-batch (forward + backward op dispatch), not split by TP: every
-    TP rank dispatches every op of its layers. 0 on GPUs; measured on CPU. Measured at the TP degree being
-    predicted, it can also hold the layer's all-reduce latency as it occurs inside a step; alpha is then 0."""
+    TP rank dispatches every op of its layers, so the TP = 1 figure holds at every degree. 0 on GPUs;
+    measured on CPU (a model too small to compute, at 1 and 3 layers)."""
 
 
 @dataclass(frozen=True)
