@@ -70,6 +70,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-default", action="store_true",
                    help="add a third candidate 'ours (engine default)': our model with DeepSpeed's default "
                         "gradient all-reduce at DP=1 left on, to show what the trainer's setting saves")
+    p.add_argument("--step-ab", action="store_true",
+                   help="add a candidate 'ours (DeepSpeed step)': our model with DeepSpeed's own fp16/bf16 optimizer "
+                        "step (a loop over tensors, a host sync each) instead of training.runtime.optimizer_step's")
+    p.add_argument("--adam", choices=["auto", "torch", "fused"], default="auto",
+                   help="AdamW of every engine: torch's fused AdamW, DeepSpeed's FusedAdam (CUDA; DeepSpeed then "
+                        "uses its fused FP16_Optimizer), or auto = what the trainer picks (FusedAdam for fp16 on CUDA)")
+    p.add_argument("--counts", type=int, default=0, metavar="STEPS",
+                   help="after timing, count per step the operators dispatched (kernel launches on CUDA) and "
+                        "the device-to-host syncs of each candidate (benchmarks.host_work; on CUDA also "
+                        "torch.profiler's kernel launches and synchronisations), over STEPS steps")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="instead of timing, profile STEPS steps of each model and print the top operators")
     p.add_argument("--profile-rows", type=int, default=25)
@@ -148,7 +158,8 @@ class Runner:
                                        "does not settle (raise --warmup or lower the initial scale)")
         return sum(times) / len(times)
 
-    def step(self) -> float:
+    def step(self, read: bool = True) -> float | None:
+        """One step; ``read``: end it by reading the loss (waits for the device)."""
         from deepspeed.runtime.utils import clip_grad_norm_
 
         loss = self.loss_fn(self.engine, self.tokens, self.labels)
@@ -156,14 +167,15 @@ class Runner:
         if self.clip:
             clip_grad_norm_(self.model.parameters(), self.clip, mpu=self.mpu)
         self.engine.step()
-        return loss.item()
+        return loss.item() if read else None
 
 
-def tied_safe_optimizer(model, ocfg, iters: int, fused: bool = False):
+def tied_safe_optimizer(model, ocfg, iters: int, fused: bool = False, adam: str = "torch"):
     """``training.optim.build_optimizer``'s AdamW and schedule, with each parameter listed once.
 
     ``training.optim.param_groups`` walks modules, so a weight tied across two modules (HF's
     ``lm_head.weight is transformer.wte.weight``) would be listed twice and DeepSpeed rejects that.
+    ``adam="fused"``: DeepSpeed's FusedAdam (AdamW mode) instead of torch's AdamW.
     """
     from training.optim import lr_at, param_groups
 
@@ -172,7 +184,12 @@ def tied_safe_optimizer(model, ocfg, iters: int, fused: bool = False):
     for g in param_groups(model, ocfg.weight_decay):
         params = [p for p in g["params"] if id(p) not in seen and not seen.add(id(p))]
         groups.append({**g, "params": params})
-    opt = torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=fused or None)
+    if adam == "fused":
+        from deepspeed.ops.adam import FusedAdam
+
+        opt = FusedAdam(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, adam_w_mode=True)
+    else:
+        opt = torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: lr_at(it, ocfg, iters) / ocfg.lr)
     return opt, sched
 
@@ -183,6 +200,7 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
 
     from training.config import deepspeed_config
     from training.models.gpt2 import GPT2Model
+    from training.runtime import ds_compat, optimizer_step
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
 
@@ -193,12 +211,16 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
     tp_random.configure(ps, cfg.model.num_layers)
     tp_random.set_seed(cfg.train.seed)
 
-    def engine(model, mpu=None, backward_allreduce=False):
-        opt, sched = tied_safe_optimizer(model, cfg.optimizer, cfg.train.iters, fused=True)
+    def engine(model, mpu=None, backward_allreduce=False, o1_step=True):
+        opt, sched = tied_safe_optimizer(model, cfg.optimizer, cfg.train.iters, fused=True, adam=args.adam)
         eng, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=mpu, config=dict(ds),
                                        dist_init_required=False)
         # DP = 1: the trainer switches the bucketed all-reduce of a replica with itself off (Trainer.__init__)
         eng.enable_backward_allreduce = backward_allreduce
+        # as the trainer: no zero-gradient Adam step from construction, and the O(1) fp16/bf16 step
+        ds_compat.undo_initial_zero_step(eng)
+        if o1_step:
+            optimizer_step.install(eng)
         return eng
 
     def gpu_bytes() -> int:
@@ -210,6 +232,12 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
         ours = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
         runners["ours"] = Runner("ours", engine(ours, ps), ours, ours_loss, tokens, labels, clip, ps)
         runners["ours"].static_bytes = gpu_bytes() - before
+    if args.step_ab:
+        before = gpu_bytes()
+        m = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
+        runners["ours (DeepSpeed step)"] = Runner("ours (DeepSpeed step)", engine(m, ps, o1_step=False), m, ours_loss,
+                                                  tokens, labels, clip, ps)
+        runners["ours (DeepSpeed step)"].static_bytes = gpu_bytes() - before
     if args.engine_default:
         before = gpu_bytes()
         m = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
@@ -232,6 +260,42 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
                                clip)
         runners["hf"].static_bytes = gpu_bytes() - before
     return runners
+
+
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaMemsetAsync",
+                 "cudaMemcpyAsync")
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def count(runners: dict[str, Runner], steps: int, device: str = "cpu") -> list[list[str]]:
+    """Per step of each candidate (after warm-up, applied steps only, no loss read): operators dispatched, kernel
+    operators (no views), device-to-host syncs (benchmarks.host_work); on CUDA also the runtime's kernel
+    launches and synchronisations seen by torch.profiler."""
+    from benchmarks.host_work import HostWork
+
+    rows = []
+    for name, r in runners.items():
+        r.warm_up(2)
+        skipped = r.skipped()
+        with HostWork() as w:
+            for _ in range(steps):
+                r.step(read=False)
+        row = [name, f"{w.total / steps:,.0f}", f"{w.kernels / steps:,.0f}", f"{w.syncs / steps:.1f}"]
+        if device == "cuda":
+            from torch.profiler import ProfilerActivity, profile as tprofile
+
+            torch.cuda.synchronize()
+            with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    r.step(read=False)
+                torch.cuda.synchronize()
+            ev = {e.key: e.count for e in prof.key_averages()}
+            launches = sum(ev.get(k, 0) for k in LAUNCH_EVENTS)
+            syncs = sum(ev.get(k, 0) for k in SYNC_EVENTS) - 1  # less the one ending the measurement
+            row += [f"{launches / steps:,.0f}", f"{syncs / steps:.1f}"]
+        row.append(str(r.skipped() - skipped))
+        rows.append(row)
+    return rows
 
 
 def profile(runners: dict[str, Runner], steps: int, rows: int, device: str = "cpu") -> None:
@@ -287,6 +351,13 @@ def main(argv: list[str] | None = None) -> None:
         from training.trainer import allow_fp16_on_cpu
 
         allow_fp16_on_cpu()  # slow (no fp16 matmul units here); exercises the fp16 engine path
+    if args.adam == "auto":
+        from training.runtime.gpu_settings import fused_adam_available, settings_for
+
+        kind = settings_for(args.device, args.dtype, args.device == "cuda" and fused_adam_available()).optimizer
+        args.adam = "fused" if kind == "deepspeed_fused_adam" else "torch"
+    elif args.adam == "fused" and args.device != "cuda":
+        raise SystemExit("bench_train_step: --adam fused needs --device cuda (DeepSpeed's FusedAdam is a CUDA kernel)")
     info = common.machine_info(gpu=args.device == "cuda")
     cfg = project_config(args)
     padded = padded_vocab_size(args.vocab, cfg.model.make_vocab_size_divisible_by, 1)
@@ -297,7 +368,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         profile(runners, args.profile, args.profile_rows, args.device)
         return
-
     warm = {name: r.warm_up(args.warmup) for name, r in runners.items()}
     skipped_before = {name: r.skipped() for name, r in runners.items()}
     clocks = {name: common.CpuClock(lambda r=r: r.timed_applied(args.steps), args.steps)
@@ -344,7 +414,8 @@ def main(argv: list[str] | None = None) -> None:
           f"batch {args.batch}, vocab {args.vocab} padded to {padded} (both models), dropout {args.dropout}, "
           f"{args.dtype} on {args.device}, activation checkpointing {'on' if args.activation_checkpointing else 'off'}"
           f"{f', {args.threads} threads' if args.device == 'cpu' else ''}; {args.reps} interleaved repetitions x "
-          f"{args.steps} steps after {args.warmup} warm-up; extra gradient clipping {'on' if args.clip else 'off'}")
+          f"{args.steps} steps after {args.warmup} warm-up; extra gradient clipping {'on' if args.clip else 'off'}; "
+          f"AdamW {args.adam}")
     print(f"- model FLOPs per step: {flops / 1e12:.4g} TFLOP; peak: {peak_what}"
           + (f" = {peak.fmt('.4f')} TFLOP/s" if args.device == "cpu" else
              f"; measured {args.dtype} matmul 8192^3: {samples['matmul'].fmt('.1f')} TFLOP/s")
@@ -363,9 +434,26 @@ def main(argv: list[str] | None = None) -> None:
         if args.device == "cpu":
             line += f"; by process CPU time: {common.ratio_samples(clocks['hf'].cpu, clocks['ours'].cpu).fmt('.3f')}"
         print(line)
+    if "ours" in runners and "ours (DeepSpeed step)" in runners:
+        print(f"O(1) optimizer step vs DeepSpeed's (DeepSpeed-step time / ours): "
+              f"{common.ratio_samples(samples['ours (DeepSpeed step)'], samples['ours']).fmt('.3f')}")
     if "ours" in runners and "ours (engine default)" in runners:
         print(f"Trainer's engine setting vs DeepSpeed's default (engine default step time / ours): "
               f"{common.ratio_samples(samples['ours (engine default)'], samples['ours']).fmt('.3f')}")
+    if args.counts:
+        print_counts(args, runners, info)
+
+def print_counts(args, runners: dict[str, Runner], info: dict) -> None:
+    head = ["model", "operators/step", "kernel operators/step", "host syncs/step"]
+    if args.device == "cuda":
+        head += ["CUDA launches/step (profiler)", "CUDA syncs/step (profiler)"]
+    print()
+    print(f"Host work per step: {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, "
+          f"{args.dtype} on {args.device}, AdamW {args.adam}; {args.counts} steps per candidate after warm-up, no "
+          f"loss read")
+    print()
+    print(common.markdown_table(head + ["skipped while counting"], count(runners, args.counts, args.device)))
+
 
 if __name__ == "__main__":
     main()

@@ -215,9 +215,9 @@ def gpt2_1p2b(ctx: Context) -> tuple[bool, str]:
     if ctx.dry:
         return True, "planned"
     r = json.loads(out.read_text())
-    return r["skipped_last"] == 0, (f"step {r['step_time_s']:.2f} s, {r['tflops_per_device']:.1f} TFLOP/s/GPU, "
-                                    f"peak memory {r['peak_memory_gib']:.1f} GiB ({r['device']}, micro-batch "
-                                    f"{r['micro_batch']}, seq 1024, fp16)")
+    first = r["variants"][0]
+    ok = not first.get("oom") and first["skipped_last"] == 0
+    return ok, f"{r['device']}, seq 1024, fp16; " + "; ".join(describe_1p2b(v) for v in r["variants"])
 
 
 CHECKS: list[tuple[str, int, Callable[[Context], tuple[bool, str]]]] = [
@@ -287,9 +287,15 @@ def compare_hf(run_dir: Path, hf_dir: Path, data: Path) -> None:
     (hf_dir / "compare.json").write_text(json.dumps(res))
 
 
+# (micro-batch, activation recompute): the config's own recompute at micro-batch 4, then none at 8 and 16
+VARIANTS_1P2B = ((4, True), (8, False), (16, False))
+
+
 def bench_1p2b(out: Path, data: Path, steps: int = 8) -> None:
-    """configs/gpt2_1.2b.yaml on one GPU for ``steps`` steps (micro-batch 4): the mean step time and
-    TFLOP/s of the last half and the peak memory, in one process."""
+    """configs/gpt2_1.2b.yaml on one GPU, trained by the trainer itself for ``steps`` steps in each of
+    :data:`VARIANTS_1P2B` (one after another in one process): the mean step time, TFLOP/s and MFU of the last
+    half, and the peak memory. Each step reads its metrics (log interval 1)."""
+    import gc
     import tempfile
 
     import torch
@@ -301,21 +307,46 @@ def bench_1p2b(out: Path, data: Path, steps: int = 8) -> None:
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
     init_distributed()
     g = data / "tokenizers" / "gpt2"
-    with tempfile.TemporaryDirectory() as tmp:
-        ov = {"data.corpus": "null", "data.text_files": f"[{data / 'corpus' / 'tinyshakespeare.txt'}]",
-              "data.tokenizer": json.dumps({"kind": "gpt2_bpe", "vocab_file": str(g / "gpt2-vocab.json"),
-                                            "merges_file": str(g / "gpt2-merges.txt")}),
-              "run.dir": tmp, "train.iters": str(steps), "train.micro_batch_size": "4", "train.global_batch_size": "4",
-              "optimizer.warmup_iters": "1", "precision.initial_scale_power": "16", "train.eval_interval": "0"}
-        trainer = Trainer(load_config(ROOT / "configs" / "gpt2_1.2b.yaml", [f"{k}={v}" for k, v in ov.items()]))
-        torch.cuda.reset_peak_memory_stats()
-        rows = [trainer.train_step() for _ in range(steps)]
-    tail = rows[steps // 2:]
-    res = {"step_time_s": sum(r["step_time_s"] for r in tail) / len(tail),
-           "tflops_per_device": sum(r["tflops_per_device"] for r in tail) / len(tail),
-           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "micro_batch": 4,
-           "skipped_last": sum(0 if r["step_applied"] else 1 for r in tail), "device": torch.cuda.get_device_name()}
-    out.write_text(json.dumps(res))
+    results = []
+    for micro, recompute in VARIANTS_1P2B:
+        with tempfile.TemporaryDirectory() as tmp:
+            ov = {"data.corpus": "null", "data.text_files": f"[{data / 'corpus' / 'tinyshakespeare.txt'}]",
+                  "data.tokenizer": json.dumps({"kind": "gpt2_bpe", "vocab_file": str(g / "gpt2-vocab.json"),
+                                                "merges_file": str(g / "gpt2-merges.txt")}),
+                  "run.dir": tmp, "train.iters": str(steps), "train.micro_batch_size": str(micro),
+                  "train.global_batch_size": str(micro), "model.activation_checkpointing": str(recompute).lower(),
+                  "optimizer.warmup_iters": "1", "precision.initial_scale_power": "16", "train.eval_interval": "0"}
+            trainer = Trainer(load_config(ROOT / "configs" / "gpt2_1.2b.yaml", [f"{k}={v}" for k, v in ov.items()]))
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                rows = [trainer.train_step() for _ in range(steps)]
+            except torch.cuda.OutOfMemoryError:
+                rows = None
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            o1, mfu_peak = trainer.o1_step, trainer.peak
+            del trainer
+            gc.collect()
+            torch.cuda.empty_cache()
+        if rows is None:
+            results.append({"micro_batch": micro, "recompute": recompute, "oom": True, "peak_memory_gib": peak})
+            continue
+        tail = rows[steps // 2:]
+        step = sum(r["step_time_s"] for r in tail) / len(tail)
+        tflops = sum(r["tflops_per_device"] for r in tail) / len(tail)
+        results.append({"micro_batch": micro, "recompute": recompute, "step_time_s": step, "tflops_per_device": tflops,
+                        "mfu": tflops / mfu_peak if mfu_peak else None, "peak_memory_gib": peak, "o1_step": o1,
+                        "skipped_last": sum(0 if r["step_applied"] else 1 for r in tail)})
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "variants": results}))
+
+
+def describe_1p2b(r: dict) -> str:
+    """One variant of :func:`bench_1p2b` in words."""
+    what = f"micro-batch {r['micro_batch']}, recompute {'full' if r['recompute'] else 'none'}"
+    if r.get("oom"):
+        return f"{what}: out of memory ({r['peak_memory_gib']:.1f} GiB)"
+    mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else ""
+    return (f"{what}: step {r['step_time_s']:.3f} s, {r['tflops_per_device']:.1f} TFLOP/s{mfu}, peak "
+            f"{r['peak_memory_gib']:.1f} GiB")
 
 
 # --------------------------------------------------------------------------------------------------

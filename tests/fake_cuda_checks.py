@@ -294,8 +294,7 @@ def check_grad_norm(s: Setup) -> None:
 
 
 def check_bert_task_loss(s: Setup) -> None:
-    """BertTask.loss up to ``bert_loss``, which reads the parts' values for logging (fake tensors have
-    none): there a stand-in checks that the MLM loss, SOP logits and SOP labels are all on CUDA."""
+    """BertTask.loss up to ``bert_loss``: a stand-in checks that the MLM loss, SOP logits and SOP labels are all on CUDA."""
     import training.tasks.bert as bt
 
     task, cfg, tok, _ = s.bert()

@@ -38,6 +38,7 @@ def _run(model, batch):
     tokens, types, padding, labels, loss_mask, sop = batch
     lm, sop_logits = model(tokens, types, padding, labels, loss_mask)
     loss, parts = bert_loss(lm, sop_logits, sop)
+    parts = {k: float(v) for k, v in parts.items()}
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return parts, grads

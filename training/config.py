@@ -400,6 +400,9 @@ def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
         "zero_allow_untested_optimizer": True,  # our client optimizer is torch.optim.AdamW
         "fp16": {"enabled": dtype == "fp16"},
         "bf16": {"enabled": dtype == "bf16"},
+        # DeepSpeed's throughput timer synchronises the device twice per micro-batch; we time steps ourselves
+        # (re-enable with deepspeed: {timers: {throughput: {enabled: true}}})
+        "timers": {"throughput": {"enabled": False}},
     }
     if dtype == "fp16":
         ds["fp16"].update({

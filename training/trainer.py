@@ -27,7 +27,7 @@ from training import init_from
 from training.runtime import run_lock
 from training.runtime import device as tdev
 from training import tracking
-from training.runtime import ds_compat
+from training.runtime import ds_compat, optimizer_step
 from training.config import Config, ConfigError, deepspeed_config, resolve_dtype
 from training.layout import Layout, derive_layout
 from training.runtime.cpu_peak import measure_cpu_peak_together
@@ -121,6 +121,8 @@ class Trainer:
                                                     mpu=None if self.pipe else self.ps, config=self.ds_config,
                                                     dist_init_required=False)
         ds_compat.undo_initial_zero_step(self.engine)  # fp16 at ZeRO-0: Adam starts at step 0, as in fp32
+        # fp16/bf16 at ZeRO-0: the optimizer step in O(1) kernels and one host read, not a loop over tensors
+        self.o1_step = optimizer_step.install(self.engine)
         if self.dp == 1 and not self.pipe and cfg.parallel.zero_stage == 0:
             # one replica: DeepSpeed would still flatten every gradient, all-reduce it with itself and
             # copy it back (~10% of a CPU step in benchmarks/bench_train_step.py)
@@ -171,6 +173,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------
     def _clip_fp32_gradients(self) -> None:
+        # the norm stays on the device (read with the step's other metrics, on log steps)
         self._fp32_norm = clip_grad_norm(self.engine.module.parameters(), self.cfg.optimizer.clip_grad,
                                          self.ps.tp_rank, self.ps.tp_group,
                                          self.ps.pp_group if self.pipe else None)
@@ -186,9 +189,21 @@ class Trainer:
                 return float(holder.cur_scale)
         raise RuntimeError(f"cannot find the loss scale of {type(opt).__name__}")
 
-    def train_step(self) -> dict:
-        """One optimizer step (gradient accumulation inside); returns the step's metrics."""
-        t0 = time.perf_counter()
+    def restart_step_clock(self) -> None:
+        """Time steps from now (after work that is not a training step: evaluation, checkpoints)."""
+        self._clock = (time.perf_counter(), 0)
+
+    def train_step(self, read: bool = True) -> dict:
+        """One optimizer step (gradient accumulation inside); returns the step's metrics.
+
+        The step itself reads nothing back from the device except, in fp16/bf16, the one value that decides
+        whether the update is applied (training.runtime.optimizer_step). With ``read=False`` the loss, its
+        parts and the gradient norm stay device tensors and are not all-reduced over data parallelism (the
+        host can run ahead of the GPU); ``read=True`` (what log steps and direct callers use) makes them Python
+        numbers in one read, and checks the loss. Every rank must pass the same ``read``: it is collective.
+        Step time is the mean over the steps since the last read (or :meth:`restart_step_clock`)."""
+        start, steps = getattr(self, "_clock", None) or (time.perf_counter(), 0)
+        self._clock = (start, steps + 1)
         lr = self.engine.get_lr()[0]  # the rate this step uses
         self._fp32_norm = None
         losses, parts = [], {}
@@ -203,39 +218,26 @@ class Trainer:
         for batch in batches:
             loss, extra = self.task.loss(self.engine, batch)
             for k, v in extra.items():
-                parts[k] = parts.get(k, 0.0) + float(v) / self.gas
+                parts[k] = parts.get(k, 0.0) + torch.as_tensor(v).detach().float() / self.gas
             self.engine.backward(loss)
             self.engine.step()
             losses.append(loss.detach().float())
-        applied = self.engine.was_step_applied()
+        applied = self.engine.was_step_applied()  # host state: fp16's one read already happened in the step
         st.iteration += 1
         st.consumed_samples += self.cfg.train.global_batch_size
-        # mean loss over micro-batches and DP replicas (logging only)
-        loss = torch.stack(losses).mean()
-        dist.all_reduce(loss, group=self.ps.dp_group)
-        loss = loss.item() / self.dp
-        elapsed = time.perf_counter() - t0
         scale = self.loss_scale()
         if self.fp32_clip_override:
             gnorm = self._fp32_norm
         else:
             gnorm = self.engine.get_global_grad_norm() if applied else None
-        if isinstance(gnorm, torch.Tensor):
-            gnorm = gnorm.item()
-        tokens_per_s = self.tokens_per_step / elapsed
-        tflops = self.flops_per_step / elapsed / self.world / 1e12
         m = {
             "iteration": self.iteration,
             "lr": lr,
-            "loss": loss,
+            "loss": torch.stack(losses).mean(),  # mean over micro-batches (and DP replicas once read)
             "loss_scale": float(scale) if scale is not None else None,
             "grad_norm": gnorm,
             "skipped": int(self.engine.skipped_steps),
-            "tokens_per_s": tokens_per_s,
-            "tflops_per_device": tflops,
-            "mfu": tflops / self.peak if self.peak else None,
             "step_applied": bool(applied),
-            "step_time_s": elapsed,
             "consumed_samples": st.consumed_samples,
             **parts,
             **extra_metrics,
@@ -252,8 +254,32 @@ class Trainer:
                     f"precision.max_consecutive_skipped")
         else:
             st.consecutive_skipped = 0
-        if not math.isfinite(loss) and applied:
-            raise TrainingAborted(f"iteration {self.iteration}: loss is {loss} but the step was applied (no loss "
+        return self.read_metrics(m) if read else m
+
+    def read_metrics(self, m: dict) -> dict:
+        """The step's device values as Python numbers, in one device-to-host read: the loss averaged over DP
+        replicas (a collective: every rank calls this for the same step), its parts, the gradient norm; and
+        the timing since the last read. Raises :class:`TrainingAborted` for a non-finite loss on an applied
+        step (fp32/bf16 have no loss scaling to skip it)."""
+        dev = tdev.module_device(self.engine)
+        tensor_keys = [k for k, v in m.items() if isinstance(v, torch.Tensor)]
+        if tensor_keys:
+            values = torch.stack([m[k].detach().to(dev, torch.float64).reshape(()) for k in tensor_keys])
+            if self.dp > 1:  # the loss is averaged over DP replicas (the other values are this replica's)
+                loss_mask = torch.tensor([k == "loss" for k in tensor_keys], device=dev)
+                mean = values.clone()
+                dist.all_reduce(mean, group=self.ps.dp_group)
+                values = torch.where(loss_mask, mean / self.dp, values)
+            m = {**m, **dict(zip(tensor_keys, values.tolist()))}
+        start, steps = getattr(self, "_clock", None) or (time.perf_counter(), 1)
+        elapsed = (time.perf_counter() - start) / max(steps, 1)
+        self.restart_step_clock()
+        tflops = self.flops_per_step / elapsed / self.world / 1e12
+        m.update({"tokens_per_s": self.tokens_per_step / elapsed, "tflops_per_device": tflops,
+                  "mfu": tflops / self.peak if self.peak else None, "step_time_s": elapsed})
+        loss = m["loss"]
+        if not math.isfinite(loss) and m["step_applied"]:
+            raise TrainingAborted(f"iteration {m['iteration']}: loss is {loss} but the step was applied (no loss "
                                   f"scaling in {self.dtype}); lower optimizer.lr or check the data")
         return m
 
@@ -314,19 +340,24 @@ class Trainer:
         try:
             self.task.on_train_start(self, writer)
             stop = min(cfg.train.iters, cfg.train.exit_at or cfg.train.iters)
+            self.restart_step_clock()
             while self.iteration < stop:
-                last = self.train_step()
-                if cfg.train.log_interval and (self.iteration % cfg.train.log_interval == 0
-                                               or self.iteration == cfg.train.iters):
+                it = self.iteration + 1
+                log = bool(cfg.train.log_interval) and (it % cfg.train.log_interval == 0 or it == cfg.train.iters)
+                # device values are read (one sync) on log steps and the last step only
+                last = self.train_step(read=log or it == stop or getattr(self.task, "reads_every_step", False))
+                if log:
                     writer.step(last)
                 bar.update(1)
                 if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval == 0:
                     vl = self.evaluate()
                     if vl is not None:
                         writer.event("valid", {"loss": vl, "ppl": math.exp(min(vl, 20))}, self.iteration)
+                    self.restart_step_clock()
                 self.task.on_step_end(self, last, writer)
                 if saves and cfg.train.save_interval and self.iteration % cfg.train.save_interval == 0:
                     ckpt.save(self)
+                    self.restart_step_clock()
             evaluated_now = bool(cfg.train.eval_interval) and self.iteration % cfg.train.eval_interval == 0 and bool(last)
             valid = vl if evaluated_now else self.evaluate()
             if valid is not None and not evaluated_now:

@@ -185,14 +185,15 @@ class BertModel(nn.Module):
 
 
 def bert_loss(lm_loss: torch.Tensor, sop_logits: torch.Tensor | None, sop_labels: torch.Tensor | None
-              ) -> tuple[torch.Tensor, dict[str, float]]:
-    """MLM (mean over masked tokens) + SOP cross-entropy; returns (loss, {"mlm_loss", "sop_loss"})."""
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """MLM (mean over masked tokens) + SOP cross-entropy; returns (loss, {"mlm_loss", "sop_loss"}), the parts
+    as detached device tensors (read with the step's other metrics, not one host sync each)."""
     mlm = lm_loss.float().mean() if lm_loss.numel() else lm_loss.float().sum()
-    parts = {"mlm_loss": float(mlm.detach())}
+    parts = {"mlm_loss": mlm.detach()}
     if sop_logits is None:
         return mlm, parts
     sop = F.cross_entropy(sop_logits.float(), sop_labels.long())
-    parts["sop_loss"] = float(sop.detach())
+    parts["sop_loss"] = sop.detach()
     return mlm + sop, parts
 
 

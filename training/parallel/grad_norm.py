@@ -29,15 +29,17 @@ def _empty_device(groups: tuple[dist.ProcessGroup | None, ...]) -> torch.device:
 
 def grad_norm(params: Iterable[torch.Tensor], tp_rank: int, tp_group: dist.ProcessGroup | None = None,
               pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """sqrt of the summed squares (float64), on the parameters' device: it is all-reduced (NCCL on GPU)."""
+    """sqrt of the summed squares (float64), on the parameters' device: it is all-reduced (NCCL on GPU).
+    One multi-tensor norm (float64 accumulation) over the counted gradients, not a kernel chain per tensor."""
     params = list(params)
     device = params[0].device if params else _empty_device((tp_group, pp_group))
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for p in params:
-        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
-            continue
-        if is_tensor_parallel(p) or tp_rank == 0:
-            total += p.grad.detach().double().pow(2).sum()
+    grads = [p.grad.detach() for p in params
+             if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+             and (is_tensor_parallel(p) or tp_rank == 0)]
+    if grads:
+        total = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).square().sum()
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=device)
     for group in (tp_group, pp_group):
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
@@ -45,15 +47,16 @@ def grad_norm(params: Iterable[torch.Tensor], tp_rank: int, tp_group: dist.Proce
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, tp_rank: int,
-                   tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None) -> float:
-    """Scale gradients so their global norm is at most ``max_norm`` (0 = no clipping); returns the
-    norm before clipping."""
+                   tp_group: dist.ProcessGroup | None = None, pp_group: dist.ProcessGroup | None = None
+                   ) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm`` (0 = no clipping); returns the norm
+    before clipping as a device tensor. No host read: the factor min(1, max_norm / (norm + 1e-6)) is applied
+    on the device to every gradient in one multi-tensor multiply (x 1.0 leaves a gradient bitwise as is)."""
     params = list(params)
     norm = grad_norm(params, tp_rank, tp_group, pp_group)
     if max_norm > 0:
-        coef = max_norm / (float(norm) + 1e-6)
-        if coef < 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.detach().mul_(coef)
-    return float(norm)
+        grads = [p.grad.detach() for p in params if p.grad is not None]
+        if grads:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return norm

@@ -94,25 +94,35 @@ def apply() -> None:
 
 
 def undo_initial_zero_step(engine) -> bool:
-    """Undo the zero-gradient optimizer step DeepSpeed's ``FP16_UnfusedOptimizer`` takes at construction.
+    """Undo the zero-gradient optimizer step DeepSpeed's ZeRO-0 fp16/bf16 wrappers take at construction.
 
-    ``initialize_optimizer_states`` runs the client optimizer once with all-zero gradients to create its
-    state. For AdamW that step changes no moment but counts as step 1 (so every later bias correction is one
-    step late: the first real update is 0.744 lr instead of lr) and applies one weight decay to the fp32
-    masters. Megatron's fp16 optimizer has no such step, and ZeRO's optimizer does not take it, so fp16 at
-    ZeRO-0 (the pipeline engine included) would drift from fp32 and ZeRO-1. Here the optimizer state is
-    dropped and the masters are copied back from the fp16 weights they were cloned from. Returns whether
-    anything was undone (call right after ``deepspeed.initialize``, before any step)."""
+    ``initialize_optimizer_states`` of ``FP16_UnfusedOptimizer`` (torch AdamW) and of ``FP16_Optimizer``
+    (DeepSpeed's FusedAdam, what the trainer uses for fp16 on GPU) runs the client optimizer once with
+    all-zero gradients to create its state. For AdamW that step changes no moment but counts as step 1 (so
+    every later bias correction is one step late: the first real update is 0.744 lr instead of lr) and
+    applies one weight decay to the fp32 masters. Megatron's fp16 optimizer has no such step, and ZeRO's
+    optimizer does not take it, so fp16 at ZeRO-0 (the pipeline engine included) would drift from fp32 and
+    ZeRO-1. Here the optimizer state is dropped (FusedAdam's per-group ``step`` stays 0) and the masters are
+    copied back from the fp16 weights they were cloned from. Returns whether anything was undone (call right
+    after ``deepspeed.initialize``, before any step)."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
     opt = engine.optimizer
-    if not isinstance(opt, FP16_UnfusedOptimizer):
-        return False
     import torch
 
-    with torch.no_grad():
-        for masters, params in zip(opt.fp32_groups, opt.fp16_groups):
-            for m, p in zip(masters, params):
-                m.copy_(p.float())
+    if isinstance(opt, FP16_UnfusedOptimizer):
+        with torch.no_grad():
+            for masters, params in zip(opt.fp32_groups, opt.fp16_groups):
+                torch._foreach_copy_(masters, [p.detach() for p in params])
+    elif isinstance(opt, FP16_Optimizer):
+        with torch.no_grad():
+            for master, flat16 in zip(opt.fp32_groups_flat, opt.fp16_groups_flat):
+                master.copy_(flat16)
+        for group in opt.optimizer.param_groups:
+            if "step" in group:  # FusedAdam seeds a new state's step from its group's
+                group["step"] = 0
+    else:
+        return False
     opt.optimizer.state.clear()
     return True

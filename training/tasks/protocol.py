@@ -32,6 +32,9 @@ class Task(Protocol):
     tokens_per_sample: int  # tokens of one sample (throughput metric)
     # True: the trainer saves at train.save_interval and at the end; False: the task's hooks save
     periodic_checkpoints: bool = True
+    # True: every step's metrics are read back as numbers (one host sync per step) before on_step_end; False:
+    # only log steps' (the others carry device tensors, so the host can run ahead of the GPU)
+    reads_every_step: bool = False
 
     # ---- required ---------------------------------------------------------------------------------
     def build_data(self) -> None:
@@ -69,7 +72,8 @@ class Task(Protocol):
         """Before the first step (after the run directory is locked and the checkpoint loaded)."""
 
     def on_step_end(self, trainer: Any, metrics: dict, writer: MetricsWriter) -> None:
-        """After every optimizer step (e.g. an end-of-epoch evaluation)."""
+        """After every optimizer step (e.g. an end-of-epoch evaluation). ``metrics`` holds device tensors on
+        steps that were not read (see ``reads_every_step``)."""
 
     def on_train_end(self, trainer: Any) -> dict | None:
         """After the last step; what it returns is ``Trainer.train()['task']``."""

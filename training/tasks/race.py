@@ -106,6 +106,7 @@ class RaceTask(Task):
     """RACE multiple choice over ``finetune.race_dir``, starting from ``finetune.pretrained``'s encoder."""
 
     periodic_checkpoints = False  # the end-of-epoch hook saves the best epoch only
+    reads_every_step = True  # the epoch's mean training loss is over every step's DP-averaged loss
 
     def __init__(self, cfg: Config, meta: dict, ps, dp: int):
         self.cfg, self.meta, self.ps, self._dp = cfg, meta, ps, dp
