@@ -187,7 +187,10 @@ def tied_safe_optimizer(model, ocfg, iters: int, fused: bool = False, adam: str 
     if adam == "fused":
         from deepspeed.ops.adam import FusedAdam
 
-        opt = FusedAdam(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, adam_w_mode=True)
+        from training.runtime.gpu_settings import deepspeed_buildable_arch_list
+
+        with deepspeed_buildable_arch_list():
+            opt = FusedAdam(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, adam_w_mode=True)
     else:
         opt = torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: lr_at(it, ocfg, iters) / ocfg.lr)

@@ -56,7 +56,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, train_iters: int, de
     """AdamW + schedule. ``device_type``/``dtype`` pick the implementation (training.runtime.gpu_settings):
     DeepSpeed's FusedAdam for fp16 on CUDA (so the engine uses its fused FP16_Optimizer), torch's
     fused AdamW otherwise."""
-    from training.runtime.gpu_settings import fused_adam_available, settings_for
+    from training.runtime.gpu_settings import deepspeed_buildable_arch_list, fused_adam_available, settings_for
 
     groups = param_groups(model, cfg.weight_decay)
     kind = settings_for(device_type, dtype, fused_adam_available() if device_type == "cuda" else False).optimizer
@@ -65,7 +65,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, train_iters: int, de
         try:
             from deepspeed.ops.adam import FusedAdam
 
-            opt = FusedAdam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, adam_w_mode=True)
+            with deepspeed_buildable_arch_list():  # e.g. TORCH_CUDA_ARCH_LIST=9.0a would fail the JIT build
+                opt = FusedAdam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, adam_w_mode=True)
         except Exception as e:  # noqa: BLE001 - the JIT build can fail late (compiler, headers)
             logging.getLogger("training").warning("DeepSpeed FusedAdam failed to build (%s); using torch's fused "
                                                   "AdamW (DeepSpeed then takes its unfused fp16 path)", e)

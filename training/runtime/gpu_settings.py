@@ -23,8 +23,11 @@ On CPU: torch's fused AdamW, gloo, the CPU attention fast path, fp32 for ``auto`
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -72,3 +75,33 @@ def fused_adam_available() -> bool:
     except Exception as e:  # noqa: BLE001 - any builder failure means: use torch's fused AdamW
         log.warning("DeepSpeed FusedAdam unavailable (%s): torch fused AdamW instead", e)
         return False
+
+
+def plain_arch_list(value: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` without architecture-specific suffixes (``9.0a`` -> ``9.0``, ``10.0f`` -> ``10.0``;
+    ``+PTX`` kept). DeepSpeed 0.19's op builder parses each entry as numbers and fails on ``9.0a``, which some
+    CUDA images (NVIDIA's PyTorch containers among them) set for Hopper, so its FusedAdam never builds there."""
+    entries = [e for e in re.split(r"[;\s]+", value.strip()) if e]
+    out = []
+    for e in entries:
+        m = re.fullmatch(r"(\d+)\.(\d+)[a-zA-Z]*(\+PTX)?", e)
+        plain = f"{m.group(1)}.{m.group(2)}{m.group(3) or ''}" if m else e
+        if plain not in out:
+            out.append(plain)
+    return ";".join(out)
+
+
+@contextlib.contextmanager
+def deepspeed_buildable_arch_list():
+    """Inside: ``TORCH_CUDA_ARCH_LIST`` as :func:`plain_arch_list` gives it (restored after), so DeepSpeed's
+    JIT op builds accept it. A no-op when the variable is unset or already plain."""
+    old = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    new = plain_arch_list(old) if old else old
+    if new == old:
+        yield
+        return
+    os.environ["TORCH_CUDA_ARCH_LIST"] = new
+    try:
+        yield
+    finally:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = old
