@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-ab", action="store_true",
                    help="add a candidate 'ours (DeepSpeed step)': our model with DeepSpeed's own fp16/bf16 optimizer "
                         "step (a loop over tensors, a host sync each) instead of training.runtime.optimizer_step's")
+    p.add_argument("--compile", action="store_true",
+                   help="add a candidate 'ours (compiled)': our model with every transformer layer compiled "
+                        "(model.compile, training/models/compile_layers.py; inductor)")
     p.add_argument("--adam", choices=["auto", "torch", "fused"], default="auto",
                    help="AdamW of every engine: torch's fused AdamW, DeepSpeed's FusedAdam (CUDA; DeepSpeed then "
                         "uses its fused FP16_Optimizer), or auto = what the trainer picks (FusedAdam for fp16 on CUDA)")
@@ -241,6 +244,14 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
         runners["ours (DeepSpeed step)"] = Runner("ours (DeepSpeed step)", engine(m, ps, o1_step=False), m, ours_loss,
                                                   tokens, labels, clip, ps)
         runners["ours (DeepSpeed step)"].static_bytes = gpu_bytes() - before
+    if args.compile:
+        from training.models.compile_layers import compile_layers
+
+        before = gpu_bytes()
+        m = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
+        compile_layers(m)
+        runners["ours (compiled)"] = Runner("ours (compiled)", engine(m, ps), m, ours_loss, tokens, labels, clip, ps)
+        runners["ours (compiled)"].static_bytes = gpu_bytes() - before
     if args.engine_default:
         before = gpu_bytes()
         m = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
@@ -440,6 +451,9 @@ def main(argv: list[str] | None = None) -> None:
     if "ours" in runners and "ours (DeepSpeed step)" in runners:
         print(f"O(1) optimizer step vs DeepSpeed's (DeepSpeed-step time / ours): "
               f"{common.ratio_samples(samples['ours (DeepSpeed step)'], samples['ours']).fmt('.3f')}")
+    if "ours" in runners and "ours (compiled)" in runners:
+        print(f"Compiled layers vs eager (eager step time / compiled): "
+              f"{common.ratio_samples(samples['ours'], samples['ours (compiled)']).fmt('.3f')}")
     if "ours" in runners and "ours (engine default)" in runners:
         print(f"Trainer's engine setting vs DeepSpeed's default (engine default step time / ours): "
               f"{common.ratio_samples(samples['ours (engine default)'], samples['ours']).fmt('.3f')}")

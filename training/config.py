@@ -55,6 +55,11 @@ class ModelConfig(Freezable):
     the tanh approximation OpenAI's GPT-2 was trained with (transformers' name; imported GPT-2s use it)."""
     activation_checkpointing: bool = False
     """Recompute every transformer layer in backward (DeepSpeed's checkpoint, RNG states restored)."""
+    compile: bool = False
+    """``torch.compile`` every transformer layer (torchtitan-style, one compiled graph shared by all layers;
+    element-wise work fused): one graph per layer when ``attention_dropout`` is 0; with attention dropout the
+    attention core runs eagerly on the model-parallel RNG stream between graphs. Numerics equal eager in fp32
+    without dropout (dropout masks are drawn by the compiled code: other numbers, same distribution)."""
     # BERT only
     layer_order: Literal["pre_ln", "post_ln"] = "pre_ln"
     """BERT: 'pre_ln' = the paper's rearranged order (Figure 7), 'post_ln' = original BERT."""

@@ -33,6 +33,7 @@ from training.layout import Layout, derive_layout
 from training.runtime.cpu_peak import measure_cpu_peak_together
 from training.runtime.hardware import canonical_kind, detect_device_kind, peak_tflops
 from training.metrics import MetricsWriter, flops_per_iteration, progress_enabled
+from training.models.compile_layers import compile_layers
 from training.optim import build_optimizer
 from training.parallel import random as tp_random
 from training.parallel.state import ParallelState
@@ -111,6 +112,8 @@ class Trainer:
         t = cfg.train
         self.task.build_data()
         self.model = self.task.build_model(self.padded_vocab)
+        if cfg.model.compile:  # every transformer layer through torch.compile (training/models/compile_layers.py)
+            compile_layers(self.model)
         init_from.load_weights(self)  # train.init_from's weights, before the engine copies them
         optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters, tdev.local_device().type, self.dtype)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)

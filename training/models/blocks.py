@@ -66,19 +66,32 @@ class ParallelSelfAttention(nn.Module):
         qkv = self.qkv(x)                                                  # [b, s, 3 * n/p * hn]
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [b, n/p, s, hn]
         p = self.dropout if self.training else 0.0
-        # Attention-probability dropout acts on TP-local heads: it uses the model-parallel stream.
-        with tp_random.model_parallel_rng():
-            if self.qk_layer_scaling or self.softmax_in_fp32:
-                y = core_attention(q, k, v, layer_number=self.layer_number,
-                                   query_key_layer_scaling=self.qk_layer_scaling, softmax_in_fp32=self.softmax_in_fp32,
-                                   causal=self.causal, attn_mask=attn_mask, dropout_p=p)  # [b, n/p, s, hn]
-            elif p > 0.0 and self.causal and attn_mask is None and q.device.type == "cpu" and q.dtype == torch.float32:
-                y = causal_attention_with_dropout(q, k, v, p)                  # [b, n/p, s, hn]
-            else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
-                                                   is_causal=self.causal and attn_mask is None)  # [b, n/p, s, hn]
+        if p > 0.0:
+            # Attention-probability dropout acts on TP-local heads: it uses the model-parallel stream. The
+            # stream switch sets the generator's state, which torch.compile cannot trace: compiled layers run
+            # this one call eagerly between two graphs. Without dropout no number is drawn and no switch made.
+            y = self._core_on_model_parallel_stream(q, k, v, attn_mask, p)
+        else:
+            y = self._core(q, k, v, attn_mask, 0.0)                          # [b, n/p, s, hn]
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/p]
         return self.proj(y)                                                # [b, s, h], all-reduced
+
+    def _core(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
+        """softmax(Q K^T / sqrt(hn) + mask) with dropout p, times V: [b, n/p, s, hn]."""
+        if self.qk_layer_scaling or self.softmax_in_fp32:
+            return core_attention(q, k, v, layer_number=self.layer_number, query_key_layer_scaling=self.qk_layer_scaling,
+                                  softmax_in_fp32=self.softmax_in_fp32, causal=self.causal, attn_mask=attn_mask,
+                                  dropout_p=p)
+        if (p > 0.0 and self.causal and attn_mask is None and q.device.type == "cpu" and q.dtype == torch.float32
+                and not torch.compiler.is_compiling()):
+            return causal_attention_with_dropout(q, k, v, p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
+                                              is_causal=self.causal and attn_mask is None)
+
+    @torch.compiler.disable
+    def _core_on_model_parallel_stream(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
+        with tp_random.model_parallel_rng():
+            return self._core(q, k, v, attn_mask, p)
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

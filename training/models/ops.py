@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 
 def _fast_path(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32
+    """CPU fp32 in eager mode (compiled code gets ``F.dropout``, which the compiler fuses itself)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()
 
 
 def _scaled_mask(x: torch.Tensor, p: float) -> torch.Tensor:

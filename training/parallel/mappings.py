@@ -8,9 +8,10 @@
 | gather_from_parallel_region| all-gather last dim         | split last dim, keep own    |       |
 
 Each backward is its forward's dual. With ``group`` None or of size 1 every map is the identity and
-no collective is issued. Module-level counters record every collective (calls, and payload bytes:
-the bytes of the tensor each rank hands in) so tests can assert the number of all-reduces per layer
-and benchmarks can compare traffic with the design (benchmarks/bench_tp_overhead.py).
+no collective is issued. Module-level counters record every collective run eagerly (calls, and payload
+bytes: the bytes of the tensor each rank hands in) so tests can assert the number of all-reduces per layer
+and benchmarks can compare traffic with the design (benchmarks/bench_tp_overhead.py); compiled code
+(``model.compile``) skips the counting, which would otherwise break its graph.
 """
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ COLLECTIVE_CALLS: Counter[str] = Counter()
 COLLECTIVE_BYTES: Counter[str] = Counter()
 
 
+def _count(name: str, x: torch.Tensor) -> None:
+    """Record one collective in the counters, in eager mode only: under ``torch.compile`` a Python side effect
+    inside these autograd Functions would break the graph (compiled code is counted by its tests' eager twin)."""
+    if torch.compiler.is_compiling():
+        return
+    COLLECTIVE_CALLS[name] += 1
+    COLLECTIVE_BYTES[name] += x.numel() * x.element_size()
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -39,8 +49,7 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None,
     """In-place all-reduce of ``x`` (counted)."""
     if group_size(group) == 1:
         return x
-    COLLECTIVE_CALLS["all_reduce"] += 1
-    COLLECTIVE_BYTES["all_reduce"] += x.numel() * x.element_size()
+    _count("all_reduce", x)
     dist.all_reduce(x, op=op, group=group)
     return x
 
@@ -58,9 +67,8 @@ def _gather_last(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tens
     world = group_size(group)
     if world == 1:
         return x
-    COLLECTIVE_CALLS["all_gather"] += 1
     x = x.contiguous()
-    COLLECTIVE_BYTES["all_gather"] += x.numel() * x.element_size()
+    _count("all_gather", x)
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
