@@ -53,8 +53,11 @@ class ModelConfig(Freezable):
     activation: Literal["gelu", "gelu_new"] = "gelu"
     """MLP (and BERT LM-head) non-linearity: 'gelu' = exact erf GeLU (Megatron's default), 'gelu_new' =
     the tanh approximation OpenAI's GPT-2 was trained with (transformers' name; imported GPT-2s use it)."""
-    activation_checkpointing: bool = False
-    """Recompute every transformer layer in backward (DeepSpeed's checkpoint, RNG states restored)."""
+    activation_checkpointing: bool | Literal["auto"] = False
+    """Recompute every transformer layer in backward (DeepSpeed's checkpoint, RNG states restored). ``auto``: the
+    planner decides when the trainer starts, from the smallest device memory over the ranks: off where weights,
+    gradients, optimizer states and activations fit 90 % of it, on where they do not
+    (``training/plan/recompute.py``; the choice is logged and saved in RUN_DIR/config.json)."""
     compile: bool = False
     """``torch.compile`` every transformer layer (torchtitan-style, one compiled graph shared by all layers;
     element-wise work fused): one graph per layer when ``attention_dropout`` is 0; with attention dropout the

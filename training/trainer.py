@@ -31,12 +31,13 @@ from training.runtime import ds_compat, optimizer_step
 from training.config import Config, ConfigError, deepspeed_config, resolve_dtype
 from training.layout import Layout, derive_layout
 from training.runtime.cpu_peak import measure_cpu_peak_together
-from training.runtime.hardware import canonical_kind, detect_device_kind, peak_tflops
+from training.runtime.hardware import canonical_kind, detect_device_kind, device_memory_gib, peak_tflops
 from training.metrics import MetricsWriter, flops_per_iteration, progress_enabled
 from training.models.compile_layers import compile_layers
 from training.optim import build_optimizer
 from training.parallel import random as tp_random
 from training.parallel.state import ParallelState
+from training.plan import recompute
 from training.tasks.gpt import make_task
 from training.tasks.protocol import Task, batch_to_device
 from megatron_ds_suite.core.config import freeze
@@ -106,6 +107,7 @@ class Trainer:
         if vocab < tok_vocab:
             raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {tok_vocab}")
         cfg.model.vocab_size = vocab
+        self.recompute_choice = self._resolve_recompute()  # model.activation_checkpointing: auto -> true/false
         self.layout: Layout = derive_layout(cfg, self.world, vocab)
         freeze(cfg)  # everything derived from the config is in self.layout (or the task) from here on
         self.padded_vocab = self.task.padded_vocab(self.layout)
@@ -144,6 +146,21 @@ class Trainer:
         if self.is_rank0:
             logger.info("%r | dtype %s | padded vocab %d | parameters %s | grad accumulation %d | iterations %d",
                         self.ps, self.dtype, self.padded_vocab, f"{n_params:,}", self.gas, t.iters)
+
+    def _resolve_recompute(self):
+        """``model.activation_checkpointing: auto`` resolved by the planner for the smallest device memory over
+        all ranks (a collective: every rank must decide alike, or TP ranks would recompute differently)."""
+        if self.cfg.model.activation_checkpointing != "auto":
+            return None
+        dev = tdev.local_device()
+        gib = torch.tensor(device_memory_gib(dev), dtype=torch.float64, device=dev)
+        dist.all_reduce(gib, op=dist.ReduceOp.MIN)
+        choice = recompute.resolve(self.cfg, self.dp, self.dtype, float(gib), dev.type == "cuda")
+        self.cfg.model.activation_checkpointing = choice.recompute
+        if self.is_rank0:
+            logger.info("model.activation_checkpointing=auto -> %s: %s", str(choice.recompute).lower(),
+                        choice.describe())
+        return choice
 
     # the train state's counters, as attributes (tools such as training.tools.reshard set them)
     @property

@@ -8,6 +8,7 @@ from training.plan.accounting import ModelShape, stage_params, step_flops, total
 from training.plan.layout import Layout
 from training.plan.memory import GIB, memory, state_bytes_per_param
 from training.plan.paper import PAPER_BASELINE_TFLOPS, default_compute_fraction, paper_weak_scaling
+from training.plan.recompute import choose_recompute
 from training.plan.timing import Comm, TimeModel, comm, step_time
 from training.runtime.hardware import Hardware, get_hardware
 
@@ -63,6 +64,10 @@ def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dty
         out.append(f"  {label:28s}{_gib(vals[0]) + fits[0]:>12s}{_gib(vals[1]) + fits[1]:>12s}")
     if over:
         out.append(f"  (! = exceeds the {hw.memory_gb:g} GiB of one {hw.name})")
+    if hw.memory_gb > 0:
+        choice = choose_recompute(shape, lay, dtype, hw.memory_gb, scores_stored=scores_stored, cpu=hw.name == "cpu")
+        out.append(f"  model.activation_checkpointing: auto -> {str(choice.recompute).lower()} on {hw.name}: "
+                   f"{choice.describe()}")
     out.append("")
     f = default_compute_fraction(hw, tm, dtype)
     out.append(f"per step (compute fraction {f:.3f} of {hw.peak_tflops.get(dtype) or 0:.4g} TFLOP/s peak):")

@@ -191,3 +191,17 @@ def detect_device_kind() -> str:
     if torch.cuda.is_available():
         return device_kind_from_name(torch.cuda.get_device_name(0))
     return "cpu"
+
+
+def device_memory_gib(device) -> float:
+    """Memory of ``device`` in GiB: a GPU's total memory, or on CPU this process's share of the host's RAM
+    (total / LOCAL_WORLD_SIZE processes)."""
+    import os
+
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**30
+    local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / max(local, 1)
