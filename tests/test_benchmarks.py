@@ -49,6 +49,22 @@ def test_train_step_benchmark_runs_both_models(dtype):
         assert all(int(rows[m].rstrip(" |").split("|")[-1].split("(")[1].split(")")[0]) > 0 for m in ("ours", "hf"))
 
 
+def test_train_step_benchmark_step_ab_and_counts():
+    """The optimizer-step A/B on CPU (fp16): both candidates timed, and per step ours reads the device once
+    where DeepSpeed's own step reads it once per parameter tensor (1 layer: 12 + 4 tensors)."""
+    argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "300",
+            "--reps", "1", "--steps", "1", "--warmup", "1", "--dtype", "fp16", "--only", "ours", "--step-ab",
+            "--counts", "1"]
+    text = run_distributed(_bench_worker, 1, argv)[0]
+    assert "O(1) optimizer step vs DeepSpeed's" in text and "Host work per step" in text
+    counts = text[text.index("Host work per step"):]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in counts.splitlines() if line.startswith("| ours")}
+    assert float(rows["ours"][2]) == 1.0
+    assert float(rows["ours (DeepSpeed step)"][2]) >= 16
+    assert int(rows["ours (DeepSpeed step)"][1].replace(",", "")) > int(rows["ours"][1].replace(",", ""))
+
+
 def test_profile_mode_profiles_applied_fp16_steps():
     argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "300",
             "--dtype", "fp16", "--only", "ours", "--profile", "2", "--profile-rows", "5"]
