@@ -19,7 +19,8 @@ and output projections, the MLP with its activation); only softmax(QK^T/sqrt(hn)
 computed here. At TP = k every rank holds n/k heads and the all-gathered full-vocabulary logits, and
 the token chosen on TP rank 0 is broadcast so the ranks can never drift apart.
 
-Choosing the next token: logits of vocabulary padding rows are -inf; greedy = argmax; otherwise
+Choosing the next token: over the real vocabulary only (padding columns cut off, so the padded width of a
+checkpoint changes nothing); greedy = argmax; otherwise
 logits / temperature, then top-k (keep the k largest, ties with the k-th included), then top-p
 (keep the smallest most-probable prefix whose probability reaches p), then one draw from a CPU
 ``torch.Generator`` seeded with ``seed`` (the same draws on CPU and GPU). A row stops at the end-of-
@@ -197,8 +198,9 @@ def generate_ids(model, prompts: list[list[int]], opts: GenerationOptions, eod: 
     out = torch.empty((b, 0), dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     for step in range(opts.max_new_tokens):
-        logits[:, vocab_size:] = float("-inf")                              # vocabulary padding rows
-        nxt = _broadcast(choose_next(logits, opts, generator), model.group)
+        # the real vocabulary only: with the padding rows merely masked, multinomial (and top-k/top-p) would see
+        # the padded width, and the same weights saved at another padding would sample other tokens
+        nxt = _broadcast(choose_next(logits[:, :vocab_size], opts, generator), model.group)
         if eod is not None and opts.stop_at_eod:
             nxt = torch.where(done, torch.full_like(nxt, eod), nxt)
             done |= nxt == eod

@@ -126,6 +126,26 @@ def test_sampled_generation_is_reproducible_per_seed_and_stops_at_eod(loaded):
         assert flag == (eod in row) and cut == (row[:row.index(eod)] if eod in row else row)
 
 
+def test_sampling_does_not_depend_on_the_vocabulary_padding(loaded):
+    """The same weights saved with another vocabulary padding (TP = 2 pads 50,257 to 50,432, PP to 50,304) sample
+    the same tokens for a seed: the choice is over the real vocabulary only, not over the padded width (padding
+    rows here hold large random weights, so a leak would also show in greedy decoding)."""
+    import copy
+
+    from evaluation.generate import GenerationOptions, generate_ids
+
+    model, tok = loaded
+    wider = copy.deepcopy(model)
+    w = model.embedding.word_embeddings.weight
+    extra = torch.randn(128, w.size(1), generator=torch.Generator().manual_seed(0), dtype=w.dtype) * 5
+    wider.embedding.word_embeddings.weight = torch.nn.Parameter(torch.cat([w.detach(), extra.to(w.device)]))
+    ids = [tok.encode(p) for p in PROMPTS]
+    for opts in (GenerationOptions(max_new_tokens=8, temperature=0.9, top_k=0, top_p=1.0, seed=3),
+                 GenerationOptions(max_new_tokens=8, temperature=1.0, top_k=50, top_p=0.95, seed=4),
+                 GenerationOptions(max_new_tokens=8, greedy=True)):
+        assert generate_ids(model, ids, opts, None, V) == generate_ids(wider, ids, opts, None, V)
+
+
 def _tp2_generate(rank, world, run_dir, prompts, sample_opts):
     import torch.distributed as dist
 
