@@ -136,6 +136,42 @@ def test_bad_inputs_fail_with_one_line(source, tmp_path):
         import_hf(str(bad), tmp_path / "z")
 
 
+def test_gpt2_folder_with_only_tokenizer_json_imports(source, imported, tmp_path):
+    """What ``save_pretrained`` of the pinned transformers writes for a GPT-2 tokenizer (``tokenizer.json``, no
+    vocab.json / merges.txt) imports: vocabulary and merges read from the JSON, the same ids as transformers and
+    as the folder with the original files; a non-BPE tokenizer.json is one ImportHFError line."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from training.tools.import_hf import ImportHFError, import_hf, import_tokenizer
+
+    folder = tmp_path / "only_json"
+    folder.mkdir()
+    for f in source.iterdir():
+        if f.name not in ("vocab.json", "merges.txt"):
+            shutil.copyfile(f, folder / f.name)
+    AutoTokenizer.from_pretrained(str(source), local_files_only=True).save_pretrained(str(folder / "resaved"))
+    for f in ("vocab.json", "merges.txt"):
+        (folder / "resaved" / f).unlink(missing_ok=True)
+    for f in (folder / "resaved").iterdir():
+        shutil.copyfile(f, folder / f.name)
+    assert (folder / "tokenizer.json").is_file() and not (folder / "vocab.json").exists()
+    out = import_hf(str(folder), tmp_path / "run")
+    text = "Hello world, it's 2024!\n  Ünïcödé\ttabs and   spaces. The quick brown fox."
+    ours, _ = import_tokenizer(folder, tmp_path / "a" / "tokenizer", "gpt2")  # spec paths: RUN/tokenizer/...
+    ref, _ = import_tokenizer(source, tmp_path / "b" / "tokenizer", "gpt2")
+    assert ours.encode(text) == ref.encode(text) == AutoTokenizer.from_pretrained(str(source))(text)["input_ids"]
+    assert (out / "tokenizer" / "merges.txt").is_file()
+
+    wordpiece = tmp_path / "wordpiece"
+    wordpiece.mkdir()
+    (wordpiece / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece", "vocab": {"a": 0}},
+                                                          "pre_tokenizer": {"type": "BertPreTokenizer"}}))
+    with pytest.raises(ImportHFError, match="is a WordPiece tokenizer, not GPT-2's byte-level BPE"):
+        import_tokenizer(wordpiece, tmp_path / "c" / "tokenizer", "gpt2")
+
+
 # --------------------------------------------------------------------------------------------------
 # train.init_from
 # --------------------------------------------------------------------------------------------------

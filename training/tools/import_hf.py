@@ -163,6 +163,30 @@ def load_source(folder: Path, model_type: str) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def bpe_files_from_tokenizer_json(path: Path, dest: Path) -> None:
+    """``vocab.json`` + ``merges.txt`` in ``dest`` from a byte-level BPE ``tokenizer.json`` (what
+    ``save_pretrained`` of a GPT-2 tokenizer writes under transformers 5: no vocab/merges files), read as JSON
+    (both merge layouts: ``"a b"`` strings and ``["a", "b"]`` pairs). Anything else is one ImportHFError line."""
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ImportHFError(f"{path} is not a readable tokenizer.json ({e})") from None
+    model = spec.get("model") if isinstance(spec, dict) else None
+    pre = spec.get("pre_tokenizer") if isinstance(spec, dict) else None
+    byte_level = isinstance(pre, dict) and (pre.get("type") == "ByteLevel" or any(
+        isinstance(p, dict) and p.get("type") == "ByteLevel" for p in pre.get("pretokenizers") or []))
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not byte_level:
+        kind = model.get("type") if isinstance(model, dict) else "unknown"
+        raise ImportHFError(f"{path} is a {kind} tokenizer, not GPT-2's byte-level BPE: a GPT-2 model needs "
+                            f"vocab.json + merges.txt or a byte-level BPE tokenizer.json")
+    vocab, merges = model.get("vocab"), model.get("merges")
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        raise ImportHFError(f"{path}: its BPE model has no vocab/merges tables")
+    lines = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    (dest / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (dest / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{m}\n" for m in lines), encoding="utf-8")
+
+
 def import_tokenizer(folder: Path, dest: Path, model_type: str):
     """Copy the source's tokenizer files into ``dest`` and return (our tokenizer, spec relative to the run
     directory), after checking that its ids equal ``AutoTokenizer``'s on a probe text.
@@ -182,7 +206,7 @@ def import_tokenizer(folder: Path, dest: Path, model_type: str):
         shutil.copyfile(folder / "merges.txt", dest / "merges.txt")
         spec = {"kind": "gpt2_bpe", "vocab_file": "tokenizer/vocab.json", "merges_file": "tokenizer/merges.txt"}
     elif model_type == "gpt2" and has["tokenizer.json"]:
-        AutoTokenizer.from_pretrained(str(folder), local_files_only=True).save_vocabulary(str(dest))
+        bpe_files_from_tokenizer_json(folder / "tokenizer.json", dest)
         spec = {"kind": "gpt2_bpe", "vocab_file": "tokenizer/vocab.json", "merges_file": "tokenizer/merges.txt"}
     elif model_type != "gpt2" and has["vocab.txt"]:
         tc = folder / "tokenizer_config.json"
