@@ -19,12 +19,20 @@ Natural near-duplicates occur: the pure-Python twins of C modules (``_pyio`` / `
 
 Modules are imported, so the list excludes anything with import-time side effects (``this``,
 ``antigravity``, ``idlelib``, ``tkinter``, ``turtle``).
+
+Isolation: the documents are read in a fresh interpreter (``python -I -S`` on this file: no site-packages,
+no environment), never in the calling process, whose imports can change the standard library it would
+read (``import ray`` pulls in grpc, which replaces ``inspect.isgenerator``: one document fewer). So the
+corpus is a function of the CPython build alone, in a local build and in a Ray worker alike.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
@@ -90,8 +98,8 @@ def _docstring_documents(modname: str) -> Iterator[tuple[str, str]]:
                     yield from emit(f"{modname}.{name}.{attr}", member)
 
 
-def iter_default_corpus() -> Iterator[tuple[str, str]]:
-    """Yield ``(source_id, text)`` for every document of the embedded corpus, in a fixed order."""
+def _documents() -> Iterator[tuple[str, str]]:
+    """The documents, read in this process (run by :func:`iter_default_corpus` in a fresh interpreter)."""
     import warnings
 
     from pydoc_data.topics import topics
@@ -103,3 +111,22 @@ def iter_default_corpus() -> Iterator[tuple[str, str]]:
             warnings.simplefilter("ignore", DeprecationWarning)
             docs = list(_docstring_documents(modname))
         yield from docs
+
+
+def iter_default_corpus() -> Iterator[tuple[str, str]]:
+    """Yield ``(source_id, text)`` for every document of the embedded corpus, in a fixed order (read in a fresh
+    ``python -I -S``, see the module docstring)."""
+    try:
+        proc = subprocess.run([sys.executable, "-I", "-S", __file__], capture_output=True, check=True, timeout=600)
+    except subprocess.CalledProcessError as e:
+        tail = e.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"reading the built-in corpus in a fresh {sys.executable} failed: {tail[0]}") from None
+    for line in proc.stdout.decode("utf-8").splitlines():
+        sid, text = json.loads(line)
+        yield sid, text
+
+
+if __name__ == "__main__":  # the fresh interpreter of iter_default_corpus: one JSON line per document
+    out = sys.stdout
+    for sid, text in _documents():
+        out.write(json.dumps([sid, text]) + "\n")
