@@ -125,9 +125,47 @@ def _corpus(tmp_path: Path) -> tuple[Path, dict]:
     return text, tok.spec()
 
 
+def wandb_history(path) -> dict[int, dict]:
+    """{step: {key: value}} of a W&B offline run file (``run-*.wandb``): LevelDB-log framing (a 7-byte header,
+    then 32 KiB blocks of records: crc32, length, type FULL/FIRST/MIDDLE/LAST) around ``Record`` protobufs."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    raw = path.read_bytes()
+    assert raw[:4] == b":W&B", raw[:7]
+    data, block, pos, rows, parts = raw[7:], 32768, 0, {}, b""
+    pos_in_block = 7
+    while pos + 7 <= len(data):
+        if block - pos_in_block < 7:  # block trailer
+            pos += block - pos_in_block
+            pos_in_block = 0
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        pos_in_block = (pos_in_block + 7 + length) % block
+        if kind == 0 and length == 0:
+            continue
+        parts = chunk if kind in (1, 2) else parts + chunk
+        if kind not in (1, 4):
+            continue
+        record = pb.Record()
+        record.ParseFromString(parts)
+        if record.HasField("history"):
+            step = record.history.step.num
+            row = rows.setdefault(step, {})
+            for item in record.history.item:
+                key = item.key or "/".join(item.nested_key)
+                if key and not key.startswith("_"):
+                    row[key] = json.loads(item.value_json)
+    return rows
+
+
 def test_short_run_writes_wandb_offline_and_csv(tmp_path):
     """A real 3-step run (one process) with run.csv and run.wandb in offline mode: W&B's local run files and
-    DeepSpeed's CSV files appear, the CSV losses equal metrics.jsonl, the step line has the new fields."""
+    DeepSpeed's CSV files appear, the CSV losses equal metrics.jsonl, the step line has the new fields, and the
+    losses, MFU and validation loss read back from the offline W&B run equal metrics.jsonl (issue 29)."""
     pytest.importorskip("wandb")
     text, spec = _corpus(tmp_path)
     run_dir = tmp_path / "run"
@@ -151,11 +189,22 @@ def test_short_run_writes_wandb_offline_and_csv(tmp_path):
     with open(run_dir / "csv" / "train" / "train_loss.csv") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "loss"]
-    assert {int(s): float(v) for s, v in rows[1:]} == pytest.approx(losses)
+    # one step axis for every sink: consumed samples (global batch 4 per iteration)
+    assert {int(s): float(v) for s, v in rows[1:]} == pytest.approx({4 * it: v for it, v in losses.items()})
     assert (run_dir / "csv" / "train" / "train_lr.csv").is_file()
 
     (offline,) = (run_dir / "wandb").glob("offline-run-*")
     (data,) = offline.glob("run-*.wandb")
-    assert data.stat().st_size > 0
+    history = wandb_history(data)
+    # our metrics reached W&B (before, every one was dropped: logged by iteration below DeepSpeed's samples step)
+    logged = {step: row["train/loss"] for step, row in history.items() if "train/loss" in row}
+    assert logged == pytest.approx({4 * it: v for it, v in losses.items()})
+    mfu = {r["iteration"]: r["mfu"] for r in steps if "event" not in r}
+    assert {step: row["train/mfu"] for step, row in history.items() if "train/mfu" in row} == \
+        pytest.approx({4 * it: v for it, v in mfu.items()})
+    assert {row["train/iteration"] for row in history.values() if "train/iteration" in row} == {1, 2, 3}
+    valid = [r for r in steps if r.get("event") == "valid"]
+    assert valid and history[12]["valid/loss"] == pytest.approx(valid[-1]["loss"])
+    assert "Train/Samples/lr" in history[12]  # DeepSpeed's own, on the same axis
     ds = json.loads((run_dir / "ds_config.json").read_text())
     assert ds["wandb"]["project"] == "ci" and ds["wall_clock_breakdown"] is False

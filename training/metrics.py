@@ -76,13 +76,20 @@ def kept_metric_lines(path: Path, resume_iteration: int) -> list[str]:
 
 
 class MetricsWriter:
-    """Rank-0 sink: log line, JSON lines (flushed each step), optional DeepSpeed monitor."""
+    """Rank-0 sink: log line, JSON lines (flushed each step), optional DeepSpeed monitor.
+
+    The monitor (W&B, TensorBoard, CSV) gets one step axis for everything: consumed samples, Megatron's and
+    the one DeepSpeed's engine logs its own ``Train/Samples/*`` on; the iteration is a logged value
+    (``train/iteration``). W&B drops any value logged at a step below its current one, so logging ours by
+    iteration while DeepSpeed logged by samples lost every one of ours."""
 
     def __init__(self, run_dir: Path, total_iters: int, enabled: bool, monitor: Any = None,
-                 resume_iteration: int | None = None) -> None:
+                 resume_iteration: int | None = None, samples: int = 0) -> None:
         """``resume_iteration``: continuing a run from a checkpoint at that iteration; rows logged
-        after it by the interrupted run are dropped so the file reads as one uninterrupted run."""
+        after it by the interrupted run are dropped so the file reads as one uninterrupted run.
+        ``samples``: consumed samples so far (the monitor's step for events before the first step)."""
         self.enabled, self.total, self.monitor = enabled, total_iters, monitor
+        self.samples = samples
         self.file: IO[str] | None = None
         if not enabled:
             return
@@ -102,18 +109,21 @@ class MetricsWriter:
         logger.info(format_line(m, self.total))
         self.file.write(json.dumps({k: m[k] for k in KEYS} | {k: v for k, v in m.items() if k not in KEYS}) + "\n")
         self.file.flush()
+        self.samples = int(m.get("consumed_samples", self.samples))
         if self.monitor is not None and getattr(self.monitor, "enabled", False):
-            self.monitor.write_events([(f"train/{k}", m[k], m["iteration"]) for k in KEYS[1:]
-                                       if isinstance(m[k], (int, float))])
+            self.monitor.write_events([(f"train/{k}", m[k], self.samples) for k in KEYS
+                                       if isinstance(m[k], (int, float)) and not isinstance(m[k], bool)])
 
     def event(self, tag: str, values: dict[str, Any], iteration: int) -> None:
+        """A non-step record (validation, the CPU peak, a RACE epoch) at ``iteration``; the monitor logs it at
+        the consumed samples of the last step written (or those given at construction)."""
         if not self.enabled:
             return
         self.file.write(json.dumps({"event": tag, "iteration": iteration, **values}) + "\n")
         self.file.flush()
         if self.monitor is not None and getattr(self.monitor, "enabled", False):
-            self.monitor.write_events([(f"{tag}/{k}", v, iteration) for k, v in values.items()
-                                       if isinstance(v, (int, float))])
+            self.monitor.write_events([(f"{tag}/{k}", v, self.samples) for k, v in values.items()
+                                       if isinstance(v, (int, float)) and not isinstance(v, bool)])
 
     def close(self) -> None:
         if self.file:

@@ -346,7 +346,8 @@ class Trainer:
             resumed = ckpt.load(self)
             writer = MetricsWriter(self.run_dir, cfg.train.iters, self.is_rank0,
                                    getattr(self.engine, "monitor", None),
-                                   resume_iteration=self.iteration if resumed else None)
+                                   resume_iteration=self.iteration if resumed else None,
+                                   samples=self.consumed_samples)
         except BaseException:
             if lock is not None:
                 lock.release()
