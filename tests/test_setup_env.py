@@ -178,3 +178,23 @@ def test_test_command_installs_test_only_packages_and_main_job_does_not():
     assert "apt-get" not in main and "redis" not in main and "--extras" not in main
     assert "--extras test" in test and "apt-get" not in test  # no system packages at all since Redis dedup retired
     assert "apt-get" not in (ROOT / "scripts" / "setup_env.sh").read_text()
+
+
+def test_every_installed_distribution_is_pinned_in_constraints():
+    """constraints.txt is the freeze of the CI venv: each distribution the test venv holds (the tracking extra's
+    tensorboard/grpcio/Markdown/Werkzeug tree and ruff included; issue 29) has its pin there."""
+    import re
+    from importlib.metadata import distributions
+    from pathlib import Path
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    root = Path(__file__).resolve().parents[1]
+    pinned = {norm(line.split("==")[0]) for line in (root / "constraints.txt").read_text().splitlines()
+              if line and not line.startswith("#")}
+    skip = {"pip", "setuptools", "wheel", "megatron-ds-suite"}  # the installer's own, and the project itself
+    installed = {norm(d.metadata["Name"]) for d in distributions() if d.metadata["Name"]}
+    # a CUDA build of torch (kept by setup_env on a GPU machine) brings its own runtime wheels
+    cuda_runtime = {n for n in installed if n.startswith(("nvidia-", "cuda-", "triton"))}
+    assert installed - pinned - skip - cuda_runtime == set()
