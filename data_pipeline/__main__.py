@@ -17,10 +17,11 @@ from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.indexed_dataset import IndexedDatasetError
 from megatron_ds_suite.core.tokenizer import TokenizerError
 from data_pipeline.stages import STAGES, StageError, build, fingerprint, is_done, run_stage, summary_table
+from megatron_ds_suite.core.program import prog as program
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data_pipeline", description="Build a training corpus.")
+    p = argparse.ArgumentParser(prog=program("python -m data_pipeline"), description="Build a training corpus.")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="run every unfinished stage")
     b.add_argument("--force", action="store_true", help="recompute every stage")

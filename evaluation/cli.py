@@ -18,6 +18,7 @@ from megatron_ds_suite.core.errors import SuiteError
 from training.metrics import progress_enabled
 from evaluation.report import format_table
 from megatron_ds_suite.core import atomic
+from megatron_ds_suite.core.program import prog as program
 
 logger = logging.getLogger("evaluation")
 def _common(p: argparse.ArgumentParser) -> None:
@@ -48,7 +49,7 @@ def _limited(args, unit: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m evaluation", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=program("python -m evaluation"), description=__doc__.split("\n\n")[0])
     # the deepspeed launcher puts --local_rank=N before the subcommand (deepspeed --module evaluation ...)
     ap.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = ap.add_subparsers(dest="task", required=True)

@@ -11,6 +11,11 @@ import sys
 
 
 def _run(module: str, func: str = "main", prepare: bool = True) -> None:
+    import os
+
+    from megatron_ds_suite.core.program import set_command
+
+    set_command(os.path.basename(sys.argv[0]) or None)  # usage lines name the command that was typed
     if prepare:
         from training.runtime.process_env import configure
 

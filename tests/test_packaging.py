@@ -168,6 +168,7 @@ def test_wheel_installs_with_console_commands_and_configs(tmp_path):
     for cmd, proc in procs.items():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0 and "usage:" in out, (cmd, err[-2000:])
+        assert out.startswith(f"usage: {cmd} "), (cmd, out[:200])  # the command that was typed, not python -m
     out = run("megatron-ds-configs", "show", "gpt2_tiny")
     assert out.returncode == 0 and out.stdout == (ROOT / "configs" / "gpt2_tiny.yaml").read_text()
     out = run("megatron-ds-plan", "--config", "gpt2_1.2b.yaml", "--tp", "8", "--dp", "1", "--gpu", "v100")

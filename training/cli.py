@@ -7,11 +7,12 @@ import os
 import sys
 
 from megatron_ds_suite.core.errors import SuiteError
+from megatron_ds_suite.core.program import prog as program
 
 
 def launcher_parser(prog: str, description: str | None, config_help: str) -> argparse.ArgumentParser:
     """``--config YAML``, the launcher's ``--local_rank`` (hidden) and ``section.key=value`` overrides."""
-    parser = argparse.ArgumentParser(prog=prog, description=description,
+    parser = argparse.ArgumentParser(prog=program(prog), description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help=config_help)
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher

@@ -17,6 +17,7 @@ from training.plan.presets import PRESETS
 from training.plan.report import render_paper_comparison, render_plan
 from training.plan.timing import TimeModel
 from training.runtime.hardware import canonical_kind, get_hardware
+from megatron_ds_suite.core.program import prog as program
 
 DESCRIPTION = "Memory and speed planner for TP x PP x DP runs of our GPT-2 / BERT (``python -m training.plan``)."
 
@@ -41,7 +42,7 @@ def load_plan_config(path: str | None, model: str | None, overrides: list[str]) 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m training.plan", description=DESCRIPTION)
+    ap = argparse.ArgumentParser(prog=program("python -m training.plan"), description=DESCRIPTION)
     ap.add_argument("--config", help="run config YAML (model/train/precision sections are used)")
     ap.add_argument("--model", help=f"preset instead of / on top of --config: {', '.join(PRESETS)}")
     ap.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: parallel.tensor)")

@@ -44,6 +44,7 @@ import torch
 from training.parallel.sharding import resize_vocab_rows
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core import atomic
+from megatron_ds_suite.core.program import prog as program
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False, with_t
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(prog="python -m training.tools.export_hf", description="Export a GPT-2 or BERT checkpoint to transformers")
+    ap = argparse.ArgumentParser(prog=program("python -m training.tools.export_hf"), description="Export a GPT-2 or BERT checkpoint to transformers")
     ap.add_argument("--checkpoint", required=True, help="run directory")
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--overwrite", action="store_true")

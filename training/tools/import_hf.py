@@ -47,6 +47,7 @@ from training.config import Config, ModelConfig, padded_vocab_size, validate_sta
 from training.parallel.sharding import is_vocab_sized, resize_vocab_rows, shard_tagged
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core import atomic
+from megatron_ds_suite.core.program import prog as program
 
 logger = logging.getLogger(__name__)
 
@@ -345,7 +346,7 @@ def import_hf(model: str, out: str | Path, tp: int = 1, pp: int = 1, seq_length:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(prog="python -m training.tools.import_hf", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=program("python -m training.tools.import_hf"), description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="transformers GPT-2 folder, or a hub name (needs network/cache)")
     ap.add_argument("--out", required=True, help="new run directory")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the written checkpoint")

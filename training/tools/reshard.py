@@ -42,6 +42,7 @@ from training.config import ConfigError, config_from_dict, validate_static
 from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_vocab_rows, shard_tagged
 from training.tools import reshard_optim
 from training.layout import grad_accumulation
+from megatron_ds_suite.core.program import prog as program
 
 logger = logging.getLogger("training.tools.reshard")
 
@@ -215,7 +216,7 @@ def _entry(rank, world, port, fn, args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.tools.reshard", description=__doc__,
+    parser = argparse.ArgumentParser(prog=program("python -m training.tools.reshard"), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="run directory with checkpoints/latest")
     parser.add_argument("--tp", type=int, required=True, help="target tensor-parallel degree")
