@@ -122,7 +122,9 @@ class BuildConfig:
     workers: int = 0  # 0: all cores
     shard_size: int = 2000  # input records per ingest shard (unit of resume)
     seed: int = 1234
-    progress: bool = True
+    progress: bool | None = None
+    """Progress bars on stderr: true/false, or null (the default) = only when stderr is a terminal (a bar
+    redrawn with carriage returns is noise in a Slurm, CI or piped log)."""
     clean: CleanConfig = field(default_factory=CleanConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     length: LengthConfig = field(default_factory=LengthConfig)
@@ -246,7 +248,16 @@ def config_from_dict(data: dict[str, Any], base_dir: str | Path = ".",
     data.setdefault("base_dir", str(base_dir))
     cfg = build_dataclass(BuildConfig, data)
     _validate(cfg)
+    if cfg.progress is None:
+        cfg.progress = _stderr_is_terminal()
     return cfg
+
+
+def _stderr_is_terminal() -> bool:
+    import sys
+
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> BuildConfig:

@@ -242,3 +242,25 @@ def test_lazy_jsonl_records_resolve_to_the_eager_ones(tmp_path):
     reasons = [r.reason for r in eager]
     assert reasons.count("bad_json") == 2 and "invalid_utf8" in reasons and reasons.count("too_large") == 2
     assert eager[0].text == "a BOM before the first record" and eager[0].uid == "first"
+
+
+def test_progress_bars_only_on_a_terminal(monkeypatch):
+    """``progress`` unset: bars only when stderr is a terminal (not drawn into piped logs; issue 29); set, as
+    given."""
+    import io
+    import sys
+
+    from data_pipeline.config import config_from_dict
+
+    base = {"sources": [{"type": "default"}]}
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a pipe or file: no terminal
+    assert config_from_dict(dict(base)).progress is False
+    assert config_from_dict({**base, "progress": True}).progress is True
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Tty())
+    assert config_from_dict(dict(base)).progress is True
+    assert config_from_dict({**base, "progress": False}).progress is False

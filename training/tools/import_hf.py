@@ -279,7 +279,9 @@ def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], t
     from tqdm import tqdm
 
     prefixes = pipe_layer_names(m.num_layers)
-    for r in tqdm(range(tp), desc="write TP shards", unit="rank", disable=tp == 1, leave=False):
+    # a bar only on a terminal (not redrawn into a piped or Slurm log)
+    for r in tqdm(range(tp), desc="write TP shards", unit="rank", disable=tp == 1 or not sys.stderr.isatty(),
+                  leave=False):
         local = {name: shard(w, tags[name], r, tp) for name, w in weights.items()}
         if pp == 1:
             torch.save({"module": local, **meta, "tp_rank": r, "pp_rank": 0}, folder / f"mp_rank_{r:02d}_model_states.pt")
