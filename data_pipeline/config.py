@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron_ds_suite.core.config import apply_overrides, build_dataclass, read_yaml
 from megatron_ds_suite.core.errors import ConfigError
+from megatron_ds_suite.core.program import stderr_is_terminal
 
 
 @dataclass
@@ -249,15 +250,8 @@ def config_from_dict(data: dict[str, Any], base_dir: str | Path = ".",
     cfg = build_dataclass(BuildConfig, data)
     _validate(cfg)
     if cfg.progress is None:
-        cfg.progress = _stderr_is_terminal()
+        cfg.progress = stderr_is_terminal()
     return cfg
-
-
-def _stderr_is_terminal() -> bool:
-    import sys
-
-    isatty = getattr(sys.stderr, "isatty", None)
-    return bool(isatty and isatty())
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> BuildConfig:

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
+from megatron_ds_suite.core.network import free_port
 
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (for a rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "run_distributed"]
 
 
 def _worker(rank, world_size, port, fn, args, queue):

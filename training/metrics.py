@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 from pathlib import Path
 from typing import IO, Any
 
+from megatron_ds_suite.core.program import stderr_is_terminal
 from training.plan.accounting import (bert_expected_masked_positions, bert_flops_per_iteration, flops_per_iteration,
                                       model_flops_per_iteration)
 
@@ -33,9 +33,7 @@ def progress_enabled(setting: bool | None, stream: IO[str] | None = None) -> boo
     is a terminal (a bar redrawn with carriage returns is noise in a Slurm or CI log file)."""
     if setting is not None:
         return setting
-    stream = sys.stderr if stream is None else stream
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty())
+    return stderr_is_terminal(stream)
 
 
 def format_line(m: dict[str, Any], total_iters: int) -> str:

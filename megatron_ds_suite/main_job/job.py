@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ds_suite.main_job.config import ConfigError, MainConfig, flatten
-from megatron_ds_suite.main_job.proc import Progress, free_port, run_logged
+from megatron_ds_suite.core.network import free_port
+from megatron_ds_suite.main_job.proc import Progress, run_logged
 from megatron_ds_suite.main_job.stages import Stages
 from megatron_ds_suite.main_job.state import (Outcome, Skipped, StageFailed, State, atomic_write, digest,
                                               read_if_file, tree_id)

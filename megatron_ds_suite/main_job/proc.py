@@ -61,13 +61,6 @@ class Progress:
         return False
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (for ``deepspeed --master_port``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def network_reachable(host: str = "huggingface.co", port: int = 443, timeout: float = 3.0) -> bool:
     if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
         return False

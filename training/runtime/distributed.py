@@ -12,15 +12,6 @@ before ``deepspeed.initialize``.
 from __future__ import annotations
 
 
-def _free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed(backend: str | None = None) -> None:
     """Initialise torch.distributed through DeepSpeed's comm layer. Without the launcher (one plain
     process) the rendezvous variables default to a single local rank on a free port (``MASTER_PORT`` when
@@ -29,7 +20,9 @@ def init_distributed(backend: str | None = None) -> None:
 
     if "MASTER_PORT" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
         # one plain process: a free port, not a fixed one (two runs on one machine would both take 29500)
-        os.environ["MASTER_PORT"] = str(_free_port())
+        from megatron_ds_suite.core.network import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
     import deepspeed

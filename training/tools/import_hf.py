@@ -48,6 +48,7 @@ from training.parallel.sharding import is_vocab_sized, resize_vocab_rows, shard_
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.program import prog as program
+from megatron_ds_suite.core.program import stderr_is_terminal
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +281,7 @@ def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], t
 
     prefixes = pipe_layer_names(m.num_layers)
     # a bar only on a terminal (not redrawn into a piped or Slurm log)
-    for r in tqdm(range(tp), desc="write TP shards", unit="rank", disable=tp == 1 or not sys.stderr.isatty(),
+    for r in tqdm(range(tp), desc="write TP shards", unit="rank", disable=tp == 1 or not stderr_is_terminal(),
                   leave=False):
         local = {name: shard(w, tags[name], r, tp) for name, w in weights.items()}
         if pp == 1:
