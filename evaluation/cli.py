@@ -16,6 +16,7 @@ from evaluation import heldout
 from evaluation.errors import EvalError
 from megatron_ds_suite.core.errors import SuiteError
 from training.metrics import progress_enabled
+from training.runtime.launch import shutdown
 from evaluation.report import format_table
 from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.program import prog as program
@@ -225,4 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     except SuiteError as e:  # bad input from any stage (EvalError, ConfigError, TokenizerError ...): one line
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: results are written only when a task completes; rerun the same command", file=sys.stderr)
+        return 130
+    finally:  # the process groups setup_runtime started, torn down on every path (else an abort at exit)
+        shutdown()
     return 0

@@ -4,6 +4,7 @@ per seed, TP=2 generates exactly what TP=1 does, and the CLI writes what the fun
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,7 +161,14 @@ def _tp2_generate(rank, world, run_dir, prompts, sample_opts):
     with torch.no_grad():
         logits = model.full_logits(x)[..., :V]
     dist.barrier()
-    return [c.tokens for c in greedy], [c.tokens for c in sampled], logits
+    # the command under the launcher, last: it tears the process groups down on its way out (a process that
+    # leaves them alive can abort at interpreter exit after its output was written)
+    from evaluation.cli import main
+
+    out = Path(run_dir).parent / "tp2_generate.json"
+    code = main(["generate", "--tp", "2", "--checkpoint", run_dir, "--prompt", prompts[0], "--greedy",
+                 "--max-new-tokens", "8", "--json", str(out), "--no-progress"])
+    return [c.tokens for c in greedy], [c.tokens for c in sampled], logits, (code, dist.is_initialized(), str(out))
 
 
 def test_tp2_generation_equals_tp1(random_gpt2, loaded):
@@ -173,9 +181,11 @@ def test_tp2_generation_equals_tp1(random_gpt2, loaded):
     greedy1 = [c.tokens for c in generate(model, tok, PROMPTS, GenerationOptions(max_new_tokens=8, greedy=True))]
     sampled1 = [c.tokens for c in generate(model, tok, PROMPTS, GenerationOptions(max_new_tokens=8, **sample_opts))]
     results = run_distributed(_tp2_generate, 2, str(random_gpt2[1]), PROMPTS, sample_opts)
-    for greedy2, sampled2, _ in results:
+    for greedy2, sampled2, _, (code, still_initialized, out) in results:
         assert greedy2 == greedy1
         assert sampled2 == sampled1
+        assert code == 0 and not still_initialized
+    assert json.loads(Path(out).read_text())["completions"][0]["tokens"] == greedy1[0]
     # TP=2 forward of the import equals transformers' logits
     hf = GPT2LMHeadModel.from_pretrained(str(random_gpt2[0])).eval()
     x = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(0))

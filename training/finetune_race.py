@@ -31,6 +31,7 @@ from pathlib import Path
 from training.cli import launcher_parser, report_error, setup_rank_logging
 from training.config import Config, ConfigError, config_from_dict
 from training.layout import derive_layout
+from training.runtime.launch import run_locked
 
 logger = logging.getLogger("training")
 
@@ -159,33 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SuiteError as e:
         return report_error(e, rank)
-    import torch.distributed as dist
+    return run_locked(cfg.run.dir, lambda: finetune(cfg, meta, rank))
 
-    from training.runtime import run_lock
-    from training.runtime.distributed import init_distributed
 
-    init_distributed()
-    lock = None
-    try:
-        # the run directory is claimed before anything is built, on every rank (see training.pretrain)
-        lock = run_lock.acquire_for_rank0(cfg.run.dir, dist.get_rank() == 0)
-        res = RaceFinetuner(cfg, meta).train(run_dir_locked=True)
-        if rank == 0:
-            b = res["best"]
-            print(f"\nRACE fine-tuning: best epoch {res['best_epoch']} | " +
-                  " | ".join(f"{s} accuracy {v['accuracy']:.4f} ({v['count']} questions)" for s, v in b.items()))
-    except run_lock.RunDirBusy as e:  # every rank learnt it from rank 0 at once; one says it
-        return report_error(e, dist.get_rank())
-    except RaceDataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except SuiteError as e:  # checkpoint, data or config problems met while training
-        return report_error(e)
-    finally:
-        if lock is not None:
-            lock.release()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def finetune(cfg, meta, rank: int) -> int:
+    """The fine-tuning run on every rank, inside the launch skeleton (process group up, run directory claimed)."""
+    res = RaceFinetuner(cfg, meta).train(run_dir_locked=True)
+    if rank == 0:
+        b = res["best"]
+        print(f"\nRACE fine-tuning: best epoch {res['best_epoch']} | " +
+              " | ".join(f"{s} accuracy {v['accuracy']:.4f} ({v['count']} questions)" for s, v in b.items()))
     return 0
 
 

@@ -1,0 +1,74 @@
+"""How every distributed entry point starts and ends: pretraining, RACE fine-tuning and evaluation.
+
+One skeleton, one table of exit codes (docs/errors.md):
+
+    0    done
+    1    the operating system refused (disk full, permissions): one line; checkpoints are atomic, ``latest`` kept
+    2    bad input or config (:class:`~megatron_ds_suite.core.errors.SuiteError`): one line, from one rank
+    3    a run that went wrong on purpose-checked grounds (the trainer's ``TrainingAborted``; the body maps it)
+    130  interrupted (Ctrl-C, SIGINT from the launcher)
+
+:func:`run_locked` is the whole life of a training command: process group, the run directory's lock (rank 0
+claims it, every rank learns the outcome), the body, the table above, then the lock released and the process
+groups torn down on every path. :func:`shutdown` is the teardown alone, for commands that start their groups
+lazily (evaluation): a process that leaves with its gloo/NCCL groups alive can abort at interpreter exit
+("terminate called without an active exception") after its output was written.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from megatron_ds_suite.core.errors import SuiteError
+from training.cli import report_error
+from training.runtime import run_lock
+from training.runtime.distributed import init_distributed
+
+RESUME_HINT = "the newest complete checkpoint is kept, rerun the same command to resume"
+
+
+def shutdown() -> None:
+    """Destroy the default process group (and with it every subgroup) if one exists; safe to call twice."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def os_error_line(error: OSError, where: str | Path, hint: str = RESUME_HINT) -> str:
+    """One line for an OSError (disk full, permissions) met while writing under ``where``."""
+    return (f"error: {error.strerror or error}: {error.filename or where} (check free disk space and permissions); "
+            f"{hint}")
+
+
+def run_locked(run_dir: str | Path, body: Callable[[], int | None], *, hint: str = RESUME_HINT) -> int:
+    """Start the process group, claim ``run_dir`` for this run, run ``body`` on every rank, map what it raises to
+    an exit code and tear everything down. ``body`` returns an exit code (None = 0).
+
+    The claim is a collective right after the default group, so the order of collectives is the same on every
+    rank, and a refused launch builds nothing and writes nothing into the busy run directory. Once DeepSpeed
+    has been initialised its module globals (``deepspeed.utils.groups.mpu``, activation checkpointing's
+    ``mpu``) keep the TP/DP/PP groups alive past ``destroy_process_group()`` until interpreter finalisation;
+    a refused launch never gets there, so it exits 2 instead of aborting."""
+    import torch.distributed as dist
+
+    init_distributed()
+    lock = None
+    try:
+        lock = run_lock.acquire_for_rank0(run_dir, dist.get_rank() == 0)
+        return body() or 0
+    except run_lock.RunDirBusy as e:  # every rank learnt it from rank 0 at once; one says it
+        return report_error(e, dist.get_rank())
+    except SuiteError as e:  # bad config, unsafe/truncated/missing checkpoint files, a bad `latest`, bad data
+        return report_error(e)  # from whichever rank met it
+    except KeyboardInterrupt:  # Ctrl-C / SIGINT from the launcher: checkpoints are atomic, latest is intact
+        print(f"interrupted: {hint}", file=sys.stderr)
+        return 130
+    except OSError as e:  # disk full, permissions: the checkpoint being written is discarded, `latest` kept
+        print(os_error_line(e, run_dir, hint), file=sys.stderr)
+        return 1
+    finally:
+        if lock is not None:  # rank 0's claim (an empty file: a clean exit)
+            lock.release()
+        shutdown()
