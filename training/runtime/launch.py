@@ -25,7 +25,7 @@ from training.cli import report_error
 from training.runtime import run_lock
 from training.runtime.distributed import init_distributed
 
-RESUME_HINT = "the newest complete checkpoint is kept, rerun the same command to resume"
+RESUME_HINT = "the newest complete checkpoint is kept; rerun the same command to resume"
 
 
 def shutdown() -> None:
