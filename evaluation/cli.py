@@ -12,7 +12,7 @@ import logging
 import sys
 from pathlib import Path
 
-from evaluation import heldout
+from evaluation import heldout, lm_eval_run
 from evaluation.errors import EvalError
 from megatron_ds_suite.core.errors import SuiteError
 from training.metrics import progress_enabled
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-stop-at-eod", action="store_true", help="keep generating after the end-of-document id")
 
     heldout.add_parser(sub)
+    lm_eval_run.add_parser(sub)
     return ap
 
 
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         {"wikitext103": run_wikitext, "lambada": run_lambada, "race": run_race,
-         "generate": run_generate, "heldout": heldout.run_heldout}[args.task](args)
+         "generate": run_generate, "heldout": heldout.run_heldout, "lm-eval": lm_eval_run.run_lm_eval}[args.task](args)
     except SuiteError as e:  # bad input from any stage (EvalError, ConfigError, TokenizerError ...): one line
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -177,3 +177,86 @@ def test_lm_eval_on_a_sentencepiece_export_equals_our_lambada(exported_sentencep
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     ours = _compare_with_lm_eval(*exported_sentencepiece, tmp_path, 60, 96)
     assert ours["count"] == 60
+
+
+def _lm_eval_samples(lm, task_dir: Path, task: str, n: int) -> tuple[dict, list[dict]]:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    res = simple_evaluate(model=lm, tasks=[task], num_fewshot=0, limit=n, task_manager=TaskManager(include_path=str(task_dir)),
+                          log_samples=True, bootstrap_iters=0, verbosity="ERROR")
+    return res["results"][task], sorted(res["samples"][task], key=lambda s: s["doc_id"])
+
+
+def _suite_lm_tp2(rank, world, run, pairs, task_dir, out):
+    """At TP=2: SuiteLM's per-example log-likelihoods, then the command itself (last: it tears the groups down)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from evaluation.cli import main
+    from evaluation.lm_eval_model import SuiteLM
+    from evaluation.model import setup_runtime
+
+    lm = SuiteLM(run, setup_runtime(2), batch_size=5)
+    per_example = lm.loglikelihood([SimpleNamespace(args=tuple(p)) for p in pairs])
+    dist.barrier()
+    code = main(["lm-eval", "--tp", "2", "--checkpoint", run, "--tasks", "lambada_openai_local,wikitext_local",
+                 "--lambada", str(LAMBADA), "--wikitext", str(WIKITEXT2), "--limit", "3", "--json", out])
+    return per_example, code
+
+
+WIKITEXT2 = Path(SHARED_DATA) / "eval" / "wikitext-2" / "wiki.test.tokens"
+
+
+def test_lm_eval_on_our_checkpoint_equals_lm_eval_on_the_export(exported, tmp_path, monkeypatch):
+    """SuiteLM (our checkpoint, no export) and lm-eval's HFLM (the export) on lm-eval's own lambada_openai and
+    wikitext tasks (datasets swapped to the local files by ``python -m evaluation lm-eval``'s task writer):
+    per-example log-likelihoods and greedy flags, the rolling log-likelihood of whole WikiText articles, at
+    TP=1 and at TP=2 (the command under two ranks)."""
+    if not WIKITEXT2.is_file():
+        pytest.skip("../shared/data/eval/wikitext-2 absent")
+    from lm_eval.models.huggingface import HFLM
+
+    from evaluation.lm_eval_model import SuiteLM
+    from evaluation.lm_eval_run import local_tasks
+    from evaluation.model import setup_runtime
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    run, hf_dir = exported
+    task_dir = tmp_path / "tasks"
+    task_dir.mkdir()
+    assert local_tasks(task_dir, str(LAMBADA), str(WIKITEXT2)) == ["lambada_openai_local", "wikitext_local"]
+    n = 40
+    ours_l, ours_s = _lm_eval_samples(SuiteLM(str(run), setup_runtime(), batch_size=7), task_dir, "lambada_openai_local", n)
+    hf = HFLM(pretrained=str(hf_dir), batch_size=8, device="cpu")
+    hf_l, hf_s = _lm_eval_samples(hf, task_dir, "lambada_openai_local", n)
+    assert len(ours_s) == len(hf_s) == n
+    for a, b in zip(ours_s, hf_s):
+        assert a["arguments"] == b["arguments"]
+        (ll_a, greedy_a), (ll_b, greedy_b) = a["filtered_resps"][0], b["filtered_resps"][0]
+        assert ll_a == pytest.approx(ll_b, rel=1e-5, abs=1e-5) and bool(greedy_a) == bool(greedy_b)
+    assert ours_l["acc,none"] == hf_l["acc,none"]
+    assert ours_l["perplexity,none"] == pytest.approx(hf_l["perplexity,none"], rel=1e-5)
+
+    # loglikelihood_rolling over whole articles (several 64-token windows each)
+    ours_w, ours_ws = _lm_eval_samples(SuiteLM(str(run), setup_runtime(), batch_size=3), task_dir, "wikitext_local", 3)
+    hf_w, hf_ws = _lm_eval_samples(hf, task_dir, "wikitext_local", 3)
+    for a, b in zip(ours_ws, hf_ws):
+        assert a["filtered_resps"][0] == pytest.approx(b["filtered_resps"][0], rel=1e-5)
+    assert ours_w["word_perplexity,none"] == pytest.approx(hf_w["word_perplexity,none"], rel=1e-5)
+    assert len(hf.tok_encode(ours_ws[0]["doc"]["page"])) > 3 * 64  # the rolling windows are exercised
+
+    # TP=2: the same per-example numbers, and the command's table equal to TP=1's
+    pairs = [a["arguments"][0] for a in ours_s]
+    out = tmp_path / "tp2.json"
+    for per_example, code in run_distributed(_suite_lm_tp2, 2, str(run), pairs, task_dir, str(out)):
+        assert code == 0
+        for (ll, greedy), a in zip(per_example, ours_s):
+            assert ll == pytest.approx(a["filtered_resps"][0][0], rel=1e-5, abs=1e-5) and greedy == bool(a["filtered_resps"][0][1])
+    tp2 = json.loads(out.read_text())["results"]
+    _, first3 = _lm_eval_samples(SuiteLM(str(run), setup_runtime()), task_dir, "lambada_openai_local", 3)
+    assert tp2["lambada_openai_local"]["acc,none"] == pytest.approx(sum(s["acc"] for s in first3) / 3)
+    assert tp2["wikitext_local"]["word_perplexity,none"] == pytest.approx(ours_w["word_perplexity,none"], rel=1e-5)
