@@ -55,7 +55,7 @@ def _export_shard(args: tuple[str, str, int, np.ndarray, np.ndarray, dict[str, A
     ``documents.jsonl`` lines, and with ``gpt`` their ids with EOD appended, concatenated, and each one's
     size (the filter's ids: each document is tokenized once per build; tokenized here only for a filter
     output older than its token files). Returns (lines, ids, sizes, documents read)."""
-    from data_pipeline.stages.filter import _tokenizer, token_ids_of_shard
+    from data_pipeline.stages.filter import cached_tokenizer, token_ids_of_shard
 
     folder_s, text_folder, k, rows, drop, spec, gpt, eod, dtype = args
     folder = Path(folder_s)
@@ -73,7 +73,7 @@ def _export_shard(args: tuple[str, str, int, np.ndarray, np.ndarray, dict[str, A
         lens = np.diff(off)[keep]
         ids = flat[np.repeat(keep, np.diff(off))]
     else:
-        ids, lens = _tokenizer(spec).encode_flat(texts)
+        ids, lens = cached_tokenizer(spec).encode_flat(texts)
     # EOD after each document: inserted at each document's end
     return text, np.insert(ids.astype(dtype, copy=False), np.cumsum(lens), eod), lens + 1, len(keep)
 

@@ -30,7 +30,8 @@ def word_counts_path(folder: Path, k: int) -> Path:
     return folder / f"{shard_name(k)}.words.json"
 
 
-def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, str | None, bool]) -> dict[str, Any]:
+def ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, str | None, bool]) -> dict[str, Any]:
+    """Worker: one input shard's records -> ingest shard ``k`` (cleaned documents, rejects, exact-dedup keys, word counts)."""
     folder_s, k, records, first, use_ftfy, ws, split, count_words = args
     folder = Path(folder_s)
     writer = ShardWriter(folder, k)
@@ -133,7 +134,7 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
                        count_words and first < cfg.tokenizer.train_max_docs)
 
         try:
-            for info in ray_map(cfg, _ingest_shard, ray_jobs()):
+            for info in ray_map(cfg, ingest_shard, ray_jobs()):
                 bar.update(info["read"])
         finally:
             bar.close()
@@ -147,9 +148,9 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
             job = (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace, split,
                    count_words and first < cfg.tokenizer.train_max_docs)
             if pool is None:
-                bar.update(_ingest_shard(job)["read"])
+                bar.update(ingest_shard(job)["read"])
             else:
-                pending.append(pool.apply_async(_ingest_shard, (job,)))
+                pending.append(pool.apply_async(ingest_shard, (job,)))
                 drain(2 * workers)  # bounded: at most ~2 shards per worker in flight
         drain(0)
     finally:
