@@ -95,11 +95,11 @@ def ray_sign_chunks(cfg: BuildConfig, store: Any, sig_dir: Path, num_perm: int, 
                     chunk_size: int) -> None:
     """The signature chunks ``dedup.minhash.compute_signatures`` would compute, as Ray tasks (``sign_chunk``,
     same files); finished chunks are kept, so the stage then only loads them."""
-    from data_pipeline.dedup.minhash import chunk_files, sign_chunk
+    from data_pipeline.dedup.minhash import SignJob, chunk_files, sign_chunk
 
     sig_dir.mkdir(parents=True, exist_ok=True)
     n = len(store)
-    jobs = [(str(store.folder), s, min(n, s + chunk_size), str(sig_dir), num_perm, seed, shingle.n, shingle.unit)
+    jobs = [SignJob(str(store.folder), s, min(n, s + chunk_size), str(sig_dir), num_perm, seed, shingle)
             for s in range(0, n, chunk_size) if not chunk_files(sig_dir, s)["sig"].exists()]
     for _ in ray_map(cfg, sign_chunk, jobs):
         pass

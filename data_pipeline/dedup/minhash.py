@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -106,13 +107,27 @@ def chunk_files(out_dir: Path, start: int) -> dict[str, Path]:
     return {k: out_dir / f"{k}-{start:012d}.npy" for k in ("set", "seto", "nsh", "sig")}
 
 
-def sign_chunk(args: tuple[str, int, int, str, int, int, int, str]) -> tuple[int, int]:
+@dataclass(frozen=True)
+class SignJob:
+    """What one signature worker does: documents [start, stop) of the store in ``store_dir`` -> the chunk's
+    files (:func:`chunk_files`) in ``out_dir``."""
+
+    store_dir: str
+    start: int
+    stop: int
+    out_dir: str
+    num_perm: int
+    seed: int
+    shingle: ShingleSpec
+
+
+def sign_chunk(job: SignJob) -> tuple[int, int]:
     """Worker: store positions [start, stop) → ``set-<start>.npy`` (sorted unique uint64 fingerprints of
     each document, concatenated), ``seto-<start>.npy`` (offsets, int64[n+1]), ``nsh-<start>.npy``
     (distinct shingles; 0 = no signature) and ``sig-<start>.npy`` (uint32[n, num_perm], written last:
     the chunk's completion marker). Returns (start, n)."""
-    store_dir, start, stop, out_dir, num_perm, seed, n, unit = args
-    signer = Signer(num_perm, seed, ShingleSpec(n, unit))
+    store_dir, start, stop, out_dir = job.store_dir, job.start, job.stop, job.out_dir
+    signer = Signer(job.num_perm, job.seed, job.shingle)
     store = DocStore(Path(store_dir))
     texts = [rec["text"] for rec in store.iter_range(start, stop)]
     values, offsets = shingle_sets_batch(texts, signer.spec)
@@ -154,9 +169,8 @@ def compute_signatures(store: DocStore, sig_dir: Path, num_perm: int, seed: int,
     todo = [s for s in starts if not chunk_files(sig_dir, s)["sig"].exists()]
     if len(todo) < len(starts):
         log.info("signatures: reusing %d finished chunk(s), computing %d", len(starts) - len(todo), len(todo))
-    jobs = [(str(store.folder), s, min(n, s + chunk_size), str(sig_dir), num_perm, seed, spec.n, spec.unit)
-            for s in todo]
-    bar = tqdm(total=n, initial=n - sum(j[2] - j[1] for j in jobs), desc="dedup: minhash", unit="doc",
+    jobs = [SignJob(str(store.folder), s, min(n, s + chunk_size), str(sig_dir), num_perm, seed, spec) for s in todo]
+    bar = tqdm(total=n, initial=n - sum(j.stop - j.start for j in jobs), desc="dedup: minhash", unit="doc",
                disable=not progress)
     if workers > 1 and len(jobs) > 1:
         with get_context("fork").Pool(min(workers, len(jobs))) as pool:

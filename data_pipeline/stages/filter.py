@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -54,11 +55,25 @@ def cached_tokenizer(spec: dict[str, Any]) -> Any:
     return _TOKENIZERS[key]
 
 
-def filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class FilterJob:
+    """What one filter worker does: ingest shard ``shard`` of ``src`` -> filter shard ``shard`` of ``dst``."""
+
+    src: str
+    dst: str
+    shard: int
+    spec: dict[str, Any]  # the tokenizer spec (cached_tokenizer)
+    min_tokens: int  # length.min_tokens
+    count_eod: bool  # length.count_eod
+    batch: int  # dataset.tokenize_batch
+
+
+def filter_shard(job: FilterJob) -> dict[str, Any]:
     """Worker: ingest shard ``k`` → the filter's shard ``k``: the index rows of the documents kept (their text
     stays in the ingest shard file, which the filter store reads through ``_text_from.json``), their token ids
     (export writes them: each document is tokenized once), their exact-dedup keys and the too-short rows."""
-    src_s, dst_s, k, spec, min_tokens, count_eod, batch = args
+    src_s, dst_s, k, spec = job.src, job.dst, job.shard, job.spec
+    min_tokens, count_eod, batch = job.min_tokens, job.count_eod, job.batch
     from data_pipeline.dedup.exact import text_key
     from megatron_ds_suite.core.indexed_dataset import best_dtype
 
@@ -110,8 +125,8 @@ def run_filter(cfg: BuildConfig) -> dict[str, Any]:
     dst = begin_stage(cfg, "filter")
     atomic_write_json(dst / TEXT_FROM, {"folder": str(src.resolve())})  # the kept texts stay where ingest wrote them
     todo = [k for k in done_shards(src) if k not in set(done_shards(dst))]
-    jobs = [(str(src), str(dst), k, spec, cfg.length.min_tokens, cfg.length.count_eod,
-             cfg.dataset.tokenize_batch) for k in todo]
+    jobs = [FilterJob(str(src), str(dst), k, spec, cfg.length.min_tokens, cfg.length.count_eod,
+                      cfg.dataset.tokenize_batch) for k in todo]
     bar = progress_bar(cfg, desc="filter: count tokens", unit="doc")
     if cfg.executor == "ray":
         from data_pipeline.ray_executor import ray_map
