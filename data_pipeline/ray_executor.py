@@ -2,9 +2,9 @@
 
 What runs where (the driver is the ``python -m data_pipeline build`` process):
 
-* ingest: one task per input shard (``stages.ingest._ingest_shard``; the driver reads the sources and ships each
+* ingest: one task per input shard (``stages.ingest.ingest_shard``; the driver reads the sources and ships each
   shard's records, at most ``2 x cluster CPUs`` shards in flight);
-* filter: one task per ingest shard (``stages.filter._filter_shard``);
+* filter: one task per ingest shard (``stages.filter.filter_shard``);
 * dedup: one task per signature chunk (``dedup.minhash.sign_chunk``), then the LSH **shuffle by band key**: one map
   task per chunk hashes every (band, band rows) key of its documents to one of ``P`` partitions, one
   reduce task per partition sorts its keys and emits the pairs of documents with equal (band, rows) —
@@ -95,12 +95,12 @@ def ray_sign_chunks(cfg: BuildConfig, store: Any, sig_dir: Path, num_perm: int, 
                     chunk_size: int) -> None:
     """The signature chunks ``dedup.minhash.compute_signatures`` would compute, as Ray tasks (``sign_chunk``,
     same files); finished chunks are kept, so the stage then only loads them."""
-    from data_pipeline.dedup.minhash import _chunk_files, sign_chunk
+    from data_pipeline.dedup.minhash import SignJob, chunk_files, sign_chunk
 
     sig_dir.mkdir(parents=True, exist_ok=True)
     n = len(store)
-    jobs = [(str(store.folder), s, min(n, s + chunk_size), str(sig_dir), num_perm, seed, shingle.n, shingle.unit)
-            for s in range(0, n, chunk_size) if not _chunk_files(sig_dir, s)["sig"].exists()]
+    jobs = [SignJob(str(store.folder), s, min(n, s + chunk_size), str(sig_dir), num_perm, seed, shingle)
+            for s in range(0, n, chunk_size) if not chunk_files(sig_dir, s)["sig"].exists()]
     for _ in ray_map(cfg, sign_chunk, jobs):
         pass
 
@@ -118,10 +118,10 @@ def _band_key_hash(band: int, rows: np.ndarray) -> np.ndarray:
 def band_map(args: tuple[str, int, int, int, int, int]) -> list[np.ndarray]:
     """Map task of one signature chunk: per partition, int64 rows ``[band, doc, r_0 .. r_{rows-1}]`` of
     the chunk's active documents (a document with no shingle has no key, as in ``band_pairs``)."""
-    from data_pipeline.dedup.minhash import _chunk_files
+    from data_pipeline.dedup.minhash import chunk_files
 
     sig_dir, start, bands, rows, parts, _ = args
-    f = _chunk_files(Path(sig_dir), start)
+    f = chunk_files(Path(sig_dir), start)
     sigs, nsh = np.load(f["sig"]), np.load(f["nsh"])
     docs = np.flatnonzero(nsh > 0)
     out: list[list[np.ndarray]] = [[] for _ in range(parts)]

@@ -88,7 +88,8 @@ class Context:
             return
         if cmd[:2] != ["-m", "training.pretrain"]:
             return
-        from training.config import check_world, load_config
+        from training.config import load_config
+        from training.layout import check_world
 
         cfg = load_config(cmd[cmd.index("--config") + 1], cmd[cmd.index("--config") + 2:])
         check_world(cfg, nproc)

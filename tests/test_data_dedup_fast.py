@@ -48,7 +48,7 @@ def _store(folder: Path, docs: list[str], shard: int = 50) -> DocStore:
 
 
 def test_word_hashes_equal_xxhash_of_regex_words(corpus):
-    h, nw = dd._word_unit_hashes(corpus)
+    h, nw = dd.word_unit_hashes(corpus)
     ref = [xxhash.xxh64_intdigest(w.encode("utf-8")) for t in corpus for w in re.findall(r"\w+", t.lower())]
     assert h.tolist() == ref
     assert nw.tolist() == [len(re.findall(r"\w+", t.lower())) for t in corpus]

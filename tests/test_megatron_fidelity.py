@@ -244,11 +244,12 @@ def test_cleaning_applies_ftfy(raw, fixed):
 def test_ingest_stage_writes_ftfy_fixed_text(tmp_path):
     """Through the ingest stage's shard worker, as ``python -m data_pipeline build`` runs it."""
     from data_pipeline.sources import RawRecord
-    from data_pipeline.stages import _ingest_shard
+    from data_pipeline.stages.ingest import IngestJob, ingest_shard
     from data_pipeline.store import iter_shard
 
     recs = [RawRecord(f"t:{i}", raw) for i, (raw, _) in enumerate(FTFY_CASES)]
-    _ingest_shard((str(tmp_path), 0, recs, 0, True, True, None, False))
+    ingest_shard(IngestJob(str(tmp_path), 0, recs, 0, ftfy=True, normalize_whitespace=True, split=None,
+                           count_words=False))
     assert [d["text"] for d in iter_shard(tmp_path, 0)] == [fixed for _, fixed in FTFY_CASES]
 
 

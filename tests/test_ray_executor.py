@@ -36,7 +36,7 @@ def test_band_shuffle_equals_band_pairs(tmp_path):
     sigs[rng.choice(n, 200, replace=False)] = sigs[rng.choice(n, 200)]  # plus exact copies
     nsh = rng.integers(0, 5, size=n)  # some documents without a signature (nsh == 0)
     for s in range(0, n, chunk):
-        f = dd._chunk_files(tmp_path, s)
+        f = dd.chunk_files(tmp_path, s)
         np.save(f["sig"], sigs[s:s + chunk])
         np.save(f["nsh"], nsh[s:s + chunk])
     want = dd.band_pairs(sigs, nsh > 0, bands, rows)

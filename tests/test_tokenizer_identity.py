@@ -28,11 +28,12 @@ def _swap_two_merges(path: Path) -> None:
 
 
 def test_swapped_tokenizer_of_same_size_is_refused(files):
-    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, TokenizerError, _sha256, load_tokenizer
+    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, TokenizerError, load_tokenizer
+    from megatron_ds_suite.core.tokenizer_base import sha256_file
 
     tok = GPT2BPETokenizer(files / "vocab.json", files / "merges.txt")
     spec = tok.spec()
-    assert spec["sha256"] == {"vocab_file": _sha256(files / "vocab.json"), "merges_file": _sha256(files / "merges.txt")}
+    assert spec["sha256"] == {"vocab_file": sha256_file(files / "vocab.json"), "merges_file": sha256_file(files / "merges.txt")}
     assert load_tokenizer(spec).encode("Hello world") == tok.encode("Hello world")
     _swap_two_merges(files / "merges.txt")
     other = GPT2BPETokenizer(files / "vocab.json", files / "merges.txt")
@@ -41,7 +42,7 @@ def test_swapped_tokenizer_of_same_size_is_refused(files):
         load_tokenizer(spec)
 
 
-def test_corpus_manifest_records_and_checks_sha256(files, tmp_path):
+def test_corpus_manifest_records_and_checkssha256_file(files, tmp_path):
     import numpy as np
 
     from megatron_ds_suite.core.corpus import CorpusError, load_corpus, write_manifest

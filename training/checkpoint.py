@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from training import safe_load
 from training.checkpoint_reader import (  # noqa: F401 - re-exported: callers import them from here
-    LATEST, _model_files, canonical_name, check_tag, checkpoint_dir, latest_tag, load_merged_state_dict,
+    LATEST, canonical_name, check_tag, checkpoint_dir, latest_tag, load_merged_state_dict,
     load_model_for_eval, read_client_state)
 from training.config import ConfigError
 from training.safe_load import CheckpointError

@@ -56,7 +56,8 @@ def canonical_name(pipe_name: str, num_layers: int) -> str | None:
     return None if prefix is None else prefix + rest
 
 
-def _model_files(run_dir: str | Path, tag: str | None) -> tuple[str, list[Path]]:
+def model_files(run_dir: str | Path, tag: str | None) -> tuple[str, list[Path]]:
+    """(tag, the ``mp_rank_*_model_states.pt`` files) of checkpoint ``tag`` (else the latest) of ``run_dir``."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"checkpoint directory {run_dir} does not exist")
@@ -72,14 +73,14 @@ def _model_files(run_dir: str | Path, tag: str | None) -> tuple[str, list[Path]]
 
 
 def read_client_state(run_dir: str | Path, tag: str | None = None) -> dict:
-    _, files = _model_files(run_dir, tag)
+    _, files = model_files(run_dir, tag)
     return safe_load.load(files[0])
 
 
 def load_merged_state_dict(run_dir: str | Path, tag: str | None = None) -> tuple[dict, Config, dict]:
     """TP shards merged into one TP=1 state dict (vocabulary padding kept), the run config and the
     checkpoint metadata (``padded_vocab_size``, ``tokenizer`` spec, ...)."""
-    tag, files = _model_files(run_dir, tag)
+    tag, files = model_files(run_dir, tag)
     meta = safe_load.load(files[0])
     tp, pp = meta["parallel"]["tp"], meta["parallel"]["pp"]
     if len(files) != tp * pp:

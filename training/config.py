@@ -369,11 +369,12 @@ def validate_static(cfg: Config) -> None:
 # --------------------------------------------------------------------------------------------------
 # Derived values
 # --------------------------------------------------------------------------------------------------
-def check_world(cfg: Config, world_size: int) -> int:
-    """Data-parallel size for ``world_size`` ranks; raises if the layout does not fit (``training.layout``)."""
-    from training.layout import derive_layout
-
-    return derive_layout(cfg, world_size).dp
+def grad_accumulation(global_batch: int, micro_batch: int, dp: int) -> int:
+    """Micro-batches per step on each DP rank; raises ConfigError when the global batch does not split."""
+    if global_batch % (micro_batch * dp):
+        raise ConfigError(f"train.global_batch_size={global_batch} is not divisible by micro_batch_size x "
+                          f"DP = {micro_batch} x {dp}: change one of them")
+    return global_batch // (micro_batch * dp)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -394,8 +395,6 @@ def resolve_dtype(cfg: Config, on_gpu: bool) -> str:
 
 def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
     """The DeepSpeed JSON, derived from the run config (saved as RUN_DIR/ds_config.json)."""
-    from training.layout import grad_accumulation
-
     t, pr = cfg.train, cfg.precision
     gas = grad_accumulation(t.global_batch_size, t.micro_batch_size, dp)
     ds: dict[str, Any] = {

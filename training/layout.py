@@ -7,12 +7,15 @@ recomputes the data-parallel size, the gradient accumulation or the padded vocab
     DP  = world / (TP x PP)
     gas = global_batch / (micro_batch x DP)       (micro-batches per step on each DP rank)
     padded vocabulary = the smallest multiple of make_vocab_size_divisible_by x TP >= vocab (Megatron)
+
+The two formulas (``grad_accumulation``, ``padded_vocab_size``) live in :mod:`training.config`, whose
+DeepSpeed JSON needs the first; this module builds on the config and the config never imports it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.config import Config, ConfigError, padded_vocab_size
+from training.config import Config, ConfigError, grad_accumulation, padded_vocab_size
 
 
 @dataclass(frozen=True)
@@ -32,14 +35,6 @@ class Layout:
         return self.grad_accumulation * self.dp
 
 
-def grad_accumulation(global_batch: int, micro_batch: int, dp: int) -> int:
-    """Micro-batches per step on each DP rank; raises ConfigError when the global batch does not split."""
-    if global_batch % (micro_batch * dp):
-        raise ConfigError(f"train.global_batch_size={global_batch} is not divisible by micro_batch_size x "
-                          f"DP = {micro_batch} x {dp}: change one of them")
-    return global_batch // (micro_batch * dp)
-
-
 def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -> Layout:
     """The layout of ``cfg`` on ``world_size`` ranks. ``vocab_size`` (else ``model.vocab_size``) gives the
     padded vocabulary; without either it is None. Raises ConfigError when the layout does not fit."""
@@ -55,3 +50,8 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp) if vocab else None
     return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, micro_batch_size=t.micro_batch_size,
                   global_batch_size=t.global_batch_size, grad_accumulation=gas, padded_vocab=padded)
+
+
+def check_world(cfg: Config, world_size: int) -> int:
+    """Data-parallel size for ``world_size`` ranks; raises ConfigError if the layout does not fit."""
+    return derive_layout(cfg, world_size).dp

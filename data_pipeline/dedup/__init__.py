@@ -16,12 +16,11 @@ import numpy as np
 
 from data_pipeline.dedup.hashing import (FINGERPRINT_VERSION, ShingleSpec, jaccard, shingle_fingerprints_batch,
                                          shingle_hashes, shingle_hashes_batch, shingle_set, shingle_sets_batch, units,
-                                         xxh64_short)
-from data_pipeline.dedup.hashing import _word_unit_hashes as _word_unit_hashes
+                                         word_unit_hashes, xxh64_short)
 from data_pipeline.dedup.lsh import (LshSpec, band_pairs, bucket_pairs, candidate_probability, candidates_in_memory,
                                      lsh_params, make_lsh)
-from data_pipeline.dedup.minhash import ShingleCache, Signer, compute_signatures, remove_stale_tmp, sign_chunk
-from data_pipeline.dedup.minhash import _chunk_files as _chunk_files
+from data_pipeline.dedup.minhash import (ShingleCache, Signer, chunk_files, compute_signatures, remove_stale_tmp,
+                                         sign_chunk)
 from data_pipeline.dedup.verify import (DedupResult, UnionFind, cluster, duplicate_rows, jaccard_sorted,
                                         verify_and_cluster, verify_block, verify_pairs)
 from data_pipeline.store import DocStore
@@ -50,8 +49,8 @@ def dedup_store(store: DocStore, sig_dir: Path, shingle: ShingleSpec, lsh: LshSp
 
 
 __all__ = ["FINGERPRINT_VERSION", "DedupResult", "LshSpec", "ShingleCache", "ShingleSpec", "Signer", "UnionFind",
-           "band_pairs", "bucket_pairs", "candidate_probability", "candidates_in_memory", "cluster",
+           "band_pairs", "bucket_pairs", "candidate_probability", "candidates_in_memory", "chunk_files", "cluster",
            "compute_signatures", "dedup_store", "duplicate_rows", "jaccard", "jaccard_sorted", "lsh_params",
            "make_lsh", "remove_stale_tmp", "shingle_fingerprints_batch", "shingle_hashes", "shingle_hashes_batch",
            "shingle_set", "shingle_sets_batch", "sign_chunk", "units", "verify_and_cluster", "verify_block",
-           "verify_pairs", "xxh64_short"]
+           "verify_pairs", "word_unit_hashes", "xxh64_short"]

@@ -31,9 +31,9 @@ FINGERPRINT_VERSION = 2
 _WORD = re.compile(r"\w+")
 _MASK64 = (1 << 64) - 1
 _U64 = np.uint64
-# odd multipliers, one per position in the n-gram (order matters: "a b" != "b a")
-_POS_MULT = np.array([(0x9E3779B97F4A7C15 * (2 * k + 1) + 0x632BE59BD9B4E019 * k) & _MASK64 | 1
-                      for k in range(64)], dtype=np.uint64)
+# odd multipliers, one per position in the n-gram (order matters: "a b" != "b a"); also mixes LSH band rows
+POS_MULT = np.array([(0x9E3779B97F4A7C15 * (2 * k + 1) + 0x632BE59BD9B4E019 * k) & _MASK64 | 1
+                     for k in range(64)], dtype=np.uint64)
 # xxh64 primes
 _P1, _P2, _P3, _P4, _P5 = (_U64(x) for x in (11400714785074694791, 14029467366897019727, 1609587929392839161,
                                               9650029242287828579, 2870177450012600261))
@@ -77,7 +77,8 @@ def jaccard(a: set[Any], b: set[Any]) -> float:
 
 
 # ------------------------------------------------------------------------------------ vectorised hashing
-def _fmix64(h: np.ndarray) -> np.ndarray:
+def fmix64(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 64-bit finaliser, element-wise on a uint64 array (mod 2^64)."""
     h = h ^ (h >> _U64(33))
     h = h * _U64(0xFF51AFD7ED558CCD)
     h = h ^ (h >> _U64(33))
@@ -85,7 +86,8 @@ def _fmix64(h: np.ndarray) -> np.ndarray:
     return h ^ (h >> _U64(33))
 
 
-def _fmix32(h: np.ndarray) -> np.ndarray:
+def fmix32(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finaliser, element-wise on a uint32 array (mod 2^32)."""
     h = h ^ (h >> np.uint32(16))
     h = h * np.uint32(0x85EBCA6B)
     h = h ^ (h >> np.uint32(13))
@@ -152,7 +154,7 @@ def xxh64_short(buf: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.nda
     return res
 
 
-def _word_unit_hashes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def word_unit_hashes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(xxh64 of every ``\\w+`` word of the lower-cased documents, in order: uint64[W]; words per
     document: int64[len(texts)]). Equal to ``[xxh64(w.encode()) for w in re.findall(r"\\w+", t.lower())]``.
 
@@ -182,7 +184,7 @@ def _word_unit_hashes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 def _char_unit_hashes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(``fmix64(code point + 1)`` of every character, in order; characters per document)."""
     cps = np.frombuffer("".join(texts).encode("utf-32-le"), dtype=np.uint32).astype(np.uint64)
-    return _fmix64(cps + _U64(1)), np.array([len(t) for t in texts], dtype=np.int64)
+    return fmix64(cps + _U64(1)), np.array([len(t) for t in texts], dtype=np.int64)
 
 
 def shingle_fingerprints_batch(texts: list[str], spec: ShingleSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -191,7 +193,7 @@ def shingle_fingerprints_batch(texts: list[str], spec: ShingleSpec) -> tuple[np.
 
     fingerprint = fmix64(n' + Σ_{k<n'} u[i+k]·P_k mod 2^64) with n' = n, or n' = the number of units
     for a document with 1..n-1 units (one shingle); no units → no shingle."""
-    uh, lens = (_word_unit_hashes if spec.unit == "word" else _char_unit_hashes)(texts)
+    uh, lens = (word_unit_hashes if spec.unit == "word" else _char_unit_hashes)(texts)
     n = spec.n
     offs = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
     m = np.where(lens >= n, lens - n + 1, np.minimum(lens, 1))  # shingles per document
@@ -201,11 +203,11 @@ def shingle_fingerprints_batch(texts: list[str], spec: ShingleSpec) -> tuple[np.
     h = width.astype(np.uint64)
     for k in range(n):
         if k == 0 or not short.any():
-            h += uh[first + k] * _POS_MULT[k]
+            h += uh[first + k] * POS_MULT[k]
         else:  # short documents' single shingle stops at their last unit
             take = width > k
-            h[take] += uh[first[take] + k] * _POS_MULT[k]
-    return _fmix64(h), m.astype(np.int64)
+            h[take] += uh[first[take] + k] * POS_MULT[k]
+    return fmix64(h), m.astype(np.int64)
 
 
 def shingle_sets_batch(texts: list[str], spec: ShingleSpec) -> tuple[np.ndarray, np.ndarray]:

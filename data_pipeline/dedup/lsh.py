@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from data_pipeline.dedup.hashing import _POS_MULT, _fmix64
+from data_pipeline.dedup.hashing import POS_MULT, fmix64
 
 if TYPE_CHECKING:  # datasketch (and the scipy it imports, ~0.3 s) is loaded only where it is used
     from datasketch import MinHashLSH
@@ -70,7 +70,7 @@ def _band_groups(band: np.ndarray) -> np.ndarray:
     mix of the rows, unless two different rows collide, then the exact ``np.unique`` inverse."""
     h = np.zeros(len(band), dtype=np.uint64)
     for c in range(band.shape[1]):
-        h = _fmix64((h + band[:, c].astype(np.uint64)) * _POS_MULT[c])
+        h = fmix64((h + band[:, c].astype(np.uint64)) * POS_MULT[c])
     order = np.argsort(h, kind="stable")
     hs = h[order]
     same = np.flatnonzero(hs[1:] == hs[:-1])

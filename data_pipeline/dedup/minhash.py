@@ -14,13 +14,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from data_pipeline.dedup.hashing import _U64, ShingleSpec, _fmix32, shingle_sets_batch
+from data_pipeline.dedup.hashing import ShingleSpec, fmix32, shingle_sets_batch
 from data_pipeline.store import DocStore, atomic_save_npy
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class Signer:
 
     def signature_of_hashes(self, hv: np.ndarray) -> np.ndarray:
         """Signature of one document from its 32-bit element hashes (repeats allowed)."""
-        sigs = self.sign_sets((hv.astype(np.uint64) << _U64(32)), np.array([0, len(hv)], dtype=np.int64))
+        sigs = self.sign_sets((hv.astype(np.uint64) << np.uint64(32)), np.array([0, len(hv)], dtype=np.int64))
         return sigs[0]
 
     def sign_sets(self, values: np.ndarray, offsets: np.ndarray, block_rows: int = 8192) -> np.ndarray:
@@ -64,7 +65,7 @@ class Signer:
         empty MinHash)."""
         n = len(offsets) - 1
         sigs = np.full((n, self.num_perm), 0xFFFFFFFF, dtype=np.uint32)
-        hv = _fmix32((values >> _U64(32)).astype(np.uint32))
+        hv = fmix32((values >> np.uint64(32)).astype(np.uint32))
         counts = np.diff(offsets)
         docs = np.flatnonzero(counts > 0)
         if not len(docs):
@@ -100,22 +101,38 @@ class Signer:
         return LeanMinHash(seed=self.seed, hashvalues=sig, scheme="affine32")
 
 
-def _chunk_files(out_dir: Path, start: int) -> dict[str, Path]:
+def chunk_files(out_dir: Path, start: int) -> dict[str, Path]:
+    """The files of the signature chunk starting at document ``start``: fingerprint sets (``set``), their
+    offsets (``seto``), shingles per document (``nsh``) and MinHash signatures (``sig``)."""
     return {k: out_dir / f"{k}-{start:012d}.npy" for k in ("set", "seto", "nsh", "sig")}
 
 
-def sign_chunk(args: tuple[str, int, int, str, int, int, int, str]) -> tuple[int, int]:
+@dataclass(frozen=True)
+class SignJob:
+    """What one signature worker does: documents [start, stop) of the store in ``store_dir`` -> the chunk's
+    files (:func:`chunk_files`) in ``out_dir``."""
+
+    store_dir: str
+    start: int
+    stop: int
+    out_dir: str
+    num_perm: int
+    seed: int
+    shingle: ShingleSpec
+
+
+def sign_chunk(job: SignJob) -> tuple[int, int]:
     """Worker: store positions [start, stop) → ``set-<start>.npy`` (sorted unique uint64 fingerprints of
     each document, concatenated), ``seto-<start>.npy`` (offsets, int64[n+1]), ``nsh-<start>.npy``
     (distinct shingles; 0 = no signature) and ``sig-<start>.npy`` (uint32[n, num_perm], written last:
     the chunk's completion marker). Returns (start, n)."""
-    store_dir, start, stop, out_dir, num_perm, seed, n, unit = args
-    signer = Signer(num_perm, seed, ShingleSpec(n, unit))
+    store_dir, start, stop, out_dir = job.store_dir, job.start, job.stop, job.out_dir
+    signer = Signer(job.num_perm, job.seed, job.shingle)
     store = DocStore(Path(store_dir))
     texts = [rec["text"] for rec in store.iter_range(start, stop)]
     values, offsets = shingle_sets_batch(texts, signer.spec)
     sigs = signer.sign_sets(values, offsets)
-    f = _chunk_files(Path(out_dir), start)
+    f = chunk_files(Path(out_dir), start)
     atomic_save_npy(f["set"], values)
     atomic_save_npy(f["seto"], offsets)
     atomic_save_npy(f["nsh"], np.diff(offsets))
@@ -149,12 +166,11 @@ def compute_signatures(store: DocStore, sig_dir: Path, num_perm: int, seed: int,
     remove_stale_tmp(sig_dir)
     n = len(store)
     starts = list(range(0, n, chunk_size))
-    todo = [s for s in starts if not _chunk_files(sig_dir, s)["sig"].exists()]
+    todo = [s for s in starts if not chunk_files(sig_dir, s)["sig"].exists()]
     if len(todo) < len(starts):
         log.info("signatures: reusing %d finished chunk(s), computing %d", len(starts) - len(todo), len(todo))
-    jobs = [(str(store.folder), s, min(n, s + chunk_size), str(sig_dir), num_perm, seed, spec.n, spec.unit)
-            for s in todo]
-    bar = tqdm(total=n, initial=n - sum(j[2] - j[1] for j in jobs), desc="dedup: minhash", unit="doc",
+    jobs = [SignJob(str(store.folder), s, min(n, s + chunk_size), str(sig_dir), num_perm, seed, spec) for s in todo]
+    bar = tqdm(total=n, initial=n - sum(j.stop - j.start for j in jobs), desc="dedup: minhash", unit="doc",
                disable=not progress)
     if workers > 1 and len(jobs) > 1:
         with get_context("fork").Pool(min(workers, len(jobs))) as pool:
@@ -168,7 +184,7 @@ def compute_signatures(store: DocStore, sig_dir: Path, num_perm: int, seed: int,
     nsh = np.empty(n, dtype=np.int64)
     for s in starts:
         e = min(n, s + chunk_size)
-        f = _chunk_files(sig_dir, s)
+        f = chunk_files(sig_dir, s)
         sigs[s:e] = np.load(f["sig"])
         nsh[s:e] = np.load(f["nsh"])
     return sigs, nsh
@@ -182,7 +198,7 @@ class ShingleCache:
     def __init__(self, sig_dir: Path, n: int, chunk_size: int) -> None:
         self.sig_dir, self.n, self.chunk_size = sig_dir, n, chunk_size
         self.starts = np.arange(0, n, chunk_size, dtype=np.int64)
-        self.offsets = [np.load(_chunk_files(sig_dir, int(s))["seto"]) for s in self.starts]
+        self.offsets = [np.load(chunk_files(sig_dir, int(s))["seto"]) for s in self.starts]
 
     def load(self, docs: Iterable[int]) -> dict[int, np.ndarray]:
         """{document position: its sorted unique fingerprint array} for the given positions."""
@@ -190,7 +206,7 @@ class ShingleCache:
         docs = np.unique(np.fromiter(docs, dtype=np.int64))
         chunk = docs // self.chunk_size
         for c in np.unique(chunk).tolist():
-            values = np.load(_chunk_files(self.sig_dir, int(self.starts[c]))["set"], mmap_mode="r")
+            values = np.load(chunk_files(self.sig_dir, int(self.starts[c]))["set"], mmap_mode="r")
             off = self.offsets[c]
             base = int(self.starts[c])
             for d in docs[chunk == c].tolist():

@@ -21,13 +21,12 @@ from data_pipeline.stages.bookkeeping import (STAGES, StageError, assemble_stats
                                               work_dir)
 from data_pipeline.stages.dedup import dedup_specs, run_dedup
 from data_pipeline.stages.export import document_row, run_export
-from data_pipeline.stages.filter import _filter_shard, run_filter, save_token_ids
-from data_pipeline.stages.ingest import _ingest_shard, run_ingest
+from data_pipeline.stages.filter import run_filter, save_token_ids
+from data_pipeline.stages.ingest import run_ingest
 from data_pipeline.stages.runner import RUNNERS, build, run_stage
 from data_pipeline.stages.tokenizer import load_stage_tokenizer, run_tokenizer
 
 __all__ = ["RUNNERS", "STAGES", "StageError", "assemble_stats", "begin_stage", "build", "dedup_specs",
            "digest", "document_row", "finish_stage", "fingerprint", "is_done", "load_stage_tokenizer",
            "progress_bar", "require_stage", "run_dedup", "run_export", "run_filter", "run_ingest", "run_stage",
-           "run_tokenizer", "save_token_ids", "stage_record", "summary_table", "work_dir",
-           "_filter_shard", "_ingest_shard"]
+           "run_tokenizer", "save_token_ids", "stage_record", "summary_table", "work_dir"]

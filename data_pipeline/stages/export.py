@@ -49,15 +49,31 @@ def _decontaminate(cfg: BuildConfig, store: DocStore, removed: set[int]) -> dict
     return found
 
 
-def _export_shard(args: tuple[str, str, int, np.ndarray, np.ndarray, dict[str, Any], bool, int, str]
-                  ) -> tuple[bytes, np.ndarray, np.ndarray, int]:
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExportJob:
+    """What one export worker does: the rows ``rows`` of filter shard ``shard`` (in ``folder``, texts in
+    ``text_folder``) less those marked in ``drop`` -> their document lines and, with ``gpt``, token ids."""
+
+    folder: str
+    text_folder: str
+    shard: int
+    rows: np.ndarray  # the shard's index rows
+    drop: np.ndarray  # bool per row: removed by dedup or decontamination
+    spec: dict[str, Any]  # the tokenizer spec (used only for a filter output without token files)
+    gpt: bool  # dataset.gpt: also the ids, EOD appended
+    eod: int
+    dtype: str  # numpy dtype string of the indexed dataset
+
+
+def _export_shard(job: ExportJob) -> tuple[bytes, np.ndarray, np.ndarray, int]:
     """Worker: filter shard ``k``'s documents not in ``drop`` (dedup's and decontamination's) → their
     ``documents.jsonl`` lines, and with ``gpt`` their ids with EOD appended, concatenated, and each one's
     size (the filter's ids: each document is tokenized once per build; tokenized here only for a filter
     output older than its token files). Returns (lines, ids, sizes, documents read)."""
-    from data_pipeline.stages.filter import _tokenizer, token_ids_of_shard
+    from data_pipeline.stages.filter import cached_tokenizer, token_ids_of_shard
 
-    folder_s, text_folder, k, rows, drop, spec, gpt, eod, dtype = args
+    folder_s, text_folder, k, rows, drop = job.folder, job.text_folder, job.shard, job.rows, job.drop
+    spec, gpt, eod, dtype = job.spec, job.gpt, job.eod, job.dtype
     folder = Path(folder_s)
     keep = ~drop
     lines, texts = [], []
@@ -73,7 +89,7 @@ def _export_shard(args: tuple[str, str, int, np.ndarray, np.ndarray, dict[str, A
         lens = np.diff(off)[keep]
         ids = flat[np.repeat(keep, np.diff(off))]
     else:
-        ids, lens = _tokenizer(spec).encode_flat(texts)
+        ids, lens = cached_tokenizer(spec).encode_flat(texts)
     # EOD after each document: inserted at each document's end
     return text, np.insert(ids.astype(dtype, copy=False), np.cumsum(lens), eod), lens + 1, len(keep)
 
@@ -103,8 +119,8 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     drop = np.zeros(len(store), dtype=bool)
     drop[np.fromiter(removed | set(contaminated), dtype=np.int64)] = True
     bounds = np.searchsorted(store.shard_of, [*store.shards, (store.shards[-1] + 1) if store.shards else 0])
-    jobs = [(str(store.folder), str(store.text_folder), k, store.table[bounds[n]:bounds[n + 1]],
-             drop[bounds[n]:bounds[n + 1]], tok_stats["spec"], cfg.dataset.gpt, tok.eod, np.dtype(dtype).str)
+    jobs = [ExportJob(str(store.folder), str(store.text_folder), k, store.table[bounds[n]:bounds[n + 1]],
+                      drop[bounds[n]:bounds[n + 1]], tok_stats["spec"], cfg.dataset.gpt, tok.eod, np.dtype(dtype).str)
             for n, k in enumerate(store.shards)]
     pool = get_context("fork").Pool(min(cfg.num_workers, len(jobs))) if cfg.num_workers > 1 and len(jobs) > 1 \
         else None

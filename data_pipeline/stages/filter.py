@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,8 @@ def token_ids_of_shard(folder: Path, k: int) -> tuple[np.ndarray, np.ndarray] | 
 _TOKENIZERS: dict[str, Any] = {}  # one per spec per worker process: its word cache lasts across shards
 
 
-def _tokenizer(spec: dict[str, Any]) -> Any:
+def cached_tokenizer(spec: dict[str, Any]) -> Any:
+    """The tokenizer of ``spec``, loaded once per worker process (the filter's and the export's workers)."""
     from megatron_ds_suite.core.tokenizer import load_tokenizer
 
     key = json.dumps(spec, sort_keys=True)  # the spec holds the files' sha256: new files, new tokenizer
@@ -53,16 +55,30 @@ def _tokenizer(spec: dict[str, Any]) -> Any:
     return _TOKENIZERS[key]
 
 
-def _filter_shard(args: tuple[str, str, int, dict[str, Any], int, bool, int]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class FilterJob:
+    """What one filter worker does: ingest shard ``shard`` of ``src`` -> filter shard ``shard`` of ``dst``."""
+
+    src: str
+    dst: str
+    shard: int
+    spec: dict[str, Any]  # the tokenizer spec (cached_tokenizer)
+    min_tokens: int  # length.min_tokens
+    count_eod: bool  # length.count_eod
+    batch: int  # dataset.tokenize_batch
+
+
+def filter_shard(job: FilterJob) -> dict[str, Any]:
     """Worker: ingest shard ``k`` → the filter's shard ``k``: the index rows of the documents kept (their text
     stays in the ingest shard file, which the filter store reads through ``_text_from.json``), their token ids
     (export writes them: each document is tokenized once), their exact-dedup keys and the too-short rows."""
-    src_s, dst_s, k, spec, min_tokens, count_eod, batch = args
+    src_s, dst_s, k, spec = job.src, job.dst, job.shard, job.spec
+    min_tokens, count_eod, batch = job.min_tokens, job.count_eod, job.batch
     from data_pipeline.dedup.exact import text_key
     from megatron_ds_suite.core.indexed_dataset import best_dtype
 
     src, dst = Path(src_s), Path(dst_s)
-    tok = _tokenizer(spec)
+    tok = cached_tokenizer(spec)
     table = np.load(src / f"{shard_name(k)}.idx.npy")  # (input index, byte offset, length) per ingested text
     index = WordIndex.load(src, k)
     words = getattr(tok, "word_cache", None)
@@ -109,21 +125,21 @@ def run_filter(cfg: BuildConfig) -> dict[str, Any]:
     dst = begin_stage(cfg, "filter")
     atomic_write_json(dst / TEXT_FROM, {"folder": str(src.resolve())})  # the kept texts stay where ingest wrote them
     todo = [k for k in done_shards(src) if k not in set(done_shards(dst))]
-    jobs = [(str(src), str(dst), k, spec, cfg.length.min_tokens, cfg.length.count_eod,
-             cfg.dataset.tokenize_batch) for k in todo]
+    jobs = [FilterJob(str(src), str(dst), k, spec, cfg.length.min_tokens, cfg.length.count_eod,
+                      cfg.dataset.tokenize_batch) for k in todo]
     bar = progress_bar(cfg, desc="filter: count tokens", unit="doc")
     if cfg.executor == "ray":
         from data_pipeline.ray_executor import ray_map
 
-        for info in ray_map(cfg, _filter_shard, jobs):
+        for info in ray_map(cfg, filter_shard, jobs):
             bar.update(info["in"])
     elif cfg.num_workers > 1 and len(jobs) > 1:
         with get_context("fork").Pool(min(cfg.num_workers, len(jobs))) as pool:
-            for info in pool.imap_unordered(_filter_shard, jobs):
+            for info in pool.imap_unordered(filter_shard, jobs):
                 bar.update(info["in"])
     else:
         for j in jobs:
-            bar.update(_filter_shard(j)["in"])
+            bar.update(filter_shard(j)["in"])
     bar.close()
     tot: Counter[str] = Counter()
     examples: list[Any] = []

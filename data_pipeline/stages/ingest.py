@@ -5,6 +5,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,25 @@ def word_counts_path(folder: Path, k: int) -> Path:
     return folder / f"{shard_name(k)}.words.json"
 
 
-def _ingest_shard(args: tuple[str, int, list[RawRecord], int, bool, bool, str | None, bool]) -> dict[str, Any]:
-    folder_s, k, records, first, use_ftfy, ws, split, count_words = args
+@dataclass(frozen=True)
+class IngestJob:
+    """What one ingest worker does: clean ``records`` (input indices from ``first``) into shard ``shard`` of
+    ``folder``."""
+
+    folder: str
+    shard: int
+    records: list[RawRecord]
+    first: int  # input index of records[0]
+    ftfy: bool  # clean.ftfy
+    normalize_whitespace: bool  # clean.normalize_whitespace
+    split: str | None  # the tokenizer's word split (index_split): cut the texts into words once; None: do not
+    count_words: bool  # write the shard's training-word counts (word_counts_path)
+
+
+def ingest_shard(job: IngestJob) -> dict[str, Any]:
+    """Worker: one input shard's records -> ingest shard ``k`` (cleaned documents, rejects, exact-dedup keys, word counts)."""
+    folder_s, k, records, first = job.folder, job.shard, job.records, job.first
+    use_ftfy, ws, split, count_words = job.ftfy, job.normalize_whitespace, job.split, job.count_words
     folder = Path(folder_s)
     writer = ShardWriter(folder, k)
     counts: Counter[str] = Counter()
@@ -121,19 +139,22 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
         while len(pending) > limit:
             bar.update(pending.pop(0).get()["read"])
 
+    def job(k: int, first: int, recs: list[RawRecord]) -> IngestJob:
+        return IngestJob(str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace, split,
+                         count_words and first < cfg.tokenizer.train_max_docs)
+
     if cfg.executor == "ray":  # one Ray task per shard; same shard function, same files
         from data_pipeline.ray_executor import ray_map
 
-        def ray_jobs() -> Iterator[tuple[str, int, list[RawRecord], int, bool, bool, str | None, bool]]:
+        def ray_jobs() -> Iterator[IngestJob]:
             for k, first, recs in _shards_of(iter_records(cfg, lazy=True), cfg.shard_size):
                 if k in done:
                     bar.update(len(recs))
                     continue
-                yield (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace, split,
-                       count_words and first < cfg.tokenizer.train_max_docs)
+                yield job(k, first, recs)
 
         try:
-            for info in ray_map(cfg, _ingest_shard, ray_jobs()):
+            for info in ray_map(cfg, ingest_shard, ray_jobs()):
                 bar.update(info["read"])
         finally:
             bar.close()
@@ -144,12 +165,10 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
             if k in done:
                 bar.update(len(recs))
                 continue
-            job = (str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace, split,
-                   count_words and first < cfg.tokenizer.train_max_docs)
             if pool is None:
-                bar.update(_ingest_shard(job)["read"])
+                bar.update(ingest_shard(job(k, first, recs))["read"])
             else:
-                pending.append(pool.apply_async(_ingest_shard, (job,)))
+                pending.append(pool.apply_async(ingest_shard, (job(k, first, recs),)))
                 drain(2 * workers)  # bounded: at most ~2 shards per worker in flight
         drain(0)
     finally:

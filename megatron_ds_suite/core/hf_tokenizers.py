@@ -12,7 +12,7 @@
   (no BOS/EOS post-processing); ``eod`` is ``eod_token`` from the spec or the first of
   ``<|endoftext|>``, ``</s>``, ``<eos>``, ``[SEP]`` in the vocabulary.
 
-Both follow :class:`megatron_ds_suite.core.tokenizer.Tokenizer` (``spec()`` / ``load_tokenizer``).
+Both follow :class:`megatron_ds_suite.core.tokenizer_base.Tokenizer` (``spec()`` / ``load_tokenizer``).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_ds_suite.core.tokenizer import BERT_SPECIAL_PIECES, Tokenizer, TokenizerError, _need_file
+from megatron_ds_suite.core.tokenizer_base import BERT_SPECIAL_PIECES, Tokenizer, TokenizerError, need_file
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 
@@ -63,7 +63,7 @@ class WordPieceTokenizer(_TokenizersBacked):
         from tokenizers import Tokenizer as RustTokenizer
         from tokenizers import decoders, models, normalizers, pre_tokenizers
 
-        self.vocab_file = _need_file(vocab_file, "WordPiece vocab.txt").resolve()
+        self.vocab_file = need_file(vocab_file, "WordPiece vocab.txt").resolve()
         self.lowercase = bool(lowercase)
         vocab: dict[str, int] = {}
         with open(self.vocab_file, encoding="utf-8") as f:
@@ -109,7 +109,7 @@ class HFTokenizer(_TokenizersBacked):
     def __init__(self, tokenizer_file: str | Path, eod_token: str | None = None) -> None:
         from tokenizers import Tokenizer as RustTokenizer
 
-        self.tokenizer_file = _need_file(tokenizer_file, "tokenizer.json").resolve()
+        self.tokenizer_file = need_file(tokenizer_file, "tokenizer.json").resolve()
         try:
             self._tok = RustTokenizer.from_file(str(self.tokenizer_file))
         except Exception as e:  # noqa: BLE001 - the Rust library raises plain Exception on bad JSON

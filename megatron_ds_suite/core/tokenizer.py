@@ -1,6 +1,7 @@
 """Tokenizers for corpus building, training and evaluation.
 
-Two families, one interface (:class:`Tokenizer`):
+Two families, one interface (:class:`~megatron_ds_suite.core.tokenizer_base.Tokenizer`; WordPiece and
+``tokenizer.json`` in :mod:`megatron_ds_suite.core.hf_tokenizers`):
 
 * :class:`GPT2BPETokenizer` -- OpenAI GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``, run by the
   Rust ``tokenizers`` library (byte-level pre-tokenizer with GPT-2's regex, *no* prefix space, byte-level
@@ -18,9 +19,6 @@ Every tokenizer describes itself with :meth:`Tokenizer.spec` (a JSON-able dict) 
 
 from __future__ import annotations
 
-import abc
-import hashlib
-import itertools
 import json
 import logging
 import os
@@ -28,108 +26,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_ds_suite.core.errors import SuiteError
+from megatron_ds_suite.core.hf_tokenizers import HFTokenizer, WordPieceTokenizer
 from megatron_ds_suite.core.spm_words import WordCachedEncoder
+from megatron_ds_suite.core.tokenizer_base import Tokenizer, TokenizerError, need_file, sha256_file
 from megatron_ds_suite.core.word_cache import WordCache, whitespace_split
 
 logger = logging.getLogger(__name__)
 
 GPT2_EOD_TOKEN = "<|endoftext|>"
 GPT_EOD_PIECE = "<|endoftext|>"
-BERT_SPECIAL_PIECES = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 WORD_START = "\u2581"  # '▁': SentencePiece's marker for "this piece starts a new word"
-
-
-class TokenizerError(SuiteError):
-    """Bad tokenizer files or spec (one line saying what is wrong)."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _need_file(path: str | Path, what: str) -> Path:
-    p = Path(path)
-    if not p.is_file():
-        raise TokenizerError(f"{what} {str(p)!r} does not exist or is not a file")
-    return p
-
-
-class Tokenizer(abc.ABC):
-    """Common interface.
-
-    ``vocab_size`` is the number of real ids (no Megatron padding: the model pads to a multiple of
-    ``make_vocab_size_divisible_by * TP`` itself).  ``eod`` separates documents in the GPT stream.
-    ``cls/sep/mask/pad/unk`` are BERT-style special ids, ``None`` when the vocabulary has none.
-    """
-
-    kind: str
-    cls: int | None = None
-    sep: int | None = None
-    mask: int | None = None
-    pad: int | None = None
-    unk: int | None = None
-
-    @property
-    @abc.abstractmethod
-    def vocab_size(self) -> int: ...
-
-    @property
-    @abc.abstractmethod
-    def eod(self) -> int: ...
-
-    @abc.abstractmethod
-    def encode(self, text: str) -> list[int]: ...
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Encode many texts at once (implementations use the library's native batch path)."""
-        return [self.encode(t) for t in texts]
-
-    def encode_flat(self, texts: Sequence[str]) -> tuple[Any, Any]:
-        """``(ids, lengths)``: the ids of all ``texts`` concatenated and the count per text (int64 numpy
-        arrays), for callers that store tokens in bulk (the corpus builder)."""
-        import numpy as np
-
-        out = self.encode_batch(texts)
-        lens = np.fromiter(map(len, out), dtype=np.int64, count=len(out))
-        return np.fromiter(itertools.chain.from_iterable(out), dtype=np.int64, count=int(lens.sum())), lens
-
-    @abc.abstractmethod
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        """Alias of :meth:`decode` (Megatron's name)."""
-        return self.decode(ids)
-
-    @abc.abstractmethod
-    def spec(self) -> dict[str, Any]:
-        """JSON-able description; ``load_tokenizer(spec, base_dir)`` rebuilds an identical tokenizer."""
-
-    def file_sha256(self) -> dict[str, str]:
-        """sha256 of each of the tokenizer's files, by spec key (computed once): what identifies the
-        tokenizer by content, so a replaced file with the same vocabulary size is still noticed."""
-        if self.__dict__.get("_sha256") is None:
-            self._sha256 = {k: _sha256(Path(getattr(self, k))) for k in ("vocab_file", "merges_file", "model_file")
-                            if getattr(self, k, None) is not None}
-        return dict(self._sha256)
-
-    def _check_ids(self, ids: Sequence[int]) -> list[int]:
-        out = [int(i) for i in ids]
-        n = self.vocab_size
-        for i in out:
-            if i < 0 or i >= n:
-                raise TokenizerError(
-                    f"token id {i} is outside the {self.kind} vocabulary [0, {n}) "
-                    "(padded-vocabulary ids from a model must be removed before decoding)"
-                )
-        return out
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eod={self.eod})"
 
 
 class GPT2BPETokenizer(Tokenizer):
@@ -145,8 +51,8 @@ class GPT2BPETokenizer(Tokenizer):
         from tokenizers import Tokenizer as _HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers
 
-        self.vocab_file = _need_file(vocab_file, "GPT-2 vocab file").resolve()
-        self.merges_file = _need_file(merges_file, "GPT-2 merges file").resolve()
+        self.vocab_file = need_file(vocab_file, "GPT-2 vocab file").resolve()
+        self.merges_file = need_file(merges_file, "GPT-2 merges file").resolve()
         try:
             with open(self.vocab_file, encoding="utf-8") as f:
                 vocab = json.load(f)
@@ -226,7 +132,7 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, model_file: str | Path) -> None:
         import sentencepiece as spm
 
-        self.model_file = _need_file(model_file, "SentencePiece model file").resolve()
+        self.model_file = need_file(model_file, "SentencePiece model file").resolve()
         sp = spm.SentencePieceProcessor()
         try:
             sp.Load(str(self.model_file))
@@ -358,8 +264,6 @@ def load_tokenizer(spec: dict[str, Any], base_dir: str | Path | None = None) -> 
     elif kind == SentencePieceTokenizer.kind:
         tok = SentencePieceTokenizer(path("model_file"))
     elif kind in ("wordpiece", "hf"):  # tokenizers users bring (megatron_ds_suite.core.hf_tokenizers)
-        from megatron_ds_suite.core.hf_tokenizers import HFTokenizer, WordPieceTokenizer
-
         tok = (WordPieceTokenizer(path("vocab_file"), bool(spec.get("lowercase", True))) if kind == "wordpiece"
                else HFTokenizer(path("tokenizer_file"), spec.get("eod_token")))
     else:
@@ -392,5 +296,5 @@ def tokenizer_file_digests(spec: dict[str, Any], base_dir: str | Path | None = N
             p = Path(v)
             if not p.is_absolute() and base_dir is not None:
                 p = Path(base_dir) / p
-            out[k] = _sha256(p)
+            out[k] = sha256_file(p)
     return out

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from megatron_ds_suite.core import atomic
-from megatron_ds_suite.core.tokenizer import (BERT_SPECIAL_PIECES, GPT_EOD_PIECE, SentencePieceTokenizer,
-                                              TokenizerError)
+from megatron_ds_suite.core.tokenizer import GPT_EOD_PIECE, SentencePieceTokenizer, TokenizerError
+from megatron_ds_suite.core.tokenizer_base import BERT_SPECIAL_PIECES
 
 logger = logging.getLogger(__name__)
 

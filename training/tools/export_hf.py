@@ -45,6 +45,7 @@ from training.parallel.sharding import resize_vocab_rows
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.program import prog as program
+from training.tools.hf_interop import gpt2_layer_names, require_transformers
 
 logger = logging.getLogger(__name__)
 
@@ -92,21 +93,6 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], num_layers: int, vocab_size: i
     return out
 
 
-def gpt2_layer_names(num_layers: int) -> list[tuple[str, str, bool]]:
-    """(our name, transformers' GPT-2 name, transposed?) for every tensor after the embeddings: the one
-    mapping export and :mod:`training.tools.import_hf` both use (HF ``Conv1D`` stores ``[in, out]``)."""
-    names = []
-    for i in range(num_layers):
-        a, h = f"layers.{i}.", f"transformer.h.{i}."
-        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
-            names += [(a + ours + p, h + theirs + p, False) for p in (".weight", ".bias")]
-        for ours, theirs in (("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"),
-                             ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            names += [(a + ours + ".weight", h + theirs + ".weight", True), (a + ours + ".bias", h + theirs + ".bias", False)]
-    names += [("final_ln" + p, "transformer.ln_f" + p, False) for p in (".weight", ".bias")]
-    return names
-
-
 def build_hf_model(sd: dict[str, torch.Tensor], model_cfg, vocab_size: int, eod: int | None):
     """A ``GPT2LMHeadModel`` holding our weights (strict load: every HF weight must be provided)."""
     from transformers import GPT2LMHeadModel
@@ -144,8 +130,6 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False, with_t
         raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
     if not Path(run_dir).is_dir():
         raise ExportError(f"checkpoint directory {run_dir} does not exist")
-    from training.tools.import_hf import require_transformers
-
     require_transformers()  # one line naming the `hf` extra when transformers is missing
     from megatron_ds_suite.core.tokenizer import load_tokenizer
     from training.checkpoint import load_merged_state_dict

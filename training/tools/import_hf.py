@@ -45,29 +45,16 @@ import torch
 
 from training.config import Config, ModelConfig, padded_vocab_size, validate_static
 from training.parallel.sharding import is_vocab_sized, resize_vocab_rows, shard_tagged
-from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.program import prog as program
 from megatron_ds_suite.core.program import stderr_is_terminal
+from training.tools.hf_interop import ImportHFError, gpt2_layer_names, require_transformers
 
 logger = logging.getLogger(__name__)
 
 TAG = "iter_0000000"
-HF_EXTRA = "pip install 'megatron-ds-suite[hf]' (or pip install transformers)"
 # transformers' activation names -> model.activation (both tanh approximations are the same function)
 ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new"}
-
-
-class ImportHFError(SuiteError):
-    """Bad import input (one line: what is wrong and how to fix it)."""
-
-
-def require_transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise ImportHFError(f"Hugging Face interop needs the `hf` extra: {HF_EXTRA}") from None
-    return transformers
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,8 +131,6 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], num_layers: int) -> dict[str
                             "imported (our GPT-2 ties them)")
     out = {"embedding.word_embeddings.weight": wte,
            "embedding.position_embeddings.weight": get("transformer.wpe.weight")}
-    from training.tools.export_hf import gpt2_layer_names
-
     for ours, theirs, transpose in gpt2_layer_names(num_layers):
         out[ours] = get(theirs).t().contiguous() if transpose else get(theirs)
     return out

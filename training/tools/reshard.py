@@ -36,12 +36,13 @@ from pathlib import Path
 
 import torch
 
-from training.checkpoint import _model_files, checkpoint_dir, load_merged_state_dict
+from training.checkpoint import checkpoint_dir, load_merged_state_dict
+from training.checkpoint_reader import model_files
 from training import safe_load
-from training.config import ConfigError, config_from_dict, validate_static
+from training.config import ConfigError, config_from_dict, grad_accumulation, validate_static
 from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_vocab_rows, shard_tagged
 from training.tools import reshard_optim
-from training.layout import grad_accumulation
+from training.tools.spawn import spawn_gloo
 from megatron_ds_suite.core.program import prog as program
 
 logger = logging.getLogger("training.tools.reshard")
@@ -51,7 +52,7 @@ def merge_optimizer_state(run_dir: Path, tag: str | None, meta: dict) -> dict[st
     """{parameter name: {"exp_avg", "exp_avg_sq", "step"}} at TP=1, or None if the checkpoint's
     optimizer state is not per model parameter (fp16 master copies, ZeRO partitions)."""
     names_key = "optimizer_param_names"
-    _, files = _model_files(run_dir, tag)
+    _, files = model_files(run_dir, tag)
     shards: dict[str, list] = {}
     for f in files:
         d = safe_load.load(f)
@@ -136,7 +137,7 @@ def _worker(rank, world, payload_path: str, out_dir: str):
 
 def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | None = None, dp: int = 1) -> Path:
     run_dir, out = Path(run_dir), Path(out)
-    tag = tag or _model_files(run_dir, tag)[0]
+    tag = tag or model_files(run_dir, tag)[0]
     weights, cfg, meta = load_merged_state_dict(run_dir, tag)
     cfg.parallel.tensor, cfg.parallel.pipeline = tp, pp
     cfg.run.dir = str(out)
@@ -163,7 +164,7 @@ def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | N
         if moments is None:
             logger.warning("optimizer state of %s is not per parameter: only weights, schedule and data position "
                            "are converted; Adam moments restart from zero", run_dir)
-    src = _model_files(run_dir, tag)[1][0]
+    src = model_files(run_dir, tag)[1][0]
     source_state = safe_load.load(src)
     payload_path = out / ".reshard_payload.pt"
     torch.save({"config": cfg.to_dict(), "weights": weights, "moments": moments, "engine_state": engine_state,
@@ -182,37 +183,11 @@ def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | N
 
 
 def _spawn(world: int, payload_path: str, out_dir: str) -> None:
-    _spawn_entry(_worker_entry, world, (payload_path, out_dir))
+    spawn_gloo(_worker_entry, world, (payload_path, out_dir))
 
 
 def _worker_entry(payload_path: str, out_dir: str) -> None:
     _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), payload_path, out_dir)
-
-
-def _spawn_entry(fn, world: int, args: tuple) -> None:
-    """Run ``fn(*args)`` in ``world`` spawned processes joined by a gloo process group."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_entry, args=(world, port, fn, args), nprocs=world, start_method="spawn")
-
-
-def _entry(rank, world, port, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from training.runtime.distributed import init_distributed
-
-    logging.basicConfig(level=logging.WARNING)
-    init_distributed("gloo")
-    try:
-        fn(*args)
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ import torch
 from training.checkpoint import checkpoint_dir
 from training.config import config_from_dict
 from training.parallel.sharding import merge_tagged
+from training.tools.spawn import spawn_gloo
 from megatron_ds_suite.core import atomic
 
 logger = logging.getLogger("training.tools.reshard")
@@ -145,13 +146,11 @@ def _step_tensor(step, device) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 def extract(run_dir: Path, tag: str, meta: dict, work_dir: Path) -> dict[str, dict]:
     """Full (TP-merged) fp32 masters and moments of checkpoint ``run_dir``/``tag``, by parameter name."""
-    from training.tools.reshard import _spawn_entry
-
     par = meta["parallel"]
     world = par["tp"] * par["pp"] * par["dp"]
     work_dir.mkdir(parents=True, exist_ok=True)
     try:
-        _spawn_entry(_extract_worker, world, (str(run_dir), tag, str(work_dir)))
+        spawn_gloo(_extract_worker, world, (str(run_dir), tag, str(work_dir)))
         shards = [torch.load(work_dir / f"tp_{r}_pp_{s}.pt", map_location="cpu", weights_only=True)
                   for r in range(par["tp"]) for s in range(par["pp"])]
     finally:
