@@ -166,3 +166,42 @@ def test_latest_and_run_files_are_world_readable(tmp_path):
     umask = os.umask(0o022)
     os.umask(umask)
     assert (tmp_path / "latest").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+@needs_data
+@pytest.mark.parametrize("damage", ["corpus_folder", "binary_latest", "missing_tp_shard", "no_run"])
+def test_evaluation_on_a_bad_checkpoint_folder_is_one_line(tmp_path, capsys, damage):
+    """``python -m evaluation`` given a folder that is not a complete training run: one line, exit 2."""
+    from evaluation.cli import main
+    from training.config import Config, ModelConfig, ParallelConfig, padded_vocab_size
+    from training.models.gpt2 import GPT2Model
+    from training.tools.import_hf import write_checkpoint
+
+    spec = {"kind": "gpt2_bpe", "vocab_file": str((GPT2 / "gpt2-vocab.json").resolve()),
+            "merges_file": str((GPT2 / "gpt2-merges.txt").resolve())}
+    model_cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=50257)
+    weights = {k: v[:50257] if k.endswith("word_embeddings.weight") else v
+               for k, v in GPT2Model(model_cfg, padded_vocab_size(50257, 128, 1)).state_dict().items()}
+    run = tmp_path / "run"
+    write_checkpoint(run, Config(model=model_cfg, parallel=ParallelConfig(tensor=2)), weights, spec, "test")
+    folder, expected = run, None
+    if damage == "corpus_folder":
+        folder = tmp_path / "corpus"
+        folder.mkdir()
+        (folder / "corpus.json").write_text("{}")
+        expected = "is a corpus folder (it holds corpus.json), not a training run"
+    elif damage == "binary_latest":
+        (run / "checkpoints" / "latest").write_bytes(b"\x80\x81\xfe\x00")
+        expected = "latest is not a text file naming a checkpoint"
+    elif damage == "missing_tp_shard":
+        next((run / "checkpoints").glob("*/mp_rank_01_model_states.pt")).unlink()
+        expected = "has 1 model file(s) but was saved with TP=2 PP=1 (2 files): a shard is missing"
+    else:
+        folder = tmp_path / "nothing"
+        expected = "checkpoint directory"
+    text = tmp_path / "t.txt"
+    text.write_text("one two three four five six seven\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["wikitext103", "--checkpoint", str(folder), "--data", str(text), "--no-progress"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("error: ") and expected in line, line

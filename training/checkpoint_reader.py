@@ -14,7 +14,7 @@ from pathlib import Path
 
 from training import safe_load
 from training.config import Config, ConfigError, config_from_dict
-from training.safe_load import CheckpointError
+from training.safe_load import CheckpointError, CheckpointMissing
 
 LATEST = "latest"
 
@@ -28,7 +28,11 @@ def latest_tag(run_dir: str | Path) -> str | None:
     f = checkpoint_dir(run_dir) / LATEST
     if not f.is_file():
         return None
-    tag = f.read_text().strip()
+    try:
+        tag = f.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{f} is not a text file naming a checkpoint (e.g. iter_0000020): write the newest "
+                              f"tag present in {f.parent} into it, or delete it to start afresh") from None
     check_tag(run_dir, tag, f"{f} names")
     return tag
 
@@ -60,15 +64,18 @@ def model_files(run_dir: str | Path, tag: str | None) -> tuple[str, list[Path]]:
     """(tag, the ``mp_rank_*_model_states.pt`` files) of checkpoint ``tag`` (else the latest) of ``run_dir``."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {run_dir} does not exist")
+        raise CheckpointMissing(f"checkpoint directory {run_dir} does not exist")
     if tag is not None:
         check_tag(run_dir, tag, "--tag")
     tag = tag or latest_tag(run_dir)
     if tag is None:
-        raise FileNotFoundError(f"{run_dir} has no checkpoints/latest: train with run.dir={run_dir} first")
+        if (run_dir / "corpus.json").is_file():
+            raise CheckpointMissing(f"{run_dir} is a corpus folder (it holds corpus.json), not a training run: pass the "
+                                    f"run directory a training wrote (run.dir), which holds checkpoints/latest")
+        raise CheckpointMissing(f"{run_dir} has no checkpoints/latest: train with run.dir={run_dir} first")
     files = sorted((checkpoint_dir(run_dir) / tag).glob("mp_rank_*_model_states.pt"))
     if not files:
-        raise FileNotFoundError(f"{checkpoint_dir(run_dir) / tag} holds no mp_rank_*_model_states.pt files")
+        raise CheckpointMissing(f"{checkpoint_dir(run_dir) / tag} holds no mp_rank_*_model_states.pt files")
     return tag, files
 
 
@@ -84,7 +91,8 @@ def load_merged_state_dict(run_dir: str | Path, tag: str | None = None) -> tuple
     meta = safe_load.load(files[0])
     tp, pp = meta["parallel"]["tp"], meta["parallel"]["pp"]
     if len(files) != tp * pp:
-        raise FileNotFoundError(f"checkpoint {tag} has {len(files)} model files but was saved with TP={tp} PP={pp}")
+        raise CheckpointMissing(f"checkpoint {tag} of {run_dir} has {len(files)} model file(s) but was saved with "
+                                f"TP={tp} PP={pp} ({tp * pp} files): a shard is missing; copy the whole tag folder")
     if pp == 1:
         shard_dicts = [safe_load.load(f)["module"] for f in files]
     else:  # pipeline layout: layer_XX-model_YY-model_states.pt, one file per (layer, TP rank)

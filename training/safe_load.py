@@ -29,6 +29,12 @@ class CheckpointError(ConfigError):
     label = "checkpoint error"
 
 
+class CheckpointMissing(CheckpointError, FileNotFoundError):
+    """A run directory, ``checkpoints/latest``, tag folder or model shard that is not there. Also a
+    FileNotFoundError, so callers that put a missing file into their own line (``train.init_from=...: ...``)
+    keep doing so; everywhere else it is one ``checkpoint error:`` line."""
+
+
 def _numpy_array_types() -> list:
     """What a pickled numpy array needs (checkpoints written before the RNG state was stored as a list
     hold numpy's uint32 key array): reconstruct-an-empty-array, the array and dtype classes. torch
