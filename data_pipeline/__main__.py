@@ -85,12 +85,13 @@ def _overlap(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from data_pipeline.overlap import OverlapError, overlap_report, parse_against
+    from megatron_ds_suite.core.program import stderr_is_terminal
 
     try:
         if args.n < 1:
             raise OverlapError(f"--n must be >= 1, got {args.n}")
         rep = overlap_report(Path(args.corpus), parse_against(args.against), args.n,
-                             args.workers or os.cpu_count() or 1, progress=True)
+                             args.workers or os.cpu_count() or 1, progress=stderr_is_terminal())
     except OverlapError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

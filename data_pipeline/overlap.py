@@ -28,6 +28,7 @@ import numpy as np
 
 from data_pipeline.dedup.hashing import ShingleSpec, shingle_fingerprints_batch
 from megatron_ds_suite.core.errors import SuiteError
+from megatron_ds_suite.core.textfile import read_utf8
 
 _WORD = re.compile(r"\w+")
 
@@ -49,7 +50,7 @@ def read_eval_texts(path: Path) -> list[str]:
     ``.tokens``, plain text) → one text per non-blank line."""
     if not path.is_file():
         raise OverlapError(f"evaluation file {str(path)!r} not found: pass NAME=FILE with an existing file")
-    raw = path.read_text(encoding="utf-8")
+    raw = read_utf8(path, "evaluation file", OverlapError)
     if path.name.endswith((".jsonl", ".json")):
         out = []
         for k, line in enumerate(raw.splitlines(), 1):
@@ -110,10 +111,16 @@ def iter_corpus_texts(corpus: Path, text_field: str = "text") -> Iterator[str]:
     if not files:
         raise OverlapError(f"no documents.jsonl or *.jsonl under {corpus}")
     for f in files:
-        with open(f, encoding="utf-8") as fh:
-            for line in fh:
-                if line.strip():
-                    yield json.loads(line)[text_field]
+        with open(f, "rb") as fh:
+            for k, raw in enumerate(fh, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    text = json.loads(raw.decode("utf-8"))[text_field]
+                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError):
+                    raise OverlapError(f"{f}:{k}: not a UTF-8 JSON object with a {text_field!r} field: pass a built "
+                                       "corpus folder (documents.jsonl) or jsonl files of documents") from None
+                yield str(text)
 
 
 _SETS: list[np.ndarray] = []  # the evaluation sets' grams, inherited by forked workers

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from evaluation.errors import EvalError
+from megatron_ds_suite.core.textfile import read_utf8
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +262,7 @@ def read_prompts(path: str | Path) -> list[str]:
     p = Path(path)
     if not p.is_file():
         raise EvalError(f"--prompts {p} does not exist")
-    lines = p.read_text(encoding="utf-8").splitlines()
+    lines = read_utf8(p, "--prompts", EvalError).splitlines()
     if p.suffix != ".jsonl":
         prompts = [line for line in lines if line.strip()]
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 
 
 def _run(module: str, func: str = "main", prepare: bool = True) -> None:
@@ -73,7 +74,8 @@ def configs(argv: list[str] | None = None) -> None:
     s.add_argument("name")
     c = sub.add_parser("copy", help="copy one to edit it")
     c.add_argument("name")
-    c.add_argument("dest")
+    c.add_argument("dest", help="file to write, or an existing folder (the config keeps its name there)")
+    c.add_argument("--force", action="store_true", help="replace DEST if it exists (an edited copy is lost)")
     args = p.parse_args(argv)
     if args.cmd == "list":
         print("\n".join(list_configs()))
@@ -85,6 +87,18 @@ def configs(argv: list[str] | None = None) -> None:
     if args.cmd == "show":
         sys.stdout.write(path.read_text())
     else:
-        shutil.copyfile(path, args.dest)
-        print(f"wrote {args.dest}")
+        dest = Path(args.dest)
+        if dest.is_dir():
+            dest = dest / path.name
+        if dest.exists() and not args.force:
+            print(f"error: {dest} exists (perhaps a copy you edited): choose another name, or pass --force to replace "
+                  f"it", file=sys.stderr)
+            sys.exit(2)
+        if not dest.parent.is_dir():
+            print(f"error: the folder {dest.parent} does not exist: create it first", file=sys.stderr)
+            sys.exit(2)
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.copyfile(path, tmp)
+        tmp.replace(dest)  # whole or not at all
+        print(f"wrote {dest}")
     sys.exit(0)

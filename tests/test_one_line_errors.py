@@ -205,3 +205,36 @@ def test_evaluation_on_a_bad_checkpoint_folder_is_one_line(tmp_path, capsys, dam
     assert main(["wikitext103", "--checkpoint", str(folder), "--data", str(text), "--no-progress"]) == 2
     line = _one_line(capsys.readouterr().err)
     assert line.startswith("error: ") and expected in line, line
+
+
+BINARY = bytes(range(256)) * 4  # not UTF-8 (0x80 cannot start a character)
+
+
+@pytest.mark.parametrize("which", ["eval_set", "corpus", "corpus_not_json"])
+def test_overlap_on_binary_input_is_one_line(tmp_path, capsys, which):
+    from data_pipeline.__main__ import main
+
+    corpus, eval_set = tmp_path / "docs.jsonl", tmp_path / "set.tokens"
+    corpus.write_text(json.dumps({"text": "a b c d e f g h i j"}) + "\n", encoding="utf-8")
+    eval_set.write_text("a b c d e f g h i j\n", encoding="utf-8")
+    expected = {"eval_set": "evaluation file", "corpus": "docs.jsonl:2: not a UTF-8 JSON object",
+                "corpus_not_json": "docs.jsonl:2: not a UTF-8 JSON object"}[which]
+    if which == "eval_set":
+        eval_set.write_bytes(BINARY)
+    else:
+        with corpus.open("ab") as f:
+            f.write(BINARY[128:200] + b"\n" if which == "corpus" else b"[1, 2]\n")
+    capsys.readouterr()
+    assert main(["overlap", "--corpus", str(corpus), "--against", f"x={eval_set}", "--workers", "1"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("error: ") and expected in line, line
+
+
+def test_generate_on_a_binary_prompts_file_is_one_line(tmp_path, capsys):
+    from evaluation.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(BINARY)
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompts", str(prompts), "--no-progress"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("error: --prompts") and "is not UTF-8 text (invalid start byte at byte 128)" in line, line

@@ -66,6 +66,23 @@ def test_configs_command(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         configs(["copy", "race", str(tmp_path / "race.yaml")])
     assert (tmp_path / "race.yaml").read_text() == (ROOT / "configs" / "race.yaml").read_text()
+    # an existing (perhaps edited) copy is kept unless --force; a folder takes the config's own name
+    (tmp_path / "race.yaml").write_text("# my edits\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        configs(["copy", "race", str(tmp_path / "race.yaml")])
+    assert e.value.code == 2 and (tmp_path / "race.yaml").read_text() == "# my edits\n"
+    assert capsys.readouterr().err.strip().endswith("pass --force to replace it")
+    with pytest.raises(SystemExit) as e:
+        configs(["copy", "race", str(tmp_path / "race.yaml"), "--force"])
+    assert e.value.code == 0 and (tmp_path / "race.yaml").read_text() == (ROOT / "configs" / "race.yaml").read_text()
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(SystemExit) as e:
+        configs(["copy", "gpt2_tiny", str(tmp_path / "mine")])
+    assert e.value.code == 0 and (tmp_path / "mine" / "gpt2_tiny.yaml").is_file()
+    with pytest.raises(SystemExit) as e:
+        configs(["copy", "gpt2_tiny", str(tmp_path / "no" / "such" / "x.yaml")])
+    assert e.value.code == 2 and "does not exist: create it first" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         configs(["show", "nope"])
     assert e.value.code == 2 and "megatron-ds-configs list" in capsys.readouterr().err
