@@ -249,6 +249,25 @@ def test_config_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "input not found" in r.stderr
 
 
+
+@pytest.mark.parametrize("overrides,message", [
+    (["dataset.gpt_prefix=../x"], "dataset.gpt_prefix must be a file name inside output_dir (no '/', '\\' or '..'), "
+                                  "got '../x'"),
+    (["dataset.bert_prefix=/tmp/abs"], "dataset.bert_prefix must be a file name inside output_dir (no '/', '\\' or "
+                                       "'..'), got '/tmp/abs'"),
+    (["dataset.gpt_prefix=.."], "dataset.gpt_prefix must be a file name inside output_dir (no '/', '\\' or '..'), "
+                                "got '..'"),
+    (["dataset.bert=true", "tokenizer.flavor=bert", "dataset.bert_prefix=gpt_text_document"],
+     "dataset.gpt_prefix and dataset.bert_prefix are both 'gpt_text_document': the two datasets would overwrite each "
+     "other; give them different names"),
+])
+def test_dataset_prefixes_stay_inside_the_output_folder(tmp_path, overrides, message):
+    """``gpt_prefix=../x`` wrote the dataset outside output_dir (issue 30 item 8): refused in one line."""
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"sources": [{"type": "default"}], "output_dir": str(tmp_path / "out")}, overrides=overrides)
+    assert str(e.value) == message
+    assert config_from_dict({"sources": [{"type": "default"}]}, overrides=["dataset.gpt_prefix=my_corpus"])
+
 def test_sentence_splitter():
     s = split_sentences('Mr. Smith went to Washington. He said "Hello!" Then he left, e.g. at 5 p.m. today.'
                         "\n\nNew paragraph without end")
