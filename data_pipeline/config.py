@@ -221,6 +221,14 @@ def _validate(cfg: BuildConfig) -> None:
         raise ConfigError("length.min_tokens >= 0, clean.max_doc_bytes >= 1 and shard_size >= 1 are required")
     if not (cfg.dataset.gpt or cfg.dataset.bert):
         raise ConfigError("dataset.gpt and dataset.bert are both false: enable at least one")
+    for key in ("gpt_prefix", "bert_prefix"):  # the .bin/.idx are written as output_dir/<prefix>.{bin,idx}
+        name = getattr(cfg.dataset, key)
+        if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise ConfigError(f"dataset.{key} must be a file name inside output_dir (no '/', '\\' or '..'), "
+                              f"got {name!r}")
+    if cfg.dataset.gpt and cfg.dataset.bert and cfg.dataset.gpt_prefix == cfg.dataset.bert_prefix:
+        raise ConfigError(f"dataset.gpt_prefix and dataset.bert_prefix are both {cfg.dataset.gpt_prefix!r}: the "
+                          f"two datasets would overwrite each other; give them different names")
     dc = cfg.decontaminate
     if dc.ngram < 1:
         raise ConfigError(f"decontaminate.ngram must be >= 1, got {dc.ngram}")

@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 REJECT_REASONS = ("bad_json", "missing_field", "non_string_field", "invalid_utf8", "too_large",
                   "unreadable_file", "empty")
 
+#: A jsonl record nested deeper than this is rejected as ``bad_json``: far beyond any real document's
+#: metadata, well inside the interpreter's recursion limit, so whether a line parses never depends on
+#: the stack it is parsed on, and nothing downstream (ids in documents.jsonl, pickling to workers) recurses
+#: without bound.
+MAX_JSON_DEPTH = 100
+
 _EXTS = {
     "jsonl": (".jsonl", ".json", ".ndjson"),
     "text": (".txt", ".text", ".md"),
@@ -147,16 +153,38 @@ def _check_text(src: str, text: Any, field: str, max_bytes: int) -> RawRecord:
     return RawRecord(src, text)
 
 
+def nested_deeper_than(obj: Any, limit: int, text: str = "") -> bool:
+    """Whether parsed JSON ``obj`` nests lists/objects more than ``limit`` deep (without recursion). ``text``,
+    the line it came from, skips the walk when it holds too few brackets to nest that deep."""
+    if text and text.count("[") + text.count("{") <= limit:
+        return False
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
 def parse_jsonl_line(sid: str, line: bytes, text_field: str, id_field: str | None, max_bytes: int) -> RawRecord:
     """One non-blank jsonl line (at most ``max_bytes``) → its record, or a rejected one with the reason."""
     try:
         s = line.decode("utf-8")
     except UnicodeDecodeError as e:
         return RawRecord(sid, None, "invalid_utf8", f"{e.reason} at byte {e.start}: " + _snippet(line))
+    obj, too_deep = None, False
     try:
         obj = json.loads(s)
     except json.JSONDecodeError as e:
         return RawRecord(sid, None, "bad_json", f"{e.msg} (col {e.colno}): " + _snippet(s))
+    except RecursionError:  # nested deeper than the interpreter's stack: 2 KB of brackets suffice
+        too_deep = True
+    if too_deep or nested_deeper_than(obj, MAX_JSON_DEPTH, s):
+        return RawRecord(sid, None, "bad_json", f"nested deeper than {MAX_JSON_DEPTH} levels: " + _snippet(s))
     if not isinstance(obj, dict):
         return RawRecord(sid, None, "bad_json", f"not a JSON object ({type(obj).__name__}): " + _snippet(s))
     rec = _check_text(sid, obj.get(text_field), text_field, max_bytes)

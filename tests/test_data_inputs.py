@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,45 @@ def test_bad_inputs_counted_and_reconciled(tmp_path, gpt2_cfg):
     assert dup[0]["removed"][0]["jaccard"] == 1.0
     assert sorted((out).glob("*.tmp*")) == []
 
+
+
+def test_deeply_nested_json_is_a_counted_reject_not_a_stopped_build(tmp_path):
+    """One 2 KB line nested 1,000 deep raised RecursionError in the ingest worker and stopped every build
+    (issue 30 item 4): it is a ``bad_json`` reject, counted and reported, like any malformed line."""
+    from data_pipeline.sources import MAX_JSON_DEPTH
+
+    if not (GPT2 / "gpt2-vocab.json").exists() or not (DATA / "corpus" / "botchan.txt").exists():
+        pytest.skip(f"shared data not found at {DATA}")
+    good = _paragraphs(4)
+    nest = lambda n: "[" * n + "]" * n  # noqa: E731
+    lines = [json.dumps({"text": good[0]}),
+             '{"text": ' + nest(1000) + "}",  # 2 KB: deeper than the interpreter's stack
+             "[" * 9000,  # unterminated, deeper still
+             json.dumps({"text": good[1]})[:-1] + ', "meta": ' + nest(MAX_JSON_DEPTH + 50) + "}",  # parseable, too deep
+             json.dumps({"text": good[2]})[:-1] + ', "meta": ' + nest(MAX_JSON_DEPTH - 1) + "}",  # deep but allowed
+             json.dumps({"text": good[3]})]
+    inp = tmp_path / "in"
+    inp.mkdir()
+    (inp / "a.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    config = tmp_path / "build.yaml"  # JSON is YAML
+    config.write_text(json.dumps({
+        "output_dir": str(tmp_path / "out"), "sources": [{"type": "jsonl", "path": str(inp)}], "workers": 2,
+        "progress": False, "tokenizer": {"type": "gpt2", "vocab_file": str(GPT2 / "gpt2-vocab.json"),
+                                         "merges_file": str(GPT2 / "gpt2-merges.txt")}}), encoding="utf-8")
+    for attempt in ("build", "rerun"):
+        r = subprocess.run([sys.executable, "-m", "data_pipeline", "build", "--config", str(config)],
+                           capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (attempt, r.stderr[-3000:])
+        assert re.search(r"malformed: bad_json +3\n", r.stdout) and re.search(r"kept +3\n", r.stdout), r.stdout
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["malformed_by_reason"]["bad_json"] == 3 and stats["documents"]["kept"] == 3
+    assert stats["documents"]["read"] == 6 and stats["documents"]["reconciles"]
+    rejects = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert [(x["src"].rsplit(":", 1)[1], x["reason"]) for x in rejects] == [("2", "bad_json"), ("3", "bad_json"),
+                                                                          ("4", "bad_json")]
+    assert all(x["detail"].startswith(f"nested deeper than {MAX_JSON_DEPTH} levels") for x in rejects)
+    kept = [json.loads(x)["text"] for x in (tmp_path / "out" / "documents.jsonl").read_text().splitlines()]
+    assert kept == [good[0], good[2], good[3]]
 
 class _OpenAIEncoder:
     """Independent reference: OpenAI's GPT-2 ``encoder.py`` BPE (byte->unicode map, regex, merge ranks)."""
@@ -208,6 +248,25 @@ def test_config_errors_are_one_line(tmp_path):
                         "sources.0.type=jsonl"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "input not found" in r.stderr
 
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["dataset.gpt_prefix=../x"], "dataset.gpt_prefix must be a file name inside output_dir (no '/', '\\' or '..'), "
+                                  "got '../x'"),
+    (["dataset.bert_prefix=/tmp/abs"], "dataset.bert_prefix must be a file name inside output_dir (no '/', '\\' or "
+                                       "'..'), got '/tmp/abs'"),
+    (["dataset.gpt_prefix=.."], "dataset.gpt_prefix must be a file name inside output_dir (no '/', '\\' or '..'), "
+                                "got '..'"),
+    (["dataset.bert=true", "tokenizer.flavor=bert", "dataset.bert_prefix=gpt_text_document"],
+     "dataset.gpt_prefix and dataset.bert_prefix are both 'gpt_text_document': the two datasets would overwrite each "
+     "other; give them different names"),
+])
+def test_dataset_prefixes_stay_inside_the_output_folder(tmp_path, overrides, message):
+    """``gpt_prefix=../x`` wrote the dataset outside output_dir (issue 30 item 8): refused in one line."""
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"sources": [{"type": "default"}], "output_dir": str(tmp_path / "out")}, overrides=overrides)
+    assert str(e.value) == message
+    assert config_from_dict({"sources": [{"type": "default"}]}, overrides=["dataset.gpt_prefix=my_corpus"])
 
 def test_sentence_splitter():
     s = split_sentences('Mr. Smith went to Washington. He said "Hello!" Then he left, e.g. at 5 p.m. today.'

@@ -53,7 +53,7 @@ def exceptions() -> dict[str, type[BaseException]]:
 
 def test_discovery_finds_the_known_classes(exceptions):
     for name in ("megatron_ds_suite.core.errors.ConfigError", "evaluation.errors.EvalError",
-                 "training.safe_load.CheckpointError", "megatron_ds_suite.core.tokenizer.TokenizerError",
+                 "training.safe_load.CheckpointError", "megatron_ds_suite.core.tokenizer_base.TokenizerError",
                  *NOT_INPUT_ERRORS, *PENDING):
         assert name in exceptions, f"{name} no longer exists: update this test"
 

@@ -105,11 +105,17 @@ def test_bad_input_is_reported_and_skipped(tmp_path):
     bad2["answers"] = ["E"] + obj["answers"][1:]
     (d / "answer_e.txt").write_text(json.dumps(bad2))
     (d / "no_answers.txt").write_text(json.dumps({k: v for k, v in obj.items() if k != "answers"}))
+    (d / "emptied.txt").write_text("")  # its article is lost: counted, not "skipped 0" (issue 30 item 8)
+    (d / "blank.txt").write_text("\n  \n")
+    (d / "deep.txt").write_text("[" * 5000)  # nested past Python's stack: a skipped file, not a RecursionError
     qs, rep = read_race_split(tmp_path / "RACE", "test")
     assert len(qs) == n_good + (n_good - 1)
-    assert rep.skipped == 1 + n_good + 1 + n_good  # an article without answers loses all its questions (issue 14)
+    # an article without answers loses all its questions (issue 14); each empty or too deep file counts one
+    assert rep.skipped == 1 + n_good + 1 + n_good + 3
     msgs = "\n".join(rep.problems)
     assert "broken.txt" in msgs and "invalid JSON" in msgs
+    assert f"{d / 'emptied.txt'}: empty file (no article)" in msgs and f"{d / 'blank.txt'}: empty file" in msgs
+    assert f"{d / 'deep.txt'}:1: invalid JSON (nested too deep)" in msgs
     assert "three.txt" in msgs and "answer_e.txt" in msgs and "'E'" in msgs
     with pytest.raises(RaceDataError, match="no \\*.txt"):
         read_race_dir(tmp_path / "RACE" / "test" / "high")

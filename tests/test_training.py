@@ -194,6 +194,10 @@ def _cli(*args, env_extra=None, timeout=120):
     ("parallel.tensor=2", {"WORLD_SIZE": "3"}, "world size 3 is not divisible by TP x PP = 2 x 1"),
     ("precision.dtype=fp8", {}, "precision.dtype: 'fp8' is not one of"),
     ("deepspeed.train_batch_size=16", {}, "deepspeed.train_batch_size is derived from train.global_batch_size"),
+    # a negative interval saved/validated at every step (`it % -1 == 0`; issue 30 item 8)
+    ("train.save_interval=-1", {}, "train.save_interval must be >= 0 (0 = save only at the end), got -1"),
+    ("train.eval_interval=-5", {}, "train.eval_interval must be >= 0 (0 = validate only at the end), got -5"),
+    ("train.keep_last=0", {}, "train.keep_last must be >= 1 (the newest checkpoint is always kept), got 0"),
 ])
 def test_bad_config_fails_with_one_clear_line(override, env, message):
     res = _cli("--config", "configs/gpt2_tiny.yaml", override, env_extra=env)

@@ -35,7 +35,11 @@ def setup_rank_logging() -> int:
 
 def report_error(error: SuiteError, rank: int = 0) -> int:
     """Print a :class:`SuiteError` as its one line (``config error: ...``, ``checkpoint error: ...``) on
-    stderr, from rank 0 only (every rank checks the same config; one says it); returns the exit code 2."""
+    stderr, from rank 0 only (every rank checks the same config; one says it); returns the exit code 2.
+    An error marked ``agreed`` (every rank raised rank 0's, training.runtime.distributed.rank0_first) is
+    printed by rank 0 alone whatever ``rank`` says."""
+    if getattr(error, "agreed", False):
+        return 2
     if rank == 0:
         print(error.one_line(), file=sys.stderr)
     return 2

@@ -134,6 +134,7 @@ class TrainConfig(Freezable):
     iters: int = 20
     seed: int = 1234
     log_interval: int = 1
+    """A step line every N iterations (and the last; 0 = none). Negative intervals are refused."""
     eval_interval: int = 0
     """Validation every N iterations (0 = only at the end)."""
     eval_iters: int = 2
@@ -311,6 +312,12 @@ def validate_static(cfg: Config) -> None:
             raise ConfigError(f"{name} must be >= 1, got {v}")
     if t.iters < 0:
         raise ConfigError(f"train.iters must be >= 0, got {t.iters}")
+    for name, zero in (("save_interval", "save only at the end"), ("eval_interval", "validate only at the end"),
+                       ("log_interval", "log no step lines"), ("eval_iters", "no validation batches")):
+        if getattr(t, name) < 0:  # `it % -1 == 0`: a negative interval would save/validate/log at every step
+            raise ConfigError(f"train.{name} must be >= 0 (0 = {zero}), got {getattr(t, name)}")
+    if t.keep_last < 1:
+        raise ConfigError(f"train.keep_last must be >= 1 (the newest checkpoint is always kept), got {t.keep_last}")
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
                           f"model.num_attention_heads={m.num_attention_heads}")

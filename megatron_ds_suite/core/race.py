@@ -14,9 +14,9 @@ Encoding of one question (evaluation.md §4.2), for each of its 4 options:
   tokens. Quirk kept from Megatron: token types of padding are the **pad id**.
 
 A sample is ``{"text", "types", "padding_mask"}: int64 [4, max_seq_length]`` + ``label`` + ``uid``.
-Bad files (invalid JSON, not 4 options, an answer outside A-D, mismatched list lengths) are reported
-with the file name, skipped and counted -- a whole JSON object (article) is skipped for a JSON error, a
-single question otherwise.
+Bad files (empty, not UTF-8, invalid JSON, not 4 options, an answer outside A-D, mismatched list lengths)
+are reported with the file name, skipped and counted -- a whole JSON object (article) is skipped for a JSON
+error, a single question otherwise; an empty file counts as one (its questions are unknown).
 """
 from __future__ import annotations
 
@@ -152,6 +152,9 @@ def read_race_dir(path: str | Path, level: str | None = None, report: RaceReadRe
         except UnicodeDecodeError:
             report.skip(f"{f}: not UTF-8 text")
             continue
+        if not any(line.strip() for line in lines):  # an emptied or truncated-to-nothing file: its article is lost
+            report.skip(f"{f}: empty file (no article)")
+            continue
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -159,6 +162,9 @@ def read_race_dir(path: str | Path, level: str | None = None, report: RaceReadRe
                 data = json.loads(line)
             except json.JSONDecodeError as e:
                 report.skip(f"{f}:{lineno}: invalid JSON ({e.msg})")
+                continue
+            except RecursionError:
+                report.skip(f"{f}:{lineno}: invalid JSON (nested too deep)")
                 continue
             missing = [k for k in ("article", "questions", "options", "answers") if not isinstance(data, dict) or k not in data]
             if missing:  # every question of the article is lost, not one

@@ -9,7 +9,7 @@ order). So every prefix of the sequence holds each dataset within one sample of 
 greedy ``build_blending_indices`` has the same property), the sequence is identical for any DP/TP
 layout, and a resumed run (``consumed_samples``) continues it exactly. The prefixes may be written by
 this project's pipeline or by Megatron's ``tools/preprocess_data.py``; the token ids must be those of
-``data.tokenizer`` (checked: no id of the first million tokens of each prefix reaches its vocabulary size).
+``data.tokenizer`` (checked: no id of a prefix reaches its vocabulary size, :mod:`training.data.token_range`).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from training.config import ConfigError
+from training.data.token_range import check_token_ids
 
 MARGIN = 1.005  # Megatron's get_datasets_weights_and_num_samples over-asks each dataset by 0.5%
 
@@ -84,10 +85,7 @@ def build_blended_datasets(weights: list[float], prefixes: list[Path], split: st
 
     per = []
     for w, p in zip(weights, prefixes):
-        top = _max_token(p)
-        if top >= vocab_size:
-            raise ConfigError(f"data.prefixes: {p} holds token id {top} but data.tokenizer has {vocab_size} ids: "
-                              f"the dataset was tokenized with another tokenizer")
+        check_token_ids(p, vocab_size, cache_dir, "data.prefixes")
         want = tuple(int(math.ceil(w * n * MARGIN)) + 1 if n else 0 for n in num_samples)
         per.append(build_gpt_datasets(p, split, want, seq_length, seed, cache_dir=cache_dir))
     out = []
@@ -100,13 +98,3 @@ def build_blended_datasets(weights: list[float], prefixes: list[Path], split: st
         out.append(BlendedDataset([ds for _, ds in parts], [w / total for w, _ in parts], n))
     return out[0], out[1], out[2]
 
-
-def _max_token(prefix: Path, head: int = 1 << 20) -> int:
-    """Largest token id among the first ``head`` tokens of ``prefix.bin`` (a cheap tokenizer check that
-    does not read a whole large corpus)."""
-    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
-
-    ds = MMapIndexedDataset(prefix)
-    if ds.num_tokens == 0:
-        return -1
-    return int(np.memmap(str(prefix) + ".bin", dtype=ds.dtype, mode="r")[:head].max())

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron_ds_suite.core.corpus import load_corpus
 from training.data.gpt_dataset import build_gpt_datasets
 from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype, dataset_exists
 from megatron_ds_suite.core.tokenizer import Tokenizer, load_tokenizer
 from training.data.sample_order import micro_batch_positions
+from training.data.token_range import check_token_ids
+from training.runtime.distributed import rank0_first
 from training.config import Config, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -120,8 +121,9 @@ def tokenize_text_files(files: list[str], tok: Tokenizer, prefix: Path) -> None:
 
 
 def build_datasets(cfg: Config, src: DataSources, num_samples: tuple[int, int, int]):
-    """Train/valid/test GPT datasets; rank 0 builds index maps (and text tokens) first, others load."""
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    """Train/valid/test GPT datasets; rank 0 builds index maps (and text tokens) first, others load.
+    Every dataset's token ids are checked against the tokenizer first (training.data.token_range); an
+    error rank 0 meets is raised by every rank (training.runtime.distributed.rank0_first)."""
     cache = Path(cfg.run.dir) / "data" / "index_cache"
 
     def build():
@@ -133,16 +135,12 @@ def build_datasets(cfg: Config, src: DataSources, num_samples: tuple[int, int, i
 
             return build_blended_datasets(*src.blend, cfg.data.split, num_samples, cfg.model.seq_length,
                                           cfg.train.seed, cache, src.tokenizer.vocab_size)
+        where = "data.corpus" if cfg.data.corpus is not None else "data.text_files"
+        check_token_ids(src.prefix, src.tokenizer.vocab_size, cache, where)
         return build_gpt_datasets(src.prefix, cfg.data.split, num_samples, cfg.model.seq_length,
                                   cfg.train.seed, cache_dir=cache, separate_last_epoch=cfg.data.separate_last_epoch)
 
-    if rank0:
-        out = build()
-    if dist.is_initialized():
-        dist.barrier()
-    if not rank0:
-        out = build()  # loads the cached maps
-    return out
+    return rank0_first(build)
 
 
 class BatchSampler:

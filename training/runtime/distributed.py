@@ -41,3 +41,37 @@ def init_distributed(backend: str | None = None) -> None:
 
     set_local_device()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+
+def rank0_first(build):
+    """Collective: rank 0 runs ``build()`` first (writing caches such as index maps), then the other
+    ranks run it (reading them). A :class:`~megatron_ds_suite.core.errors.SuiteError` met by rank 0 is
+    sent to every rank and all raise it together, the copies marked ``agreed`` (printed by rank 0 only),
+    instead of the other ranks waiting at a barrier for a rank that left."""
+    import torch.distributed as dist
+
+    from megatron_ds_suite.core.errors import SuiteError
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
+    out, error = None, None
+    if rank == 0:
+        try:
+            out = build()
+        except SuiteError as e:
+            error = e
+    if world > 1:
+        box = [None if error is None else (type(error), str(error))]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and rank != 0:
+            cls, message = box[0]
+            try:
+                error = cls(message)
+            except TypeError:  # a class with another constructor: the same line, as the base class
+                error = SuiteError(message)
+            error.agreed = True
+    if error is not None:
+        raise error
+    if rank != 0:
+        out = build()
+    return out

@@ -41,8 +41,9 @@ def _pid_alive(pid: int) -> bool:
 class RunDirLock:
     """``acquire()`` / ``release()`` of RUN_DIR/.lock (see module docstring)."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, name: str = "run.dir"):
         self.path = Path(run_dir) / LOCK_NAME
+        self.name = name  # how the refusal names the folder: run.dir, --out
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -55,8 +56,8 @@ class RunDirLock:
             os.close(fd)
             who = (f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started')}"
                    if holder else "another process")
-            raise RunDirBusy(f"run.dir {self.path.parent} is in use by another training run ({who}): wait for it to "
-                             f"finish or stop it, or choose another run.dir") from None
+            raise RunDirBusy(f"{self.name} {self.path.parent} is in use by another training run ({who}): wait for it "
+                             f"to finish or stop it, or choose another {self.name}") from None
         previous = self._read(fd)
         if previous:
             same_host = previous.get("host") == socket.gethostname()
@@ -111,3 +112,30 @@ def acquire_for_rank0(run_dir: str | Path, is_rank0: bool) -> RunDirLock | None:
     if error is not None:
         raise RunDirBusy(error)
     return lock
+
+
+def lock_existing_output(out: str | Path, name: str = "--out") -> RunDirLock | None:
+    """For a tool about to replace the folder ``out`` (``import_hf``, ``export_hf``, ``reshard``): take its run
+    lock when it exists, so a live training run there is refused in one line (:class:`RunDirBusy`) instead
+    of being replaced under it; the caller releases the lock when done. None when ``out`` does not exist
+    (nothing there to protect; nothing is created)."""
+    if not Path(out).is_dir():
+        return None
+    lock = RunDirLock(out, name)
+    lock.acquire()
+    return lock
+
+
+def overlapping_input(out: str | Path, inputs: dict[str, str | Path]) -> str | None:
+    """The first ``{flag: path}`` of ``inputs`` that ``out`` would destroy or write into: the same folder
+    (symlinks resolved), an ancestor of it or inside it, as a one-line reason; None when they are apart."""
+    target = Path(out).resolve()
+    for flag, path in inputs.items():
+        src = Path(path).resolve()
+        if target == src:
+            return f"is {flag} itself"
+        if target in src.parents:
+            return f"contains {flag} {path}"
+        if src in target.parents:
+            return f"lies inside {flag} {path}"
+    return None

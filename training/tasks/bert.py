@@ -15,11 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron_ds_suite.core.corpus import load_corpus
 from training.data.gpt_dataset import split_boundaries
 from training.data.sample_order import micro_batch_positions
+from training.data.token_range import check_token_ids
+from training.runtime.distributed import rank0_first
 from training.data.bert_data import BertDataError, BertDataset, BertVocab, MaskingConfig, collate, usable_documents
 from training.config import Config, ConfigError
 from training.models.bert import BertModel, bert_loss
@@ -91,6 +92,7 @@ class BertTask(Task):
         cfg = self.cfg
         bounds = split_boundaries(cfg.data.split, self.indexed.num_documents)
         cache = Path(cfg.run.dir) / "data" / "index_cache"
+        check_token_ids(self.indexed.prefix, self.tokenizer.vocab_size, cache, "data.corpus")
         out = []
         for k, (name, n) in enumerate(zip(("train", "valid"), num_samples)):
             docs = np.arange(bounds[k], bounds[k + 1])
@@ -109,13 +111,8 @@ class BertTask(Task):
         t = self.cfg.train
         eval_runs = (t.iters // t.eval_interval if t.eval_interval else 0) + 1
         sizes = (max(t.iters, 1) * t.global_batch_size, eval_runs * t.eval_iters * t.global_batch_size)
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        if rank0:
-            self.train_ds, self.valid_ds = self._datasets(sizes)
-        if dist.is_initialized():
-            dist.barrier()
-        if not rank0:
-            self.train_ds, self.valid_ds = self._datasets(sizes)  # loads rank 0's cached maps
+        # rank 0 checks the ids and builds the maps first, the others load them; its errors are everyone's
+        self.train_ds, self.valid_ds = rank0_first(lambda: self._datasets(sizes))
 
     def _micro_batches(self, ds, consumed_samples: int):
         t = self.cfg.train

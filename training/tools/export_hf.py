@@ -45,6 +45,7 @@ from training.parallel.sharding import resize_vocab_rows
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.program import prog as program
+from training.runtime.run_lock import lock_existing_output, overlapping_input
 from training.tools.hf_interop import gpt2_layer_names, require_transformers
 
 logger = logging.getLogger(__name__)
@@ -124,12 +125,27 @@ def _save_tokenizer(tokenizer, out: Path, max_len: int) -> None:
 
 
 def export(run_dir: str | Path, out: str | Path, overwrite: bool = False, with_tokenizer: bool = True) -> Path:
-    """Write the HF folder to a temporary sibling, then rename it into place."""
+    """Write the HF folder to a temporary sibling, then rename it into place. Refused before any work: an
+    ``out`` that is, holds or lies inside the checkpoint's run directory, and an ``out`` held by a live run
+    (its run lock is taken while the export replaces it)."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
     if not Path(run_dir).is_dir():
         raise ExportError(f"checkpoint directory {run_dir} does not exist")
+    overlap = overlapping_input(out, {"--checkpoint": run_dir})
+    if overlap:
+        raise ExportError(f"--out {out} {overlap}: the export would replace the run it reads; choose an --out "
+                          f"outside it")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+    lock = lock_existing_output(out)
+    try:
+        return _export(Path(run_dir), out, with_tokenizer)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _export(run_dir: Path, out: Path, with_tokenizer: bool) -> Path:
     require_transformers()  # one line naming the `hf` extra when transformers is missing
     from megatron_ds_suite.core.tokenizer import load_tokenizer
     from training.checkpoint import load_merged_state_dict

@@ -47,6 +47,7 @@ from training.config import Config, ModelConfig, padded_vocab_size, validate_sta
 from training.parallel.sharding import is_vocab_sized, resize_vocab_rows, shard_tagged
 from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.program import prog as program
+from training.runtime.run_lock import lock_existing_output, overlapping_input
 from megatron_ds_suite.core.program import stderr_is_terminal
 from training.tools.hf_interop import ImportHFError, gpt2_layer_names, require_transformers
 
@@ -285,14 +286,35 @@ def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], t
 def import_hf(model: str, out: str | Path, tp: int = 1, pp: int = 1, seq_length: int | None = None,
               overwrite: bool = False) -> Path:
     """Import ``model`` (folder or hub name) into run directory ``out``; written to a temporary sibling
-    and renamed into place, so a failure leaves nothing half-written."""
+    and renamed into place, so a failure leaves nothing half-written. Refused before any work: an ``out``
+    that is, holds or lies inside the model folder, and an ``out`` held by a live training run (its run
+    lock is taken while the import replaces it, so no run can start there meanwhile either)."""
     out = Path(out)
+    if Path(model).exists():
+        _refuse_overlap(out, model)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ImportHFError(f"--out {out} exists and is not empty (choose a new run directory or pass --overwrite)")
     if tp < 1 or pp < 1:
         raise ImportHFError(f"--tp and --pp must be >= 1, got {tp} and {pp}")
+    lock = lock_existing_output(out)
+    try:
+        return _import(model, out, tp, pp, seq_length)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _refuse_overlap(out: Path, model: str | Path) -> None:
+    overlap = overlapping_input(out, {"--model": model})
+    if overlap:
+        raise ImportHFError(f"--out {out} {overlap}: the import would replace the model it reads; choose an --out "
+                            f"outside it")
+
+
+def _import(model: str, out: Path, tp: int, pp: int, seq_length: int | None) -> Path:
     require_transformers()
     folder = resolve_model_dir(model)
+    _refuse_overlap(out, folder)  # a hub name resolved to a cache folder
     from transformers import AutoConfig
 
     try:

@@ -44,6 +44,7 @@ from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_voca
 from training.tools import reshard_optim
 from training.tools.spawn import spawn_gloo
 from megatron_ds_suite.core.program import prog as program
+from training.runtime.run_lock import lock_existing_output, overlapping_input
 
 logger = logging.getLogger("training.tools.reshard")
 
@@ -137,22 +138,33 @@ def _worker(rank, world, payload_path: str, out_dir: str):
 
 def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | None = None, dp: int = 1) -> Path:
     run_dir, out = Path(run_dir), Path(out)
+    overlap = overlapping_input(out, {"--checkpoint": run_dir})
+    if overlap:  # --out inside the source run would write a second run into it
+        raise ConfigError(f"--out {out} {overlap}: choose a new directory outside it")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} exists and is not empty: choose a new directory")
     tag = tag or model_files(run_dir, tag)[0]
     weights, cfg, meta = load_merged_state_dict(run_dir, tag)
     cfg.parallel.tensor, cfg.parallel.pipeline = tp, pp
     cfg.run.dir = str(out)
     cfg.train.exit_at = None
     validate_static(cfg)  # TP must divide heads, PP <= layers, ...
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--out {out} exists and is not empty: choose a new directory")
     if dp < 1:
         raise ConfigError(f"--dp must be >= 1, got {dp}")
     try:
         grad_accumulation(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp)
     except ConfigError as e:
         raise ConfigError(f"--dp {dp}: {e}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    lock = lock_existing_output(out)  # no training run starts in --out while it is written
+    try:
+        return _convert(run_dir, out, tag, weights, cfg, meta, tp, pp, dp)
+    finally:
+        lock.release()
+
+
+def _convert(run_dir: Path, out: Path, tag: str, weights: dict, cfg, meta: dict, tp: int, pp: int, dp: int) -> Path:
     moments = engine_state = None
-    out.mkdir(parents=True)
     if reshard_optim.needs_engine(meta):
         logger.info("%s holds %s / ZeRO-%d optimizer state: loading it with DeepSpeed (TP=%d PP=%d DP=%d)", run_dir,
                     meta["dtype"], meta["config"]["parallel"]["zero_stage"],
