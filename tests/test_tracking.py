@@ -208,3 +208,35 @@ def test_short_run_writes_wandb_offline_and_csv(tmp_path):
     assert "Train/Samples/lr" in history[12]  # DeepSpeed's own, on the same axis
     ds = json.loads((run_dir / "ds_config.json").read_text())
     assert ds["wandb"]["project"] == "ci" and ds["wall_clock_breakdown"] is False
+
+
+def test_unreachable_wandb_server_falls_back_to_offline(tmp_path, monkeypatch, caplog):
+    """An online W&B run whose server refuses connections is logged offline with one warning, at once (instead
+    of wandb.init stalling ~100 s and failing the run); a reachable server keeps the run online."""
+    import logging
+    import socket
+    import time
+
+    from training import tracking
+
+    for key in ("WANDB_MODE", "WANDB_DIR", "WANDB_NAME"):
+        monkeypatch.delenv(key, raising=False)  # restored after the test: start() writes os.environ
+    cfg = _cfg(f"run.dir={tmp_path / 'run'}", "run.wandb.enabled=true", "run.wandb.mode=online")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed}")
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="training"):
+        tracking.start(cfg)
+    assert time.perf_counter() - t0 < 5
+    assert os.environ["WANDB_MODE"] == "offline" and os.environ["WANDB_DIR"] == str((tmp_path / "run").resolve())
+    (warning,) = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+    assert f"127.0.0.1:{closed}" in warning and "wandb sync" in warning
+
+    with socket.socket() as server:  # a server that accepts: online stays online
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+        tracking.start(cfg)
+    assert os.environ["WANDB_MODE"] == "online"

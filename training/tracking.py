@@ -17,12 +17,17 @@ the config field to set instead (:func:`check_passthrough`), so the YAML stays t
 """
 from __future__ import annotations
 
+import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from megatron_ds_suite.core.config import merge_dicts
 from megatron_ds_suite.core.errors import ConfigError
+
+logger = logging.getLogger("training")
 
 # DeepSpeed keys (dotted; a prefix owns everything below it) derived from a run-config field.
 OWNERS: dict[str, str] = {
@@ -105,10 +110,39 @@ def wandb_env(cfg) -> dict[str, str]:
     return env
 
 
+def wandb_server() -> str:
+    """The W&B server ``wandb.init`` would contact: ``WANDB_BASE_URL``, else W&B's public API."""
+    return os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+
+
+def reachable(url: str, timeout: float = 5.0) -> str | None:
+    """None when a TCP connection to ``url``'s host and port opens within ``timeout`` s, else why not."""
+    parts = urlsplit(url)
+    host = parts.hostname
+    if not host:
+        return f"{url!r} names no host"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"{host}:{port}: {e.strerror or e}"
+
+
 def start(cfg) -> None:
-    """Per-process preparation before ``deepspeed.initialize`` builds the monitor."""
+    """Per-process preparation before ``deepspeed.initialize`` builds the monitor.
+
+    An online W&B run whose server cannot be reached within a few seconds (no network, a firewall, a
+    self-hosted server down) is logged offline under RUN_DIR/wandb instead, with one warning, rather than
+    stalling ``wandb.init`` for ~100 s and then failing the run: ``wandb sync`` uploads it later."""
     env = wandb_env(cfg)
     if env:
+        if env["WANDB_MODE"] == "online":
+            why = reachable(wandb_server())
+            if why is not None:
+                logger.warning("W&B server %s is unreachable (%s): logging this run offline under %s/wandb; upload it "
+                               "later with `wandb sync`", wandb_server(), why, env["WANDB_DIR"])
+                env["WANDB_MODE"] = "offline"
         Path(env["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)
         os.environ.update(env)
 
