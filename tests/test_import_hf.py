@@ -135,6 +135,17 @@ def test_bad_inputs_fail_with_one_line(source, tmp_path):
     with pytest.raises(ImportHFError, match="activation_function='relu'"):
         import_hf(str(bad), tmp_path / "z")
 
+    # damaged weights (a download cut short): one line naming the reader's complaint, nothing written
+    import shutil
+
+    cut = tmp_path / "cut"
+    shutil.copytree(source, cut)
+    (weights,) = cut.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    with pytest.raises(ImportHFError, match="cannot load the weights .*SafetensorError.*damaged or incomplete"):
+        import_hf(str(cut), tmp_path / "w")
+    assert not (tmp_path / "w").exists()
+
 
 def test_gpt2_folder_with_only_tokenizer_json_imports(source, imported, tmp_path):
     """What ``save_pretrained`` of the pinned transformers writes for a GPT-2 tokenizer (``tokenizer.json``, no

@@ -146,8 +146,10 @@ def load_source(folder: Path, model_type: str) -> dict[str, torch.Tensor]:
            "bert": "BertForPreTraining"}[model_type]
     try:
         model = getattr(transformers, cls).from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
-    except OSError as e:
-        raise ImportHFError(f"{folder}: cannot load the weights ({str(e).splitlines()[0][:200]})") from None
+    except Exception as e:  # noqa: BLE001 - a damaged or cut weights file raises whatever its reader raises
+        first = (str(e).splitlines() or [""])[0][:200]  # (safetensors' SafetensorError, torch's RuntimeError, ...)
+        raise ImportHFError(f"{folder}: cannot load the weights ({type(e).__name__}: {first}): a damaged or "
+                            f"incomplete weights file? download or save the model again") from None
     return model.state_dict()
 
 
