@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.distributed import SHARED_DATA
+from tests.distributed import SHARED_DATA, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
@@ -238,3 +238,34 @@ def test_generate_on_a_binary_prompts_file_is_one_line(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompts", str(prompts), "--no-progress"]) == 2
     line = _one_line(capsys.readouterr().err)
     assert line.startswith("error: --prompts") and "is not UTF-8 text (invalid start byte at byte 128)" in line, line
+
+
+@needs_data
+def test_a_shard_one_rank_cannot_read_stops_every_rank_with_one_line(tmp_path):
+    """TP=2 under the launcher: rank 1's checkpoint shard cut short. Rank 1 meets it, every rank raises the same
+    error and one line is printed (before: rank 1's line and rank 0's gloo traceback when rank 1 left)."""
+    text = tmp_path / "b.txt"
+    text.write_text(BOTCHAN.read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    spec = {"kind": "gpt2_bpe", "vocab_file": str(GPT2 / "gpt2-vocab.json"), "merges_file": str(GPT2 / "gpt2-merges.txt")}
+    run = tmp_path / "run"
+
+    def launch(iters: int) -> subprocess.CompletedProcess:
+        over = {"data.corpus": "null", "data.text_files": f"[{text}]", "data.tokenizer": json.dumps(spec),
+                "run.dir": str(run), "train.progress_bar": "false", "model.seq_length": "32", "parallel.tensor": "2",
+                "train.micro_batch_size": "2", "train.global_batch_size": "2", "train.iters": str(iters),
+                "train.save_interval": "2", "optimizer.warmup_iters": "1"}
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+               "--module", "training.pretrain", "--config", "configs/gpt2_tiny.yaml",
+               *[f"{k}={v}" for k, v in over.items()]]
+        return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT)),
+                              capture_output=True, text=True, timeout=300)
+
+    first = launch(2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shard = run / "checkpoints" / "iter_0000002" / "mp_rank_01_model_states.pt"
+    shard.write_bytes(shard.read_bytes()[:4096])
+    res = launch(4)
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    errors = [x for x in (res.stdout + res.stderr).splitlines() if "checkpoint error:" in x]
+    assert len(errors) == 1 and "mp_rank_01_model_states.pt" in errors[0], res.stderr[-3000:]
+    assert "Traceback" not in res.stderr + res.stdout, res.stderr[-3000:]

@@ -31,6 +31,7 @@ from training.runtime import ds_compat, optimizer_step
 from training.config import Config, ConfigError, deepspeed_config, resolve_dtype
 from training.layout import Layout, derive_layout
 from training.runtime.cpu_peak import measure_cpu_peak_together
+from training.runtime.distributed import agreed
 from training.runtime.hardware import canonical_kind, detect_device_kind, device_memory_gib, peak_tflops
 from training.metrics import MetricsWriter, flops_per_iteration, progress_enabled
 from training.models.compile_layers import compile_layers
@@ -343,7 +344,7 @@ class Trainer:
             if self.is_rank0:  # only once the run directory is ours: a refused launch changes nothing in it
                 ckpt.atomic_write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
                 ckpt.atomic_write_text(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=2))
-            resumed = ckpt.load(self)
+            resumed = agreed(lambda: ckpt.load(self))  # a shard one rank cannot read stops every rank, one line
             writer = MetricsWriter(self.run_dir, cfg.train.iters, self.is_rank0,
                                    getattr(self.engine, "monitor", None),
                                    resume_iteration=self.iteration if resumed else None,

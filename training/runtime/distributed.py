@@ -75,3 +75,36 @@ def rank0_first(build):
     if rank != 0:
         out = build()
     return out
+
+
+def agreed(run):
+    """Collective: every rank runs ``run()``; a :class:`~megatron_ds_suite.core.errors.SuiteError` met by any
+    rank (a truncated or refused shard of its own, ...) is raised by every rank, the lowest failing rank's,
+    printed by rank 0 alone (the other copies marked ``agreed``), instead of one rank printing the line and
+    the others a gloo traceback when it leaves. ``run`` must hold no collective that a failing rank could skip."""
+    import torch.distributed as dist
+
+    from megatron_ds_suite.core.errors import SuiteError
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    out, error = None, None
+    try:
+        out = run()
+    except SuiteError as e:
+        error = e
+    if world > 1:
+        rank = dist.get_rank()
+        boxes: list = [None] * world
+        dist.all_gather_object(boxes, None if error is None else (type(error), str(error)))
+        first = next((b for b in boxes if b is not None), None)
+        if first is not None:
+            if error is None or str(error) != first[1]:
+                cls, message = first
+                try:
+                    error = cls(message)
+                except TypeError:  # a class with another constructor: the same line, as the base class
+                    error = SuiteError(message)
+            error.agreed = rank != 0
+    if error is not None:
+        raise error
+    return out
