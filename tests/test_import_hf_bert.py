@@ -95,3 +95,9 @@ def test_bert_import_equals_transformers_and_exports_back(vocab_dir, tmp_path, c
         assert torch.equal(a[name], b[name]), name
     text = BOTCHAN.read_text(encoding="utf-8")[:3000]
     assert AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == AutoTokenizer.from_pretrained(str(src))(text)["input_ids"]
+    # the plain vocab.txt too (transformers 5 writes tokenizer.json only): BERT tools that read it get the same ids
+    from transformers import BertTokenizer
+
+    assert (out / "vocab.txt").read_bytes() == (vocab_dir / "vocab.txt").read_bytes()
+    slow = BertTokenizer(str(out / "vocab.txt"), do_lower_case=True)
+    assert slow(text)["input_ids"] == AutoTokenizer.from_pretrained(str(src))(text)["input_ids"]

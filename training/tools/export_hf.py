@@ -122,6 +122,9 @@ def _save_tokenizer(tokenizer, out: Path, max_len: int) -> None:
         for name in ("vocab.json", "merges.txt"):  # the plain files, for tools that read them directly
             if not (out / name).exists():
                 shutil.copy(tokenizer.vocab_file if name == "vocab.json" else tokenizer.merges_file, out / name)
+    if getattr(tokenizer, "kind", None) == "wordpiece" and not (out / "vocab.txt").exists():
+        # transformers 5 saves tokenizer.json only; BERT tools (Megatron's tokenizer, the slow BertTokenizer) read vocab.txt
+        shutil.copy(tokenizer.vocab_file, out / "vocab.txt")
 
 
 def export(run_dir: str | Path, out: str | Path, overwrite: bool = False, with_tokenizer: bool = True) -> Path:
