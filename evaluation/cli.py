@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -215,17 +216,18 @@ def run_generate(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    if args.batch_size < 1:
-        print("error: --batch-size must be >= 1", file=sys.stderr)
-        return 2
-    if getattr(args, "limit", None) is not None and args.limit < 1:
-        print(f"error: --limit must be >= 1 (the number of leading items to score), got {args.limit}", file=sys.stderr)
-        return 2
+    # under the launcher every rank reads the same arguments and files and meets the same error: rank 0 says it
+    say = int(os.environ.get("RANK", "0")) == 0
     try:
+        if args.batch_size < 1:
+            raise EvalError("--batch-size must be >= 1")
+        if getattr(args, "limit", None) is not None and args.limit < 1:
+            raise EvalError(f"--limit must be >= 1 (the number of leading items to score), got {args.limit}")
         {"wikitext103": run_wikitext, "lambada": run_lambada, "race": run_race,
          "generate": run_generate, "heldout": heldout.run_heldout, "lm-eval": lm_eval_run.run_lm_eval}[args.task](args)
     except SuiteError as e:  # bad input from any stage (EvalError, ConfigError, TokenizerError ...): one line
-        print(f"error: {e}", file=sys.stderr)
+        if say:
+            print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: results are written only when a task completes; rerun the same command", file=sys.stderr)

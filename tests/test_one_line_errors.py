@@ -269,3 +269,24 @@ def test_a_shard_one_rank_cannot_read_stops_every_rank_with_one_line(tmp_path):
     errors = [x for x in (res.stdout + res.stderr).splitlines() if "checkpoint error:" in x]
     assert len(errors) == 1 and "mp_rank_01_model_states.pt" in errors[0], res.stderr[-3000:]
     assert "Traceback" not in res.stderr + res.stdout, res.stderr[-3000:]
+
+
+def _evaluate_missing_run(rank, world, folder):
+    import contextlib
+    import io
+
+    from evaluation.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["wikitext103", "--tp", "2", "--checkpoint", folder, "--data", __file__, "--no-progress"])
+    return code, err.getvalue()
+
+
+def test_evaluation_error_under_the_launcher_is_printed_once(tmp_path):
+    """Every rank meets the same bad input; rank 0 alone prints it (before: once per rank), all exit 2."""
+    from tests.distributed import run_distributed
+
+    (code0, err0), (code1, err1) = run_distributed(_evaluate_missing_run, 2, str(tmp_path / "no-run"))
+    assert code0 == code1 == 2
+    assert _one_line(err0).startswith("error: checkpoint directory") and err1.strip() == ""
