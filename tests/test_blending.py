@@ -1,8 +1,10 @@
-"""data.prefixes: Megatron .bin/.idx datasets blended by weight -- proportions, samples equal to each prefix's own
-GPT dataset, deterministic and resumable, clear errors."""
+"""data.prefixes: Megatron .bin/.idx datasets blended by weight -- the blended i-th sample is dataset_index[i]'s
+dataset_sample_index[i]-th sample of that prefix's own (Megatron 2021) GPT dataset, asked for Megatron's sample count;
+deterministic and resumable, clear errors. The order itself: tests/test_blending_megatron.py."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -13,22 +15,6 @@ from tests.distributed import SHARED_DATA
 DATA = Path(SHARED_DATA)
 GPT2 = DATA / "tokenizers" / "gpt2"
 SPEC = {"kind": "gpt2_bpe", "vocab_file": str(GPT2 / "gpt2-vocab.json"), "merges_file": str(GPT2 / "gpt2-merges.txt")}
-
-
-@pytest.mark.parametrize("weights", [[0.3, 0.7], [0.2, 0.5, 0.3], [0.01, 0.99]])
-def test_blend_order_keeps_every_prefix_within_one_sample_of_its_weight(weights):
-    from training.data.blending import blend_order
-
-    n = 10_000
-    d, k = blend_order(weights, n)
-    counts = np.zeros((n, len(weights)))
-    counts[np.arange(n), d] = 1
-    running = counts.cumsum(0)
-    expected = np.outer(np.arange(1, n + 1), weights)
-    assert np.abs(running - expected).max() <= 1.0
-    assert np.all(np.abs(running[-1] / n - weights) <= 0.01)
-    for j in range(len(weights)):  # each dataset's samples are taken in order 0, 1, 2, ...
-        assert np.array_equal(k[d == j], np.arange((d == j).sum()))
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +51,23 @@ def test_blended_training_data_draws_by_weight_and_resumes(prefixes, tmp_path):
     assert len(train) == 10_000 and len(valid) == 64
     share = float((train.dataset_index == 0).mean())
     assert abs(share - 0.3) <= 0.01 and abs(float((train.dataset_index == 1).mean()) - 0.7) <= 0.01
-    # each blended sample is that prefix's own GPT dataset sample (Megatron's per-prefix index maps)
-    own = [build_gpt_datasets(p, cfg.data.split, (int(np.ceil(w * 10_000 * 1.005)) + 1, 0, 0), 32, cfg.train.seed)[0]
-           for w, p in zip((0.3, 0.7), prefixes)]
-    for i in range(0, 10_000, 997):
-        d, k = int(train.dataset_index[i]), int(train.sample_index[i])
+    # Megatron's blend of these weights (independent port in tests/test_blending_megatron.py)
+    from tests.test_blending_megatron import reference_blend
+
+    want_d, want_k = reference_blend([3, 7], 10_000)
+    assert train.dataset_index.tolist() == want_d and train.dataset_sample_index.tolist() == want_k
+    # each blended sample is that prefix's own GPT dataset sample (Megatron 2021's per-prefix index maps: last
+    # epoch shuffled apart), each prefix asked for Megatron's int(math.ceil(val * weight * 1.005)) samples
+    asked = [int(math.ceil(10_000 * w * 1.005)) for w in (3 / 10, 7 / 10)]
+    assert asked == [3015, 7035]
+    own = [build_gpt_datasets(p, cfg.data.split, (n, 0, 0), 32, cfg.train.seed, separate_last_epoch=True)[0]
+           for n, p in zip(asked, prefixes)]
+    assert [ds.num_samples for ds in train.datasets] == asked
+    assert any(ds.first_epochs_samples is not None for ds in own)  # the 2021 separate last epoch is in play
+    old, _, _ = build_datasets(_cfg(tmp_path, prefixes, ["data.separate_last_epoch=false"]), src, (10_000, 0, 0))
+    assert all(ds.first_epochs_samples is None for ds in old.datasets)  # Megatron 2020 maps when asked
+    for i in list(range(0, 10_000, 97)) + [9_999]:
+        d, k = want_d[i], want_k[i]
         assert np.array_equal(train[i], own[d][k])
     # deterministic: a fresh build (e.g. a restarted run) gives the same sequence; resuming at
     # consumed_samples continues it exactly
