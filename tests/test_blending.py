@@ -100,3 +100,90 @@ def test_bad_prefixes_fail_with_one_clear_line(prefixes, tmp_path):
     small.data.tokenizer = {"kind": "sentencepiece", "model_file": str(tok.model_file)}
     with pytest.raises(ConfigError, match="tokenized with another tokenizer"):
         build_datasets(small, resolve_sources(small), (10, 0, 0))
+
+
+MEGATRON_STUB = """
+import types
+def print_rank_0(*args, **kwargs):
+    pass
+def get_args():
+    raise RuntimeError("not used by the GPT path")
+mpu = types.SimpleNamespace(get_data_parallel_group=lambda: None, get_pipeline_model_parallel_group=lambda: None,
+                            get_tensor_model_parallel_group=lambda: None)
+"""
+HELPERS_STUB = """
+import numpy as np
+blend = None  # Megatron's own build_blending_indices, compiled from its helpers.cpp (set by the test)
+def build_blending_indices(dataset_index, dataset_sample_index, weights, num_datasets, size, verbose):
+    blend(dataset_index.ctypes.data, dataset_sample_index.ctypes.data, np.ascontiguousarray(weights).ctypes.data,
+          num_datasets, size)
+def build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch):
+    from megatron.data.gpt_dataset import _build_sample_idx  # Megatron's own Python twin of the C++ walk
+    return _build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch)
+"""
+
+
+def test_megatrons_own_blended_dataset_reads_our_prefixes_and_draws_our_sequence(prefixes, tmp_path, monkeypatch):
+    """Megatron-LM 2021 (90e0a0dd08)'s own megatron/data/{gpt_dataset,blendable_dataset,dataset_utils,
+    indexed_dataset}.py, verbatim from the mirror (or MEGATRON_LM_DIR at that revision), run on CPU: stubs for
+    ``megatron.print_rank_0/mpu``, the torch.distributed calls of a single rank and ``np.float`` (gone from numpy); ``helpers.build_blending_indices``
+    is Megatron's C++ compiled from its helpers.cpp (tests/test_blending_megatron.py), ``helpers.build_sample_idx``
+    Megatron's own Python ``_build_sample_idx``. Its MMapIndexedDataset reads our .bin/.idx, and its blended
+    train and valid datasets equal ours sample for sample."""
+    import shutil
+    import sys
+
+    import torch
+    from tests.test_blending_megatron import _compile_megatron_blend, _megatron_source
+    from training.data.loader import build_datasets, resolve_sources
+
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    pkg = tmp_path / "mlm" / "megatron"
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(MEGATRON_STUB)
+    (pkg / "data" / "__init__.py").write_text("")
+    (pkg / "data" / "helpers.py").write_text(HELPERS_STUB)
+    for name in ("gpt_dataset", "blendable_dataset", "dataset_utils", "indexed_dataset"):
+        (pkg / "data" / f"{name}.py").write_text(_megatron_source("90e0a0dd08", f"megatron/data/{name}.py"))
+    blend, _ = _compile_megatron_blend(_megatron_source("90e0a0dd08", "megatron/data/helpers.cpp"), tmp_path)
+    data = tmp_path / "data"  # Megatron writes its index maps next to the prefixes
+    data.mkdir()
+    mine = []
+    for p in prefixes:
+        for ext in (".bin", ".idx"):
+            shutil.copy(p + ext, data / (Path(p).name + ext))
+        mine.append(str(data / Path(p).name))
+    monkeypatch.syspath_prepend(str(tmp_path / "mlm"))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "LongTensor", torch.LongTensor, raising=False)
+    monkeypatch.setattr(np, "float", float, raising=False)  # the 2021 indexed_dataset's dtype table (numpy < 1.24)
+    for m in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+        monkeypatch.delitem(sys.modules, m)
+    try:
+        import megatron.data.helpers as helpers
+        from megatron.data.gpt_dataset import build_train_valid_test_datasets
+
+        helpers.blend = blend
+        cfg = _cfg(tmp_path, mine, ["data.split=95,5,0"])  # Megatron asserts when a prefix lacks a split
+        n_train, n_valid = 16_000, 512  # enough for 2-3 epochs of each prefix: the last epoch is separated
+        mtrain, mvalid, _ = build_train_valid_test_datasets(["3", mine[0], "7", mine[1]], "mmap", cfg.data.split,
+                                                            [n_train, n_valid, 0], 32, cfg.train.seed, True)
+    finally:
+        for m in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+            del sys.modules[m]
+    train, valid, _ = build_datasets(cfg, resolve_sources(cfg), (n_train, n_valid, 0))
+    assert len(mtrain) >= n_train and len(mvalid) >= n_valid
+    assert [ds.num_epochs for ds in train.datasets] == [3, 2]  # both with a separated short last epoch
+    assert all(ds.first_epochs_samples is not None for ds in train.datasets)
+    assert np.array_equal(np.asarray(mtrain.dataset_index[:n_train]), train.dataset_index)
+    assert np.array_equal(np.asarray(mtrain.dataset_sample_index[:n_train]), train.dataset_sample_index)
+    for i in range(n_train):
+        assert np.array_equal(mtrain[i]["text"], train[i]), i
+    for i in range(n_valid):
+        assert np.array_equal(mvalid[i]["text"], valid[i]), i
+    # Megatron's own reader sees our files as we do
+    assert [int(s) for s in mtrain.datasets[0].indexed_dataset.sizes[:50]] == \
+        [int(s) for s in train.datasets[0].indexed.sizes[:50]]
