@@ -21,7 +21,9 @@ sequence length and seed:
    (``w / numpy.sum(w)``); then for each position ``p = 0, 1, ...`` the dataset with the largest error
    ``w_i * max(p, 1) - taken_i`` (float64, ``taken_i`` = samples already drawn from dataset i; ties to the
    lowest index) is drawn, its ``taken_i``-th sample. Note ``max(p, 1)``, not ``p + 1``: positions 0 and 1
-   both use 1. Every prefix of the sequence then holds dataset i within one sample of ``w_i * n``.
+   both use 1 (so a tiny weight still gets position 1). No dataset is ever more than one sample ahead of
+   ``w_i * n``; a dataset can lag by more than one with four or more datasets (1.24 samples for weights
+   1e-4/3/3/1e-3/2; the bound is K - 1), unlike this project's earlier (non-Megatron) interleaving.
    :func:`blending_indices` evaluates the same float64 expressions in the same order (one loop over the
    positions, ~1 us each; Python floats are IEEE doubles), so the choice is bit-identical, ties included.
 
@@ -31,7 +33,9 @@ the weights, N and the per-prefix maps, identical for any DP/TP layout, and a re
 an assertion) the others are blended with their weights renormalised. Megatron sizes a blend as the sum
 of its datasets' lengths; the first N positions are the same either way (the choice at a position never
 depends on later ones), so only N are built. The prefixes may be written by this project's pipeline or
-by Megatron's ``tools/preprocess_data.py``; their token ids must be those of ``data.tokenizer`` (checked:
+by Megatron's ``tools/preprocess_data.py``. Verified against Megatron's own code (its ``helpers.cpp`` blend
+compiled, and its 2021 Python datasets run on our prefixes): ``tests/test_blending_megatron.py``,
+``tests/test_blending.py``. Their token ids must be those of ``data.tokenizer`` (checked:
 no id of a prefix reaches its vocabulary size, :mod:`training.data.token_range`).
 """
 from __future__ import annotations
