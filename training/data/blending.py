@@ -22,8 +22,9 @@ sequence length and seed:
    ``w_i * max(p, 1) - taken_i`` (float64, ``taken_i`` = samples already drawn from dataset i; ties to the
    lowest index) is drawn, its ``taken_i``-th sample. Note ``max(p, 1)``, not ``p + 1``: positions 0 and 1
    both use 1 (so a tiny weight still gets position 1). No dataset is ever more than one sample ahead of
-   ``w_i * n``; a dataset can lag by more than one with four or more datasets (1.24 samples for weights
-   1e-4/3/3/1e-3/2; the bound is K - 1), unlike this project's earlier (non-Megatron) interleaving.
+   ``w_i * n``, but one can lag by more than a sample when there are several (1.24 samples for the five
+   weights 1e-4/3/3/1e-3/2; the bound is K - 1; the 2- and 3-dataset sets tested stay within one), unlike
+   this project's earlier (non-Megatron) interleaving.
    :func:`blending_indices` evaluates the same float64 expressions in the same order (one loop over the
    positions, ~1 us each; Python floats are IEEE doubles), so the choice is bit-identical, ties included.
 
