@@ -184,3 +184,31 @@ def test_vocabulary_without_special_tokens_is_rejected(tmp_path):
     gpt = train_sentencepiece([BOTCHAN.read_text(encoding="utf-8")[:60000]], tmp_path / "g", 400, flavor="gpt")
     with pytest.raises(BertDataError, match=r"lacks \[CLS\], \[SEP\], \[MASK\], \[PAD\].*tokenizer.flavor=bert"):
         BertVocab.from_tokenizer(gpt)
+
+
+@pytest.mark.parametrize("damage", ["zeroed file", "zeroed mapping"])
+def test_a_damaged_samples_mapping_cache_is_rebuilt_not_used(corpus, dataset, tmp_path, caplog, damage):
+    """The cached samples mapping (.npz) zeroed whole was a BadZipFile traceback; its mapping array zeroed (rows
+    (0, 0, 0)) was used as is. Now it is rebuilt with one warning and the samples are the original ones."""
+    import zipfile
+
+    tok, ds, _ = corpus
+    docs = np.arange(ds.num_documents)
+    first = BertDataset(ds, docs, 300, SEQ, dataset.vocab, MaskingConfig(), 0.1, seed=1234, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("*.npz")
+    if damage == "zeroed file":
+        path.write_bytes(b"\0" * path.stat().st_size)
+    else:
+        with np.load(path) as z:
+            arrays = {k: z[k] for k in z.files}
+        arrays["mapping"] = np.zeros_like(arrays["mapping"])
+        with zipfile.ZipFile(path, "w") as zf:  # same layout as np.savez writes
+            for k, v in arrays.items():
+                with zf.open(f"{k}.npy", "w") as f:
+                    np.lib.format.write_array(f, v)
+    with caplog.at_level("WARNING", logger="training.data.bert_data"):
+        again = BertDataset(ds, docs, 300, SEQ, dataset.vocab, MaskingConfig(), 0.1, seed=1234, cache_dir=tmp_path)
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.levelname == "WARNING"] == [
+        f"cached BERT train samples mapping {path} is damaged"]
+    np.testing.assert_array_equal(again.mapping, first.mapping)
+    assert all(np.array_equal(again[i]["text"], first[i]["text"]) for i in range(0, 300, 29))

@@ -104,3 +104,36 @@ def test_atomic_open_refuses_append_modes(tmp_path):
         with atomic.atomic_open(tmp_path / "x", "a"):
             pass
     assert _listing(tmp_path) == []
+
+
+def test_a_killed_folder_writer_leaves_a_temp_folder_the_next_write_removes(tmp_path, caplog):
+    """A Hugging Face export (atomic_dir) killed part-way left its hidden ``.out.tmp-*`` folder for good; the next
+    write of the same folder removes it (one warning), but never the folder of a writer that is still running."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "hf"
+    code = ("import os, signal, sys, time; from megatron_ds_suite.core import atomic\n"
+            "with atomic.atomic_dir(sys.argv[1]) as tmp:\n"
+            "    (tmp / 'model.safetensors').write_bytes(b'x' * 1000)\n"
+            "    print(tmp, flush=True)\n"
+            "    time.sleep(60) if sys.argv[2] == 'live' else os.kill(os.getpid(), signal.SIGKILL)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    live = subprocess.Popen([sys.executable, "-c", code, str(out), "live"], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        live_tmp = live.stdout.readline().strip()
+        killed = subprocess.run([sys.executable, "-c", code, str(out), "kill"], cwd=root, capture_output=True,
+                                text=True)
+        assert killed.returncode == -9
+        left = [p for p in tmp_path.iterdir() if p.name.startswith(".hf.tmp-") and str(p) != live_tmp]
+        assert len(left) == 1 and (left[0] / "model.safetensors").is_file()  # what the killed export left
+        with caplog.at_level("WARNING", logger="megatron_ds_suite.core.atomic"):
+            with atomic.atomic_dir(out) as tmp:
+                (tmp / "config.json").write_text("{}")
+        assert not left[0].exists() and os.path.isdir(live_tmp)  # the live writer's folder is kept
+        assert _listing(tmp_path) == sorted(["hf", os.path.basename(live_tmp)]) and _listing(out) == ["config.json"]
+        assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+            f"removed 1 temporary folder(s) an interrupted write of {out} left"]
+    finally:
+        live.kill()
+        live.wait()

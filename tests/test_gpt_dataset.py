@@ -162,6 +162,30 @@ def test_seed_determinism_and_cache_reuse(tmp_path: Path) -> None:
     assert all(p.parent == tmp_path for p in e.index_paths().values()) and e.built_index
 
 
+@pytest.mark.parametrize("kind", ["doc", "sample", "shuffle"])
+@pytest.mark.parametrize("zeroed", ["whole file", "array data"])
+def test_a_zeroed_index_cache_file_is_rebuilt_not_used(tmp_path: Path, caplog, kind: str, zeroed: str) -> None:
+    """A cache file zeroed by a crash or a bad copy (all bytes, or the array after an intact .npy header) was
+    used as is (shuffle_idx all 0: every sample the same) or failed later with an AssertionError; it is now
+    detected on load, rebuilt with one warning, and the samples are the original ones."""
+    make_gpt_corpus(tmp_path / "c", 200, seed=1)
+    indexed = MMapIndexedDataset(tmp_path / "c")
+    a = GPTDataset("train", indexed, np.arange(200), 300, 32, seed=11, cache_dir=tmp_path / "a")
+    want = np.stack([a[i] for i in range(len(a))])
+    path = a.index_paths(tmp_path / "a")[kind]
+    raw = path.read_bytes()
+    keep = 0 if zeroed == "whole file" else len(raw) - np.load(path).nbytes
+    path.write_bytes(raw[:keep] + b"\0" * (len(raw) - keep))
+    with caplog.at_level("WARNING", logger="training.data.gpt_dataset"):
+        b = GPTDataset("train", indexed, np.arange(200), 300, 32, seed=11, cache_dir=tmp_path / "a")
+    assert b.built_index and path.read_bytes() == raw
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "are damaged" in warnings[0] and "rebuilding" in warnings[0]
+    np.testing.assert_array_equal(np.stack([b[i] for i in range(len(b))]), want)
+    c = GPTDataset("train", indexed, np.arange(200), 300, 32, seed=11, cache_dir=tmp_path / "a")
+    assert not c.built_index  # the rebuilt set is accepted as is
+
+
 def test_split_boundaries_match_megatron() -> None:
     def megatron(splits_string: str, size: int) -> list[int]:
         splits = [float(s) for s in splits_string.split(",")]

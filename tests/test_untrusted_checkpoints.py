@@ -122,6 +122,23 @@ def test_latest_must_name_a_tag_inside_the_run(tmp_path, tag, message):
             read(run)
 
 
+def test_a_symlinked_tag_folder_is_refused(tmp_path):
+    """checkpoints/iter_0000002 -> a folder elsewhere was followed (its files read as the run's checkpoint)."""
+    from training.checkpoint import latest_tag, read_client_state
+    from training.checkpoint_reader import model_files
+    from training.safe_load import CheckpointError
+
+    run, _ = _evil_run(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    torch.save({"module": {}, "step": 7}, elsewhere / "mp_rank_00_model_states.pt")
+    (run / "checkpoints" / "iter_0000002").symlink_to(elsewhere, target_is_directory=True)
+    (run / "checkpoints" / "latest").write_text("iter_0000002")
+    for read in (latest_tag, read_client_state, lambda r: model_files(r, "iter_0000002")):
+        with pytest.raises(CheckpointError, match=r"iter_0000002 is a symbolic link \(to .*elsewhere\)"):
+            read(run)
+
+
 @pytest.mark.skipif(not (BOTCHAN.is_file() and GPT2.is_dir()), reason="../shared/data corpus/tokenizer absent")
 @pytest.mark.parametrize("case", ["malicious", "latest_missing"])
 def test_resume_refuses_bad_checkpoints(tmp_path, case):

@@ -38,11 +38,15 @@ def latest_tag(run_dir: str | Path) -> str | None:
 
 
 def check_tag(run_dir: str | Path, tag: str, what: str = "tag") -> None:
-    """A tag is one plain directory name under checkpoints/ (never a path leading elsewhere) that exists."""
+    """A tag is one plain directory name under checkpoints/ (never a path or a symbolic link leading elsewhere)
+    that exists."""
     root = checkpoint_dir(run_dir)
     if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag:
         raise CheckpointError(f"{what} {tag!r}, which is not a checkpoint name (expected e.g. iter_0000020 inside "
                               f"{root}): fix the file or delete it to start afresh")
+    if (root / tag).is_symlink():
+        raise CheckpointError(f"{what} {tag!r} but {root / tag} is a symbolic link (to {(root / tag).readlink()}): a "
+                              f"checkpoint must be a folder inside {root}; copy it there instead of linking")
     if not (root / tag).is_dir():
         have = sorted(p.name for p in root.glob("iter_*") if p.is_dir())
         raise CheckpointError(f"{what} {tag!r} but {root / tag} does not exist (present: {', '.join(have) or 'none'}): "

@@ -165,9 +165,11 @@ class DataConfig(Freezable):
     [0.7, /data/b]] (GPT-2; tokenizer from data.tokenizer; see training.data.blending)."""
     split: str = "969,30,1"
     """train,valid,test proportions over documents (of each prefix when blending)."""
-    separate_last_epoch: bool = False
-    """GPT sample order: Megatron 2021+ shuffles a short last epoch (< 80 % used) apart from the others;
-    False = Megatron 2020 (all epochs shuffled together). See training/data/gpt_dataset.py."""
+    separate_last_epoch: bool | None = None
+    """GPT sample order: True = Megatron 2021+ shuffles a short last epoch (< 80 % used) apart from the
+    others; False = Megatron 2020 (all epochs shuffled together); None (default) = False for data.corpus
+    and data.text_files, True for data.prefixes (Megatron's blending came with it). See
+    training/data/gpt_dataset.py and training/data/blending.py."""
     num_workers: int = 0
 
 

@@ -14,13 +14,17 @@ end so writers that add one when it is missing (``numpy.save``) use the name as 
 * :func:`atomic_path` -- a temporary path for writers that take a file name (``numpy.save``,
   ``torch.save``, ``shutil.copyfile``); it is published when the ``with`` block ends without error.
 * :func:`copy_file` -- copy a file into place atomically.
-* :func:`atomic_dir` -- a temporary folder that replaces the target folder when complete.
+* :func:`atomic_dir` -- a temporary folder that replaces the target folder when complete; the folders a
+  killed (SIGKILL) earlier writer of the same target left are removed first, with one warning.
 """
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -128,14 +132,47 @@ def copy_file(src: str | Path, dst: str | Path) -> Path:
     return Path(dst)
 
 
+def _dir_prefix(path: Path) -> str:
+    return f".{path.name}.tmp-{socket.gethostname()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # someone else's live process
+    return True
+
+
+def remove_stale_dirs(path: str | Path) -> list[Path]:
+    """Remove the temporary folders a killed :func:`atomic_dir` writer of ``path`` left (named
+    ``.NAME.tmp-HOST-PID-XXXX``: only this host's, only those whose process is gone); returns them."""
+    path = Path(path)
+    prefix = _dir_prefix(path)
+    removed = []
+    for d in path.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = d.name[len(prefix):].split("-", 1)[0]
+        if d.is_dir() and not d.is_symlink() and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
 @contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yield a new empty hidden directory next to ``path`` to fill; when the block ends without error it
     replaces ``path`` (an existing ``path`` is removed first). On an error it is removed and ``path`` is
-    left as it was. For outputs that are a folder of files (a Hugging Face export, an imported run)."""
+    left as it was. For outputs that are a folder of files (a Hugging Face export, an imported run). The
+    folders a killed earlier writer of ``path`` left are removed first (:func:`remove_stale_dirs`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    stale = remove_stale_dirs(path)
+    if stale:
+        logging.getLogger(__name__).warning("removed %d temporary folder(s) an interrupted write of %s left: %s",
+                                            len(stale), path, ", ".join(d.name for d in stale))
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{_dir_prefix(path)}{os.getpid()}-"))
     try:
         os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp creates 0700; give the folder the mode mkdir() would
         yield tmp

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -310,10 +311,10 @@ class BertDataset:
         path = Path(cache_dir) / (f"{prefix}_{self.name}_indexmap_{num_samples}mns_{self.max_seq_length}msl_"
                                   f"{ssp:.2f}ssp_{self.seed}s_{digest}.npz")
         if path.is_file():
-            z = np.load(path)
-            st = MappingStats(**{k: int(z[k]) for k in ("documents", "skipped_short_documents", "samples_per_epoch",
-                                                          "epochs", "samples")})
-            return z["mapping"], st
+            cached, problem = self._load_mapping(path)
+            if cached is not None:
+                return cached
+            logger.warning("cached BERT %s samples mapping %s is damaged (%s): rebuilding it", self.name, path, problem)
         mapping, st = build_samples_mapping(self.indexed.doc_idx, self.indexed.sizes, docs, num_samples,
                                             self.max_seq_length, ssp, self.seed)
         with atomic.atomic_path(path) as tmp:  # keeps the .npz suffix np.savez would otherwise add
@@ -323,6 +324,23 @@ class BertDataset:
                     "(< 2 sentences) -> %s", self.name, st.samples, st.samples_per_epoch, st.epochs, st.documents,
                     st.skipped_short_documents, path)
         return mapping, st
+
+    def _load_mapping(self, path: Path):
+        """((mapping, stats), None), or (None, what is wrong) for an unreadable or damaged (e.g. zeroed) file:
+        every row must be sentences ``start < end`` of this dataset and a target length of at least 1."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                st = MappingStats(**{k: int(z[k]) for k in ("documents", "skipped_short_documents",
+                                                              "samples_per_epoch", "epochs", "samples")})
+                mapping = np.asarray(z["mapping"])
+        except (ValueError, OSError, KeyError, EOFError, zipfile.BadZipFile) as e:
+            return None, f"unreadable: {str(e)[:80]}"
+        if mapping.ndim != 2 or mapping.shape != (st.samples, 3):
+            return None, f"mapping of shape {mapping.shape} for {st.samples} samples"
+        if len(mapping) and not (int(mapping[:, 0].min()) >= 0 and bool((mapping[:, 0] < mapping[:, 1]).all())
+                                 and int(mapping[:, 1].max()) <= len(self.indexed) and int(mapping[:, 2].min()) >= 1):
+            return None, "rows that are not sentence ranges of this dataset"
+        return (mapping, st), None
 
     def __len__(self) -> int:
         return len(self.mapping)

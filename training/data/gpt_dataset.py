@@ -31,7 +31,8 @@ Index maps are cached as ``.npy`` files named
 (Megatron's name plus ``digest``, and ``_sle`` when the last epoch is separated, 10 hex chars of a hash of the split's document ids and the dataset's
 item count and token count, so a changed split or rebuilt corpus never reuses a stale map).  They are
 written to temporary names then renamed (``shuffle`` last: its presence means the set is complete) and
-reloaded with ``mmap_mode='r'``.  Index building is deterministic, so two processes that build at the
+reloaded with ``mmap_mode='r'`` and checked (:func:`index_maps_problem`): a damaged set (a file zeroed by a
+crash or a copy) is rebuilt with one warning instead of being used.  Index building is deterministic, so two processes that build at the
 same time write identical files and the rename is harmless; no barrier is needed.
 """
 
@@ -159,6 +160,41 @@ def separate_last_epoch_samples(tokens_per_epoch: int, seq_length: int, num_samp
     return before_last if num_samples - before_last < int(0.80 * per_epoch) else None
 
 
+def index_maps_problem(doc_idx: np.ndarray, sample_idx: np.ndarray, shuffle_idx: np.ndarray, documents: np.ndarray,
+                       sizes: np.ndarray, num_epochs: int, seq_length: int, num_samples: int,
+                       first_epochs_samples: int | None) -> str | None:
+    """What is wrong with loaded index maps (e.g. a cache file zeroed by a crash or a copy), or None. One
+    vectorised pass: doc_idx holds each document ``num_epochs`` times, row k of sample_idx points at stream
+    token ``k * seq_length``, shuffle_idx is a permutation (range and sum) of its samples."""
+    if doc_idx.ndim != 1 or len(doc_idx) != num_epochs * len(documents):
+        return f"doc_idx has shape {doc_idx.shape}, expected ({num_epochs * len(documents)},)"
+    lo, hi = int(documents.min()), int(documents.max())
+    if len(doc_idx) and (int(doc_idx.min()) < lo or int(doc_idx.max()) > hi):
+        return "doc_idx names documents outside the split"
+    if not np.array_equal(np.bincount(np.asarray(doc_idx, dtype=np.int64) - lo, minlength=hi - lo + 1),
+                          np.bincount(documents - lo, minlength=hi - lo + 1) * num_epochs):
+        return f"doc_idx does not hold every document {num_epochs} time(s)"
+    if sample_idx.ndim != 2 or sample_idx.shape[1] != 2 or sample_idx.shape[0] < 2:
+        return f"sample_idx has shape {sample_idx.shape}"
+    pos, off = np.asarray(sample_idx[:, 0], dtype=np.int64), np.asarray(sample_idx[:, 1], dtype=np.int64)
+    if int(pos.min()) < 0 or int(pos.max()) >= len(doc_idx) or int(off.min()) < 0:
+        return "sample_idx points outside doc_idx"
+    lengths = sizes[doc_idx].astype(np.int64)
+    starts = np.cumsum(lengths) - lengths
+    if not np.array_equal(starts[pos] + off, np.arange(len(pos), dtype=np.int64) * seq_length):
+        return "sample_idx rows do not step by seq_length tokens"
+    m = len(pos) - 1
+    if shuffle_idx.ndim != 1 or len(shuffle_idx) != m or m < num_samples:
+        return f"shuffle_idx has shape {shuffle_idx.shape}, expected ({m},) and at least {num_samples}"
+    sh = np.asarray(shuffle_idx, dtype=np.int64)
+    head = m if first_epochs_samples is None else first_epochs_samples
+    for part, start, stop in ((sh[:head], 0, head), (sh[head:], head, m)):
+        if len(part) and (int(part.min()) != start or int(part.max()) != stop - 1
+                          or int(part.sum()) != (start + stop - 1) * (stop - start) // 2):
+            return "shuffle_idx is not a permutation of its samples"
+    return None
+
+
 def _atomic_save(path: Path, arr: np.ndarray) -> None:
     with atomic.atomic_open(path, "wb") as f:
         np.save(f, arr, allow_pickle=False)
@@ -237,39 +273,53 @@ class GPTDataset(torch.utils.data.Dataset):
         return {k: directory / f"{stem}_{k}_idx.npy" for k in ("doc", "sample", "shuffle")}
 
     def _index_maps(self, paths: dict[str, Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if not all(p.is_file() for p in paths.values()):
-            t0 = time.perf_counter()
-            rng = np.random.RandomState(self.seed)
-            if self.first_epochs_samples is None:
-                doc_idx = build_doc_idx(self.documents, self.num_epochs, rng)
-            else:  # the short last epoch's documents shuffled apart, after the others
-                doc_idx = np.concatenate([build_doc_idx(self.documents, self.num_epochs - 1, rng),
-                                          build_doc_idx(self.documents, 1, rng)])
-            sample_idx = build_sample_idx(self.indexed.sizes, doc_idx, self.seq_length, self.num_epochs,
-                                          self.tokens_per_epoch)
-            shuffle_idx = build_shuffle_idx(sample_idx.shape[0] - 1, rng, self.first_epochs_samples)
-            paths["doc"].parent.mkdir(parents=True, exist_ok=True)
-            _atomic_save(paths["doc"], doc_idx)
-            _atomic_save(paths["sample"], sample_idx)
-            _atomic_save(paths["shuffle"], shuffle_idx)  # last: marks the set complete
-            self.built_index = True
-            logger.info(
-                "built %s index maps in %.2fs: %d documents x %d epochs, %d samples of %d tokens -> %s",
-                self.name, time.perf_counter() - t0, len(self.documents), self.num_epochs,
-                sample_idx.shape[0] - 1, self.seq_length, paths["shuffle"].parent / paths["shuffle"].name,
-            )
-        else:
+        if all(p.is_file() for p in paths.values()):
             logger.info("loading cached %s index maps %s", self.name, paths["shuffle"])
+            maps, problem = self._load_index_maps(paths)
+            if problem is None:
+                return maps
+            logger.warning("cached %s index maps %s are damaged (%s): rebuilding them", self.name,
+                           paths["shuffle"], problem)
+        self._build_index_maps(paths)
+        maps, problem = self._load_index_maps(paths)
+        if problem is not None:
+            raise GPTDatasetError(f"index maps {paths['shuffle']} do not read back ({problem}); check the disk")
+        return maps
+
+    def _build_index_maps(self, paths: dict[str, Path]) -> None:
+        t0 = time.perf_counter()
+        rng = np.random.RandomState(self.seed)
+        if self.first_epochs_samples is None:
+            doc_idx = build_doc_idx(self.documents, self.num_epochs, rng)
+        else:  # the short last epoch's documents shuffled apart, after the others
+            doc_idx = np.concatenate([build_doc_idx(self.documents, self.num_epochs - 1, rng),
+                                      build_doc_idx(self.documents, 1, rng)])
+        sample_idx = build_sample_idx(self.indexed.sizes, doc_idx, self.seq_length, self.num_epochs,
+                                      self.tokens_per_epoch)
+        shuffle_idx = build_shuffle_idx(sample_idx.shape[0] - 1, rng, self.first_epochs_samples)
+        paths["doc"].parent.mkdir(parents=True, exist_ok=True)
+        _atomic_save(paths["doc"], doc_idx)
+        _atomic_save(paths["sample"], sample_idx)
+        _atomic_save(paths["shuffle"], shuffle_idx)  # last: marks the set complete
+        self.built_index = True
+        logger.info(
+            "built %s index maps in %.2fs: %d documents x %d epochs, %d samples of %d tokens -> %s",
+            self.name, time.perf_counter() - t0, len(self.documents), self.num_epochs,
+            sample_idx.shape[0] - 1, self.seq_length, paths["shuffle"].parent / paths["shuffle"].name,
+        )
+
+    def _load_index_maps(self, paths: dict[str, Path]):
+        """((doc_idx, sample_idx, shuffle_idx), None), or (None, what is wrong) for an unreadable or damaged set."""
         loaded = []
         for k in ("doc", "sample", "shuffle"):
             try:
                 loaded.append(np.load(paths[k], mmap_mode="r", allow_pickle=False))
-            except (ValueError, OSError) as e:
-                raise GPTDatasetError(f"cached index map {paths[k]} is unreadable ({e}); delete it to rebuild") from None
-        doc_idx, sample_idx, shuffle_idx = loaded
-        if sample_idx.ndim != 2 or shuffle_idx.shape[0] != sample_idx.shape[0] - 1 or shuffle_idx.shape[0] < self.num_samples:
-            raise GPTDatasetError(f"cached index maps {paths['shuffle']} are inconsistent; delete them to rebuild")
-        return doc_idx, sample_idx, shuffle_idx
+            except (ValueError, OSError, EOFError) as e:
+                why = "not a numpy array file" if "pickle" in str(e) or "magic" in str(e) else str(e)[:80]
+                return None, f"{paths[k].name}: {why}"
+        problem = index_maps_problem(*loaded, self.documents, self.indexed.sizes, self.num_epochs, self.seq_length,
+                                     self.num_samples, self.first_epochs_samples)
+        return (None, problem) if problem else (tuple(loaded), None)
 
     # -- samples -----------------------------------------------------------------------------------
     def __len__(self) -> int:

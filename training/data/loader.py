@@ -133,12 +133,13 @@ def build_datasets(cfg: Config, src: DataSources, num_samples: tuple[int, int, i
         if src.blend is not None:
             from training.data.blending import build_blended_datasets
 
+            sle = cfg.data.separate_last_epoch
             return build_blended_datasets(*src.blend, cfg.data.split, num_samples, cfg.model.seq_length,
-                                          cfg.train.seed, cache, src.tokenizer.vocab_size)
+                                          cfg.train.seed, cache, src.tokenizer.vocab_size, sle is not False)
         where = "data.corpus" if cfg.data.corpus is not None else "data.text_files"
         check_token_ids(src.prefix, src.tokenizer.vocab_size, cache, where)
         return build_gpt_datasets(src.prefix, cfg.data.split, num_samples, cfg.model.seq_length,
-                                  cfg.train.seed, cache_dir=cache, separate_last_epoch=cfg.data.separate_last_epoch)
+                                  cfg.train.seed, cache_dir=cache, separate_last_epoch=bool(cfg.data.separate_last_epoch))
 
     return rank0_first(build)
 
