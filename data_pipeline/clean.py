@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import re
 
-import ftfy
-
-from data_pipeline.ftfy_fast import needs_ftfy
+from data_pipeline.ftfy_fast import fix_text, needs_ftfy
 
 __all__ = ["clean_text", "needs_ftfy", "normalize_whitespace"]
 
@@ -64,12 +62,13 @@ def normalize_whitespace(text: str) -> str:
 def clean_text(text: str, use_ftfy: bool = True, whitespace: bool = True) -> str:
     """Cleaned text; an empty result means the document is rejected as ``empty``.
 
-    ftfy runs only on texts :func:`needs_ftfy` flags: on the others it provably returns its input
+    ftfy runs only on texts (and, within them, on the lines) :func:`needs_ftfy` flags: on the others it
+    provably returns its input
     (:mod:`data_pipeline.ftfy_fast` derives, from ftfy's own tables and regexes, the characters any of
     its steps needs in order to act; a text without them that is already NFC is skipped, ASCII or
     not), and skipping it there is most of ingest's time on clean text."""
-    if use_ftfy and needs_ftfy(text):
-        text = ftfy.fix_text(text)
+    if use_ftfy:
+        text = fix_text(text)
     if whitespace:
         text = normalize_whitespace(text)
     else:

@@ -3,7 +3,9 @@
 The pipeline calls ``ftfy.fix_text(text)`` with ftfy's default ``TextFixerConfig`` (see
 :mod:`data_pipeline.clean`). :func:`needs_ftfy` is false only when that call is certain to return its
 input, so :func:`data_pipeline.clean.clean_text` may skip it: a document that holds none of the
-characters in :data:`FTFY_TRIGGERS` and is already in NFC is returned unchanged.
+characters in :data:`FTFY_TRIGGERS` and is already in NFC is returned unchanged. :func:`fix_text`
+applies the same test to each segment (line) ftfy fixes on its own, so ftfy runs only on the lines
+that need it.
 
 The trigger set is **derived at import from ftfy's own tables and regexes**, not written by hand:
 
@@ -203,6 +205,39 @@ def needs_ftfy(text: str) -> bool:
     """False only when ``ftfy.fix_text(text) == text`` is certain (module docstring)."""
     if _TRIGGER_RE is None or len(text) > CONFIG.max_decode_length:
         return True
-    if _TRIGGER_RE.search(text) is not None:
+    return _segment_needs_ftfy(text)
+
+
+def _segment_needs_ftfy(segment: str) -> bool:
+    if _TRIGGER_RE is None or _TRIGGER_RE.search(segment) is not None:
         return True
-    return CONFIG.normalization is not None and not unicodedata.is_normalized(CONFIG.normalization, text)
+    return CONFIG.normalization is not None and not unicodedata.is_normalized(CONFIG.normalization, segment)
+
+
+def fix_text(text: str) -> str:
+    """``ftfy.fix_text(text)`` (default config), calling ftfy only on the segments that need it.
+
+    ``ftfy.fix_text`` fixes each segment (up to and including a ``\\n``, at most ``max_decode_length``
+    characters) on its own with ``fix_and_explain``; the only state carried from one segment to the
+    next is ``unescape_html='auto'`` turning into ``False`` from the first segment holding ``<`` on.
+    This loop cuts the same segments and keeps the same state; a segment without triggers that is NFC
+    is kept as it is (the argument of the module docstring holds for either ``unescape_html``), the
+    others go through ``ftfy.fix_text`` with the state's config, which, as a segment is one segment
+    for it too, is ``fix_and_explain`` on it. A document of many paragraphs with one curly quote
+    pays ftfy for one paragraph."""
+    if _TRIGGER_RE is None:
+        return ftfy.fix_text(text, CONFIG)
+    if not needs_ftfy(text):
+        return text
+    out, pos, n = [], 0, len(text)
+    cfg, limit = CONFIG, CONFIG.max_decode_length
+    while pos < n:
+        brk = text.find("\n", pos) + 1 or n
+        if brk - pos > limit:
+            brk = pos + limit
+        segment = text[pos:brk]
+        if cfg.unescape_html == "auto" and "<" in segment:
+            cfg = cfg._replace(unescape_html=False)
+        out.append(ftfy.fix_text(segment, cfg) if _segment_needs_ftfy(segment) else segment)
+        pos = brk
+    return "".join(out)

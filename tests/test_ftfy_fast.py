@@ -16,7 +16,7 @@ import pytest
 
 from data_pipeline.clean import clean_text, normalize_whitespace
 from data_pipeline.default_corpus import iter_default_corpus
-from data_pipeline.ftfy_fast import CONFIG, FTFY_TRIGGERS, TRIGGERS_BY_STEP, needs_ftfy, regex_must_contain
+from data_pipeline.ftfy_fast import CONFIG, FTFY_TRIGGERS, TRIGGERS_BY_STEP, fix_text, needs_ftfy, regex_must_contain
 from tests.distributed import SHARED_DATA as _SHARED
 
 SHARED_DATA = Path(_SHARED)
@@ -35,6 +35,7 @@ def _check(texts) -> tuple[int, int, int]:
     skipped = changed = 0
     for t in texts:
         fixed = fix(t)
+        assert fix_text(t) == fixed, repr(t)  # the per-line fast path
         if fixed != t:
             changed += 1
             assert needs_ftfy(t), f"ftfy changes {t!r} -> {fixed!r} but the fast path would skip it"
@@ -163,6 +164,18 @@ def test_every_fixer_input_matches_ftfy():
         texts += [t, f"plain words {t} more words", f"東京 {t} café"]
     skipped, changed = check_exact(texts)
     assert changed >= len(FIXER_INPUTS)
+
+
+def test_segments_keep_ftfy_state():
+    """Per-line skipping keeps ftfy's one piece of state: from the first line holding '<' on, HTML
+    entities are left alone; and a text longer than max_decode_length is cut where ftfy cuts it."""
+    texts = ["a &amp; b\n<p> c &amp; d\n e &amp; f", "plain\nline &lt; two\n<b>\n&amp;",
+             "x\n\n\u201cq\u201d\n&eacute;\n<\n&eacute;\n", "caf\u00e9\n\u0301x\n"]
+    skipped, changed = check_exact(texts)
+    assert changed == 3  # the last one is NFC already: "\n" composes with nothing
+    long = ("word " * 200_001)[:CONFIG.max_decode_length - 1] + "e\u0301" + " tail"
+    assert len(long) > CONFIG.max_decode_length and "\n" not in long
+    assert fix_text(long) == fix(long)
 
 
 def test_nfd_text(real_docs):
