@@ -5,7 +5,8 @@ The pipeline calls ``ftfy.fix_text(text)`` with ftfy's default ``TextFixerConfig
 input, so :func:`data_pipeline.clean.clean_text` may skip it: a document that holds none of the
 characters in :data:`FTFY_TRIGGERS` and is already in NFC is returned unchanged. :func:`fix_text`
 applies the same test to each segment (line) ftfy fixes on its own, so ftfy runs only on the lines
-that need it.
+that need it, and lines whose only triggers are curly quotes take a shortcut made of ftfy's own
+``is_bad`` and ``uncurl_quotes`` (:func:`fix_segment` gives the argument).
 
 The trigger set is **derived at import from ftfy's own tables and regexes**, not written by hand:
 
@@ -93,7 +94,7 @@ def _choice_key(chars: frozenset[str]) -> tuple[int, int, int, int]:
     return ascii_n, lower, len(chars), letters
 
 
-def _candidates(items) -> list[frozenset[str]]:
+def _candidates(items, avoid: frozenset[str] = frozenset()) -> list[frozenset[str]]:
     """For a sequence of regex elements, the explicit character sets of its mandatory elements: a
     match of the sequence contains a character of each of them."""
     found_sets = []
@@ -104,37 +105,39 @@ def _candidates(items) -> list[frozenset[str]]:
         elif op is sre_c.IN:
             found = _class_chars(av)
         elif op is sre_c.SUBPATTERN:
-            found = _must_contain(av[-1])
+            found = _must_contain(av[-1], avoid)
         elif op is sre_c.BRANCH:
-            alts = [_must_contain(alt) for alt in av[1]]
+            alts = [_must_contain(alt, avoid) for alt in av[1]]
             found = None if any(a is None for a in alts) else frozenset().union(*alts)
         elif op in (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT) and av[0] >= 1:
-            found = _must_contain(av[2])
+            found = _must_contain(av[2], avoid)
         # anything else (anchors, look-arounds, optional parts, \w, negated classes) is not used
-        if found:
+        if found and not found & avoid:
             found_sets.append(found)
     return found_sets
 
 
-def _must_contain(items) -> frozenset[str] | None:
-    found = _candidates(items)
+def _must_contain(items, avoid: frozenset[str] = frozenset()) -> frozenset[str] | None:
+    found = _candidates(items, avoid)
     return min(found, key=_choice_key) if found else None
 
 
-def regex_must_contain(pattern: re.Pattern[str]) -> frozenset[str] | None:
+def regex_must_contain(pattern: re.Pattern[str], avoid: frozenset[str] = frozenset()) -> frozenset[str] | None:
     """Characters one of which every (non-empty) match of ``pattern`` contains; ``None`` when that
     cannot be read off the pattern (case-insensitive patterns, or an alternative made only of
     ``\\w``-like or optional parts).
 
     For a pattern that is one alternation (``BADNESS_RE``), each alternative's set is chosen so as to
     add as few new characters as possible to the others' (``[ÀÁ...]°`` needs an accented capital,
-    which other alternatives already need, rather than the degree sign)."""
+    which other alternatives already need, rather than the degree sign). With ``avoid``, only sets
+    without those characters are chosen (``None`` if an alternative has none): a text holding none
+    of the result cannot match even if it holds characters of ``avoid``."""
     if pattern.flags & re.IGNORECASE or not isinstance(pattern.pattern, str):
         return None
     parsed = sre_parse.parse(pattern.pattern, pattern.flags)
     if len(parsed) != 1 or parsed[0][0] is not sre_c.BRANCH:
-        return _must_contain(parsed)
-    per_alt = [_candidates(alt) for alt in parsed[0][1][1]]
+        return _must_contain(parsed, avoid)
+    per_alt = [_candidates(alt, avoid) for alt in parsed[0][1][1]]
     if not all(per_alt):
         return None
     picks = [min(c, key=_choice_key) for c in per_alt]
@@ -199,6 +202,25 @@ FTFY_TRIGGERS: frozenset[str] | None = (
     _union(*TRIGGERS_BY_STEP.values()) if _known_version() else None
 )
 _TRIGGER_RE = _char_class(FTFY_TRIGGERS) if FTFY_TRIGGERS is not None else None
+#: The characters ``uncurl_quotes`` replaces, and the triggers but them.
+QUOTES: frozenset[str] = TRIGGERS_BY_STEP["uncurl_quotes"] or frozenset()
+_OTHER_TRIGGER_RE = _char_class(FTFY_TRIGGERS - QUOTES) if FTFY_TRIGGERS is not None else None
+
+
+def _quotes_path_holds() -> bool:
+    """The quotes-only shortcut's premises (see :func:`fix_segment`): NFC, quotes uncurled, and what
+    ``uncurl_quotes`` writes triggers nothing."""
+    if FTFY_TRIGGERS is None or CONFIG.normalization != "NFC" or not CONFIG.uncurl_quotes or not QUOTES:
+        return False
+    out = fixes.uncurl_quotes("".join(sorted(QUOTES)))
+    return out.isascii() and not set(out) & FTFY_TRIGGERS and not set(out) & QUOTES
+
+
+QUOTES_PATH = _quotes_path_holds()
+#: Characters one of which every match of the mojibake detector holds besides curly quotes: a
+#: segment without them is not ``is_bad`` whatever its quotes.
+BAD_BESIDES_QUOTES = regex_must_contain(badness.BADNESS_RE, QUOTES) if QUOTES_PATH else None
+_BAD_BESIDES_QUOTES_RE = _char_class(BAD_BESIDES_QUOTES) if BAD_BESIDES_QUOTES else None
 
 
 def needs_ftfy(text: str) -> bool:
@@ -238,6 +260,32 @@ def fix_text(text: str) -> str:
         segment = text[pos:brk]
         if cfg.unescape_html == "auto" and "<" in segment:
             cfg = cfg._replace(unescape_html=False)
-        out.append(ftfy.fix_text(segment, cfg) if _segment_needs_ftfy(segment) else segment)
+        out.append(fix_segment(segment, cfg) if _segment_needs_ftfy(segment) else segment)
         pos = brk
     return "".join(out)
+
+
+def _is_bad(segment: str) -> bool:
+    """``ftfy.badness.is_bad``, answered False without running it where no match is possible."""
+    if _BAD_BESIDES_QUOTES_RE is not None and _BAD_BESIDES_QUOTES_RE.search(segment) is None:
+        return False
+    return badness.is_bad(segment)
+
+
+def fix_segment(segment: str, cfg: ftfy.TextFixerConfig = CONFIG) -> str:
+    """``ftfy.fix_text(segment, cfg)`` for one segment (no ``\\n`` but at its end), with a shortcut for
+    the commonest case in real text, a segment whose only triggers are curly quotes.
+
+    Such a segment, if NFC and not ``ftfy.badness.is_bad``, comes out of ftfy as
+    ``ftfy.fixes.uncurl_quotes(segment)`` when that is NFC: in ``fix_and_explain``'s first pass
+    ``unescape_html`` has no ``&``, ``fix_encoding`` stops at ``not is_bad``, the fixers before
+    ``uncurl_quotes`` find none of their characters, the ones after it and NFC see a text without
+    triggers that is NFC (what ``uncurl_quotes`` writes, ASCII ``'`` and ``"``, triggers nothing:
+    :func:`_quotes_path_holds`); the second pass starts from that text and so changes nothing and
+    returns it. Everything else (and any segment where a premise fails) goes to ``ftfy.fix_text``."""
+    if QUOTES_PATH and _OTHER_TRIGGER_RE is not None and _OTHER_TRIGGER_RE.search(segment) is None \
+            and unicodedata.is_normalized("NFC", segment) and not _is_bad(segment):
+        fixed = fixes.uncurl_quotes(segment)
+        if unicodedata.is_normalized("NFC", fixed):
+            return fixed
+    return ftfy.fix_text(segment, cfg)

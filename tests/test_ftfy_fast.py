@@ -100,6 +100,20 @@ def test_regex_must_contain_on_every_match():
             s = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8)))
             for m in re.finditer(pattern, s):
                 assert set(m.group(0)) & must, (pattern, s)
+    # the mojibake detector, with curly quotes avoided: a match always holds one of the other characters
+    from ftfy.badness import BADNESS_RE
+
+    from data_pipeline.ftfy_fast import BAD_BESIDES_QUOTES, QUOTES
+    assert BAD_BESIDES_QUOTES and not BAD_BESIDES_QUOTES & QUOTES
+    rng = random.Random(2)
+    alphabet = sorted(QUOTES) + list("aZ .,!\n") + sorted(TRIGGERS_BY_STEP["fix_encoding"]) + list("éüàÉ×°µ²ВГРСβ€")
+    hits = 0
+    for _ in range(30000):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6)))
+        for m in BADNESS_RE.finditer(s):
+            hits += 1
+            assert set(m.group(0)) & BAD_BESIDES_QUOTES, repr(s)
+    assert hits > 1000
     assert regex_must_contain(re.compile(r"\w+")) is None
     assert regex_must_contain(re.compile("abc", re.IGNORECASE)) is None
 
@@ -176,6 +190,21 @@ def test_segments_keep_ftfy_state():
     long = ("word " * 200_001)[:CONFIG.max_decode_length - 1] + "e\u0301" + " tail"
     assert len(long) > CONFIG.max_decode_length and "\n" not in long
     assert fix_text(long) == fix(long)
+
+
+def test_quotes_shortcut():
+    from data_pipeline.ftfy_fast import QUOTES_PATH, fix_segment
+    assert QUOTES_PATH
+    texts = ["\u201cHello,\u201d she said, \u2018it\u2019s fine.\u2019\n", "\u201c\u0301x\u201d", "e\u2019\u0301",
+             "caf\u00e9 \u201cok\u201d", "\u00c3\u201c mojibake \u00e2\u20ac\u0153x\u00e2\u20ac\u009d",
+             "\u201cA\u201d \u00c9\u201d\u00a3", "\u02bcok\u201b \u201f\u201e", "\u201c&amp;\u201d", "\u201ccafe\u0301\u201d"]
+    rng = random.Random(5)
+    pool = list("\u2018\u2019\u201a\u201b\u201c\u201d\u201e\u201f\u02bc") + list("ab .,'\"") + \
+        list("\u00e9\u00c3\u00c2\u00e2\u20ac\u0153\u00a3\u0301\u00b0\u00c9\u2014")
+    texts += ["".join(rng.choice(pool) for _ in range(rng.randint(1, 12))) for _ in range(20000)]
+    for t in texts:
+        assert fix_segment(t) == fix(t), repr(t)
+    check_exact(texts)
 
 
 def test_nfd_text(real_docs):
