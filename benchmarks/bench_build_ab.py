@@ -37,12 +37,19 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def output_digest(out: Path, tmp: Path) -> str:
-    h = hashlib.sha256()
-    for name in ("gpt_text_document.bin", "gpt_text_document.idx", "duplicates.jsonl", "rejects.jsonl",
-                 "documents.jsonl"):
-        h.update((out / name).read_bytes().replace(str(out).encode(), b"<out>").replace(str(tmp).encode(), b"<tmp>"))
-    return h.hexdigest()[:16]
+def output_digest(out: Path, tmp: Path) -> dict[str, str]:
+    """Per output: sha256 of the .bin/.idx, duplicates and rejects files (temp path masked), and of the
+    documents' ``(i, text)`` (the digests ``bench_corpus --e2e-docs`` prints)."""
+    got = {}
+    for name in ("gpt_text_document.bin", "gpt_text_document.idx", "duplicates.jsonl", "rejects.jsonl"):
+        got[name] = hashlib.sha256((out / name).read_bytes().replace(str(tmp).encode(), b"<tmp>")).hexdigest()[:12]
+    docs = hashlib.sha256()
+    with open(out / "documents.jsonl", "rb") as f:
+        for line in f:
+            r = json.loads(line)
+            docs.update(json.dumps([r["i"], r["text"]]).encode())
+    got["documents (i, text)"] = docs.hexdigest()[:12]
+    return got
 
 
 def run_build(root: Path, cfg: Path, out: Path) -> tuple[float, float, dict[str, float]]:
@@ -116,9 +123,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {name} | {walls} ({med[name][0]:.2f}) | {med[name][1]:.2f} | {med[base][0] / med[name][0]:.2f}x "
                   f"| {med[base][1] / med[name][1]:.2f}x | "
                   + " | ".join(f"{v:.2f} ({100 * v / total:.0f} %)" for v in stage_med)
-                  + f" | {r['digest']} |")
-        same = len({r["digest"] for r in res.values()}) == 1
-        print(f"\noutputs byte-identical across checkouts: {same}; uptime at end: {up1}")
+                  + f" | {'/'.join(r['digest'].values())} |")
+        differ = [k for k in res[base]["digest"] if len({r["digest"][k] for r in res.values()}) > 1]
+        same = not differ
+        print(f"\noutputs identical across checkouts: {same} (differing: {', '.join(differ) or 'none'}); "
+              f"uptime at end: {up1}")
         if args.json:
             Path(args.json).write_text(json.dumps({
                 "corpus": args.corpus, "docs": args.docs, "mb": mb, "workers": args.workers, "reps": args.reps,
