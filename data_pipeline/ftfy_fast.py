@@ -202,6 +202,10 @@ FTFY_TRIGGERS: frozenset[str] | None = (
     _union(*TRIGGERS_BY_STEP.values()) if _known_version() else None
 )
 _TRIGGER_RE = _char_class(FTFY_TRIGGERS) if FTFY_TRIGGERS is not None else None
+#: The ASCII triggers (``&``, CR, ESC, the C0 controls ftfy removes): ASCII text is NFC, so for it
+#: this one small class is the whole test.
+_ASCII_TRIGGER_RE = (_char_class(frozenset(c for c in FTFY_TRIGGERS if c.isascii()))
+                     if FTFY_TRIGGERS is not None else None)
 #: The characters ``uncurl_quotes`` replaces, and the triggers but them.
 QUOTES: frozenset[str] = TRIGGERS_BY_STEP["uncurl_quotes"] or frozenset()
 _OTHER_TRIGGER_RE = _char_class(FTFY_TRIGGERS - QUOTES) if FTFY_TRIGGERS is not None else None
@@ -231,7 +235,11 @@ def needs_ftfy(text: str) -> bool:
 
 
 def _segment_needs_ftfy(segment: str) -> bool:
-    if _TRIGGER_RE is None or _TRIGGER_RE.search(segment) is not None:
+    if _TRIGGER_RE is None or _ASCII_TRIGGER_RE is None:
+        return True
+    if segment.isascii():
+        return _ASCII_TRIGGER_RE.search(segment) is not None
+    if _TRIGGER_RE.search(segment) is not None:
         return True
     return CONFIG.normalization is not None and not unicodedata.is_normalized(CONFIG.normalization, segment)
 
