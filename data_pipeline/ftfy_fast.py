@@ -46,9 +46,13 @@ pass changes nothing, so if every step leaves the segment alone the first pass r
     is never reordered, so the whole text is NFC iff each segment is; texts longer than
     ``max_decode_length`` (cut at arbitrary points) always go to ftfy.
 
-If the installed ftfy has a step or option this module does not know (a field of
-``TextFixerConfig`` or a key of ``ftfy.FIXERS`` not listed here), or a regex whose must-contain set
-cannot be derived, :data:`FTFY_TRIGGERS` is ``None`` and :func:`needs_ftfy` is always true.
+ASCII text is NFC, so for it the test is only whether it holds an ASCII trigger (``&``, CR, ESC, the
+C0 controls ``remove_control_chars`` deletes, DEL).
+
+The argument was read off ftfy 6.3's source. With another ftfy minor version, a step or option this
+module does not know (a field of ``TextFixerConfig`` or a key of ``ftfy.FIXERS`` not listed here), or
+a regex whose must-contain set cannot be derived, :data:`FTFY_TRIGGERS` is ``None`` and every text
+goes to ``ftfy.fix_text`` (correct, only slower) until the argument is checked again.
 ``tests/test_ftfy_fast.py`` checks the equality with ``ftfy.fix_text`` on real text, mojibake,
 every fixer's inputs and random strings.
 """
@@ -191,8 +195,8 @@ def _char_class(chars: frozenset[str]) -> re.Pattern[str]:
 
 
 def _known_version() -> bool:
-    return (set(ftfy.TextFixerConfig._fields) <= KNOWN_CONFIG and set(ftfy.FIXERS) <= KNOWN_FIXERS
-            and CONFIG.normalization in ("NFC", None))
+    return (ftfy.__version__.split(".")[:2] == ["6", "3"] and set(ftfy.TextFixerConfig._fields) <= KNOWN_CONFIG
+            and set(ftfy.FIXERS) <= KNOWN_FIXERS and CONFIG.normalization in ("NFC", None))
 
 
 TRIGGERS_BY_STEP = derive_triggers()
