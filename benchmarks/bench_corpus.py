@@ -35,6 +35,11 @@
    generated corpus, for before/after numbers::
 
     .venv/bin/python -m benchmarks.bench_corpus --e2e-docs 20000 --workers 2 [--code-root /tmp/before]
+
+   ``--corpus real`` builds instead the real-text corpus of ``benchmarks.real_corpus`` (real sentences
+   from ../shared/data resampled into web-like lengths, non-ASCII kept, a seeded fraction with non-ASCII
+   words and mojibake; skipped with a message when ../shared/data is absent); ``--corpus generated``
+   (the default) is the Markov corpus above.
 """
 from __future__ import annotations
 
@@ -60,6 +65,8 @@ from data_pipeline import dedup as dd
 from data_pipeline.config import config_from_dict
 from data_pipeline.planted import planted_corpus, real_words
 from data_pipeline.stages import build
+
+from benchmarks.real_corpus import real_text_corpus
 from data_pipeline.store import DocStore, ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,17 +254,30 @@ def markov_corpus(words: list[str], n: int, doc_words: int = 300, near_frac: flo
     return docs
 
 
-def e2e(n: int, workers: int, code_root: Path, tmp: Path, keep: Path | None, overrides: list[str]) -> None:
-    """Full build of ``n`` generated documents, one process per stage (see module docstring, part 4)."""
-    words = real_words([DATA / "botchan.txt", DATA / "tinyshakespeare.txt"])
+def corpus_texts(kind: str, n: int) -> list[str] | None:
+    """The ``n`` documents of the benchmark corpus ``kind`` ('generated' or 'real'); ``None`` when the
+    real text is not there."""
+    if kind == "real":
+        return real_text_corpus(n)
+    if not (DATA / "botchan.txt").exists():
+        return None
+    return markov_corpus(real_words([DATA / "botchan.txt", DATA / "tinyshakespeare.txt"]), n)
+
+
+def e2e(n: int, workers: int, code_root: Path, tmp: Path, keep: Path | None, overrides: list[str],
+        corpus: str = "generated") -> None:
+    """Full build of ``n`` documents, one process per stage (see module docstring, part 4)."""
     t = time.perf_counter()
-    texts = markov_corpus(words, n)
+    texts = corpus_texts(corpus, n)
+    if texts is None:
+        print(f"(skipped: the {corpus} corpus needs ../shared/data, which is absent)")
+        return
     inp = tmp / "corpus.jsonl"
     with open(inp, "w", encoding="utf-8") as f:
         for i, text in enumerate(texts):
             f.write(json.dumps({"id": f"doc-{i}", "text": text}) + "\n")
     mb = inp.stat().st_size / 1e6
-    print(f"\n## end to end, one process per stage: {n} documents, {mb:.1f} MB jsonl, workers={workers}, "
+    print(f"\n## end to end, one process per stage: {n} {corpus} documents, {mb:.1f} MB jsonl, workers={workers}, "
           f"code {code_root} (generated in {time.perf_counter() - t:.1f} s), overrides {overrides}")
     out = tmp / "out"
     cfg = tmp / "cfg.yaml"
@@ -314,6 +334,8 @@ def main() -> None:
     ap.add_argument("--skip-build", action="store_true", help="only the dedup comparison")
     ap.add_argument("--e2e-docs", type=int, default=0,
                     help="only part 4: end-to-end build of this many generated documents, a process per stage")
+    ap.add_argument("--corpus", choices=("generated", "real"), default="generated",
+                    help="part 4: the Markov corpus or the real-text corpus (benchmarks.real_corpus)")
     ap.add_argument("--code-root", default=str(ROOT), help="checkout whose data_pipeline runs the stages (part 4)")
     ap.add_argument("--keep", default=None, help="copy part 4's output folder here (to compare two builds)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -328,7 +350,7 @@ def main() -> None:
         try:
             print(f"load average (1/5/15 min) at start: {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
             e2e(args.e2e_docs, args.workers, Path(args.code_root).resolve(), tmp,
-                Path(args.keep) if args.keep else None, args.set)
+                Path(args.keep) if args.keep else None, args.set, args.corpus)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return

@@ -2,7 +2,9 @@
 
 The same steps with both, ``--workers`` processes each, on the documents of ``bench_corpus.markov_corpus``
 (~300-word word-bigram Markov documents over real text; 10 % near-copies of an earlier document with up to
-8 % of words replaced, 2 % exact copies), written as ``--workers`` jsonl files (datatrove shards by file):
+8 % of words replaced, 2 % exact copies), or with ``--corpus real`` on the real-text corpus of
+``benchmarks.real_corpus`` (resampled real sentences, web-like lengths, non-ASCII and some mojibake; skipped
+with a message when ../shared/data is absent), written as ``--workers`` jsonl files (datatrove shards by file):
 
 * ours: ``python -m data_pipeline build --config C`` (ingest + ftfy + whitespace normalisation → length
   filter (tokens + EOD >= 128) → exact dedup, then MinHash 128 perms, LSH 20 bands x 6 rows, Jaccard >= 0.7
@@ -79,7 +81,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_corpus import DATA, markov_corpus, real_words
+from benchmarks.bench_corpus import corpus_texts
 from data_pipeline import dedup as dd
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,14 +315,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--docs", type=int, default=20000)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--datatrove-python", default=None, help="python of a venv with datatrove (see the docstring)")
+    ap.add_argument("--corpus", choices=("generated", "real"), default="generated",
+                    help="the Markov corpus or the real-text corpus (benchmarks.real_corpus)")
     ap.add_argument("--skip-ours", action="store_true", help="run only datatrove")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the temp dir (inputs, configs, both outputs)")
     args = ap.parse_args(argv)
+    texts = corpus_texts(args.corpus, args.docs)
+    if texts is None:
+        print(f"(skipped: the {args.corpus} corpus needs ../shared/data, which is absent)")
+        return
     tmp = Path(tempfile.mkdtemp(prefix="bench_e2e_dt_"))
     try:
         load0 = os.getloadavg()
-        words = real_words([DATA / "botchan.txt", DATA / "tinyshakespeare.txt"])
-        texts = markov_corpus(words, args.docs)
         folder = tmp / "input"
         folder.mkdir()
         per = -(-len(texts) // args.workers)  # one input file per worker: datatrove shards by file
@@ -332,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         t = time.perf_counter()
         truth = similar_pairs(texts, THRESHOLD)
         print(f"command: {shlex.join([Path(sys.executable).name, '-m', 'benchmarks.bench_e2e_datatrove', *sys.argv[1:]])}")
-        print(f"## end to end vs datatrove: {args.docs} documents, {mb:.1f} MB jsonl in {args.workers} files, "
+        print(f"## end to end vs datatrove: {args.docs} {args.corpus} documents, {mb:.1f} MB jsonl in {args.workers} files, "
               f"workers={args.workers}; {len(truth)} pairs with word-5-gram Jaccard >= {THRESHOLD} "
               f"(found in {time.perf_counter() - t:.1f} s)")
         rows, cmds, notes = [], [], []

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import re
 
-import ftfy
+from data_pipeline.ftfy_fast import fix_text, needs_ftfy
+
+__all__ = ["clean_text", "needs_ftfy", "normalize_whitespace"]
 
 #: Line-break characters besides ``\n``: CR (alone or in CRLF), LS, PS, NEL, VT, FF → ``\n``.
 _LINE_BREAKS = re.compile(r"\r\n?|[\u2028\u2029\x85\x0b\x0c]")
@@ -57,29 +59,16 @@ def normalize_whitespace(text: str) -> str:
     return text.strip()
 
 
-#: A character that can make ``ftfy.fix_text`` (default config, ftfy 6.x) change a text: anything outside
-#: printable ASCII + TAB/LF/FF, or ``&``. Why the rest cannot: for ASCII text ``fix_encoding`` returns the
-#: text unchanged (its first check); the C1, ligature, width, quote, surrogate, BOM and NFC fixers only
-#: touch non-ASCII code points; ``unescape_html`` needs ``&`` (entities are ``&...;``); line breaks need
-#: CR (the others are non-ASCII); terminal escapes need ESC and ``remove_control_chars`` deletes
-#: U+0000-0008, 000B, 000E-001F, 007F — all outside the allowed set. TAB, LF, FF and CR-free printable
-#: ASCII pass every fixer untouched. ``tests/test_data_clean_fast.py`` checks the equality on real corpora
-#: and on inputs built to trip each fixer.
-_FTFY_MAY_CHANGE = re.compile(r"[^\t\n\x0c\x20-\x25\x27-\x7e]")
-
-
-def needs_ftfy(text: str) -> bool:
-    """False only when ``ftfy.fix_text(text) == text`` is certain (see ``_FTFY_MAY_CHANGE``)."""
-    return _FTFY_MAY_CHANGE.search(text) is not None
-
-
 def clean_text(text: str, use_ftfy: bool = True, whitespace: bool = True) -> str:
     """Cleaned text; an empty result means the document is rejected as ``empty``.
 
-    ftfy runs only on texts :func:`needs_ftfy` flags: on the others it provably returns its input, and
-    skipping it there is most of ingest's time on clean English text."""
-    if use_ftfy and needs_ftfy(text):
-        text = ftfy.fix_text(text)
+    ftfy runs only on texts (and, within them, on the lines) :func:`needs_ftfy` flags: on the others it
+    provably returns its input
+    (:mod:`data_pipeline.ftfy_fast` derives, from ftfy's own tables and regexes, the characters any of
+    its steps needs in order to act; a text without them that is already NFC is skipped, ASCII or
+    not), and skipping it there is most of ingest's time on clean text."""
+    if use_ftfy:
+        text = fix_text(text)
     if whitespace:
         text = normalize_whitespace(text)
     else:
