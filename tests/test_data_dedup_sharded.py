@@ -1,0 +1,131 @@
+"""The sharded (worker-side) dedup against today's single-process ``dedup_store``: the same clusters, links,
+Jaccards to the survivor and counts, on corpora with many duplicates, chains of near-duplicates, exact
+copies and none, for several partition / range layouts and worker counts; and the bucket shuffle alone
+against ``band_pairs``."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_pipeline import dedup as dd
+from data_pipeline.dedup.buckets import BucketJob, ReduceJob, bucket_chunk, pair_file, reduce_partition
+from data_pipeline.dedup.sharded import dedup_sharded, layout, local_pmap
+from data_pipeline.planted import planted_corpus, real_words
+from data_pipeline.store import DocStore, ShardWriter
+
+DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+CORPUS = DATA / "corpus"
+SHINGLE = dd.ShingleSpec(5, "word")
+LSH = dd.LshSpec(0.7, 128, 20, 6, 1)
+
+
+@pytest.fixture(scope="module")
+def words():
+    if not (CORPUS / "botchan.txt").exists():
+        pytest.skip(f"shared corpus not found at {CORPUS}")
+    return real_words([CORPUS / "botchan.txt", CORPUS / "tinyshakespeare.txt"])
+
+
+def _chains(words: list[str], chains: int, length: int, doc_words: int = 200, seed: int = 3) -> list[str]:
+    """Chains of near-duplicates: each document edits 3 of its predecessor's words, so neighbours are
+    above 0.7 and the ends of a chain far below it (clusters joined only transitively), shuffled."""
+    rng = random.Random(seed)
+    docs = []
+    for c in range(chains):
+        cur = words[c * doc_words:(c + 1) * doc_words]
+        for _ in range(length):
+            docs.append(" ".join(cur))
+            cur = list(cur)
+            for p in rng.sample(range(doc_words), 3):
+                cur[p] = rng.choice(words)
+    rng.shuffle(docs)
+    return docs
+
+
+def _corpora(words: list[str]) -> dict[str, list[str]]:
+    many, _ = planted_corpus(words, families=40, variants=8, max_edit_frac=0.1, seed=11)
+    none = [" ".join(words[k * 150:(k + 1) * 150]) for k in range(300)]
+    mixed = many[:200] + [many[3]] * 15 + ["!!! ...", "", "one two", "a b c d e"] + none[:50]
+    return {"many": many, "chains": _chains(words, 12, 25), "none": none, "mixed": mixed}
+
+
+def _store(folder: Path, docs: list[str], shard: int = 64) -> DocStore:
+    folder.mkdir(parents=True)
+    for k in range(0, len(docs), shard):
+        w = ShardWriter(folder, k // shard)
+        for i in range(k, min(len(docs), k + shard)):
+            w.add(i, f"d{i}", docs[i])
+        w.commit({})
+    return DocStore(folder)
+
+
+def _summary(res: dd.DedupResult) -> dict:
+    return {"clusters": res.clusters, "link": res.link, "to_survivor": res.to_survivor,
+            "counts": (res.candidates, res.verified, res.accepted, res.rejected, res.skipped),
+            "unsignatured": res.unsignatured_count()}
+
+
+def test_sharded_equals_single_process(words, tmp_path):
+    for name, docs in _corpora(words).items():
+        store = _store(tmp_path / name / "store", docs)
+        ref = dd.dedup_store(store, tmp_path / name / "sig-ref", SHINGLE, LSH, 37, 1, 64, progress=False)
+        want = _summary(ref)
+        if name == "none":
+            assert want["clusters"] == {} and want["counts"][0] == 0
+        else:
+            assert len(want["clusters"]) >= 10 and want["counts"][4] > 0, name  # real clusters, pairs skipped
+        if name == "chains":  # transitive members below the threshold to their survivor
+            assert min(want["to_survivor"].values()) < 0.7
+        if name == "mixed":
+            assert want["unsignatured"] == 2
+        # (records per partition, documents per range, workers, verify block): one task each, many, tiny blocks
+        for k, (rec, rng, workers, block) in enumerate([(10**9, 10**9, 1, 20000), (500, 40, 2, 64),
+                                                         (97, 7, 2, 5)]):
+            got = dedup_sharded(store, tmp_path / name / f"sig-{k}", tmp_path / name / f"work-{k}", SHINGLE, LSH,
+                                37, block, local_pmap(workers), min_tasks=workers, records_per_part=rec,
+                                docs_per_range=rng)
+            assert _summary(got) == want, (name, k)
+            assert not (tmp_path / name / f"work-{k}").exists()
+        store.close()
+
+
+def test_layout_grows_with_corpus():
+    assert layout(1000, 20, 2) == (2, 2, 500)
+    parts, ranges, range_docs = layout(10**7, 20, 2)
+    assert parts == 200 and ranges == 100 and range_docs == 100_000
+    assert layout(1, 20, 4)[1] == 1
+
+
+def test_bucket_files_give_band_pairs(tmp_path):
+    rng = np.random.default_rng(0)
+    n, bands, rows, chunk = 700, 8, 3, 128
+    sigs = rng.integers(0, 4, size=(n, bands * rows), dtype=np.uint32)  # tiny alphabet: many shared bands
+    sigs[rng.choice(n, 200, replace=False)] = sigs[rng.choice(n, 200)]  # plus exact copies
+    nsh = rng.integers(0, 5, size=n)  # some documents without a signature (nsh == 0)
+    for s in range(0, n, chunk):
+        f = dd.chunk_files(tmp_path, s)
+        np.save(f["sig"], sigs[s:s + chunk])
+        np.save(f["nsh"], nsh[s:s + chunk])
+    want = dd.band_pairs(sigs, nsh > 0, bands, rows)
+    assert len(want) > 1000
+    starts = tuple(range(0, n, chunk))
+    for parts, range_docs in ((1, n), (3, 100), (7, 33)):
+        work = tmp_path / f"w{parts}"
+        (work / "b").mkdir(parents=True)
+        (work / "p").mkdir()
+        unsig = sum(bucket_chunk(BucketJob(str(tmp_path), s, bands, rows, parts, str(work / "b"))) for s in starts)
+        assert unsig == int((nsh == 0).sum())
+        total = sum(reduce_partition(ReduceJob(str(work / "b"), p, starts, n, range_docs, str(work / "p")))
+                    for p in range(parts))
+        keys = [np.load(pair_file(work / "p", r, p)) for r in range(-(-n // range_docs)) for p in range(parts)
+                if pair_file(work / "p", r, p).exists()]
+        for r in range(-(-n // range_docs)):  # every pair filed under the range of its lower document
+            for p in range(parts):
+                if pair_file(work / "p", r, p).exists():
+                    assert (np.load(pair_file(work / "p", r, p)) // n // range_docs == r).all()
+        got = np.unique(np.concatenate(keys))
+        assert total >= len(got)
+        np.testing.assert_array_equal(np.stack([got // n, got % n], axis=1), want)
