@@ -11,12 +11,15 @@ import numpy as np
 import pytest
 
 from data_pipeline import dedup as dd
+from data_pipeline.config import config_from_dict
 from data_pipeline.dedup.buckets import BucketJob, ReduceJob, bucket_chunk, pair_file, reduce_partition
 from data_pipeline.dedup.sharded import dedup_sharded, layout, local_pmap
 from data_pipeline.planted import planted_corpus, real_words
+from data_pipeline.stages import build
 from data_pipeline.store import DocStore, ShardWriter
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+GPT2 = DATA / "tokenizers" / "gpt2"
 CORPUS = DATA / "corpus"
 SHINGLE = dd.ShingleSpec(5, "word")
 LSH = dd.LshSpec(0.7, 128, 20, 6, 1)
@@ -129,3 +132,35 @@ def test_bucket_files_give_band_pairs(tmp_path):
         got = np.unique(np.concatenate(keys))
         assert total >= len(got)
         np.testing.assert_array_equal(np.stack([got // n, got % n], axis=1), want)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_build_outputs_byte_identical_to_in_memory_dedup(words, tmp_path, exact):
+    """A whole local build with ``dedup.sharded`` (default) and with the in-memory driver path: the same
+    bytes in every output file and the same dedup counts."""
+    if not (GPT2 / "gpt2-vocab.json").exists():
+        pytest.skip(f"GPT-2 tokenizer files not found under {GPT2}")
+    import json
+
+    docs = _corpora(words)["mixed"] + _chains(words, 4, 12, seed=9)
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    outs, stats = [], []
+    for sharded in (True, False):
+        cfg = config_from_dict({
+            "output_dir": str(tmp_path / f"out-{sharded}"), "sources": [{"type": "jsonl", "path": str(src)}],
+            "workers": 2, "shard_size": 40, "progress": False,
+            "tokenizer": {"type": "gpt2", "vocab_file": str(GPT2 / "gpt2-vocab.json"),
+                          "merges_file": str(GPT2 / "gpt2-merges.txt")},
+            "length": {"min_tokens": 16}, "dedup": {"chunk_size": 32, "exact": exact, "sharded": sharded}})
+        out, st = build(cfg)
+        outs.append(out)
+        stats.append(st["dedup"])
+    for name in ("documents.jsonl", "duplicates.jsonl", "rejects.jsonl", "gpt_text_document.bin",
+                 "gpt_text_document.idx"):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    assert stats[0]["removed"] >= 40 and stats[0]["clusters"] >= 10
+    for k in ("candidate_pairs", "measured_pairs", "verified_pairs", "rejected_candidates", "skipped_candidates",
+              "clusters", "removed", "exact_duplicates", "unsignatured"):
+        assert stats[0][k] == stats[1][k], k
+    assert not (outs[0] / "work" / "dedup" / "lsh").exists()  # intermediate bucket / pair / edge files removed
