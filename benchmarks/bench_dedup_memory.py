@@ -79,7 +79,7 @@ def run_one(path: str, store_dir: Path, tmp: Path, workers: int, chunk: int) -> 
     return {"path": path, "docs": len(store), "seconds": round(secs, 1), "driver_mib": round(driver),
             "driver_after_open_mib": round(rss0), "worker_mib": round(kids), "clusters": len(res.clusters),
             "removed": sum(len(m) - 1 for m in res.clusters.values()), "candidates": res.candidates,
-            "digest": hashlib.sha256(summary.encode()).hexdigest()[:16]}
+            "digest": hashlib.sha256(summary.encode()).hexdigest()[:16], "phases": res.seconds}
 
 
 def main() -> None:

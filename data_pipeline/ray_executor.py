@@ -127,7 +127,7 @@ def shuffle_tasks(cfg: BuildConfig) -> int:
 def band_map(args: tuple[str, int, int, int, int, int]) -> list[np.ndarray]:
     """Map task of one signature chunk: per partition, int64 rows ``[band, doc, r_0 .. r_{rows-1}]`` of
     the chunk's active documents (a document with no shingle has no key, as in ``band_pairs``)."""
-    from data_pipeline.dedup.buckets import band_key_hash
+    from data_pipeline.dedup.buckets import key_hash
     from data_pipeline.dedup.minhash import chunk_files
 
     sig_dir, start, bands, rows, parts, _ = args
@@ -137,8 +137,8 @@ def band_map(args: tuple[str, int, int, int, int, int]) -> list[np.ndarray]:
     out: list[list[np.ndarray]] = [[] for _ in range(parts)]
     for b in range(bands):
         r = sigs[docs, b * rows:(b + 1) * rows].astype(np.int64)
-        dest = (band_key_hash(b, r) % np.uint64(parts)).astype(np.int64)
         rec = np.concatenate([np.full((len(docs), 1), b, np.int64), (docs + start)[:, None], r], axis=1)
+        dest = (key_hash(np.delete(rec, 1, axis=1)) % np.uint64(parts)).astype(np.int64)
         for p in np.unique(dest).tolist():
             out[p].append(rec[dest == p])
     return [np.concatenate(x) if x else np.zeros((0, 2 + rows), np.int64) for x in out]

@@ -164,3 +164,19 @@ def test_build_outputs_byte_identical_to_in_memory_dedup(words, tmp_path, exact)
               "clusters", "removed", "exact_duplicates", "unsignatured"):
         assert stats[0][k] == stats[1][k], k
     assert not (outs[0] / "work" / "dedup" / "lsh").exists()  # intermediate bucket / pair / edge files removed
+
+
+def test_equal_key_pairs_survives_hash_collisions(monkeypatch):
+    """Groups are decided on the rows: with every key hashing alike (all collide) the pairs are unchanged."""
+    from data_pipeline.dedup import buckets
+
+    rng = np.random.default_rng(1)
+    key = rng.integers(0, 3, size=(400, 3)).astype(np.uint32)
+    docs = rng.permutation(400).astype(np.int64)
+    want = {(min(docs[a], docs[b]), max(docs[a], docs[b])) for a in range(400) for b in range(a + 1, 400)
+            if (key[a] == key[b]).all()}
+    got = set(zip(*(x.tolist() for x in buckets.equal_key_pairs(key, docs))))
+    assert got == want and len(want) > 1000
+    monkeypatch.setattr(buckets, "key_hash", lambda k: np.zeros(len(k), np.uint64))
+    got = set(zip(*(x.tolist() for x in buckets.equal_key_pairs(key, docs))))
+    assert got == want

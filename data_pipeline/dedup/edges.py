@@ -22,7 +22,6 @@ import numpy as np
 
 from data_pipeline.dedup.minhash import ShingleCache
 from data_pipeline.dedup.verify import UnionFind, jaccard_sorted, pair_blocks
-from data_pipeline.store import atomic_save_npy
 
 
 def edge_files(edge_dir: Path, rng: int) -> tuple[Path, Path]:
@@ -65,8 +64,8 @@ def verify_range(job: RangeJob) -> int:
                 uf.union(i, j)
         pos += len(part)
     out_e, out_j = edge_files(Path(job.edge_dir), job.rng)
-    atomic_save_npy(out_e, keys)
-    atomic_save_npy(out_j, jac)
+    np.save(out_e, keys)
+    np.save(out_j, jac)
     return int(len(keys))
 
 

@@ -15,7 +15,9 @@ The result (clusters, links, Jaccards to survivors, candidate / measured / accep
 counts) equals :func:`data_pipeline.dedup.dedup_store`'s, for any number of partitions and ranges (tested).
 ``pmap(fn, jobs)`` runs the tasks and returns their results in job order: :func:`local_pmap` (worker
 processes) or ``ray_executor.ray_pmap`` (Ray tasks). Intermediate files live in ``work`` and are removed
-as soon as the next step has read them.
+as soon as the next step has read them; they are written without ``fsync`` (a plain ``np.save``): ``work`` is
+emptied at the start of every run, so an interrupted run's files are never read (the signature chunks, which
+are reused on resume, are still written atomically).
 """
 from __future__ import annotations
 
