@@ -5,8 +5,11 @@ What runs where (the driver is the ``python -m data_pipeline build`` process):
 * ingest: one task per input shard (``stages.ingest.ingest_shard``; the driver reads the sources and ships each
   shard's records, at most ``2 x cluster CPUs`` shards in flight);
 * filter: one task per ingest shard (``stages.filter.filter_shard``);
-* dedup: one task per signature chunk (``dedup.minhash.sign_chunk``), then the LSH **shuffle by band key**: one map
-  task per chunk hashes every (band, band rows) key of its documents to one of ``P`` partitions, one
+* dedup with ``dedup.sharded`` (default): every task of ``dedup.sharded.dedup_sharded`` — signature chunks,
+  bucket map / reduce over files, verification per document range, survivor Jaccards — through
+  :func:`ray_pmap`; the driver streams the edge files (``dedup.components``);
+* dedup with ``dedup.sharded: false``: one task per signature chunk (``dedup.minhash.sign_chunk``), then the LSH
+  **shuffle by band key** in memory: one map task per chunk hashes every (band, band rows) key of its documents to one of ``P`` partitions, one
   reduce task per partition sorts its keys and emits the pairs of documents with equal (band, rows) —
   every key lands in exactly one partition, so the union of the reducers' pairs is exactly
   ``dedup.lsh.band_pairs`` (the local candidates); then the driver verifies candidates and takes connected
