@@ -180,3 +180,26 @@ def test_equal_key_pairs_survives_hash_collisions(monkeypatch):
     monkeypatch.setattr(buckets, "key_hash", lambda k: np.zeros(len(k), np.uint64))
     got = set(zip(*(x.tolist() for x in buckets.equal_key_pairs(key, docs))))
     assert got == want
+
+
+def test_union_find_stores_only_joined_documents():
+    uf = dd.UnionFind()
+    assert uf.find(5) == 5 and uf.find(7) == 7 and uf.parent == {}  # finds of lone documents store nothing
+    uf.union(9, 4)
+    uf.union(9, 12)
+    assert uf.find(12) == 4 and set(uf.parent) == {4, 9, 12} and uf.clusters() == {4: [4, 9, 12]}
+
+
+def test_stale_files_of_an_interrupted_run_are_not_read(words, tmp_path):
+    docs = _corpora(words)["chains"]
+    store = _store(tmp_path / "store", docs)
+    want = _summary(dd.dedup_store(store, tmp_path / "sig", SHINGLE, LSH, 50, 1, 64, progress=False))
+    work = tmp_path / "work"
+    for sub in ("pairs", "edges"):  # bogus leftovers: a pair of every document with the next, all "duplicates"
+        (work / sub).mkdir(parents=True)
+    n = len(docs)
+    np.save(pair_file(work / "pairs", 0, 99), np.arange(n - 1) * n + np.arange(1, n))
+    np.save(work / "edges" / "e-000000.npy", np.arange(n - 1) * n + np.arange(1, n))
+    np.save(work / "edges" / "j-000000.npy", np.ones(n - 1))
+    got = dedup_sharded(store, tmp_path / "sig", work, SHINGLE, LSH, 50, 64, local_pmap(1), docs_per_range=60)
+    assert _summary(got) == want
