@@ -203,3 +203,18 @@ def test_stale_files_of_an_interrupted_run_are_not_read(words, tmp_path):
     np.save(work / "edges" / "j-000000.npy", np.ones(n - 1))
     got = dedup_sharded(store, tmp_path / "sig", work, SHINGLE, LSH, 50, 64, local_pmap(1), docs_per_range=60)
     assert _summary(got) == want
+
+
+def test_memory_benchmark_runs_and_both_paths_agree(words, tmp_path):
+    """``benchmarks/bench_dedup_memory.py`` at a tiny size: a row per path, the same result digest."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_dedup_memory", "--docs", "3000", "--chunk", "500",
+                          "--tmp", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [r.split("|") for r in out.stdout.splitlines() if r.startswith("| 3,000 ")]
+    assert [r[3].strip() for r in rows] == ["memory", "sharded"]
+    assert rows[0][-2] == rows[1][-2] and int(rows[0][9].replace(",", "")) > 20  # same digest; real removals
+    assert list(tmp_path.iterdir()) == []  # the generated store is deleted
