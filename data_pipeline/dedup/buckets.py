@@ -2,18 +2,19 @@
 
 Map (:func:`bucket_chunk`, one task per signature chunk): every active document of the chunk gets one
 record per band, ``uint32[doc, band, r_0 .. r_{rows-1}]`` (its band's rows of the signature), routed to
-one of ``parts`` partitions by a 64-bit hash of (band, rows) (:func:`key_hash`) — so all documents of one LSH bucket land in
-one partition — and written as one file per chunk, ``bk-<start>.npy``, sorted by partition, with the
-partition offsets in ``bko-<start>.npy`` (datatrove writes bucket files per band; NeMo Curator shuffles
-buckets by band: the same shape, on files).
+one of ``parts`` partitions by a 64-bit hash of (band, rows) (:func:`key_hash`) — so all documents of one
+LSH bucket land in one partition — and written as one file per chunk, ``bk-<start>.npy``, sorted by
+partition, with the partition offsets in ``bko-<start>.npy`` (datatrove writes bucket files per band; NeMo
+Curator shuffles buckets by band: the same shape, on files).
 
 Reduce (:func:`reduce_partition`, one task per partition): the partition's slices of every chunk file are
-sorted by the hash of (band, rows) (checked on the rows); each run of equal (band, rows) — a bucket — yields all its pairs (i < j).
-Equality is on the rows themselves, never on the routing hash, so the union over partitions is exactly
-:func:`data_pipeline.dedup.lsh.band_pairs` (tested). The pairs are written split by the *range* of
-their lower document (``i // range_docs``), ``pairs/r<range>-p<part>.npy`` (int64 keys ``i * n + j``),
-for the per-range verification of :mod:`data_pipeline.dedup.edges`.
-Memory of a task: one chunk's signatures (map), one partition's records and pairs (reduce).
+sorted by the hash of (band, rows); each run of equal (band, rows) — a bucket — yields all its pairs
+(i < j). Equality is checked on the rows themselves (an exact ``lexsort`` if two different keys share a
+hash), so the union over partitions is exactly :func:`data_pipeline.dedup.lsh.band_pairs` (tested). The
+pairs are written split by the *range* of their lower document (``i // range_docs``),
+``pairs/r<range>-p<part>.npy`` (int64 keys ``i * n + j``), for the per-range verification of
+:mod:`data_pipeline.dedup.edges`. Memory of a task: one chunk's signatures (map), one partition's records
+and pairs (reduce).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from data_pipeline.dedup.hashing import POS_MULT, fmix64
 from data_pipeline.dedup.minhash import chunk_files
+
 
 def key_hash(key: np.ndarray) -> np.ndarray:
     """uint64 mix of the columns of ``key`` (uint32[m, k]) per row: routes a bucket to its partition and groups
