@@ -51,7 +51,7 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
                             "survivor": "lowest input index of each union-find cluster",
                             "p_candidate": {str(s): round(dd.candidate_probability(s, lsh.bands, lsh.rows), 4)
                                             for s in (0.5, 0.6, 0.7, 0.75, 0.8, 0.9)},
-                            "storage": "dict", "executor": cfg.executor}
+                            "storage": "files" if d.sharded else "dict", "executor": cfg.executor}
     removed: list[int] = []
     clusters: dict[int, list[int]] = {}
     rows: list[dict[str, Any]] = []
