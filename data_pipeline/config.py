@@ -86,6 +86,9 @@ class DedupConfig:
     # exact dedup first (hash of the cleaned text, counted in stats), then MinHash on the survivors, as NeMo
     # Curator orders them
     exact: bool = True
+    # LSH buckets, verification and the Jaccards to survivors as worker tasks over files, components streamed
+    # from edge files: the driver holds no signature or bucket (same result; false = the in-memory driver path)
+    sharded: bool = True
 
 
 @dataclass

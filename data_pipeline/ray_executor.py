@@ -5,8 +5,11 @@ What runs where (the driver is the ``python -m data_pipeline build`` process):
 * ingest: one task per input shard (``stages.ingest.ingest_shard``; the driver reads the sources and ships each
   shard's records, at most ``2 x cluster CPUs`` shards in flight);
 * filter: one task per ingest shard (``stages.filter.filter_shard``);
-* dedup: one task per signature chunk (``dedup.minhash.sign_chunk``), then the LSH **shuffle by band key**: one map
-  task per chunk hashes every (band, band rows) key of its documents to one of ``P`` partitions, one
+* dedup with ``dedup.sharded`` (default): every task of ``dedup.sharded.dedup_sharded`` — signature chunks,
+  bucket map / reduce over files, verification per document range, survivor Jaccards — through
+  :func:`ray_pmap`; the driver streams the edge files (``dedup.components``);
+* dedup with ``dedup.sharded: false``: one task per signature chunk (``dedup.minhash.sign_chunk``), then the LSH
+  **shuffle by band key** in memory: one map task per chunk hashes every (band, band rows) key of its documents to one of ``P`` partitions, one
   reduce task per partition sorts its keys and emits the pairs of documents with equal (band, rows) —
   every key lands in exactly one partition, so the union of the reducers' pairs is exactly
   ``dedup.lsh.band_pairs`` (the local candidates); then the driver verifies candidates and takes connected
@@ -32,9 +35,6 @@ from typing import Any
 import numpy as np
 
 from data_pipeline.config import BuildConfig, ConfigError
-
-_MIX = np.uint64(0x9E3779B97F4A7C15)
-
 
 def connect(cfg: BuildConfig) -> Any:
     """``ray.init`` on the configured cluster (once per process); one-line error when it cannot."""
@@ -105,19 +105,32 @@ def ray_sign_chunks(cfg: BuildConfig, store: Any, sig_dir: Path, num_perm: int, 
         pass
 
 
+def _indexed(args: tuple[Callable[[Any], Any], int, Any]) -> tuple[int, Any]:
+    fn, k, job = args
+    return k, fn(job)
+
+
+def ray_pmap(cfg: BuildConfig) -> Callable[[Callable[[Any], Any], Any], list[Any]]:
+    """``pmap(fn, jobs)`` for ``dedup.sharded``: ``fn(job)`` of every job as Ray tasks, results in job order."""
+    def pmap(fn: Callable[[Any], Any], jobs: Any) -> list[Any]:
+        jobs = list(jobs)
+        out: list[Any] = [None] * len(jobs)
+        for k, res in ray_map(cfg, _indexed, ((fn, k, j) for k, j in enumerate(jobs))):
+            out[k] = res
+        return out
+    return pmap
+
+
+def shuffle_tasks(cfg: BuildConfig) -> int:
+    """The least number of LSH partitions / verification ranges: ``ray.lsh_partitions``, else 2 x the cluster's CPUs."""
+    return max(1, min(cfg.ray.lsh_partitions or 2 * cluster_cpus(connect(cfg)), 256))
+
+
 # ------------------------------------------------------------------------------- LSH shuffle by band key
-def _band_key_hash(band: int, rows: np.ndarray) -> np.ndarray:
-    """uint64 hash of (band, rows) per document; only routes keys to partitions (equality is exact)."""
-    h = np.full(len(rows), ((band + 1) * int(_MIX)) & 0xFFFFFFFFFFFFFFFF, dtype=np.uint64)
-    for c in range(rows.shape[1]):
-        h = (h ^ rows[:, c].astype(np.uint64)) * _MIX
-        h ^= h >> np.uint64(29)
-    return h
-
-
 def band_map(args: tuple[str, int, int, int, int, int]) -> list[np.ndarray]:
     """Map task of one signature chunk: per partition, int64 rows ``[band, doc, r_0 .. r_{rows-1}]`` of
     the chunk's active documents (a document with no shingle has no key, as in ``band_pairs``)."""
+    from data_pipeline.dedup.buckets import key_hash
     from data_pipeline.dedup.minhash import chunk_files
 
     sig_dir, start, bands, rows, parts, _ = args
@@ -127,8 +140,8 @@ def band_map(args: tuple[str, int, int, int, int, int]) -> list[np.ndarray]:
     out: list[list[np.ndarray]] = [[] for _ in range(parts)]
     for b in range(bands):
         r = sigs[docs, b * rows:(b + 1) * rows].astype(np.int64)
-        dest = (_band_key_hash(b, r) % np.uint64(parts)).astype(np.int64)
         rec = np.concatenate([np.full((len(docs), 1), b, np.int64), (docs + start)[:, None], r], axis=1)
+        dest = (key_hash(np.delete(rec, 1, axis=1)) % np.uint64(parts)).astype(np.int64)
         for p in np.unique(dest).tolist():
             out[p].append(rec[dest == p])
     return [np.concatenate(x) if x else np.zeros((0, 2 + rows), np.int64) for x in out]
@@ -137,33 +150,19 @@ def band_map(args: tuple[str, int, int, int, int, int]) -> list[np.ndarray]:
 def band_reduce(args: tuple[list[np.ndarray], int]) -> np.ndarray:
     """Reduce task of one partition: keys ``i * n + j`` (i < j) of every pair of documents with equal
     (band, rows), sorted unique."""
+    from data_pipeline.dedup.buckets import equal_key_pairs
+
     pieces, n = args
     recs = np.concatenate(pieces) if pieces else np.zeros((0, 2), np.int64)
-    if len(recs) < 2:
-        return np.zeros(0, np.int64)
-    key = np.delete(recs, 1, axis=1)  # (band, rows...)
-    order = np.lexsort((recs[:, 1],) + tuple(key[:, c] for c in range(key.shape[1] - 1, -1, -1)))
-    ks, docs = key[order], recs[order, 1]
-    new = np.ones(len(ks), dtype=bool)
-    new[1:] = (ks[1:] != ks[:-1]).any(axis=1)
-    start = np.flatnonzero(new)
-    length = np.diff(np.append(start, len(ks)))
-    run_of = np.cumsum(new) - 1
-    partners = start[run_of] + length[run_of] - np.arange(len(ks)) - 1  # later members of the same run
-    total = int(partners.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    p = np.repeat(np.arange(len(ks)), partners)
-    q = p + 1 + np.arange(total) - np.repeat(np.cumsum(partners) - partners, partners)
-    i, j = docs[p], docs[q]
-    return np.unique(np.minimum(i, j) * n + np.maximum(i, j))
+    i, j = equal_key_pairs(np.delete(recs, 1, axis=1), recs[:, 1])  # key (band, rows...), document
+    return np.unique(i * n + j) if len(i) else np.zeros(0, np.int64)
 
 
 def band_shuffle_pairs(cfg: BuildConfig, sig_dir: Path, n: int, chunk_size: int, bands: int, rows: int
                        ) -> np.ndarray:
     """Candidate pairs (sorted int64[k, 2]) by a map/shuffle/reduce over the cluster."""
     ray = connect(cfg)
-    parts = max(1, min(cfg.ray.lsh_partitions or 2 * cluster_cpus(ray), 256))
+    parts = shuffle_tasks(cfg)
     opts = {"num_cpus": cfg.ray.num_cpus_per_task, "max_retries": cfg.ray.max_retries}
     mapper = ray.remote(num_returns=parts, **opts)(band_map) if parts > 1 else ray.remote(**opts)(band_map)
     reducer = ray.remote(**opts)(_reduce_refs)

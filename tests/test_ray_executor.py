@@ -123,14 +123,14 @@ def ray_cluster():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _cfg(tmp: Path, src: Path, name: str, executor: str, address: str = "auto") -> object:
+def _cfg(tmp: Path, src: Path, name: str, executor: str, address: str = "auto", sharded: bool = True) -> object:
     return config_from_dict({
         "output_dir": str(tmp / name), "sources": [{"type": "jsonl", "path": str(src)}],
         "workers": 2, "shard_size": 40, "progress": False, "executor": executor,
         "ray": {"address": address, "lsh_partitions": 3},
         "tokenizer": {"type": "gpt2", "vocab_file": str(GPT2 / "gpt2-vocab.json"),
                       "merges_file": str(GPT2 / "gpt2-merges.txt")},
-        "length": {"min_tokens": 16}, "dedup": {"chunk_size": 32, "exact": True}})
+        "length": {"min_tokens": 16}, "dedup": {"chunk_size": 32, "exact": True, "sharded": sharded}})
 
 
 def test_ray_build_equals_local_build(tmp_path, ray_cluster):
@@ -146,13 +146,17 @@ def test_ray_build_equals_local_build(tmp_path, ray_cluster):
     out_l, st_l = build(_cfg(tmp_path, src, "local", "local"))
     out_r, st_r = build(_cfg(tmp_path, src, "ray", "ray", ray_cluster))
     assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 2  # the build ran on the 2-node cluster
-    for name in ("documents.jsonl", "duplicates.jsonl", "rejects.jsonl", "contaminated.jsonl",
-                 "gpt_text_document.bin", "gpt_text_document.idx"):
-        assert (out_r / name).read_bytes() == (out_l / name).read_bytes(), name
+    # and the Ray build with the in-memory driver dedup (dedup.sharded=false: signatures loaded, band shuffle)
+    out_m, st_m = build(_cfg(tmp_path, src, "ray-memory", "ray", ray_cluster, sharded=False))
+    for out in (out_r, out_m):
+        for name in ("documents.jsonl", "duplicates.jsonl", "rejects.jsonl", "contaminated.jsonl",
+                     "gpt_text_document.bin", "gpt_text_document.idx"):
+            assert (out / name).read_bytes() == (out_l / name).read_bytes(), name
     assert st_r["documents"] == st_l["documents"] and st_l["documents"]["duplicates"] >= 30
     assert st_r["dedup"]["executor"] == "ray" and st_l["dedup"]["executor"] == "local"
-    for k in ("candidate_pairs", "measured_pairs", "verified_pairs", "clusters", "removed", "exact_duplicates"):
-        assert st_r["dedup"][k] == st_l["dedup"][k], k
+    for k in ("candidate_pairs", "measured_pairs", "verified_pairs", "clusters", "removed", "exact_duplicates",
+              "skipped_candidates", "rejected_candidates", "unsignatured"):
+        assert st_r["dedup"][k] == st_l["dedup"][k] == st_m["dedup"][k], k
 
 
 def test_unreachable_cluster_fails_fast_before_any_work(tmp_path):

@@ -4,7 +4,11 @@ One module per step: :mod:`~data_pipeline.dedup.hashing` (shingles, 64-bit finge
 :mod:`~data_pipeline.dedup.minhash` (signatures, chunked on-disk cache), :mod:`~data_pipeline.dedup.lsh`
 (bands, candidate pairs), :mod:`~data_pipeline.dedup.verify` (exact Jaccard, union-find clusters) and
 :mod:`~data_pipeline.dedup.exact` (exact duplicates first). :func:`dedup_store` runs the fuzzy steps on a
-document store; the names below are re-exported so ``from data_pipeline import dedup as dd`` keeps working.
+document store in one driver process (the reference); :mod:`~data_pipeline.dedup.sharded` runs them as worker
+tasks over files with the same result — :mod:`~data_pipeline.dedup.buckets` (band keys → bucket partitions →
+candidate pairs), :mod:`~data_pipeline.dedup.edges` (verification per document range) and
+:mod:`~data_pipeline.dedup.components` (connected components streamed from the edge files). The names below
+are re-exported so ``from data_pipeline import dedup as dd`` keeps working.
 """
 from __future__ import annotations
 

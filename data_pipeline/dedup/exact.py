@@ -87,4 +87,4 @@ def merge_exact(res: DedupResult, reps: np.ndarray, rep_of: np.ndarray) -> Dedup
         to_surv[m] = to_surv.get(g, 1.0) if g != root else 1.0
     clusters = {r: sorted(ms) for r, ms in clusters.items()}
     return DedupResult(clusters, link, to_surv, res.candidates, res.verified, res.accepted, res.rejected,
-                       res.skipped, res.active, res.seconds)
+                       res.skipped, res.active, res.seconds, res.unsignatured)

@@ -156,20 +156,28 @@ def remove_stale_tmp(folder: Path, min_age_s: float = 600.0) -> int:
     return n
 
 
+def sign_jobs(store: DocStore, sig_dir: Path, num_perm: int, seed: int, spec: ShingleSpec,
+              chunk_size: int) -> list[SignJob]:
+    """The signature chunks of ``store`` not finished yet in ``sig_dir`` (which is created, and cleared of
+    an interrupted run's temporary files)."""
+    sig_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(sig_dir)
+    n = len(store)
+    return [SignJob(str(store.folder), s, min(n, s + chunk_size), str(sig_dir), num_perm, seed, spec)
+            for s in range(0, n, chunk_size) if not chunk_files(sig_dir, s)["sig"].exists()]
+
+
 def compute_signatures(store: DocStore, sig_dir: Path, num_perm: int, seed: int, spec: ShingleSpec,
                        chunk_size: int, workers: int, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """All signatures of a store (and the fingerprint sets, on disk in ``sig_dir``), computed in
     parallel chunks; finished chunks are reused (resume). Returns (sigs uint32[n, num_perm], nsh)."""
     from tqdm import tqdm
 
-    sig_dir.mkdir(parents=True, exist_ok=True)
-    remove_stale_tmp(sig_dir)
     n = len(store)
     starts = list(range(0, n, chunk_size))
-    todo = [s for s in starts if not chunk_files(sig_dir, s)["sig"].exists()]
-    if len(todo) < len(starts):
-        log.info("signatures: reusing %d finished chunk(s), computing %d", len(starts) - len(todo), len(todo))
-    jobs = [SignJob(str(store.folder), s, min(n, s + chunk_size), str(sig_dir), num_perm, seed, spec) for s in todo]
+    jobs = sign_jobs(store, sig_dir, num_perm, seed, spec, chunk_size)
+    if len(jobs) < len(starts):
+        log.info("signatures: reusing %d finished chunk(s), computing %d", len(starts) - len(jobs), len(jobs))
     bar = tqdm(total=n, initial=n - sum(j.stop - j.start for j in jobs), desc="dedup: minhash", unit="doc",
                disable=not progress)
     if workers > 1 and len(jobs) > 1:
@@ -195,10 +203,12 @@ class ShingleCache:
     (8 bytes per document); values are memory-mapped per call and copied out, so nothing but the
     requested documents' sets stays in memory."""
 
-    def __init__(self, sig_dir: Path, n: int, chunk_size: int) -> None:
-        self.sig_dir, self.n, self.chunk_size = sig_dir, n, chunk_size
+    def __init__(self, sig_dir: Path, n: int, chunk_size: int, lazy: bool = False) -> None:
+        """``lazy``: memory-map each chunk's offsets when a call needs them instead of holding every
+        chunk's (8 bytes per document) — what the sharded verification workers use."""
+        self.sig_dir, self.n, self.chunk_size, self.lazy = sig_dir, n, chunk_size, lazy
         self.starts = np.arange(0, n, chunk_size, dtype=np.int64)
-        self.offsets = [np.load(chunk_files(sig_dir, int(s))["seto"]) for s in self.starts]
+        self.offsets = [] if lazy else [np.load(chunk_files(sig_dir, int(s))["seto"]) for s in self.starts]
 
     def load(self, docs: Iterable[int]) -> dict[int, np.ndarray]:
         """{document position: its sorted unique fingerprint array} for the given positions."""
@@ -207,7 +217,8 @@ class ShingleCache:
         chunk = docs // self.chunk_size
         for c in np.unique(chunk).tolist():
             values = np.load(chunk_files(self.sig_dir, int(self.starts[c]))["set"], mmap_mode="r")
-            off = self.offsets[c]
+            off = (np.load(chunk_files(self.sig_dir, int(self.starts[c]))["seto"], mmap_mode="r") if self.lazy
+                   else self.offsets[c])
             base = int(self.starts[c])
             for d in docs[chunk == c].tolist():
                 out[d] = np.array(values[off[d - base]:off[d - base + 1]])

@@ -42,7 +42,7 @@ def jaccard_sorted(a: np.ndarray, b: np.ndarray) -> float:
     return inter / (len(a) + len(b) - inter)
 
 
-def _blocks(pairs: list[tuple[int, int]], max_docs: int) -> Iterator[list[tuple[int, int]]]:
+def pair_blocks(pairs: list[tuple[int, int]], max_docs: int) -> Iterator[list[tuple[int, int]]]:
     """Consecutive runs of ``pairs`` that touch at most ``max_docs`` distinct documents each."""
     block: list[tuple[int, int]] = []
     docs: set[int] = set()
@@ -81,7 +81,7 @@ def verify_pairs(store: DocStore, pairs: Iterable[tuple[int, int]], spec: Shingl
     from tqdm import tqdm
 
     pairs = sorted((int(i), int(j)) for i, j in pairs)
-    blocks = list(_blocks(pairs, max_docs))
+    blocks = list(pair_blocks(pairs, max_docs))
     # parallel only when it pays: split blocks re-read their documents, pool start-up costs ~0.1 s
     if len(pairs) < 50_000:
         workers = 1
@@ -113,17 +113,21 @@ class UnionFind:
         self.parent: dict[int, int] = {}
 
     def find(self, x: int) -> int:
-        root = self.parent.setdefault(x, x)
-        while self.parent[root] != root:
-            root = self.parent[root]
-        while self.parent[x] != root:  # path compression
-            self.parent[x], x = root, self.parent[x]
+        """The root of ``x``; a document never unioned is its own root and is not stored, so the
+        structure holds only documents joined to another (memory grows with the clustered documents)."""
+        parent = self.parent
+        root = x
+        while (up := parent.get(root, root)) != root:
+            root = up
+        while x != root:  # path compression
+            parent[x], x = root, parent[x]
         return root
 
     def union(self, a: int, b: int) -> None:
         ra, rb = self.find(a), self.find(b)
         if ra != rb:
             lo, hi = min(ra, rb), max(ra, rb)
+            self.parent.setdefault(lo, lo)
             self.parent[hi] = lo
 
     def clusters(self) -> dict[int, list[int]]:
@@ -184,6 +188,10 @@ class DedupResult:
     skipped: int = 0  # not measured: both ends already in one cluster
     active: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     seconds: dict[str, float] = field(default_factory=dict)
+    unsignatured: int | None = None  # counted by the sharded path, which keeps no per-document ``active``
+
+    def unsignatured_count(self) -> int:
+        return self.unsignatured if self.unsignatured is not None else int((~self.active).sum())
 
 
 def _jaccards(sets: dict[int, np.ndarray], pairs: list[tuple[int, int]]) -> list[float]:
@@ -212,7 +220,7 @@ def verify_and_cluster(cache: ShingleCache, pairs: np.ndarray, threshold: float,
     res = DedupResult({}, link, {}, candidates=len(pairs))
     bar = tqdm(total=len(pairs), desc="dedup: verify", unit="pair", disable=not progress)
     find = uf.find
-    for part in _blocks(list(map(tuple, pairs.tolist())), max_docs):  # type: ignore[arg-type]
+    for part in pair_blocks(list(map(tuple, pairs.tolist())), max_docs):  # type: ignore[arg-type]
         todo = [(i, j) for i, j in part if find(i) != find(j)]
         sets = cache.load(d for p in todo for d in p) if todo else {}
         for i, j in todo:
@@ -236,7 +244,7 @@ def verify_and_cluster(cache: ShingleCache, pairs: np.ndarray, threshold: float,
     for root, m in need:
         if (root, m) in accepted:
             res.to_survivor[m] = accepted[(root, m)]
-    for part in _blocks([p for p in need if p[1] not in res.to_survivor], max_docs):
+    for part in pair_blocks([p for p in need if p[1] not in res.to_survivor], max_docs):
         sets = cache.load(d for p in part for d in p)
         for (_, m), jac in zip(part, _jaccards(sets, part)):
             res.to_survivor[m] = jac

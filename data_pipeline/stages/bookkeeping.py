@@ -44,7 +44,7 @@ def work_dir(cfg: BuildConfig, stage: str) -> Path:
 def _dedup_result_keys(cfg: BuildConfig) -> dict[str, Any]:
     """``dedup.*`` settings that change the result."""
     d = dataclasses.asdict(cfg.dedup)
-    for k in ("chunk_size", "verify_block_docs"):
+    for k in ("chunk_size", "verify_block_docs", "sharded"):
         d.pop(k, None)
     return d
 

@@ -51,7 +51,7 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
                             "survivor": "lowest input index of each union-find cluster",
                             "p_candidate": {str(s): round(dd.candidate_probability(s, lsh.bands, lsh.rows), 4)
                                             for s in (0.5, 0.6, 0.7, 0.75, 0.8, 0.9)},
-                            "storage": "dict", "executor": cfg.executor}
+                            "storage": "files" if d.sharded else "dict", "executor": cfg.executor}
     removed: list[int] = []
     clusters: dict[int, list[int]] = {}
     rows: list[dict[str, Any]] = []
@@ -64,6 +64,17 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
         from data_pipeline.dedup import exact as ex
 
         def fuzzy(st: DocStore, sdir: Path) -> Any:
+            if d.sharded:  # every step a worker task; the driver streams the edge files (dedup/sharded.py)
+                from data_pipeline.dedup.sharded import dedup_sharded, local_pmap
+
+                if cfg.executor == "ray":
+                    from data_pipeline.ray_executor import ray_pmap, shuffle_tasks
+
+                    pmap, tasks = ray_pmap(cfg), shuffle_tasks(cfg)
+                else:
+                    pmap, tasks = local_pmap(cfg.num_workers), cfg.num_workers
+                return dedup_sharded(st, sdir, folder / "lsh", shingle, lsh, d.chunk_size, d.verify_block_docs,
+                                     pmap, tasks)
             cand = candidates
             if cfg.executor == "ray":  # signature chunks and the LSH band shuffle as Ray tasks
                 from data_pipeline.ray_executor import band_shuffle_pairs, ray_sign_chunks
@@ -93,7 +104,7 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
         rows, removed = dd.duplicate_rows(store, clusters, res.link, lambda root, m: res.to_survivor[m])
         store.close()
         info.update(exact_duplicates=n - len(reps), fuzzy_removed=len(removed) - (n - len(reps)))
-        info.update(documents=n, unsignatured=int((~res.active).sum()), candidate_pairs=res.candidates,
+        info.update(documents=n, unsignatured=res.unsignatured_count(), candidate_pairs=res.candidates,
                     verified_pairs=res.accepted, rejected_candidates=res.rejected,
                     skipped_candidates=res.skipped, measured_pairs=res.verified,
                     clusters=len(clusters), removed=len(removed), phase_seconds=res.seconds)

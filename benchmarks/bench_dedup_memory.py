@@ -1,0 +1,124 @@
+"""Peak memory of the fuzzy dedup: the driver and its workers, in-memory driver path vs ``dedup.sharded``.
+
+For each N the benchmark writes a document store of N generated documents (``bench_corpus.markov_corpus``:
+~300-word word-bigram documents from botchan + tinyshakespeare, 10 % edited and 2 % exact copies of earlier
+documents of the same 50,000-document batch), generated batch by batch straight into store shards (no input
+file is written; the store is deleted at the end). Then each path runs in a fresh process on that store
+(signatures computed from scratch each time, same chunks and workers):
+
+* ``memory``: ``dedup.dedup_store`` (signatures loaded on the driver, LSH, verification and union-find there);
+* ``sharded``: ``dedup.sharded.dedup_sharded`` with ``local_pmap`` (the build's default, ``dedup.sharded``).
+
+Printed per run: wall seconds, peak RSS of the driver (its ``VmHWM``) and of the largest worker process
+(``RUSAGE_CHILDREN`` max RSS), clusters / removed / candidate pairs, and a digest of the full result
+(clusters, links, Jaccards to survivors, counts): equal digests = identical results.
+
+    .venv/bin/python -m benchmarks.bench_dedup_memory --docs 100000 1000000 --workers 2
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / ".." / "shared" / "data" / "corpus"
+BATCH = 50_000
+
+
+def write_store(folder: Path, n: int, shard: int) -> float:
+    """``n`` generated documents into a store at ``folder``; returns the text megabytes written."""
+    from benchmarks.bench_corpus import markov_corpus
+    from data_pipeline.planted import real_words
+    from data_pipeline.store import ShardWriter
+
+    words = real_words([DATA / "botchan.txt", DATA / "tinyshakespeare.txt"])
+    folder.mkdir(parents=True)
+    size, k = 0, 0
+    for b in range(0, n, BATCH):
+        docs = markov_corpus(words, min(BATCH, n - b), seed=7 + b // BATCH)
+        for s in range(0, len(docs), shard):
+            w = ShardWriter(folder, k)
+            for i, text in enumerate(docs[s:s + shard], start=b + s):
+                w.add(i, f"doc-{i}", text)
+                size += len(text.encode())
+            w.commit({})
+            k += 1
+    return size / 1e6
+
+
+def run_one(path: str, store_dir: Path, tmp: Path, workers: int, chunk: int) -> dict:
+    """In this (fresh) process: one dedup of the store; the measurements as a dict."""
+    from data_pipeline import dedup as dd
+    from data_pipeline.dedup.sharded import dedup_sharded, local_pmap
+    from data_pipeline.report import peak_rss_mib
+    from data_pipeline.store import DocStore
+
+    shingle, lsh = dd.ShingleSpec(5, "word"), dd.LshSpec(0.7, 128, 20, 6, 1)
+    store = DocStore(store_dir)
+    rss0 = peak_rss_mib()[0]
+    t = time.perf_counter()
+    if path == "memory":
+        res = dd.dedup_store(store, tmp / "sig", shingle, lsh, chunk, workers, 20000, progress=False)
+    else:
+        res = dedup_sharded(store, tmp / "sig", tmp / "work", shingle, lsh, chunk, 20000, local_pmap(workers),
+                            workers)
+    secs = time.perf_counter() - t
+    driver, _ = peak_rss_mib()
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    summary = json.dumps([sorted(res.clusters.items()), sorted(res.link.items()), sorted(res.to_survivor.items()),
+                          [res.candidates, res.verified, res.accepted, res.rejected, res.skipped,
+                           res.unsignatured_count()]])
+    return {"path": path, "docs": len(store), "seconds": round(secs, 1), "driver_mib": round(driver),
+            "driver_after_open_mib": round(rss0), "worker_mib": round(kids), "clusters": len(res.clusters),
+            "removed": sum(len(m) - 1 for m in res.clusters.values()), "candidates": res.candidates,
+            "digest": hashlib.sha256(summary.encode()).hexdigest()[:16], "phases": res.seconds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--docs", type=int, nargs="+", default=[100_000])
+    ap.add_argument("--paths", nargs="+", default=["memory", "sharded"], choices=["memory", "sharded"])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=2000, help="documents per signature chunk and per store shard")
+    ap.add_argument("--tmp", default=None, help="folder for the store and the signatures (default: a new temp dir)")
+    ap.add_argument("--run", default=None, help=argparse.SUPPRESS)  # internal: one measured run
+    ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.run:
+        print(json.dumps(run_one(args.run, Path(args.store), Path(args.tmp), args.workers, args.chunk)))
+        return
+    print("| documents | text MB | path | wall s | peak RSS driver (MiB) | driver after opening the store (MiB) "
+          "| peak RSS largest worker (MiB) | clusters | removed | candidate pairs | result digest |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for n in args.docs:
+        tmp = Path(tempfile.mkdtemp(prefix="bench_dedup_mem_", dir=args.tmp))
+        try:
+            mb = write_store(tmp / "store", n, args.chunk)
+            for path in args.paths:
+                run_tmp = tmp / path
+                run_tmp.mkdir()
+                out = subprocess.run([sys.executable, "-m", "benchmarks.bench_dedup_memory", "--run", path,
+                                      "--store", str(tmp / "store"), "--tmp", str(run_tmp), "--workers",
+                                      str(args.workers), "--chunk", str(args.chunk)],
+                                     cwd=ROOT, capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise SystemExit(f"{path} at {n} failed:\n{out.stderr[-3000:]}")
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                print(f"| {n:,} | {mb:,.0f} | {path} | {r['seconds']} | {r['driver_mib']} | "
+                      f"{r['driver_after_open_mib']} | {r['worker_mib']} | {r['clusters']:,} | {r['removed']:,} | "
+                      f"{r['candidates']:,} | {r['digest']} |", flush=True)
+                shutil.rmtree(run_tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
