@@ -3,7 +3,8 @@
 DeepSpeed ignores a top-level key it does not know (``wall_clock_breakdwn: true`` is accepted and does
 nothing), so a typo there would be silent. The known keys are not written down here: they are derived from
 the installed DeepSpeed at run time, by letting ``DeepSpeedConfig`` parse the section through a dict that
-records every key DeepSpeed looks up (:class:`_Recorder`). A key no lookup asked for is unknown and refused in
+records every key DeepSpeed looks up (:class:`_Recorder`; a feature this DeepSpeed removed is refused with
+DeepSpeed's own reason). A key no lookup asked for is unknown and refused in
 one line naming the closest key DeepSpeed does read (difflib). Sections DeepSpeed reads whole (iterated,
 copied or unpacked, e.g. into its pydantic models such as ``DeepSpeedZeroConfig``) are left to DeepSpeed's
 own validation: its ``DeepSpeedConfigModel`` forbids extra fields, and that error is turned into the same
@@ -74,8 +75,13 @@ class _Recorder(dict):
         return dict.values(self)
 
     def __copy__(self):
-        self.read_whole()
-        return dict(dict.items(self))
+        if self.path:  # a section copied is passed on whole (e.g. to a DeepSpeed feature's own parser)
+            self.read_whole()
+        # DeepSpeedConfig copies the top level first ("so that the user json is unmodified"): still recorded
+        clone = _Recorder.__new__(_Recorder)
+        dict.update(clone, dict.items(self))
+        clone.path, clone.log = self.path, self.log
+        return clone
 
 
 def _closest(word: str, known) -> str:
@@ -133,17 +139,20 @@ def check_schema(section: dict[str, Any]) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
     from pydantic import ValidationError
 
-    rec = _Recorder(section)
-    probe = DeepSpeedConfig.__new__(DeepSpeedConfig)  # parse only: no batch-size arithmetic, no process group
-    probe.world_size, probe.global_rank = 1, 0
+    class OneRank:  # parse as one process: the batch sizes below add up whatever the job's world size
+        def get_data_parallel_world_size(self):
+            return 1
+
+    batch = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    rec = _Recorder({**section, **batch})
     ds_logger = logging.getLogger("DeepSpeed")
     level = ds_logger.level
     ds_logger.setLevel(logging.ERROR)  # DeepSpeed warns again when the engine parses the real config
     try:
-        probe._initialize_params(rec)
+        DeepSpeedConfig(rec, mpu=OneRank())
     except ValidationError as e:
         _refuse_validation_error(e, section)
-    except DeepSpeedConfigError as e:
+    except (DeepSpeedConfigError, AssertionError) as e:  # e.g. a feature this DeepSpeed removed, with its reason
         raise ConfigError(f"deepspeed: {' '.join(str(e).split())}") from None
     finally:
         ds_logger.setLevel(level)
