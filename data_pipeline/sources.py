@@ -304,10 +304,15 @@ def read_parquet(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawR
         yield RawRecord(f"{path}[{row}]", None, "unreadable_file", f"{type(e).__name__}: {e}")
 
 
-def read_hf(cfg: BuildConfig, src: SourceConfig, max_bytes: int) -> Iterator[RawRecord]:
-    """Hugging Face datasets: a local ``save_to_disk`` folder is memory-mapped (``load_from_disk``);
-    anything else goes to ``load_dataset(..., streaming=True)`` (Hub name or local data folder; a loading
-    script is refused, never run: megatron_ds_suite.core.hf_datasets)."""
+def open_hf(cfg: BuildConfig, src: SourceConfig) -> tuple[Iterator[dict], str]:
+    """Open a Hugging Face source: (its examples, the name its record ids use), the first example already
+    fetched, so a source that cannot be loaded (a folder that is not a dataset, a damaged ``save_to_disk``,
+    a Hub name that cannot be reached, a missing split) fails here, as one ConfigError line, not as one
+    counted record. A local ``save_to_disk`` folder is memory-mapped (``load_from_disk``); anything else
+    goes to ``load_dataset(..., streaming=True)`` (Hub name or local data folder; a loading script is
+    refused, never run: megatron_ds_suite.core.hf_datasets)."""
+    import itertools
+
     import datasets
 
     from megatron_ds_suite.core.hf_datasets import check_no_script, load_hf_dataset
@@ -315,19 +320,41 @@ def read_hf(cfg: BuildConfig, src: SourceConfig, max_bytes: int) -> Iterator[Raw
     path = src.path or ""
     local = cfg.resolve(path)
     check_no_script(local)  # a loading script is code: refused in one line (SuiteError), never run
-    row = 0
     try:
         if local.is_dir() and ((local / "state.json").exists() or (local / "dataset_dict.json").exists()):
             ds = datasets.load_from_disk(str(local))
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds[src.hf_split]
-            it = iter(ds)
             name = str(local)
         else:
             target = str(local) if local.exists() else path
             ds = load_hf_dataset(target, src.hf_name, split=src.hf_split, streaming=True)
-            it = iter(ds)
             name = path
+        it = iter(ds)
+        first = list(itertools.islice(it, 1))
+    except Exception as e:  # whatever datasets raises: the source cannot be read
+        where = f"{local}" if local.exists() else f"{path!r}"
+        raise ConfigError(f"source hf {where} cannot be loaded as a Hugging Face dataset (split "
+                          f"{src.hf_split!r}{f', config {src.hf_name!r}' if src.hf_name else ''}): "
+                          f"{type(e).__name__}: {' '.join(str(e).split())[:300]} - give a datasets.save_to_disk "
+                          f"folder, a folder of data files or a reachable Hub name, or remove the source") from None
+    return itertools.chain(first, it), name
+
+
+def check_sources(cfg: BuildConfig) -> None:
+    """Open every ``hf`` source once before any work starts, so one that cannot be loaded stops the build
+    with one line (ConfigError, exit 2) before a shard is written."""
+    for src in cfg.sources:
+        if src.type == "hf":
+            open_hf(cfg, src)
+
+
+def read_hf(cfg: BuildConfig, src: SourceConfig, max_bytes: int) -> Iterator[RawRecord]:
+    """Hugging Face datasets (:func:`open_hf`); a failure after the source opened (a stream cut midway) is
+    one counted ``unreadable_file`` record."""
+    it, name = open_hf(cfg, src)
+    row = 0
+    try:
         for ex in it:
             sid = f"hf:{name}[{row}]"
             if src.id_field and ex.get(src.id_field) is not None:
@@ -337,8 +364,8 @@ def read_hf(cfg: BuildConfig, src: SourceConfig, max_bytes: int) -> Iterator[Raw
             if src.id_field:
                 rec.uid = ex.get(src.id_field)
             yield rec
-    except Exception as e:  # network, missing split, corrupt arrow: one counted record, not a crash
-        yield RawRecord(f"hf:{path}[{row}]", None, "unreadable_file", f"{type(e).__name__}: {e}")
+    except Exception as e:  # network cut, corrupt arrow midway: one counted record, not a crash
+        yield RawRecord(f"hf:{src.path or ''}[{row}]", None, "unreadable_file", f"{type(e).__name__}: {e}")
 
 
 def read_default(max_bytes: int) -> Iterator[RawRecord]:

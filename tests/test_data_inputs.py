@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import subprocess
 import sys
@@ -323,3 +324,32 @@ def test_progress_bars_only_on_a_terminal(monkeypatch):
     monkeypatch.setattr(sys, "stderr", Tty())
     assert config_from_dict(dict(base)).progress is True
     assert config_from_dict({**base, "progress": False}).progress is False
+
+
+@pytest.mark.parametrize("case", ["empty_folder", "damaged_save_to_disk", "unreachable_hub_name"])
+def test_an_hf_source_that_cannot_load_stops_the_build_in_one_line(tmp_path, case):
+    """A Hugging Face source that fails to load is one error line (exit 2) before any work, not one counted
+    record next to the other sources' documents with exit 0 (no network: HF_DATASETS_OFFLINE=1)."""
+    if not (GPT2 / "gpt2-vocab.json").exists():
+        pytest.skip(f"shared data not found at {DATA}")
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"text": f"document number {i} " + "word " * 60}) + "\n" for i in range(5)))
+    bad = tmp_path / "hf"
+    if case == "empty_folder":
+        bad.mkdir()
+    elif case == "damaged_save_to_disk":
+        bad.mkdir()
+        (bad / "state.json").write_text('{"_data_files": [')
+        (bad / "data-00000-of-00001.arrow").write_bytes(b"\x00not arrow")
+    path = str(bad) if case != "unreachable_hub_name" else "no-such-user-x9/no-such-dataset-x9"
+    conf = tmp_path / "data.yaml"
+    conf.write_text(f"output_dir: {tmp_path / 'out'}\nprogress: false\nsources:\n  - type: jsonl\n    path: {good}\n"
+                    f"  - type: hf\n    path: {path}\ntokenizer:\n  type: gpt2\n  vocab_file: {GPT2 / 'gpt2-vocab.json'}\n"
+                    f"  merges_file: {GPT2 / 'gpt2-merges.txt'}\n")
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "data_pipeline", "build", "--config", str(conf)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: source hf ") and "cannot be loaded" in lines[0], r.stderr
+    assert not list((tmp_path / "out").glob("work/ingest/*.jsonl")), "work started before the source was checked"

@@ -240,3 +240,29 @@ def test_unreachable_wandb_server_falls_back_to_offline(tmp_path, monkeypatch, c
         monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
         tracking.start(cfg)
     assert os.environ["WANDB_MODE"] == "online"
+
+
+@pytest.mark.parametrize("override, key, hint", [
+    ("deepspeed.wall_clock_breakdwn=true", "deepspeed.wall_clock_breakdwn", "'wall_clock_breakdown'"),
+    ("deepspeed.zero_optimization.overlap_com=true", "deepspeed.zero_optimization.overlap_com", "'overlap_comm'"),
+    ("deepspeed.flops_profiler.profile_stp=3", "deepspeed.flops_profiler.profile_stp", "'profile_step'"),
+    ("deepspeed.zero_optimization.offload_optimizer.devic=cpu", "deepspeed.zero_optimization.offload_optimizer.devic",
+     "'device'"),
+])
+def test_passthrough_refuses_a_key_deepspeed_does_not_know(override, key, hint):
+    """A typo in the deepspeed: section is refused in one line naming the closest key DeepSpeed itself reads."""
+    with pytest.raises(ConfigError) as e:
+        _cfg("parallel.zero_stage=1", override)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{key} is not a DeepSpeed option") and f"did you mean {hint}" in msg
+
+
+def test_passthrough_known_set_comes_from_deepspeed(monkeypatch):
+    """The known keys follow the installed DeepSpeed: a key it starts reading is accepted without a list here."""
+    from deepspeed.runtime import config as ds_config
+
+    with pytest.raises(ConfigError):
+        _cfg("deepspeed.brand_new_option=1")
+    real = ds_config.get_dump_state
+    monkeypatch.setattr(ds_config, "get_dump_state", lambda d: (d.get("brand_new_option"), real(d))[1])
+    assert _cfg("deepspeed.brand_new_option=1").deepspeed == {"brand_new_option": 1}

@@ -159,3 +159,25 @@ def test_resume_refuses_bad_checkpoints(tmp_path, case):
     expected = {"malicious": "refused to load", "latest_missing": "'iter_0000009' but"}[case]
     assert expected in lines[0], lines[0]
     assert not marker.exists()
+
+
+@pytest.mark.skipif(not (BOTCHAN.is_file() and GPT2.is_dir()), reason="../shared/data corpus/tokenizer absent")
+def test_a_refused_launch_leaves_config_json_as_it_was(tmp_path):
+    """A launch refused after the run directory is claimed (here: resume meets a `latest` naming a missing tag)
+    must not replace RUN_DIR/config.json and ds_config.json, which describe the checkpoints already there."""
+    run, _ = _evil_run(tmp_path)
+    (run / "checkpoints" / "latest").write_text("iter_0000009")
+    before = {name: '{"written by": "the run that made the checkpoints"}' for name in ("config.json", "ds_config.json")}
+    for name, text in before.items():
+        (run / name).write_text(text)
+    text = tmp_path / "small.txt"
+    text.write_text(BOTCHAN.read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    spec = {"kind": "gpt2_bpe", "vocab_file": str(GPT2 / "gpt2-vocab.json"), "merges_file": str(GPT2 / "gpt2-merges.txt")}
+    over = {"data.corpus": "null", "data.text_files": f"[{text}]", "data.tokenizer": json.dumps(spec),
+            "run.dir": str(run), "train.progress_bar": "false", "model.seq_length": "32", "parallel.tensor": "1",
+            "train.micro_batch_size": "2", "train.global_batch_size": "2", "train.iters": "2",
+            "optimizer.warmup_iters": "1"}
+    res = _run(["-m", "training.pretrain", "--config", "configs/gpt2_tiny.yaml", *[f"{k}={v}" for k, v in over.items()]])
+    assert res.returncode == 2 and "'iter_0000009' but" in res.stderr, res.stderr
+    assert {name: (run / name).read_text() for name in before} == before
+    assert not list(run.glob("*.tmp*")) and not (run / "metrics.jsonl").exists()

@@ -13,7 +13,8 @@ config keys, next to TensorBoard:
 The ``deepspeed:`` section of the YAML is merged into the derived JSON (``training.config.deepspeed_config``)
 for options the run config does not model (``zero_optimization.overlap_comm``, ``communication_data_type``,
 ``flops_profiler``, ``wall_clock_breakdown``, ...). A key the run config owns is refused in one line naming
-the config field to set instead (:func:`check_passthrough`), so the YAML stays the single source of truth.
+the config field to set instead (:func:`check_passthrough`), so the YAML stays the single source of truth; a key the
+installed DeepSpeed does not read (a typo) is refused naming the closest one (``training.ds_schema``).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from urllib.parse import urlsplit
 
 from megatron_ds_suite.core.config import merge_dicts
 from megatron_ds_suite.core.errors import ConfigError
+from training.ds_schema import check_schema
 
 logger = logging.getLogger("training")
 
@@ -72,12 +74,14 @@ def owner_of(key: str) -> str | None:
 
 
 def check_passthrough(section: dict[str, Any]) -> None:
-    """Refuse a ``deepspeed:`` key the run config owns (one line naming the field that owns it)."""
+    """Refuse a ``deepspeed:`` key the run config owns (one line naming the field that owns it), or one the
+    installed DeepSpeed does not know (one line naming the closest key it reads: ``training.ds_schema``)."""
     for key in _leaves(section):
         owner = owner_of(key)
         if owner:
             raise ConfigError(f"deepspeed.{key} is derived from {owner}: set that instead (the deepspeed: section "
                               f"may only add DeepSpeed options the run config does not own)")
+    check_schema(section)
 
 
 def merge_passthrough(derived: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:

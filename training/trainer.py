@@ -341,14 +341,16 @@ class Trainer:
         # one run per run.dir (collective, entered by every rank or by none)
         lock = None if run_dir_locked else run_lock.acquire_for_rank0(self.run_dir, self.is_rank0)
         try:
-            if self.is_rank0:  # only once the run directory is ours: a refused launch changes nothing in it
-                ckpt.atomic_write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
-                ckpt.atomic_write_text(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=2))
             resumed = agreed(lambda: ckpt.load(self))  # a shard one rank cannot read stops every rank, one line
             writer = MetricsWriter(self.run_dir, cfg.train.iters, self.is_rank0,
                                    getattr(self.engine, "monitor", None),
                                    resume_iteration=self.iteration if resumed else None,
                                    samples=self.consumed_samples)
+            if self.is_rank0:  # only once the run is known to start (the run directory is ours, its checkpoint
+                # loaded): a launch refused on the way (a bad checkpoint, another tokenizer) leaves the
+                # config.json that describes the checkpoints already there as it was
+                ckpt.atomic_write_text(self.run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+                ckpt.atomic_write_text(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=2))
         except BaseException:
             if lock is not None:
                 lock.release()

@@ -15,7 +15,7 @@ import numpy as np
 from data_pipeline.clean import clean_text
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
-from data_pipeline.sources import REJECT_REASONS, RawRecord, iter_records
+from data_pipeline.sources import REJECT_REASONS, RawRecord, check_sources, iter_records
 from data_pipeline.stages.bookkeeping import StageError, begin_stage, finish_stage, progress_bar
 from data_pipeline.dedup.exact import text_key
 from data_pipeline.store import ShardWriter, atomic_save_npy, done_shards, shard_counts, shard_name, write_jsonl_atomic
@@ -125,6 +125,7 @@ def _shards_of(records: Iterator[RawRecord], size: int) -> Iterator[tuple[int, i
 def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
     """Read and clean every source into shards (finished shards are kept on resume)."""
     timer = StageTimer("ingest")
+    check_sources(cfg)  # an hf source that cannot be loaded: one line before any shard is written
     folder = begin_stage(cfg, "ingest")
     done = set(done_shards(folder))
     if done:
