@@ -111,25 +111,27 @@ def choose_next(logits: torch.Tensor, opts: GenerationOptions, generator: torch.
 # Cached forward over a GPT2Model
 # --------------------------------------------------------------------------------------------------
 class KVCache:
-    """Keys and values of every layer, [b, n/p, T_max, hn] each, filled up to ``length``."""
+    """Keys and values of every layer, [b, g/p, T_max, hn] each (g = key/value heads: the head count
+    without grouped-query attention), filled up to ``length``; keys stored after RoPE."""
 
     def __init__(self, model, batch: int, max_len: int, device, dtype):
         attn = model.layers[0].attn
-        shape = (batch, attn.local_heads, max_len, attn.head_dim)
+        shape = (batch, attn.local_kv_heads, max_len, attn.head_dim)
         self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in model.layers]
         self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in model.layers]
         self.length = 0
 
 
-def _attention(attn, x: torch.Tensor, cache: KVCache, layer: int, mask: torch.Tensor) -> torch.Tensor:
+def _attention(attn, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int,
+               mask: torch.Tensor) -> torch.Tensor:
     """Self-attention of the t new positions over the cache plus themselves. x [b, t, h] -> [b, t, h]."""
     b, t, _ = x.shape
-    q, k, v = attn.qkv(x).view(b, t, 3, attn.local_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # [b, n/p, t, hn]
+    q, k, v = attn.project(x, positions)                                    # [b, n/p, t, hn], [b, g/p, t, hn]
     start, end = cache.length, cache.length + t
     cache.k[layer][:, :, start:end] = k
     cache.v[layer][:, :, start:end] = v
-    y = F.scaled_dot_product_attention(q, cache.k[layer][:, :, :end], cache.v[layer][:, :, :end],
-                                       attn_mask=mask)                     # [b, n/p, t, hn]
+    y = F.scaled_dot_product_attention(q, attn.expand_kv(cache.k[layer][:, :, :end]),
+                                       attn.expand_kv(cache.v[layer][:, :, :end]), attn_mask=mask)  # [b, n/p, t, hn]
     return attn.proj(y.transpose(1, 2).reshape(b, t, attn.local_heads * attn.head_dim))  # [b, t, h], all-reduced
 
 
@@ -151,10 +153,12 @@ def forward_cached(model, tokens: torch.Tensor, positions: torch.Tensor, valid: 
     from training.parallel.mappings import gather_from_parallel_region
 
     emb = model.embedding
-    x = emb.word_embeddings(tokens) + emb.position_embeddings(positions)   # [b, t, h]
+    x = emb.word_embeddings(tokens)                                         # [b, t, h]
+    if emb.position_embeddings is not None:                                 # learned; RoPE rotates q and k
+        x = x + emb.position_embeddings(positions)
     mask = _step_mask(valid, cache.length, tokens.size(1))
     for i, layer in enumerate(model.layers):
-        x = x + _attention(layer.attn, layer.ln1(x), cache, i, mask)
+        x = x + _attention(layer.attn, layer.ln1(x), positions, cache, i, mask)
         x = x + layer.mlp(layer.ln2(x))
     cache.length += tokens.size(1)
     x = model.final_ln(x[:, -1])                                            # [b, h]

@@ -36,3 +36,33 @@ def save_random_gpt2(folder: Path, seed: int = 0, n_positions: int = 64) -> Path
         tok = GPT2TokenizerFast(vocab_file=files[0], merges_file=files[1])
     tok.save_pretrained(str(folder))
     return folder
+
+
+def save_random_llama(folder: Path, seed: int = 0, kv_heads: int = 2, rope_theta: float = 10000.0,
+                      tied: bool = False) -> Path:
+    """An odd-shaped Llama (3 layers, hidden 96, 6 heads in ``kv_heads`` key/value groups, MLP 160, the real
+    50,257-id GPT-2 vocabulary) with every weight random (RMSNorm weights too), saved with the GPT-2 tokenizer
+    as ``tokenizer.json``."""
+    from transformers import GPT2TokenizerFast, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=50257, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                      rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                      tie_word_embeddings=tied, bos_token_id=50256, eos_token_id=50256)
+    model = LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    files = (str(GPT2_TOKENIZER / "gpt2-vocab.json"), str(GPT2_TOKENIZER / "gpt2-merges.txt"))
+    try:  # transformers 5: vocab / merges take the file paths
+        tok = GPT2TokenizerFast(vocab=files[0], merges=files[1])
+    except TypeError:  # transformers 4
+        tok = GPT2TokenizerFast(vocab_file=files[0], merges_file=files[1])
+    tok.save_pretrained(str(folder))
+    for name in ("vocab.json", "merges.txt"):  # tokenizer.json only, as Llama folders have
+        (folder / name).unlink(missing_ok=True)
+    return folder

@@ -13,7 +13,11 @@ from tests.test_training import _overrides, needs_corpus, spm_model  # noqa: F40
 ROOT_CONFIG = "configs/gpt2_tiny.yaml"
 
 
-def _explain_worker(rank, world, dropout):
+LLAMA = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu", num_query_groups=2,
+             untie_embeddings_and_output_weights=True, add_bias_linear=False)
+
+
+def _explain_worker(rank, world, dropout, extra=None):
     import torch._dynamo as dynamo
 
     from training.config import ModelConfig
@@ -25,7 +29,8 @@ def _explain_worker(rank, world, dropout):
     ps = ParallelState(tp=world)
     tp_random.configure(ps, 2)
     tp_random.set_seed(1)
-    cfg = ModelConfig(hidden_size=64, num_attention_heads=4, hidden_dropout=dropout, attention_dropout=dropout)
+    cfg = ModelConfig(hidden_size=64, num_attention_heads=4, hidden_dropout=dropout, attention_dropout=dropout,
+                      **(extra or {}))
     layer = TransformerLayer(cfg, ps.tp_group, 1, 0).train()
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
     COLLECTIVE_CALLS.clear()
@@ -37,11 +42,13 @@ def _explain_worker(rank, world, dropout):
     return ex.graph_count, ex.graph_break_count, reasons, eager_calls
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_one_graph_per_layer_without_attention_dropout(world):
+@pytest.mark.parametrize("world,extra", [(1, None), (2, None), (1, LLAMA), (2, LLAMA)],
+                         ids=["tp1", "tp2", "llama-tp1", "llama-tp2"])
+def test_one_graph_per_layer_without_attention_dropout(world, extra):
     """No graph break in a layer at TP = 1 or TP = 2 (dynamo turns gloo's all-reduce into a functional
-    collective); the eager layer still counts its two forward all-reduces."""
-    for graphs, breaks, reasons, eager_calls in run_distributed(_explain_worker, world, 0.0):
+    collective), GPT-2's block and the Llama block (RoPE, RMSNorm, SwiGLU, GQA, no biases); the eager layer
+    still counts its two forward all-reduces."""
+    for graphs, breaks, reasons, eager_calls in run_distributed(_explain_worker, world, 0.0, extra):
         assert (graphs, breaks) == (1, 0), reasons
         assert eager_calls == ({"all_reduce": 2} if world == 2 else {})
 
@@ -53,7 +60,7 @@ def test_attention_dropout_runs_eagerly_between_graphs():
     assert graphs <= 4 and reasons == ["Skip inlining `torch.compiler.disable()`d function"], reasons
 
 
-def _grads_worker(rank, world, runs):
+def _grads_worker(rank, world, runs, extra=None):
     from training.config import ModelConfig
     from training.models.compile_layers import compile_layers
     from training.models.gpt2 import GPT2Model
@@ -66,7 +73,7 @@ def _grads_worker(rank, world, runs):
     for compiled, ckpt, p in runs:
         tp_random.set_seed(1)
         cfg = ModelConfig(hidden_size=64, num_attention_heads=4, num_layers=2, hidden_dropout=p, attention_dropout=p,
-                          activation_checkpointing=ckpt, seq_length=32)
+                          activation_checkpointing=ckpt, seq_length=32, **(extra or {}))
         model = GPT2Model(cfg, 128, None, seed=3).train()
         n = compile_layers(model) if compiled else 0
         tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
@@ -77,12 +84,14 @@ def _grads_worker(rank, world, runs):
     return out
 
 
-def test_compiled_layers_equal_eager_and_replay_dropout_under_recompute():
+@pytest.mark.parametrize("extra", [None, LLAMA], ids=["gpt2", "llama"])
+def test_compiled_layers_equal_eager_and_replay_dropout_under_recompute(extra):
     """fp32, dropout 0: compiled (inductor) = eager to 1e-5, with and without activation checkpointing.
     Dropout 0.1: compiled with checkpointing gives bitwise the gradients of compiled without, i.e. recompute
-    replays the masks the compiled forward drew."""
+    replays the masks the compiled forward drew. GPT-2's block and the Llama block."""
     runs = [(False, False, 0.0), (True, False, 0.0), (True, True, 0.0), (True, False, 0.1), (True, True, 0.1)]
-    (_, l0, g0), (n1, l1, g1), (_, l2, g2), (_, l3, g3), (_, l4, g4) = run_distributed(_grads_worker, 1, runs)[0]
+    (_, l0, g0), (n1, l1, g1), (_, l2, g2), (_, l3, g3), (_, l4, g4) = run_distributed(_grads_worker, 1, runs,
+                                                                                       extra)[0]
     assert n1 == 2
     for loss, grads in ((l1, g1), (l2, g2)):
         torch.testing.assert_close(loss, l0, rtol=1e-5, atol=1e-5)

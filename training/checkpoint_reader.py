@@ -60,7 +60,7 @@ def canonical_name(pipe_name: str, num_layers: int) -> str | None:
     if pipe_name.startswith("tied_modules.embed."):
         return "embedding." + pipe_name[len("tied_modules.embed."):]
     idx, rest = pipe_name.split(".", 1)
-    prefix = pipe_layer_names(num_layers).get(int(idx))
+    prefix = pipe_layer_names(num_layers, untied=True).get(int(idx))  # a tied model has no 'L+2.' names
     return None if prefix is None else prefix + rest
 
 

@@ -50,9 +50,38 @@ class ModelConfig(Freezable):
     """Megatron: compute the attention softmax in fp32 when activations are fp16/bf16."""
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
-    activation: Literal["gelu", "gelu_new"] = "gelu"
+    activation: Literal["gelu", "gelu_new", "swiglu"] = "gelu"
     """MLP (and BERT LM-head) non-linearity: 'gelu' = exact erf GeLU (Megatron's default), 'gelu_new' =
-    the tanh approximation OpenAI's GPT-2 was trained with (transformers' name; imported GPT-2s use it)."""
+    the tanh approximation OpenAI's GPT-2 was trained with (transformers' name; imported GPT-2s use it),
+    'swiglu' = Llama's gated MLP ``down(silu(gate(x)) * up(x))`` (GPT only): gate and up are one
+    column-parallel weight [gate; up] (stride 2, so each rank holds its own gate and up columns), three
+    matrices of h x f; unset ``ffn_hidden_size`` follows Llama's rule (:attr:`ffn_size`)."""
+    # Llama-family shapes (Megatron-Core's names); the defaults are GPT-2/BERT as before
+    position_embedding: Literal["learned", "rope"] = "learned"
+    """'learned' = a trained position table added to the word embeddings (GPT-2, BERT); 'rope' = rotary
+    position embeddings applied to each head's queries and keys (Su et al. 2021; Llama, GPT-NeoX), no
+    table. GPT only."""
+    rotary_base: float = 10000.0
+    """RoPE base theta: frequencies base^(-2i/d) (Llama 2: 10,000; Llama 3: 500,000)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates (the first ones; the rest pass unchanged):
+    1.0 for Llama, 0.25 for GPT-NeoX/Pythia. head size x rotary_percent must be a positive even number."""
+    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
+    """'layernorm' (weight and bias, GPT-2/BERT) or 'rmsnorm' (x / sqrt(mean(x^2) + eps) * weight, no bias
+    or centring; computed in fp32; Llama). Same ``layernorm_epsilon``. GPT only."""
+    num_query_groups: int | None = None
+    """Grouped-query attention: the number of key/value heads, each shared by num_attention_heads /
+    num_query_groups query heads (1 = multi-query attention). None (or equal to the head count) =
+    multi-head attention. At TP=t each rank holds num_query_groups / t whole groups: t must divide it.
+    GPT only."""
+    untie_embeddings_and_output_weights: bool = False
+    """False: the output layer is the word embedding (GPT-2). True: a separate vocab-parallel output
+    weight [V, h] ``output_layer.weight`` (Llama). GPT only."""
+    add_bias_linear: bool = True
+    """Biases in the attention (QKV, output projection) and MLP linears; false = none (Llama). The
+    LayerNorm bias is not a linear's: ``normalization: rmsnorm`` has none."""
+    add_qkv_bias: bool = False
+    """A bias in the QKV linear even when add_bias_linear is false (Megatron-Core's key; Qwen2's shape)."""
     activation_checkpointing: bool | Literal["auto"] = False
     """Recompute every transformer layer in backward (DeepSpeed's checkpoint, RNG states restored). ``auto``: the
     planner decides when the trainer starts, from the smallest device memory over the ranks: off where weights,
@@ -77,7 +106,55 @@ class ModelConfig(Freezable):
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """MLP width f: ``ffn_hidden_size``; unset, 4 h, or with swiglu Llama's rule
+        :func:`swiglu_ffn_size` (2/3 of 4 h, rounded up to a multiple of 256: 11,008 at h = 4096)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return swiglu_ffn_size(self.hidden_size) if self.activation == "swiglu" else 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: ``num_query_groups``, or the head count (multi-head attention)."""
+        return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates: head size x rotary_percent (0 without RoPE)."""
+        if self.position_embedding != "rope":
+            return 0
+        return int(self.hidden_size // self.num_attention_heads * self.rotary_percent)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
+
+    def llama_options(self) -> list[str]:
+        """The GPT-only options this config sets away from their GPT-2/BERT defaults, as ``key=value``."""
+        out = []
+        for key, default in GPT_ONLY_DEFAULTS.items():
+            value = getattr(self, key)
+            if value != default:
+                out.append(f"model.{key}={value}")
+        return out
+
+
+SWIGLU_MULTIPLE_OF = 256
+"""Llama's ``multiple_of``: the SwiGLU MLP width is rounded up to a multiple of it."""
+
+GPT_ONLY_DEFAULTS: dict[str, Any] = {"position_embedding": "learned", "normalization": "layernorm",
+                                     "num_query_groups": None, "untie_embeddings_and_output_weights": False,
+                                     "add_bias_linear": True, "add_qkv_bias": False}
+"""ModelConfig keys (and their defaults) that only the GPT model computes; BERT refuses other values
+(and ``activation: swiglu``)."""
+
+
+def swiglu_ffn_size(hidden: int, multiple_of: int = SWIGLU_MULTIPLE_OF) -> int:
+    """Llama's SwiGLU width for ``ffn_hidden_size`` unset (Meta's reference ``FeedForward``): the 4 h of a
+    GeLU MLP times 2/3, so that three h x f matrices hold as many weights as two h x 4h ones, rounded
+    up to a multiple of ``multiple_of``: ``multiple_of * ceil(int(2 * 4h / 3) / multiple_of)``
+    (h = 4096 -> 11,008, Llama 2 7B's; h = 96 -> 256)."""
+    f = int(2 * 4 * hidden / 3)
+    return multiple_of * ((f + multiple_of - 1) // multiple_of)
 
 
 @dataclass
@@ -328,6 +405,7 @@ def validate_static(cfg: Config) -> None:
                           f"{m.num_attention_heads}: choose a TP degree that divides the head count")
     if m.ffn_size % p.tensor:
         raise ConfigError(f"parallel.tensor={p.tensor} does not divide the MLP width {m.ffn_size}")
+    validate_model_options(m, p.tensor)
     if m.positions < m.seq_length:
         raise ConfigError(f"model.max_position_embeddings={m.positions} < model.seq_length={m.seq_length}")
     if p.zero_stage not in (0, 1):
@@ -373,6 +451,40 @@ def validate_static(cfg: Config) -> None:
     if parts[0] == 0 and cfg.train.iters > 0:
         raise ConfigError(f"data.split={cfg.data.split!r} gives the training set no documents: make its first "
                           f"number positive, e.g. '969,30,1'")
+
+
+def validate_model_options(m: ModelConfig, tp: int) -> None:
+    """The Llama-family options (RoPE, RMSNorm, SwiGLU, GQA, untied output, no biases): ranges, their
+    combinations and the TP degree, each refused in one line."""
+    if m.arch != "gpt2":
+        bad = m.llama_options() + (["model.activation=swiglu"] if m.activation == "swiglu" else [])
+        if bad:
+            raise ConfigError(f"{', '.join(bad)}: the Llama-family options are for GPT (model.arch: gpt2); "
+                              f"BERT keeps learned positions, LayerNorm, GeLU, multi-head attention, tied "
+                              f"embeddings and biases")
+    heads, groups = m.num_attention_heads, m.query_groups
+    if m.num_query_groups is not None:
+        if groups < 1:
+            raise ConfigError(f"model.num_query_groups must be >= 1 (or null for multi-head attention), got {groups}")
+        if heads % groups:
+            raise ConfigError(f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}: "
+                              f"each key/value head serves the same number of query heads")
+        if groups % tp:
+            raise ConfigError(f"parallel.tensor={tp} does not divide model.num_query_groups={groups}: each TP rank "
+                              f"holds whole key/value groups; choose a TP degree that divides {groups}")
+    if not m.rotary_base > 0:
+        raise ConfigError(f"model.rotary_base must be > 0, got {m.rotary_base}")
+    if not 0.0 < m.rotary_percent <= 1.0:
+        raise ConfigError(f"model.rotary_percent must be in (0, 1], got {m.rotary_percent}")
+    if m.position_embedding == "rope":
+        head = m.hidden_size // heads
+        rot = m.rotary_dim
+        if rot < 2 or rot % 2:
+            raise ConfigError(f"model.rotary_percent={m.rotary_percent} rotates {rot} of the {head} dimensions of "
+                              f"a head: RoPE needs a positive even number (head size x rotary_percent)")
+    elif m.rotary_percent != 1.0 or m.rotary_base != 10000.0:
+        raise ConfigError("model.rotary_base / model.rotary_percent are set but model.position_embedding is "
+                          "'learned': set model.position_embedding=rope")
 
 
 # --------------------------------------------------------------------------------------------------

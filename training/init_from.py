@@ -19,14 +19,15 @@ from pathlib import Path
 
 import torch
 
-from training.config import Config, ConfigError, validate_static
+from training.config import Config, ConfigError, ModelConfig, validate_static
 
 logger = logging.getLogger("training")
 
 # model keys that determine parameter shapes or the computed function: taken from the source
 SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
               "max_position_embeddings", "vocab_size", "layernorm_epsilon", "activation", "layer_order",
-              "num_tokentypes")
+              "num_tokentypes", "position_embedding", "rotary_base", "rotary_percent", "normalization",
+              "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias")
 
 
 def local_weights(named_params: Iterable[tuple[str, torch.nn.Parameter]], state: dict[str, torch.Tensor],
@@ -81,8 +82,9 @@ def adopt_model_config(cfg: Config) -> None:
     if theirs.get("head", "pretrain") == "multiple_choice":
         raise ConfigError(f"train.init_from={src} is a RACE multiple-choice fine-tune; start from a pretrained model")
     changed = []
+    defaults = ModelConfig()  # a checkpoint older than a key has that key's default
     for key in SHAPE_KEYS:
-        value = theirs.get(key)
+        value = theirs.get(key, getattr(defaults, key))
         if key == "max_position_embeddings":
             value = value or theirs["seq_length"]
         if getattr(cfg.model, key) != value:

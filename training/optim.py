@@ -1,6 +1,6 @@
 """Optimizer parameter groups and the learning-rate schedule.
 
-AdamW (decoupled weight decay) with biases and LayerNorm parameters exempt, as Megatron's
+AdamW (decoupled weight decay) with biases and LayerNorm/RMSNorm parameters exempt, as Megatron's
 ``get_params_for_weight_decay_optimization``; embeddings are decayed.
 
 LR: Megatron's ``AnnealingLR`` (HEAD ``OptimizerParamScheduler``) to the number. With n = the number of
@@ -24,9 +24,11 @@ from training.config import OptimizerConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    from training.models.blocks import NORMS
+
     decay, no_decay = [], []
     for module in model.modules():
-        is_norm = isinstance(module, nn.LayerNorm)
+        is_norm = isinstance(module, NORMS)  # LayerNorm and RMSNorm
         for name, p in module.named_parameters(recurse=False):
             if not p.requires_grad:
                 continue

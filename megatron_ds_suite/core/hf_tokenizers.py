@@ -22,7 +22,7 @@ from typing import Any
 
 from megatron_ds_suite.core.tokenizer_base import BERT_SPECIAL_PIECES, Tokenizer, TokenizerError, need_file
 
-EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
+EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 
 
 class _TokenizersBacked(Tokenizer):

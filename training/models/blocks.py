@@ -7,6 +7,21 @@ after the row-parallel projection) and one in backward (f, before the column-par
 Weights: every parameter is drawn from its own CPU generator seeded by (seed, parameter name) by
 :func:`normal_init`, as a full master weight that is then sliced. So with the same seed a TP=k block is
 exactly the TP=1 block split k ways, independent of construction order.
+
+Llama-family options (``training.config.ModelConfig``; the defaults are the GPT-2 block):
+
+* ``normalization: rmsnorm`` -> :class:`RMSNorm` in place of both LayerNorms (same attribute names ``ln1``/``ln2``).
+* ``position_embedding: rope`` -> :func:`apply_rotary` on each TP-local head's queries and keys after the QKV
+  projection (positions are global token positions, so every rank rotates its heads as TP=1 does).
+* ``num_query_groups: g`` (GQA; g < n) -> the fused QKV weight holds, per key/value group, the group's n/g query
+  heads then its key head then its value head (Megatron-Core's layout): global rows
+  ``[q_{0..n/g-1}, k_0, v_0 | q_{n/g..2n/g-1}, k_1, v_1 | ...]``, each ``hn`` rows per head. Split by output rows
+  with stride 1, rank r holds groups r g/p .. (r+1) g/p - 1 whole: its n/p query heads and their g/p key/value
+  heads. Multi-head attention (g = n, the default) keeps the GPT-2 layout ``[Q; K; V]`` with stride 3.
+  Each key/value head is repeated for its n/g query heads before the attention core.
+* ``activation: swiglu`` -> the MLP's first linear is [gate; up] (2f rows, stride 2: rank r holds gate_r and
+  up_r), ``silu(gate) * up``, then the row-parallel down projection (``proj``).
+* ``add_bias_linear: false`` -> no bias in the four linears (``add_qkv_bias`` puts one back on QKV).
 """
 from __future__ import annotations
 
@@ -40,31 +55,158 @@ def normal_init(seed: int, name: str, std: float) -> Callable[[torch.Tensor], No
     return init
 
 
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation (Zhang & Sennrich 2019; Llama): ``x / sqrt(mean(x^2) + eps) * weight``,
+    no centring and no bias. Computed in fp32 and cast back before the weight, as ``transformers``' Llama."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.numel()}, eps={self.eps}"
+
+
+def norm(cfg: ModelConfig, hidden_size: int | None = None) -> nn.Module:
+    """``model.normalization``: nn.LayerNorm (weight and bias) or :class:`RMSNorm` (weight)."""
+    h = hidden_size or cfg.hidden_size
+    if cfg.normalization == "rmsnorm":
+        return RMSNorm(h, eps=cfg.layernorm_epsilon)
+    return nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
+
+
+NORMS = (nn.LayerNorm, RMSNorm)
+"""Normalisation modules (their parameters are exempt from weight decay, ``training.optim``)."""
+
+
+def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of RoPE's angles: positions [..., s] (integer) -> two [..., s, rotary_dim] in ``dtype``.
+
+    Frequencies theta_i = base^(-2i/d), i < d/2 (d = rotary_dim); angle of position m: m theta_i, laid out
+    [theta_0 .. theta_{d/2-1}, theta_0 .. theta_{d/2-1}] (the "rotate half" convention of GPT-NeoX, Llama
+    and Megatron-Core). Computed in fp32, then cast, as ``transformers`` does."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).float()
+                               / rotary_dim))                          # [d/2]
+    freqs = positions.float()[..., None] * inv_freq                    # [..., s, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)                            # [..., s, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.size(-1)`` dims of every head of x [b, heads, s, hn] by RoPE; the rest pass.
+
+    Dimension i pairs with i + d/2 (d = rotary dims): (x_i, x_{i+d/2}) -> (x_i cos - x_{i+d/2} sin,
+    x_{i+d/2} cos + x_i sin), i.e. the complex number x_i + j x_{i+d/2} times e^{j m theta_i}.
+    ``cos``/``sin`` [s, d] or [b, 1, s, d] (:func:`rotary_cos_sin`)."""
+    d = cos.size(-1)
+    rot, rest = (x, None) if d == x.size(-1) else (x[..., :d], x[..., d:])
+    x1, x2 = rot.chunk(2, dim=-1)
+    out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
+    """The full fused QKV weight (or bias) of :class:`ParallelSelfAttention` from separate ones: q [n hn, ...],
+    k and v [g hn, ...] (rows = output features, as ``nn.Linear``). g = n: ``[Q; K; V]``; g < n: per group
+    ``[q heads of the group; k; v]`` (the module docstring's layouts). Inverse: :func:`split_qkv`."""
+    if groups == heads:
+        return torch.cat([q, k, v], dim=0)
+    rest = q.shape[1:]
+    hn = k.size(0) // groups
+    per = heads // groups
+    parts = [q.reshape(groups, per * hn, *rest), k.reshape(groups, hn, *rest), v.reshape(groups, hn, *rest)]
+    return torch.cat(parts, dim=1).reshape((heads + 2 * groups) * hn, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [n hn, ...], k [g hn, ...], v [g hn, ...]) of a full fused QKV weight or bias (:func:`fuse_qkv`)."""
+    rest = qkv.shape[1:]
+    hn = qkv.size(0) // (heads + 2 * groups)
+    if groups == heads:
+        q, k, v = qkv.split([heads * hn, groups * hn, groups * hn], dim=0)
+        return q, k, v
+    per = heads // groups
+    grouped = qkv.reshape(groups, (per + 2) * hn, *rest)
+    q, k, v = grouped.split([per * hn, hn, hn], dim=1)
+    return q.reshape(heads * hn, *rest), k.reshape(groups * hn, *rest), v.reshape(groups * hn, *rest)
+
+
 class ParallelSelfAttention(nn.Module):
-    """Multi-head self-attention (causal or with a key mask) with heads split across TP ranks."""
+    """Multi-head or grouped-query self-attention (causal or with a key mask) with heads split across TP
+    ranks, optionally with rotary position embeddings on the queries and keys."""
 
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None, seed: int, prefix: str, causal: bool = True,
                  layer_number: int = 1):
         super().__init__()
-        h, n = cfg.hidden_size, cfg.num_attention_heads
+        h, n, g = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups
+        tp = group_size(group)
         # Megatron's fp16 stabilisers (training/models/core_attention.py); off = SDPA below
         self.layer_number = layer_number
         self.qk_layer_scaling = cfg.apply_query_key_layer_scaling
         self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
         self.head_dim = divide(h, n)
-        self.local_heads = divide(n, group_size(group))
+        self.local_heads = divide(n, tp)
+        self.grouped = g != n
+        self.local_kv_heads = divide(g, tp)                                # = local_heads without GQA
+        self.rotary_dim = cfg.rotary_dim                                   # 0: no RoPE
+        self.rotary_base = cfg.rotary_base
         self.causal = causal
         self.dropout = cfg.attention_dropout
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        # Fused QKV: global rows [Q; K; V], stride 3 so rank r holds [Q_r; K_r; V_r].
-        self.qkv = ColumnParallelLinear(h, 3 * h, group, init_method=normal_init(seed, prefix + "qkv", cfg.init_method_std),
-                                        stride=3)
-        self.proj = RowParallelLinear(h, h, group, init_method=normal_init(seed, prefix + "proj", out_std))
+        qkv_init = normal_init(seed, prefix + "qkv", cfg.init_method_std)
+        if self.grouped:
+            # per group [q heads of the group; k; v] (module docstring): stride 1 keeps groups whole
+            self.qkv = ColumnParallelLinear(h, (n + 2 * g) * self.head_dim, group, bias=cfg.qkv_bias,
+                                            init_method=qkv_init)
+        else:
+            # Fused QKV: global rows [Q; K; V], stride 3 so rank r holds [Q_r; K_r; V_r].
+            self.qkv = ColumnParallelLinear(h, 3 * h, group, bias=cfg.qkv_bias, init_method=qkv_init, stride=3)
+        self.proj = RowParallelLinear(h, h, group, bias=cfg.add_bias_linear,
+                                      init_method=normal_init(seed, prefix + "proj", out_std))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, s, h] -> q [b, n/p, s, hn], k and v [b, g/p, s, hn] (RoPE applied to q and k).
+
+        ``positions``: token positions [s] or [b, s] for RoPE (None = 0 .. s-1)."""
+        b, s, _ = x.shape
+        qkv = self.qkv(x)                                                  # [b, s, (n + 2g)/p * hn]
+        if self.grouped:
+            per = self.local_heads // self.local_kv_heads
+            qkv = qkv.view(b, s, self.local_kv_heads, per + 2, self.head_dim)
+            q = qkv[:, :, :, :per].reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+            k = qkv[:, :, :, per].transpose(1, 2)                          # [b, g/p, s, hn]
+            v = qkv[:, :, :, per + 1].transpose(1, 2)
+        else:
+            q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [b, n/p, s, hn]
+        if self.rotary_dim:
+            if positions is None:
+                positions = torch.arange(s, device=x.device)
+            cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rotary_base, q.dtype)
+            if cos.dim() == 3:                                             # per-sequence positions [b, s, d]
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """[b, g/p, s, hn] -> [b, n/p, s, hn]: each key/value head repeated for its n/g query heads."""
+        if not self.grouped:
+            return t
+        b, g, s, hn = t.shape
+        rep = self.local_heads // g
+        return t[:, :, None].expand(b, g, rep, s, hn).reshape(b, g * rep, s, hn)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
-        qkv = self.qkv(x)                                                  # [b, s, 3 * n/p * hn]
-        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [b, n/p, s, hn]
+        q, k, v = self.project(x)
+        k, v = self.expand_kv(k), self.expand_kv(v)
         p = self.dropout if self.training else 0.0
         if p > 0.0:
             # Attention-probability dropout acts on TP-local heads: it uses the model-parallel stream. The
@@ -95,22 +237,34 @@ class ParallelSelfAttention(nn.Module):
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``model.activation`` -> function: 'gelu' exact (erf), 'gelu_new' tanh approximation (GPT-2's)."""
+    """``model.activation`` -> function: 'gelu' exact (erf), 'gelu_new' tanh approximation (GPT-2's),
+    'swiglu' ``silu(gate) * up`` of a [..., 2 f/p] input holding [gate_r, up_r] (halves of the last dim)."""
     if name == "gelu_new":
         return functools.partial(F.gelu, approximate="tanh")
+    if name == "swiglu":
+        return swiglu
     return F.gelu
 
 
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2f] = [gate, up] -> silu(gate) * up [..., f] (Shazeer 2020)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class ParallelMLP(nn.Module):
-    """h -> 4h (column-parallel) -> GeLU -> h (row-parallel)."""
+    """h -> 4h (column-parallel) -> GeLU -> h (row-parallel); with SwiGLU h -> [gate; up] 2 x f
+    (column-parallel, stride 2) -> silu(gate) * up -> h (row-parallel)."""
 
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None, seed: int, prefix: str):
         super().__init__()
         self.act = activation(cfg.activation)
+        gated = cfg.activation == "swiglu"
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        self.fc = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, group,
+        self.fc = ColumnParallelLinear(cfg.hidden_size, (2 if gated else 1) * cfg.ffn_size, group,
+                                       bias=cfg.add_bias_linear, stride=2 if gated else 1,
                                        init_method=normal_init(seed, prefix + "fc", cfg.init_method_std))
-        self.proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, group,
+        self.proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, group, bias=cfg.add_bias_linear,
                                       init_method=normal_init(seed, prefix + "proj", out_std))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +272,8 @@ class ParallelMLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """One transformer layer: attention and MLP sub-blocks with residuals, in either LayerNorm order.
+    """One transformer layer: attention and MLP sub-blocks with residuals, in either LayerNorm order
+    (``LN`` is :func:`norm`: LayerNorm or RMSNorm).
 
     ``pre_ln`` (GPT-2; the Megatron-LM paper's rearranged BERT)  x = x + Drop(Attn(LN1(x)));  x = x + Drop(MLP(LN2(x)))
     ``post_ln`` (original BERT)                                  x = LN1(x + Drop(Attn(x)));  x = LN2(x + Drop(MLP(x)))
@@ -131,9 +286,9 @@ class TransformerLayer(nn.Module):
         super().__init__()
         prefix = f"layers.{index}."
         self.pre_ln = pre_ln
-        self.ln1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.ln1 = norm(cfg)
         self.attn = ParallelSelfAttention(cfg, group, seed, prefix + "attn.", causal=causal, layer_number=index + 1)
-        self.ln2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.ln2 = norm(cfg)
         self.mlp = ParallelMLP(cfg, group, seed, prefix + "mlp.")
         self.dropout = cfg.hidden_dropout  # TP-replicated activations: default generator
 

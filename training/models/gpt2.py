@@ -1,4 +1,7 @@
-"""GPT-2 with Megatron tensor parallelism (pre-LayerNorm, learned positions, tied vocab-parallel head).
+"""GPT-2 with Megatron tensor parallelism (pre-LayerNorm, learned positions, tied vocab-parallel head), and the
+Llama family on the same core: RoPE instead of the position table, RMSNorm, SwiGLU, grouped-query attention,
+an untied vocab-parallel output layer (``output_layer.weight`` [V/p, h] per rank), no biases (the options of
+``training.config.ModelConfig``; the blocks are in :mod:`training.models.blocks`).
 
 Notation: b batch, s sequence, h hidden, n heads, hn = h/n head size, p = TP degree, V padded vocab.
 The layers are :class:`training.models.blocks.TransformerLayer` (pre-LN, causal), shared with BERT.
@@ -17,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.config import ModelConfig
-from training.models.blocks import TransformerLayer, normal_init
+from training.models.blocks import TransformerLayer, norm, normal_init
 from training.models.ops import dropout
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
-from training.parallel.layers import VocabParallelEmbedding
+from training.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from training.parallel.mappings import copy_to_parallel_region, gather_from_parallel_region, group_size
 
 
@@ -38,18 +41,23 @@ class GPT2Model(nn.Module):
         self.embedding = nn.Module()
         self.embedding.word_embeddings = VocabParallelEmbedding(
             padded_vocab_size, cfg.hidden_size, group, init_method=normal_init(seed, "embedding.word_embeddings", std))
-        self.embedding.position_embeddings = nn.Embedding(cfg.positions, cfg.hidden_size)
-        normal_init(seed, "embedding.position_embeddings", std)(self.embedding.position_embeddings.weight)
+        if cfg.position_embedding == "learned":
+            self.embedding.position_embeddings = nn.Embedding(cfg.positions, cfg.hidden_size)
+            normal_init(seed, "embedding.position_embeddings", std)(self.embedding.position_embeddings.weight)
+        else:  # RoPE: positions enter each layer's attention; no table
+            self.embedding.position_embeddings = None
         self.layers = nn.ModuleList(TransformerLayer(cfg, group, seed, i) for i in range(cfg.num_layers))
-        self.final_ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+        self.final_ln = norm(cfg)
+        self.output_layer = output_layer(cfg, padded_vocab_size, group, seed)
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, s] -> final hidden states [b, s, h] (after the final LayerNorm)."""
         b, s = tokens.shape
         if s > self.cfg.positions:
             raise ValueError(f"sequence length {s} exceeds max_position_embeddings {self.cfg.positions}")
-        pos = torch.arange(s, device=tokens.device)
-        x = self.embedding.word_embeddings(tokens) + self.embedding.position_embeddings(pos)  # [b, s, h]
+        x = self.embedding.word_embeddings(tokens)                         # [b, s, h]
+        if self.embedding.position_embeddings is not None:
+            x = x + self.embedding.position_embeddings(torch.arange(s, device=tokens.device))
         x = dropout(x, self.cfg.hidden_dropout, self.training)
         for layer in self.layers:
             if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -59,10 +67,12 @@ class GPT2Model(nn.Module):
         return self.final_ln(x)                                            # [b, s, h]
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Tied output layer: f, then x @ E_local^T -> logits for this rank's vocabulary rows.
+        """Output layer: f, then x @ W_local^T -> logits for this rank's vocabulary rows; W is the word
+        embedding (tied) or ``output_layer.weight`` (untied), both [V/p, h] per rank.
 
         hidden [..., h] (replicated, e.g. :meth:`hidden_states`) -> vocab-parallel logits [..., V/p]."""
-        return F.linear(copy_to_parallel_region(hidden, self.group), self.embedding.word_embeddings.weight)
+        weight = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
+        return F.linear(copy_to_parallel_region(hidden, self.group), weight)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.output_logits(self.hidden_states(tokens))           # [b, s, V/p]
@@ -83,5 +93,16 @@ class GPT2Model(nn.Module):
         for p in self.parameters():
             n += p.numel() * (world if getattr(p, "tensor_model_parallel", False) else 1)
         if exclude_padding and self.cfg.vocab_size:
-            n -= (self.padded_vocab_size - self.cfg.vocab_size) * self.cfg.hidden_size
+            copies = 1 if self.output_layer is None else 2
+            n -= copies * (self.padded_vocab_size - self.cfg.vocab_size) * self.cfg.hidden_size
         return n
+
+
+def output_layer(cfg: ModelConfig, padded_vocab_size: int, group: dist.ProcessGroup | None,
+                 seed: int) -> ColumnParallelLinear | None:
+    """``model.untie_embeddings_and_output_weights``: the separate vocab-parallel output weight [V, h] (rows
+    split like the word embedding's, no bias; only its ``weight`` is used), else None (tied)."""
+    if not cfg.untie_embeddings_and_output_weights:
+        return None
+    return ColumnParallelLinear(cfg.hidden_size, padded_vocab_size, group, bias=False,
+                                init_method=normal_init(seed, "output_layer", cfg.init_method_std))

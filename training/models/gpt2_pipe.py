@@ -6,6 +6,11 @@ keeps one word-embedding weight per end and DeepSpeed all-reduces its gradient b
 last stage. Only hidden states [b, s, h] cross stage boundaries: attention is causal inside each
 layer (no mask is sent). Parameters are drawn from the same per-name generators as ``GPT2Model``,
 so a PP=k model holds exactly the PP=1 weights.
+
+With ``model.untie_embeddings_and_output_weights`` the embedding is an ordinary first layer and the output layer
+its own last layer (:class:`OutputLayerPipe`, ``output_layer.weight``): nothing is tied between the stages.
+RoPE (``position_embedding: rope``) has no table; the final norm is LayerNorm or RMSNorm (``FinalLayerNorm`` /
+``FinalRMSNorm``, both named ``final_ln``).
 """
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from training.config import ModelConfig
-from training.models.blocks import TransformerLayer, normal_init
+from training.models.blocks import RMSNorm, TransformerLayer, normal_init
+from training.models.gpt2 import output_layer
 from training.models.ops import dropout
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -35,12 +41,16 @@ class EmbeddingPipe(nn.Module):
         std = cfg.init_method_std
         self.word_embeddings = VocabParallelEmbedding(padded_vocab, cfg.hidden_size, group,
                                                       init_method=normal_init(seed, "embedding.word_embeddings", std))
-        self.position_embeddings = nn.Embedding(cfg.positions, cfg.hidden_size)
-        normal_init(seed, "embedding.position_embeddings", std)(self.position_embeddings.weight)
+        if cfg.position_embedding == "learned":
+            self.position_embeddings = nn.Embedding(cfg.positions, cfg.hidden_size)
+            normal_init(seed, "embedding.position_embeddings", std)(self.position_embeddings.weight)
+        else:  # RoPE: no table
+            self.position_embeddings = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.size(1), device=tokens.device)
-        x = self.word_embeddings(tokens) + self.position_embeddings(pos)          # [b, s, h]
+        x = self.word_embeddings(tokens)                                           # [b, s, h]
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(torch.arange(tokens.size(1), device=tokens.device))
         return dropout(x, self.cfg.hidden_dropout, self.training)
 
 
@@ -53,19 +63,44 @@ class FinalLayerNorm(nn.LayerNorm):
     pass
 
 
+class FinalRMSNorm(RMSNorm):
+    pass
+
+
+class OutputLayerPipe(nn.Module):
+    """The untied output layer on the last stage: f, then x @ W_local^T -> vocab-parallel logits [b, s, V/p]."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, group: dist.ProcessGroup | None, seed: int):
+        super().__init__()
+        self.group = group
+        layer = output_layer(cfg, padded_vocab, group, seed)
+        assert layer is not None
+        self.weight = layer.weight  # the parameter with its partition tag; named "output_layer.weight"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_parallel_region(x, self.group), self.weight)
+
+
 def build_gpt2_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed: int) -> PipelineModule:
     group = ps.tp_group
 
     def loss_fn(logits, labels):
         return vocab_parallel_cross_entropy(logits, labels, group).mean()
 
-    specs = [
-        TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab, group, seed, tied_weight_attr="word_embeddings.weight"),
-        *[LayerSpec(TransformerLayer, cfg, group, seed, i) for i in range(cfg.num_layers)],
-        LayerSpec(FinalLayerNorm, cfg.hidden_size, eps=cfg.layernorm_epsilon),
-        TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab, group, seed, forward_fn=output_logits,
-                      tied_weight_attr="word_embeddings.weight"),
-    ]
+    final_norm = FinalRMSNorm if cfg.normalization == "rmsnorm" else FinalLayerNorm
+    layers = [LayerSpec(TransformerLayer, cfg, group, seed, i) for i in range(cfg.num_layers)]
+    final = LayerSpec(final_norm, cfg.hidden_size, eps=cfg.layernorm_epsilon)
+    if cfg.untie_embeddings_and_output_weights:
+        specs = [LayerSpec(EmbeddingPipe, cfg, padded_vocab, group, seed), *layers, final,
+                 LayerSpec(OutputLayerPipe, cfg, padded_vocab, group, seed)]
+    else:
+        specs = [
+            TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab, group, seed,
+                          tied_weight_attr="word_embeddings.weight"),
+            *layers, final,
+            TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab, group, seed, forward_fn=output_logits,
+                          tied_weight_attr="word_embeddings.weight"),
+        ]
     return PipelineModule(layers=specs, topology=ps.topology, loss_fn=loss_fn,
                           partition_method="type:TransformerLayer",
                           activation_checkpoint_interval=1 if cfg.activation_checkpointing else 0,
@@ -73,8 +108,13 @@ def build_gpt2_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed
                           checkpointable_layers=["TransformerLayer"])
 
 
-def pipe_layer_names(num_layers: int) -> dict[int, str]:
-    """PipelineModule layer index -> ``GPT2Model`` parameter-name prefix (for merging checkpoints)."""
+def pipe_layer_names(num_layers: int, untied: bool = False) -> dict[int, str]:
+    """PipelineModule layer index -> ``GPT2Model`` parameter-name prefix (for merging checkpoints).
+
+    Index num_layers + 2 is the output layer: the tied embedding again (its parameters are DeepSpeed's
+    ``tied_modules.embed.*``, no index of its own), or with ``untied`` the separate ``output_layer.``."""
     names = {0: "embedding.", num_layers + 1: "final_ln."}
     names.update({i + 1: f"layers.{i}." for i in range(num_layers)})
-    return names  # index num_layers + 2 is the tied output layer: the same weight as index 0
+    if untied:
+        names[num_layers + 2] = "output_layer."
+    return names

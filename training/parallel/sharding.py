@@ -61,8 +61,9 @@ def merge_tagged(shards: Sequence[torch.Tensor], tag: PartitionTag | None) -> to
 
 
 def is_vocab_sized(name: str) -> bool:
-    """Parameters with one row per (padded) vocabulary entry: the word embedding and BERT's LM-head bias."""
-    return name.endswith("word_embeddings.weight") or name.endswith("lm_head.bias")
+    """Parameters with one row per (padded) vocabulary entry: the word embedding, the untied output layer
+    (``model.untie_embeddings_and_output_weights``) and BERT's LM-head bias."""
+    return name.endswith(("word_embeddings.weight", "output_layer.weight", "lm_head.bias"))
 
 
 def resize_vocab_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -12,6 +12,11 @@ count with these functions, so the two can not drift apart.
 
 Notation: l layers, h hidden, a heads, s sequence, f MLP width (4h), V padded vocabulary, P positions,
 B sequences per step, t/p = TP/PP degrees, m = BERT's masked (predicted) positions per sequence.
+
+Llama-family blocks (``training.config.ModelConfig``): grouped-query attention with g key/value heads shrinks
+the K and V projections to ``k = g h / a`` rows each (QKV [h + 2k, h]); SwiGLU has three h x f matrices
+(gate, up, down) instead of two; an untied output layer adds V x h; RoPE has no position table; RMSNorm has
+a weight and no bias (h instead of 2h); ``add_bias_linear: false`` drops the four linears' biases.
 """
 from __future__ import annotations
 
@@ -58,6 +63,29 @@ class ModelShape:
     binary_head: bool = False
     masked: float | None = None
     """BERT: expected masked (predicted) positions per sequence, where the LM head runs; None = all."""
+    kv_heads: int | None = None
+    """Key/value heads g (grouped-query attention); None = ``heads`` (multi-head attention)."""
+    gated: bool = False
+    """SwiGLU MLP: gate and up projections h -> f each, down f -> h (three matrices)."""
+    untied: bool = False
+    """A separate output layer V x h (``untie_embeddings_and_output_weights``)."""
+    bias: bool = True
+    """Biases in the attention output projection and the MLP linears (``add_bias_linear``)."""
+    qkv_bias: bool | None = None
+    """Bias in the QKV linear; None = ``bias`` (``add_bias_linear or add_qkv_bias``)."""
+    rmsnorm: bool = False
+    """RMSNorm (weight only, h) instead of LayerNorm (weight and bias, 2h)."""
+    learned_positions: bool = True
+    """A learned position table P x h (False: RoPE)."""
+
+    @property
+    def kv_hidden(self) -> int:
+        """Rows of each of the K and V projections: g x head size (= h without GQA)."""
+        return self.hidden if self.kv_heads is None else self.kv_heads * (self.hidden // self.heads)
+
+    @property
+    def norm_params(self) -> int:
+        return self.hidden if self.rmsnorm else 2 * self.hidden
 
     @classmethod
     def from_config(cls, m: ModelConfig, tp: int, bert_cfg: BertDataConfig | None = None) -> ModelShape:
@@ -72,7 +100,9 @@ class ModelShape:
                    seq=m.seq_length, vocab=padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp),
                    positions=m.positions, ffn=m.ffn_size,
                    num_tokentypes=m.num_tokentypes if bert else 0, binary_head=bert and m.binary_head,
-                   masked=masked)
+                   masked=masked, kv_heads=m.num_query_groups, gated=m.activation == "swiglu",
+                   untied=m.untie_embeddings_and_output_weights, bias=m.add_bias_linear, qkv_bias=m.qkv_bias,
+                   rmsnorm=m.normalization == "rmsnorm", learned_positions=m.position_embedding == "learned")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -84,24 +114,32 @@ def layer_params(shape: ModelShape, tp: int = 1) -> int:
     QKV [3h, h] + bias 3h and h->f [f, h] + bias f are column-parallel (divided by t); the two
     row-parallel weights [h, h] and [h, f] are divided by t but their biases (h each) are replicated;
     the two LayerNorms (2h each) are replicated. t = 1: 4h^2 + 2hf + 3h + f + 2h + 4h (= 12h^2 + 13h).
+    Llama blocks: QKV [h + 2k, h] with k = g h / a (GQA), the SwiGLU fc [2f, h] (+ 2f bias), biases only
+    with ``bias``/``qkv_bias``, RMSNorms of h each.
     """
-    h, f = shape.hidden, shape.ffn
-    split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
-    return split // tp + 2 * h + 4 * h
+    h, f, kv = shape.hidden, shape.ffn, shape.kv_hidden
+    fc_rows = (2 if shape.gated else 1) * f
+    qkv_bias = shape.bias if shape.qkv_bias is None else shape.qkv_bias
+    split = (h + 2 * kv) * h + h * h + fc_rows * h + f * h
+    split += (h + 2 * kv) * qkv_bias + fc_rows * shape.bias
+    return split // tp + 2 * h * shape.bias + 2 * shape.norm_params
 
 
 def embedding_params(shape: ModelShape, tp: int = 1) -> int:
-    """Word embedding V x h (vocab-parallel) + positions P x h (+ BERT token types T x h), per TP rank."""
+    """Word embedding V x h (vocab-parallel) + positions P x h (none with RoPE; + BERT token types T x h),
+    per TP rank."""
     h = shape.hidden
-    return shape.vocab * h // tp + shape.positions * h + shape.num_tokentypes * h
+    return shape.vocab * h // tp + shape.positions * h * shape.learned_positions + shape.num_tokentypes * h
 
 
 def head_params(shape: ModelShape, tp: int = 1) -> int:
-    """Everything after the last layer except the tied output weight: final LN (2h); BERT adds the
-    LM head dense (h^2 + h) + LN (2h) + vocab-parallel bias (V/t), pooler (h^2 + h) and binary head
-    (2h + 2) when the binary head is on."""
+    """Everything after the last layer except the tied output weight: final LN (2h, RMSNorm h), the untied
+    output layer V x h (vocab-parallel); BERT adds the LM head dense (h^2 + h) + LN (2h) + vocab-parallel
+    bias (V/t), pooler (h^2 + h) and binary head (2h + 2) when the binary head is on."""
     h = shape.hidden
-    n = 2 * h
+    n = shape.norm_params
+    if shape.untied:
+        n += shape.vocab * h // tp
     if shape.arch == "bert":
         n += h * h + h + 2 * h + shape.vocab // tp
         if shape.binary_head:
@@ -110,7 +148,8 @@ def head_params(shape: ModelShape, tp: int = 1) -> int:
 
 
 def total_params(shape: ModelShape) -> int:
-    """Whole model, tied output embedding counted once (this is the number the paper quotes)."""
+    """Whole model, tied output embedding counted once (this is the number the paper quotes); an untied
+    output layer is counted in :func:`head_params`."""
     return embedding_params(shape) + shape.num_layers * layer_params(shape) + head_params(shape)
 
 
@@ -122,7 +161,8 @@ def stage_params(shape: ModelShape, tp: int, pp: int) -> list[int]:
     ties the whole ``EmbeddingPipe`` between the two ends), so the word embedding is stored twice in the
     pipeline, and so is the position table, which the output layer does not use but which is held with
     its gradient and Adam states all the same (Megatron 2021 keeps only the word embedding there).
-    Checked against the engine's tensors in ``tests/test_plan_measured.py``.
+    Checked against the engine's tensors in ``tests/test_plan_measured.py``. With an untied output layer
+    nothing is tied: the last stage holds the output layer (in :func:`head_params`) and no embedding.
     """
     per_stage_layers = shape.num_layers // pp
     out = []
@@ -132,7 +172,7 @@ def stage_params(shape: ModelShape, tp: int, pp: int) -> list[int]:
             n += embedding_params(shape, tp)
         if i == pp - 1:
             n += head_params(shape, tp)
-            if pp > 1:
+            if pp > 1 and not shape.untied:
                 n += embedding_params(shape, tp)
         out.append(n)
     return out
@@ -141,11 +181,17 @@ def stage_params(shape: ModelShape, tp: int, pp: int) -> list[int]:
 # --------------------------------------------------------------------------------------------------
 # FLOPs: three forward terms, composed by step_flops (planner) and the *_flops_per_iteration (MFU)
 # --------------------------------------------------------------------------------------------------
-def transformer_layer_forward_flops(tokens: int, seq: int, hidden: int, ffn: int) -> int:
+def transformer_layer_forward_flops(tokens: int, seq: int, hidden: int, ffn: int, kv_hidden: int | None = None,
+                                    gated: bool = False) -> int:
     """One layer's forward for ``tokens`` = B s tokens: QKV 6 h^2 + projection 2 h^2 + MLP 4 h f
-    (= 24 h^2 for f = 4h) per token, plus attention scores Q K^T and probabilities x V: 4 s h per token."""
+    (= 24 h^2 for f = 4h) per token, plus attention scores Q K^T and probabilities x V: 4 s h per token.
+
+    Grouped-query attention (``kv_hidden`` k = g h / a rows for each of K and V): QKV 2 h (h + 2k); the
+    scores and P x V stay 4 s h (every query head attends). SwiGLU (``gated``): MLP 6 h f (gate, up, down)."""
     h = hidden
-    return tokens * (8 * h * h + 4 * h * ffn + 4 * seq * h)
+    kv = h if kv_hidden is None else kv_hidden
+    mlp = (6 if gated else 4) * h * ffn
+    return tokens * (2 * h * (h + 2 * kv) + 2 * h * h + mlp + 4 * seq * h)
 
 
 def gpt_head_forward_flops(tokens: int, hidden: int, vocab: int) -> int:
@@ -176,7 +222,7 @@ def layer_forward_flops(shape: ModelShape, tokens: int) -> float:
     """2 x multiply-adds of one layer's forward for ``tokens`` = B s tokens:
     QKV 6 h^2 + projection 2 h^2 + MLP 4 h f (= 24 h^2 for f = 4h) per token, plus attention
     scores and scores x V: 4 s h per token."""
-    return transformer_layer_forward_flops(tokens, shape.seq, shape.hidden, shape.ffn)
+    return transformer_layer_forward_flops(tokens, shape.seq, shape.hidden, shape.ffn, shape.kv_hidden, shape.gated)
 
 
 def step_flops(shape: ModelShape, global_batch: int, ckpt: bool) -> float:
@@ -201,12 +247,13 @@ def step_flops(shape: ModelShape, global_batch: int, ckpt: bool) -> float:
 
 
 def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int,
-                              ffn: int | None = None) -> float:
+                              ffn: int | None = None, kv_hidden: int | None = None, gated: bool = False) -> float:
     """Forward + backward model FLOPs of one GPT iteration over ``batch`` sequences (no recomputation):
-    72 B s l h^2 (1 + s/(6h)) + 6 B s h V for f = 4h."""
+    72 B s l h^2 (1 + s/(6h)) + 6 B s h V for f = 4h; ``kv_hidden``/``gated`` for GQA and SwiGLU
+    (:func:`transformer_layer_forward_flops`; an untied output layer costs what the tied one does)."""
     ffn = ffn or 4 * hidden
     tokens = batch * seq
-    return float(training_flops(layers * transformer_layer_forward_flops(tokens, seq, hidden, ffn),
+    return float(training_flops(layers * transformer_layer_forward_flops(tokens, seq, hidden, ffn, kv_hidden, gated),
                                 gpt_head_forward_flops(tokens, hidden, vocab), ckpt=False))
 
 
@@ -241,5 +288,6 @@ def flops_per_iteration(cfg: Config, padded_vocab: int) -> float:
         masked = bert_expected_masked_positions(cfg.bert.masked_lm_prob, cfg.bert.short_seq_prob, m.seq_length)
         return bert_flops_per_iteration(t.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, padded_vocab,
                                         masked, m.ffn_size, m.binary_head)
+    kv = m.query_groups * (m.hidden_size // m.num_attention_heads)
     return model_flops_per_iteration(t.global_batch_size, m.seq_length, m.num_layers, m.hidden_size, padded_vocab,
-                                     m.ffn_size)
+                                     m.ffn_size, kv, m.activation == "swiglu")

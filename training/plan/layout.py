@@ -38,6 +38,11 @@ def validate(shape: ModelShape, lay: Layout) -> None:
     if shape.heads % lay.tp:
         raise ConfigError(f"--tp {lay.tp} does not divide the {shape.heads} attention heads: choose a TP "
                           f"degree that divides the head count")
+    if shape.kv_heads is not None and (shape.kv_heads < 1 or shape.heads % shape.kv_heads):
+        raise ConfigError(f"{shape.kv_heads} query groups do not divide the {shape.heads} attention heads")
+    if shape.kv_heads is not None and shape.kv_heads % lay.tp:
+        raise ConfigError(f"--tp {lay.tp} does not divide the {shape.kv_heads} query groups (key/value heads): "
+                          f"choose a TP degree that divides model.num_query_groups")
     if shape.ffn % lay.tp:
         raise ConfigError(f"--tp {lay.tp} does not divide the MLP width {shape.ffn}")
     if shape.vocab % lay.tp:

@@ -28,6 +28,24 @@ def _fmt_params(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _llama_parts(shape: ModelShape) -> str:
+    """The model line's Llama-family options, e.g. ' (GQA 8 kv heads, SwiGLU, RoPE, RMSNorm, untied, no bias)'."""
+    parts = []
+    if shape.kv_heads is not None and shape.kv_heads != shape.heads:
+        parts.append(f"GQA {shape.kv_heads} kv heads")
+    if shape.gated:
+        parts.append("SwiGLU")
+    if not shape.learned_positions:
+        parts.append("RoPE")
+    if shape.rmsnorm:
+        parts.append("RMSNorm")
+    if shape.untied:
+        parts.append("untied")
+    if not shape.bias:
+        parts.append("no bias")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dtype: str,
                 scores_stored: bool = True) -> str:
     """The CLI report as text (tables)."""
@@ -35,12 +53,13 @@ def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dty
     total = total_params(shape)
     stages = stage_params(shape, lay.tp, lay.pp)
     out.append(f"model: {shape.arch} l={shape.num_layers} h={shape.hidden} a={shape.heads} s={shape.seq} "
-               f"V(padded)={shape.vocab:,} ffn={shape.ffn}")
+               f"V(padded)={shape.vocab:,} ffn={shape.ffn}{_llama_parts(shape)}")
     out.append(f"layout: TP={lay.tp} PP={lay.pp} DP={lay.dp} -> {lay.world} devices of {hw.name} "
                f"({hw.gpus_per_node}/node); micro batch {lay.micro_batch}, global batch {lay.global_batch}, "
                f"{lay.num_micro} micro-batches/step; dtype {dtype}")
     out.append("")
-    out.append(f"parameters: total {total:,} ({_fmt_params(total)}), tied output embedding counted once")
+    out.append(f"parameters: total {total:,} ({_fmt_params(total)}), "
+               + ("untied output layer included" if shape.untied else "tied output embedding counted once"))
     for i, n in enumerate(stages):
         out.append(f"  per device, stage {i}: {n:,} ({_fmt_params(n)})")
     out.append("")

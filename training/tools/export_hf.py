@@ -1,9 +1,11 @@
-"""Export a GPT-2 or BERT checkpoint to a Hugging Face ``transformers`` folder.
+"""Export a GPT-2, Llama-shaped GPT or BERT checkpoint to a Hugging Face ``transformers`` folder.
 
     python -m training.tools.export_hf --checkpoint RUN_DIR --out DIR [--overwrite] [--no-tokenizer]
 
 BERT goes to ``MegatronBertForPreTraining`` (``layer_order: pre_ln``) or ``BertForPreTraining``
-(``post_ln``), see :mod:`training.tools.hf_bert`; the rest of this docstring is about GPT-2.
+(``post_ln``), see :mod:`training.tools.hf_bert`; a GPT with the Llama options (RoPE, RMSNorm, SwiGLU; GQA,
+untied output and biases either way) to ``LlamaForCausalLM``, see :mod:`training.tools.hf_llama`; a GPT with
+only some of them has no ``transformers`` class and is refused. The rest of this docstring is about GPT-2.
 
 Writes ``config.json`` (``GPT2Config``), ``model.safetensors`` (TP shards merged by
 ``training.checkpoint.load_merged_state_dict``, vocabulary padding rows removed) and the tokenizer
@@ -165,6 +167,13 @@ def _export(run_dir: Path, out: Path, with_tokenizer: bool) -> Path:
             model = build_hf_bert(sd, cfg.model, vocab)
         except BertMappingError as e:
             raise ExportError(str(e)) from None
+    elif cfg.model.llama_options() or cfg.model.activation == "swiglu":  # training.tools.hf_llama
+        from training.tools.hf_llama import LlamaMappingError, build_hf_llama
+
+        try:
+            model = build_hf_llama(sd, cfg.model, vocab, getattr(tokenizer, "eod", None))
+        except LlamaMappingError as e:
+            raise ExportError(f"{e}: only GPT-2 and Llama-shaped models export to transformers") from None
     else:
         model = build_hf_model(sd, cfg.model, vocab, getattr(tokenizer, "eod", None))
     with atomic.atomic_dir(out) as tmp:  # a failed export leaves the previous folder (or none)
@@ -178,7 +187,7 @@ def _export(run_dir: Path, out: Path, with_tokenizer: bool) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ap = argparse.ArgumentParser(prog=program("python -m training.tools.export_hf"), description="Export a GPT-2 or BERT checkpoint to transformers")
+    ap = argparse.ArgumentParser(prog=program("python -m training.tools.export_hf"), description="Export a GPT-2, Llama-shaped GPT or BERT checkpoint to transformers")
     ap.add_argument("--checkpoint", required=True, help="run directory")
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--overwrite", action="store_true")

@@ -1,4 +1,4 @@
-"""Import a Hugging Face ``transformers`` GPT-2 or BERT into a run directory of this project, at any TP/PP.
+"""Import a Hugging Face ``transformers`` GPT-2, Llama or BERT into a run directory of this project, at any TP/PP.
 
     python -m training.tools.import_hf --model DIR_OR_NAME --out RUN_DIR [--tp K] [--pp P] [--seq-length S]
 
@@ -8,7 +8,9 @@ hub name (``gpt2``), which needs the network or a filled Hugging Face cache; off
 line saying how to get the folder. Model classes: ``GPT2LMHeadModel``; ``MegatronBertForPreTraining``
 (-> ``model.layer_order: pre_ln``) and ``BertForPreTraining`` (-> ``post_ln``) with a WordPiece
 ``vocab.txt`` (-> tokenizer kind ``wordpiece``) or ``tokenizer.json`` (-> ``hf``); BERT's name map is
-:mod:`training.tools.hf_bert`. BERT is tensor-parallel only (no ``--pp``).
+:mod:`training.tools.hf_bert`. BERT is tensor-parallel only (no ``--pp``). ``LlamaForCausalLM`` (plain RoPE; its
+tokenizer from ``tokenizer.json`` -> ``hf``) becomes a GPT with the Llama options; its name map is
+:mod:`training.tools.hf_llama` (``MistralForCausalLM`` and ``Qwen2ForCausalLM`` are not accepted: not tested).
 
 The output is a checkpoint in the layout training writes (``checkpoints/iter_0000000/mp_rank_XX_...``,
 the pipeline's ``layer_XX-model_YY-...`` files when ``--pp`` > 1, ``checkpoints/latest``) holding the
@@ -143,7 +145,7 @@ def load_source(folder: Path, model_type: str) -> dict[str, torch.Tensor]:
     import transformers
 
     cls = {"gpt2": "GPT2LMHeadModel", "megatron-bert": "MegatronBertForPreTraining",
-           "bert": "BertForPreTraining"}[model_type]
+           "bert": "BertForPreTraining", "llama": "LlamaForCausalLM"}[model_type]
     try:
         model = getattr(transformers, cls).from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - a damaged or cut weights file raises whatever its reader raises
@@ -231,8 +233,9 @@ def partition_tags(model_cfg: ModelConfig) -> dict[str, tuple[int, int] | None]:
     from training.models.bert import BertModel
     from training.models.gpt2 import GPT2Model
 
-    probe = replace(model_cfg, hidden_size=model_cfg.num_attention_heads, ffn_hidden_size=8, seq_length=2,
-                    max_position_embeddings=2, vocab_size=8)
+    # head size 2 and the whole head rotated keep RoPE valid; no parameter depends on either
+    probe = replace(model_cfg, hidden_size=2 * model_cfg.num_attention_heads, ffn_hidden_size=8, seq_length=2,
+                    max_position_embeddings=2, vocab_size=8, rotary_percent=1.0)
     return tags_of((BertModel if model_cfg.arch == "bert" else GPT2Model)(probe, 8, None, seed=0))
 
 
@@ -267,7 +270,7 @@ def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], t
             "weights_only": True}
     from tqdm import tqdm
 
-    prefixes = pipe_layer_names(m.num_layers)
+    prefixes = pipe_layer_names(m.num_layers, m.untie_embeddings_and_output_weights)
     # a bar only on a terminal (not redrawn into a piped or Slurm log)
     for r in tqdm(range(tp), desc="write TP shards", unit="rank", disable=tp == 1 or not stderr_is_terminal(),
                   leave=False):
@@ -330,9 +333,14 @@ def _import(model: str, out: Path, tp: int, pp: int, seq_length: int | None) -> 
         from training.tools.hf_bert import model_config_from_hf as bert_config_from_hf
 
         model_cfg = bert_config_from_hf(hf_cfg, seq_length)
+    elif model_type == "llama":
+        from training.tools.hf_llama import model_config_from_hf as llama_config_from_hf
+
+        model_cfg = llama_config_from_hf(hf_cfg, seq_length)
     else:
-        raise ImportHFError(f"model_type {model_type!r} is not supported: GPT-2 (GPT2LMHeadModel), Megatron-BERT "
-                            f"(MegatronBertForPreTraining) or BERT (BertForPreTraining) folders import")
+        raise ImportHFError(f"model_type {model_type!r} is not supported: GPT-2 (GPT2LMHeadModel), Llama "
+                            f"(LlamaForCausalLM), Megatron-BERT (MegatronBertForPreTraining) or BERT "
+                            f"(BertForPreTraining) folders import")
     cfg = Config(model=model_cfg)
     cfg.parallel.tensor, cfg.parallel.pipeline = tp, pp
     cfg.run.dir = str(out)
@@ -340,6 +348,10 @@ def _import(model: str, out: Path, tp: int, pp: int, seq_length: int | None) -> 
     hf_sd = load_source(folder, model_type)
     if model_type == "gpt2":
         weights = from_hf_state_dict(hf_sd, cfg.model.num_layers)
+    elif model_type == "llama":
+        from training.tools.hf_llama import from_hf as llama_from_hf
+
+        weights = llama_from_hf(hf_sd, cfg.model)
     else:
         from training.tools.hf_bert import from_hf as bert_from_hf
 
@@ -359,7 +371,8 @@ def _import(model: str, out: Path, tp: int, pp: int, seq_length: int | None) -> 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser(prog=program("python -m training.tools.import_hf"), description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="transformers GPT-2 folder, or a hub name (needs network/cache)")
+    ap.add_argument("--model", required=True,
+                    help="transformers GPT-2, Llama or BERT folder, or a hub name (needs network/cache)")
     ap.add_argument("--out", required=True, help="new run directory")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the written checkpoint")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree of the written checkpoint")
