@@ -526,3 +526,77 @@ def test_import_and_export_llama_folders(tmp_path, kv_heads, theta, tied, tp, pp
         ref = hf.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                           pad_token_id=tok.eod)[0, p.size(1):].tolist()
     assert ours.tokens == ref
+
+
+def test_qwen2_weights_map_both_ways_with_the_qkv_bias(tmp_path):
+    """Qwen2ForCausalLM (a bias on q/k/v only, Megatron-Core's add_qkv_bias): its config and weights mapped into our
+    model at TP=1 give transformers' logits, and mapped back build a Qwen2ForCausalLM with the same tensors. (The
+    folder import is the same code; its tokenizer check needs a real Qwen2 tokenizer.json, which transformers 5's
+    Qwen2Tokenizer re-reads with Qwen's own pre-tokenizer, so it is not exercised here.)"""
+    transformers = pytest.importorskip("transformers")
+    from tests.hf_models import GPT2_TOKENIZER, save_random_llama
+
+    if not GPT2_TOKENIZER.is_dir():
+        pytest.skip("../shared/data/tokenizers/gpt2 absent")
+    from training.config import padded_vocab_size
+    from training.models.gpt2 import GPT2Model
+    from training.tools.hf_llama import build_hf_llama, from_hf, model_config_from_hf
+
+    src = save_random_llama(tmp_path / "hf", kv_heads=2, family="qwen2")
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(src)).eval()
+    cfg = model_config_from_hf(hf.config, 64)
+    assert cfg.add_qkv_bias and not cfg.add_bias_linear
+    padded = padded_vocab_size(50257, cfg.make_vocab_size_divisible_by, 1)
+    model = GPT2Model(cfg, padded).eval()
+    weights = from_hf(hf.state_dict(), cfg)
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        weights[name] = torch.cat([weights[name], torch.zeros(padded - 50257, cfg.hidden_size)])
+    model.load_state_dict(weights, strict=True)
+    ids = torch.randint(0, 50257, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[..., :50257], hf(ids).logits, rtol=0, atol=1e-5)
+    back = build_hf_llama(model.state_dict(), cfg, 50257)
+    assert type(back).__name__ == "Qwen2ForCausalLM"
+    theirs = hf.state_dict()
+    assert set(back.state_dict()) == set(theirs)
+    assert all(torch.equal(v, theirs[k]) for k, v in back.state_dict().items())
+
+
+@pytest.mark.parametrize("family,tp", [("mistral", 1)])
+def test_mistral_and_qwen2_folders_import_and_export(tmp_path, family, tp):
+    """MistralForCausalLM (no sliding window) and Qwen2ForCausalLM (bias on q/k/v only) share Llama's map: their
+    logits after import (Qwen2 at TP=2: the q/k/v bias split with the heads) equal transformers', and the export
+    holds the same tensors (Mistral as LlamaForCausalLM, the same block and names; Qwen2 as Qwen2ForCausalLM).
+    A Mistral sliding window shorter than the positions is refused in one line."""
+    transformers = pytest.importorskip("transformers")
+    from tests.hf_models import GPT2_TOKENIZER, save_random_llama
+
+    if not GPT2_TOKENIZER.is_dir():
+        pytest.skip("../shared/data/tokenizers/gpt2 absent")
+    from safetensors.torch import load_file
+    from training.checkpoint import load_model_for_eval
+    from training.tools.export_hf import export
+    from training.tools.hf_llama import LlamaMappingError
+    from training.tools.import_hf import import_hf
+
+    extra = {"sliding_window": None} if family == "mistral" else {}
+    src = save_random_llama(tmp_path / "hf", kv_heads=2, family=family, **extra)
+    run = import_hf(str(src), tmp_path / "run", tp=tp, seq_length=64)
+    model, cfg, tok = load_model_for_eval(run)
+    assert cfg.model.add_qkv_bias == (family == "qwen2") and not cfg.model.add_bias_linear
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(src)).eval()
+    ids = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog, twice.")])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[..., :50257], hf(ids).logits, rtol=0, atol=1e-5)
+    export(run, tmp_path / "back")
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    assert type(again).__name__ == ("Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM")
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=1e-6)
+    if family == "mistral":
+        windowed = save_random_llama(tmp_path / "windowed", family="mistral", sliding_window=16)
+        with pytest.raises(LlamaMappingError, match="sliding_window=16 .attention to the last 16 tokens only"):
+            import_hf(str(windowed), tmp_path / "w", seq_length=64)
+        assert not (tmp_path / "w").exists()

@@ -32,6 +32,12 @@ class LlamaMappingError(SuiteError):
     """A Llama config or state dict that does not map (one line)."""
 
 
+#: ``model_type`` -> the ``transformers`` class of the folders that share Llama's layout and names. Mistral is
+#: Llama's block (its sliding window refused unless it covers every position); Qwen2 adds a bias to q/k/v only
+#: (Megatron-Core's ``add_qkv_bias``) and is exported back as ``Qwen2ForCausalLM``.
+LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
 def _rope(hf_cfg) -> tuple[str, float, float]:
     """(rope type, theta, partial rotary factor) from transformers 5's ``rope_parameters`` or 4's
     ``rope_theta`` / ``rope_scaling``."""
@@ -45,11 +51,17 @@ def _rope(hf_cfg) -> tuple[str, float, float]:
 
 def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
     """Our ModelConfig for a ``LlamaConfig``; refuses what our model does not compute."""
-    if getattr(hf_cfg, "model_type", None) != "llama":
-        raise LlamaMappingError(f"model_type {getattr(hf_cfg, 'model_type', None)!r} is not a Llama config")
+    family = getattr(hf_cfg, "model_type", None)
+    if family not in LLAMA_FAMILY:
+        raise LlamaMappingError(f"model_type {family!r} is not a Llama-family config ({', '.join(LLAMA_FAMILY)})")
     h, n = hf_cfg.hidden_size, hf_cfg.num_attention_heads
     kind, theta, partial = _rope(hf_cfg)
     unsupported = []
+    window = getattr(hf_cfg, "sliding_window", None)
+    if family == "mistral" and window is not None and window < hf_cfg.max_position_embeddings:
+        unsupported.append(f"sliding_window={window} (attention to the last {window} tokens only; ours is full)")
+    if family == "qwen2" and getattr(hf_cfg, "use_sliding_window", False):
+        unsupported.append("use_sliding_window=true")
     if hf_cfg.hidden_act != "silu":
         unsupported.append(f"hidden_act={hf_cfg.hidden_act!r}")
     if kind != "default":
@@ -60,8 +72,8 @@ def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
     if getattr(hf_cfg, "attention_bias", False) != getattr(hf_cfg, "mlp_bias", False):
         unsupported.append("attention_bias != mlp_bias")
     if unsupported:
-        raise LlamaMappingError(f"the Llama config sets {', '.join(unsupported)}, which this project's model does not "
-                                f"compute")
+        raise LlamaMappingError(f"the {family} config sets {', '.join(unsupported)}, which this project's model does "
+                                f"not compute")
     positions = hf_cfg.max_position_embeddings
     seq = seq_length or min(positions, 4096)
     if seq > positions:
@@ -76,23 +88,31 @@ def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
                        activation="swiglu", position_embedding="rope", rotary_base=theta, rotary_percent=partial,
                        normalization="rmsnorm", num_query_groups=None if groups == n else groups,
                        untie_embeddings_and_output_weights=not getattr(hf_cfg, "tie_word_embeddings", False),
-                       add_bias_linear=bias)
+                       add_bias_linear=bias, add_qkv_bias=family == "qwen2")
 
 
 def hf_config(cfg: ModelConfig, vocab_size: int | None = None):
-    """The ``transformers.LlamaConfig`` of our model (which must have the Llama options)."""
-    from transformers import LlamaConfig
+    """The ``transformers`` config of our model (which must have the Llama options): ``Qwen2Config`` for a bias on
+    q/k/v only, else ``LlamaConfig``."""
+    import transformers
 
     check_llama_shape(cfg)
-    return LlamaConfig(vocab_size=vocab_size or cfg.vocab_size, hidden_size=cfg.hidden_size,
-                       intermediate_size=cfg.ffn_size, num_hidden_layers=cfg.num_layers,
-                       num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.query_groups,
-                       hidden_act="silu", max_position_embeddings=cfg.positions,
-                       initializer_range=cfg.init_method_std, rms_norm_eps=cfg.layernorm_epsilon,
-                       tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
-                       rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
-                       attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear,
-                       attention_dropout=cfg.attention_dropout)
+    common = dict(vocab_size=vocab_size or cfg.vocab_size, hidden_size=cfg.hidden_size,
+                  intermediate_size=cfg.ffn_size, num_hidden_layers=cfg.num_layers,
+                  num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.query_groups,
+                  hidden_act="silu", max_position_embeddings=cfg.positions,
+                  initializer_range=cfg.init_method_std, rms_norm_eps=cfg.layernorm_epsilon,
+                  tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
+                  rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
+                  attention_dropout=cfg.attention_dropout)
+    if qkv_bias_only(cfg):
+        return transformers.Qwen2Config(**common, use_sliding_window=False)
+    return transformers.LlamaConfig(**common, attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
+
+
+def qkv_bias_only(cfg: ModelConfig) -> bool:
+    """A bias on the q/k/v projections and nowhere else (Qwen2's block)."""
+    return cfg.add_qkv_bias and not cfg.add_bias_linear
 
 
 def check_llama_shape(cfg: ModelConfig) -> None:
@@ -106,8 +126,6 @@ def check_llama_shape(cfg: ModelConfig) -> None:
         bad.append("normalization must be rmsnorm")
     if cfg.activation != "swiglu":
         bad.append("activation must be swiglu")
-    if cfg.add_qkv_bias and not cfg.add_bias_linear:
-        bad.append("add_qkv_bias without add_bias_linear")
     if bad:
         raise LlamaMappingError(f"not a Llama-shaped model ({'; '.join(bad)})")
 
@@ -143,10 +161,10 @@ def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Te
         a, h = f"layers.{i}.", f"model.layers.{i}.self_attn."
         for ours, theirs in _layer_pairs(i, bias):
             out[ours] = get(theirs)
-        kinds = ["weight", "bias"] if bias else ["weight"]
-        for kind in kinds:
+        for kind in ["weight", "bias"] if bias or cfg.add_qkv_bias else ["weight"]:
             out[a + f"attn.qkv.{kind}"] = fuse_qkv(get(h + f"q_proj.{kind}"), get(h + f"k_proj.{kind}"),
                                                    get(h + f"v_proj.{kind}"), n, g)
+        for kind in ["weight", "bias"] if bias else ["weight"]:
             m = f"model.layers.{i}.mlp."
             out[a + f"mlp.fc.{kind}"] = torch.cat([get(m + f"gate_proj.{kind}"), get(m + f"up_proj.{kind}")])
     return out
@@ -165,11 +183,12 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: int) -> 
         a, h = f"layers.{i}.", f"model.layers.{i}."
         for ours, theirs in _layer_pairs(i, bias):
             out[theirs] = state[ours]
-        for kind in (["weight", "bias"] if bias else ["weight"]):
+        for kind in (["weight", "bias"] if bias or cfg.add_qkv_bias else ["weight"]):
             q, k, v = split_qkv(state[a + f"attn.qkv.{kind}"], n, g)
             out[h + f"self_attn.q_proj.{kind}"] = q.contiguous()
             out[h + f"self_attn.k_proj.{kind}"] = k.contiguous()
             out[h + f"self_attn.v_proj.{kind}"] = v.contiguous()
+        for kind in (["weight", "bias"] if bias else ["weight"]):
             gate, up = state[a + f"mlp.fc.{kind}"].chunk(2, dim=0)
             out[h + f"mlp.gate_proj.{kind}"] = gate.contiguous()
             out[h + f"mlp.up_proj.{kind}"] = up.contiguous()
@@ -179,12 +198,13 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: int) -> 
 def build_hf_llama(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: int, eod: int | None = None):
     """A ``LlamaForCausalLM`` holding our merged (TP=1) weights, the vocabulary cut to ``vocab_size`` (strict
     load: every tensor of the transformers model is provided)."""
-    from transformers import LlamaForCausalLM
+    import transformers
 
     hc = hf_config(cfg, vocab_size)
     hc.bos_token_id = hc.eos_token_id = eod
-    hc.architectures = ["LlamaForCausalLM"]
-    model = LlamaForCausalLM(hc)
+    name = LLAMA_FAMILY["qwen2" if qkv_bias_only(cfg) else "llama"]
+    hc.architectures = [name]
+    model = getattr(transformers, name)(hc)
     weights = to_hf({k: v.detach().to(torch.float32).cpu() for k, v in state.items()}, cfg, vocab_size)
     try:
         model.load_state_dict(weights, strict=True)

@@ -10,7 +10,8 @@ line saying how to get the folder. Model classes: ``GPT2LMHeadModel``; ``Megatro
 ``vocab.txt`` (-> tokenizer kind ``wordpiece``) or ``tokenizer.json`` (-> ``hf``); BERT's name map is
 :mod:`training.tools.hf_bert`. BERT is tensor-parallel only (no ``--pp``). ``LlamaForCausalLM`` (plain RoPE; its
 tokenizer from ``tokenizer.json`` -> ``hf``) becomes a GPT with the Llama options; its name map is
-:mod:`training.tools.hf_llama` (``MistralForCausalLM`` and ``Qwen2ForCausalLM`` are not accepted: not tested).
+:mod:`training.tools.hf_llama`; ``MistralForCausalLM`` (without a sliding window shorter than its positions) and
+``Qwen2ForCausalLM`` (q/k/v bias) share it.
 
 The output is a checkpoint in the layout training writes (``checkpoints/iter_0000000/mp_rank_XX_...``,
 the pipeline's ``layer_XX-model_YY-...`` files when ``--pp`` > 1, ``checkpoints/latest``) holding the
@@ -52,6 +53,7 @@ from megatron_ds_suite.core.program import prog as program
 from training.runtime.run_lock import lock_existing_output, overlapping_input
 from megatron_ds_suite.core.program import stderr_is_terminal
 from training.tools.hf_interop import ImportHFError, gpt2_layer_names, require_transformers
+from training.tools.hf_llama import LLAMA_FAMILY
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +147,7 @@ def load_source(folder: Path, model_type: str) -> dict[str, torch.Tensor]:
     import transformers
 
     cls = {"gpt2": "GPT2LMHeadModel", "megatron-bert": "MegatronBertForPreTraining",
-           "bert": "BertForPreTraining", "llama": "LlamaForCausalLM"}[model_type]
+           "bert": "BertForPreTraining", **LLAMA_FAMILY}[model_type]
     try:
         model = getattr(transformers, cls).from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - a damaged or cut weights file raises whatever its reader raises
@@ -333,13 +335,13 @@ def _import(model: str, out: Path, tp: int, pp: int, seq_length: int | None) -> 
         from training.tools.hf_bert import model_config_from_hf as bert_config_from_hf
 
         model_cfg = bert_config_from_hf(hf_cfg, seq_length)
-    elif model_type == "llama":
+    elif model_type in LLAMA_FAMILY:
         from training.tools.hf_llama import model_config_from_hf as llama_config_from_hf
 
         model_cfg = llama_config_from_hf(hf_cfg, seq_length)
     else:
         raise ImportHFError(f"model_type {model_type!r} is not supported: GPT-2 (GPT2LMHeadModel), Llama "
-                            f"(LlamaForCausalLM), Megatron-BERT (MegatronBertForPreTraining) or BERT "
+                            f"(LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM), Megatron-BERT (MegatronBertForPreTraining) or BERT "
                             f"(BertForPreTraining) folders import")
     cfg = Config(model=model_cfg)
     cfg.parallel.tensor, cfg.parallel.pipeline = tp, pp
@@ -348,7 +350,7 @@ def _import(model: str, out: Path, tp: int, pp: int, seq_length: int | None) -> 
     hf_sd = load_source(folder, model_type)
     if model_type == "gpt2":
         weights = from_hf_state_dict(hf_sd, cfg.model.num_layers)
-    elif model_type == "llama":
+    elif model_type in LLAMA_FAMILY:
         from training.tools.hf_llama import from_hf as llama_from_hf
 
         weights = llama_from_hf(hf_sd, cfg.model)
