@@ -14,10 +14,10 @@ From Python::
 How: prompts are left-padded into one batch (pad keys masked, positions counted from each prompt's
 first real token, as transformers does), one forward over the prompts fills a key/value cache
 pre-allocated for ``prompt + max_new_tokens`` positions, then each step feeds only the new token.
-The cached step reuses the model's own modules (embeddings, LayerNorms, the column/row-parallel QKV
-and output projections, the MLP with its activation); only softmax(QK^T/sqrt(hn))V over the cache is
-computed here. At TP = k every rank holds n/k heads and the all-gathered full-vocabulary logits, and
-the token chosen on TP rank 0 is broadcast so the ranks can never drift apart.
+Both are the model's own forward with a :class:`~training.models.kv_cache.KVCache` (``GPT2Model.hidden_states``
+then its output layer, on the last position only); this module is the loop around it. At TP = k every rank
+holds n/k heads and the all-gathered full-vocabulary logits, and the token chosen on TP rank 0 is broadcast
+so the ranks can never drift apart.
 
 Choosing the next token: over the real vocabulary only (padding columns cut off, so the padded width of a
 checkpoint changes nothing); greedy = argmax; otherwise
@@ -35,10 +35,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from evaluation.errors import EvalError
 from megatron_ds_suite.core.textfile import read_utf8
+from training.models.kv_cache import KVCache
+from training.parallel.mappings import gather_from_parallel_region
 
 logger = logging.getLogger(__name__)
 
@@ -108,62 +109,15 @@ def choose_next(logits: torch.Tensor, opts: GenerationOptions, generator: torch.
 
 
 # --------------------------------------------------------------------------------------------------
-# Cached forward over a GPT2Model
+# The model's cached forward
 # --------------------------------------------------------------------------------------------------
-class KVCache:
-    """Keys and values of every layer, [b, g/p, T_max, hn] each (g = key/value heads: the head count
-    without grouped-query attention), filled up to ``length``; keys stored after RoPE."""
-
-    def __init__(self, model, batch: int, max_len: int, device, dtype):
-        attn = model.layers[0].attn
-        shape = (batch, attn.local_kv_heads, max_len, attn.head_dim)
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in model.layers]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in model.layers]
-        self.length = 0
-
-
-def _attention(attn, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int,
-               mask: torch.Tensor) -> torch.Tensor:
-    """Self-attention of the t new positions over the cache plus themselves. x [b, t, h] -> [b, t, h]."""
-    b, t, _ = x.shape
-    q, k, v = attn.project(x, positions)                                    # [b, n/p, t, hn], [b, g/p, t, hn]
-    start, end = cache.length, cache.length + t
-    cache.k[layer][:, :, start:end] = k
-    cache.v[layer][:, :, start:end] = v
-    y = F.scaled_dot_product_attention(q, attn.expand_kv(cache.k[layer][:, :, :end]),
-                                       attn.expand_kv(cache.v[layer][:, :, :end]), attn_mask=mask)  # [b, n/p, t, hn]
-    return attn.proj(y.transpose(1, 2).reshape(b, t, attn.local_heads * attn.head_dim))  # [b, t, h], all-reduced
-
-
-def _step_mask(valid: torch.Tensor, start: int, t: int) -> torch.Tensor:
-    """[b, 1, t, start+t] bool (True = attend): causal, pad keys masked; every position may attend
-    itself so a padding row is never fully masked (its output is unused)."""
-    end = start + t
-    q_pos = torch.arange(start, end, device=valid.device)[:, None]
-    k_pos = torch.arange(end, device=valid.device)[None, :]
-    causal = k_pos <= q_pos                                                  # [t, end]
-    return ((causal & valid[:, None, :end]) | (k_pos == q_pos))[:, None]
-
-
 def forward_cached(model, tokens: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                    cache: KVCache) -> torch.Tensor:
-    """Feed t new tokens [b, t] (positions [b, t]; ``valid`` [b, T_max] marks real tokens) and return
-    the full-vocabulary logits of the last one [b, V_padded]. Same modules and math as
-    ``GPT2Model.forward`` in eval mode."""
-    from training.parallel.mappings import gather_from_parallel_region
-
-    emb = model.embedding
-    x = emb.word_embeddings(tokens)                                         # [b, t, h]
-    if emb.position_embeddings is not None:                                 # learned; RoPE rotates q and k
-        x = x + emb.position_embeddings(positions)
-    mask = _step_mask(valid, cache.length, tokens.size(1))
-    for i, layer in enumerate(model.layers):
-        x = x + _attention(layer.attn, layer.ln1(x), positions, cache, i, mask)
-        x = x + layer.mlp(layer.ln2(x))
-    cache.length += tokens.size(1)
-    x = model.final_ln(x[:, -1])                                            # [b, h]
-    logits = model.output_logits(x)                                         # [b, V/p]
-    return gather_from_parallel_region(logits, model.group)                 # [b, V]
+    """Feed t new tokens [b, t] (positions [b, t]; ``valid`` [b, T_max] marks real tokens) through the model's
+    own forward with ``cache`` and return the full-vocabulary logits of the last one [b, V_padded]."""
+    cache.valid = valid
+    hidden = model.hidden_states(tokens, positions, cache)[:, -1]          # [b, h]
+    return gather_from_parallel_region(model.output_logits(hidden), model.group)  # [b, V/p] -> [b, V]
 
 
 def _broadcast(ids: torch.Tensor, group) -> torch.Tensor:
@@ -190,10 +144,10 @@ def generate_ids(model, prompts: list[list[int]], opts: GenerationOptions, eod: 
                         f"{positions_max} positions: shorten the prompt or lower --max-new-tokens")
     b = len(prompts)
     tokens = torch.full((b, longest), eod if eod is not None else 0, dtype=torch.long)
-    valid = torch.zeros((b, total), dtype=torch.bool)
+    valid = torch.ones((b, total), dtype=torch.bool)                        # False: a pad key, never attended
     for i, p in enumerate(prompts):                                         # left padding
         tokens[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
-        valid[i, longest - len(p):] = True
+        valid[i, :longest - len(p)] = False
     pad = (longest - torch.tensor([len(p) for p in prompts]))[:, None]     # [b, 1]
     positions = (torch.arange(longest)[None, :] - pad).clamp(min=0)
     tokens, valid, positions, pad = tokens.to(device), valid.to(device), positions.to(device), pad.to(device)
@@ -212,7 +166,6 @@ def generate_ids(model, prompts: list[list[int]], opts: GenerationOptions, eod: 
         out = torch.cat([out, nxt[:, None]], dim=1)
         if bool(done.all()) or step == opts.max_new_tokens - 1:
             break
-        valid[:, longest + step] = True
         pos = torch.full((b, 1), longest + step, device=device) - pad
         logits = forward_cached(model, nxt[:, None], pos, valid, cache)
     result = []

@@ -37,6 +37,7 @@ from torch import nn
 
 from training.config import ModelConfig
 from training.models.core_attention import core_attention
+from training.models.kv_cache import KVCache
 from training.models.ops import causal_attention_with_dropout, dropout_add
 from training.parallel import random as tp_random
 from training.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -203,9 +204,14 @@ class ParallelSelfAttention(nn.Module):
         rep = self.local_heads // g
         return t[:, :, None].expand(b, g, rep, s, hn).reshape(b, g * rep, s, hn)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h]. ``positions`` [s] or [b, s] for RoPE (None = 0 .. s-1). With a ``cache`` the s
+        new positions attend over the cached keys and values as well, under ``attn_mask`` (:meth:`KVCache.attn_mask`)."""
         b, s, _ = x.shape
-        q, k, v = self.project(x)
+        q, k, v = self.project(x, positions)
+        if cache is not None:
+            k, v = cache.update(self.layer_number - 1, k, v)               # [b, g/p, cached + s, hn]
         k, v = self.expand_kv(k), self.expand_kv(v)
         p = self.dropout if self.training else 0.0
         if p > 0.0:
@@ -292,11 +298,12 @@ class TransformerLayer(nn.Module):
         self.mlp = ParallelMLP(cfg, group, seed, prefix + "mlp.")
         self.dropout = cfg.hidden_dropout  # TP-replicated activations: default generator
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [b, s, h] -> [b, s, h]."""
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h]; ``positions`` and ``cache`` as :meth:`ParallelSelfAttention.forward`."""
         p, train = self.dropout, self.training
         if self.pre_ln:
-            x = dropout_add(self.attn(self.ln1(x), mask), x, p, train)
+            x = dropout_add(self.attn(self.ln1(x), mask, positions, cache), x, p, train)
             return dropout_add(self.mlp(self.ln2(x)), x, p, train)
-        x = self.ln1(dropout_add(self.attn(x, mask), x, p, train))
+        x = self.ln1(dropout_add(self.attn(x, mask, positions, cache), x, p, train))
         return self.ln2(dropout_add(self.mlp(x), x, p, train))

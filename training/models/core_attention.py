@@ -27,22 +27,24 @@ MASKED_SCORE = -10000.0  # Megatron's attention_mask_func fill value
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_number: int,
                    query_key_layer_scaling: bool, softmax_in_fp32: bool, causal: bool,
                    attn_mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
-    """q, k, v [b, n, s, hn] -> [b, n, s, hn]. ``attn_mask``: bool, broadcastable to [b, n, s, s], True =
-    attend (the SDPA convention used by the models); ``causal`` adds the lower-triangular mask."""
+    """q [b, n, s, hn], k and v [b, n, sk, hn] -> [b, n, s, hn]. ``attn_mask``: bool, broadcastable to [b, n, s, sk],
+    True = attend (the SDPA convention used by the models); ``causal`` adds the lower-triangular mask, aligned to
+    the last key (sk > s: the s queries follow sk - s cached keys, :class:`training.models.kv_cache.KVCache`)."""
     b, n, s, hn = q.shape
+    sk = k.size(2)
     coeff = float(max(1, layer_number)) if query_key_layer_scaling else 1.0
     softmax_in_fp32 = softmax_in_fp32 or query_key_layer_scaling  # Megatron forces it with layer scaling
     norm_factor = math.sqrt(hn) * coeff
-    scores = torch.baddbmm(torch.empty(b * n, s, s, dtype=q.dtype, device=q.device), q.reshape(b * n, s, hn),
-                           k.reshape(b * n, s, hn).transpose(1, 2), beta=0.0, alpha=1.0 / norm_factor)  # [b n, s, s]
-    scores = scores.view(b, n, s, s)
+    scores = torch.baddbmm(torch.empty(b * n, s, sk, dtype=q.dtype, device=q.device), q.reshape(b * n, s, hn),
+                           k.reshape(b * n, sk, hn).transpose(1, 2), beta=0.0, alpha=1.0 / norm_factor)  # [b n, s, sk]
+    scores = scores.view(b, n, s, sk)
     half = scores.dtype in (torch.float16, torch.bfloat16)
     x = scores.float() if (half and softmax_in_fp32) else scores
     if coeff != 1.0:
         x = x * coeff
     keep = None
     if causal:
-        keep = torch.ones(s, s, dtype=torch.bool, device=q.device).tril_()
+        keep = torch.ones(s, sk, dtype=torch.bool, device=q.device).tril_(sk - s)
     if attn_mask is not None:
         keep = attn_mask if keep is None else keep & attn_mask
     if keep is not None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from training.config import ModelConfig
 from training.models.blocks import TransformerLayer, norm, normal_init
+from training.models.kv_cache import KVCache
 from training.models.ops import dropout
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -30,7 +31,8 @@ from training.parallel.mappings import copy_to_parallel_region, gather_from_para
 
 class GPT2Model(nn.Module):
     """GPT-2 language model. ``forward(tokens)`` -> vocab-parallel logits [b, s, V/p];
-    ``forward(tokens, labels)`` -> per-token loss [b, s] (vocab-parallel cross-entropy, fp32)."""
+    ``forward(tokens, labels)`` -> per-token loss [b, s] (vocab-parallel cross-entropy, fp32);
+    ``forward(tokens, positions=..., cache=...)``: the next tokens of a generation (:class:`KVCache`)."""
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group: dist.ProcessGroup | None = None,
                  seed: int = 1234):
@@ -50,20 +52,34 @@ class GPT2Model(nn.Module):
         self.final_ln = norm(cfg)
         self.output_layer = output_layer(cfg, padded_vocab_size, group, seed)
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> final hidden states [b, s, h] (after the final LayerNorm)."""
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                      cache: KVCache | None = None) -> torch.Tensor:
+        """tokens [b, s] -> final hidden states [b, s, h] (after the final LayerNorm).
+
+        ``positions`` [s] or [b, s]: the tokens' positions (learned table or RoPE; None = 0 .. s-1, or the s
+        positions after the cached ones). ``cache``: incremental decoding, the s tokens follow the ``cache.length``
+        cached ones, whose keys and values every layer reads and extends (:class:`KVCache`)."""
         b, s = tokens.shape
-        if s > self.cfg.positions:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings {self.cfg.positions}")
+        start = 0 if cache is None else cache.length
+        if start + s > self.cfg.positions:
+            raise ValueError(f"sequence length {start + s} exceeds max_position_embeddings {self.cfg.positions}")
+        mask = None
+        if cache is not None:
+            mask = cache.attn_mask(s)                                      # [b or 1, 1, s, start + s]
+            if positions is None:
+                positions = torch.arange(start, start + s, device=tokens.device)
         x = self.embedding.word_embeddings(tokens)                         # [b, s, h]
         if self.embedding.position_embeddings is not None:
-            x = x + self.embedding.position_embeddings(torch.arange(s, device=tokens.device))
+            x = x + self.embedding.position_embeddings(torch.arange(s, device=tokens.device) if positions is None
+                                                       else positions)
         x = dropout(x, self.cfg.hidden_dropout, self.training)
         for layer in self.layers:
-            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = tp_random.checkpoint(layer, x)
+            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
+                x = tp_random.checkpoint(layer, x, mask, positions)       # a cached forward is never recomputed
             else:
-                x = layer(x)
+                x = layer(x, mask, positions, cache)
+        if cache is not None:
+            cache.advance(s)
         return self.final_ln(x)                                            # [b, s, h]
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -74,8 +90,10 @@ class GPT2Model(nn.Module):
         weight = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
         return F.linear(copy_to_parallel_region(hidden, self.group), weight)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        logits = self.output_logits(self.hidden_states(tokens))           # [b, s, V/p]
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """``positions`` and ``cache`` as :meth:`hidden_states`."""
+        logits = self.output_logits(self.hidden_states(tokens, positions, cache))  # [b, s, V/p]
         if labels is None:
             return logits
         # the logits are ours and unused after this (the linear's backward needs x and E, not its
