@@ -63,6 +63,29 @@ def test_kv_cached_steps_equal_the_full_forward(loaded):
         torch.testing.assert_close(steps[i + 1], full[:, t], rtol=0, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("extra", [dict(apply_query_key_layer_scaling=True), dict(attention_softmax_in_fp32=True),
+                                   dict(position_embedding="rope", num_query_groups=2)],
+                         ids=["qk-layer-scaling", "softmax-fp32", "rope-gqa"])
+def test_model_forward_with_a_cache_equals_the_full_forward(extra):
+    """The model's own forward with a KVCache, positions left to the cache (the tokens after the cached ones):
+    Megatron's core attention over more keys than queries, and RoPE at the offset, as the full forward."""
+    from training.config import ModelConfig
+    from training.models.gpt2 import GPT2Model
+    from training.models.kv_cache import KVCache
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=24, vocab_size=100,
+                      hidden_dropout=0.0, attention_dropout=0.0, **extra)
+    model = GPT2Model(cfg, 128, None, seed=5).eval()
+    seq = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full = model(seq)
+        cache = KVCache(model, 2, 24, "cpu", torch.float32)
+        steps = [model(seq[:, :8], cache=cache)] + [model(seq[:, t:t + 1], cache=cache) for t in range(8, 24)]
+    assert cache.length == 24
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+
+
 def _allowed(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> set[int]:
     """Independent reference of the sampling set: numpy, sorted once, no torch."""
     z = logits.astype(np.float64) / temperature
