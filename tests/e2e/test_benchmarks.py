@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import SHARED_DATA, run_distributed
+from tests.helpers.distributed import SHARED_DATA, run_distributed
 
 
 @pytest.mark.parametrize("b,s,h,n,layers,vocab", [(4, 256, 384, 6, 6, 50304), (2, 64, 96, 4, 3, 1024),
@@ -194,7 +194,7 @@ def test_plan_fidelity_in_step_latency_and_replay_of_a_sweep_the_planner_made(tm
     assert all(abs(float(r[10])) > 1.0 for r in rows if r[3] == "2")
 
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 # the CPU sweeps of 2026-11-26 (docs/plan.md): "+ links + overhead" within 20 % of the measured step, of 15

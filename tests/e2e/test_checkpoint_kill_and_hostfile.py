@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import SHARED_DATA, free_port
+from tests.helpers.distributed import SHARED_DATA, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
 VOCAB = Path(SHARED_DATA) / "tokenizers" / "gpt2"
 pytestmark = pytest.mark.skipif(not (BOTCHAN.is_file() and VOCAB.is_dir()), reason="../shared/data not present")

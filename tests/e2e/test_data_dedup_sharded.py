@@ -18,7 +18,7 @@ from data_pipeline.planted import planted_corpus, real_words
 from data_pipeline.stages import build
 from data_pipeline.store import DocStore, ShardWriter
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 GPT2 = DATA / "tokenizers" / "gpt2"
 CORPUS = DATA / "corpus"
 SHINGLE = dd.ShingleSpec(5, "word")
@@ -210,7 +210,7 @@ def test_memory_benchmark_runs_and_both_paths_agree(words, tmp_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench_dedup_memory", "--docs", "3000", "--chunk", "500",
                           "--tmp", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

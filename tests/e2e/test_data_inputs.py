@@ -15,7 +15,7 @@ from data_pipeline.config import ConfigError, config_from_dict, load_config
 from data_pipeline.sentences import split_sentences
 from data_pipeline.stages import build
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / ".." / "shared" / "data"
 GPT2 = DATA / "tokenizers" / "gpt2"
 

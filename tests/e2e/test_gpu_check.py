@@ -10,7 +10,7 @@ import pytest
 
 from scripts import gpu_check
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rows(out: str) -> dict[str, list[str]]:

@@ -12,7 +12,7 @@ import pytest
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.hf_datasets import UnsafeDatasetError, load_hf_dataset, local_scripts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script_dataset(tmp_path: Path) -> tuple[Path, Path]:

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import SHARED_DATA, run_distributed
-from tests.hf_models import GPT2_TOKENIZER
+from tests.helpers.distributed import SHARED_DATA, run_distributed
+from tests.helpers.hf_models import GPT2_TOKENIZER
 
 pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
 V = 50257
 

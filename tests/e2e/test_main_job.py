@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT / ".." / "shared" / "data"
 HAVE_EVAL = (SHARED / "eval" / "wikitext-103" / "wiki.test.tokens").is_file() and \
     (SHARED / "eval" / "lambada" / "lambada_test.jsonl").is_file()

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.distributed import SHARED_DATA, free_port
+from tests.helpers.distributed import SHARED_DATA, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
 SHAKESPEARE = Path(SHARED_DATA) / "corpus" / "tinyshakespeare.txt"
 GPT2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
@@ -285,7 +285,7 @@ def _evaluate_missing_run(rank, world, folder):
 
 def test_evaluation_error_under_the_launcher_is_printed_once(tmp_path):
     """Every rank meets the same bad input; rank 0 alone prints it (before: once per rank), all exit 2."""
-    from tests.distributed import run_distributed
+    from tests.helpers.distributed import run_distributed
 
     (code0, err0), (code1, err1) = run_distributed(_evaluate_missing_run, 2, str(tmp_path / "no-run"))
     assert code0 == code1 == 2

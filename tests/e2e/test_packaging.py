@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 

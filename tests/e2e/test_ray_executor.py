@@ -21,9 +21,9 @@ from data_pipeline.config import config_from_dict
 from data_pipeline.planted import planted_corpus, real_words
 from data_pipeline.ray_executor import band_map, band_reduce
 from data_pipeline.stages import build
-from tests.distributed import SHARED_DATA
+from tests.helpers.distributed import SHARED_DATA
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(SHARED_DATA)
 GPT2 = DATA / "tokenizers" / "gpt2"
 CORPUS = DATA / "corpus"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import SHARED_DATA
+from tests.helpers.distributed import SHARED_DATA
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
 GPT2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
 

@@ -19,7 +19,7 @@ import pytest
 
 from scripts import torch_source
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "torch_source.py"
 CPU = torch_source.CPU_INDEX_URL
 
@@ -190,7 +190,7 @@ def test_every_installed_distribution_is_pinned_in_constraints():
     def norm(name: str) -> str:
         return re.sub(r"[-_.]+", "-", name).lower()
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     pinned = {norm(line.split("==")[0]) for line in (root / "constraints.txt").read_text().splitlines()
               if line and not line.startswith("#")}
     skip = {"pip", "setuptools", "wheel", "megatron-ds-suite"}  # the installer's own, and the project itself

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.distributed import SHARED_DATA, free_port
+from tests.helpers.distributed import SHARED_DATA, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(SHARED_DATA)
 BOTCHAN = DATA / "corpus" / "botchan.txt"
 GPT2 = DATA / "tokenizers" / "gpt2"

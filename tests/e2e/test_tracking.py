@@ -18,7 +18,7 @@ from training.config import ConfigError, deepspeed_config, load_config
 from training.metrics import format_line, progress_enabled
 from training.tracking import OWNERS, monitor_config, owner_of, wandb_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "gpt2_tiny.yaml"
 
 

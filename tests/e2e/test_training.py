@@ -11,81 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import SHARED_DATA, run_distributed
-
-ROOT = Path(__file__).resolve().parents[1]
-BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
-needs_corpus = pytest.mark.skipif(not BOTCHAN.is_file(), reason="../shared/data/corpus/botchan.txt not present")
-
-
-@pytest.fixture(scope="module")
-def spm_model(tmp_path_factory):
-    """A 1000-piece sentencepiece model trained on Botchan (small vocab keeps CPU runs fast)."""
-    if not BOTCHAN.is_file():
-        pytest.skip("../shared/data/corpus/botchan.txt not present")
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
-
-    out = tmp_path_factory.mktemp("spm") / "botchan"
-    lines = [line for line in BOTCHAN.read_text(encoding="utf-8").splitlines() if line.strip()]
-    tok = train_sentencepiece(lines, out, vocab_size=1000, flavor="gpt", seed=1)
-    return tok.spec()
-
-
-def _overrides(spec: dict, run_dir: Path, **extra) -> list[str]:
-    base = {
-        "data.corpus": "null",
-        "data.text_files": f"[{BOTCHAN}]",
-        "data.tokenizer": json.dumps(spec),
-        "run.dir": str(run_dir),
-        "train.progress_bar": "false",
-        "model.hidden_dropout": "0.0",
-        "model.attention_dropout": "0.0",
-        "model.seq_length": "32",
-        "train.micro_batch_size": "2",
-        "train.global_batch_size": "8",
-        "optimizer.warmup_iters": "1",
-    }
-    base.update({k: str(v) for k, v in extra.items()})
-    return [f"{k}={v}" for k, v in base.items()]
-
-
-def _train_worker(rank, world, overrides, inject=None):
-    from training.config import load_config
-    from training.trainer import Trainer, TrainingAborted
-
-    cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides)
-    trainer = Trainer(cfg)
-    if inject is None:
-        out = trainer.train()
-        return {"losses": [json.loads(line)["loss"] for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()
-                           if "event" not in json.loads(line)] if rank == 0 else None,
-                "valid": out["valid_loss"]}
-    # fp16 overflow injection: a gradient hook turns one parameter's gradient into inf on chosen steps
-    param = trainer.model.layers[0].mlp.fc.weight
-    state = {"on": False}
-    param.register_hook(lambda g: g * float("inf") if state["on"] else g)
-    records = []
-    try:
-        for it in range(inject["steps"]):
-            state["on"] = it in inject["overflow_at"]
-            before = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
-            m = trainer.train_step()
-            changed = any(not torch.equal(before[n], p.detach().float()) for n, p in trainer.model.named_parameters())
-            records.append({"applied": m["step_applied"], "scale": m["loss_scale"], "skipped": m["skipped"],
-                            "changed": changed, "lr": m["lr"]})
-    except TrainingAborted as e:
-        return {"records": records, "aborted": str(e)}
-    return {"records": records, "aborted": None}
-
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training_runs import ROOT, needs_corpus, tiny_overrides, train_worker
 
 @needs_corpus
 def test_tp2_dp2_and_zero1_match_tp1_dp1_and_loss_decreases(spm_model, tmp_path):
     # vocab 1000 pads to 1024 at TP=1 (x128) and at TP=2 (x256): identical initial weights
     # (no warmup: with Megatron's schedule a warmup's first update runs at lr 0)
     common = {"train.iters": 6, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant", "optimizer.warmup_iters": 0}
-    ref = run_distributed(_train_worker, 1, _overrides(spm_model, tmp_path / "tp1", **{"parallel.tensor": 1}, **common))
-    big = run_distributed(_train_worker, 4, _overrides(spm_model, tmp_path / "tp2dp2", **{"parallel.tensor": 2}, **common))
-    zero = run_distributed(_train_worker, 4, _overrides(spm_model, tmp_path / "zero1", **{"parallel.tensor": 2},
+    ref = run_distributed(train_worker, 1, tiny_overrides(spm_model, tmp_path / "tp1", **{"parallel.tensor": 1}, **common))
+    big = run_distributed(train_worker, 4, tiny_overrides(spm_model, tmp_path / "tp2dp2", **{"parallel.tensor": 2}, **common))
+    zero = run_distributed(train_worker, 4, tiny_overrides(spm_model, tmp_path / "zero1", **{"parallel.tensor": 2},
                                                         **{"parallel.zero_stage": 1}, **common))
     l1, l4, lz = ref[0]["losses"], big[0]["losses"], zero[0]["losses"]
     assert len(l1) == len(l4) == len(lz) == 6
@@ -111,10 +47,10 @@ def test_pipeline_parallel_matches_serial(spm_model, tmp_path):
     """PP=2 and TP=2 x PP=2 (4 ranks, with activation checkpointing) give the TP=1 x PP=1 losses; their
     checkpoints merge into the same TP=1 model."""
     common = {"train.iters": 4, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant"}
-    ref = run_distributed(_train_worker, 1, _overrides(spm_model, tmp_path / "pp1", **{"parallel.tensor": 1}, **common))
-    pp2 = run_distributed(_train_worker, 2, _overrides(spm_model, tmp_path / "pp2", **{"parallel.tensor": 1},
+    ref = run_distributed(train_worker, 1, tiny_overrides(spm_model, tmp_path / "pp1", **{"parallel.tensor": 1}, **common))
+    pp2 = run_distributed(train_worker, 2, tiny_overrides(spm_model, tmp_path / "pp2", **{"parallel.tensor": 1},
                                                        **{"parallel.pipeline": 2}, **common))
-    tp2pp2 = run_distributed(_train_worker, 4, _overrides(spm_model, tmp_path / "tp2pp2", **{"parallel.tensor": 2},
+    tp2pp2 = run_distributed(train_worker, 4, tiny_overrides(spm_model, tmp_path / "tp2pp2", **{"parallel.tensor": 2},
                                                           **{"parallel.pipeline": 2},
                                                           **{"model.activation_checkpointing": "true"}, **common))
     l1, lp, ltp = (torch.tensor(r[0]["losses"]) for r in (ref, pp2, tp2pp2))
@@ -131,7 +67,7 @@ def test_fp16_overflow_skips_step_halves_scale_and_aborts(spm_model, tmp_path):
     fp16 = {"precision.dtype": "fp16", "precision.allow_fp16_on_cpu": "true", "precision.initial_scale_power": 8,
             "precision.max_consecutive_skipped": 3, "train.iters": 10, "parallel.tensor": 1,
             "train.global_batch_size": 2}
-    out = run_distributed(_train_worker, 1, _overrides(spm_model, tmp_path / "fp16", **fp16),
+    out = run_distributed(train_worker, 1, tiny_overrides(spm_model, tmp_path / "fp16", **fp16),
                           {"steps": 4, "overflow_at": [2]})[0]
     r = out["records"]
     assert out["aborted"] is None
@@ -140,7 +76,7 @@ def test_fp16_overflow_skips_step_halves_scale_and_aborts(spm_model, tmp_path):
     assert r[2]["scale"] == r[1]["scale"] / 2 == 2.0 ** 7
     assert [x["skipped"] for x in r] == [0, 0, 1, 1]
     assert r[3]["lr"] == r[2]["lr"]  # the scheduler does not advance on a skipped step
-    out = run_distributed(_train_worker, 1, _overrides(spm_model, tmp_path / "fp16b", **fp16),
+    out = run_distributed(train_worker, 1, tiny_overrides(spm_model, tmp_path / "fp16b", **fp16),
                           {"steps": 10, "overflow_at": list(range(10))})[0]
     assert len(out["records"]) == 2 and out["aborted"] and "3 consecutive steps skipped" in out["aborted"]
 
@@ -166,13 +102,13 @@ def _resume_worker(rank, world, overrides, base):
 def test_stop_and_resume_is_bitwise_identical(spm_model, tmp_path):
     # TP=2 with dropout on: the tracker and default RNG streams, the data position and the
     # LR schedule all have to be restored for the numbers to repeat exactly
-    over = _overrides(spm_model, tmp_path, **{"train.iters": 4, "parallel.tensor": 2, "model.hidden_dropout": 0.1,
+    over = tiny_overrides(spm_model, tmp_path, **{"train.iters": 4, "parallel.tensor": 2, "model.hidden_dropout": 0.1,
                                               "model.attention_dropout": 0.1, "train.global_batch_size": 4})
     full, part = run_distributed(_resume_worker, 2, over, str(tmp_path))[0]
     steps = lambda rows: [(r["iteration"], r["loss"], r["lr"]) for r in rows if "event" not in r]  # noqa: E731
     assert steps(full) == steps(part) and len(steps(full)) == 4
     # the engine runs Megatron's schedule: update 1 at lr 0 (warmup 1), then the cosine decay
-    from tests.test_megatron_fidelity import megatron_lrs
+    from tests.helpers.megatron_reference import megatron_lrs
     from training.config import load_config
 
     ocfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", over).optimizer
@@ -212,7 +148,7 @@ def test_deepspeed_launcher_tp2_run(spm_model, tmp_path):
     run_dir = tmp_path / "launch"
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(_port()),
            "--module", "training.pretrain", "--config", "configs/gpt2_tiny.yaml",
-           *_overrides(spm_model, run_dir, **{"train.iters": 3, "parallel.tensor": 2})]
+           *tiny_overrides(spm_model, run_dir, **{"train.iters": 3, "parallel.tensor": 2})]
     res = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, DS_ACCELERATOR="cpu"), capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -228,6 +164,6 @@ def test_deepspeed_launcher_tp2_run(spm_model, tmp_path):
 
 
 def _port():
-    from tests.distributed import free_port
+    from tests.helpers.distributed import free_port
 
     return free_port()

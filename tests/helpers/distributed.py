@@ -5,6 +5,6 @@ import os
 
 from megatron_ds_suite.testing import free_port, run_distributed
 
-SHARED_DATA = (os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+SHARED_DATA = (os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data"))
 
 __all__ = ["SHARED_DATA", "free_port", "run_distributed"]

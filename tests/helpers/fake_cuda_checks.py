@@ -1,6 +1,6 @@
 """Every host/device path against fake CUDA tensors (``FakeTensorMode``), run as a subprocess.
 
-    python -m tests.fake_cuda_checks WORK_DIR [--skip-move | --with-control]
+    python -m tests.helpers.fake_cuda_checks WORK_DIR [--skip-move | --with-control]
 
 Model parameters become fake ``cuda:0`` tensors; the real data loaders (GPT sampler, BERT dataset,
 RACE files, WikiText windows, LAMBADA examples) feed each task's forward + loss, the validation
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tests.distributed import SHARED_DATA
+from tests.helpers.distributed import SHARED_DATA
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHARED = Path(SHARED_DATA)
 GPT2 = SHARED / "tokenizers" / "gpt2"
 BOTCHAN = SHARED / "corpus" / "botchan.txt"
@@ -215,12 +215,12 @@ class Setup:
         """(BertTask with data, RACE dev samples) over a small sentence-level corpus of Botchan."""
         if self._bert is None:
             from megatron_ds_suite.core.race import encode_questions, read_race_split
-            from tests.test_bert_race import _botchan_docs, _write_corpus
+            from tests.helpers.corpora import botchan_docs, write_bert_corpus
             from training.tasks.bert import BertTask
             from training.config import config_from_dict
 
             root = self.work / "bert_corpus"
-            tok = _write_corpus(root, _botchan_docs())
+            tok = write_bert_corpus(root, botchan_docs())
             cfg = config_from_dict({
                 "model": {"arch": "bert", "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
                           "seq_length": 64},
@@ -424,7 +424,7 @@ def run_checks(s: Setup, control: bool) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from tests.distributed import free_port
+    from tests.helpers.distributed import free_port
     from training.runtime.distributed import init_distributed
 
     work = Path(argv[0])

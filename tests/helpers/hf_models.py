@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tests.distributed import SHARED_DATA
+from tests.helpers.distributed import SHARED_DATA
 
 GPT2_TOKENIZER = Path(SHARED_DATA) / "tokenizers" / "gpt2"
 

@@ -9,50 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import run_distributed
+from tests.helpers.corpora import RACE, SEQ, bert_cfg, botchan_docs, need, write_bert_corpus
+from tests.helpers.distributed import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / ".." / "shared" / "data"
-RACE = DATA / "eval" / "RACE"
-BOTCHAN = DATA / "corpus" / "botchan.txt"
-SEQ = 64
-
-
-def _need(p: Path) -> Path:
-    if not p.exists():
-        pytest.skip(f"shared data {p} is absent")
-    return p
-
-
-def _write_corpus(root: Path, docs: list[list[str]], flavor: str = "bert", bert: bool = True):
-    """A corpus directory (manifest + tokenizer + sentence-level dataset) like `python -m data_pipeline build`."""
-    from megatron_ds_suite.core.corpus import write_manifest
-    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
-
-    texts = [" ".join(d) for d in docs]
-    race_text = [json.loads(line)["article"] for f in sorted(_need(RACE).glob("*/*/*.txt"))
-                 for line in f.read_text().splitlines() if line.strip()]
-    tok = train_sentencepiece(texts + race_text, root / "tokenizer" / "spm", 1500, flavor=flavor, lowercase=True)
-    with MMapIndexedDatasetBuilder(root / "sent", best_dtype(tok.vocab_size)) as b:
-        for d in docs:
-            b.add_document([np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(d) if ids])
-    write_manifest(root, tok.spec(), None if bert else "sent", "sent" if bert else None, {})
-    return tok
-
-
-def _botchan_docs(lines_per_doc: int = 30) -> list[list[str]]:
-    from data_pipeline.sentences import split_sentences
-
-    lines = _need(BOTCHAN).read_text(encoding="utf-8").lstrip("\ufeff").splitlines()
-    return [split_sentences(" ".join(x.strip() for x in lines[i:i + lines_per_doc]))
-            for i in range(0, len(lines), lines_per_doc)]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bert_corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("bert_corpus")
-    tok = _write_corpus(root, _botchan_docs())
+    tok = write_bert_corpus(root, botchan_docs())
     return root, tok
 
 
@@ -61,7 +27,7 @@ def test_real_race_files_encode_for_bert(bert_corpus):
     from megatron_ds_suite.core.race import clean_text, encode_questions, read_race_split
 
     _, tok = bert_corpus
-    qs, report = read_race_split(_need(RACE), "dev")
+    qs, report = read_race_split(need(RACE), "dev")
     assert len(qs) == 17 and report.skipped == 0
     samples = encode_questions(qs, tok, SEQ)
     raw = {}
@@ -90,7 +56,7 @@ def test_finetuning_a_tiny_model_lowers_the_loss(bert_corpus):
     from training.models.bert import BertMultipleChoice
 
     _, tok = bert_corpus
-    qs, _ = read_race_split(_need(RACE), "train")
+    qs, _ = read_race_split(need(RACE), "train")
     batch = collate(encode_questions(qs, tok, SEQ))
     cfg = ModelConfig(arch="bert", num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=SEQ,
                       hidden_dropout=0.0, attention_dropout=0.0)
@@ -120,28 +86,13 @@ def test_finetuning_a_tiny_model_lowers_the_loss(bert_corpus):
 
 
 # --------------------------------------------------------------------------------------------------
-def _bert_cfg(corpus: Path, run_dir: Path, extra: dict | None = None):
-    from training.config import config_from_dict
-
-    d = {"model": {"arch": "bert", "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": SEQ,
-                   "hidden_dropout": 0.0, "attention_dropout": 0.0},
-         "parallel": {"tensor": 2},
-         "optimizer": {"lr": 1e-3, "min_lr": 1e-4, "warmup_iters": 1},
-         "train": {"micro_batch_size": 4, "global_batch_size": 4, "iters": 3, "eval_iters": 1, "progress_bar": False},
-         "data": {"corpus": str(corpus), "split": "90,10,0"},
-         "run": {"dir": str(run_dir), "device_peak_tflops": 1.0}}
-    for k, v in (extra or {}).items():
-        d.setdefault(k, {}).update(v)
-    return config_from_dict(d)
-
-
 def _e2e_worker(rank, world, corpus, pre_dir, ft_dir):
     import torch.distributed as dist
 
     from training.finetune_race import RaceFinetuner, load_finetune_config
     from training.trainer import Trainer
 
-    out = Trainer(_bert_cfg(corpus, pre_dir)).train()
+    out = Trainer(bert_cfg(corpus, pre_dir)).train()
     dist.barrier()
     cfg, meta = load_finetune_config(ROOT / "configs" / "race.yaml", [
         f"finetune.pretrained={pre_dir}", f"finetune.race_dir={RACE}", f"run.dir={ft_dir}", "finetune.epochs=2",
@@ -210,29 +161,29 @@ def test_bad_bert_data_fails_at_once_with_a_clear_message(tmp_path):
     from training.tasks.bert import BertTask
     from training.config import ConfigError
 
-    docs = _botchan_docs()[:20]
+    docs = botchan_docs()[:20]
     gpt_vocab = tmp_path / "gptvocab"
-    _write_corpus(gpt_vocab, docs, flavor="gpt")
+    write_bert_corpus(gpt_vocab, docs, flavor="gpt")
     with pytest.raises(ConfigError, match=r"lacks \[CLS\].*tokenizer.flavor=bert"):
-        BertTask(_bert_cfg(gpt_vocab, tmp_path / "r1"), None, 1)
+        BertTask(bert_cfg(gpt_vocab, tmp_path / "r1"), None, 1)
     no_sentences = tmp_path / "nosent"
-    _write_corpus(no_sentences, [[" ".join(d)] for d in docs])  # one item per document
+    write_bert_corpus(no_sentences, [[" ".join(d)] for d in docs])  # one item per document
     with pytest.raises(ConfigError, match="two or more sentences"):
-        BertTask(_bert_cfg(no_sentences, tmp_path / "r2"), None, 1)
+        BertTask(bert_cfg(no_sentences, tmp_path / "r2"), None, 1)
     gpt_only = tmp_path / "gptonly"
-    _write_corpus(gpt_only, docs, bert=False)
+    write_bert_corpus(gpt_only, docs, bert=False)
     with pytest.raises(ConfigError, match="has no BERT"):
-        BertTask(_bert_cfg(gpt_only, tmp_path / "r3"), None, 1)
+        BertTask(bert_cfg(gpt_only, tmp_path / "r3"), None, 1)
     with pytest.raises(ConfigError, match="bert.masked_lm_prob"):
-        BertTask(_bert_cfg(gpt_only, tmp_path / "r4", {"bert": {"masked_lm_prob": 1.5}}), None, 1)
+        BertTask(bert_cfg(gpt_only, tmp_path / "r4", {"bert": {"masked_lm_prob": 1.5}}), None, 1)
 
 
 def _init_from_worker(rank, world, corpus, pre_dir, new_dir):
     from training.trainer import Trainer
 
-    Trainer(_bert_cfg(corpus, pre_dir, {"parallel": {"tensor": 1}, "train": {"iters": 1}})).train()
+    Trainer(bert_cfg(corpus, pre_dir, {"parallel": {"tensor": 1}, "train": {"iters": 1}})).train()
     # another run of another configured shape, started from the first one's weights: 0 steps, then saved
-    cfg = _bert_cfg(corpus, new_dir, {"parallel": {"tensor": 1}, "model": {"num_layers": 1, "hidden_size": 64},
+    cfg = bert_cfg(corpus, new_dir, {"parallel": {"tensor": 1}, "model": {"num_layers": 1, "hidden_size": 64},
                                       "optimizer": {"warmup_iters": 0},
                                       "train": {"iters": 0, "init_from": str(pre_dir)}})
     Trainer(cfg).train()

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from tests.distributed import run_distributed
-from tests.test_training import _overrides, needs_corpus, spm_model  # noqa: F401 - fixture
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training_runs import needs_corpus, tiny_overrides
 
 ROOT_CONFIG = "configs/gpt2_tiny.yaml"
 
@@ -103,7 +103,7 @@ def test_compiled_layers_equal_eager_and_replay_dropout_under_recompute(extra):
     assert not torch.equal(l3, l0)  # dropout was on
 
 
-def _train_worker(rank, world, overrides):
+def train_worker(rank, world, overrides):
     from pathlib import Path
 
     from training.config import load_config
@@ -123,8 +123,8 @@ def test_trainer_with_compiled_layers_matches_eager(spm_model, tmp_path):
     compiled on every rank, the losses of the eager run."""
     common = {"parallel.tensor": 2, "train.iters": 3, "model.hidden_dropout": 0.0, "model.attention_dropout": 0.0,
               "model.activation_checkpointing": "true", "optimizer.warmup_iters": 0}
-    eager = run_distributed(_train_worker, 2, _overrides(spm_model, tmp_path / "eager", **common))
-    comp = run_distributed(_train_worker, 2, _overrides(spm_model, tmp_path / "compiled", **common,
+    eager = run_distributed(train_worker, 2, tiny_overrides(spm_model, tmp_path / "eager", **common))
+    comp = run_distributed(train_worker, 2, tiny_overrides(spm_model, tmp_path / "compiled", **common,
                                                         **{"model.compile": "true"}))
     assert [c[0] for c in comp] == [2, 2] and eager[0][0] == 0
     torch.testing.assert_close(torch.tensor(comp[0][1]), torch.tensor(eager[0][1]), rtol=1e-5, atol=1e-5)

@@ -118,7 +118,7 @@ def test_a_killed_folder_writer_leaves_a_temp_folder_the_next_write_removes(tmp_
             "    (tmp / 'model.safetensors').write_bytes(b'x' * 1000)\n"
             "    print(tmp, flush=True)\n"
             "    time.sleep(60) if sys.argv[2] == 'live' else os.kill(os.getpid(), signal.SIGKILL)\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     live = subprocess.Popen([sys.executable, "-c", code, str(out), "live"], cwd=root, stdout=subprocess.PIPE, text=True)
     try:
         live_tmp = live.stdout.readline().strip()

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.device_guard import emulated_cuda_run
-from tests.distributed import SHARED_DATA, run_distributed
+from tests.helpers.device_guard import emulated_cuda_run
+from tests.helpers.distributed import SHARED_DATA, run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(SHARED_DATA)
 GPT2 = DATA / "tokenizers" / "gpt2"
 BOTCHAN = DATA / "corpus" / "botchan.txt"
@@ -45,13 +45,13 @@ BATCH_PATHS = {"check_gpt_task_loss", "check_gpt_pipe_forward", "check_trainer_v
 @needs_data
 def test_every_path_on_fake_cuda_and_skipping_the_mover_fails(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "tests.fake_cuda_checks", str(tmp_path), "--with-control"],
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.fake_cuda_checks", str(tmp_path), "--with-control"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0, proc.stderr[-3000:]
     real = {r["check"]: r for r in rows if not r["control"]}
     control = {r["check"]: r for r in rows if r["control"]}
-    from tests.fake_cuda_checks import CHECKS
+    from tests.helpers.fake_cuda_checks import CHECKS
 
     assert set(real) == set(control) == {c.__name__ for c in CHECKS}
     failed = {k: v["error"] for k, v in real.items() if not v["ok"]}

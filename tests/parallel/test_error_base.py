@@ -96,7 +96,7 @@ def test_single_process_without_launcher_takes_a_free_port():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     code = ("from training.runtime.distributed import init_distributed; init_distributed('gloo'); "
             "import os, torch.distributed as d; print(os.environ['MASTER_PORT'], d.get_world_size())")
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE",

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import SHARED_DATA, run_distributed
+from tests.helpers.distributed import SHARED_DATA, run_distributed
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # trains two tiny checkpoints in 2-process gloo runs (~1-2 min)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
 GPT2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
 WT = Path(SHARED_DATA) / "eval" / "wikitext-103" / "wiki.test.tokens"
@@ -106,7 +106,7 @@ def test_cli_wikitext_and_lambada(runs, tmp_path, capsys):
 def test_cli_limit_equals_main_job_cut_files(runs, tmp_path, capsys):
     """--limit N scores exactly what the main job (megatron_ds_suite.main_job) scores with its first-N-lines cut file."""
     from evaluation.cli import main
-    from tests.test_eval_limit import main_job_cut
+    from tests.helpers.eval_files import main_job_cut
 
     lambada_src = Path(SHARED_DATA) / "eval" / "lambada" / "lambada_test.jsonl"
     if not (WT.is_file() and lambada_src.is_file()):

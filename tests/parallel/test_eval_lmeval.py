@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import SHARED_DATA, run_distributed
+from tests.helpers.distributed import SHARED_DATA, run_distributed
 
 pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
 pytestmark = pytest.mark.slow  # trains a tiny checkpoint, then two scorers over K examples (~45 s)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAMBADA = Path(SHARED_DATA) / "eval" / "lambada" / "lambada_test.jsonl"
 BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
 GPT2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"

@@ -8,7 +8,7 @@ import torch
 from evaluation.lambada import LambadaExample, score_lambada
 from evaluation.scoring import LMScorer, gpt2_scorer, token_scores
 from evaluation.wikitext import WindowPlan, score_stream
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 V, VP = 300, 384
 

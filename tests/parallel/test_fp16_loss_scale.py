@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 POWER = 12  # loss scale 4096: no fp16 overflow for this tiny model's gradients
 

@@ -13,8 +13,8 @@ import json
 
 import torch
 
-from tests.distributed import run_distributed
-from tests.test_training import _overrides, _train_worker, needs_corpus, spm_model  # noqa: F401 - fixture
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training_runs import needs_corpus, tiny_overrides, train_worker
 
 
 class RefScaler:
@@ -57,7 +57,7 @@ def test_fp16_zero1_loss_scale_growth_and_hysteresis(spm_model, tmp_path):
     zero, honours = 1, True
     overflow_at = [3, 4]  # 0-based steps whose gradients are made inf
     steps = 8
-    out = run_distributed(_train_worker, 1, _overrides(spm_model, tmp_path / "run", **FP16,
+    out = run_distributed(train_worker, 1, tiny_overrides(spm_model, tmp_path / "run", **FP16,
                                                        **{"parallel.zero_stage": zero}),
                           {"steps": steps, "overflow_at": overflow_at})[0]
     r = out["records"]
@@ -72,7 +72,7 @@ def test_fp16_zero1_loss_scale_growth_and_hysteresis(spm_model, tmp_path):
 
 
 def _losses(rank, world, overrides):
-    return _train_worker(rank, world, overrides)["losses"]
+    return train_worker(rank, world, overrides)["losses"]
 
 
 @needs_corpus
@@ -83,10 +83,10 @@ def test_fp16_zero1_and_pp2_track_fp32(spm_model, tmp_path):
               "optimizer.warmup_iters": 0, "parallel.tensor": 1, "train.global_batch_size": 4}
     half = {"precision.dtype": "fp16", "precision.allow_fp16_on_cpu": "true", "precision.initial_scale_power": 10,
             "precision.loss_scale_window": 2}
-    ref = run_distributed(_losses, 1, _overrides(spm_model, tmp_path / "fp32", **common))[0]
-    zero1 = run_distributed(_losses, 1, _overrides(spm_model, tmp_path / "zero1", **common, **half,
+    ref = run_distributed(_losses, 1, tiny_overrides(spm_model, tmp_path / "fp32", **common))[0]
+    zero1 = run_distributed(_losses, 1, tiny_overrides(spm_model, tmp_path / "zero1", **common, **half,
                                                    **{"parallel.zero_stage": 1}))[0]
-    pp2 = run_distributed(_losses, 2, _overrides(spm_model, tmp_path / "pp2", **common, **half,
+    pp2 = run_distributed(_losses, 2, tiny_overrides(spm_model, tmp_path / "pp2", **common, **half,
                                                  **{"parallel.pipeline": 2}))[0]
     ref, zero1, pp2 = torch.tensor(ref), torch.tensor(zero1), torch.tensor(pp2)
     assert len(ref) == len(zero1) == len(pp2) == 6

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 pytest.importorskip("transformers")
 V = 50257

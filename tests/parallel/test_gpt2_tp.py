@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 from training.config import ModelConfig
 
 PADDED_VOCAB = 256  # same padded vocabulary at TP=1 and TP=2 (128 x 2), so weights agree exactly

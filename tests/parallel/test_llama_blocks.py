@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from tests.distributed import run_distributed
-from tests.test_training import needs_corpus, spm_model  # noqa: F401 - fixture
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training_runs import needs_corpus, tiny_overrides
 from training.config import ConfigError, ModelConfig
 
 PADDED_VOCAB = 256  # 200 real ids padded to 256 at TP=1 and TP=2 (128 x 2): identical weights
@@ -256,7 +256,7 @@ def test_llama_config_refusals_are_one_line(overrides, message):
 
     from training.config import load_config
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     with pytest.raises(ConfigError) as e:
         # rotary_base is set in llama_tiny.yaml, so learned positions with it are refused
         load_config(root / "configs" / "llama_tiny.yaml", ["model.rotary_base=500000", *overrides])
@@ -271,7 +271,7 @@ def test_bert_refuses_the_gpt_only_options(key, value):
 
     from training.config import load_config
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     with pytest.raises(ConfigError, match=rf"model.{key}={value}: the Llama-family options are for GPT"):
         load_config(root / "configs" / "bert_tiny.yaml", [f"model.{key}={value}"])
 
@@ -286,7 +286,7 @@ def test_llama_configs_load_and_plan():
     from training.plan import ModelShape, stage_params, total_params
     from training.plan.cli import load_plan_config
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     tiny = load_config(root / "configs" / "llama_tiny.yaml", ["model.vocab_size=1000"]).model
     assert (tiny.query_groups, tiny.ffn_size, tiny.rotary_dim) == (2, 256, 16)
     shape = ModelShape.from_config(tiny, 1)
@@ -310,7 +310,7 @@ def _shard_numel(rank, world):
     from training.config import load_config
     from training.models.gpt2 import GPT2Model
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     m = load_config(root / "configs" / "llama_tiny.yaml", ["model.vocab_size=1000"]).model
     return sum(p.numel() for p in GPT2Model(m, 1024, dist.group.WORLD, seed=1).parameters())
 
@@ -321,7 +321,7 @@ def test_planner_tp2_shard_equals_the_model_shard():
     from training.config import load_config
     from training.plan import ModelShape, stage_params
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     m = load_config(root / "configs" / "llama_tiny.yaml", ["model.vocab_size=1000"]).model
     counts = run_distributed(_shard_numel, 2)
     assert counts == [stage_params(ModelShape.from_config(m, 2), 2, 1)[0]] * 2
@@ -447,7 +447,7 @@ def _train(rank, world, overrides, stages):
     from training.config import load_config
     from training.trainer import Trainer
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     for extra in stages:
         cfg = load_config(root / "configs" / "llama_tiny.yaml", overrides + extra)
         Trainer(cfg).train()
@@ -463,15 +463,14 @@ def _logits(rank, world, dirs):
 
 
 @needs_corpus
-def test_llama_tiny_trains_at_tp_and_pp_and_reshards(spm_model, tmp_path):  # noqa: F811 - fixture
+def test_llama_tiny_trains_at_tp_and_pp_and_reshards(spm_model, tmp_path):
     """configs/llama_tiny.yaml under the Trainer: PP=2 and TP=2 x PP=2 with activation checkpointing give the
     serial losses (and learn); the TP=2 x PP=2 checkpoint (untied output layer on the last stage) reshards to
     TP=1 and back to TP=2 with the same logits as the serial run's."""
-    from tests.test_training import _overrides
     from training.tools.reshard import reshard
 
     common = {"train.iters": 4, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant", "optimizer.warmup_iters": 0}
-    run = lambda world, name, **kw: run_distributed(_train, world, _overrides(spm_model, tmp_path / name, **kw,  # noqa: E731
+    run = lambda world, name, **kw: run_distributed(_train, world, tiny_overrides(spm_model, tmp_path / name, **kw,  # noqa: E731
                                                                               **common), [[]])[0]
     l1 = torch.tensor(run(1, "serial", **{"parallel.tensor": 1}))
     lp = torch.tensor(run(2, "pp2", **{"parallel.tensor": 1, "parallel.pipeline": 2}))
@@ -495,7 +494,7 @@ def test_import_and_export_llama_folders(tmp_path, kv_heads, theta, tied, tp, pp
     transformers' logits; export_hf writes the same weights back (export(import(x)) == x) and a folder
     transformers loads with the same logits; greedy generation equals transformers' token for token."""
     transformers = pytest.importorskip("transformers")
-    from tests.hf_models import GPT2_TOKENIZER, save_random_llama
+    from tests.helpers.hf_models import GPT2_TOKENIZER, save_random_llama
 
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
@@ -534,7 +533,7 @@ def test_qwen2_weights_map_both_ways_with_the_qkv_bias(tmp_path):
     folder import is the same code; its tokenizer check needs a real Qwen2 tokenizer.json, which transformers 5's
     Qwen2Tokenizer re-reads with Qwen's own pre-tokenizer, so it is not exercised here.)"""
     transformers = pytest.importorskip("transformers")
-    from tests.hf_models import GPT2_TOKENIZER, save_random_llama
+    from tests.helpers.hf_models import GPT2_TOKENIZER, save_random_llama
 
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
@@ -569,7 +568,7 @@ def test_mistral_and_qwen2_folders_import_and_export(tmp_path, family, tp):
     holds the same tensors (Mistral as LlamaForCausalLM, the same block and names; Qwen2 as Qwen2ForCausalLM).
     A Mistral sliding window shorter than the positions is refused in one line."""
     transformers = pytest.importorskip("transformers")
-    from tests.hf_models import GPT2_TOKENIZER, save_random_llama
+    from tests.helpers.hf_models import GPT2_TOKENIZER, save_random_llama
 
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")

@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
-from tests.distributed import run_distributed
-from tests.test_training import BOTCHAN, ROOT, _overrides, needs_corpus, spm_model  # noqa: F401 - fixture
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training_runs import ROOT, needs_corpus, tiny_overrides
 
 
 # --------------------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def _trainer(spec, run_dir, layers: int, dtype: str, **extra):
     from training.config import load_config
     from training.trainer import Trainer
 
-    ov = _overrides(spec, run_dir, **{"parallel.tensor": 1, "model.num_layers": layers, "precision.dtype": dtype,
+    ov = tiny_overrides(spec, run_dir, **{"parallel.tensor": 1, "model.num_layers": layers, "precision.dtype": dtype,
                                       "precision.allow_fp16_on_cpu": "true", "train.global_batch_size": 2,
                                       "precision.initial_scale_power": 8, **extra})
     return Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", ov))

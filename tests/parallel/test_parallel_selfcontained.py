@@ -13,7 +13,7 @@ from pathlib import Path
 
 import training.parallel
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _modules() -> list[str]:

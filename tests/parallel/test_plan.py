@@ -96,7 +96,7 @@ def _tp_rank_numel(rank, world):
 
 
 def test_tp_shard_params_match_project_gpt2_shards():
-    from tests.distributed import run_distributed
+    from tests.helpers.distributed import run_distributed
 
     counts = run_distributed(_tp_rank_numel, 2, timeout=120)
     shape = ModelShape("gpt2", num_layers=2, hidden=16, heads=4, seq=8, vocab=64, positions=8, ffn=64)

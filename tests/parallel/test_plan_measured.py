@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import run_distributed
-from tests.test_training import ROOT, _overrides, needs_corpus, spm_model  # noqa: F401 - fixture
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training_runs import ROOT, needs_corpus, tiny_overrides
 from training.config import load_config
 from training.plan import (ZERO_OPTIMIZER_BYTES_PER_PARAM, Layout, ModelShape, memory, stage_params,
                            state_bytes_per_param)
@@ -36,7 +36,7 @@ def _run_overrides(spec: dict, run_dir: Path, tp: int, pp: int, dtype: str, zero
              "parallel.pipeline": pp, "precision.dtype": dtype, "parallel.zero_stage": zero}
     if dtype == "fp16":  # a small scale: no overflow skips Adam's first step
         extra.update({"precision.allow_fp16_on_cpu": "true", "precision.initial_scale_power": 4})
-    return _overrides(spec, run_dir, **extra)
+    return tiny_overrides(spec, run_dir, **extra)
 
 
 def _storage_bytes(tensors: list) -> int:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import run_distributed
-from tests.test_training import ROOT, _overrides, needs_corpus, spm_model  # noqa: F401 - fixture
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training_runs import ROOT, needs_corpus, tiny_overrides
 
 
 def _plan_cfg(name: str, *overrides: str):
@@ -75,7 +75,7 @@ def test_trainer_resolves_auto_alike_on_every_rank(spm_model, tmp_path):
     """Two TP ranks told 64 GiB and 10^-5 GiB: both recompute (the smaller memory decides), the run trains, and
     RUN_DIR/config.json keeps the decision; with room on both, neither recomputes."""
     common = {"parallel.tensor": 2, "train.iters": 2, "model.activation_checkpointing": "auto"}
-    tight = run_distributed(_auto_worker, 2, _overrides(spm_model, tmp_path / "tight", **common), [64.0, 1e-5])
-    roomy = run_distributed(_auto_worker, 2, _overrides(spm_model, tmp_path / "roomy", **common), [64.0, 64.0])
+    tight = run_distributed(_auto_worker, 2, tiny_overrides(spm_model, tmp_path / "tight", **common), [64.0, 1e-5])
+    roomy = run_distributed(_auto_worker, 2, tiny_overrides(spm_model, tmp_path / "roomy", **common), [64.0, 64.0])
     assert tight == [(True, True), (True, True)]
     assert roomy == [(False, False), (False, False)]

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_distributed
-from tests.test_reshard import _steps, _train
-from tests.test_training import _overrides, needs_corpus, spm_model  # noqa: F401 - fixture
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training_runs import metric_steps, needs_corpus, tiny_overrides, train_stages
 
 
 def _state(run_dir: Path, tag: str) -> tuple[dict, dict]:
@@ -35,7 +34,7 @@ def test_reshard_fp16_tp2_to_tp1_keeps_masters_and_moments(spm_model, tmp_path, 
               "parallel.zero_stage": zero}
     a, b = tmp_path / "a", tmp_path / "b"
     same_vocab = padded[0] == padded[1]  # dummy vocabulary rows take part in the softmax: only then same losses
-    run_distributed(_train, 2, _overrides(spm_model, a, **{"parallel.tensor": 2}, **common),
+    run_distributed(train_stages, 2, tiny_overrides(spm_model, a, **{"parallel.tensor": 2}, **common),
                     [["train.exit_at=2"], []] if same_vocab else [["train.exit_at=2"]])
     reshard(a, tp=1, pp=1, out=b, tag="iter_0000002")
     src, meta_a = _state(a, "iter_0000002")
@@ -56,8 +55,8 @@ def test_reshard_fp16_tp2_to_tp1_keeps_masters_and_moments(spm_model, tmp_path, 
     if not same_vocab:
         return
     # the converted run resumes from iteration 2 in fp16 with the original losses and learning rates
-    run_distributed(_train, 1, _overrides(spm_model, b, **{"parallel.tensor": 1}, **common), [[]])
-    sa, sb = _steps(a), _steps(b)
+    run_distributed(train_stages, 1, tiny_overrides(spm_model, b, **{"parallel.tensor": 1}, **common), [[]])
+    sa, sb = metric_steps(a), metric_steps(b)
     assert sorted(sb) == [1, 2, 3, 4]
     for it in (3, 4):
         assert sb[it][1] == sa[it][1]

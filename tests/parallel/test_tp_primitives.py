@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import run_distributed
+from tests.helpers.distributed import run_distributed
 
 
 def _seeded(shape, seed, scale=1.0):

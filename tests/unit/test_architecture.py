@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT = ("megatron_ds_suite", "data_pipeline", "training", "evaluation", "scripts", "benchmarks", "tests")
 SCANNED = ("megatron_ds_suite", "data_pipeline", "training", "evaluation", "scripts", "benchmarks")
 
@@ -260,7 +260,7 @@ def test_the_checker_sees_wrong_way_imports():
     assert wrong_way("training.trainer", "evaluation.race")
     assert wrong_way("evaluation.cli", "data_pipeline.config")
     assert not wrong_way("evaluation.cli", "training.metrics")
-    assert wrong_way("benchmarks.bench_eval", "tests.distributed")
+    assert wrong_way("benchmarks.bench_eval", "tests.helpers.distributed")
     assert not wrong_way("megatron_ds_suite.main_job.job", "data_pipeline.stages")
 
 

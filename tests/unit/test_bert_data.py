@@ -10,7 +10,7 @@ import pytest
 from training.data.bert_data import (BertDataError, BertDataset, BertVocab, MaskingConfig, build_samples_mapping,
                                 word_units)
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 BOTCHAN = DATA / "corpus" / "botchan.txt"
 SEQ = 128
 LINES_PER_DOC = 30

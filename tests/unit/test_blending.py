@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.distributed import SHARED_DATA
+from tests.helpers.distributed import SHARED_DATA
 
 DATA = Path(SHARED_DATA)
 GPT2 = DATA / "tokenizers" / "gpt2"
@@ -38,7 +38,7 @@ def _cfg(tmp_path, prefixes, extra=()):
 
     ov = [f"data.prefixes={json.dumps([[3, prefixes[0]], [7, prefixes[1]]])}", f"data.tokenizer={json.dumps(SPEC)}",
           "data.corpus=null", f"run.dir={tmp_path / 'run'}", "model.seq_length=32", *extra]
-    return load_config(Path(__file__).resolve().parents[1] / "configs" / "gpt2_tiny.yaml", ov)
+    return load_config(Path(__file__).resolve().parents[2] / "configs" / "gpt2_tiny.yaml", ov)
 
 
 def test_blended_training_data_draws_by_weight_and_resumes(prefixes, tmp_path):
@@ -52,7 +52,7 @@ def test_blended_training_data_draws_by_weight_and_resumes(prefixes, tmp_path):
     share = float((train.dataset_index == 0).mean())
     assert abs(share - 0.3) <= 0.01 and abs(float((train.dataset_index == 1).mean()) - 0.7) <= 0.01
     # Megatron's blend of these weights (independent port in tests/test_blending_megatron.py)
-    from tests.test_blending_megatron import reference_blend
+    from tests.helpers.megatron_reference import reference_blend
 
     want_d, want_k = reference_blend([3, 7], 10_000)
     assert train.dataset_index.tolist() == want_d and train.dataset_sample_index.tolist() == want_k
@@ -134,7 +134,7 @@ def test_megatrons_own_blended_dataset_reads_our_prefixes_and_draws_our_sequence
     import sys
 
     import torch
-    from tests.test_blending_megatron import _compile_megatron_blend, _megatron_source
+    from tests.helpers.megatron_reference import compile_megatron_blend, megatron_source
     from training.data.loader import build_datasets, resolve_sources
 
     if shutil.which("g++") is None:
@@ -145,8 +145,8 @@ def test_megatrons_own_blended_dataset_reads_our_prefixes_and_draws_our_sequence
     (pkg / "data" / "__init__.py").write_text("")
     (pkg / "data" / "helpers.py").write_text(HELPERS_STUB)
     for name in ("gpt_dataset", "blendable_dataset", "dataset_utils", "indexed_dataset"):
-        (pkg / "data" / f"{name}.py").write_text(_megatron_source("90e0a0dd08", f"megatron/data/{name}.py"))
-    blend, _ = _compile_megatron_blend(_megatron_source("90e0a0dd08", "megatron/data/helpers.cpp"), tmp_path)
+        (pkg / "data" / f"{name}.py").write_text(megatron_source("90e0a0dd08", f"megatron/data/{name}.py"))
+    blend, _ = compile_megatron_blend(megatron_source("90e0a0dd08", "megatron/data/helpers.cpp"), tmp_path)
     data = tmp_path / "data"  # Megatron writes its index maps next to the prefixes
     data.mkdir()
     mine = []

@@ -4,17 +4,13 @@ are at hand, against Megatron's own C++ compiled from that source), Megatron's s
 "within one sample of w*n" property."""
 from __future__ import annotations
 
-import ctypes
 import math
-import os
-import re
 import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.helpers.megatron_reference import REVISIONS, compile_megatron_blend, megatron_source, reference_blend
 from training.data.blending import blending_indices, normalise, samples_per_dataset
 
 RNG = np.random.default_rng(29)
@@ -28,34 +24,6 @@ WEIGHT_SETS = {
     "tiny_first_of_five": [1e-4, 3.0, 3.0, 1e-3, 2.0],
     "random12": list(RNG.random(12) + 0.01),
 }
-
-
-def reference_blend(raw_weights: list[float], size: int) -> tuple[list[int], list[int]]:
-    """Megatron's pipeline written out plainly, one position at a time, in numpy float64 scalars:
-    get_datasets_weights_and_num_samples normalises (running float sum), BlendableDataset normalises again
-    (numpy.sum over a float64 array), build_blending_indices picks, for position p, the first dataset with the
-    strictly largest ``w[i] * max(p, 1) - current_samples[i]``."""
-    s = 0.0
-    for w in raw_weights:
-        s = s + w
-    first = [w / s for w in raw_weights]
-    weights = np.array(first, dtype=np.float64)
-    weights = weights / np.sum(weights)
-    current = [0] * len(weights)
-    dataset_index, dataset_sample_index = [], []
-    for p in range(size):
-        p_double = np.float64(max(p, 1))
-        max_index = 0
-        max_error = weights[0] * p_double - np.float64(current[0])
-        for i in range(1, len(weights)):
-            error = weights[i] * p_double - np.float64(current[i])
-            if error > max_error:
-                max_error = error
-                max_index = i
-        dataset_index.append(max_index)
-        dataset_sample_index.append(current[max_index])
-        current[max_index] += 1
-    return dataset_index, dataset_sample_index
 
 
 @pytest.mark.parametrize("name", list(WEIGHT_SETS))
@@ -129,72 +97,6 @@ def test_samples_asked_of_each_prefix_are_megatrons():
 
 
 # --- Megatron-LM's own C++ ---------------------------------------------------------------------------------------
-MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
-REVISIONS = {  # the 2021 reference tree and HEAD of ../shared/reference/megatron.md
-    "2021-90e0a0dd08": ("90e0a0dd08", "megatron/data/helpers.cpp"),
-    "HEAD-d98e8a64dd": ("d98e8a64dd", "megatron/core/datasets/helpers.cpp"),
-}
-SHIM = """
-#include <algorithm>
-#include <cstdint>
-#include <iostream>
-namespace py {
-template <typename T> struct array_t {
-  T *data;
-  struct view { T *p; T &operator[](int64_t i) const { return p[i]; } T &operator()(int64_t i) const { return p[i]; } };
-  template <int N> view mutable_unchecked() { return view{data}; }
-  template <int N> view unchecked() const { return view{data}; }
-};
-}
-using namespace std;
-"""
-
-
-def _megatron_source(rev: str, path: str) -> str:
-    """helpers.cpp of ``rev``: from a checkout named by MEGATRON_LM_DIR (its own revision), else the mirror."""
-    if os.environ.get("MEGATRON_LM_DIR"):
-        f = Path(os.environ["MEGATRON_LM_DIR"]) / path
-        if not f.is_file():
-            pytest.skip(f"{f} absent")
-        return f.read_text()
-    if not MIRROR.is_dir() or shutil.which("git") is None:
-        pytest.skip("Megatron-LM source absent (set MEGATRON_LM_DIR to a checkout)")
-    r = subprocess.run(["git", "-C", str(MIRROR), "show", f"{rev}:{path}"], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"{rev}:{path} not in the mirror")
-    return r.stdout
-
-
-def _compile_megatron_blend(source: str, build: Path):
-    """Megatron's ``build_blending_indices`` verbatim, with a few-line stand-in for pybind11's array views,
-    compiled with Megatron's Makefile flags and called through ctypes."""
-    start = source.index("void build_blending_indices(")
-    body_open = source.index("{", start)
-    depth, i = 0, body_open
-    while True:
-        depth += {"{": 1, "}": -1}.get(source[i], 0)
-        if depth == 0:
-            break
-        i += 1
-    function = source[start:i + 1]
-    index_type = re.search(r"array_t<(\w+)>\s*&\s*dataset_index", function).group(1)
-    wrapper = f"""
-extern "C" void blend(void *di, int64_t *dsi, double *w, int32_t k, int64_t size) {{
-  py::array_t<{index_type}> a{{({index_type} *)di}};
-  py::array_t<int64_t> b{{dsi}};
-  py::array_t<double> c{{w}};
-  build_blending_indices(a, b, c, k, size, false);
-}}
-"""
-    (build / "blend.cpp").write_text(SHIM + function + wrapper)
-    lib = build / "blend.so"
-    subprocess.run([shutil.which("g++") or "g++", "-O3", "-Wall", "-shared", "-std=c++17", "-fPIC",
-                    str(build / "blend.cpp"), "-o", str(lib)], check=True, capture_output=True)
-    dll = ctypes.CDLL(str(lib))
-    dll.blend.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64]
-    return dll.blend, {"uint8_t": np.uint8, "int16_t": np.int16}[index_type]
-
-
 @pytest.mark.parametrize("revision", list(REVISIONS))
 def test_blending_indices_equal_megatrons_own_cpp(revision, tmp_path):
     """Recipe: take helpers.cpp at the revision (the mirror's git, or MEGATRON_LM_DIR), cut out
@@ -203,7 +105,7 @@ def test_blending_indices_equal_megatrons_own_cpp(revision, tmp_path):
     if shutil.which("g++") is None:
         pytest.skip("no C++ compiler")
     rev, path = REVISIONS[revision]
-    blend, index_dtype = _compile_megatron_blend(_megatron_source(rev, path), tmp_path)
+    blend, index_dtype = compile_megatron_blend(megatron_source(rev, path), tmp_path)
     n = 200_000
     for name, raw in WEIGHT_SETS.items():
         weights = np.array(normalise(raw), dtype=np.float64)

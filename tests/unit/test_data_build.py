@@ -15,7 +15,7 @@ from data_pipeline.default_corpus import iter_default_corpus
 from data_pipeline.stages import build, fingerprint, run_stage, work_dir
 from data_pipeline.store import done_shards, shard_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_default_corpus_deterministic():

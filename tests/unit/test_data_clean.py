@@ -14,7 +14,7 @@ import pytest
 from data_pipeline.clean import _OTHER_SPACES, clean_text, normalize_whitespace
 from data_pipeline.default_corpus import iter_default_corpus
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / ".." / "shared" / "data"
 
 # --- reference: the previous implementation, copied verbatim ---------------------------------

@@ -13,7 +13,7 @@ from data_pipeline.clean import clean_text, needs_ftfy, normalize_whitespace
 from data_pipeline.default_corpus import iter_default_corpus
 from pathlib import Path
 
-from tests.distributed import SHARED_DATA as _SHARED
+from tests.helpers.distributed import SHARED_DATA as _SHARED
 
 
 SHARED_DATA = Path(_SHARED)

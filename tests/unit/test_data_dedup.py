@@ -14,7 +14,7 @@ from data_pipeline import dedup as dd
 from data_pipeline.planted import planted_corpus, real_words
 from data_pipeline.store import DocStore, ShardWriter
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 CORPUS = DATA / "corpus"
 
 

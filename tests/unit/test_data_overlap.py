@@ -12,7 +12,7 @@ from data_pipeline.__main__ import main
 from data_pipeline.config import config_from_dict
 from data_pipeline.overlap import overlap_report
 from data_pipeline.stages import build
-from tests.distributed import SHARED_DATA
+from tests.helpers.distributed import SHARED_DATA
 
 DATA = Path(SHARED_DATA)
 LAMBADA = DATA / "eval" / "lambada" / "lambada_test.jsonl"

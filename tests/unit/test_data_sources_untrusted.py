@@ -79,7 +79,7 @@ def test_chunk_size_change_keeps_dedup_exact_and_stale_tmp_is_removed(tmp_path):
     from data_pipeline.config import load_config
     from data_pipeline.planted import planted_corpus, real_words
     from data_pipeline.stages import build, run_stage, work_dir
-    from tests.distributed import SHARED_DATA
+    from tests.helpers.distributed import SHARED_DATA
 
     from pathlib import Path
     corpus, gpt2 = Path(SHARED_DATA) / "corpus", Path(SHARED_DATA) / "tokenizers" / "gpt2"
@@ -133,7 +133,7 @@ def test_documented_stage_command_with_overrides_after_config(tmp_path, capsys):
     from data_pipeline.__main__ import main
     from data_pipeline.config import load_config
     from data_pipeline.stages import is_done, run_stage
-    from tests.distributed import SHARED_DATA
+    from tests.helpers.distributed import SHARED_DATA
 
     gpt2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
     if not (gpt2 / "gpt2-vocab.json").exists():
@@ -165,7 +165,7 @@ def test_every_record_is_traceable_to_one_output_row(tmp_path):
 
     from data_pipeline.config import load_config
     from data_pipeline.stages import build
-    from tests.distributed import SHARED_DATA
+    from tests.helpers.distributed import SHARED_DATA
 
     gpt2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
     if not (gpt2 / "gpt2-vocab.json").exists():

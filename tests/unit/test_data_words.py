@@ -12,7 +12,7 @@ from data_pipeline.words import GPT2_WHITESPACE, SPM_IDENTITY, WordIndex, encode
 from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer
 from megatron_ds_suite.core.tokenizer_train import count_training_words, train_sentencepiece
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "corpus"
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "corpus"
 GPT2 = DATA.parent / "tokenizers" / "gpt2"
 
 BUILT = ["the cat sat on the mat", "  two leading spaces", "trailing spaces  ", "double  space", "a\n\nb c\nd",

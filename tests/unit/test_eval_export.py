@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 GPT2 = DATA / "tokenizers" / "gpt2"
 
 

@@ -14,7 +14,7 @@ from evaluation.lambada import build_examples, read_lambada_jsonl, score_lambada
 from evaluation.scoring import LMScorer
 from evaluation.tasks import lambada_eval
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 LAMBADA = DATA / "eval" / "lambada" / "lambada_test.jsonl"
 GPT2 = DATA / "tokenizers" / "gpt2"
 

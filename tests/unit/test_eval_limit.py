@@ -7,25 +7,15 @@ tests/test_eval_checkpoint.py (WikiText, LAMBADA) and tests/test_bert_race.py (R
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from evaluation.errors import EvalError
 from evaluation.wikitext import first_lines, read_tokens_file
+from tests.helpers.eval_files import main_job_cut
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WT = ROOT / ".." / "shared" / "data" / "eval" / "wikitext-103" / "wiki.test.tokens"
-
-
-def main_job_cut(src: Path, limit: int, run: Path, kind: str = "wikitext") -> Path:
-    """The file the main job (megatron_ds_suite.main_job) evaluates for ``eval.<task>.limit_lines/limit = limit`` (its own code)."""
-    from megatron_ds_suite.main_job.job import MainJob
-
-    path, ident, source = MainJob._eval_input(SimpleNamespace(run=run), "wikitext103", str(src), None,
-                                                       "test", limit, kind)
-    assert source == src.resolve() and ident[1] == limit and path != source
-    return path
 
 
 @pytest.mark.parametrize("limit", [2, 3, 40, 1000])

@@ -15,7 +15,7 @@ from evaluation.scoring import LMScorer
 from evaluation.tasks import wikitext_eval
 from evaluation.wikitext import WindowPlan, count_original_tokens, lines_to_tokens_text, read_tokens_file, score_stream
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 WT103 = DATA / "eval" / "wikitext-103"
 GPT2 = DATA / "tokenizers" / "gpt2"
 

@@ -21,7 +21,7 @@ from training.config import load_config, padded_vocab_size
 from training.metrics import (bert_expected_masked_positions, bert_flops_per_iteration, flops_per_iteration,
                               model_flops_per_iteration)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BOTCHAN = ROOT / ".." / "shared" / "data" / "corpus" / "botchan.txt"
 
 

@@ -17,7 +17,7 @@ import pytest
 from data_pipeline.clean import clean_text, normalize_whitespace
 from data_pipeline.default_corpus import iter_default_corpus
 from data_pipeline.ftfy_fast import CONFIG, FTFY_TRIGGERS, TRIGGERS_BY_STEP, fix_text, needs_ftfy, regex_must_contain
-from tests.distributed import SHARED_DATA as _SHARED
+from tests.helpers.distributed import SHARED_DATA as _SHARED
 
 SHARED_DATA = Path(_SHARED)
 

@@ -20,58 +20,8 @@ from training.data.gpt_dataset import (
 from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer
 from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
-
-EOD = 999
-
-
-def make_gpt_corpus(prefix: Path, n_docs: int, seed: int = 0, max_len: int = 60, empty_every: int = 0) -> list[np.ndarray]:
-    """Documents of random tokens < EOD with EOD appended (one item per document), written to prefix."""
-    rng = np.random.default_rng(seed)
-    docs = []
-    with MMapIndexedDatasetBuilder(prefix, np.uint16) as b:
-        for k in range(n_docs):
-            if empty_every and k % empty_every == 0:
-                doc = np.zeros(0, dtype=np.int64)  # a zero-token item: must be skipped by the walk
-            else:
-                doc = np.append(rng.integers(0, EOD, rng.integers(0, max_len)), EOD)
-            b.add_item(doc)
-            b.end_document()
-            docs.append(doc)
-    return docs
-
-
-def megatron_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
-    """Megatron's ``_num_epochs`` loop."""
-    e, total = 0, 0
-    while True:
-        e += 1
-        total += tokens_per_epoch
-        if (total - 1) // seq_length >= num_samples:
-            return e
-
-
-def cpp_build_sample_idx(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_epochs: int,
-                         tokens_per_epoch: int) -> np.ndarray:
-    """Line-by-line port of Megatron's helpers.cpp ``build_sample_idx``."""
-    num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
-    out = np.zeros((num_samples + 1, 2), dtype=np.int64)
-    sample_index, doc_idx_index, doc_offset = 1, 0, 0
-    while sample_index <= num_samples:
-        remaining = seq_length + 1
-        while remaining != 0:
-            doc_id = doc_idx[doc_idx_index]
-            doc_length = int(sizes[doc_id]) - doc_offset
-            remaining -= doc_length
-            if remaining <= 0:
-                doc_offset += remaining + doc_length - 1
-                remaining = 0
-            else:
-                doc_idx_index += 1
-                doc_offset = 0
-        out[sample_index] = (doc_idx_index, doc_offset)
-        sample_index += 1
-    return out
-
+from tests.helpers.corpora import EOD, make_gpt_corpus
+from tests.helpers.megatron_reference import cpp_build_sample_idx, megatron_epochs
 
 def brute_force_samples(docs: list[np.ndarray], documents: np.ndarray, num_samples: int, seq_length: int,
                         seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import SHARED_DATA
+from tests.helpers.distributed import SHARED_DATA
 
 pytest.importorskip("transformers")
 BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"

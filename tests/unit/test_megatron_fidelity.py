@@ -15,52 +15,13 @@ import torch
 from torch import nn
 
 from training.config import ModelConfig, OptimizerConfig, padded_vocab_size
+from tests.helpers.megatron_reference import megatron_lrs
 from training.optim import build_optimizer, lr_at, param_groups
 
 
 # --------------------------------------------------------------------------------------------------
 # Learning-rate schedule
 # --------------------------------------------------------------------------------------------------
-class MegatronAnnealingLR:
-    """Port of Megatron's AnnealingLR: built with ``step(0)``, stepped after every applied update."""
-
-    def __init__(self, max_lr, min_lr, warmup_steps, decay_steps, decay_style):
-        self.max_lr, self.min_lr = max_lr, min_lr
-        self.warmup_steps, self.decay_steps, self.decay_style = warmup_steps, decay_steps, decay_style
-        self.num_steps = 0
-        self.step(0)
-
-    def get_lr(self) -> float:
-        if self.warmup_steps > 0 and self.num_steps <= self.warmup_steps:
-            return self.max_lr * float(self.num_steps) / float(self.warmup_steps)
-        if self.decay_style == "constant":
-            return self.max_lr
-        if self.num_steps > self.decay_steps:
-            return self.min_lr
-        ratio = float(self.num_steps - self.warmup_steps) / float(self.decay_steps - self.warmup_steps)
-        assert 0.0 <= ratio <= 1.0
-        if self.decay_style == "linear":
-            coeff = 1.0 - ratio
-        else:
-            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
-
-    def step(self, increment: int = 1) -> None:
-        self.num_steps += increment
-        self.lr = self.get_lr()
-
-
-def megatron_lrs(cfg: OptimizerConfig, iters: int) -> list[float]:
-    """The rate each of ``iters`` updates runs at in Megatron's loop (optimizer.step, then scheduler.step)."""
-    decay = cfg.decay_iters if cfg.decay_iters is not None else iters
-    sched = MegatronAnnealingLR(cfg.lr, cfg.min_lr, cfg.warmup_iters, decay, cfg.decay_style)
-    out = []
-    for _ in range(iters):
-        out.append(sched.lr)
-        sched.step()
-    return out
-
-
 SCHEDULES = [
     dict(lr=1.5e-4, min_lr=1e-5, warmup_iters=4, decay_iters=20, decay_style="cosine"),
     dict(lr=1e-4, min_lr=1e-5, warmup_iters=3, decay_iters=15, decay_style="linear"),
@@ -295,7 +256,7 @@ def megatron2021_index_maps(documents, sizes, num_samples: int, seq_length: int,
     """Port of Megatron 2021 ``gpt_dataset._build_index_mappings`` (doc, sample, shuffle index maps)."""
     import numpy as np
 
-    from tests.test_gpt_dataset import cpp_build_sample_idx, megatron_epochs
+    from tests.helpers.megatron_reference import cpp_build_sample_idx, megatron_epochs
 
     tokens_per_epoch = int(np.sum(sizes[documents]))
     num_epochs = megatron_epochs(tokens_per_epoch, seq_length, num_samples)
@@ -340,7 +301,7 @@ def test_gpt_separate_last_epoch_matches_megatron_2021(tmp_path, extra_fraction,
 
     from training.data.gpt_dataset import GPTDataset
     from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
-    from tests.test_gpt_dataset import make_gpt_corpus
+    from tests.helpers.corpora import make_gpt_corpus
 
     make_gpt_corpus(tmp_path / "c", 40, seed=3)
     indexed = MMapIndexedDataset(tmp_path / "c")

@@ -9,7 +9,7 @@ import pytest
 
 from scripts.oldest_constraints import lower_bound, normalize, oldest_constraints, pinned_version
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("req, expected", [

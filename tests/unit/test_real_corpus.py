@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks.real_corpus import real_sentences, real_text_corpus
-from tests.distributed import SHARED_DATA
+from tests.helpers.distributed import SHARED_DATA
 
 N = 2000
 

@@ -17,7 +17,7 @@ from megatron_ds_suite.core.tokenizer import (
 )
 from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 VOCAB = DATA / "tokenizers" / "gpt2" / "gpt2-vocab.json"
 MERGES = DATA / "tokenizers" / "gpt2" / "gpt2-merges.txt"
 LAMBADA = DATA / "eval" / "lambada" / "lambada_test.jsonl"

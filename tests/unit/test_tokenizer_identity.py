@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import SHARED_DATA
+from tests.helpers.distributed import SHARED_DATA
 
 GPT2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
 pytestmark = pytest.mark.skipif(not GPT2.is_dir(), reason="../shared/data/tokenizers/gpt2 absent")

@@ -13,7 +13,7 @@ from megatron_ds_suite.core.tokenizer import TokenizerError
 from megatron_ds_suite.core.tokenizer_train import (_SPM_WORD, _training_sentences, count_training_words,
                                                     train_sentencepiece)
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "corpus"
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "corpus"
 
 
 def pieces(tok) -> list[tuple[str, float]]:

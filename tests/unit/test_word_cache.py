@@ -20,7 +20,7 @@ from megatron_ds_suite.core.word_cache import WordCache
 from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer
 from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
 
-DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 BOTCHAN = DATA / "corpus" / "botchan.txt"
 SHAKESPEARE = DATA / "corpus" / "tinyshakespeare.txt"
 WIKITEXT = DATA / "eval" / "wikitext-103" / "wiki.valid.tokens"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import SHARED_DATA
+from tests.helpers.distributed import SHARED_DATA
 
 pytest.importorskip("transformers")
 DATA = Path(SHARED_DATA)
