@@ -77,7 +77,7 @@ class GPT2BPETokenizer(Tokenizer):
         fast = getattr(tok, "encode_batch_fast", tok.encode_batch)
         self._encode_many = lambda texts: [e.ids for e in fast(texts, add_special_tokens=False)]
         # GPT-2's pre-tokenizer never spans a non-space -> space boundary: texts go word by word through a
-        # cache (same ids as the library, tests/test_word_cache.py); texts with \x1c-\x1f go to it whole
+        # cache (same ids as the library, tests/unit/test_word_cache.py); texts with \x1c-\x1f go to it whole
         self._words = WordCache(self._encode_many, whitespace_split, split_name="gpt2-whitespace")
 
     @property

@@ -16,7 +16,7 @@ Forward only, under ``no_grad``: autograd through fake CUDA tensors aborts the p
 why this runs in a subprocess. One blind spot, found by reverting the fixes: FakeTensorMode lets a host
 0-dim tensor absorb a CUDA scalar in place (``total += loss``) and then reports it as CUDA, so a host
 accumulator handed to a collective passes here; the emulated-CUDA guard test
-(tests/device_guard.py) catches exactly that case. Prints one JSON line per check: {"check", "control", "ok", "error"}.
+(tests/helpers/device_guard.py) catches exactly that case. Prints one JSON line per check: {"check", "control", "ok", "error"}.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Every tensor that meets the model or a collective lives on the engine's device.
 
-Two mechanisms (see tests/fake_cuda_checks.py and tests/device_guard.py):
+Two mechanisms (see tests/helpers/fake_cuda_checks.py and tests/helpers/device_guard.py):
 
 * fake CUDA: every task's forward + loss, the validation and DP reductions, the parameter count, the
   grad norm and the evaluation scorers with parameters on fake ``cuda:0`` and the real data loaders;

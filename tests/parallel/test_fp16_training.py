@@ -53,7 +53,7 @@ FP16 = {"precision.dtype": "fp16", "precision.allow_fp16_on_cpu": "true", "preci
 def test_fp16_zero1_loss_scale_growth_and_hysteresis(spm_model, tmp_path):
     """ZeRO-1's scaler: growth after the window, a first overflow only uses up the hysteresis, the second
     halves the scale, the next doubling refills it. (ZeRO-0 growth: the PP=2 run below; ZeRO-0 halving on
-    every overflow: tests/test_training.py::test_fp16_overflow_skips_step_halves_scale_and_aborts.)"""
+    every overflow: tests/e2e/test_training.py::test_fp16_overflow_skips_step_halves_scale_and_aborts.)"""
     zero, honours = 1, True
     overflow_at = [3, 4]  # 0-based steps whose gradients are made inf
     steps = 8

@@ -157,7 +157,7 @@ def test_memory_hand_case():
 
 def test_activation_bytes_follow_the_stored_dtype():
     # 16-bit (the default) is Korthikanti's formula; fp32 on CPU stores 4-byte activations and 4-byte masks
-    # (training.models.ops), measured in tests/test_plan_activations.py
+    # (training.models.ops), measured in tests/parallel/test_plan_activations.py
     assert plan.activation_element_bytes("fp16") == plan.activation_element_bytes("bf16") == (2, 1)
     assert plan.activation_element_bytes("fp32") == (4, 1) and plan.activation_element_bytes("fp32", cpu=True) == (4, 4)
     assert plan.activation_bytes_per_layer(HAND, 1, 1, True, 2, 1) == plan.activation_bytes_per_layer(HAND, 1, 1) == 1248

@@ -8,7 +8,7 @@ or more modules: an import inside a function closes a circle as well as one at t
 ``__init__`` re-exporting a submodule's names is an edge to that submodule), and no module may take a
 private name (``_x``, not a dunder) from another module, by ``from m import _x`` or by ``m._x``.
 
-``python -m tests.test_architecture`` prints the counts: circles, private cross-module imports and the
+``python -m tests.unit.test_architecture`` prints the counts: circles, private cross-module imports and the
 imports of project modules made inside functions.
 """
 from __future__ import annotations
@@ -318,6 +318,6 @@ def test_no_private_names_across_modules():
         pytest.fail("private names imported from another module:\n" + "\n".join(bad), pytrace=False)
 
 
-if __name__ == "__main__":  # python -m tests.test_architecture: the counts of issue 32
+if __name__ == "__main__":  # python -m tests.unit.test_architecture: the counts of issue 32
     for key, value in counts().items():
         print(f"{key}: {value}")

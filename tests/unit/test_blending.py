@@ -1,6 +1,6 @@
 """data.prefixes: Megatron .bin/.idx datasets blended by weight -- the blended i-th sample is dataset_index[i]'s
 dataset_sample_index[i]-th sample of that prefix's own (Megatron 2021) GPT dataset, asked for Megatron's sample count;
-deterministic and resumable, clear errors. The order itself: tests/test_blending_megatron.py."""
+deterministic and resumable, clear errors. The order itself: tests/unit/test_blending_megatron.py."""
 from __future__ import annotations
 
 import json
@@ -51,7 +51,7 @@ def test_blended_training_data_draws_by_weight_and_resumes(prefixes, tmp_path):
     assert len(train) == 10_000 and len(valid) == 64
     share = float((train.dataset_index == 0).mean())
     assert abs(share - 0.3) <= 0.01 and abs(float((train.dataset_index == 1).mean()) - 0.7) <= 0.01
-    # Megatron's blend of these weights (independent port in tests/test_blending_megatron.py)
+    # Megatron's blend of these weights (independent port in tests/unit/test_blending_megatron.py)
     from tests.helpers.megatron_reference import reference_blend
 
     want_d, want_k = reference_blend([3, 7], 10_000)
@@ -127,7 +127,7 @@ def test_megatrons_own_blended_dataset_reads_our_prefixes_and_draws_our_sequence
     """Megatron-LM 2021 (90e0a0dd08)'s own megatron/data/{gpt_dataset,blendable_dataset,dataset_utils,
     indexed_dataset}.py, verbatim from the mirror (or MEGATRON_LM_DIR at that revision), run on CPU: stubs for
     ``megatron.print_rank_0/mpu``, the torch.distributed calls of a single rank and ``np.float`` (gone from numpy); ``helpers.build_blending_indices``
-    is Megatron's C++ compiled from its helpers.cpp (tests/test_blending_megatron.py), ``helpers.build_sample_idx``
+    is Megatron's C++ compiled from its helpers.cpp (tests/unit/test_blending_megatron.py), ``helpers.build_sample_idx``
     Megatron's own Python ``_build_sample_idx``. Its MMapIndexedDataset reads our .bin/.idx, and its blended
     train and valid datasets equal ours sample for sample."""
     import shutil

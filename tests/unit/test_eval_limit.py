@@ -2,7 +2,7 @@
 (byte for byte, on the real file and on odd line endings); N < 1 is a one-line error before any model.
 
 Scoring with ``--limit`` against scoring main_job's cut file is checked end to end with a real checkpoint in
-tests/test_eval_checkpoint.py (WikiText, LAMBADA) and tests/test_bert_race.py (RACE).
+tests/parallel/test_eval_checkpoint.py (WikiText, LAMBADA) and tests/parallel/test_bert_race.py (RACE).
 """
 from __future__ import annotations
 
