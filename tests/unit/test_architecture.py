@@ -7,6 +7,11 @@ The same imports make the module graph, which must have no circle (a strongly co
 or more modules: an import inside a function closes a circle as well as one at the top, and a package's
 ``__init__`` re-exporting a submodule's names is an edge to that submodule), and no module may take a
 private name (``_x``, not a dunder) from another module, by ``from m import _x`` or by ``m._x``.
+Inside ``training/`` the layers of the drawing hold (``TRAINING_LAYERS``: parallel < models < data/tasks <
+trainer < tools/entry points): no module imports a layer above its own, directly or through a module of no
+layer. Every folder at the top of the repository is one this file knows (``TOP_LEVEL``), and the tests sit
+in their tiers (``tests/unit``, ``tests/parallel``, ``tests/e2e``; helpers in ``tests/helpers``), none
+importing another test module.
 
 ``python -m tests.unit.test_architecture`` prints the counts: circles, private cross-module imports and the
 imports of project modules made inside functions.
@@ -41,6 +46,41 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...], str]] = [
     ("megatron_ds_suite", (), ("tests", "benchmarks", "scripts"),
      "the main job, the console and the test helpers may import every stage, not tests, benchmarks or scripts"),
 ]
+
+# The layers inside training/ (docs/architecture.md), lowest first: (layer, the modules it holds, by prefix).
+# A module may import training modules of its own layer or a lower one, never of a higher one. A training
+# module in no layer (config, layout, runtime, checkpoint, plan, metrics, ...) stands as high as the highest
+# layer it imports, directly or through other such modules, so no layer reaches upwards through it.
+TRAINING_LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("parallel", ("training.parallel",)),
+    ("models", ("training.models",)),
+    ("data/tasks", ("training.data", "training.tasks")),
+    ("trainer", ("training.trainer",)),
+    ("tools/entry points", ("training.tools", "training.pretrain", "training.finetune_race")),
+]
+
+# Every folder at the top of the repository and what it holds; a new one is added here, to SCANNED and RULES
+# when it holds Python, and to docs/architecture.md's table. Hidden folders and .gitignore'd ones are not looked at.
+TOP_LEVEL = {
+    "megatron_ds_suite": "the shared core, the main job, the console commands, the test helpers",
+    "data_pipeline": "the corpus-building stage",
+    "training": "the training stage",
+    "evaluation": "the evaluation stage",
+    "scripts": "shell entry points and tools run as modules",
+    "benchmarks": "speed and memory measurements",
+    "tests": "pytest on CPU, in tiers",
+    "configs": "YAML configs (no Python)",
+    "docs": "documentation (no Python)",
+}
+# The test tiers (README, "Run the tests"): test modules live only in these folders of tests/.
+TEST_TIERS = {
+    "unit": "starts no process: no gloo ranks, no child Python, no launcher",
+    "parallel": "2-4 gloo ranks (run_distributed) or child processes working beside the test",
+    "e2e": "commands run end to end: python -m entry points, the deepspeed launcher, the main job, scripts",
+}
+TEST_HELPERS = "helpers"  # tests/helpers: shared helper modules (fixtures: tests/conftest.py)
+# What a unit-tier test file may not contain: each starts a process (README's test section).
+UNIT_FORBIDDEN = ("run_distributed", "free_port", "sys.executable", "multiprocessing", "Popen")
 
 
 def _module_name(path: Path) -> str:
@@ -316,6 +356,220 @@ def test_no_private_names_across_modules():
     bad = [f"{p.relative_to(ROOT)}:{x}" for p in project_files() for x in private_imports(p)]
     if bad:
         pytest.fail("private names imported from another module:\n" + "\n".join(bad), pytrace=False)
+
+
+# --- the layers inside training/ ------------------------------------------------------------------------------
+def training_layer(module: str) -> int | None:
+    """The index in TRAINING_LAYERS of the layer holding ``module`` (None: a training module of no layer)."""
+    for k, (_, prefixes) in enumerate(TRAINING_LAYERS):
+        if any(_under(module, p) for p in prefixes):
+            return k
+    return None
+
+
+def layer_heights(files: dict[str, list[Import]]) -> dict[str, tuple[int, list[str]]]:
+    """Training module -> (the layer it stands at, -1 below all; the chain of layerless modules lifting it).
+
+    A module of a layer stands at that layer; a layerless one at the highest height among the training modules
+    it imports (a circle, reported by its own test, is cut where it closes)."""
+    graph = {m: {t for t in targets if _under(t, "training")} for m, targets in import_graph(files).items()}
+    heights: dict[str, tuple[int, list[str]]] = {}
+    busy: set[str] = set()
+
+    def height(m: str) -> tuple[int, list[str]]:
+        if m in heights:
+            return heights[m]
+        own = training_layer(m)
+        if own is not None:
+            heights[m] = (own, [m])
+            return heights[m]
+        busy.add(m)
+        best: tuple[int, list[str]] = (-1, [m])
+        for t in sorted(graph.get(m, ())):
+            if t not in busy:
+                h, chain = height(t)
+                if h > best[0]:
+                    best = (h, [m, *chain])
+        busy.discard(m)
+        heights[m] = best
+        return best
+
+    for m in sorted(graph):
+        if _under(m, "training"):
+            height(m)
+    return heights
+
+
+def layer_violations(files: dict[str, list[Import]]) -> list[str]:
+    """``module:line: module -> imported (rule)`` for every import of a training layer above the importer's."""
+    heights = layer_heights(files)
+    bad = []
+    for me, recs in sorted(files.items()):
+        own = training_layer(me)
+        if own is None:
+            continue
+        for r in recs:
+            if r.module not in heights or r.module == me:
+                continue
+            h, chain = heights[r.module]
+            if h > own:
+                through = f" through {' -> '.join(chain)}" if len(chain) > 1 else ""
+                bad.append(f"{me}:{r.line}: {me} -> {r.module} (layer '{TRAINING_LAYERS[own][0]}' may not import "
+                           f"layer '{TRAINING_LAYERS[h][0]}'{through})")
+    return bad
+
+
+def test_every_training_layer_names_existing_modules():
+    """A renamed or moved module leaves no stale entry: each prefix of TRAINING_LAYERS is a module or package."""
+    stale = [p for _, prefixes in TRAINING_LAYERS for p in prefixes if not _is_module(p)]
+    assert not stale, f"TRAINING_LAYERS names modules that do not exist (update it and docs/architecture.md): {stale}"
+
+
+def test_training_layers_are_kept():
+    bad = layer_violations({m: r for m, r in project_records().items() if _under(m, "training")})
+    if bad:
+        pytest.fail("imports up the layers inside training/ (docs/architecture.md: "
+                    + " < ".join(name for name, _ in TRAINING_LAYERS) + "):\n" + "\n".join(bad), pytrace=False)
+
+
+def test_the_checker_sees_layer_violations():
+    """Planted in a copy of the real import records: a model importing the trainer from inside a function, and
+    a data module reaching the tools through a new module of no layer; parallel -> models is caught too, and
+    the real records pass."""
+    files = {m: list(r) for m, r in project_records().items() if _under(m, "training")}
+    assert "training.models.gpt2" in files and "training.data.loader" in files and "training.tools.reshard" in files
+    assert not layer_violations(files)
+    files["training.models.gpt2"].append(Import(900, "training.trainer", "Trainer", True))
+    files["training.probe_helper"] = [Import(3, "training.tools.reshard", None, True), Import(4, "training.config", None, False)]
+    files["training.data.loader"].append(Import(901, "training.probe_helper", None, False))
+    files["training.parallel.layers"].append(Import(902, "training.models.blocks", None, False))
+    assert layer_violations(files) == [
+        "training.data.loader:901: training.data.loader -> training.probe_helper (layer 'data/tasks' may not import "
+        "layer 'tools/entry points' through training.probe_helper -> training.tools.reshard)",
+        "training.models.gpt2:900: training.models.gpt2 -> training.trainer (layer 'models' may not import "
+        "layer 'trainer')",
+        "training.parallel.layers:902: training.parallel.layers -> training.models.blocks (layer 'parallel' may "
+        "not import layer 'models')",
+    ]
+    # a layer may import its own layer and the ones below; a layerless module importing nothing stands at -1
+    assert layer_heights({"training.config": [], "training.tasks.gpt": [Import(1, "training.data.loader", None, False)],
+                          "training.data.loader": [Import(1, "training.config", None, False)]}) == {
+        "training.config": (-1, ["training.config"]), "training.data.loader": (2, ["training.data.loader"]),
+        "training.tasks.gpt": (2, ["training.tasks.gpt"])}
+
+
+# --- the folders at the top and the test tiers -----------------------------------------------------------------
+def _ignored_folders(root: Path) -> list[str]:
+    """The folder patterns of ``root``/.gitignore (``name/`` lines), as fnmatch patterns."""
+    gi = root / ".gitignore"
+    lines = gi.read_text(encoding="utf-8").splitlines() if gi.is_file() else []
+    return [line.strip().strip("/") for line in lines if line.strip().endswith("/") and not line.startswith("#")]
+
+
+def unknown_top_level(root: Path) -> list[str]:
+    """Folders at the top of ``root`` that TOP_LEVEL does not know (hidden and .gitignore'd ones left out)."""
+    from fnmatch import fnmatch
+
+    ignored = _ignored_folders(root) + ["__pycache__"]
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+                  and not any(fnmatch(p.name, pat) for pat in ignored) and p.name not in TOP_LEVEL)
+
+
+def misplaced_tests(tests: Path) -> list[str]:
+    """What sits in the wrong place under ``tests``: a module directly in it other than conftest/__init__, a
+    test module outside the tier folders, a folder that is no tier and not the helpers; each with where it goes."""
+    tiers = ", ".join(f"tests/{t}/ ({what})" for t, what in TEST_TIERS.items())
+    bad = []
+    for p in sorted(tests.iterdir()):
+        if p.is_file() and p.suffix == ".py" and p.name not in ("conftest.py", "__init__.py"):
+            where = f"one of {tiers}" if p.name.startswith("test_") else f"tests/{TEST_HELPERS}/ (shared helpers)"
+            bad.append(f"tests/{p.name}: move it to {where}")
+        elif p.is_dir() and p.name not in (*TEST_TIERS, TEST_HELPERS, "__pycache__") and not p.name.startswith("."):
+            bad.append(f"tests/{p.name}/: not a tier; test modules go to one of {tiers}")
+    for p in sorted((tests / TEST_HELPERS).glob("test_*.py")):
+        bad.append(f"tests/{TEST_HELPERS}/{p.name}: a test module; move it to one of {tiers}")
+    return bad
+
+
+def test_no_unknown_top_level_folder():
+    """A new top-level folder is a new room: name it in TOP_LEVEL (and SCANNED/RULES when it holds Python)."""
+    new = unknown_top_level(ROOT)
+    assert not new, (f"top-level folders this test does not know: {new}; add each to TOP_LEVEL in "
+                     "tests/unit/test_architecture.py (and SCANNED/RULES if it holds Python) and to docs/architecture.md")
+    python_rooms = {p.parts[0] for p in (q.relative_to(ROOT) for q in ROOT.glob("*/**/*.py")) if p.parts[0] in TOP_LEVEL}
+    assert python_rooms - {"tests"} <= set(SCANNED), python_rooms - {"tests"} - set(SCANNED)
+
+
+def test_tests_sit_in_their_tiers():
+    bad = misplaced_tests(ROOT / "tests")
+    if bad:
+        pytest.fail("tests outside their tiers (README, 'Run the tests'):\n" + "\n".join(bad), pytrace=False)
+
+
+def test_no_test_module_imports_another():
+    """Shared fixtures go to tests/conftest.py, shared helpers to tests/helpers/."""
+    bad = [f"{p.relative_to(ROOT)}:{r.line}: {r.module}" for p in sorted((ROOT / "tests").rglob("*.py"))
+           for r in import_records(p) if r.module.rpartition(".")[2].startswith("test_")
+           or (r.name or "").startswith("test_")]
+    assert not bad, "test modules importing other test modules (move the shared part to tests/helpers/):\n" + "\n".join(bad)
+
+
+def process_starters(source: str) -> list[str]:
+    """The names of UNIT_FORBIDDEN that ``source`` uses as code (names, ``a.b`` attributes, imported modules);
+    strings and comments do not count."""
+    used: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            used.add(node.attr)
+            if isinstance(node.value, ast.Name):
+                used.add(f"{node.value.id}.{node.attr}")
+        elif isinstance(node, ast.Import):
+            used.update(part for a in node.names for part in a.name.split("."))
+        elif isinstance(node, ast.ImportFrom):
+            used.update((node.module or "").split(".") + [a.name for a in node.names])
+    return [w for w in UNIT_FORBIDDEN if w in used]
+
+
+def test_unit_tier_starts_no_process():
+    """A unit-tier file uses none of UNIT_FORBIDDEN; one that needs them belongs in tests/parallel or tests/e2e."""
+    bad = [f"tests/unit/{p.name}: {', '.join(words)}" for p in sorted((ROOT / "tests" / "unit").glob("*.py"))
+           if (words := process_starters(p.read_text(encoding="utf-8")))]
+    assert not bad, "unit-tier files that start processes (move them to tests/parallel or tests/e2e):\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_misplaced_folders_and_tests(tmp_path):
+    """Planted in a temporary copy of the top of the repository and of tests/."""
+    for name in (*TOP_LEVEL, ".ci", "runs", "build", "x.egg-info"):
+        (tmp_path / name).mkdir()
+    (tmp_path / ".gitignore").write_text((ROOT / ".gitignore").read_text())
+    assert unknown_top_level(tmp_path) == []
+    (tmp_path / "tools").mkdir()
+    assert unknown_top_level(tmp_path) == ["tools"]
+    tests = tmp_path / "tests"
+    for d in (*TEST_TIERS, TEST_HELPERS):
+        (tests / d).mkdir()
+    for f in ("conftest.py", "__init__.py", "unit/test_a.py", "helpers/training_runs.py"):
+        (tests / f).write_text("")
+    assert misplaced_tests(tests) == []
+    for f in ("test_new.py", "support.py", "helpers/test_b.py"):
+        (tests / f).write_text("")
+    (tests / "integration").mkdir()
+    got = misplaced_tests(tests)
+    assert [g.split(":")[0] for g in got] == ["tests/integration/", "tests/support.py", "tests/test_new.py",
+                                              "tests/helpers/test_b.py"]
+    assert "tests/unit/ (starts no process" in got[2] and "tests/e2e/" in got[2] and "tests/helpers/" in got[1]
+    probe = ROOT / "tests" / "parallel" / "test_probe.py"
+    recs = import_records(probe, "from tests.unit.test_gpt_dataset import x\nfrom tests.helpers import corpora\n"
+                                 "from tests.e2e import test_training\n")
+    assert [r.module for r in recs if r.module.rpartition(".")[2].startswith("test_")] == [
+        "tests.unit.test_gpt_dataset", "tests.e2e.test_training"]
+    src = ("import subprocess, sys\nfrom tests.helpers.distributed import run_distributed\n"
+           "import torch.multiprocessing as mp\ndef f():\n    subprocess.Popen([sys.executable, '-c', 'pass'])\n"
+           "    return free_port()  # Popen in a comment, 'run_distributed' in a string\n")
+    assert process_starters(src) == list(UNIT_FORBIDDEN)
+    assert process_starters('"""run_distributed, sys.executable"""\nimport subprocess\nsubprocess.run(["git"])\n') == []
 
 
 if __name__ == "__main__":  # python -m tests.unit.test_architecture: the counts of issue 32
