@@ -189,7 +189,7 @@ def test_token_threshold_gpt2(tmp_path, gpt2_cfg):
 def test_token_threshold_sentencepiece(tmp_path, gpt2_cfg):
     import sentencepiece as spm
 
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     paras = _paragraphs(40)
     tok = train_sentencepiece(paras, tmp_path / "spm", 600, flavor="gpt", seed=1)

@@ -118,7 +118,7 @@ def test_prefix_id_past_the_first_million_tokens_is_refused(botchan_ids, tmp_pat
 def test_padding_range_id_at_tp2_is_one_line_from_the_launcher(tmp_path):
     """At TP=2 both ranks stop with exit 2 and one line (rank 1 does not wait at a barrier for rank 0)."""
     from megatron_ds_suite.core.corpus import copy_tokenizer_files, write_manifest
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     lines = [x for x in BOTCHAN.read_text(encoding="utf-8").splitlines() if x.strip()]
     tok = train_sentencepiece(lines, tmp_path / "spm" / "botchan", vocab_size=1000, flavor="gpt", seed=1)

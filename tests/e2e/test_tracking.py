@@ -114,7 +114,7 @@ def test_progress_bar_follows_the_terminal():
 
 
 def _corpus(tmp_path: Path) -> tuple[Path, dict]:
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     rng = random.Random(0)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8))) for _ in range(500)]

@@ -48,7 +48,7 @@ def write_bert_corpus(root: Path, docs: list[list[str]], flavor: str = "bert", b
     """A corpus directory (manifest + tokenizer + sentence-level dataset) like `python -m data_pipeline build`."""
     from megatron_ds_suite.core.corpus import write_manifest
     from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     texts = [" ".join(d) for d in docs]
     race_text = [json.loads(line)["article"] for f in sorted(need(RACE).glob("*/*/*.txt"))

@@ -19,7 +19,7 @@ needs_corpus = pytest.mark.skipif(not BOTCHAN.is_file(), reason="../shared/data/
 
 def train_spm_model(folder: Path) -> dict:
     """The spec of a 1000-piece sentencepiece model trained on Botchan (small vocab keeps CPU runs fast)."""
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     lines = [line for line in BOTCHAN.read_text(encoding="utf-8").splitlines() if line.strip()]
     tok = train_sentencepiece(lines, folder / "botchan", vocab_size=1000, flavor="gpt", seed=1)

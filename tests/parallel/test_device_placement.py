@@ -138,7 +138,7 @@ def _guarded_eval(rank, run_dir, race_tok):
 
 @pytest.fixture(scope="module")
 def race_tokenizer(tmp_path_factory):
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     texts = [json.loads(line)["article"] for f in sorted(RACE.glob("*/*/*.txt"))
              for line in f.read_text().splitlines() if line.strip()]

@@ -150,7 +150,7 @@ def exported_sentencepiece(tmp_path_factory):
         pytest.skip("../shared/data (lambada_test.jsonl, botchan.txt) absent")
     import shutil
 
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
     from training.config import Config, ModelConfig, padded_vocab_size
     from training.tools.export_hf import export
     from training.tools.import_hf import write_checkpoint

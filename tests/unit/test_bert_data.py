@@ -35,7 +35,7 @@ def _documents() -> list[list[str]]:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder, best_dtype
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     docs = _documents()
     root = tmp_path_factory.mktemp("bert_corpus")
@@ -177,7 +177,7 @@ def test_deterministic_per_sample(corpus, dataset):
 
 
 def test_vocabulary_without_special_tokens_is_rejected(tmp_path):
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     if not BOTCHAN.is_file():
         pytest.skip(f"shared data {BOTCHAN} is absent")

@@ -94,7 +94,7 @@ def test_bad_prefixes_fail_with_one_clear_line(prefixes, tmp_path):
         resolve_sources(bad)
     small = _cfg(tmp_path, prefixes)  # a tokenizer with fewer ids than the data uses
     spm = DATA / "corpus" / "botchan.txt"
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     tok = train_sentencepiece([spm.read_text(encoding="utf-8")], tmp_path / "spm", 400, "gpt")
     small.data.tokenizer = {"kind": "sentencepiece", "model_file": str(tok.model_file)}

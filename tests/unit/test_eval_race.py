@@ -33,7 +33,7 @@ def all_questions():
 @pytest.fixture(scope="module")
 def bert_tok(tmp_path_factory, all_questions):
     """A real BERT-flavour (WordPiece-like) SentencePiece vocabulary trained on the RACE text itself."""
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     texts = sorted({q.article for qs in all_questions.values() for q in qs})
     return train_sentencepiece(texts, tmp_path_factory.mktemp("sp") / "race", 600, flavor="bert", lowercase=True)

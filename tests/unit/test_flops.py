@@ -30,7 +30,7 @@ def corpus(tmp_path_factory):
     """Sentence-level BERT corpus of Botchan's first 1,500 lines (documents of 30 lines), spm vocab 1000."""
     from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder, best_dtype
     from data_pipeline.sentences import split_sentences
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     if not BOTCHAN.is_file():
         pytest.skip(f"shared data {BOTCHAN} is absent")

@@ -19,7 +19,7 @@ from training.data.gpt_dataset import (
 )
 from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer
-from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+from data_pipeline.tokenizer_train import train_sentencepiece
 from tests.helpers.corpora import EOD, make_gpt_corpus
 from tests.helpers.megatron_reference import cpp_build_sample_idx, megatron_epochs
 

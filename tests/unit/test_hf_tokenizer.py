@@ -27,7 +27,7 @@ def _real_texts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def spm_models(tmp_path_factory):
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     bot = DATA / "corpus" / "botchan.txt"
     if not bot.is_file():

@@ -15,7 +15,7 @@ from megatron_ds_suite.core.tokenizer import (
     TokenizerError,
     load_tokenizer,
 )
-from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+from data_pipeline.tokenizer_train import train_sentencepiece
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 VOCAB = DATA / "tokenizers" / "gpt2" / "gpt2-vocab.json"

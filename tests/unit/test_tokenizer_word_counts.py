@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ds_suite.core.tokenizer import TokenizerError
-from megatron_ds_suite.core.tokenizer_train import (_SPM_WORD, _training_sentences, count_training_words,
+from data_pipeline.tokenizer_train import (_SPM_WORD, _training_sentences, count_training_words,
                                                     train_sentencepiece)
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "corpus"
