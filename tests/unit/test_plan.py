@@ -85,24 +85,6 @@ def test_total_params_match_project_gpt2_model():
     assert plan.total_params(shape) == numel(model) == model.num_parameters()
 
 
-def _tp_rank_numel(rank, world):
-    import torch.distributed as dist
-
-    from training.models.gpt2 import GPT2Model
-    cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=64,
-                      make_vocab_size_divisible_by=8)
-    model = GPT2Model(cfg, 64, group=dist.group.WORLD, seed=1)
-    return sum(p.numel() for p in model.parameters())
-
-
-def test_tp_shard_params_match_project_gpt2_shards():
-    from tests.helpers.distributed import run_distributed
-
-    counts = run_distributed(_tp_rank_numel, 2, timeout=120)
-    shape = ModelShape("gpt2", num_layers=2, hidden=16, heads=4, seq=8, vocab=64, positions=8, ffn=64)
-    assert counts == [plan.stage_params(shape, 2, 1)[0]] * 2
-
-
 def test_paper_gpt2_sizes():
     """Shoeybi et al. Table 1: 1.2B, 2.5B, 4.2B, 8.3B (seq 1024, padded vocabulary 51,200)."""
     expected = {"gpt2-1.2b": 1.2, "gpt2-2.5b": 2.5, "gpt2-4.2b": 4.2, "gpt2-8.3b": 8.3}
