@@ -433,17 +433,16 @@ def test_training_layers_are_kept():
 
 
 def test_the_checker_sees_layer_violations():
-    """Planted in a copy of the real import records: a model importing the trainer from inside a function, and
-    a data module reaching the tools through a new module of no layer; parallel -> models is caught too, and
-    the real records pass."""
+    """Planted in a copy of the real import records: a model importing the trainer from inside a function, a
+    data module reaching the tools through a new module of no layer, and parallel importing models."""
     files = {m: list(r) for m, r in project_records().items() if _under(m, "training")}
     assert "training.models.gpt2" in files and "training.data.loader" in files and "training.tools.reshard" in files
-    assert not layer_violations(files)
+    before = set(layer_violations(files))  # empty unless the real code breaks a layer (its own test says so)
     files["training.models.gpt2"].append(Import(900, "training.trainer", "Trainer", True))
     files["training.probe_helper"] = [Import(3, "training.tools.reshard", None, True), Import(4, "training.config", None, False)]
     files["training.data.loader"].append(Import(901, "training.probe_helper", None, False))
     files["training.parallel.layers"].append(Import(902, "training.models.blocks", None, False))
-    assert layer_violations(files) == [
+    assert [v for v in layer_violations(files) if v not in before] == [
         "training.data.loader:901: training.data.loader -> training.probe_helper (layer 'data/tasks' may not import "
         "layer 'tools/entry points' through training.probe_helper -> training.tools.reshard)",
         "training.models.gpt2:900: training.models.gpt2 -> training.trainer (layer 'models' may not import "
