@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from megatron_ds_suite.core.spm_words import WordCachedEncoder
     from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     info = common.machine_info()
     texts = markov_corpus(real_words([DATA / "botchan.txt", DATA / "tinyshakespeare.txt"]), args.docs)

@@ -3,7 +3,7 @@
 The same GPT-2 (same seed, same padded vocabulary: padded for the largest TP so every degree holds
 the same weights) is trained under the project's DeepSpeed engine (``deepspeed.initialize`` with
 our ``mpu``, the project's AdamW, fp32) in gloo process groups of exactly TP ranks (DP = 1), spawned
-like ``tests/distributed.py``. Every launch is one degree; repetitions rotate the order of the
+like ``tests/helpers/distributed.py``. Every launch is one degree; repetitions rotate the order of the
 degrees (1 2 4, 2 4 1, 4 1 2, ...) and each times ``--steps`` steps after ``--warmup``. The machine's
 cores are shared equally: each rank gets ``max(1, cores // TP)`` intra-op threads (so TP=4 on 2 cores
 oversubscribes 2x: that cost is part of what is measured).

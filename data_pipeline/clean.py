@@ -25,7 +25,7 @@ __all__ = ["clean_text", "needs_ftfy", "normalize_whitespace"]
 _LINE_BREAKS = re.compile(r"\r\n?|[\u2028\u2029\x85\x0b\x0c]")
 #: Every code point for which ``str.isspace()`` (= the ``re`` class ``\s``) is true, minus ``\n`` and the
 #: line breaks above, mapped to a space. Listed explicitly because scanning all 0x110000 code points
-#: costs ~0.16 s per import; ``tests/test_data_clean.py`` checks the list against ``str.isspace``.
+#: costs ~0.16 s per import; ``tests/unit/test_data_clean.py`` checks the list against ``str.isspace``.
 _OTHER_SPACES: dict[int, str] = {
     c: " " for c in (
         0x09, 0x1C, 0x1D, 0x1E, 0x1F, 0x20, 0xA0, 0x1680, *range(0x2000, 0x200B), 0x202F, 0x205F, 0x3000,

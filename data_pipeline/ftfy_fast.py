@@ -53,7 +53,7 @@ The argument was read off ftfy 6.3's source. With another ftfy minor version, a 
 module does not know (a field of ``TextFixerConfig`` or a key of ``ftfy.FIXERS`` not listed here), or
 a regex whose must-contain set cannot be derived, :data:`FTFY_TRIGGERS` is ``None`` and every text
 goes to ``ftfy.fix_text`` (correct, only slower) until the argument is checked again.
-``tests/test_ftfy_fast.py`` checks the equality with ``ftfy.fix_text`` on real text, mojibake,
+``tests/unit/test_ftfy_fast.py`` checks the equality with ``ftfy.fix_text`` on real text, mojibake,
 every fixer's inputs and random strings.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ What runs where (the driver is the ``python -m data_pipeline build`` process):
 Every task reads and writes the build's folder, so all nodes need it at the same path (a shared file
 system; on one machine it is simply the local disk) and the project importable (installed, or on
 ``PYTHONPATH``: the driver passes its own ``PYTHONPATH`` to the workers). Outputs are byte-identical to
-``executor: local`` (``tests/test_ray_executor.py``): the tasks are the local stage's own functions on
+``executor: local`` (``tests/e2e/test_ray_executor.py``): the tasks are the local stage's own functions on
 the same shards, and results are assembled in shard/chunk order. Resume: a failed task is retried by
 Ray (``max_retries``); a killed driver resumes like a local build (finished shards and chunks are kept).
 This is the pipeline's only multi-machine path (the Redis-coordinated ``dedup-worker``/``dedup-merge`` flow

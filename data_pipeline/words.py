@@ -35,7 +35,7 @@ import numpy as np
 
 from data_pipeline.store import shard_name
 from megatron_ds_suite.core import atomic
-from megatron_ds_suite.core.tokenizer_train import MAX_SENTENCE_LENGTH, WordCounts, count_training_words
+from data_pipeline.tokenizer_train import MAX_SENTENCE_LENGTH, WordCounts, count_training_words
 
 SPM_IDENTITY, GPT2_WHITESPACE = "sentencepiece-identity", "gpt2-whitespace"  # word splits an index can use
 

@@ -7,7 +7,7 @@ metrics run on a training run directory, as GPT-NeoX's ``eval.py`` and Megatron-
 for this run's ``tp``).
 
 Conventions are lm-eval's, as its ``HFLM`` applies them to the exported model, so the two agree example by
-example (``tests/test_eval_lmeval.py``):
+example (``tests/parallel/test_eval_lmeval.py``):
 
 * ``loglikelihood``: lm-eval's own context/continuation encoding (``TemplateLM``: trailing context spaces move
   to the continuation; an empty context is the end-of-document token); the input is the last ``max_length + 1``

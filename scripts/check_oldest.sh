@@ -41,12 +41,12 @@ echo "check_oldest: installed (pins above honoured; the rest resolved by pip) ->
 # The hf/eval/tracking extras are not installed: the tests that import transformers are deselected (and
 # safetensors and matplotlib, used only through transformers' export and the main job's report, are
 # installed but not exercised; docs/dependencies.md).
-TESTS=(tests/test_data_*.py tests/test_tokenizer.py tests/test_indexed_dataset.py tests/test_gpt_dataset.py
-       tests/test_hf_dataset_scripts.py tests/test_blending.py
-       tests/test_eval_wikitext.py tests/test_eval_lambada.py tests/test_eval_race.py
-       tests/test_training.py::test_fp16_overflow_skips_step_halves_scale_and_aborts
-       tests/test_training.py::test_bad_config_fails_with_one_clear_line)
-DESELECT=(--deselect tests/test_tokenizer.py::test_gpt2_matches_transformers_on_real_text
-          --deselect tests/test_tokenizer.py::test_gpt2_eod_and_special_string)
+TESTS=(tests/unit/test_data_*.py tests/e2e/test_data_*.py tests/unit/test_tokenizer.py tests/unit/test_indexed_dataset.py tests/unit/test_gpt_dataset.py
+       tests/e2e/test_hf_dataset_scripts.py tests/unit/test_blending.py
+       tests/unit/test_eval_wikitext.py tests/unit/test_eval_lambada.py tests/unit/test_eval_race.py
+       tests/e2e/test_training.py::test_fp16_overflow_skips_step_halves_scale_and_aborts
+       tests/e2e/test_training.py::test_bad_config_fails_with_one_clear_line)
+DESELECT=(--deselect tests/unit/test_tokenizer.py::test_gpt2_matches_transformers_on_real_text
+          --deselect tests/unit/test_tokenizer.py::test_gpt2_eod_and_special_string)
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 exec "$OLDEST_VENV/bin/python" -m pytest -q -ra -p no:cacheprovider "${DESELECT[@]}" "${TESTS[@]}" "$@"

@@ -253,7 +253,7 @@ def prepare_bert_corpus(root: Path, data: Path) -> None:
     from megatron_ds_suite.core.corpus import write_manifest
     from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
     from data_pipeline.sentences import split_sentences
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     docs = []
     for name in ("botchan.txt", "tinyshakespeare.txt"):

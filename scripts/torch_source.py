@@ -13,7 +13,7 @@ want, and reinstalling torch on a GPU machine that already has a working build i
    the set-up falls back to pip's own configuration and says so.
 
 Stdlib only (it runs before anything is installed). ``decide`` is the whole policy, a pure function;
-``tests/test_setup_env.py`` checks every case without downloading anything.
+``tests/e2e/test_setup_env.py`` checks every case without downloading anything.
 
     python scripts/torch_source.py [--torch-index-url URL|cpu|default]
     # prints one line: "keep", "install default" or "install URL"; the reason goes to stderr
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 CPU_INDEX_URL = "https://download.pytorch.org/whl/cpu"
-# The project's lower bound on torch (pyproject.toml: "torch>=2.4"; tests/test_setup_env.py keeps the two equal).
+# The project's lower bound on torch (pyproject.toml: "torch>=2.4"; tests/e2e/test_setup_env.py keeps the two equal).
 TORCH_MIN = (2, 4)
 
 

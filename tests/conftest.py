@@ -1,15 +1,18 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, for all three tiers (unit, parallel, e2e); helpers shared as plain
+functions live in tests/helpers/. No test module imports another test module."""
 from __future__ import annotations
 
 import pytest
 
+from tests.helpers.training_runs import BOTCHAN, train_spm_model
+
 
 @pytest.fixture(scope="session")
 def random_gpt2(tmp_path_factory):
-    """(folder, run dir): a random transformers GPT-2 saved locally (tests/hf_models.py) and its TP=1
+    """(folder, run dir): a random transformers GPT-2 saved locally (tests/helpers/hf_models.py) and its TP=1
     import by training.tools.import_hf; shared by the import and generation tests."""
     pytest.importorskip("transformers")
-    from tests.hf_models import GPT2_TOKENIZER, save_random_gpt2
+    from tests.helpers.hf_models import GPT2_TOKENIZER, save_random_gpt2
 
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
@@ -18,3 +21,11 @@ def random_gpt2(tmp_path_factory):
     root = tmp_path_factory.mktemp("random_gpt2")
     src = save_random_gpt2(root / "hf")
     return src, import_hf(str(src), root / "imported")
+
+
+@pytest.fixture(scope="session")
+def spm_model(tmp_path_factory):
+    """The spec of a 1000-piece sentencepiece model trained on Botchan (tests/helpers/training_runs.py)."""
+    if not BOTCHAN.is_file():
+        pytest.skip("../shared/data/corpus/botchan.txt not present")
+    return train_spm_model(tmp_path_factory.mktemp("spm"))

@@ -42,7 +42,7 @@ def lsh_params(threshold: float, num_perm: int, bands: int | None, rows: int | N
     (bands, then rows, ascending) on a tie, as ``datasketch.lsh._optimal_param`` scans them. P is a
     polynomial of degree bands·rows <= num_perm, so Gauss-Legendre with num_perm/2 + 1 nodes integrates it
     exactly (to rounding) where datasketch calls ``scipy.integrate.quad``; no scipy import (0.33 s).
-    ``tests/test_data_dedup.py`` checks the choice against datasketch's over thresholds, sizes and weights."""
+    ``tests/unit/test_data_dedup.py`` checks the choice against datasketch's over thresholds, sizes and weights."""
     if bands is not None and rows is not None:
         return bands, rows
     fp_w, fn_w = list(weights)

@@ -34,7 +34,7 @@ def affine32_permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndar
     """(a, b), uint32[num_perm] each: datasketch's ``affine32`` permutations ``h -> a·h + b mod 2^32`` (odd
     ``a``) for ``seed``, drawn as datasketch 2.x draws them (``numpy.random.RandomState(seed)``: the halves
     of ``a``, then ``b``). Drawn here because importing datasketch imports scipy (0.33 s in every build);
-    ``tests/test_data_dedup_fast.py`` checks them against ``datasketch.MinHash(...).permutations``."""
+    ``tests/unit/test_data_dedup_fast.py`` checks them against ``datasketch.MinHash(...).permutations``."""
     gen = np.random.RandomState(seed)
     a = gen.randint(0, 1 << 31, num_perm, dtype=np.uint32) * np.uint32(2) + np.uint32(1)
     b = gen.randint(0, 1 << 32, num_perm, dtype=np.uint32)

@@ -11,14 +11,14 @@ from data_pipeline.report import StageTimer
 from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, require_stage, work_dir
 from data_pipeline.stages.ingest import trains_on_word_counts, word_counts_path
 from data_pipeline.store import DocStore, iter_shard
-from megatron_ds_suite.core.tokenizer_train import MAX_SENTENCES, WordCounts, count_training_words
+from data_pipeline.tokenizer_train import MAX_SENTENCES, WordCounts, count_training_words
 
 
 def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
     """Train or load the tokenizer; its spec goes in the stage's stats."""
     from megatron_ds_suite.core.corpus import copy_tokenizer_files
     from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer
-    from megatron_ds_suite.core.tokenizer_train import train_sentencepiece
+    from data_pipeline.tokenizer_train import train_sentencepiece
 
     timer = StageTimer("tokenizer")
     t = cfg.tokenizer

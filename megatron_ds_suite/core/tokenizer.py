@@ -10,7 +10,7 @@ Two families, one interface (:class:`~megatron_ds_suite.core.tokenizer_base.Toke
   Megatron's preprocessing: only :attr:`Tokenizer.eod` (50256), appended by the corpus builder, separates
   documents, so a web page that happens to contain the string cannot forge a document boundary.
 * :class:`SentencePieceTokenizer` -- a SentencePiece model trained by
-  :func:`megatron_ds_suite.core.tokenizer_train.train_sentencepiece` in one of two flavours (ids fixed by
+  :func:`data_pipeline.tokenizer_train.train_sentencepiece` in one of two flavours (ids fixed by
   construction).
 
 Every tokenizer describes itself with :meth:`Tokenizer.spec` (a JSON-able dict) and is rebuilt with
@@ -77,7 +77,7 @@ class GPT2BPETokenizer(Tokenizer):
         fast = getattr(tok, "encode_batch_fast", tok.encode_batch)
         self._encode_many = lambda texts: [e.ids for e in fast(texts, add_special_tokens=False)]
         # GPT-2's pre-tokenizer never spans a non-space -> space boundary: texts go word by word through a
-        # cache (same ids as the library, tests/test_word_cache.py); texts with \x1c-\x1f go to it whole
+        # cache (same ids as the library, tests/unit/test_word_cache.py); texts with \x1c-\x1f go to it whole
         self._words = WordCache(self._encode_many, whitespace_split, split_name="gpt2-whitespace")
 
     @property
@@ -162,7 +162,7 @@ class SentencePieceTokenizer(Tokenizer):
         if eod is None:
             raise TokenizerError(
                 f"SentencePiece model {str(self.model_file)!r} has no {GPT_EOD_PIECE!r}, EOS or [SEP] piece to "
-                "use as end-of-document; train it with megatron_ds_suite.core.tokenizer_train.train_sentencepiece"
+                "use as end-of-document; train it with data_pipeline.tokenizer_train.train_sentencepiece"
             )
         self._eod = eod
         self.flavor: Literal["gpt", "bert"] = "bert" if self.cls is not None and self.mask is not None else "gpt"

@@ -15,7 +15,7 @@ sequence length and seed:
    split of its documents and its own ``doc_idx``/``sample_idx``/``shuffle_idx`` from
    ``RandomState(seed)``. Megatron's blending came with the 2021 GPT dataset, which shuffles a short last
    epoch apart (``separate_last_epoch``, 2020-12-11), so the prefixes use it unless
-   ``data.separate_last_epoch: false`` is set (``tests/test_megatron_fidelity.py`` checks those maps
+   ``data.separate_last_epoch: false`` is set (``tests/unit/test_megatron_fidelity.py`` checks those maps
    against Megatron 2021's ``_build_index_mappings``).
 3. Blend (``helpers.cpp::build_blending_indices``): the weights are normalised once more in float64
    (``w / numpy.sum(w)``); then for each position ``p = 0, 1, ...`` the dataset with the largest error
@@ -35,8 +35,8 @@ an assertion) the others are blended with their weights renormalised. Megatron s
 of its datasets' lengths; the first N positions are the same either way (the choice at a position never
 depends on later ones), so only N are built. The prefixes may be written by this project's pipeline or
 by Megatron's ``tools/preprocess_data.py``. Verified against Megatron's own code (its ``helpers.cpp`` blend
-compiled, and its 2021 Python datasets run on our prefixes): ``tests/test_blending_megatron.py``,
-``tests/test_blending.py``. Their token ids must be those of ``data.tokenizer`` (checked:
+compiled, and its 2021 Python datasets run on our prefixes): ``tests/unit/test_blending_megatron.py``,
+``tests/unit/test_blending.py``. Their token ids must be those of ``data.tokenizer`` (checked:
 no id of a prefix reaches its vocabulary size, :mod:`training.data.token_range`).
 """
 from __future__ import annotations

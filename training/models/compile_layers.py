@@ -7,7 +7,7 @@ for backward; activation checkpointing's no-grad forward is one more). What keep
 tensor-parallel maps count collectives only in eager mode, the CPU-only dropout/attention fast paths step
 aside under compilation (``F.dropout`` and SDPA are what the compiler fuses), and the model-parallel RNG
 stream is switched only around attention dropout, in one call compiled code runs eagerly
-(``ParallelSelfAttention._core_on_model_parallel_stream``); ``tests/test_compile.py`` counts the graphs.
+(``ParallelSelfAttention._core_on_model_parallel_stream``); ``tests/parallel/test_compile.py`` counts the graphs.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Megatron (``ParallelAttention`` + ``FusedScaleMaskSoftmax``, torch path), per la
 * dropout on the probabilities, times V.
 
 In fp32 both options leave the math unchanged (scores / l * l); in fp16 they decide whether the scores
-overflow and how the softmax rounds. ``tests/test_attention_numerics.py`` checks both.
+overflow and how the softmax rounds. ``tests/unit/test_attention_numerics.py`` checks both.
 """
 from __future__ import annotations
 

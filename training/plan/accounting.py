@@ -161,7 +161,7 @@ def stage_params(shape: ModelShape, tp: int, pp: int) -> list[int]:
     ties the whole ``EmbeddingPipe`` between the two ends), so the word embedding is stored twice in the
     pipeline, and so is the position table, which the output layer does not use but which is held with
     its gradient and Adam states all the same (Megatron 2021 keeps only the word embedding there).
-    Checked against the engine's tensors in ``tests/test_plan_measured.py``. With an untied output layer
+    Checked against the engine's tensors in ``tests/parallel/test_plan_measured.py``. With an untied output layer
     nothing is tied: the last stage holds the output layer (in :func:`head_params`) and no embedding.
     """
     per_stage_layers = shape.num_layers // pp

@@ -18,7 +18,7 @@ ZERO_OPTIMIZER_BYTES_PER_PARAM = 12
 """Bytes per parameter of DeepSpeed's ZeRO-1 optimizer part, before dividing by DP, in every dtype: its
 ``DeepSpeedZeroOptimizer`` keeps an fp32 copy of its partition of the weights even in fp32 training
 (``single_partition_of_fp32_groups``) next to Adam's m and v, so 4 + 4 + 4 (measured in
-``tests/test_plan_measured.py``; DeepSpeed's alignment padding of the partitions is not counted)."""
+``tests/parallel/test_plan_measured.py``; DeepSpeed's alignment padding of the partitions is not counted)."""
 
 
 def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
@@ -35,7 +35,7 @@ def activation_element_bytes(dtype: str, cpu: bool = False) -> tuple[int, int]:
 
     fp16/bf16: 2 and 1 (``F.dropout`` keeps a bool mask), Korthikanti's assumption. fp32: 4, and 1 on GPUs
     (``F.dropout``) but 4 on CPU, where ``training.models.ops`` keeps the scaled fp32 mask {0, 1/(1-p)} of
-    its faster dropout (measured in ``tests/test_plan_activations.py``).
+    its faster dropout (measured in ``tests/parallel/test_plan_activations.py``).
     """
     if dtype in ("fp16", "bf16"):
         return 2, 1

@@ -13,7 +13,7 @@ whole project asks this module where tensors go:
   and ``all_gather_object`` use this process's GPU and not GPU 0.
 
 Counts and sums handed to a collective are created with ``device=`` one of these (float64/int64 on
-the device, never on the host). ``tests/test_device_placement.py`` checks every path against fake
+the device, never on the host). ``tests/parallel/test_device_placement.py`` checks every path against fake
 CUDA tensors and a collective guard.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ optimizer's current scale, as these optimizers' own ``backward()`` does, when th
 one of the two and scales (fp16; the bf16 variant has no scaling). It patches only a DeepSpeed whose
 ``backward`` does not handle fp16 itself (older releases route fp16 through the optimizer's
 ``backward``; the fix upstream adds such a branch), so a fixed DeepSpeed is left alone.
-``tests/test_fp16_loss_scale.py`` checks the result on the installed version: gradients after
+``tests/parallel/test_fp16_loss_scale.py`` checks the result on the installed version: gradients after
 ``engine.backward`` equal the fp32 gradients times the scale, and an fp16 step moves the weights as far
 as the fp32 step does.
 
@@ -54,7 +54,7 @@ def untested_deepspeed(version: str) -> str | None:
         return None
     return (f"DeepSpeed {version} is untested here (tested: {lo[0]}.{lo[1]}.x): training/runtime/ds_compat.py's fp16 "
             f"loss-scaling repair detects the need by reading DeepSpeed's source; check it with "
-            f"tests/test_fp16_loss_scale.py or install the pinned release (pip install -c constraints.txt deepspeed)")
+            f"tests/parallel/test_fp16_loss_scale.py or install the pinned release (pip install -c constraints.txt deepspeed)")
 
 
 def apply() -> None:

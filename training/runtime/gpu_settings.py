@@ -2,7 +2,7 @@
 
 One pure function, :func:`settings_for`, decides from ``(device type, training dtype, whether
 DeepSpeed's FusedAdam kernel can be built)``; the trainer, the RACE fine-tuner and the optimizer
-builder read its answer, and ``tests/test_gpu_settings.py`` checks it on CPU for every case.
+builder read its answer, and ``tests/unit/test_gpu_settings.py`` checks it on CPU for every case.
 
 On CUDA:
 

@@ -1,7 +1,7 @@
 """Llama <-> ``transformers``: the name and layout map between ``LlamaForCausalLM`` and our GPT model with the
 Llama options (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output, no biases), for import and export.
 
-Checked in ``tests/test_llama_blocks.py``: a random ``LlamaForCausalLM`` mapped with :func:`from_hf` gives
+Checked in ``tests/parallel/test_llama_blocks.py``: a random ``LlamaForCausalLM`` mapped with :func:`from_hf` gives
 the same logits as ``transformers`` (fp32) and :func:`to_hf` gives its state dict back exactly.
 
     model.embed_tokens.weight [V, h]                  -> embedding.word_embeddings.weight [V_padded, h]

@@ -3,7 +3,7 @@
 * GPT-2 BPE: ``GPT2TokenizerFast`` from the same ``vocab.json`` / ``merges.txt``.
 * WordPiece: ``BertTokenizerFast`` from the same ``vocab.txt`` and lower-casing; ``hf``: the same
   ``tokenizer.json``.
-* SentencePiece BPE (the ``gpt`` flavour :func:`megatron_ds_suite.core.tokenizer_train.train_sentencepiece` writes, the
+* SentencePiece BPE (the ``gpt`` flavour :func:`data_pipeline.tokenizer_train.train_sentencepiece` writes, the
   main job's tokenizer): a ``tokenizers`` BPE model built from the ``.model`` file alone --
 
   - vocabulary = every piece at its SentencePiece id (control, unknown and ``<0xXX>`` byte pieces included);

@@ -1,0 +1,84 @@
+"""scripts/gpu_check.py's CPU-safe parts: argument parsing, the plan (configs validated), the table."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts import gpu_check
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    return {r[0][2:]: r[1:] for r in rows[1:]}
+
+
+def test_dry_run_plans_every_check_and_renders_the_table(capsys, tmp_path):
+    assert gpu_check.main(["--cpu-dry-run", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("GPU check: dry run (plan for 2 GPUs, nothing executed)")
+    rows = _rows(out)
+    assert list(rows) == gpu_check.NAMES
+    assert all(r[0] == "DRY-RUN" for r in rows.values())
+    assert "--nproc_per_node=2 -m training.pretrain" in rows["gpt2_tp2_bf16"][1]
+    assert "parallel.pipeline=2" in rows["gpt2_pp2"][1] and "precision.dtype=fp16" in rows["gpt2_pp2"][1]
+    assert rows["resume_equal"][1].count("training.pretrain") == 3 and "train.exit_at=15" in rows["resume_equal"][1]
+    assert "-m evaluation wikitext103 " in rows["wikitext103"][1] and "--limit 500" in rows["wikitext103"][1]
+    assert not any(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def test_dry_run_on_one_gpu_skips_the_two_gpu_checks(capsys):
+    assert gpu_check.main(["--cpu-dry-run", "--gpus", "1", "--only", "gpt2_tp1_fp16", "gpt2_tp2_fp16", "gpt2_pp2",
+                           "resume_equal"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert [rows[k][0] for k in rows] == ["DRY-RUN", "SKIP", "SKIP", "DRY-RUN"]
+    assert rows["gpt2_tp2_fp16"][1] == "needs 2 GPUs, 1 available"
+    assert "--nproc_per_node=1" in rows["resume_equal"][1]  # resume check falls back to TP=1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "2"], "--steps must be >= 4"),
+    (["--gpus", "0"], "--gpus must be >= 1"),
+    (["--only", "gpt3"], "invalid choice: 'gpt3'"),
+])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--cpu-dry-run", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_bad_plan_fails_on_cpu(tmp_path):
+    from training.config import ConfigError
+
+    ctx = gpu_check.Context(gpu_check.parse_args(["--cpu-dry-run"]), 2, True, tmp_path, tmp_path)
+    with pytest.raises(ConfigError, match="parallel.tensor=3"):
+        ctx.run("x", ["-m", "training.pretrain", "--config", str(ROOT / "configs" / "gpt2_tiny.yaml"),
+                      "parallel.tensor=3"], nproc=3)
+
+
+def test_a_planned_evaluation_command_must_parse(tmp_path):
+    # the GPU run of 2026-11-26 found the plan calling `evaluation wikitext` (the task is `wikitext103`):
+    # the dry run now parses every evaluation command with evaluation's own parser
+    ctx = gpu_check.Context(gpu_check.parse_args(["--cpu-dry-run"]), 1, True, tmp_path, tmp_path)
+    with pytest.raises(ValueError, match="does not parse: -m evaluation wikitext --checkpoint"):
+        ctx.run("x", ["-m", "evaluation", "wikitext", "--checkpoint", "c", "--data", "d"], nproc=1)
+    ctx.run("x", ["-m", "evaluation", "wikitext103", "--checkpoint", "c", "--data", "d"], nproc=1)
+
+
+def test_render_escapes_pipes():
+    table = gpu_check.render([gpu_check.Row("a", "PASS", "x | y", 1.4)], "head")
+    assert table.splitlines() == ["head", "", "| check | status | detail | s |", "|---|---|---|---|",
+                                  "| a | PASS | x / y | 1 |"]
+
+
+def test_the_shell_wrapper_dry_run():
+    env = {**os.environ, "PYTHON": sys.executable, "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu-dry-run", "--only", "bert_20"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _rows(proc.stdout)["bert_20"][0] == "DRY-RUN"

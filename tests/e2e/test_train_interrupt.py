@@ -1,0 +1,143 @@
+"""Training stopped from outside (issue 14): Ctrl-C mid-run and a full disk while saving a checkpoint.
+
+Both must end with one line on stderr and a non-zero exit, leave no half-written checkpoint or temporary
+file behind, keep ``latest`` naming a complete checkpoint, and let the same command resume from it.
+The full disk is the kernel's own refusal: ``RLIMIT_FSIZE`` makes every write past the limit fail with
+EFBIG (SIGXFSZ ignored), as ENOSPC would, in the middle of DeepSpeed's ``torch.save``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.distributed import SHARED_DATA
+
+ROOT = Path(__file__).resolve().parents[2]
+BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
+GPT2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
+
+pytestmark = pytest.mark.skipif(not (BOTCHAN.is_file() and GPT2.is_dir()), reason="../shared/data corpus/tokenizer absent")
+
+
+def _command(tmp_path: Path, run: Path, **extra: str) -> list[str]:
+    text = tmp_path / "small.txt"
+    if not text.exists():
+        text.write_text(BOTCHAN.read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    spec = {"kind": "gpt2_bpe", "vocab_file": str(GPT2 / "gpt2-vocab.json"),
+            "merges_file": str(GPT2 / "gpt2-merges.txt")}
+    over = {"data.corpus": "null", "data.text_files": f"[{text}]", "data.tokenizer": json.dumps(spec),
+            "run.dir": str(run), "train.progress_bar": "false", "model.seq_length": "32", "parallel.tensor": "1",
+            "train.micro_batch_size": "2", "train.global_batch_size": "2", "optimizer.warmup_iters": "1",
+            "model.hidden_dropout": "0.0", "model.attention_dropout": "0.0", **extra}
+    return [sys.executable, "-m", "training.pretrain", "--config", "configs/gpt2_tiny.yaml",
+            *[f"{k}={v}" for k, v in over.items()]]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+
+
+def _leftovers(run: Path) -> list[str]:
+    """Temporary or partial files anywhere under the run directory."""
+    return sorted(str(p.relative_to(run)) for p in run.rglob("*")
+                  if p.name.startswith(".") and p.name != ".lock" or p.name.endswith((".tmp", ".partial")))
+
+
+def _checkpoints(run: Path) -> tuple[str, list[str]]:
+    root = run / "checkpoints"
+    return (root / "latest").read_text().strip(), sorted(p.name for p in root.iterdir() if p.is_dir())
+
+
+def _archive_records(path: Path) -> list[str]:
+    """The record names of a torch.save archive, after checking every record's CRC (a cut file fails here)."""
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() is None, f"{path}: a damaged record"
+        return sorted(name.split("/", 1)[1] for name in archive.namelist())
+
+
+def _stderr_lines(text: str) -> list[str]:
+    return [x for x in text.splitlines() if x.strip()]
+
+
+def test_ctrl_c_mid_training_keeps_the_last_checkpoint_and_resumes(tmp_path):
+    run = tmp_path / "run"
+    cmd = _command(tmp_path, run, **{"train.iters": "100000", "train.save_interval": "2"})
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "checkpoints" / "latest").exists():  # wait for the first complete checkpoint
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.2)
+        time.sleep(1.0)  # let it go on training (and saving) for a while
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    lines = _stderr_lines(err)
+    assert len(lines) == 1 and lines[0].startswith("interrupted: the newest complete checkpoint is kept"), err
+    assert _leftovers(run) == []
+    latest, tags = _checkpoints(run)
+    assert latest in tags and all(t.startswith("iter_") for t in tags)
+    assert (run / "checkpoints" / latest / "mp_rank_00_model_states.pt").is_file()
+    stopped_at = int(latest.removeprefix("iter_"))
+
+    # the same command (with a reachable end) resumes from `latest`
+    res = subprocess.run(_command(tmp_path, run, **{"train.iters": str(stopped_at + 2), "train.save_interval": "2"}),
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert f"resumed from {latest} at iteration {stopped_at}" in res.stderr + res.stdout
+    assert _checkpoints(run)[0] == f"iter_{stopped_at + 2:07d}"
+
+
+def _limit_file_size(limit: int):
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, like a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_full_disk_while_saving_is_one_line_and_leaves_no_partial_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    first = subprocess.run(_command(tmp_path, run, **{"train.iters": "2", "train.save_interval": "2"}),
+                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert _checkpoints(run) == ("iter_0000002", ["iter_0000002"])
+    model_bytes = (run / "checkpoints" / "iter_0000002" / "mp_rank_00_model_states.pt").stat().st_size
+    # every file the run writes stays far below 1 MB except the checkpoint's tensors (the 50k x 64 embedding)
+    assert model_bytes > 2_000_000
+
+    res = subprocess.run(_command(tmp_path, run, **{"train.iters": "4", "train.save_interval": "2"}),
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+                         preexec_fn=_limit_file_size(1_000_000))
+    assert res.returncode == 1, res.stderr
+    lines = _stderr_lines(res.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "check free disk space" in lines[0], res.stderr
+    assert _leftovers(run) == []
+    assert _checkpoints(run) == ("iter_0000002", ["iter_0000002"])  # the complete one kept, no partial iter_4
+
+    # a save killed outright (SIGKILL, power loss) leaves a folder newer than `latest`: the next run removes it
+    killed = run / "checkpoints" / "iter_0000004"
+    killed.mkdir()
+    (killed / "mp_rank_00_model_states.pt").write_bytes(b"PK\x03\x04 cut short")
+    again = subprocess.run(_command(tmp_path, run, **{"train.iters": "4", "train.save_interval": "2"}),
+                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "resumed from iter_0000002 at iteration 2" in again.stderr + again.stdout
+    assert "removing unfinished checkpoint" in again.stderr + again.stdout
+    # written anew, whole: a valid archive holding the same records as the complete checkpoint (sizes may differ
+    # by the archive's 64-byte record alignment, since the pickled counters differ)
+    assert _archive_records(killed / "mp_rank_00_model_states.pt") == _archive_records(
+        run / "checkpoints" / "iter_0000002" / "mp_rank_00_model_states.pt")
+    assert (killed / "mp_rank_00_model_states.pt").stat().st_size > model_bytes - 4096
+    assert _checkpoints(run) == ("iter_0000004", ["iter_0000002", "iter_0000004"])

@@ -1,0 +1,309 @@
+"""The GPU step's host work, proved on CPU (issue 27): the O(1) fp16/bf16 optimizer step
+(training.runtime.optimizer_step) against DeepSpeed's own step, FusedAdam's wrapper starting Adam at step 0,
+the fp32 clip on the device, and no host syncs in the trainer's step outside the one that decides an fp16 skip.
+
+Counts are made with benchmarks.host_work (a TorchDispatchMode): on CUDA every kernel operator is a launch and
+every read a stall, so a count on CPU is the count on a GPU.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training_runs import ROOT, needs_corpus, tiny_overrides
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSpeed's two ZeRO-0 wrappers built directly (no engine), ours vs theirs on the same gradients
+def _wrapper(kind: str, seed: int = 0, clip: float = 1.0, window: int = 2):
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)).half()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    args = {"init_scale": 2.0**8, "scale_window": window, "delayed_shift": 1, "consecutive_hysteresis": False,
+            "min_scale": 1}
+    cls = FP16_Optimizer if kind == "fused" else FP16_UnfusedOptimizer
+    opt = cls(inner, dynamic_loss_scale=True, dynamic_loss_args=args, clip_grad=clip, verbose=False)
+    return model, opt
+
+
+def _masters(kind, opt) -> list[torch.Tensor]:
+    return [m.detach().clone() for m in (opt.fp32_groups_flat if kind == "fused" else
+                                         [m for g in opt.fp32_groups for m in g])]
+
+
+def _ab_worker(rank, world, kind):
+    from training.runtime import ds_compat, optimizer_step
+    from training.trainer import allow_fp16_on_cpu
+
+    allow_fp16_on_cpu()
+    (ma, oa), (mb, ob) = _wrapper(kind), _wrapper(kind)
+    for o in (oa, ob):
+        ds_compat.undo_initial_zero_step(types.SimpleNamespace(optimizer=o))
+    assert optimizer_step.install(types.SimpleNamespace(optimizer=oa))
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for it in range(8):
+        grads = [torch.randn(p.shape, generator=g) * (200.0 if it == 3 else 1.0) for p in ma.parameters()]
+        true_norm = float(torch.linalg.vector_norm(torch.cat([x.reshape(-1) for x in grads]).half().float()))
+        row = {}
+        for name, model, opt in (("ours", ma, oa), ("ds", mb, ob)):
+            scale = opt.loss_scale_config.cur_scale
+            for p, x in zip(model.parameters(), grads):
+                p.grad = (x * scale).half()
+                if it == 5 and p.dim() == 1:
+                    p.grad[0] = float("inf")  # an overflow in a LayerNorm/bias gradient
+            opt.step()
+            row[name] = {"overflow": bool(opt.overflow), "scale": opt.loss_scale_config.cur_scale,
+                         "norm": float(opt._global_grad_norm), "weights": [p.detach().clone() for p in model.parameters()],
+                         "masters": _masters(kind, opt)}
+        row["true_norm"] = true_norm
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["fused", "unfused"])
+def test_o1_step_equals_deepspeeds_step(kind):
+    """Eight steps of DeepSpeed's FP16_Optimizer (flat masters; the class it uses for FusedAdam, here around
+    torch's AdamW, which it does not care about) and FP16_UnfusedOptimizer, ours vs DeepSpeed's step on the same
+    scaled gradients: the same overflows (fp16 overflow of the scaled gradients at step 3, an inf at step 5),
+    the same loss-scale sequence, bitwise the same fp16 weights (fp32 masters to 1e-6); the reported norm is the unscaled gradients' norm,
+    also on step 2, where the scale grows (DeepSpeed divides by the grown scale there and reports half)."""
+    rows = run_distributed(_ab_worker, 1, kind)[0]
+    assert [r["ours"]["overflow"] for r in rows] == [r["ds"]["overflow"] for r in rows] == \
+        [False, False, False, True, False, True, False, False]
+    assert [r["ours"]["scale"] for r in rows] == [r["ds"]["scale"] for r in rows] == \
+        [256, 256, 512, 256, 256, 128, 128, 128]
+    for r in rows:
+        for a, b in zip(r["ours"]["weights"], r["ds"]["weights"]):
+            assert torch.equal(a, b)
+        # fp32 masters: the clip factor comes from a norm summed in another order (last-bit differences)
+        for a, b in zip(r["ours"]["masters"], r["ds"]["masters"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        if not r["ours"]["overflow"]:
+            assert r["ours"]["norm"] == pytest.approx(r["true_norm"], rel=1e-5)
+
+
+def _first_update_worker(rank, world, undo):
+    from training.runtime import ds_compat
+    from training.trainer import allow_fp16_on_cpu
+
+    allow_fp16_on_cpu()
+    model, opt = _wrapper("fused", clip=0.0)
+    if undo:
+        assert ds_compat.undo_initial_zero_step(types.SimpleNamespace(optimizer=opt))
+    before = [p.detach().float().clone() for p in model.parameters()]
+    masters_before = opt.fp32_groups_flat[0].detach().clone()
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(p.shape, generator=g).half() for p in model.parameters()]
+    scale = opt.loss_scale_config.cur_scale
+    for p, x in zip(model.parameters(), grads):
+        p.grad = x * scale
+    opt.step()
+    return before, masters_before, [x.float() for x in grads], opt.fp32_groups_flat[0].detach().clone()
+
+
+@pytest.mark.parametrize("undo", [True, False])
+def test_fused_wrapper_first_update_is_megatrons(undo):
+    """FusedAdam's wrapper (FP16_Optimizer) steps its optimizer once with zero gradients at construction, so
+    Adam's first real update was bias-corrected as step 2 (0.744 lr) and one weight decay had already been
+    applied. After ds_compat.undo_initial_zero_step the masters equal the fp16 weights and the first update is
+    Megatron's: p (1 - lr wd) - lr g / (|g| + eps)."""
+    before, masters_before, grads, after = run_distributed(_first_update_worker, 1, undo)[0]
+    flat_before = torch.cat([b.reshape(-1) for b in before])
+    g = torch.cat([x.reshape(-1) for x in grads])
+    lr, wd, eps = 1e-2, 0.1, 1e-8
+    expected = flat_before * (1 - lr * wd) - lr * g / (g.abs() + eps)
+    if undo:
+        assert torch.equal(masters_before, flat_before)
+        torch.testing.assert_close(after, expected, rtol=1e-6, atol=1e-6)
+    else:  # what DeepSpeed alone does: the first update is not Megatron's
+        assert not torch.allclose(after, expected, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------
+# the trainer's own step: operators and host syncs at 2 and 8 layers, ours and DeepSpeed's
+def _trainer(spec, run_dir, layers: int, dtype: str, **extra):
+    from training.config import load_config
+    from training.trainer import Trainer
+
+    ov = tiny_overrides(spec, run_dir, **{"parallel.tensor": 1, "model.num_layers": layers, "precision.dtype": dtype,
+                                      "precision.allow_fp16_on_cpu": "true", "train.global_batch_size": 2,
+                                      "precision.initial_scale_power": 8, **extra})
+    return Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", ov))
+
+
+def _counts_worker(rank, world, spec, tmp, dtype):
+    from benchmarks.host_work import HostWork
+    from training.runtime import optimizer_step
+
+    out = {}
+    for layers in (2, 8):
+        for mode in ("o1", "deepspeed"):
+            t = _trainer(spec, f"{tmp}/{dtype}-{mode}-{layers}", layers, dtype)
+            if mode == "deepspeed":
+                optimizer_step.uninstall(t.engine)
+            for _ in range(3):  # past construction-time effects
+                t.train_step()
+            opt_counts = []
+            inner = t.engine.optimizer.step
+
+            def counted_step(*a, _inner=inner, **k):
+                with HostWork() as w:
+                    r = _inner(*a, **k)
+                opt_counts.append((w.kernels, w.syncs))
+                return r
+
+            t.engine.optimizer.step = counted_step
+            with HostWork() as lazy:
+                m = t.train_step(read=False)
+            with HostWork() as read:
+                t.train_step(read=True)
+            out[(layers, mode)] = {"step_kernels": lazy.kernels, "step_syncs": lazy.syncs, "read_syncs": read.syncs,
+                                   "opt": opt_counts[0] if opt_counts else None,
+                                   "o1": optimizer_step.installed(t.engine),
+                                   "loss_on_device": isinstance(m["loss"], torch.Tensor)}
+    return out
+
+
+@needs_corpus
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_step_host_work_is_constant_in_layers(spm_model, tmp_path, dtype):
+    """fp16: the optimizer step costs the same kernels at 2 and 8 layers and one host read (DeepSpeed's: a
+    chain of kernels and a read per tensor), and the whole step reads nothing else unless its metrics are
+    read (one more read). fp32: no read at all in a step whose metrics are not read; the clip adds no sync."""
+    c = run_distributed(_counts_worker, 1, spm_model, str(tmp_path), dtype)[0]
+    ours2, ours8, ds2, ds8 = c[(2, "o1")], c[(8, "o1")], c[(2, "deepspeed")], c[(8, "deepspeed")]
+    assert ours2["loss_on_device"] and ours8["loss_on_device"]
+    if dtype == "fp16":
+        assert ours2["o1"] and not ds2["o1"]
+        assert ours2["opt"] == ours8["opt"] and ours2["opt"][1] == 1  # O(1) kernels, one read
+        assert ours2["step_syncs"] == ours8["step_syncs"] == 1
+        assert ours2["read_syncs"] == ours8["read_syncs"] == 2
+        # DeepSpeed's own step: per tensor (12 more per layer) at least one read and several kernels
+        assert ds8["opt"][1] - ds2["opt"][1] >= 6 * 12
+        assert ds8["opt"][0] - ds2["opt"][0] >= 6 * 12 * 10
+        # the whole step's kernels per layer: forward + backward only with ours
+        per_layer_ours = (ours8["step_kernels"] - ours2["step_kernels"]) / 6
+        per_layer_ds = (ds8["step_kernels"] - ds2["step_kernels"]) / 6
+        assert per_layer_ds - per_layer_ours >= 12 * 10
+    else:
+        assert not ours2["o1"]  # fp32: no wrapper, the engine steps torch's fused AdamW itself
+        assert ours2["step_syncs"] == ours8["step_syncs"] == 0
+        assert ours2["read_syncs"] == ours8["read_syncs"] == 1
+
+
+def _trajectory_worker(rank, world, spec, tmp, dtype, overflow_at):
+    from training.runtime import optimizer_step
+
+    out = {}
+    for mode in ("o1", "deepspeed"):
+        t = _trainer(spec, f"{tmp}/{dtype}-{mode}", 2, dtype, **{"optimizer.warmup_iters": 0,
+                                                                  "precision.max_consecutive_skipped": 0})
+        if mode == "deepspeed":
+            optimizer_step.uninstall(t.engine)
+        param = t.model.layers[0].mlp.fc.weight
+        state = {"on": False}
+        param.register_hook(lambda g: g * float("inf") if state["on"] else g)
+        rows = []
+        for it in range(12):
+            state["on"] = it in overflow_at
+            m = t.train_step()
+            rows.append((m["loss"], m["step_applied"], m["loss_scale"], m["grad_norm"]))
+        out[mode] = rows
+    return out
+
+
+@needs_corpus
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_trainer_trajectory_equals_deepspeeds_step(spm_model, tmp_path, dtype):
+    """Twelve trainer steps with the O(1) step and with DeepSpeed's: the same applied/skipped steps under
+    injected overflows (fp16: the same loss scales; bf16 skips a non-finite step too), losses and gradient norms
+    equal to their precision."""
+    overflow_at = [3, 4] if dtype == "fp16" else [5]
+    r = run_distributed(_trajectory_worker, 1, spm_model, str(tmp_path), dtype, overflow_at)[0]
+    ours, ds = r["o1"], r["deepspeed"]
+    assert [x[1] for x in ours] == [x[1] for x in ds] == [k not in overflow_at for k in range(12)]
+    assert [x[2] for x in ours] == [x[2] for x in ds]
+    torch.testing.assert_close(torch.tensor([x[0] for x in ours]), torch.tensor([x[0] for x in ds]),
+                               rtol=2e-3, atol=2e-3)
+    # DeepSpeed's unfused wrapper reports the norm of the scaled gradients; ours, the unscaled one (bf16: scale 1)
+    scale_used = [2.0**8 if dtype == "fp16" else 1.0] + [x[2] for x in ds[:-1]]
+    applied = [k for k in range(12) if k not in overflow_at]
+    torch.testing.assert_close(torch.tensor([ours[k][3] for k in applied]),
+                               torch.tensor([ds[k][3] / scale_used[k] for k in applied]), rtol=1e-3, atol=1e-4)
+    assert ours[-1][0] < ours[0][0]  # it learns
+
+
+def _tp_norm_worker(rank, world, spec, tmp):
+    t = _trainer(spec, f"{tmp}/tp{world}", 2, "fp16", **{"parallel.tensor": world, "optimizer.warmup_iters": 0})
+    norms = []
+    for _ in range(4):
+        m = t.train_step()
+        norms.append(m["grad_norm"] if m["step_applied"] else None)
+    return norms
+
+
+@needs_corpus
+def test_fp16_grad_norm_at_tp2_equals_tp1(spm_model, tmp_path):
+    """Every element counted once at TP = 2: TP-partitioned gradients on both ranks, replicated ones (LayerNorm,
+    biases of row-parallel layers) on TP rank 0, summed over the TP group in the one all-reduce. (DeepSpeed's
+    own unfused step reads the parallel tags off gradient tensors, which carry none, and counts TP rank 0's
+    gradients only.)"""
+    one = run_distributed(_tp_norm_worker, 1, spm_model, str(tmp_path))[0]
+    two = run_distributed(_tp_norm_worker, 2, spm_model, str(tmp_path))
+    assert two[0] == two[1]
+    pairs = [(a, b) for a, b in zip(one, two[0]) if a is not None and b is not None]
+    assert len(pairs) >= 2
+    for a, b in pairs:
+        assert b == pytest.approx(a, rel=2e-3)
+
+
+# --------------------------------------------------------------------------------------------------
+def _reference_clip(params, max_norm):
+    """The fp32 clip before issue 27: a kernel chain per tensor and a host read of the norm."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        total += p.grad.detach().double().pow(2).sum()
+    norm = total.sqrt()
+    coef = max_norm / (float(norm) + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            p.grad.detach().mul_(coef)
+    return float(norm)
+
+
+@pytest.mark.parametrize("size", [0.01, 3.0])
+def test_fp32_clip_on_device_equals_the_host_clip(size):
+    """The device-side clip (no host read) gives bitwise the gradients of the host-side one, clipping or not."""
+    from benchmarks.host_work import HostWork
+    from training.parallel.grad_norm import clip_grad_norm
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (32,), (7, 5, 3), (1,)]
+    a = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    b = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p, q in zip(a, b):
+        p.grad = torch.randn(p.shape, generator=g) * size
+        q.grad = p.grad.clone()
+    ref = _reference_clip(a, 1.0)
+    with HostWork() as w:
+        norm = clip_grad_norm(b, 1.0, tp_rank=0)
+    assert w.syncs == 0 and isinstance(norm, torch.Tensor)
+    assert float(norm) == pytest.approx(ref, rel=1e-12)
+    for p, q in zip(a, b):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_arch_list_that_deepspeed_can_parse():
+    from training.runtime.gpu_settings import plain_arch_list
+
+    assert plain_arch_list("9.0a") == "9.0"
+    assert plain_arch_list("8.0;9.0a+PTX") == "8.0;9.0+PTX"
+    assert plain_arch_list("7.5 8.6 9.0a 9.0") == "7.5;8.6;9.0"
+    assert plain_arch_list("10.0f;12.0a") == "10.0;12.0"

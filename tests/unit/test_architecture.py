@@ -1,0 +1,576 @@
+"""The allowed import directions of docs/architecture.md, checked on every non-test module.
+
+Each module of the project is parsed with ``ast`` (imports inside functions and ``TYPE_CHECKING`` blocks
+included; relative imports resolved), every project import is matched against the rules of the room the
+module lives in, and a wrong-way import fails the test with ``file:line: importer -> imported (rule)``.
+The same imports make the module graph, which must have no circle (a strongly connected component of two
+or more modules: an import inside a function closes a circle as well as one at the top, and a package's
+``__init__`` re-exporting a submodule's names is an edge to that submodule), and no module may take a
+private name (``_x``, not a dunder) from another module, by ``from m import _x`` or by ``m._x``.
+Inside ``training/`` the layers of the drawing hold (``TRAINING_LAYERS``: parallel < models < data/tasks <
+trainer < tools/entry points): no module imports a layer above its own, directly or through a module of no
+layer. Every folder at the top of the repository is one this file knows (``TOP_LEVEL``), and the tests sit
+in their tiers (``tests/unit``, ``tests/parallel``, ``tests/e2e``; helpers in ``tests/helpers``), none
+importing another test module.
+
+``python -m tests.unit.test_architecture`` prints the counts: circles, private cross-module imports and the
+imports of project modules made inside functions.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT = ("megatron_ds_suite", "data_pipeline", "training", "evaluation", "scripts", "benchmarks", "tests")
+SCANNED = ("megatron_ds_suite", "data_pipeline", "training", "evaluation", "scripts", "benchmarks")
+
+# The shared core: megatron_ds_suite/core plus the bundled-config lookup (standard library only).
+CORE = ("megatron_ds_suite.core", "megatron_ds_suite.configs_lookup")
+# Rooms, most specific first: (room, allowed project imports, forbidden project imports, the rule in words).
+# A non-empty ``allowed`` forbids every other project import; otherwise only ``forbidden`` is.
+RULES: list[tuple[str, tuple[str, ...], tuple[str, ...], str]] = [
+    ("megatron_ds_suite.core", CORE, (), "the core imports none of the stages"),
+    ("megatron_ds_suite.configs_lookup", CORE, (), "the core imports none of the stages"),
+    ("training.parallel", ("training.parallel", *CORE), (),
+     "training/parallel imports only torch, the standard library, the core and other parallel modules"),
+    ("data_pipeline", ("data_pipeline", *CORE), (), "data_pipeline imports only the core"),
+    ("training", ("training", *CORE), (), "training imports the core (not data_pipeline, not evaluation)"),
+    ("evaluation", ("evaluation", "training", *CORE), (), "evaluation imports the core and training"),
+    ("benchmarks", (), ("tests",), "benchmarks must not import tests (shared helpers: megatron_ds_suite.testing)"),
+    ("scripts", (), ("tests", "benchmarks"), "scripts may import the stages, not tests or benchmarks"),
+    ("megatron_ds_suite", (), ("tests", "benchmarks", "scripts"),
+     "the main job, the console and the test helpers may import every stage, not tests, benchmarks or scripts"),
+]
+
+# The layers inside training/ (docs/architecture.md), lowest first: (layer, the modules it holds, by prefix).
+# A module may import training modules of its own layer or a lower one, never of a higher one. A training
+# module in no layer (config, layout, runtime, checkpoint, plan, metrics, ...) stands as high as the highest
+# layer it imports, directly or through other such modules, so no layer reaches upwards through it.
+TRAINING_LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("parallel", ("training.parallel",)),
+    ("models", ("training.models",)),
+    ("data/tasks", ("training.data", "training.tasks")),
+    ("trainer", ("training.trainer",)),
+    ("tools/entry points", ("training.tools", "training.pretrain", "training.finetune_race")),
+]
+
+# Every folder at the top of the repository and what it holds; a new one is added here, to SCANNED and RULES
+# when it holds Python, and to docs/architecture.md's table. Hidden folders and .gitignore'd ones are not looked at.
+TOP_LEVEL = {
+    "megatron_ds_suite": "the shared core, the main job, the console commands, the test helpers",
+    "data_pipeline": "the corpus-building stage",
+    "training": "the training stage",
+    "evaluation": "the evaluation stage",
+    "scripts": "shell entry points and tools run as modules",
+    "benchmarks": "speed and memory measurements",
+    "tests": "pytest on CPU, in tiers",
+    "configs": "YAML configs (no Python)",
+    "docs": "documentation (no Python)",
+}
+# The test tiers (README, "Run the tests"): test modules live only in these folders of tests/.
+TEST_TIERS = {
+    "unit": "starts no process: no gloo ranks, no child Python, no launcher",
+    "parallel": "2-4 gloo ranks (run_distributed) or child processes working beside the test",
+    "e2e": "commands run end to end: python -m entry points, the deepspeed launcher, the main job, scripts",
+}
+TEST_HELPERS = "helpers"  # tests/helpers: shared helper modules (fixtures: tests/conftest.py)
+# What a unit-tier test file may not contain: each starts a process (README's test section).
+UNIT_FORBIDDEN = ("run_distributed", "free_port", "sys.executable", "multiprocessing", "Popen")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    p = ROOT.joinpath(*name.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _package_of(path: Path) -> str:
+    me = _module_name(path)
+    return me if path.name == "__init__.py" else me.rpartition(".")[0]
+
+
+def _from_base(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module of ``from <base> import ...`` (relative levels resolved against ``package``)."""
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+        base = ".".join(anchor + ([base] if base else []))
+    return base
+
+
+class Import(NamedTuple):
+    line: int
+    module: str  # the imported project module (a package stands for its ``__init__``)
+    name: str | None  # the name taken from ``module`` by ``from module import name``, else None
+    local: bool  # inside a function
+
+
+def import_records(path: Path, source: str | None = None) -> list[Import]:
+    """Every project import in ``path`` (or in ``source``, read as that file), in source order."""
+    package = _package_of(path)
+    text = path.read_text(encoding="utf-8") if source is None else source
+    found: list[Import] = []
+
+    def visit(node: ast.AST, local: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend(Import(child.lineno, a.name, None, local) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = _from_base(child, package)
+                for a in child.names:
+                    sub = f"{base}.{a.name}" if base else a.name
+                    found.append(Import(child.lineno, sub, None, local) if _is_module(sub)
+                                 else Import(child.lineno, base, a.name, local))
+            visit(child, local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(text, str(path)), False)
+    return [r for r in found if r.module.split(".")[0] in PROJECT]
+
+
+def imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+    """(line, imported project module) for every import in ``path`` (or in ``source``, read as that file)."""
+    return [(r.line, r.module) for r in import_records(path, source)]
+
+
+def room_of(module: str):
+    for rule in RULES:
+        if _under(module, rule[0]):
+            return rule
+    return None
+
+
+def wrong_way(module: str, target: str) -> str | None:
+    """The rule ``module`` importing ``target`` breaks, or None."""
+    rule = room_of(module)
+    if rule is None:
+        return None
+    _, allowed, forbidden, words = rule
+    if allowed:
+        return None if any(_under(target, a) for a in allowed) else words
+    return words if any(_under(target, f) for f in forbidden) else None
+
+
+def project_files() -> list[Path]:
+    return [p for top in SCANNED for p in sorted((ROOT / top).rglob("*.py")) if "__pycache__" not in p.parts]
+
+
+def violations() -> list[str]:
+    bad = []
+    for path in project_files():
+        me = _module_name(path)
+        for line, target in imports(path):
+            words = wrong_way(me, target)
+            if words:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {me} -> {target} ({words})")
+    return bad
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _module_aliases(path: Path, tree: ast.AST) -> dict[str, str]:
+    """Local name -> the project module an import binds it to (``import a.b`` binds ``a`` to ``a``)."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_base(node, _package_of(path))
+            for a in node.names:
+                if _is_module(f"{base}.{a.name}"):
+                    out[a.asname or a.name] = f"{base}.{a.name}"
+    return {k: v for k, v in out.items() if v.split(".")[0] in PROJECT}
+
+
+def private_imports(path: Path, source: str | None = None) -> list[str]:
+    """``line: module.name`` for every private name ``path`` takes from another project module."""
+    me = _module_name(path)
+    text = path.read_text(encoding="utf-8") if source is None else source
+    found = [(r.line, f"{r.module}.{r.name}") for r in import_records(path, text)
+             if r.name and _private(r.name) and r.module != me]
+    tree = ast.parse(text, str(path))
+    aliases = _module_aliases(path, tree)
+    for node in ast.walk(tree):  # m._x / a.b._x on a module bound by an import
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+            continue
+        chain, value = [], node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if not isinstance(value, ast.Name) or value.id not in aliases:
+            continue
+        module = aliases[value.id]
+        for part in reversed(chain):
+            if not _is_module(f"{module}.{part}"):
+                break
+            module = f"{module}.{part}"
+        else:
+            if module != me:
+                found.append((node.lineno, f"{module}.{node.attr}"))
+    return [f"{line}: {name}" for line, name in sorted(set(found))]
+
+
+def import_graph(files: dict[str, list[Import]]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (anywhere in it), over the modules of ``files``."""
+    return {me: {r.module for r in recs if r.module in files and r.module != me} for me, recs in files.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of two or more modules (Tarjan), each sorted, in sorted order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 4 * len(graph) + 100))
+    try:
+        for v in sorted(graph):
+            if v not in index:
+                connect(v)
+    finally:
+        sys.setrecursionlimit(limit)
+    return sorted(found)
+
+
+def project_records() -> dict[str, list[Import]]:
+    return {_module_name(p): import_records(p) for p in project_files()}
+
+
+def counts() -> dict[str, int]:
+    """The numbers issue 32 asks for, over the non-test modules."""
+    recs = project_records()
+    return {"circles": len(circles(import_graph(recs))),
+            "private cross-module imports": sum(len(private_imports(p)) for p in project_files()),
+            "function-local imports of project modules": sum(len({(r.line, r.module) for r in rs if r.local})
+                                                             for rs in recs.values())}
+
+
+def test_rules_cover_every_module():
+    rooms = {_module_name(p) for top in SCANNED for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts}
+    assert rooms and all(room_of(m) is not None for m in rooms), sorted(m for m in rooms if room_of(m) is None)
+
+
+def test_the_checker_sees_wrong_way_imports():
+    """Absolute, ``from`` and relative imports are resolved and judged (else the main test could never fail)."""
+    probe = ROOT / "training" / "parallel" / "probe.py"
+    src = ("import torch\nimport training.config\nfrom data_pipeline import stages\n"
+           "def f():\n    from ..runtime import device\n    from . import mappings\n")
+    got = imports(probe, src)
+    assert got == [(2, "training.config"), (3, "data_pipeline.stages"), (5, "training.runtime.device"),
+                   (6, "training.parallel.mappings")]
+    assert [t for _, t in got if wrong_way("training.parallel.probe", t)] == [
+        "training.config", "data_pipeline.stages", "training.runtime.device"]
+    assert wrong_way("megatron_ds_suite.core.corpus", "training.config")
+    assert wrong_way("data_pipeline.stages", "training.data.gpt_dataset")
+    assert not wrong_way("data_pipeline.stages", "megatron_ds_suite.core.indexed_dataset")
+    assert wrong_way("training.trainer", "evaluation.race")
+    assert wrong_way("evaluation.cli", "data_pipeline.config")
+    assert not wrong_way("evaluation.cli", "training.metrics")
+    assert wrong_way("benchmarks.bench_eval", "tests.helpers.distributed")
+    assert not wrong_way("megatron_ds_suite.main_job.job", "data_pipeline.stages")
+
+
+def test_imports_follow_the_allowed_directions():
+    bad = violations()
+    if bad:
+        pytest.fail("wrong-way imports (docs/architecture.md):\n" + "\n".join(bad), pytrace=False)
+
+
+def test_the_checker_sees_circles():
+    """A circle closed by an import inside a function, and one through a package ``__init__`` re-export."""
+    probe = ROOT / "training" / "tools" / "probe_a.py"
+    a = import_records(probe, "import torch\nimport training.tools.probe_b as b\n")
+    b = import_records(ROOT / "training" / "tools" / "probe_b.py",
+                       "def f():\n    from .probe_a import x\n    return x\n")
+    assert b == [Import(2, "training.tools.probe_a", "x", True)]
+    files = {"training.tools.probe_a": a, "training.tools.probe_b": b, "training.tools.probe_c": []}
+    assert circles(import_graph(files)) == [["training.tools.probe_a", "training.tools.probe_b"]]
+    pkg = {"pkg": [Import(1, "pkg.sub", None, False)],  # pkg/__init__.py: from pkg.sub import helper
+           "pkg.sub": [Import(3, "pkg.other", None, True)],
+           "pkg.other": [Import(1, "pkg", "helper", False)],  # from pkg import helper (the re-export)
+           "lone": [Import(1, "pkg", "helper", False)]}
+    assert circles(import_graph(pkg)) == [["pkg", "pkg.other", "pkg.sub"]]
+    assert circles(import_graph({"x": [Import(1, "y", None, False)], "y": []})) == []
+
+
+def test_the_checker_sees_private_imports():
+    """``from m import _x`` (absolute or relative, at the top or in a function) and ``m._x`` are reported;
+    dunders, the module's own names and other objects' private attributes are not."""
+    probe = ROOT / "data_pipeline" / "dedup" / "probe.py"
+    src = ("from data_pipeline.dedup.hashing import _fmix64, __version__, units\n"
+           "from data_pipeline.dedup import minhash\nimport data_pipeline.stages.filter as flt\n"
+           "import data_pipeline.store\nfrom data_pipeline.dedup.probe import _mine\n"
+           "def f(obj):\n    from .lsh import _band\n    obj._cache = minhash.Signer\n"
+           "    return minhash._chunk_files, flt._tokenizer, data_pipeline.store._x, obj._y, minhash.__name__\n")
+    assert private_imports(probe, src) == [
+        "1: data_pipeline.dedup.hashing._fmix64", "7: data_pipeline.dedup.lsh._band",
+        "9: data_pipeline.dedup.minhash._chunk_files", "9: data_pipeline.stages.filter._tokenizer",
+        "9: data_pipeline.store._x"]
+
+
+def test_no_import_circles():
+    """No two project modules import each other, directly or through others (function-local imports and
+    ``__init__`` re-exports count): move the piece both need into the lower module or a new small one."""
+    found = circles(import_graph(project_records()))
+    if found:
+        pytest.fail("import circles (docs/architecture.md):\n" + "\n".join(" <-> ".join(c) for c in found),
+                    pytrace=False)
+
+
+def test_no_private_names_across_modules():
+    """A helper another module needs gets a public name (or moves to the module that needs it)."""
+    bad = [f"{p.relative_to(ROOT)}:{x}" for p in project_files() for x in private_imports(p)]
+    if bad:
+        pytest.fail("private names imported from another module:\n" + "\n".join(bad), pytrace=False)
+
+
+# --- the layers inside training/ ------------------------------------------------------------------------------
+def training_layer(module: str) -> int | None:
+    """The index in TRAINING_LAYERS of the layer holding ``module`` (None: a training module of no layer)."""
+    for k, (_, prefixes) in enumerate(TRAINING_LAYERS):
+        if any(_under(module, p) for p in prefixes):
+            return k
+    return None
+
+
+def layer_heights(files: dict[str, list[Import]]) -> dict[str, tuple[int, list[str]]]:
+    """Training module -> (the layer it stands at, -1 below all; the chain of layerless modules lifting it).
+
+    A module of a layer stands at that layer; a layerless one at the highest height among the training modules
+    it imports (a circle, reported by its own test, is cut where it closes)."""
+    graph = {m: {t for t in targets if _under(t, "training")} for m, targets in import_graph(files).items()}
+    heights: dict[str, tuple[int, list[str]]] = {}
+    busy: set[str] = set()
+
+    def height(m: str) -> tuple[int, list[str]]:
+        if m in heights:
+            return heights[m]
+        own = training_layer(m)
+        if own is not None:
+            heights[m] = (own, [m])
+            return heights[m]
+        busy.add(m)
+        best: tuple[int, list[str]] = (-1, [m])
+        for t in sorted(graph.get(m, ())):
+            if t not in busy:
+                h, chain = height(t)
+                if h > best[0]:
+                    best = (h, [m, *chain])
+        busy.discard(m)
+        heights[m] = best
+        return best
+
+    for m in sorted(graph):
+        if _under(m, "training"):
+            height(m)
+    return heights
+
+
+def layer_violations(files: dict[str, list[Import]]) -> list[str]:
+    """``module:line: module -> imported (rule)`` for every import of a training layer above the importer's."""
+    heights = layer_heights(files)
+    bad = []
+    for me, recs in sorted(files.items()):
+        own = training_layer(me)
+        if own is None:
+            continue
+        for r in recs:
+            if r.module not in heights or r.module == me:
+                continue
+            h, chain = heights[r.module]
+            if h > own:
+                through = f" through {' -> '.join(chain)}" if len(chain) > 1 else ""
+                bad.append(f"{me}:{r.line}: {me} -> {r.module} (layer '{TRAINING_LAYERS[own][0]}' may not import "
+                           f"layer '{TRAINING_LAYERS[h][0]}'{through})")
+    return bad
+
+
+def test_every_training_layer_names_existing_modules():
+    """A renamed or moved module leaves no stale entry: each prefix of TRAINING_LAYERS is a module or package."""
+    stale = [p for _, prefixes in TRAINING_LAYERS for p in prefixes if not _is_module(p)]
+    assert not stale, f"TRAINING_LAYERS names modules that do not exist (update it and docs/architecture.md): {stale}"
+
+
+def test_training_layers_are_kept():
+    bad = layer_violations({m: r for m, r in project_records().items() if _under(m, "training")})
+    if bad:
+        pytest.fail("imports up the layers inside training/ (docs/architecture.md: "
+                    + " < ".join(name for name, _ in TRAINING_LAYERS) + "):\n" + "\n".join(bad), pytrace=False)
+
+
+def test_the_checker_sees_layer_violations():
+    """Planted in a copy of the real import records: a model importing the trainer from inside a function, a
+    data module reaching the tools through a new module of no layer, and parallel importing models."""
+    files = {m: list(r) for m, r in project_records().items() if _under(m, "training")}
+    assert "training.models.gpt2" in files and "training.data.loader" in files and "training.tools.reshard" in files
+    before = set(layer_violations(files))  # empty unless the real code breaks a layer (its own test says so)
+    files["training.models.gpt2"].append(Import(900, "training.trainer", "Trainer", True))
+    files["training.probe_helper"] = [Import(3, "training.tools.reshard", None, True), Import(4, "training.config", None, False)]
+    files["training.data.loader"].append(Import(901, "training.probe_helper", None, False))
+    files["training.parallel.layers"].append(Import(902, "training.models.blocks", None, False))
+    assert [v for v in layer_violations(files) if v not in before] == [
+        "training.data.loader:901: training.data.loader -> training.probe_helper (layer 'data/tasks' may not import "
+        "layer 'tools/entry points' through training.probe_helper -> training.tools.reshard)",
+        "training.models.gpt2:900: training.models.gpt2 -> training.trainer (layer 'models' may not import "
+        "layer 'trainer')",
+        "training.parallel.layers:902: training.parallel.layers -> training.models.blocks (layer 'parallel' may "
+        "not import layer 'models')",
+    ]
+    # a layer may import its own layer and the ones below; a layerless module importing nothing stands at -1
+    assert layer_heights({"training.config": [], "training.tasks.gpt": [Import(1, "training.data.loader", None, False)],
+                          "training.data.loader": [Import(1, "training.config", None, False)]}) == {
+        "training.config": (-1, ["training.config"]), "training.data.loader": (2, ["training.data.loader"]),
+        "training.tasks.gpt": (2, ["training.tasks.gpt"])}
+
+
+# --- the folders at the top and the test tiers -----------------------------------------------------------------
+def _ignored_folders(root: Path) -> list[str]:
+    """The folder patterns of ``root``/.gitignore (``name/`` lines), as fnmatch patterns."""
+    gi = root / ".gitignore"
+    lines = gi.read_text(encoding="utf-8").splitlines() if gi.is_file() else []
+    return [line.strip().strip("/") for line in lines if line.strip().endswith("/") and not line.startswith("#")]
+
+
+def unknown_top_level(root: Path) -> list[str]:
+    """Folders at the top of ``root`` that TOP_LEVEL does not know (hidden and .gitignore'd ones left out)."""
+    from fnmatch import fnmatch
+
+    ignored = _ignored_folders(root) + ["__pycache__"]
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")
+                  and not any(fnmatch(p.name, pat) for pat in ignored) and p.name not in TOP_LEVEL)
+
+
+def misplaced_tests(tests: Path) -> list[str]:
+    """What sits in the wrong place under ``tests``: a module directly in it other than conftest/__init__, a
+    test module outside the tier folders, a folder that is no tier and not the helpers; each with where it goes."""
+    tiers = ", ".join(f"tests/{t}/ ({what})" for t, what in TEST_TIERS.items())
+    bad = []
+    for p in sorted(tests.iterdir()):
+        if p.is_file() and p.suffix == ".py" and p.name not in ("conftest.py", "__init__.py"):
+            where = f"one of {tiers}" if p.name.startswith("test_") else f"tests/{TEST_HELPERS}/ (shared helpers)"
+            bad.append(f"tests/{p.name}: move it to {where}")
+        elif p.is_dir() and p.name not in (*TEST_TIERS, TEST_HELPERS, "__pycache__") and not p.name.startswith("."):
+            bad.append(f"tests/{p.name}/: not a tier; test modules go to one of {tiers}")
+    for p in sorted((tests / TEST_HELPERS).glob("test_*.py")):
+        bad.append(f"tests/{TEST_HELPERS}/{p.name}: a test module; move it to one of {tiers}")
+    return bad
+
+
+def test_no_unknown_top_level_folder():
+    """A new top-level folder is a new room: name it in TOP_LEVEL (and SCANNED/RULES when it holds Python)."""
+    new = unknown_top_level(ROOT)
+    assert not new, (f"top-level folders this test does not know: {new}; add each to TOP_LEVEL in "
+                     "tests/unit/test_architecture.py (and SCANNED/RULES if it holds Python) and to docs/architecture.md")
+    python_rooms = {name for name in TOP_LEVEL if (ROOT / name).is_dir() and next((ROOT / name).rglob("*.py"), None)}
+    assert python_rooms - {"tests"} <= set(SCANNED), python_rooms - {"tests"} - set(SCANNED)
+
+
+def test_tests_sit_in_their_tiers():
+    bad = misplaced_tests(ROOT / "tests")
+    if bad:
+        pytest.fail("tests outside their tiers (README, 'Run the tests'):\n" + "\n".join(bad), pytrace=False)
+
+
+def test_no_test_module_imports_another():
+    """Shared fixtures go to tests/conftest.py, shared helpers to tests/helpers/."""
+    bad = [f"{p.relative_to(ROOT)}:{r.line}: {r.module}" for p in sorted((ROOT / "tests").rglob("*.py"))
+           for r in import_records(p) if r.module.rpartition(".")[2].startswith("test_")
+           or (r.name or "").startswith("test_")]
+    assert not bad, "test modules importing other test modules (move the shared part to tests/helpers/):\n" + "\n".join(bad)
+
+
+def process_starters(source: str) -> list[str]:
+    """The names of UNIT_FORBIDDEN that ``source`` uses as code (names, ``a.b`` attributes, imported modules);
+    strings and comments do not count."""
+    used: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            used.add(node.attr)
+            if isinstance(node.value, ast.Name):
+                used.add(f"{node.value.id}.{node.attr}")
+        elif isinstance(node, ast.Import):
+            used.update(part for a in node.names for part in a.name.split("."))
+        elif isinstance(node, ast.ImportFrom):
+            used.update((node.module or "").split(".") + [a.name for a in node.names])
+    return [w for w in UNIT_FORBIDDEN if w in used]
+
+
+def test_unit_tier_starts_no_process():
+    """A unit-tier file uses none of UNIT_FORBIDDEN; one that needs them belongs in tests/parallel or tests/e2e."""
+    bad = [f"tests/unit/{p.name}: {', '.join(words)}" for p in sorted((ROOT / "tests" / "unit").glob("*.py"))
+           if (words := process_starters(p.read_text(encoding="utf-8")))]
+    assert not bad, "unit-tier files that start processes (move them to tests/parallel or tests/e2e):\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_misplaced_folders_and_tests(tmp_path):
+    """Planted in a temporary copy of the top of the repository and of tests/."""
+    for name in (*TOP_LEVEL, ".ci", "runs", "build", "x.egg-info"):
+        (tmp_path / name).mkdir()
+    (tmp_path / ".gitignore").write_text((ROOT / ".gitignore").read_text())
+    assert unknown_top_level(tmp_path) == []
+    (tmp_path / "tools").mkdir()
+    assert unknown_top_level(tmp_path) == ["tools"]
+    tests = tmp_path / "tests"
+    for d in (*TEST_TIERS, TEST_HELPERS):
+        (tests / d).mkdir()
+    for f in ("conftest.py", "__init__.py", "unit/test_a.py", "helpers/training_runs.py"):
+        (tests / f).write_text("")
+    assert misplaced_tests(tests) == []
+    for f in ("test_new.py", "support.py", "helpers/test_b.py"):
+        (tests / f).write_text("")
+    (tests / "integration").mkdir()
+    got = misplaced_tests(tests)
+    assert [g.split(":")[0] for g in got] == ["tests/integration/", "tests/support.py", "tests/test_new.py",
+                                              "tests/helpers/test_b.py"]
+    assert "tests/unit/ (starts no process" in got[2] and "tests/e2e/" in got[2] and "tests/helpers/" in got[1]
+    probe = ROOT / "tests" / "parallel" / "test_probe.py"
+    recs = import_records(probe, "from tests.unit.test_gpt_dataset import x\nfrom tests.helpers import corpora\n"
+                                 "from tests.e2e import test_training\n")
+    assert [r.module for r in recs if r.module.rpartition(".")[2].startswith("test_")] == [
+        "tests.unit.test_gpt_dataset", "tests.e2e.test_training"]
+    src = ("import subprocess, sys\nfrom tests.helpers.distributed import run_distributed\n"
+           "import torch.multiprocessing as mp\ndef f():\n    subprocess.Popen([sys.executable, '-c', 'pass'])\n"
+           "    return free_port()  # Popen in a comment, 'run_distributed' in a string\n")
+    assert process_starters(src) == list(UNIT_FORBIDDEN)
+    assert process_starters('"""run_distributed, sys.executable"""\nimport subprocess\nsubprocess.run(["git"])\n') == []
+
+
+if __name__ == "__main__":  # python -m tests.unit.test_architecture: the counts of issue 32
+    for key, value in counts().items():
+        print(f"{key}: {value}")

@@ -1,0 +1,115 @@
+"""The ingest workers' word index: the filter's ids from it equal the tokenizer's ``encode_flat`` of the texts,
+the training counts from it equal ``count_training_words`` of the texts, and a build without it (an older
+ingest) gives the same files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_pipeline.words import GPT2_WHITESPACE, SPM_IDENTITY, WordIndex, encode_indexed, training_counts
+from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer
+from data_pipeline.tokenizer_train import count_training_words, train_sentencepiece
+
+DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "corpus"
+GPT2 = DATA.parent / "tokenizers" / "gpt2"
+
+BUILT = ["the cat sat on the mat", "  two leading spaces", "trailing spaces  ", "double  space", "a\n\nb c\nd",
+         "line one \nline two", "line\n three", "tab\tinside words", "nbsp\u00a0and\u3000wide", "meta\u2581symbol a",
+         "x" * 300 + " y", "é" * 200 + "\nshort", "東京 大阪 京都", "\nstarts with a break", "ends with a break\n",
+         "emoji 😀 and ligature ﬁ", "a", " ", "cr\rinside", "separators \x1c\x1f here", "one\n \ntwo",
+         "x\nx\nx y\ny", "same\nsame same\nsame"]
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    out = list(BUILT)
+    for name in ("botchan.txt", "tinyshakespeare.txt"):
+        if (DATA / name).is_file():
+            raw = (DATA / name).read_text(encoding="utf-8")
+            out += [raw[i:i + 3000] for i in range(0, 300000, 3000)]  # raw: runs of spaces, blank lines
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(texts: list[str], tmp_path_factory: pytest.TempPathFactory) -> SentencePieceTokenizer:
+    tok = train_sentencepiece(texts, tmp_path_factory.mktemp("spm") / "gpt", 1200, seed=1)
+    assert tok.word_cache.mode == "identity"
+    return tok
+
+
+def _check_indexed(index: WordIndex, texts: list[str], want: tuple[np.ndarray, np.ndarray], fresh) -> None:
+    for cache_limit in (fresh.word_cache.cache_limit, 50):  # 50: the cache is reset between shards
+        fresh.word_cache.cache_limit = cache_limit
+        for _ in range(2):  # cold, then warm
+            ids, n = encode_indexed(fresh.word_cache, index, texts.__getitem__)
+            np.testing.assert_array_equal(n, want[1])
+            np.testing.assert_array_equal(ids, want[0])
+
+
+def test_indexed_ids_equal_encode_flat(texts: list[str], tok: SentencePieceTokenizer) -> None:
+    index = WordIndex.build(texts, SPM_IDENTITY)
+    assert tok.word_cache.split_name == SPM_IDENTITY and not index.whole.any()
+    _check_indexed(index, texts, tok.encode_flat(texts), SentencePieceTokenizer(tok.model_file))  # a cold cache
+    assert index.raw_ids.dtype == np.uint16 and len(index.raw_n) == len(texts)
+
+
+def test_indexed_ids_equal_encode_flat_gpt2(texts: list[str]) -> None:
+    if not (GPT2 / "gpt2-vocab.json").is_file():
+        pytest.skip(f"GPT-2 files absent under {GPT2}")
+    tok = GPT2BPETokenizer(GPT2 / "gpt2-vocab.json", GPT2 / "gpt2-merges.txt")
+    index = WordIndex.build(texts, GPT2_WHITESPACE)
+    assert tok.word_cache.split_name == GPT2_WHITESPACE
+    assert index.whole.sum() == 1  # the \x1c-\x1f text goes to the library whole, spliced in at its place
+    _check_indexed(index, texts, tok.encode_flat(texts), GPT2BPETokenizer(GPT2 / "gpt2-vocab.json",
+                                                                       GPT2 / "gpt2-merges.txt"))
+
+
+def test_index_training_counts_equal_counting_the_texts(texts: list[str]) -> None:
+    clean = [t for t in texts if "\t" not in t and "\u2581" not in t]
+    for max_len in (4192, 200):  # 200: lines cut by training are counted from the text
+        got = training_counts(WordIndex.build(clean, SPM_IDENTITY), clean, max_len)
+        want = count_training_words(clean, max_len)
+        assert got is not None and want is not None
+        assert got.words == want.words and (got.docs, got.lines) == (want.docs, want.lines)
+    assert training_counts(WordIndex.build(texts, SPM_IDENTITY), texts) is None  # a tab: as the direct route
+    with pytest.raises(ValueError, match="training counts come from"):
+        training_counts(WordIndex.build(clean, GPT2_WHITESPACE), clean)
+
+
+def test_index_save_load(tmp_path: Path, texts: list[str]) -> None:
+    index = WordIndex.build(texts, GPT2_WHITESPACE)
+    assert WordIndex.load(tmp_path, 3) is None
+    index.save(tmp_path, 3)
+    back = WordIndex.load(tmp_path, 3)
+    assert back is not None and (back.split, back.raw, back.spaced) == (GPT2_WHITESPACE, index.raw, index.spaced)
+    for f in ("raw_ids", "raw_n", "spaced_ids", "spaced_n", "whole"):
+        np.testing.assert_array_equal(getattr(back, f), getattr(index, f))
+
+
+@pytest.mark.parametrize("tokenizer", ["sentencepiece", "gpt2"])
+def test_filter_without_index_gives_the_same_files(tmp_path: Path, texts: list[str], tokenizer: str) -> None:
+    import json
+
+    from data_pipeline.config import config_from_dict
+    from data_pipeline.stages import run_stage, work_dir
+
+    if tokenizer == "gpt2" and not (GPT2 / "gpt2-vocab.json").is_file():
+        pytest.skip(f"GPT-2 files absent under {GPT2}")
+    tok_cfg = {"vocab_size": 600, "num_threads": 2} if tokenizer == "sentencepiece" else \
+        {"type": "gpt2", "vocab_file": str(GPT2 / "gpt2-vocab.json"), "merges_file": str(GPT2 / "gpt2-merges.txt")}
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"text": t + " filler" * 150}) + "\n" for t in texts[:120]))
+    cfg = config_from_dict({"output_dir": str(tmp_path / "out"), "sources": [{"type": "jsonl", "path": str(inp)}],
+                            "workers": 2, "shard_size": 30, "progress": False, "tokenizer": tok_cfg})
+    for stage in ("ingest", "tokenizer", "filter"):
+        run_stage(cfg, stage)
+    flt = work_dir(cfg, "filter")
+    first = {p.name: p.read_bytes() for p in sorted(flt.glob("docs-*")) if not p.name.endswith(".done.json")}
+    assert any(n.endswith(".tok.npy") for n in first) and len(list(work_dir(cfg, "ingest").glob("*.wix.npz"))) == 4
+    for p in work_dir(cfg, "ingest").glob("*.wix.npz"):
+        p.unlink()  # an ingest from before the index: the filter encodes the texts
+    run_stage(cfg, "filter")
+    again = {p.name: p.read_bytes() for p in sorted(flt.glob("docs-*")) if not p.name.endswith(".done.json")}
+    assert again == first
