@@ -318,6 +318,17 @@ def test_no_private_names_across_modules():
         pytest.fail("private names imported from another module:\n" + "\n".join(bad), pytrace=False)
 
 
+def test_the_mfu_metric_loads_only_the_planners_accounting():
+    """``training.metrics`` (the trainer's MFU) imports ``training.plan.accounting``, not the planner's CLI,
+    report or time model: the ``training.plan`` package loads its submodules on first use."""
+    import subprocess
+
+    code = ("import sys, training.metrics; "
+            "print(sorted(m for m in sys.modules if m.startswith('training.plan')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['training.plan', 'training.plan.accounting']", out
+
+
 if __name__ == "__main__":  # python -m tests.test_architecture: the counts of issue 32
     for key, value in counts().items():
         print(f"{key}: {value}")
