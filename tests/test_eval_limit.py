@@ -1,4 +1,4 @@
-"""``python -m evaluation ... --limit N``: the WikiText cut equals the main job (megatron_ds_suite.main_job)'s first-N-lines file
+"""``python -m evaluation ... --limit N``: the WikiText cut equals the main job (megatron_ds_suite.app.main_job)'s first-N-lines file
 (byte for byte, on the real file and on odd line endings); N < 1 is a one-line error before any model.
 
 Scoring with ``--limit`` against scoring main_job's cut file is checked end to end with a real checkpoint in
@@ -19,8 +19,8 @@ WT = ROOT / ".." / "shared" / "data" / "eval" / "wikitext-103" / "wiki.test.toke
 
 
 def main_job_cut(src: Path, limit: int, run: Path, kind: str = "wikitext") -> Path:
-    """The file the main job (megatron_ds_suite.main_job) evaluates for ``eval.<task>.limit_lines/limit = limit`` (its own code)."""
-    from megatron_ds_suite.main_job.job import MainJob
+    """The file the main job (megatron_ds_suite.app.main_job) evaluates for ``eval.<task>.limit_lines/limit = limit`` (its own code)."""
+    from megatron_ds_suite.app.main_job.job import MainJob
 
     path, ident, source = MainJob._eval_input(SimpleNamespace(run=run), "wikitext103", str(src), None,
                                                        "test", limit, kind)
