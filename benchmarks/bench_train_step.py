@@ -27,11 +27,16 @@ import logging
 import os
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 from benchmarks import common
 
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+    from training.parallel.state import ParallelState
 
 log = logging.getLogger("bench_train_step")
 
@@ -120,7 +125,8 @@ def project_config(args):
 class Runner:
     """One model under its own DeepSpeed engine; ``step()`` = forward, backward, optimizer step."""
 
-    def __init__(self, name: str, engine, model, loss_fn, tokens, labels, clip: float, mpu=None):
+    def __init__(self, name: str, engine: DeepSpeedEngine, model, loss_fn, tokens, labels, clip: float,
+                 mpu: ParallelState | None = None):
         self.name, self.engine, self.model, self.loss_fn = name, engine, model, loss_fn
         self.tokens, self.labels, self.clip, self.mpu = tokens, labels, clip, mpu
         self.static_bytes = 0  # GPU memory the engine holds between steps (weights, grads, optimizer state)
@@ -217,7 +223,7 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
     tp_random.configure(ps, cfg.model.num_layers)
     tp_random.set_seed(cfg.train.seed)
 
-    def engine(model, mpu=None, backward_allreduce=False, o1_step=True):
+    def engine(model, mpu: ParallelState | None = None, backward_allreduce=False, o1_step=True):
         opt, sched = tied_safe_optimizer(model, cfg.optimizer, cfg.train.iters, fused=True, adam=args.adam)
         eng, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=mpu, config=dict(ds),
                                        dist_init_required=False)

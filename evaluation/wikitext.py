@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 def first_lines(text: str, n: int) -> str:
     """The first ``n`` lines of ``text`` as iterating over the file in text mode yields them (universal
     newlines: ``\r\n`` and ``\r`` read as ``\n``; only those end a line), i.e. exactly the file
-    the main job (``python -m megatron_ds_suite.main_job``) cuts for ``eval.wikitext103.limit_lines`` (``--limit``)."""
+    the main job (``python -m megatron_ds_suite.app.main_job``) cuts for ``eval.wikitext103.limit_lines`` (``--limit``)."""
     if n < 1:
         raise EvalError(f"--limit must be >= 1, got {n}")
     return "".join(itertools.islice(io.StringIO(text, newline=None), n))

@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 VENV=${VENV:-.venv}
-exec "$VENV/bin/python" -m megatron_ds_suite.main_job "$@"
+exec "$VENV/bin/python" -m megatron_ds_suite.app.main_job "$@"

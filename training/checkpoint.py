@@ -10,6 +10,11 @@ What a resume restores is one object, :class:`TrainState` (counters and RNG stre
 client state describes the model (config, padded vocabulary, tokenizer, partition tags, layout) so that
 :mod:`training.checkpoint_reader` (evaluation, export; re-exported here) can read it without an engine.
 
+:func:`save` and :func:`load` take their parts explicitly (as torchtitan's checkpointer does): the
+DeepSpeed engine, the model, the :class:`TrainState`, the :class:`~training.parallel.state.ParallelState`
+and a :class:`ModelDescription` (the frozen config, dtype, padded vocabulary and tokenizer); never the
+trainer, so the tools (``training.tools.reshard``) and the tasks' hooks save with the same call.
+
 Every file is read with ``weights_only=True`` (``training.safe_load``): the client state holds only
 tensors and plain data, so the numpy RNG state is stored as a list rather than an ndarray.
 ``latest`` must name a tag directory inside the run's checkpoints/ folder.
@@ -20,6 +25,7 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,9 +34,15 @@ from training import safe_load
 from training.checkpoint_reader import (  # noqa: F401 - re-exported: callers import them from here
     LATEST, canonical_name, check_tag, checkpoint_dir, latest_tag, load_merged_state_dict,
     load_model_for_eval, read_client_state)
-from training.config import ConfigError
+from training.config import Config, ConfigError
 from training.safe_load import CheckpointError
 from megatron_ds_suite.core import atomic
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+    from megatron_ds_suite.core.tokenizer_base import Tokenizer
+    from training.parallel.state import ParallelState
 
 logger = logging.getLogger("training")
 
@@ -73,26 +85,48 @@ class TrainState:
         tp_random.set_rng_state(_decode_rng(client["rng"]))
 
 
+@dataclass(frozen=True)
+class ModelDescription:
+    """What a checkpoint records about the model besides its tensors: the resolved (frozen) config, the
+    training dtype, the padded vocabulary and the tokenizer (its files are copied into the run directory)."""
+
+    cfg: Config
+    dtype: str
+    padded_vocab: int
+    tokenizer: Tokenizer
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.run.dir)
+
+    @property
+    def pipeline_layers(self) -> int | None:
+        """The layer count that maps pipeline-stage names back to GPT2Model names; None without PP."""
+        return self.cfg.model.num_layers if self.cfg.parallel.pipeline > 1 else None
+
+
 def _tag(p) -> tuple[int, int] | None:
     return (p.partition_dim, getattr(p, "partition_stride", 1)) if getattr(p, "tensor_model_parallel", False) else None
 
 
-def canonical_names(trainer) -> dict[str, str]:
-    """This rank's parameter names -> GPT2Model names (both tied embedding copies -> embedding.*)."""
-    if not trainer.pipe:
-        return {n: n for n, _ in trainer.model.named_parameters()}
-    return {n: canonical_name(n, trainer.cfg.model.num_layers) for n, _ in trainer.model.named_parameters()}
+def canonical_names(model: torch.nn.Module, pipeline_layers: int | None = None) -> dict[str, str | None]:
+    """This rank's parameter names -> GPT2Model names (both tied embedding copies -> embedding.*);
+    ``pipeline_layers`` is the model's layer count for a pipeline model (None: the names are kept)."""
+    if pipeline_layers is None:
+        return {n: n for n, _ in model.named_parameters()}
+    return {n: canonical_name(n, pipeline_layers) for n, _ in model.named_parameters()}
 
 
-def optimizer_param_names(trainer) -> list[str | None] | None:
+def optimizer_param_names(engine: DeepSpeedEngine, model: torch.nn.Module,
+                          desc: ModelDescription) -> list[str | None] | None:
     """Model-parameter names in the order of the torch optimizer's state (None for pipeline-tied
     copies); None when the optimizer does not hold model parameters (fp16 masters, ZeRO)."""
-    opt = getattr(trainer.engine, "basic_optimizer", None) or trainer.engine.optimizer
-    if not isinstance(opt, torch.optim.Optimizer) or trainer.dtype == "fp16" or trainer.cfg.parallel.zero_stage:
+    opt = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    if not isinstance(opt, torch.optim.Optimizer) or desc.dtype == "fp16" or desc.cfg.parallel.zero_stage:
         return None
-    names = canonical_names(trainer)
+    names = canonical_names(model, desc.pipeline_layers)
     by_id = {id(p): (None if getattr(p, "ds_pipe_replicated", False) else names[n])
-             for n, p in trainer.model.named_parameters()}
+             for n, p in model.named_parameters()}
     return [by_id.get(id(p)) for g in opt.param_groups for p in g["params"]]
 
 
@@ -111,60 +145,62 @@ def partition_tags(model: torch.nn.Module, num_layers: int | None = None, pp_gro
     return {k: v for part in parts for k, v in part.items()}
 
 
-def _tokenizer_spec(trainer) -> dict:
+def _tokenizer_spec(tokenizer: Tokenizer, run_dir: Path, is_rank0: bool) -> dict:
     """Tokenizer files copied into RUN_DIR/tokenizer so a run directory is self-contained; the
     returned spec names them relative to RUN_DIR."""
     from megatron_ds_suite.core.corpus import copy_tokenizer_files
 
-    spec = trainer.task.tokenizer.spec()
-    if trainer.is_rank0:
-        copy_tokenizer_files(spec, trainer.run_dir)
+    spec = tokenizer.spec()
+    if is_rank0:
+        copy_tokenizer_files(spec, run_dir)
     if dist.is_initialized():
         dist.barrier()
     return {k: (f"tokenizer/{Path(v).name}" if k.endswith("_file") else v) for k, v in spec.items()}
 
 
-def save(trainer, config: dict | None = None) -> Path:
-    """Collective: every rank calls it. ``trainer.state`` (a :class:`TrainState`) and the model's description;
-    ``config`` is the config to record (default ``trainer.cfg``; reshard records the source's precision)."""
-    state: TrainState = trainer.state
+def save(engine: DeepSpeedEngine, model: torch.nn.Module, state: TrainState, ps: ParallelState,
+         desc: ModelDescription, config: dict | None = None) -> Path:
+    """Collective: every rank calls it. ``state`` and the model's description (``desc``) into RUN_DIR
+    (``desc.cfg.run.dir``); ``config`` is the config to record (default ``desc.cfg``; reshard records the
+    source's precision)."""
     tag = f"iter_{state.iteration:07d}"
-    root = checkpoint_dir(trainer.run_dir)
+    run_dir, is_rank0 = desc.run_dir, ps.rank == 0
+    root = checkpoint_dir(run_dir)
+    layers = desc.pipeline_layers
     client = {
-        "config": trainer.cfg.to_dict() if config is None else config,
+        "config": desc.cfg.to_dict() if config is None else config,
         **state.to_client(),
-        "padded_vocab_size": trainer.padded_vocab,
-        "tokenizer": _tokenizer_spec(trainer),
-        "partition": (partition_tags(trainer.model, trainer.cfg.model.num_layers, trainer.ps.pp_group)
-                      if trainer.pipe else partition_tags(trainer.model)),
-        "parallel": {"tp": trainer.ps.dims.tp, "pp": trainer.ps.dims.pp, "dp": trainer.ps.dims.dp},
-        "tp_rank": trainer.ps.tp_rank,
-        "pp_rank": trainer.ps.pp_rank,
-        "optimizer_param_names": optimizer_param_names(trainer),
-        "dtype": trainer.dtype,
+        "padded_vocab_size": desc.padded_vocab,
+        "tokenizer": _tokenizer_spec(desc.tokenizer, run_dir, is_rank0),
+        "partition": (partition_tags(model, layers, ps.pp_group) if layers is not None else partition_tags(model)),
+        "parallel": {"tp": ps.dims.tp, "pp": ps.dims.pp, "dp": ps.dims.dp},
+        "tp_rank": ps.tp_rank,
+        "pp_rank": ps.pp_rank,
+        "optimizer_param_names": optimizer_param_names(engine, model, desc),
+        "dtype": desc.dtype,
     }
     try:
-        trainer.engine.save_checkpoint(str(root), tag=tag, client_state=client, save_latest=False)
+        engine.save_checkpoint(str(root), tag=tag, client_state=client, save_latest=False)
     except (OSError, RuntimeError) as e:  # a full disk surfaces from torch.save as RuntimeError (zip writer)
         shutil.rmtree(root / tag, ignore_errors=True)  # no half-written checkpoint; `latest` still names a whole one
         cause = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip().splitlines()[-1]
         raise OSError(getattr(e, "errno", None), f"could not write checkpoint {tag} ({cause})", str(root / tag)) from e
     dist.barrier()
-    if trainer.is_rank0:
+    if is_rank0:
         atomic_write_text(root / LATEST, tag)
         tags = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_"))
-        for old in tags[:-max(trainer.cfg.train.keep_last, 1)]:
+        for old in tags[:-max(desc.cfg.train.keep_last, 1)]:
             shutil.rmtree(root / old, ignore_errors=True)
         logger.info("saved checkpoint %s", root / tag)
     dist.barrier()
     return root / tag
 
 
-def _remove_unfinished(trainer, latest: str | None) -> None:
+def _remove_unfinished(run_dir: Path, is_rank0: bool, latest: str | None) -> None:
     """Checkpoint folders newer than ``latest`` were being written when a run died (killed, out of disk):
     never complete, never named by ``latest``. Rank 0 removes them before training goes on."""
-    root = checkpoint_dir(trainer.run_dir)
-    if trainer.is_rank0 and root.is_dir():
+    root = checkpoint_dir(run_dir)
+    if is_rank0 and root.is_dir():
         for p in sorted(root.glob("iter_*")):
             if p.is_dir() and (latest is None or p.name > latest):
                 logger.warning("removing unfinished checkpoint %s (newer than %s: its save never completed)",
@@ -174,34 +210,35 @@ def _remove_unfinished(trainer, latest: str | None) -> None:
         dist.barrier()
 
 
-def load(trainer) -> bool:
-    """Resume ``trainer.state`` (and the engine) from RUN_DIR's newest checkpoint, if any. Returns True
+def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: ModelDescription) -> bool:
+    """Resume ``state`` (and the engine) from RUN_DIR's newest checkpoint, if any. Returns True
     when it resumed."""
-    tag = latest_tag(trainer.run_dir)
-    _remove_unfinished(trainer, tag)
+    run_dir, is_rank0 = desc.run_dir, ps.rank == 0
+    tag = latest_tag(run_dir)
+    _remove_unfinished(run_dir, is_rank0, tag)
     if tag is None:
         return False
-    meta = read_client_state(trainer.run_dir, tag)
+    meta = read_client_state(run_dir, tag)
     if meta.get("weights_only"):  # written by training.tools.import_hf: no optimizer, schedule or RNG to resume
-        raise ConfigError(f"{trainer.run_dir} holds imported weights only ({meta.get('imported_from')}), not a run "
-                          f"to resume: start a new run from it with train.init_from={trainer.run_dir} and another run.dir")
+        raise ConfigError(f"{run_dir} holds imported weights only ({meta.get('imported_from')}), not a run "
+                          f"to resume: start a new run from it with train.init_from={run_dir} and another run.dir")
     saved_sha = (meta.get("tokenizer") or {}).get("sha256")
-    if saved_sha and saved_sha != trainer.task.tokenizer.file_sha256():
-        raise CheckpointError(f"checkpoint {trainer.run_dir}/checkpoints/{tag} was trained with another tokenizer "
-                              f"(file sha256 {saved_sha} vs now {trainer.task.tokenizer.file_sha256()}): resume with "
+    if saved_sha and saved_sha != desc.tokenizer.file_sha256():
+        raise CheckpointError(f"checkpoint {run_dir}/checkpoints/{tag} was trained with another tokenizer "
+                              f"(file sha256 {saved_sha} vs now {desc.tokenizer.file_sha256()}): resume with "
                               f"the original tokenizer files or start a new run.dir")
     saved = meta["parallel"]
-    if (saved["tp"], saved["pp"]) != (trainer.ps.dims.tp, trainer.ps.dims.pp):
-        raise ConfigError(f"checkpoint {trainer.run_dir}/checkpoints/{tag} was saved with TP={saved['tp']} "
-                          f"PP={saved['pp']} but this run uses TP={trainer.ps.dims.tp} PP={trainer.ps.dims.pp}: "
-                          f"convert it with python -m training.tools.reshard --checkpoint {trainer.run_dir} "
-                          f"--tp {trainer.ps.dims.tp} --pp {trainer.ps.dims.pp} --out NEW_RUN_DIR, or resume with "
+    if (saved["tp"], saved["pp"]) != (ps.dims.tp, ps.dims.pp):
+        raise ConfigError(f"checkpoint {run_dir}/checkpoints/{tag} was saved with TP={saved['tp']} "
+                          f"PP={saved['pp']} but this run uses TP={ps.dims.tp} PP={ps.dims.pp}: "
+                          f"convert it with python -m training.tools.reshard --checkpoint {run_dir} "
+                          f"--tp {ps.dims.tp} --pp {ps.dims.pp} --out NEW_RUN_DIR, or resume with "
                           f"parallel.tensor={saved['tp']} parallel.pipeline={saved['pp']}")
     safe_load.install()  # DeepSpeed's own reads with weights_only=True as well
-    _, client = trainer.engine.load_checkpoint(str(checkpoint_dir(trainer.run_dir)), tag=tag)
+    _, client = engine.load_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
     if client is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {checkpoint_dir(trainer.run_dir)}")
-    trainer.state.restore(client)
-    if trainer.is_rank0:
-        logger.info("resumed from %s at iteration %d", tag, trainer.state.iteration)
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {checkpoint_dir(run_dir)}")
+    state.restore(client)
+    if is_rank0:
+        logger.info("resumed from %s at iteration %d", tag, state.iteration)
     return True

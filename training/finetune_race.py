@@ -107,43 +107,14 @@ def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -
 # --------------------------------------------------------------------------------------------------
 # Fine-tuning run: the trainer with the RACE task
 # --------------------------------------------------------------------------------------------------
-class RaceFinetuner:
-    """``Trainer(cfg)`` with :class:`training.tasks.race.RaceTask`; ``train()`` returns the RACE results
-    (also in RUN_DIR/race_results.json)."""
+def train_race(cfg: Config, meta: dict, run_dir_locked: bool = False) -> dict:
+    """Fine-tune: :func:`training.trainer.resolve_run` with the RACE task, then the trainer. Returns the RACE
+    results (also in RUN_DIR/race_results.json); ``run_dir_locked`` as in :meth:`Trainer.train`."""
+    from training.tasks.race import RaceTask
+    from training.trainer import Trainer, resolve_run
 
-    def __init__(self, cfg: Config, meta: dict):
-        from training.runtime import device as tdev
-        from training.tasks.race import RaceTask
-        from training.trainer import Trainer
-
-        self.cfg, self.meta = cfg, meta
-        self.trainer = Trainer(cfg, lambda c, ps, dp: RaceTask(c, meta, ps, dp))
-        self.task = self.trainer.task
-        self.engine, self.ps, self.dp = self.trainer.engine, self.trainer.ps, self.trainer.dp
-        self.data = self.task.data
-        self.device = tdev.module_device(self.engine)
-
-    def _logits(self, batch: dict):
-        """Choice logits [n, 4] of a host batch (moved to the engine's device)."""
-        from training.tasks.race import choice_logits
-
-        return choice_logits(self.engine, batch)
-
-    def _loss(self, batch: dict):
-        """Cross-entropy of the 4 choices of a host batch."""
-        from training.tasks.race import choice_loss
-
-        return choice_loss(self.engine, batch)
-
-    def accuracy(self, split: str) -> dict:
-        """Accuracy overall and per level of ``split``; each question scored on exactly one DP replica."""
-        from training.tasks.race import dp_accuracy
-
-        return dp_accuracy(self.engine, self.data[split], self.dp, self.ps.dp_rank, self.ps.dp_group,
-                           self.cfg.finetune.eval_batch_size)
-
-    def train(self, run_dir_locked: bool = False) -> dict:
-        return self.trainer.train(run_dir_locked=run_dir_locked)["task"]
+    run = resolve_run(cfg, lambda c, ps, dp: RaceTask(c, meta, ps, dp))
+    return Trainer(run).train(run_dir_locked=run_dir_locked)["task"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     return run_locked(cfg.run.dir, lambda: finetune(cfg, meta, rank))
 
 
-def finetune(cfg, meta, rank: int) -> int:
+def finetune(cfg: Config, meta: dict, rank: int) -> int:
     """The fine-tuning run on every rank, inside the launch skeleton (process group up, run directory claimed)."""
-    res = RaceFinetuner(cfg, meta).train(run_dir_locked=True)
+    res = train_race(cfg, meta, run_dir_locked=True)
     if rank == 0:
         b = res["best"]
         print(f"\nRACE fine-tuning: best epoch {res['best_epoch']} | " +

@@ -8,6 +8,10 @@ everything else (sequence length up to its positions, dropout, batch, optimizer,
 run's config. Once this run has saved a checkpoint of its own, resuming from it wins and
 ``init_from`` is no longer read.
 
+Both halves run before the engine exists and take explicit parts, never the trainer:
+:func:`adopt_model_config` is part of resolving the config (:func:`training.trainer.resolve_run`, before
+the config is frozen) and :func:`load_weights` fills a built model (its parallel state and a
+:class:`~training.checkpoint.ModelDescription` say which shards and vocabulary padding).
 RACE fine-tuning (:mod:`training.finetune_race`) loads its pretrained encoder through the same
 :func:`local_weights`.
 """
@@ -16,10 +20,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from training.config import Config, ConfigError, ModelConfig, validate_static
+
+if TYPE_CHECKING:
+    from training.checkpoint import ModelDescription
+    from training.parallel.state import ParallelState
 
 logger = logging.getLogger("training")
 
@@ -68,7 +77,8 @@ def _source_meta(run_dir: str) -> dict:
 
 
 def adopt_model_config(cfg: Config) -> None:
-    """Copy the source checkpoint's model shape into ``cfg.model`` (no-op without ``train.init_from``)."""
+    """Copy the source checkpoint's model shape into ``cfg.model`` (no-op without ``train.init_from``).
+    One step of :func:`training.trainer.resolve_run`, before the config is frozen."""
     src = cfg.train.init_from
     if not src:
         return
@@ -98,35 +108,34 @@ def adopt_model_config(cfg: Config) -> None:
         logger.info("train.init_from=%s: model shape from the checkpoint (%s)", src, ", ".join(changed))
 
 
-def load_weights(trainer) -> bool:
-    """Load ``train.init_from``'s weights into ``trainer.model`` (this rank's TP shards, before the
-    DeepSpeed engine exists). Skipped when the run resumes from its own checkpoint. Returns True if
-    weights were loaded."""
+def load_weights(model: torch.nn.Module, desc: ModelDescription, ps: ParallelState) -> bool:
+    """Load ``train.init_from``'s weights into ``model`` (this rank's TP shards, before the DeepSpeed engine
+    exists). Skipped when the run resumes from its own checkpoint. Returns True if weights were loaded."""
     from training import checkpoint as ckpt
 
-    cfg = trainer.cfg
+    cfg = desc.cfg
     src = cfg.train.init_from
-    if not src or ckpt.latest_tag(trainer.run_dir) is not None:
+    if not src or ckpt.latest_tag(desc.run_dir) is not None:
         return False
     state, src_cfg, meta = ckpt.load_merged_state_dict(src)
-    tok = trainer.task.tokenizer
+    tok = desc.tokenizer
     if src_cfg.model.vocab_size is not None and src_cfg.model.vocab_size != tok.vocab_size:
         raise ConfigError(f"train.init_from={src} was trained with a {src_cfg.model.vocab_size}-id tokenizer but this "
                           f"run's data uses {tok.vocab_size} ids ({tok.kind}): train on data tokenized with the "
                           f"checkpoint's tokenizer ({meta['tokenizer'].get('kind')})")
-    ps = trainer.ps
-    if cfg.parallel.pipeline > 1:
-        canonical = lambda n: ckpt.canonical_name(n, cfg.model.num_layers)  # noqa: E731
+    layers = desc.pipeline_layers
+    if layers is not None:
+        canonical = lambda n: ckpt.canonical_name(n, layers)  # noqa: E731
     else:
         canonical = lambda n: n  # noqa: E731
-    params = list(trainer.model.named_parameters())
-    local = local_weights(params, state, trainer.padded_vocab, ps.tp_rank, ps.dims.tp, canonical)
+    params = list(model.named_parameters())
+    local = local_weights(params, state, desc.padded_vocab, ps.tp_rank, ps.dims.tp, canonical)
     with torch.no_grad():
         for name, p in params:
             if name in local:
                 p.copy_(local[name])
     fresh = [n for n, _ in params if n not in local]
-    if trainer.is_rank0:
+    if ps.rank == 0:
         logger.info("initialised %d of %d parameter tensors from %s%s", len(local), len(params), src,
                     f"; fresh: {', '.join(fresh)}" if fresh else "")
     return True

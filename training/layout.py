@@ -1,8 +1,11 @@
-"""The run layout: every value derived from the config and the world size, in one pure function.
+"""The one parallel layout (TP x PP x DP and the batch), and the run's, derived from the config in one function.
 
-``derive_layout(cfg, world_size)`` runs before any process group exists (the launchers call it with
-``WORLD_SIZE`` to fail fast with a one-line config error) and again inside the trainer; nothing else
-recomputes the data-parallel size, the gradient accumulation or the padded vocabulary.
+:class:`Layout` is what both the trainer and the planner (:mod:`training.plan`) reason about; its own rules
+(degrees >= 1, the global batch split into micro-batches over DP) live in :meth:`Layout.check`, the only
+validator of them. ``derive_layout(cfg, world_size)`` runs before any process group exists (the launchers
+call it with ``WORLD_SIZE`` to fail fast with a one-line config error) and once more when the run is
+resolved (:func:`training.trainer.resolve_run`, with the tokenizer's vocabulary); nothing else recomputes the
+data-parallel size, the gradient accumulation or the padded vocabulary.
 
     DP  = world / (TP x PP)
     gas = global_batch / (micro_batch x DP)       (micro-batches per step on each DP rank)
@@ -20,19 +23,56 @@ from training.config import Config, ConfigError, grad_accumulation, padded_vocab
 
 @dataclass(frozen=True)
 class Layout:
-    world_size: int
-    tp: int
-    pp: int
-    dp: int
-    micro_batch_size: int
-    global_batch_size: int
-    grad_accumulation: int  # micro-batches of one step on each DP rank
-    padded_vocab: int | None  # None while the vocabulary size is unknown (taken from the tokenizer later)
+    """TP x PP x DP ranks and the batch of one optimizer step (the planner's defaults: one 8-GPU node)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 8  # samples per micro-batch on one rank
+    global_batch: int = 8  # samples per optimizer step over all DP replicas
+    gpus_per_node: int = 8  # where TP/DP traffic leaves the node (the planner's time model)
+    padded_vocab: int | None = None  # None while the vocabulary size is unknown (the planner never needs it)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def world(self) -> int:
+        return self.world_size
+
+    @property
+    def grad_accumulation(self) -> int:
+        """m: micro-batches of one step on each DP rank (raises ConfigError when the global batch does not split)."""
+        return grad_accumulation(self.global_batch, self.micro_batch, self.dp)
+
+    @property
+    def num_micro(self) -> int:
+        """The planner's name for :attr:`grad_accumulation` (m in its formulas)."""
+        return self.grad_accumulation
 
     @property
     def micro_batches_per_step(self) -> int:
         """Micro-batches of one optimizer step over all DP replicas (global batch / micro batch)."""
         return self.grad_accumulation * self.dp
+
+    def check(self, flags: bool = False) -> None:
+        """One-line ConfigError when the layout itself is impossible: a degree or batch size below 1, or a
+        global batch that micro-batches over DP do not fill. ``flags``: name the planner's command-line
+        flags (``--tp``) instead of the config keys."""
+        names = ({"tp": "--tp", "pp": "--pp", "dp": "--dp", "micro_batch": "micro batch",
+                  "global_batch": "global batch", "gpus_per_node": "gpus per node"} if flags else
+                 {"tp": "parallel.tensor", "pp": "parallel.pipeline", "dp": "data-parallel size",
+                  "micro_batch": "train.micro_batch_size", "global_batch": "train.global_batch_size",
+                  "gpus_per_node": "gpus per node"})
+        for field, name in names.items():
+            if getattr(self, field) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, field)}")
+        if self.global_batch % (self.micro_batch * self.dp):
+            if flags:
+                raise ConfigError(f"global batch {self.global_batch} is not divisible by micro batch x DP = "
+                                  f"{self.micro_batch} x {self.dp}: change train.global_batch_size or --dp")
+            grad_accumulation(self.global_batch, self.micro_batch, self.dp)  # raises the config keys' error
 
 
 def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -> Layout:
@@ -43,13 +83,13 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -
     if world_size % mp:
         raise ConfigError(f"world size {world_size} is not divisible by TP x PP = {tp} x "
                           f"{pp}: launch a multiple of {mp} processes or change parallel.*")
-    dp = world_size // mp
     t = cfg.train
-    gas = grad_accumulation(t.global_batch_size, t.micro_batch_size, dp)
     vocab = vocab_size or cfg.model.vocab_size
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp) if vocab else None
-    return Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, micro_batch_size=t.micro_batch_size,
-                  global_batch_size=t.global_batch_size, grad_accumulation=gas, padded_vocab=padded)
+    lay = Layout(tp=tp, pp=pp, dp=world_size // mp, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
+                 padded_vocab=padded)
+    lay.check()
+    return lay
 
 
 def check_world(cfg: Config, world_size: int) -> int:

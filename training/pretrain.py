@@ -18,7 +18,7 @@ import sys
 
 from training.cli import launcher_parser, report_error, setup_rank_logging
 from megatron_ds_suite.core.errors import SuiteError
-from training.config import load_config
+from training.config import Config, load_config
 from training.layout import derive_layout
 from training.runtime.launch import run_locked
 
@@ -35,12 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     return run_locked(cfg.run.dir, lambda: train(cfg))
 
 
-def train(cfg) -> int:
-    """The run itself, on every rank, inside the launch skeleton (process group up, run directory claimed)."""
-    from training.trainer import Trainer, TrainingAborted
+def train(cfg: Config) -> int:
+    """The run itself, on every rank, inside the launch skeleton (process group up, run directory claimed):
+    the config resolved and frozen (:func:`training.trainer.resolve_run`), then the trainer built from it."""
+    from training.trainer import Trainer, TrainingAborted, resolve_run
 
     try:
-        Trainer(cfg).train(run_dir_locked=True)  # the same on every rank: train() takes no lock of its own
+        Trainer(resolve_run(cfg)).train(run_dir_locked=True)  # the same on every rank: train() takes no lock of its own
     except TrainingAborted as e:
         print(f"training aborted: {e}", file=sys.stderr)
         return 3

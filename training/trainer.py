@@ -1,11 +1,18 @@
 """The training loop under DeepSpeed: engine set-up, steps, overflow handling, validation, checkpoints.
 
-``Trainer(cfg)`` expects torch.distributed initialised through ``deepspeed.init_distributed``; it builds
-the parallel groups, seeds, data, model and engine. What is trained is a task
-(:class:`training.tasks.protocol.Task`: GPT-2, BERT, RACE); the layout comes from
-:func:`training.layout.derive_layout` and the resumable counters live in ``trainer.state``
-(:class:`training.checkpoint.TrainState`). ``train()`` runs to ``train.iters``. Tests drive
-the same object directly (e.g. to inject an fp16 overflow with a gradient hook).
+Two steps, both expecting torch.distributed initialised through ``deepspeed.init_distributed``:
+
+1. :func:`resolve_run` is the one place the loaded config still changes: the parallel groups and RNG
+   streams are set up, ``train.init_from``'s model shape adopted, the task (:class:`training.tasks.protocol.Task`:
+   GPT-2, BERT, RACE) built, the vocabulary size taken from its tokenizer, ``activation_checkpointing: auto``
+   decided and the layout derived (once, :func:`training.layout.derive_layout`); then the config is frozen.
+2. ``Trainer(run)`` builds data, model and engine from that :class:`ResolvedRun` and never writes the
+   config. ``Trainer(cfg)`` is short for ``Trainer(resolve_run(cfg))``.
+
+The resumable counters live in ``trainer.state`` (:class:`training.checkpoint.TrainState`); checkpoints,
+``init_from`` and the task's hooks get explicit parts (engine, model, state, parallel state, a
+:class:`training.checkpoint.ModelDescription`), never the trainer. ``train()`` runs to ``train.iters``.
+Tests drive the same object directly (e.g. to inject an fp16 overflow with a gradient hook).
 """
 from __future__ import annotations
 
@@ -14,8 +21,9 @@ import os
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeAlias
 
 import deepspeed
 import torch
@@ -39,6 +47,7 @@ from training.optim import build_optimizer
 from training.parallel import random as tp_random
 from training.parallel.state import ParallelState
 from training.plan import recompute
+from training.plan.recompute import RecomputeChoice
 from training.tasks.gpt import make_task
 from training.tasks.protocol import Task, batch_to_device
 from megatron_ds_suite.core.config import freeze
@@ -46,7 +55,7 @@ from megatron_ds_suite.core.config import freeze
 logger = logging.getLogger("training")
 
 
-def count_parameters(model, ps) -> int:
+def count_parameters(model: torch.nn.Module, ps: ParallelState) -> int:
     """Parameters of the whole model over all TP and PP ranks, tied copies counted once (a collective
     under PP: the count is summed over the stages on the model's device, as NCCL requires)."""
     n = sum(p.numel() * (ps.dims.tp if getattr(p, "tensor_model_parallel", False) else 1)
@@ -57,12 +66,10 @@ def count_parameters(model, ps) -> int:
     return int(t)
 
 
-def start_process(cfg: Config):
-    """Per-process start-up shared by every training entry point: layout check, dtype, CPU threads,
-    process groups, then the RNG streams (DeepSpeed's tracker configured before any seeding).
-    Returns (world, dp, dtype, ParallelState, is_rank0)."""
-    world = dist.get_world_size()
-    dp = derive_layout(cfg, world).dp
+def start_process(cfg: Config) -> tuple[str, ParallelState]:
+    """Per-process start-up shared by every training entry point: dtype, CPU threads, process groups
+    (which check the world size against TP x PP), then the RNG streams (DeepSpeed's tracker configured
+    before any seeding). Returns (dtype, ParallelState)."""
     on_gpu = tdev.local_device().type == "cuda"  # the accelerator DeepSpeed will use, not just torch's view
     dtype = resolve_dtype(cfg, on_gpu)
     if dtype == "fp16" and not on_gpu:
@@ -74,7 +81,66 @@ def start_process(cfg: Config):
     ps = ParallelState(tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline)
     tp_random.configure(ps, cfg.model.num_layers)  # before any seeding
     tp_random.set_seed(cfg.train.seed)
-    return world, dp, dtype, ps, dist.get_rank() == 0
+    return dtype, ps
+
+
+TaskFactory: TypeAlias = Callable[[Config, ParallelState, int], Task]
+"""``(cfg, parallel state, DP size) -> Task``; the default picks GPT-2 or BERT by ``model.arch``."""
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A config resolved for this process group and frozen, with what resolving it needed to build."""
+
+    cfg: Config  # frozen: model shape adopted, vocabulary set, recomputation decided
+    layout: Layout  # derived once, with the padded vocabulary
+    ps: ParallelState
+    dtype: str  # fp32 / fp16 / bf16
+    task: Task  # its tokenizer set the vocabulary; RACE's data set train.iters
+    recompute_choice: RecomputeChoice | None  # the planner's decision for activation_checkpointing: auto
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.ps.rank == 0
+
+
+def resolve_run(cfg: Config, task_factory: TaskFactory | None = None) -> ResolvedRun:
+    """Resolve ``cfg`` in place and freeze it: every change the config gets after loading happens here, in
+    this order (a collective: every rank calls it).
+
+    ``train.init_from``'s model shape is adopted (:func:`training.init_from.adopt_model_config`); the process
+    groups and RNG streams are set up; the task is built (a RACE task sets ``train.iters`` and the warmup from
+    its data); ``model.vocab_size`` is set from the task's tokenizer when unset (it may be larger, never
+    smaller); ``model.activation_checkpointing: auto`` is decided for the smallest device memory over all
+    ranks; the layout is derived once."""
+    init_from.adopt_model_config(cfg)  # train.init_from: the source's model shape (no-op when unset)
+    dtype, ps = start_process(cfg)
+    task = (task_factory or make_task)(cfg, ps, ps.dims.dp)
+    tok_vocab = task.tokenizer.vocab_size
+    vocab = cfg.model.vocab_size or tok_vocab
+    if vocab < tok_vocab:
+        raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {tok_vocab}")
+    cfg.model.vocab_size = vocab
+    choice = _resolve_recompute(cfg, ps.dims.dp, dtype, ps.rank == 0)  # model.activation_checkpointing: auto
+    layout = derive_layout(cfg, ps.dims.world_size, vocab)
+    freeze(cfg)  # everything derived from the config is in the layout (or the task) from here on
+    return ResolvedRun(cfg=cfg, layout=layout, ps=ps, dtype=dtype, task=task, recompute_choice=choice)
+
+
+def _resolve_recompute(cfg: Config, dp: int, dtype: str, is_rank0: bool) -> RecomputeChoice | None:
+    """``model.activation_checkpointing: auto`` resolved by the planner for the smallest device memory over
+    all ranks (a collective: every rank must decide alike, or TP ranks would recompute differently)."""
+    if cfg.model.activation_checkpointing != "auto":
+        return None
+    dev = tdev.local_device()
+    gib = torch.tensor(device_memory_gib(dev), dtype=torch.float64, device=dev)
+    dist.all_reduce(gib, op=dist.ReduceOp.MIN)
+    choice = recompute.resolve(cfg, dp, dtype, float(gib), dev.type == "cuda")
+    cfg.model.activation_checkpointing = choice.recompute
+    if is_rank0:
+        logger.info("model.activation_checkpointing=auto -> %s: %s", str(choice.recompute).lower(),
+                    choice.describe())
+    return choice
 
 
 class TrainingAborted(RuntimeError):
@@ -93,31 +159,28 @@ def allow_fp16_on_cpu() -> None:
 
 
 class Trainer:
-    """The one training loop. ``task_factory(cfg, ps, dp)`` builds the task (default: GPT-2 or BERT by
-    ``model.arch``); RACE fine-tuning passes its own (``training.finetune_race``)."""
+    """The one training loop over a :class:`ResolvedRun` (its config frozen). ``Trainer(cfg, task_factory)``
+    resolves ``cfg`` first (:func:`resolve_run`); RACE fine-tuning passes its own task factory
+    (``training.finetune_race``)."""
 
-    def __init__(self, cfg: Config, task_factory: Callable[[Config, ParallelState, int], Task] | None = None):
-        self.cfg = cfg
+    def __init__(self, run: ResolvedRun | Config, task_factory: TaskFactory | None = None):
+        if isinstance(run, Config):
+            run = resolve_run(run, task_factory)
+        elif task_factory is not None:
+            raise TypeError("task_factory is for Trainer(cfg); a ResolvedRun has its task already")
+        cfg = self.cfg = run.cfg
         self.run_dir = Path(cfg.run.dir)
-        init_from.adopt_model_config(cfg)  # train.init_from: the source's model shape (no-op when unset)
-        self.world, self.dp, self.dtype, self.ps, self.is_rank0 = start_process(cfg)
-
-        self.task: Task = (task_factory or make_task)(cfg, self.ps, self.dp)
-        tok_vocab = self.task.tokenizer.vocab_size
-        vocab = cfg.model.vocab_size or tok_vocab
-        if vocab < tok_vocab:
-            raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {tok_vocab}")
-        cfg.model.vocab_size = vocab
-        self.recompute_choice = self._resolve_recompute()  # model.activation_checkpointing: auto -> true/false
-        self.layout: Layout = derive_layout(cfg, self.world, vocab)
-        freeze(cfg)  # everything derived from the config is in self.layout (or the task) from here on
+        self.ps, self.dtype, self.task, self.layout = run.ps, run.dtype, run.task, run.layout
+        self.world, self.dp, self.is_rank0 = run.layout.world_size, run.layout.dp, run.is_rank0
+        self.recompute_choice = run.recompute_choice
         self.padded_vocab = self.task.padded_vocab(self.layout)
+        self.desc = ckpt.ModelDescription(cfg, self.dtype, self.padded_vocab, self.task.tokenizer)
         t = cfg.train
         self.task.build_data()
         self.model = self.task.build_model(self.padded_vocab)
         if cfg.model.compile:  # every transformer layer through torch.compile (training/models/compile_layers.py)
             compile_layers(self.model)
-        init_from.load_weights(self)  # train.init_from's weights, before the engine copies them
+        init_from.load_weights(self.model, self.desc, self.ps)  # train.init_from's weights, before the engine copies them
         optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters, tdev.local_device().type, self.dtype)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
         tracking.start(cfg)  # W&B mode/dir before DeepSpeed's monitor calls wandb.init
@@ -148,37 +211,18 @@ class Trainer:
             logger.info("%r | dtype %s | padded vocab %d | parameters %s | grad accumulation %d | iterations %d",
                         self.ps, self.dtype, self.padded_vocab, f"{n_params:,}", self.gas, t.iters)
 
-    def _resolve_recompute(self):
-        """``model.activation_checkpointing: auto`` resolved by the planner for the smallest device memory over
-        all ranks (a collective: every rank must decide alike, or TP ranks would recompute differently)."""
-        if self.cfg.model.activation_checkpointing != "auto":
-            return None
-        dev = tdev.local_device()
-        gib = torch.tensor(device_memory_gib(dev), dtype=torch.float64, device=dev)
-        dist.all_reduce(gib, op=dist.ReduceOp.MIN)
-        choice = recompute.resolve(self.cfg, self.dp, self.dtype, float(gib), dev.type == "cuda")
-        self.cfg.model.activation_checkpointing = choice.recompute
-        if self.is_rank0:
-            logger.info("model.activation_checkpointing=auto -> %s: %s", str(choice.recompute).lower(),
-                        choice.describe())
-        return choice
+    def save_checkpoint(self, config: dict | None = None) -> Path:
+        """:func:`training.checkpoint.save` of this trainer's parts (collective)."""
+        return ckpt.save(self.engine, self.model, self.state, self.ps, self.desc, config)
 
-    # the train state's counters, as attributes (tools such as training.tools.reshard set them)
+    # the train state's counters, read-only (the state itself is ``self.state``)
     @property
     def iteration(self) -> int:
         return self.state.iteration
 
-    @iteration.setter
-    def iteration(self, value: int) -> None:
-        self.state.iteration = value
-
     @property
     def consumed_samples(self) -> int:
         return self.state.consumed_samples
-
-    @consumed_samples.setter
-    def consumed_samples(self, value: int) -> None:
-        self.state.consumed_samples = value
 
     def _peak_tflops(self) -> float | None:
         if self.cfg.run.device_peak_tflops:
@@ -341,7 +385,8 @@ class Trainer:
         # one run per run.dir (collective, entered by every rank or by none)
         lock = None if run_dir_locked else run_lock.acquire_for_rank0(self.run_dir, self.is_rank0)
         try:
-            resumed = agreed(lambda: ckpt.load(self))  # a shard one rank cannot read stops every rank, one line
+            # a shard one rank cannot read stops every rank, with one line
+            resumed = agreed(lambda: ckpt.load(self.engine, self.state, self.ps, self.desc))
             writer = MetricsWriter(self.run_dir, cfg.train.iters, self.is_rank0,
                                    getattr(self.engine, "monitor", None),
                                    resume_iteration=self.iteration if resumed else None,
@@ -362,7 +407,7 @@ class Trainer:
         last, vl = {}, None
         saves = self.task.periodic_checkpoints
         try:
-            self.task.on_train_start(self, writer)
+            self.task.on_train_start(self.engine, writer)
             stop = min(cfg.train.iters, cfg.train.exit_at or cfg.train.iters)
             self.restart_step_clock()
             while self.iteration < stop:
@@ -378,9 +423,9 @@ class Trainer:
                     if vl is not None:
                         writer.event("valid", {"loss": vl, "ppl": math.exp(min(vl, 20))}, self.iteration)
                     self.restart_step_clock()
-                self.task.on_step_end(self, last, writer)
+                self.task.on_step_end(self.engine, self.state, last, writer, self.save_checkpoint)
                 if saves and cfg.train.save_interval and self.iteration % cfg.train.save_interval == 0:
-                    ckpt.save(self)
+                    self.save_checkpoint()
                     self.restart_step_clock()
             evaluated_now = bool(cfg.train.eval_interval) and self.iteration % cfg.train.eval_interval == 0 and bool(last)
             valid = vl if evaluated_now else self.evaluate()
@@ -389,8 +434,8 @@ class Trainer:
                 if self.is_rank0:
                     logger.info("validation loss %.4f | ppl %.2f", valid, math.exp(min(valid, 20)))
             if saves and not (cfg.train.save_interval and self.iteration % cfg.train.save_interval == 0 and last):
-                ckpt.save(self)
-            task_result = self.task.on_train_end(self)
+                self.save_checkpoint()
+            task_result = self.task.on_train_end(self.state)
         finally:
             bar.close()
             writer.close()

@@ -1,6 +1,6 @@
 """How a command was started, as its output needs to know it: the name it was started by, for usage lines
 (``megatron-ds-eval --help`` says ``megatron-ds-eval``, ``python -m evaluation --help`` says ``python -m
-evaluation``; console scripts set it in ``megatron_ds_suite.console``, parsers ask :func:`prog`), and whether its
+evaluation``; console scripts set it in ``megatron_ds_suite.app.console``, parsers ask :func:`prog`), and whether its
 stderr is a terminal (progress bars: :func:`stderr_is_terminal`)."""
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ over the whole text in floating point, so a near-tie inside a word can resolve d
 on botchan, "auto" -> ``a|u|to`` in the text vs ``a|ut|o`` alone.) Natural text repeats
 its words (Zipf), so the encoder keeps a cache word -> ids and sends only unseen words to SentencePiece.
 This is what the original GPT-2 encoder does per word; here it is applied only where it provably gives the
-processor's own output (``tests/test_spm_words.py`` compares both on real corpora and on inputs built to break
+processor's own output (``tests/unit/test_word_cache.py`` compares both on real corpora and on inputs built to break
 each assumption):
 
 * ``identity`` normalization without dummy prefix or whitespace removal (this project's GPT flavour): any

@@ -31,7 +31,7 @@ STAGES = ["corpus", "train", "eval_heldout", "eval_wikitext103", "eval_lambada"]
 
 
 def job_cmd(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "megatron_ds_suite.main_job", "--config", CONFIG, "-q", f"run_dir={run_dir}",
+    return [sys.executable, "-m", "megatron_ds_suite.app.main_job", "--config", CONFIG, "-q", f"run_dir={run_dir}",
             *overrides]
 
 

@@ -58,7 +58,7 @@ def test_console_scripts_point_at_real_entry_points():
 
 
 def test_configs_command(capsys, tmp_path):
-    from megatron_ds_suite.console import configs
+    from megatron_ds_suite.app.console import configs
 
     with pytest.raises(SystemExit) as e:
         configs(["list"])
@@ -91,7 +91,7 @@ def test_configs_command(capsys, tmp_path):
 def test_no_side_effects_at_import():
     """Importing the packages leaves the environment alone; the entry points set THP_MEM_ALLOC_ENABLE."""
     code = ("import os; before = dict(os.environ)\n"
-            "import training, evaluation, data_pipeline, megatron_ds_suite, megatron_ds_suite.console\n"
+            "import training, evaluation, data_pipeline, megatron_ds_suite, megatron_ds_suite.app.console\n"
             "import training.config, training.tracking, training.metrics, training.pretrain, training.plan\n"
             "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())\n"
             "from training.runtime.process_env import configure; configure()\n"

@@ -151,8 +151,8 @@ def test_main_job_sighup_stops_the_stage_group(tmp_path):
     orchestrator = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        from megatron_ds_suite.main_job.cli import install_signal_handlers
-        from megatron_ds_suite.main_job.proc import run_logged
+        from megatron_ds_suite.app.main_job.cli import install_signal_handlers
+        from megatron_ds_suite.app.main_job.proc import run_logged
         install_signal_handlers()
         run_logged([sys.executable, "-c", "import os, time; print('child', os.getpid(), flush=True); time.sleep(120)"],
                    Path({str(log_file)!r}), grace=5.0)""")], env=_env(), stderr=subprocess.PIPE, text=True)

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 
 def main_job_cut(src: Path, limit: int, run: Path, kind: str = "wikitext") -> Path:
-    """The file the main job (megatron_ds_suite.main_job) evaluates for ``eval.<task>.limit_lines/limit = limit`` (its own code)."""
-    from megatron_ds_suite.main_job.job import MainJob
+    """The file the main job (megatron_ds_suite.app.main_job) evaluates for ``eval.<task>.limit_lines/limit = limit`` (its own code)."""
+    from megatron_ds_suite.app.main_job.job import MainJob
 
     path, ident, source = MainJob._eval_input(SimpleNamespace(run=run), "wikitext103", str(src), None,
                                                        "test", limit, kind)

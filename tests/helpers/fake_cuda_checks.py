@@ -320,16 +320,14 @@ def check_bert_task_loss(s: Setup) -> None:
 
 def check_race_finetune_forward_and_accuracy_reduction(s: Setup) -> None:
     from megatron_ds_suite.core.race import collate
-    from training.finetune_race import RaceFinetuner
     from training.models.bert import BertMultipleChoice
+    from training.tasks.race import choice_logits, choice_loss
 
     task, cfg, tok, samples = s.bert()
-    ft = object.__new__(RaceFinetuner)
-    ft.engine = _Engine(fake_cuda(lambda: BertMultipleChoice(cfg.model, s.bert_padded(tok), None)))
-    ft.device = torch.device("cuda:0")
-    loss = ft._loss(collate(samples[:2]))
+    engine = _Engine(fake_cuda(lambda: BertMultipleChoice(cfg.model, s.bert_padded(tok), None)))
+    loss = choice_loss(engine, collate(samples[:2]))
     assert loss.device.type == "cuda"
-    assert ft._logits(collate(samples[2:4])).shape == (2, 4)
+    assert choice_logits(engine, collate(samples[2:4])).shape == (2, 4)
 
 
 def check_race_scorer(s: Setup) -> None:

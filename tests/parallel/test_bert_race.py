@@ -89,7 +89,7 @@ def test_finetuning_a_tiny_model_lowers_the_loss(bert_corpus):
 def _e2e_worker(rank, world, corpus, pre_dir, ft_dir):
     import torch.distributed as dist
 
-    from training.finetune_race import RaceFinetuner, load_finetune_config
+    from training.finetune_race import load_finetune_config, train_race
     from training.trainer import Trainer
 
     out = Trainer(bert_cfg(corpus, pre_dir)).train()
@@ -97,7 +97,7 @@ def _e2e_worker(rank, world, corpus, pre_dir, ft_dir):
     cfg, meta = load_finetune_config(ROOT / "configs" / "race.yaml", [
         f"finetune.pretrained={pre_dir}", f"finetune.race_dir={RACE}", f"run.dir={ft_dir}", "finetune.epochs=2",
         "optimizer.lr=1.0e-4", "train.progress_bar=false", "run.device_peak_tflops=1.0"])
-    res = RaceFinetuner(cfg, meta).train()
+    res = train_race(cfg, meta)
     return {"pretrain": out["last"], "race": res}
 
 

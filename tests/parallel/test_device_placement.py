@@ -115,8 +115,8 @@ def _guarded_eval(rank, run_dir, race_tok):
     from evaluation.tasks import lambada_eval, wikitext_eval
     from evaluation.wikitext import first_lines
     from training.runtime import device as tdev
-    from training.finetune_race import RaceFinetuner
     from training.models.bert import BertMultipleChoice
+    from training.tasks.race import dp_accuracy
 
     text = first_lines(WIKITEXT.read_text(encoding="utf-8"), 12)
     texts = read_lambada_jsonl(LAMBADA)[:6]
@@ -125,12 +125,10 @@ def _guarded_eval(rank, run_dir, race_tok):
         scorer, cfg, tok = load_scorer(run_dir, rt)
         wt = wikitext_eval(scorer, tok, text, seq_len=32, stride=16, batch_size=3, dp=rt.dp, progress=False)
         lb = lambada_eval(scorer, tok, texts, batch_size=3, dp=rt.dp, progress=False)
-        ft = object.__new__(RaceFinetuner)
-        ft.cfg, ft.ps, ft.dp = _race_cfg(), rt.pstate, rt.pstate.dims.dp
-        ft.engine = BertMultipleChoice(ft.cfg.model, 512, rt.pstate.tp_group, seed=5).to(tdev.local_device()).eval()
-        ft.device = tdev.module_device(ft.engine)
-        ft.data = {"dev": _race_samples(race_tok)}
-        race = ft.accuracy("dev")
+        race_cfg, ps = _race_cfg(), rt.pstate
+        engine = BertMultipleChoice(race_cfg.model, 512, ps.tp_group, seed=5).to(tdev.local_device()).eval()
+        race = dp_accuracy(engine, _race_samples(race_tok), ps.dims.dp, ps.dp_rank, ps.dp_group,
+                           race_cfg.finetune.eval_batch_size)
         device = str(scorer.device)
     return {"seen": dict(guard.seen), "violations": guard.violations, "wikitext": wt, "lambada": lb, "race": race,
             "device": device}

@@ -104,7 +104,7 @@ def test_cli_wikitext_and_lambada(runs, tmp_path, capsys):
 
 
 def test_cli_limit_equals_main_job_cut_files(runs, tmp_path, capsys):
-    """--limit N scores exactly what the main job (megatron_ds_suite.main_job) scores with its first-N-lines cut file."""
+    """--limit N scores exactly what the main job (megatron_ds_suite.app.main_job) scores with its first-N-lines cut file."""
     from evaluation.cli import main
     from tests.helpers.eval_files import main_job_cut
 

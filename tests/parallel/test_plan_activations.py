@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ds_suite.testing import run_distributed
+from megatron_ds_suite.app.testing import run_distributed
 from training.plan import ModelShape, activation_bytes_per_layer, activation_element_bytes
 
 B, H, HEADS, VOCAB = 2, 64, 4, 256

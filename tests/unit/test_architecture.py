@@ -41,10 +41,13 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...], str]] = [
     ("data_pipeline", ("data_pipeline", *CORE), (), "data_pipeline imports only the core"),
     ("training", ("training", *CORE), (), "training imports the core (not data_pipeline, not evaluation)"),
     ("evaluation", ("evaluation", "training", *CORE), (), "evaluation imports the core and training"),
-    ("benchmarks", (), ("tests",), "benchmarks must not import tests (shared helpers: megatron_ds_suite.testing)"),
+    ("benchmarks", (), ("tests",), "benchmarks must not import tests (shared helpers: megatron_ds_suite.app.testing)"),
     ("scripts", (), ("tests", "benchmarks"), "scripts may import the stages, not tests or benchmarks"),
-    ("megatron_ds_suite", (), ("tests", "benchmarks", "scripts"),
-     "the main job, the console and the test helpers may import every stage, not tests, benchmarks or scripts"),
+    ("megatron_ds_suite.app", (), ("tests", "benchmarks", "scripts"),
+     "the application floor (main job, console, test helpers) may import every stage, not tests, benchmarks or "
+     "scripts"),
+    ("megatron_ds_suite", CORE, (), "the package root holds the core and the application floor, and imports only "
+     "the core"),
 ]
 
 # The layers inside training/ (docs/architecture.md), lowest first: (layer, the modules it holds, by prefix).
@@ -301,7 +304,8 @@ def test_the_checker_sees_wrong_way_imports():
     assert wrong_way("evaluation.cli", "data_pipeline.config")
     assert not wrong_way("evaluation.cli", "training.metrics")
     assert wrong_way("benchmarks.bench_eval", "tests.helpers.distributed")
-    assert not wrong_way("megatron_ds_suite.main_job.job", "data_pipeline.stages")
+    assert not wrong_way("megatron_ds_suite.app.main_job.job", "data_pipeline.stages")
+    assert wrong_way("megatron_ds_suite.core.config", "megatron_ds_suite.app.testing")
 
 
 def test_imports_follow_the_allowed_directions():
@@ -572,5 +576,6 @@ def test_the_checker_sees_misplaced_folders_and_tests(tmp_path):
 
 
 if __name__ == "__main__":  # python -m tests.unit.test_architecture: the counts of issue 32
+
     for key, value in counts().items():
         print(f"{key}: {value}")

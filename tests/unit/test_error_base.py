@@ -17,8 +17,8 @@ PACKAGES = ("megatron_ds_suite", "data_pipeline", "training", "evaluation")
 #: exceptions that are not bad input: outcomes of a run with their own exit code (docs/errors.md)
 NOT_INPUT_ERRORS = {
     "training.trainer.TrainingAborted": "a run that went wrong (loss NaN, overflow streak): exit code 3",
-    "megatron_ds_suite.main_job.state.StageFailed": "a stage's command failed: the main job names it and its log",
-    "megatron_ds_suite.main_job.state.Skipped": "control flow: a stage that cannot run here, not an error",
+    "megatron_ds_suite.app.main_job.state.StageFailed": "a stage's command failed: the main job names it and its log",
+    "megatron_ds_suite.app.main_job.state.Skipped": "control flow: a stage that cannot run here, not an error",
 }
 
 #: error classes in modules this change could not edit (owned by other work in progress); each must move under

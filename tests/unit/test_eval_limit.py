@@ -1,4 +1,4 @@
-"""``python -m evaluation ... --limit N``: the WikiText cut equals the main job (megatron_ds_suite.main_job)'s first-N-lines file
+"""``python -m evaluation ... --limit N``: the WikiText cut equals the main job (megatron_ds_suite.app.main_job)'s first-N-lines file
 (byte for byte, on the real file and on odd line endings); N < 1 is a one-line error before any model.
 
 Scoring with ``--limit`` against scoring main_job's cut file is checked end to end with a real checkpoint in

@@ -1,38 +1,22 @@
-"""The parallel layout the planner evaluates (TP x PP x DP, micro and global batch) and its checks."""
+"""Whether a model shape fits a parallel layout: the planner's checks before any arithmetic.
+
+The layout itself is :class:`training.layout.Layout`, the trainer's too (re-exported here for the planner's
+modules); its own rules (degrees, batch split) are :meth:`~training.layout.Layout.check`. This module adds
+the rules that need the model: heads, query groups, MLP width and padded vocabulary divisible by TP,
+layers by PP, positions covering the sequence.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from training.config import ConfigError
+from training.layout import Layout
 from training.plan.accounting import ModelShape
-from training.layout import grad_accumulation
 
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    micro_batch: int = 8
-    global_batch: int = 8
-    gpus_per_node: int = 8
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def num_micro(self) -> int:
-        """m: micro-batches per optimizer step on one data-parallel replica (training.layout's rule)."""
-        return grad_accumulation(self.global_batch, self.micro_batch, self.dp)
+__all__ = ["Layout", "validate"]
 
 
 def validate(shape: ModelShape, lay: Layout) -> None:
     """One-line ConfigError for every impossible combination, before any arithmetic."""
-    for name, v in [("--tp", lay.tp), ("--pp", lay.pp), ("--dp", lay.dp), ("micro batch", lay.micro_batch),
-                    ("global batch", lay.global_batch), ("gpus per node", lay.gpus_per_node)]:
-        if v < 1:
-            raise ConfigError(f"{name} must be >= 1, got {v}")
+    lay.check(flags=True)
     if shape.hidden % shape.heads:
         raise ConfigError(f"hidden size {shape.hidden} is not divisible by {shape.heads} heads")
     if shape.heads % lay.tp:
@@ -52,9 +36,5 @@ def validate(shape: ModelShape, lay: Layout) -> None:
                           f"that divides model.num_layers")
     if lay.pp > 1 and shape.arch == "bert":
         raise ConfigError("--pp > 1 with BERT: pipeline parallelism is GPT-only (BERT is TP-only under DeepSpeed)")
-    if lay.global_batch % (lay.micro_batch * lay.dp):
-        raise ConfigError(f"global batch {lay.global_batch} is not divisible by micro batch x DP = "
-                          f"{lay.micro_batch} x {lay.dp}: change train.global_batch_size or --dp")
     if shape.positions < shape.seq:
         raise ConfigError(f"max_position_embeddings {shape.positions} < seq_length {shape.seq}")
-

@@ -5,7 +5,7 @@ import dataclasses
 from collections.abc import Callable
 
 from training.plan.accounting import ModelShape, stage_params, step_flops, total_params
-from training.plan.layout import Layout
+from training.layout import Layout
 from training.plan.memory import GIB, memory, state_bytes_per_param
 from training.plan.paper import PAPER_BASELINE_TFLOPS, default_compute_fraction, paper_weak_scaling
 from training.plan.recompute import choose_recompute

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from training.config import ConfigError
 from training.plan.accounting import ModelShape, stage_params, step_flops
-from training.plan.layout import Layout
+from training.layout import Layout
 from training.plan.memory import state_bytes_per_param
 from training.runtime.hardware import Hardware
 

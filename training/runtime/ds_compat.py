@@ -27,6 +27,10 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +97,7 @@ def apply() -> None:
     log.debug("DeepSpeedEngine.backward: fp16 loss scaling at ZeRO-0 restored (DeepSpeed PR #8393)")
 
 
-def undo_initial_zero_step(engine) -> bool:
+def undo_initial_zero_step(engine: DeepSpeedEngine) -> bool:
     """Undo the zero-gradient optimizer step DeepSpeed's ZeRO-0 fp16/bf16 wrappers take at construction.
 
     ``initialize_optimizer_states`` of ``FP16_UnfusedOptimizer`` (torch AdamW) and of ``FP16_Optimizer``

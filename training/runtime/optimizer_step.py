@@ -36,9 +36,15 @@ from __future__ import annotations
 
 import math
 import types
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+    from training.parallel.state import ParallelState
 
 
 def _counted(p: torch.Tensor, tp_rank: int) -> bool:
@@ -53,7 +59,7 @@ def _counted(p: torch.Tensor, tp_rank: int) -> bool:
 class _Layout:
     """What the step needs to know of the wrapper's parameters, computed once at install."""
 
-    def __init__(self, groups: list[list[torch.Tensor]], mpu):
+    def __init__(self, groups: list[list[torch.Tensor]], mpu: ParallelState | None):
         from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
         tp_rank = bwc_tensor_model_parallel_rank(mpu) if mpu is not None else 0
@@ -174,7 +180,7 @@ def _unfused_step(self, closure=None):
     return self.overflow
 
 
-def install(engine) -> bool:
+def install(engine: DeepSpeedEngine) -> bool:
     """Give ``engine.optimizer`` (DeepSpeed's ZeRO-0 fp16/bf16 wrapper) the O(1) step. Returns whether it
     was installed (False for any other optimizer, or a configuration this step does not cover)."""
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
@@ -198,12 +204,12 @@ def install(engine) -> bool:
     return True
 
 
-def installed(engine) -> bool:
+def installed(engine: DeepSpeedEngine) -> bool:
     """Whether :func:`install` gave this engine's optimizer the O(1) step."""
     return getattr(engine.optimizer, "_o1_layout", None) is not None
 
 
-def uninstall(engine) -> None:
+def uninstall(engine: DeepSpeedEngine) -> None:
     """Back to DeepSpeed's own step (for A/B measurements)."""
     opt = engine.optimizer
     if getattr(opt, "_o1_layout", None) is not None:

@@ -24,6 +24,7 @@ from training.runtime.distributed import rank0_first
 from training.data.bert_data import BertDataError, BertDataset, BertVocab, MaskingConfig, collate, usable_documents
 from training.config import Config, ConfigError
 from training.models.bert import BertModel, bert_loss
+from training.parallel.state import ParallelState
 from training.tasks.protocol import Task, batch_to_device
 
 logger = logging.getLogger("training")
@@ -55,7 +56,7 @@ def masking_config(cfg: Config) -> MaskingConfig:
 class BertTask(Task):
     """Masked-LM + sentence-order prediction over ``data.corpus``'s BERT (sentence) dataset."""
 
-    def __init__(self, cfg: Config, ps, dp: int):
+    def __init__(self, cfg: Config, ps: ParallelState, dp: int):
         self.cfg, self.ps, self._dp = cfg, ps, dp
         check_bert_config(cfg)
         d = cfg.data
@@ -133,7 +134,7 @@ class BertTask(Task):
     def build_model(self, padded_vocab: int):
         return BertModel(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed)
 
-    def loss(self, engine, batch) -> tuple[torch.Tensor, dict]:
+    def loss(self, engine: torch.nn.Module, batch) -> tuple[torch.Tensor, dict]:
         batch = batch_to_device(batch, engine)
         lm_loss, sop_logits = engine(batch["text"], batch["types"], batch["padding_mask"], batch["labels"],
                                      batch["loss_mask"])

@@ -10,13 +10,14 @@ import torch
 from training.config import Config
 from training.data.loader import BatchSampler, build_datasets, resolve_sources
 from training.models.gpt2 import GPT2Model
+from training.parallel.state import ParallelState
 from training.tasks.protocol import Task, batch_to_device
 
 
 class GPTTask(Task):
     """Causal language modelling over a GPT dataset (samples of seq_len+1 tokens)."""
 
-    def __init__(self, cfg: Config, ps, dp: int):
+    def __init__(self, cfg: Config, ps: ParallelState, dp: int):
         self.cfg, self.ps = cfg, ps
         self.src = resolve_sources(cfg)
         self.tokenizer = self.src.tokenizer
@@ -48,12 +49,12 @@ class GPTTask(Task):
             return None
         return self.valid_sampler.micro_batches(i * self.cfg.train.global_batch_size)
 
-    def loss(self, engine, batch) -> tuple[torch.Tensor, dict]:
+    def loss(self, engine: torch.nn.Module, batch) -> tuple[torch.Tensor, dict]:
         tokens, labels = batch_to_device(batch, engine)
         return engine(tokens, labels).mean(), {}
 
 
-def make_task(cfg: Config, ps, dp: int) -> Task:
+def make_task(cfg: Config, ps: ParallelState, dp: int) -> Task:
     if cfg.model.arch == "gpt2":
         return GPTTask(cfg, ps, dp)
     if cfg.model.arch == "bert":

@@ -6,17 +6,21 @@ its model and its loss. Batches come from the task on the host and reach the dev
 :func:`batch_to_device`: :meth:`Task.loss` calls it on the batch it is given (a no-op for a batch already
 there), and the trainer calls it for the pipeline engine, which runs the model on the batches itself.
 
-Tasks subclass :class:`Task` explicitly to inherit the optional hooks' defaults.
+Tasks subclass :class:`Task` explicitly to inherit the optional hooks' defaults. The hooks get explicit
+parts, never the trainer: the engine (to run the model), the :class:`~training.checkpoint.TrainState`
+(iteration, consumed samples) and a ``save_checkpoint()`` callable (the trainer's parts bound).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import torch
 
 from training.runtime import device as tdev
 
 if TYPE_CHECKING:
+    from training.checkpoint import TrainState
     from training.layout import Layout
     from training.metrics import MetricsWriter
 
@@ -68,13 +72,15 @@ class Task(Protocol):
         """Extra values logged with the step that started at ``consumed_samples``."""
         return {}
 
-    def on_train_start(self, trainer: Any, writer: MetricsWriter) -> None:
+    def on_train_start(self, engine: torch.nn.Module, writer: MetricsWriter) -> None:
         """Before the first step (after the run directory is locked and the checkpoint loaded)."""
 
-    def on_step_end(self, trainer: Any, metrics: dict, writer: MetricsWriter) -> None:
-        """After every optimizer step (e.g. an end-of-epoch evaluation). ``metrics`` holds device tensors on
-        steps that were not read (see ``reads_every_step``)."""
+    def on_step_end(self, engine: torch.nn.Module, state: TrainState, metrics: dict, writer: MetricsWriter,
+                    save_checkpoint: Callable[[], Path]) -> None:
+        """After every optimizer step (e.g. an end-of-epoch evaluation); ``save_checkpoint()`` saves the run's
+        checkpoint (collective). ``metrics`` holds device tensors on steps that were not read (see
+        ``reads_every_step``)."""
 
-    def on_train_end(self, trainer: Any) -> dict | None:
+    def on_train_end(self, state: TrainState) -> dict | None:
         """After the last step; what it returns is ``Trainer.train()['task']``."""
         return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -29,6 +29,12 @@ from training.config import Config, ConfigError
 from training.data.sample_order import micro_batch_positions
 from training.runtime import device as tdev
 from training.tasks.protocol import Task, batch_to_device
+
+if TYPE_CHECKING:
+    from training.checkpoint import TrainState
+    from training.layout import Layout
+    from training.metrics import MetricsWriter
+    from training.parallel.state import ParallelState
 
 logger = logging.getLogger("training")
 
@@ -61,19 +67,20 @@ def build_model(cfg: Config, pretrained: str, padded: int, group):
     return model, fresh
 
 
-def choice_logits(engine, batch: dict) -> torch.Tensor:
+def choice_logits(engine: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Choice logits [n, 4] of a host batch (moved to the engine's device)."""
     b = batch_to_device(batch, engine)
     return engine(b["text"], b["types"], b["padding_mask"])
 
 
-def choice_loss(engine, batch: dict) -> torch.Tensor:
+def choice_loss(engine: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Cross-entropy of the 4 choices of a host batch (logits and labels on the engine's device)."""
     b = batch_to_device(batch, engine)
     return F.cross_entropy(engine(b["text"], b["types"], b["padding_mask"]).float(), b["label"])
 
 
-def dp_accuracy(engine, samples: list[dict], dp: int, dp_rank: int, dp_group, batch_size: int) -> dict:
+def dp_accuracy(engine: torch.nn.Module, samples: list[dict], dp: int, dp_rank: int, dp_group,
+                batch_size: int) -> dict:
     """Accuracy overall and per level; each question scored on exactly one DP replica."""
     levels = sorted({s["level"] for s in samples})
     mine = [s for i, s in enumerate(samples) if i % dp == dp_rank]
@@ -108,7 +115,7 @@ class RaceTask(Task):
     periodic_checkpoints = False  # the end-of-epoch hook saves the best epoch only
     reads_every_step = True  # the epoch's mean training loss is over every step's DP-averaged loss
 
-    def __init__(self, cfg: Config, meta: dict, ps, dp: int):
+    def __init__(self, cfg: Config, meta: dict, ps: ParallelState, dp: int):
         self.cfg, self.meta, self.ps, self._dp = cfg, meta, ps, dp
         f = cfg.finetune
         self.is_rank0 = ps.rank == 0
@@ -141,7 +148,7 @@ class RaceTask(Task):
     def build_data(self) -> None:
         pass  # read and encoded in __init__: the schedule (train.iters) depends on the number of questions
 
-    def padded_vocab(self, layout) -> int:
+    def padded_vocab(self, layout: Layout) -> int:
         """The pretrained checkpoint's padding when it splits over this TP degree (its rows load as they are)."""
         padded = int(self.meta["padded_vocab_size"])
         return padded if padded % layout.tp == 0 else layout.padded_vocab
@@ -175,11 +182,11 @@ class RaceTask(Task):
     def valid_micro_batches(self, i: int):
         return None  # RACE is evaluated by accuracy at the end of each epoch, not by a validation loss
 
-    def loss(self, engine, batch) -> tuple[torch.Tensor, dict]:
+    def loss(self, engine: torch.nn.Module, batch) -> tuple[torch.Tensor, dict]:
         return choice_loss(engine, batch), {}
 
     # ---- hooks ------------------------------------------------------------------------------------
-    def accuracy(self, engine, split: str) -> dict:
+    def accuracy(self, engine: torch.nn.Module, split: str) -> dict:
         return dp_accuracy(engine, self.data[split], self._dp, self.ps.dp_rank, self.ps.dp_group,
                            self.cfg.finetune.eval_batch_size)
 
@@ -190,41 +197,40 @@ class RaceTask(Task):
     def step_metrics(self, consumed_samples: int) -> dict:
         return {"epoch": self.epoch_of(consumed_samples)[0]}
 
-    def on_train_start(self, trainer, writer) -> None:
+    def on_train_start(self, engine: torch.nn.Module, writer: MetricsWriter) -> None:
         self.results = {"pretrained": str(self.cfg.finetune.pretrained), "epochs": [], "best_epoch": None,
                         "skipped_questions": {s: r.skipped for s, r in self.read_reports.items()},
                         "problems": {s: r.problems for s, r in self.read_reports.items()},
-                        "before_finetuning": {s: self.accuracy(trainer.engine, s) for s in self._eval_splits()}}
+                        "before_finetuning": {s: self.accuracy(engine, s) for s in self._eval_splits()}}
 
-    def on_step_end(self, trainer, metrics: dict, writer) -> None:
-        from training import checkpoint as ckpt
-
+    def on_step_end(self, engine: torch.nn.Module, state: TrainState, metrics: dict, writer: MetricsWriter,
+                    save_checkpoint: Callable[[], Path]) -> None:
         self._losses.append(metrics["loss"])
-        epoch, step = self.epoch_of(trainer.state.consumed_samples)
+        epoch, step = self.epoch_of(state.consumed_samples)
         if step != 0:
             return  # not the end of an epoch
         epoch -= 1  # the epoch that just ended
         f = self.cfg.finetune
-        row = {"epoch": epoch, "train_loss": float(np.mean(self._losses)), "iteration": trainer.state.iteration}
+        row = {"epoch": epoch, "train_loss": float(np.mean(self._losses)), "iteration": state.iteration}
         self._losses = []
         for s in self._eval_splits():
-            row[s] = self.accuracy(trainer.engine, s)
+            row[s] = self.accuracy(engine, s)
         improved = row[f.valid_split]["accuracy"] > self._best
         if improved:
             self._best = row[f.valid_split]["accuracy"]
             self.results["best_epoch"] = epoch
-            ckpt.save(trainer)  # keep_last = 1: only the best epoch's checkpoint stays
+            save_checkpoint()  # keep_last = 1: only the best epoch's checkpoint stays
         row["saved"] = improved
         self.results["epochs"].append(row)
         writer.event("race", {"epoch": epoch, "train_loss": row["train_loss"],
                               **{f"{s}_accuracy": row[s]["accuracy"] for s in self._eval_splits()}},
-                     trainer.state.iteration)
+                     state.iteration)
         if self.is_rank0:
             accs = " | ".join(f"{s} acc {row[s]['accuracy']:.4f}" for s in self._eval_splits())
             logger.info("epoch %d/%d | train loss %.4f | %s%s", epoch, f.epochs, row["train_loss"], accs,
                         " | saved (best)" if improved else "")
 
-    def on_train_end(self, trainer) -> dict:
+    def on_train_end(self, state: TrainState) -> dict:
         from training import checkpoint as ckpt
 
         res = self.results

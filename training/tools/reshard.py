@@ -80,22 +80,24 @@ def _worker(rank, world, payload_path: str, out_dir: str):
     """Runs in each of the K x M target processes (gloo initialised by the spawner)."""
     from training import checkpoint as ckpt
     from training.parallel import random as tp_random
-    from training.trainer import Trainer
+    from training.trainer import Trainer, resolve_run
 
     payload = safe_load.load(payload_path)
     cfg = config_from_dict(payload["config"])
     precision = dataclasses.replace(cfg.precision)
     reshard_optim.force_precision(cfg, payload["dtype"])  # the source's engine layout, even on CPU
-    trainer = Trainer(cfg)
-    names = ckpt.canonical_names(trainer)
-    params = dict(trainer.model.named_parameters())
-    opt = getattr(trainer.engine, "basic_optimizer", None) or trainer.engine.optimizer
-    tp_rank, tp = trainer.ps.tp_rank, trainer.ps.dims.tp
+    trainer = Trainer(resolve_run(cfg))
+    # from here on the explicit parts: model, engine, train state, parallel state, model description
+    model, engine, state, ps, desc = trainer.model, trainer.engine, trainer.state, trainer.ps, trainer.desc
+    names = ckpt.canonical_names(model, desc.pipeline_layers)
+    params = dict(model.named_parameters())
+    opt = getattr(engine, "basic_optimizer", None) or engine.optimizer
+    tp_rank, tp = ps.tp_rank, ps.dims.tp
 
     def local(t: torch.Tensor, name: str) -> torch.Tensor:
         """This rank's shard of a merged (TP=1) tensor, its vocabulary rows re-cut for the new padding."""
         if is_vocab_sized(name):
-            t = resize_vocab_rows(t, trainer.padded_vocab)
+            t = resize_vocab_rows(t, desc.padded_vocab)
         return shard_tagged(t, payload["partition"].get(name), tp_rank, tp)
 
     with torch.no_grad():
@@ -115,25 +117,25 @@ def _worker(rank, world, payload_path: str, out_dir: str):
                 st["step"] = step.to(p.device) if on_dev else step
                 opt.state[p] = st
     if payload["engine_state"] is not None:  # fp16 masters / ZeRO: through the engine's optimizer
-        state = {}
+        opt_state = {}
         for name, st in payload["engine_state"].items():
-            state[name] = {"step": st["step"]}
+            opt_state[name] = {"step": st["step"]}
             for key in ("master", *reshard_optim.KEYS):
-                state[name][key] = local(st[key], name).clone()
-        reshard_optim.write_state(trainer, state)
-    trainer.iteration = payload["iteration"]
-    trainer.consumed_samples = payload["consumed_samples"]
+                opt_state[name][key] = local(st[key], name).clone()
+        reshard_optim.write_state(engine, model, desc.pipeline_layers, opt_state)
+    state.iteration = payload["iteration"]
+    state.consumed_samples = payload["consumed_samples"]
     if payload["lr_scheduler"] is not None:
-        sched = trainer.engine.lr_scheduler
+        sched = engine.lr_scheduler
         sched.load_state_dict(payload["lr_scheduler"])
         for group, lr in zip(opt.param_groups, sched.get_last_lr()):  # the rate of the next step
             group["lr"] = lr
     tp_random.set_seed(cfg.train.seed + payload["iteration"])
     saved = {**cfg.to_dict(), "precision": dataclasses.asdict(precision)}  # the source's ('auto' stays 'auto')
-    if trainer.is_rank0:
-        ckpt.atomic_write_text(trainer.run_dir / "config.json", json.dumps(saved, indent=2))
-    ckpt.save(trainer, config=saved)
-    return trainer.ps.rank
+    if ps.rank == 0:
+        ckpt.atomic_write_text(desc.run_dir / "config.json", json.dumps(saved, indent=2))
+    ckpt.save(engine, model, state, ps, desc, config=saved)
+    return ps.rank
 
 
 def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | None = None, dp: int = 1) -> Path:

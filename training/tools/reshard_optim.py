@@ -19,14 +19,18 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from training.checkpoint import checkpoint_dir
-from training.config import config_from_dict
+from training.config import Config, config_from_dict
 from training.parallel.sharding import merge_tagged
 from training.tools.spawn import spawn_gloo
 from megatron_ds_suite.core import atomic
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 logger = logging.getLogger("training.tools.reshard")
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -37,7 +41,7 @@ def needs_engine(meta: dict) -> bool:
     return meta.get("dtype") in ("fp16", "bf16") or meta["config"]["parallel"]["zero_stage"] > 0
 
 
-def force_precision(cfg, dtype: str) -> None:
+def force_precision(cfg: Config, dtype: str) -> None:
     """Build engines in the checkpoint's dtype even on CPU ('auto' would pick fp32 there)."""
     cfg.precision.dtype = dtype
     if dtype == "fp16":
@@ -47,12 +51,12 @@ def force_precision(cfg, dtype: str) -> None:
 # --------------------------------------------------------------------------------------------------
 # Reading and writing one engine's state
 # --------------------------------------------------------------------------------------------------
-def _named(trainer) -> list[tuple[str, torch.nn.Parameter]]:
+def _named(model: torch.nn.Module, pipeline_layers: int | None) -> list[tuple[str, torch.nn.Parameter]]:
     """(canonical name, parameter) in a fixed order, pipeline-tied copies left out."""
     from training import checkpoint as ckpt
 
-    names = ckpt.canonical_names(trainer)
-    return [(names[n], p) for n, p in trainer.model.named_parameters()
+    names = ckpt.canonical_names(model, pipeline_layers)
+    return [(names[n], p) for n, p in model.named_parameters()
             if names[n] is not None and not getattr(p, "ds_pipe_replicated", False)]
 
 
@@ -77,25 +81,26 @@ def _zero_link_state(opt) -> None:
     opt._lazy_init_hp_params_optimizer_state()
 
 
-def read_state(trainer) -> dict[str, dict]:
-    """{name: {"master", "exp_avg", "exp_avg_sq", "step"}} of this rank's (TP-local) parameters, fp32.
+def read_state(engine: DeepSpeedEngine, model: torch.nn.Module, pipeline_layers: int | None) -> dict[str, dict]:
+    """{name: {"master", "exp_avg", "exp_avg_sq", "step"}} of this rank's (TP-local) parameters of ``model``
+    (``engine``'s module), fp32; ``pipeline_layers`` as in :func:`training.checkpoint.canonical_names`.
     Collective over the DP group under ZeRO: every rank calls it."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    opt = trainer.engine.optimizer
+    opt = engine.optimizer
     out: dict[str, dict] = {}
     if _is_zero(opt):
         _zero_link_state(opt)
         flat = opt.single_partition_of_fp32_groups[0]
         step = opt.optimizer.state[flat].get("step")
-        for name, p in _named(trainer):
+        for name, p in _named(model, pipeline_layers):
             out[name] = {"master": safe_get_full_fp32_param(p).float().clone(), "step": step}
             for k in KEYS:
                 out[name][k] = safe_get_full_optimizer_state(p, k).float().clone()
         return out
     masters = _unfused_masters(opt)
     inner = opt.optimizer if masters is not None else opt
-    for name, p in _named(trainer):
+    for name, p in _named(model, pipeline_layers):
         m = masters[id(p)] if masters is not None else p
         st = inner.state.get(m, {})
         out[name] = {"master": m.detach().float().clone(), "step": st.get("step")}
@@ -104,13 +109,14 @@ def read_state(trainer) -> dict[str, dict]:
     return out
 
 
-def write_state(trainer, local: dict[str, dict]) -> None:
+def write_state(engine: DeepSpeedEngine, model: torch.nn.Module, pipeline_layers: int | None,
+                local: dict[str, dict]) -> None:
     """Set masters (and the weights from them) and Adam moments of this rank's parameters from ``local``
     ({name: TP-local fp32 tensors}, as :func:`read_state` returns)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    opt = trainer.engine.optimizer
-    named = _named(trainer)
+    opt = engine.optimizer
+    named = _named(model, pipeline_layers)
     with torch.no_grad():
         for name, p in named:
             p.copy_(local[name]["master"].to(p.dtype))
@@ -170,7 +176,7 @@ def extract(run_dir: Path, tag: str, meta: dict, work_dir: Path) -> dict[str, di
 
 def _extract_worker(run_dir: str, tag: str, work_dir: str) -> None:
     from training.checkpoint import read_client_state
-    from training.trainer import Trainer
+    from training.trainer import Trainer, resolve_run
 
     meta = read_client_state(run_dir, tag)
     cfg = config_from_dict(meta["config"])
@@ -178,12 +184,13 @@ def _extract_worker(run_dir: str, tag: str, work_dir: str) -> None:
     cfg.train.exit_at = None
     cfg.train.progress_bar = False
     force_precision(cfg, meta["dtype"])
-    trainer = Trainer(cfg)
-    path, _ = trainer.engine.load_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
+    trainer = Trainer(resolve_run(cfg))
+    engine, ps = trainer.engine, trainer.ps
+    path, _ = engine.load_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load {checkpoint_dir(run_dir) / tag}")
-    state = read_state(trainer)
-    if trainer.ps.dp_rank == 0:
-        out = Path(work_dir) / f"tp_{trainer.ps.tp_rank}_pp_{trainer.ps.pp_rank}.pt"
+    state = read_state(engine, trainer.model, trainer.desc.pipeline_layers)
+    if ps.dp_rank == 0:
+        out = Path(work_dir) / f"tp_{ps.tp_rank}_pp_{ps.pp_rank}.pt"
         with atomic.atomic_path(out) as tmp:
             torch.save(state, tmp)

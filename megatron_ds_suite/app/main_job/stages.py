@@ -1,4 +1,4 @@
-"""The stages of the main job, one method each (mixed into :class:`~megatron_ds_suite.main_job.job.MainJob`).
+"""The stages of the main job, one method each (mixed into :class:`~megatron_ds_suite.app.main_job.job.MainJob`).
 
 Each stage method returns (fingerprint, meta, run): meta["outputs_ok"] says whether the stage's outputs
 exist (a finished record without them is re-run); run() does the work and returns a one-line summary.
@@ -13,8 +13,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from megatron_ds_suite.main_job.proc import Progress, network_reachable
-from megatron_ds_suite.main_job.state import (Skipped, StageFailed, atomic_write, digest, file_id, latest_iteration)
+from megatron_ds_suite.app.main_job.proc import Progress, network_reachable
+from megatron_ds_suite.app.main_job.state import (Skipped, StageFailed, atomic_write, digest, file_id, latest_iteration)
 
 log = logging.getLogger("main_job")
 
@@ -71,7 +71,7 @@ class Stages:
         return self.train_fp, {"outputs_ok": ok}, run
 
     def _train_summary(self) -> str:
-        from megatron_ds_suite.main_job.report import read_metrics
+        from megatron_ds_suite.app.main_job.report import read_metrics
 
         steps, events = read_metrics(self.train_dir / "metrics.jsonl")
         s = f"{len(steps)} iterations, final loss {steps[-1]['loss']:.4f}" if steps else "no steps"

@@ -1,4 +1,4 @@
-"""Command line of the main job: ``python -m megatron_ds_suite.main_job [--config ...] [--force STAGE] [key=value ...]``."""
+"""Command line of the main job: ``python -m megatron_ds_suite.app.main_job [--config ...] [--force STAGE] [key=value ...]``."""
 from __future__ import annotations
 
 import argparse
@@ -8,13 +8,13 @@ import signal
 import sys
 from pathlib import Path
 
-from megatron_ds_suite.main_job import job
-from megatron_ds_suite.main_job.config import ConfigError, load_main_config
-from megatron_ds_suite.main_job.job import ROOT, MainJob
+from megatron_ds_suite.app.main_job import job
+from megatron_ds_suite.app.main_job.config import ConfigError, load_main_config
+from megatron_ds_suite.app.main_job.job import ROOT, MainJob
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatron_ds_suite.main_job", description=job.__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m megatron_ds_suite.app.main_job", description=job.__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/main/default.yaml", help="main-job YAML (configs/main/)")
     ap.add_argument("--force", action="append", default=[], metavar="STAGE",
                     help="re-run this stage even if finished (repeatable; 'all' for every stage)")

@@ -1,6 +1,6 @@
 """The project's main job, end to end: corpus -> tokenizer -> indexed dataset -> GPT-2 (TP) -> evaluation -> report.
 
-    .venv/bin/python -m megatron_ds_suite.main_job [--config configs/main/default.yaml] [key.sub=value ...] [--force STAGE]
+    .venv/bin/python -m megatron_ds_suite.app.main_job [--config configs/main/default.yaml] [key.sub=value ...] [--force STAGE]
     bash scripts/run_main.sh ...              # same, after making sure the environment exists
 
 Every stage is the project's own CLI run as a child process (``python -m data_pipeline build``,
@@ -29,14 +29,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatron_ds_suite.main_job.config import ConfigError, MainConfig, flatten
+from megatron_ds_suite.app.main_job.config import ConfigError, MainConfig, flatten
 from megatron_ds_suite.core.network import free_port
-from megatron_ds_suite.main_job.proc import Progress, run_logged
-from megatron_ds_suite.main_job.stages import Stages
-from megatron_ds_suite.main_job.state import (Outcome, Skipped, StageFailed, State, atomic_write, digest,
+from megatron_ds_suite.app.main_job.proc import Progress, run_logged
+from megatron_ds_suite.app.main_job.stages import Stages
+from megatron_ds_suite.app.main_job.state import (Outcome, Skipped, StageFailed, State, atomic_write, digest,
                                               read_if_file, tree_id)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 log = logging.getLogger("main_job")
 GPT_STAGES = ("corpus", "train", "eval_heldout", "eval_wikitext103", "eval_lambada", "report")
 BERT_STAGES = ("corpus", "train", "finetune_race", "eval_race", "report")
@@ -231,7 +231,7 @@ class MainJob(Stages):
 
     # ------------------------------------------------------------------------------------- report
     def stage_report(self) -> Path:
-        from megatron_ds_suite.main_job.report import ReportInputs, write_report
+        from megatron_ds_suite.app.main_job.report import ReportInputs, write_report
 
         cmd = "bash scripts/run_main.sh" + (f" --config {self.config_path}" if self.config_path else "") + \
               "".join(f" {o}" for o in self.overrides)
