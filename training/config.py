@@ -82,11 +82,21 @@ class ModelConfig(Freezable):
     LayerNorm bias is not a linear's: ``normalization: rmsnorm`` has none."""
     add_qkv_bias: bool = False
     """A bias in the QKV linear even when add_bias_linear is false (Megatron-Core's key; Qwen2's shape)."""
-    activation_checkpointing: bool | Literal["auto"] = False
-    """Recompute every transformer layer in backward (DeepSpeed's checkpoint, RNG states restored). ``auto``: the
-    planner decides when the trainer starts, from the smallest device memory over the ranks: off where weights,
-    gradients, optimizer states and activations fit 90 % of it, on where they do not
-    (``training/plan/recompute.py``; the choice is logged and saved in RUN_DIR/config.json)."""
+    recompute: Literal["none", "selective", "full", "auto"] = "none"
+    """Activation recomputation in backward (Korthikanti et al. 2022). ``none``: every layer keeps its
+    activations. ``selective``: only the attention core (scores, softmax, dropout, probabilities x V) is
+    recomputed, where the core keeps its s x s matrices for backward: Megatron's fp16 core
+    (``apply_query_key_layer_scaling`` / ``attention_softmax_in_fp32``) and the CPU attention-dropout path; SDPA's
+    fused kernels (flash, memory-efficient: on GPUs, and on CPU without attention dropout) keep no s x s
+    matrix and recompute the scores in their backward kernel already, so there selective is ``none``
+    (``training/models/blocks.py``). ``full``: every transformer layer is recomputed (DeepSpeed's checkpoint,
+    RNG states restored). ``auto``: the planner decides when the trainer starts, from the smallest device
+    memory over the ranks: none where weights, gradients, optimizer states and activations fit 90 % of it,
+    else selective where that fits, else full (``training/plan/recompute.py``; the choice is logged and saved
+    in RUN_DIR/config.json)."""
+    activation_checkpointing: bool | Literal["auto"] | None = None
+    """Deprecated spelling of ``recompute``, still accepted: true = ``full``, false = ``none``, auto = ``auto``
+    (set only one of the two; read into ``recompute`` when the config is built, then None)."""
     compile: bool = False
     """``torch.compile`` every transformer layer (torchtitan-style, one compiled graph shared by all layers;
     element-wise work fused): one graph per layer when ``attention_dropout`` is 0; with attention dropout the
@@ -99,6 +109,17 @@ class ModelConfig(Freezable):
     binary_head: bool = True
     head: Literal["pretrain", "multiple_choice"] = "pretrain"
     """BERT: which heads the checkpoint holds; 'multiple_choice' is written by training.finetune_race."""
+
+    def __post_init__(self) -> None:  # ModelConfig(activation_checkpointing=...) from Python (files: read_old_keys)
+        old = self.activation_checkpointing
+        if old is None:
+            return
+        mapped = OLD_RECOMPUTE_KEY[old]
+        if self.recompute not in ("none", mapped):
+            raise ConfigError(f"model.activation_checkpointing={str(old).lower()} (the old key) disagrees with "
+                              f"model.recompute={self.recompute}: set only model.recompute (none | selective | "
+                              f"full | auto)")
+        self.recompute, self.activation_checkpointing = mapped, None
 
     @property
     def positions(self) -> int:
@@ -359,11 +380,45 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         p = find_config(path)  # an existing file, else a bundled default config of that name
         data = read_yaml(p, "config file", " (see configs/ for examples; `megatron-ds-configs list` shows the "
                                            "bundled ones)")
-    data = apply_overrides(data, overrides, example="train.iters=50")
-    cfg = build_dataclass(Config, data)
+    cfg = build_dataclass(Config, with_overrides(data, overrides))
     validate_static(cfg)
     validate_data_source(cfg)
     return cfg
+
+
+OLD_RECOMPUTE_KEY = {True: "full", False: "none", "auto": "auto"}
+"""``model.activation_checkpointing`` (the key before ``model.recompute``) -> the ``model.recompute`` it means."""
+
+
+def read_old_keys(data: dict[str, Any], newest: bool = False) -> dict[str, Any]:
+    """``data`` with the old ``model.activation_checkpointing`` read into ``model.recompute``. In one source
+    (a file, a saved config) the two must agree; ``newest``: the old key was the last one set (a command-line
+    override on top of a file) and wins."""
+    model = data.get("model")
+    if not isinstance(model, dict) or "activation_checkpointing" not in model:
+        return data
+    model = dict(model)
+    old = model.pop("activation_checkpointing")
+    if old is not None:  # None: a config saved since the rename
+        if not any(old == k and type(old) is type(k) for k in OLD_RECOMPUTE_KEY):
+            raise ConfigError(f"model.activation_checkpointing: {old!r} is not true, false or auto (the old key; "
+                              f"use model.recompute: none | selective | full | auto)")
+        mapped = OLD_RECOMPUTE_KEY[old]
+        if not newest and model.get("recompute", mapped) != mapped:
+            raise ConfigError(f"model.activation_checkpointing={str(old).lower()} (the old key) disagrees with "
+                              f"model.recompute={model['recompute']}: set only model.recompute (none | selective | "
+                              f"full | auto)")
+        model["recompute"] = mapped
+    return {**data, "model": model}
+
+
+def with_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """``data`` (a config file's mapping) with the ``section.key=value`` overrides applied in order, the old
+    recompute key read at each step (:func:`read_old_keys`): an override wins over the file in either spelling."""
+    data = read_old_keys(data)
+    for item in overrides or []:
+        data = read_old_keys(apply_overrides(data, [item], example="train.iters=50"), newest=True)
+    return data
 
 
 def validate_data_source(cfg: Config) -> None:
@@ -374,7 +429,7 @@ def validate_data_source(cfg: Config) -> None:
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
-    cfg = build_dataclass(Config, data)
+    cfg = build_dataclass(Config, read_old_keys(data))
     validate_static(cfg)
     return cfg
 

@@ -108,7 +108,7 @@ class Trainer:
         if vocab < tok_vocab:
             raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {tok_vocab}")
         cfg.model.vocab_size = vocab
-        self.recompute_choice = self._resolve_recompute()  # model.activation_checkpointing: auto -> true/false
+        self.recompute_choice = self._resolve_recompute()  # model.recompute: auto -> none/selective/full
         self.layout: Layout = derive_layout(cfg, self.world, vocab)
         freeze(cfg)  # everything derived from the config is in self.layout (or the task) from here on
         self.padded_vocab = self.task.padded_vocab(self.layout)
@@ -149,18 +149,17 @@ class Trainer:
                         self.ps, self.dtype, self.padded_vocab, f"{n_params:,}", self.gas, t.iters)
 
     def _resolve_recompute(self):
-        """``model.activation_checkpointing: auto`` resolved by the planner for the smallest device memory over
+        """``model.recompute: auto`` resolved by the planner for the smallest device memory over
         all ranks (a collective: every rank must decide alike, or TP ranks would recompute differently)."""
-        if self.cfg.model.activation_checkpointing != "auto":
+        if self.cfg.model.recompute != "auto":
             return None
         dev = tdev.local_device()
         gib = torch.tensor(device_memory_gib(dev), dtype=torch.float64, device=dev)
         dist.all_reduce(gib, op=dist.ReduceOp.MIN)
         choice = recompute.resolve(self.cfg, self.dp, self.dtype, float(gib), dev.type == "cuda")
-        self.cfg.model.activation_checkpointing = choice.recompute
+        self.cfg.model.recompute = choice.recompute
         if self.is_rank0:
-            logger.info("model.activation_checkpointing=auto -> %s: %s", str(choice.recompute).lower(),
-                        choice.describe())
+            logger.info("model.recompute=auto -> %s: %s", choice.recompute, choice.describe())
         return choice
 
     # the train state's counters, as attributes (tools such as training.tools.reshard set them)

@@ -159,6 +159,7 @@ class ParallelSelfAttention(nn.Module):
         self.rotary_base = cfg.rotary_base
         self.causal = causal
         self.dropout = cfg.attention_dropout
+        self.selective = cfg.recompute == "selective"                     # recompute the core in backward
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         qkv_init = normal_init(seed, prefix + "qkv", cfg.init_method_std)
         if self.grouped:
@@ -206,17 +207,37 @@ class ParallelSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.project(x)
-        k, v = self.expand_kv(k), self.expand_kv(v)
         p = self.dropout if self.training else 0.0
+        if self.selective and self.training and torch.is_grad_enabled() and self._keeps_scores(q, p):
+            y = self._recomputed_attention(q, k, v, attn_mask, p)
+        else:
+            y = self._attention(q, k, v, attn_mask, p)                      # [b, n/p, s, hn]
+        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/p]
+        return self.proj(y)                                                # [b, s, h], all-reduced
+
+    def _attention(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
+        """The attention core of q [b, n/p, s, hn], k and v [b, g/p, s, hn] -> [b, n/p, s, hn]: key/value
+        heads repeated for their query heads, scores, softmax, dropout p, times V."""
+        k, v = self.expand_kv(k), self.expand_kv(v)
         if p > 0.0:
             # Attention-probability dropout acts on TP-local heads: it uses the model-parallel stream. The
             # stream switch sets the generator's state, which torch.compile cannot trace: compiled layers run
             # this one call eagerly between two graphs. Without dropout no number is drawn and no switch made.
-            y = self._core_on_model_parallel_stream(q, k, v, attn_mask, p)
-        else:
-            y = self._core(q, k, v, attn_mask, 0.0)                          # [b, n/p, s, hn]
-        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/p]
-        return self.proj(y)                                                # [b, s, h], all-reduced
+            return self._core_on_model_parallel_stream(q, k, v, attn_mask, p)
+        return self._core(q, k, v, attn_mask, 0.0)
+
+    def _keeps_scores(self, q: torch.Tensor, p: float) -> bool:
+        """Whether :meth:`_core` keeps s x s tensors for backward (what selective recomputation saves):
+        Megatron's core (the fp16 stabilisers) and the CPU dropout path keep the probabilities, their dropout
+        mask and output; SDPA's fused kernels (flash, memory-efficient: on GPUs, and on CPU without dropout)
+        keep only q, k, v, the output and the log-sum-exp, and recompute the scores in their backward kernel."""
+        return self.qk_layer_scaling or self.softmax_in_fp32 or (p > 0.0 and q.device.type != "cuda")
+
+    @torch.compiler.disable
+    def _recomputed_attention(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
+        """``model.recompute: selective`` (Korthikanti et al. 2022): :meth:`_attention` keeping only q, k, v
+        (k, v before the GQA repeat); backward runs it again from the same RNG states (same dropout mask)."""
+        return tp_random.recompute(functools.partial(self._attention, attn_mask=attn_mask, p=p), q, k, v)
 
     def _core(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
         """softmax(Q K^T / sqrt(hn) + mask) with dropout p, times V: [b, n/p, s, hn]."""

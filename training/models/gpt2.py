@@ -60,7 +60,7 @@ class GPT2Model(nn.Module):
             x = x + self.embedding.position_embeddings(torch.arange(s, device=tokens.device))
         x = dropout(x, self.cfg.hidden_dropout, self.training)
         for layer in self.layers:
-            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
+            if self.cfg.recompute == "full" and self.training and torch.is_grad_enabled():
                 x = tp_random.checkpoint(layer, x)
             else:
                 x = layer(x)

@@ -7,7 +7,7 @@ What it computes, per device, for one optimizer step (all formulas in docs/plan.
   token types, pooler, LM-head dense+LN+bias and the binary head);
 * memory: fp16/bf16 weights 2 B + grads 2 B + fp32 master/m/v 12 B per parameter (fp32 training:
   4 + 4 + 8), ZeRO-1 dividing the optimizer part by DP; activations per Korthikanti et al. 2022
-  with and without full activation checkpointing;
+  without recomputation, with selective recomputation (attention core) and with full checkpointing;
 * FLOPs per step (Narayanan et al. 2021 eq. 3), communication volume per step for TP, PP, DP;
 * a predicted step time from an alpha-beta model (``TimeModel``; every constant documented there).
 
@@ -25,10 +25,11 @@ Modules (each one job; the public names below are re-exported here):
 """
 from __future__ import annotations
 
-from training.plan.accounting import (ModelShape, bert_expected_masked_positions, bert_flops_per_iteration,
+from training.plan.accounting import (ModelShape, attention_core_forward_flops, bert_expected_masked_positions, bert_flops_per_iteration,
                                       bert_heads_forward_flops, embedding_params, flops_per_iteration,
                                       gpt_head_forward_flops, head_params, layer_forward_flops, layer_params,
-                                      model_flops_per_iteration, stage_params, step_flops, total_params,
+                                      model_flops_per_iteration, recomputed_flops, stage_params, step_flops,
+                                      total_params,
                                       training_flops, transformer_layer_forward_flops)
 from training.plan.cli import build_parser, load_plan_config, main
 from training.plan.layout import Layout, validate
@@ -46,11 +47,12 @@ __all__ = [
     "GIB", "PAPER_BASELINE_TFLOPS", "PAPER_WEAK_SCALING", "PRESETS", "ZERO_OPTIMIZER_BYTES_PER_PARAM", "Comm",
     "Layout", "Memory", "ModelShape",
     "ScalingRow", "StepTime", "TimeModel", "activation_bytes_per_layer", "activation_element_bytes",
+    "attention_core_forward_flops",
     "bert_expected_masked_positions",
     "bert_flops_per_iteration", "bert_heads_forward_flops", "build_parser", "calibrate_compute_fraction", "comm",
     "default_compute_fraction", "embedding_params", "flops_per_iteration", "gpt_head_forward_flops", "head_params",
     "layer_forward_flops", "layer_params", "load_plan_config", "main", "memory", "model_flops_per_iteration",
-    "paper_weak_scaling", "preset_shape", "render_paper_comparison", "render_plan", "ring_allreduce_wire",
+    "paper_weak_scaling", "preset_shape", "recomputed_flops", "render_paper_comparison", "render_plan", "ring_allreduce_wire",
     "stage_activation_bytes", "stage_params", "state_bytes_per_param", "step_flops", "step_time", "total_params",
     "tp_allreduces_per_micro", "training_flops", "transformer_layer_forward_flops", "validate",
 ]
