@@ -25,6 +25,21 @@ from megatron_ds_suite.core.errors import ConfigError
 # Sections
 # --------------------------------------------------------------------------------------------------
 @dataclass
+class RopeScalingConfig(Freezable):
+    """Llama 3's RoPE frequency scaling (Llama 3.1+; ``transformers``' ``rope_scaling`` / ``rope_parameters`` with
+    ``rope_type: llama3``, the same names): frequencies that turn fewer than ``low_freq_factor`` times over the
+    original context are divided by ``factor``, those turning more than ``high_freq_factor`` times kept, those in
+    between blended (``training/models/rotary.py``). Llama 3.1's values are the defaults."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    """The context length the model was pretrained at before the scaling (L)."""
+
+
+@dataclass
 class ModelConfig(Freezable):
     arch: Literal["gpt2", "bert"] = "gpt2"
     """Model family."""
@@ -66,6 +81,9 @@ class ModelConfig(Freezable):
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that RoPE rotates (the first ones; the rest pass unchanged):
     1.0 for Llama, 0.25 for GPT-NeoX/Pythia. head size x rotary_percent must be a positive even number."""
+    rope_scaling: RopeScalingConfig | None = None
+    """RoPE frequency scaling: None = plain RoPE; ``{rope_type: llama3, factor: 8, low_freq_factor: 1,
+    high_freq_factor: 4, original_max_position_embeddings: 8192}`` = Llama 3.1's (:class:`RopeScalingConfig`)."""
     normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
     """'layernorm' (weight and bias, GPT-2/BERT) or 'rmsnorm' (x / sqrt(mean(x^2) + eps) * weight, no bias
     or centring; computed in fp32; Llama). Same ``layernorm_epsilon``. GPT only."""
@@ -146,6 +164,14 @@ class ModelConfig(Freezable):
         return int(self.hidden_size // self.num_attention_heads * self.rotary_percent)
 
     @property
+    def llama3_rope_scaling(self) -> tuple[float, float, float, int] | None:
+        """``rope_scaling`` as (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)."""
+        r = self.rope_scaling
+        if r is None:
+            return None
+        return r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings
+
+    @property
     def qkv_bias(self) -> bool:
         return self.add_bias_linear or self.add_qkv_bias
 
@@ -162,7 +188,7 @@ class ModelConfig(Freezable):
 SWIGLU_MULTIPLE_OF = 256
 """Llama's ``multiple_of``: the SwiGLU MLP width is rounded up to a multiple of it."""
 
-GPT_ONLY_DEFAULTS: dict[str, Any] = {"position_embedding": "learned", "normalization": "layernorm",
+GPT_ONLY_DEFAULTS: dict[str, Any] = {"position_embedding": "learned", "rope_scaling": None, "normalization": "layernorm",
                                      "num_query_groups": None, "untie_embeddings_and_output_weights": False,
                                      "add_bias_linear": True, "add_qkv_bias": False}
 """ModelConfig keys (and their defaults) that only the GPT model computes; BERT refuses other values
@@ -537,9 +563,16 @@ def validate_model_options(m: ModelConfig, tp: int) -> None:
         if rot < 2 or rot % 2:
             raise ConfigError(f"model.rotary_percent={m.rotary_percent} rotates {rot} of the {head} dimensions of "
                               f"a head: RoPE needs a positive even number (head size x rotary_percent)")
-    elif m.rotary_percent != 1.0 or m.rotary_base != 10000.0:
-        raise ConfigError("model.rotary_base / model.rotary_percent are set but model.position_embedding is "
-                          "'learned': set model.position_embedding=rope")
+    elif m.rotary_percent != 1.0 or m.rotary_base != 10000.0 or m.rope_scaling is not None:
+        raise ConfigError("model.rotary_base / model.rotary_percent / model.rope_scaling are set but "
+                          "model.position_embedding is 'learned': set model.position_embedding=rope")
+    r = m.rope_scaling
+    if r is not None and not (r.factor >= 1.0 and 0.0 < r.low_freq_factor < r.high_freq_factor
+                              and r.original_max_position_embeddings >= 1):
+        raise ConfigError(f"model.rope_scaling: need factor >= 1, 0 < low_freq_factor < high_freq_factor and "
+                          f"original_max_position_embeddings >= 1 (got factor={r.factor}, low_freq_factor="
+                          f"{r.low_freq_factor}, high_freq_factor={r.high_freq_factor}, "
+                          f"original_max_position_embeddings={r.original_max_position_embeddings})")
 
 
 # --------------------------------------------------------------------------------------------------
