@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.distributed import run_distributed
+from tests.test_training import _overrides, _train_worker, needs_corpus, spm_model  # noqa: F401 - fixture
 from training.config import ConfigError, ModelConfig, config_from_dict
 
 VOCAB = 256
@@ -171,3 +172,46 @@ def test_old_and_new_key_disagreeing_is_one_line():
         config_from_dict({"model": {"activation_checkpointing": "yes"}})
     with pytest.raises(ConfigError, match="disagrees"):
         ModelConfig(activation_checkpointing=False, recompute="full")
+
+
+@needs_corpus
+def test_selective_under_pipeline_parallelism_trains_as_none(spm_model, tmp_path):  # noqa: F811 - fixture
+    """PP = 2 under the Trainer with dropout on: selective recomputation gives the losses of none, bit for bit
+    (the recomputed cores replay their dropout masks inside DeepSpeed's pipeline schedule)."""
+    common = {"train.iters": 3, "parallel.tensor": 1, "parallel.pipeline": 2, "model.hidden_dropout": 0.1,
+              "model.attention_dropout": 0.1}
+    losses = {mode: run_distributed(_train_worker, 2, _overrides(spm_model, tmp_path / mode, **common,
+                                                                  **{"model.recompute": mode}))[0]["losses"]
+              for mode in ("none", "selective")}
+    assert len(losses["none"]) == 3 and losses["selective"] == losses["none"], losses
+
+
+def test_planner_selective_memory_and_flops_for_the_8p3b_model_at_tp8():
+    """Korthikanti et al. 2022, Table 2 without sequence parallelism: selective keeps s b h (10 + 24/t) per layer,
+    the s^2 term 5 a s / (h t) gone; for the 8.3B config at TP 8 (micro-batch 8, fp16, attention scores kept) that
+    is 33.50 -> 22.25 GiB of activations per device, for 4 B s^2 h l recomputed FLOPs: +1.72 % of the step
+    (full recomputation: +32.7 %)."""
+    from training.plan import (Layout, activation_bytes_per_layer, memory, preset_shape, recomputed_flops,
+                               step_flops)
+    from training.plan.memory import GIB
+
+    s = preset_shape("gpt2-8.3b", 8)
+    sbh = 1024 * 8 * 3072
+    assert activation_bytes_per_layer(s, 8, 8) == pytest.approx(sbh * (10 + 24 / 8 + 5 * 32 * 1024 / (3072 * 8)))
+    assert activation_bytes_per_layer(s, 8, 8, scores_stored=False) == pytest.approx(sbh * (10 + 24 / 8))
+    lay = Layout(tp=8, pp=1, dp=1, micro_batch=8, global_batch=512)
+    mem = memory(s, lay, "fp16")
+    assert (round(mem.activations / GIB, 2), round(mem.activations_selective / GIB, 2),
+            round(mem.activations_ckpt / GIB, 2)) == (33.50, 22.25, 4.15)
+    assert mem.activations - mem.activations_selective == pytest.approx(72 * sbh * 5 * 32 * 1024 / (3072 * 8))
+    assert mem.total_for(False, "selective") == mem.total(False, False) - (mem.activations - mem.activations_selective)
+    # fused attention keeps no scores: selective is none
+    flash = memory(s, lay, "fp16", scores_stored=False)
+    assert flash.activations_selective == flash.activations
+    tokens = 512 * 1024
+    assert recomputed_flops(s, 512, "selective") == 72 * 4 * tokens * 1024 * 3072
+    assert recomputed_flops(s, 512, "full") == step_flops(s, 512, True) - step_flops(s, 512, False)
+    assert recomputed_flops(s, 512, "none") == 0
+    base = step_flops(s, 512, False)
+    assert round(100 * recomputed_flops(s, 512, "selective") / base, 2) == 1.72
+    assert round(100 * recomputed_flops(s, 512, "full") / base, 1) == 32.7
