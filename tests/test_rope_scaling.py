@@ -147,3 +147,39 @@ def test_a_table_made_in_inference_mode_still_trains():
         model(tokens)
     model(tokens, tokens).mean().backward()                                 # then training on the same table
     assert model.layers[0].attn.qkv.weight.grad.abs().sum() > 0
+
+
+def test_llama3_folder_imports_exports_and_is_adopted_by_init_from(tmp_path):
+    """A saved ``LlamaForCausalLM`` folder with llama3 scaling: ``import_hf`` writes a run whose checkpoint keeps
+    ``model.rope_scaling`` (logits equal ``transformers``), ``export_hf`` writes the scaling back, and a run
+    started with ``train.init_from`` adopts it with the rest of the model shape."""
+    transformers = pytest.importorskip("transformers")
+    from tests.hf_models import GPT2_TOKENIZER, save_random_llama
+
+    if not GPT2_TOKENIZER.is_dir():
+        pytest.skip("../shared/data/tokenizers/gpt2 absent")
+    from training.checkpoint import load_model_for_eval
+    from training.config import load_config
+    from training.init_from import adopt_model_config
+    from training.tools.export_hf import export
+    from training.tools.import_hf import import_hf
+
+    scaling = {"rope_type": "llama3", **SCALING}
+    src = save_random_llama(tmp_path / "hf", rope_theta=500000.0, rope_scaling=scaling)
+    run = import_hf(str(src), tmp_path / "run", seq_length=64)
+    model, cfg, tok = load_model_for_eval(run)
+    assert cfg.model.rope_scaling == RopeScalingConfig(**SCALING)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(src)).eval()
+    ids = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog, twice, and then once more.")])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[..., :50257], hf(ids).logits, rtol=0, atol=1e-5)
+    export(run, tmp_path / "back")
+    again = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    assert {k: again.config.rope_parameters[k] for k in scaling} == scaling
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, hf(ids).logits)
+    new = load_config("configs/llama_tiny.yaml", ["data.corpus=x", f"train.init_from={run}",
+                                                  f"run.dir={tmp_path / 'new'}", "parallel.tensor=1"])
+    assert new.model.rope_scaling is None
+    adopt_model_config(new)
+    assert new.model.rope_scaling == RopeScalingConfig(**SCALING) and new.model.rotary_base == 500000.0
