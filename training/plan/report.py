@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from training.plan.accounting import ModelShape, recomputed_flops, stage_params, step_flops, total_params
 from training.plan.layout import Layout
-from training.plan.memory import GIB, memory, state_bytes_per_param
+from training.plan.memory import GIB, Memory, memory, state_bytes_per_param
 from training.plan.paper import PAPER_BASELINE_TFLOPS, default_compute_fraction, paper_weak_scaling
 from training.plan.recompute import choose_recompute
 from training.plan.timing import Comm, TimeModel, comm, step_time
@@ -46,7 +46,7 @@ def _llama_parts(shape: ModelShape) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _selective_line(shape: ModelShape, lay: Layout, mem, scores_stored: bool) -> str:
+def _selective_line(shape: ModelShape, lay: Layout, mem: Memory, scores_stored: bool) -> str:
     """What selective recomputation (``model.recompute: selective``) saves and what it recomputes."""
     if not scores_stored:
         return ("  selective recomputation: saves nothing here (fused attention keeps no s^2 scores and "
