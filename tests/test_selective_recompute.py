@@ -215,3 +215,39 @@ def test_planner_selective_memory_and_flops_for_the_8p3b_model_at_tp8():
     base = step_flops(s, 512, False)
     assert round(100 * recomputed_flops(s, 512, "selective") / base, 2) == 1.72
     assert round(100 * recomputed_flops(s, 512, "full") / base, 1) == 32.7
+
+
+def _compiled_worker(rank: int, world: int) -> dict:
+    from training.models.blocks import TransformerLayer
+    from training.parallel import random as tp_random
+    from training.parallel.state import ParallelState
+
+    ps = ParallelState(tp=world)
+    tp_random.configure(ps, num_layers=1)
+    out: dict = {"recomputed": 0}
+    real = tp_random.recompute
+
+    def counting(fn, *tensors):
+        out["recomputed"] += 1
+        return real(fn, *tensors)
+
+    tp_random.recompute = counting
+    for mode in ("none", "selective"):
+        cfg = ModelConfig(hidden_size=64, num_attention_heads=4, seq_length=32, hidden_dropout=0.0,
+                          attention_dropout=0.1, recompute=mode)
+        layer = TransformerLayer(cfg, ps.tp_group, 1, 0).train()
+        layer.compile(backend="aot_eager")                                # model.compile's per-layer compile
+        x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        tp_random.set_seed(7)
+        layer(x).square().sum().backward()
+        out[mode] = [x.grad] + [p.grad for p in layer.parameters()]
+    return out
+
+
+def test_selective_in_compiled_layers():
+    """``model.compile``: the recomputed core runs eagerly between the layer's graphs (like the attention-dropout
+    core does already) and gives the gradients of compiled layers without recomputation, bit for bit."""
+    out = run_distributed(_compiled_worker, 1)[0]
+    assert out["recomputed"] == 1
+    for a, b in zip(out["none"], out["selective"], strict=True):
+        assert torch.equal(a, b)
