@@ -132,7 +132,7 @@ def load_model_for_eval(run_dir: str | Path, group=None, device: str = "cpu", ta
     if padded % world:
         raise ConfigError(f"padded vocabulary {padded} of {run_dir} is not divisible by TP={world}")
     cfg.parallel.tensor = world
-    cfg.model.activation_checkpointing = False
+    cfg.model.recompute = "none"
     if cfg.model.arch == "bert":
         from training.models.bert import build_bert_for_eval
 

@@ -25,6 +25,21 @@ from megatron_ds_suite.core.errors import ConfigError
 # Sections
 # --------------------------------------------------------------------------------------------------
 @dataclass
+class RopeScalingConfig(Freezable):
+    """Llama 3's RoPE frequency scaling (Llama 3.1+; ``transformers``' ``rope_scaling`` / ``rope_parameters`` with
+    ``rope_type: llama3``, the same names): frequencies that turn fewer than ``low_freq_factor`` times over the
+    original context are divided by ``factor``, those turning more than ``high_freq_factor`` times kept, those in
+    between blended (``training/models/rotary.py``). Llama 3.1's values are the defaults."""
+
+    rope_type: Literal["llama3"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    """The context length the model was pretrained at before the scaling (L)."""
+
+
+@dataclass
 class ModelConfig(Freezable):
     arch: Literal["gpt2", "bert"] = "gpt2"
     """Model family."""
@@ -66,6 +81,9 @@ class ModelConfig(Freezable):
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that RoPE rotates (the first ones; the rest pass unchanged):
     1.0 for Llama, 0.25 for GPT-NeoX/Pythia. head size x rotary_percent must be a positive even number."""
+    rope_scaling: RopeScalingConfig | None = None
+    """RoPE frequency scaling: None = plain RoPE; ``{rope_type: llama3, factor: 8, low_freq_factor: 1,
+    high_freq_factor: 4, original_max_position_embeddings: 8192}`` = Llama 3.1's (:class:`RopeScalingConfig`)."""
     normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
     """'layernorm' (weight and bias, GPT-2/BERT) or 'rmsnorm' (x / sqrt(mean(x^2) + eps) * weight, no bias
     or centring; computed in fp32; Llama). Same ``layernorm_epsilon``. GPT only."""
@@ -82,11 +100,21 @@ class ModelConfig(Freezable):
     LayerNorm bias is not a linear's: ``normalization: rmsnorm`` has none."""
     add_qkv_bias: bool = False
     """A bias in the QKV linear even when add_bias_linear is false (Megatron-Core's key; Qwen2's shape)."""
-    activation_checkpointing: bool | Literal["auto"] = False
-    """Recompute every transformer layer in backward (DeepSpeed's checkpoint, RNG states restored). ``auto``: the
-    planner decides when the trainer starts, from the smallest device memory over the ranks: off where weights,
-    gradients, optimizer states and activations fit 90 % of it, on where they do not
-    (``training/plan/recompute.py``; the choice is logged and saved in RUN_DIR/config.json)."""
+    recompute: Literal["none", "selective", "full", "auto"] = "none"
+    """Activation recomputation in backward (Korthikanti et al. 2022). ``none``: every layer keeps its
+    activations. ``selective``: only the attention core (scores, softmax, dropout, probabilities x V) is
+    recomputed, where the core keeps its s x s matrices for backward: Megatron's fp16 core
+    (``apply_query_key_layer_scaling`` / ``attention_softmax_in_fp32``) and the CPU attention-dropout path; SDPA's
+    fused kernels (flash, memory-efficient: on GPUs, and on CPU without attention dropout) keep no s x s
+    matrix and recompute the scores in their backward kernel already, so there selective is ``none``
+    (``training/models/blocks.py``). ``full``: every transformer layer is recomputed (DeepSpeed's checkpoint,
+    RNG states restored). ``auto``: the planner decides when the trainer starts, from the smallest device
+    memory over the ranks: none where weights, gradients, optimizer states and activations fit 90 % of it,
+    else selective where that fits, else full (``training/plan/recompute.py``; the choice is logged and saved
+    in RUN_DIR/config.json)."""
+    activation_checkpointing: bool | Literal["auto"] | None = None
+    """Deprecated spelling of ``recompute``, still accepted: true = ``full``, false = ``none``, auto = ``auto``
+    (set only one of the two; read into ``recompute`` when the config is built, then None)."""
     compile: bool = False
     """``torch.compile`` every transformer layer (torchtitan-style, one compiled graph shared by all layers;
     element-wise work fused): one graph per layer when ``attention_dropout`` is 0; with attention dropout the
@@ -99,6 +127,17 @@ class ModelConfig(Freezable):
     binary_head: bool = True
     head: Literal["pretrain", "multiple_choice"] = "pretrain"
     """BERT: which heads the checkpoint holds; 'multiple_choice' is written by training.finetune_race."""
+
+    def __post_init__(self) -> None:  # ModelConfig(activation_checkpointing=...) from Python (files: read_old_keys)
+        old = self.activation_checkpointing
+        if old is None:
+            return
+        mapped = OLD_RECOMPUTE_KEY[old]
+        if self.recompute not in ("none", mapped):
+            raise ConfigError(f"model.activation_checkpointing={str(old).lower()} (the old key) disagrees with "
+                              f"model.recompute={self.recompute}: set only model.recompute (none | selective | "
+                              f"full | auto)")
+        self.recompute, self.activation_checkpointing = mapped, None
 
     @property
     def positions(self) -> int:
@@ -125,6 +164,14 @@ class ModelConfig(Freezable):
         return int(self.hidden_size // self.num_attention_heads * self.rotary_percent)
 
     @property
+    def llama3_rope_scaling(self) -> tuple[float, float, float, int] | None:
+        """``rope_scaling`` as (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)."""
+        r = self.rope_scaling
+        if r is None:
+            return None
+        return r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings
+
+    @property
     def qkv_bias(self) -> bool:
         return self.add_bias_linear or self.add_qkv_bias
 
@@ -141,7 +188,7 @@ class ModelConfig(Freezable):
 SWIGLU_MULTIPLE_OF = 256
 """Llama's ``multiple_of``: the SwiGLU MLP width is rounded up to a multiple of it."""
 
-GPT_ONLY_DEFAULTS: dict[str, Any] = {"position_embedding": "learned", "normalization": "layernorm",
+GPT_ONLY_DEFAULTS: dict[str, Any] = {"position_embedding": "learned", "rope_scaling": None, "normalization": "layernorm",
                                      "num_query_groups": None, "untie_embeddings_and_output_weights": False,
                                      "add_bias_linear": True, "add_qkv_bias": False}
 """ModelConfig keys (and their defaults) that only the GPT model computes; BERT refuses other values
@@ -359,11 +406,45 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         p = find_config(path)  # an existing file, else a bundled default config of that name
         data = read_yaml(p, "config file", " (see configs/ for examples; `megatron-ds-configs list` shows the "
                                            "bundled ones)")
-    data = apply_overrides(data, overrides, example="train.iters=50")
-    cfg = build_dataclass(Config, data)
+    cfg = build_dataclass(Config, with_overrides(data, overrides))
     validate_static(cfg)
     validate_data_source(cfg)
     return cfg
+
+
+OLD_RECOMPUTE_KEY = {True: "full", False: "none", "auto": "auto"}
+"""``model.activation_checkpointing`` (the key before ``model.recompute``) -> the ``model.recompute`` it means."""
+
+
+def read_old_keys(data: dict[str, Any], newest: bool = False) -> dict[str, Any]:
+    """``data`` with the old ``model.activation_checkpointing`` read into ``model.recompute``. In one source
+    (a file, a saved config) the two must agree; ``newest``: the old key was the last one set (a command-line
+    override on top of a file) and wins."""
+    model = data.get("model")
+    if not isinstance(model, dict) or "activation_checkpointing" not in model:
+        return data
+    model = dict(model)
+    old = model.pop("activation_checkpointing")
+    if old is not None:  # None: a config saved since the rename
+        if not any(old == k and type(old) is type(k) for k in OLD_RECOMPUTE_KEY):
+            raise ConfigError(f"model.activation_checkpointing: {old!r} is not true, false or auto (the old key; "
+                              f"use model.recompute: none | selective | full | auto)")
+        mapped = OLD_RECOMPUTE_KEY[old]
+        if not newest and model.get("recompute", mapped) != mapped:
+            raise ConfigError(f"model.activation_checkpointing={str(old).lower()} (the old key) disagrees with "
+                              f"model.recompute={model['recompute']}: set only model.recompute (none | selective | "
+                              f"full | auto)")
+        model["recompute"] = mapped
+    return {**data, "model": model}
+
+
+def with_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """``data`` (a config file's mapping) with the ``section.key=value`` overrides applied in order, the old
+    recompute key read at each step (:func:`read_old_keys`): an override wins over the file in either spelling."""
+    data = read_old_keys(data)
+    for item in overrides or []:
+        data = read_old_keys(apply_overrides(data, [item], example="train.iters=50"), newest=True)
+    return data
 
 
 def validate_data_source(cfg: Config) -> None:
@@ -374,7 +455,7 @@ def validate_data_source(cfg: Config) -> None:
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
-    cfg = build_dataclass(Config, data)
+    cfg = build_dataclass(Config, read_old_keys(data))
     validate_static(cfg)
     return cfg
 
@@ -482,9 +563,16 @@ def validate_model_options(m: ModelConfig, tp: int) -> None:
         if rot < 2 or rot % 2:
             raise ConfigError(f"model.rotary_percent={m.rotary_percent} rotates {rot} of the {head} dimensions of "
                               f"a head: RoPE needs a positive even number (head size x rotary_percent)")
-    elif m.rotary_percent != 1.0 or m.rotary_base != 10000.0:
-        raise ConfigError("model.rotary_base / model.rotary_percent are set but model.position_embedding is "
-                          "'learned': set model.position_embedding=rope")
+    elif m.rotary_percent != 1.0 or m.rotary_base != 10000.0 or m.rope_scaling is not None:
+        raise ConfigError("model.rotary_base / model.rotary_percent / model.rope_scaling are set but "
+                          "model.position_embedding is 'learned': set model.position_embedding=rope")
+    r = m.rope_scaling
+    if r is not None and not (r.factor >= 1.0 and 0.0 < r.low_freq_factor < r.high_freq_factor
+                              and r.original_max_position_embeddings >= 1):
+        raise ConfigError(f"model.rope_scaling: need factor >= 1, 0 < low_freq_factor < high_freq_factor and "
+                          f"original_max_position_embeddings >= 1 (got factor={r.factor}, low_freq_factor="
+                          f"{r.low_freq_factor}, high_freq_factor={r.high_freq_factor}, "
+                          f"original_max_position_embeddings={r.original_max_position_embeddings})")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from training.runtime.launch import run_locked
 logger = logging.getLogger("training")
 
 # model keys that may differ from the pretrained checkpoint (everything else is the checkpoint's shape)
-TUNABLE_MODEL_KEYS = {"hidden_dropout", "attention_dropout", "activation_checkpointing"}
+TUNABLE_MODEL_KEYS = {"hidden_dropout", "attention_dropout", "recompute", "activation_checkpointing"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -76,6 +76,9 @@ def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -
         base.pop(sec, None)
     base["train"] = {k: v for k, v in base.get("train", {}).items() if k == "seed"}  # seed carries over
     base["optimizer"] = {}
+    if {"recompute", "activation_checkpointing"} & set(own.get("model") or {}):  # the run's choice replaces the
+        base["model"] = {k: v for k, v in base["model"].items()       # checkpoint's, in either spelling
+                         if k not in ("recompute", "activation_checkpointing")}
     merged = merge_dicts(base, own)
     merged["model"]["head"] = "multiple_choice"
     merged["train"]["keep_last"] = 1

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from training.config import Config, ConfigError, ModelConfig, validate_static
+from megatron_ds_suite.core.config import build_dataclass
+from training.config import Config, ConfigError, ModelConfig, RopeScalingConfig, validate_static
 
 if TYPE_CHECKING:
     from training.checkpoint import ModelDescription
@@ -35,7 +36,7 @@ logger = logging.getLogger("training")
 # model keys that determine parameter shapes or the computed function: taken from the source
 SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
               "max_position_embeddings", "vocab_size", "layernorm_epsilon", "activation", "layer_order",
-              "num_tokentypes", "position_embedding", "rotary_base", "rotary_percent", "normalization",
+              "num_tokentypes", "position_embedding", "rotary_base", "rotary_percent", "rope_scaling", "normalization",
               "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias")
 
 
@@ -97,6 +98,8 @@ def adopt_model_config(cfg: Config) -> None:
         value = theirs.get(key, getattr(defaults, key))
         if key == "max_position_embeddings":
             value = value or theirs["seq_length"]
+        if key == "rope_scaling" and isinstance(value, dict):  # a saved config holds it as a mapping
+            value = build_dataclass(RopeScalingConfig, value, "model.rope_scaling")
         if getattr(cfg.model, key) != value:
             changed.append(f"{key}={value}")
             setattr(cfg.model, key, value)

@@ -4,7 +4,7 @@ Two steps, both expecting torch.distributed initialised through ``deepspeed.init
 
 1. :func:`resolve_run` is the one place the loaded config still changes: the parallel groups and RNG
    streams are set up, ``train.init_from``'s model shape adopted, the task (:class:`training.tasks.protocol.Task`:
-   GPT-2, BERT, RACE) built, the vocabulary size taken from its tokenizer, ``activation_checkpointing: auto``
+   GPT-2, BERT, RACE) built, the vocabulary size taken from its tokenizer, ``recompute: auto``
    decided and the layout derived (once, :func:`training.layout.derive_layout`); then the config is frozen.
 2. ``Trainer(run)`` builds data, model and engine from that :class:`ResolvedRun` and never writes the
    config. ``Trainer(cfg)`` is short for ``Trainer(resolve_run(cfg))``.
@@ -97,7 +97,7 @@ class ResolvedRun:
     ps: ParallelState
     dtype: str  # fp32 / fp16 / bf16
     task: Task  # its tokenizer set the vocabulary; RACE's data set train.iters
-    recompute_choice: RecomputeChoice | None  # the planner's decision for activation_checkpointing: auto
+    recompute_choice: RecomputeChoice | None  # the planner's decision for model.recompute: auto
 
     @property
     def is_rank0(self) -> bool:
@@ -111,7 +111,7 @@ def resolve_run(cfg: Config, task_factory: TaskFactory | None = None) -> Resolve
     ``train.init_from``'s model shape is adopted (:func:`training.init_from.adopt_model_config`); the process
     groups and RNG streams are set up; the task is built (a RACE task sets ``train.iters`` and the warmup from
     its data); ``model.vocab_size`` is set from the task's tokenizer when unset (it may be larger, never
-    smaller); ``model.activation_checkpointing: auto`` is decided for the smallest device memory over all
+    smaller); ``model.recompute: auto`` is decided for the smallest device memory over all
     ranks; the layout is derived once."""
     init_from.adopt_model_config(cfg)  # train.init_from: the source's model shape (no-op when unset)
     dtype, ps = start_process(cfg)
@@ -121,25 +121,24 @@ def resolve_run(cfg: Config, task_factory: TaskFactory | None = None) -> Resolve
     if vocab < tok_vocab:
         raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {tok_vocab}")
     cfg.model.vocab_size = vocab
-    choice = _resolve_recompute(cfg, ps.dims.dp, dtype, ps.rank == 0)  # model.activation_checkpointing: auto
+    choice = _resolve_recompute(cfg, ps.dims.dp, dtype, ps.rank == 0)  # model.recompute: auto
     layout = derive_layout(cfg, ps.dims.world_size, vocab)
     freeze(cfg)  # everything derived from the config is in the layout (or the task) from here on
     return ResolvedRun(cfg=cfg, layout=layout, ps=ps, dtype=dtype, task=task, recompute_choice=choice)
 
 
 def _resolve_recompute(cfg: Config, dp: int, dtype: str, is_rank0: bool) -> RecomputeChoice | None:
-    """``model.activation_checkpointing: auto`` resolved by the planner for the smallest device memory over
-    all ranks (a collective: every rank must decide alike, or TP ranks would recompute differently)."""
-    if cfg.model.activation_checkpointing != "auto":
+    """``model.recompute: auto`` resolved by the planner (none, selective or full) for the smallest device memory
+    over all ranks (a collective: every rank must decide alike, or TP ranks would recompute differently)."""
+    if cfg.model.recompute != "auto":
         return None
     dev = tdev.local_device()
     gib = torch.tensor(device_memory_gib(dev), dtype=torch.float64, device=dev)
     dist.all_reduce(gib, op=dist.ReduceOp.MIN)
     choice = recompute.resolve(cfg, dp, dtype, float(gib), dev.type == "cuda")
-    cfg.model.activation_checkpointing = choice.recompute
+    cfg.model.recompute = choice.recompute
     if is_rank0:
-        logger.info("model.activation_checkpointing=auto -> %s: %s", str(choice.recompute).lower(),
-                    choice.describe())
+        logger.info("model.recompute=auto -> %s: %s", choice.recompute, choice.describe())
     return choice
 
 

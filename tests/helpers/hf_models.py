@@ -40,11 +40,11 @@ def save_random_gpt2(folder: Path, seed: int = 0, n_positions: int = 64) -> Path
 
 
 def save_random_llama(folder: Path, seed: int = 0, kv_heads: int = 2, rope_theta: float = 10000.0,
-                      tied: bool = False, family: str = "llama", **extra) -> Path:
+                      tied: bool = False, family: str = "llama", rope_scaling: dict | None = None, **extra) -> Path:
     """An odd-shaped Llama (3 layers, hidden 96, 6 heads in ``kv_heads`` key/value groups, MLP 160, the real
     50,257-id GPT-2 vocabulary) with every weight random (RMSNorm weights too), saved with the GPT-2 tokenizer
     as ``tokenizer.json``. ``family``: ``llama``, ``mistral`` or ``qwen2`` (the same block; ``extra`` goes to its
-    config, e.g. Mistral's ``sliding_window``)."""
+    config, e.g. Mistral's ``sliding_window``). ``rope_scaling``: e.g. llama3's keys, added to ``rope_parameters``."""
     import transformers
     from transformers import GPT2TokenizerFast
 
@@ -55,7 +55,7 @@ def save_random_llama(folder: Path, seed: int = 0, kv_heads: int = 2, rope_theta
     cfg = getattr(transformers, config_class)(
         vocab_size=50257, hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
         num_key_value_heads=kv_heads, max_position_embeddings=64, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})}, tie_word_embeddings=tied,
         bos_token_id=50256, eos_token_id=50256, **extra)
     model = getattr(transformers, model_class)(cfg).eval()
     g = torch.Generator().manual_seed(seed + 1)

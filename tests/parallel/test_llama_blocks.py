@@ -429,11 +429,10 @@ def test_unsupported_llama_configs_are_refused():
     transformers = pytest.importorskip("transformers")
     from training.tools.hf_llama import LlamaMappingError, model_config_from_hf
 
+    # llama3 scaling maps (tests/test_rope_scaling.py); linear position interpolation does not
     scaled = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
-                                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                       "original_max_position_embeddings": 8192})
-    with pytest.raises(LlamaMappingError, match="rope_type='llama3'"):
+                                      rope_parameters={"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0})
+    with pytest.raises(LlamaMappingError, match="rope_type='linear'"):
         model_config_from_hf(scaled)
 
 

@@ -12,6 +12,10 @@ the profiler's net count vary by a few s b h between runs):
 * ``torch.autograd.graph.saved_tensors_hooks``: the distinct storages autograd saves for backward,
   parameters excluded.
 
+Selective recomputation (``model.recompute: selective``, issue 28 item 4): the same layer keeps no attention
+scores, only the core's q, k, v (the QKV output), so it matches the formula without its a s^2 b term (the
+planner's selective count); what it saves matches that term.
+
 Planner: :func:`training.plan.activation_bytes_per_layer` with the element sizes our fp32 CPU model stores
 (:func:`training.plan.activation_element_bytes`): 4 bytes per activation element, and 4 per dropout-mask
 element, not Korthikanti's 1, because ``training.models.ops`` keeps the scaled fp32 mask {0, 1/(1-p)} of
@@ -114,6 +118,19 @@ def _worker(rank: int, world: int, seq: int) -> dict:
     out["layer_profiler"] = min(nets)
     _, out["layer_saved"] = _saved_bytes(lambda: layer(x), layer.parameters())
 
+    # the same layer with selective recomputation: the attention core keeps only q, k, v
+    sel = TransformerLayer(ModelConfig(hidden_size=H, num_attention_heads=HEADS, seq_length=seq,
+                                       recompute="selective"), ps.tp_group, 1234, 0).train()
+    for _ in range(2):
+        sel(x).sum().backward()
+    nets = []
+    for _ in range(3):
+        y, net = _profiled_net_bytes(lambda: sel(x))
+        nets.append(net - _nbytes(y) + _nbytes(x))
+        del y
+    out["selective_profiler"] = min(nets)
+    _, out["selective_saved"] = _saved_bytes(lambda: sel(x), sel.parameters())
+
     # the whole GPT-2 at 2 and 4 layers: the difference / 2 is one layer inside the model
     tokens = torch.randint(0, VOCAB, (B, seq))
     labels = torch.randint(0, VOCAB, (B, seq))
@@ -160,6 +177,8 @@ def test_activation_memory_per_layer_matches_measurement(tp, seq):
     shape = _shape(seq)
     planned = activation_bytes_per_layer(shape, B, tp, True, e, k)
     doubled_16bit = activation_bytes_per_layer(shape, B, tp, True, 4, 2)  # fp32 elements, 16-bit masks doubled
+    # selective recomputation: what the planner counts per layer (memory()'s activations_selective)
+    planned_selective = activation_bytes_per_layer(shape, B, tp, False, e, k)
     sbh = seq * B * H
     for r in ranks:
         # no checkpointing: one layer alone, two independent measurements, and one layer inside the model
@@ -171,6 +190,12 @@ def test_activation_memory_per_layer_matches_measurement(tp, seq):
         if tp == 1:  # at TP 2 gloo's collective buffers come and go in the profiler's window (docs/plan.md)
             in_model = (r["model_4_False"] - r["model_2_False"]) / 2
             assert in_model == pytest.approx(planned, rel=TOLERANCE), (in_model, planned)
+        # selective recomputation: the per-layer set without the a s^2 b (2e + k) / t of the attention core,
+        # by both measurements; what it saves is (nearly) all of that term
+        for key in ("selective_profiler", "selective_saved"):
+            assert r[key] == pytest.approx(planned_selective, rel=TOLERANCE), (key, r[key], planned_selective)
+        saved_by_selective = r["layer_saved"] - r["selective_saved"]
+        assert saved_by_selective == pytest.approx(planned - planned_selective, rel=TOLERANCE), saved_by_selective
         # the doubled 16-bit formula misses the fp32 masks' extra bytes by more than the tolerance
         assert abs(doubled_16bit - r["layer_profiler"]) > TOLERANCE * r["layer_profiler"]
         # full checkpointing: each layer keeps its input (e s b h) ...

@@ -138,7 +138,7 @@ class BertModel(nn.Module):
         x = dropout(x, self.cfg.hidden_dropout, self.training)
         mask = attention_mask(padding_mask)
         for layer in self.layers:
-            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
+            if self.cfg.recompute == "full" and self.training and torch.is_grad_enabled():
                 x = tp_random.checkpoint(layer, x, mask)
             else:
                 x = layer(x, mask)

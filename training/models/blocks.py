@@ -12,7 +12,9 @@ Llama-family options (``training.config.ModelConfig``; the defaults are the GPT-
 
 * ``normalization: rmsnorm`` -> :class:`RMSNorm` in place of both LayerNorms (same attribute names ``ln1``/``ln2``).
 * ``position_embedding: rope`` -> :func:`apply_rotary` on each TP-local head's queries and keys after the QKV
-  projection (positions are global token positions, so every rank rotates its heads as TP=1 does).
+  projection (positions are global token positions, so every rank rotates its heads as TP=1 does); the cos/sin
+  tables (with ``rope_scaling``, Llama 3's frequencies) come from :mod:`training.models.rotary`, computed once
+  per sequence length, device and dtype and shared by all layers.
 * ``num_query_groups: g`` (GQA; g < n) -> the fused QKV weight holds, per key/value group, the group's n/g query
   heads then its key head then its value head (Megatron-Core's layout): global rows
   ``[q_{0..n/g-1}, k_0, v_0 | q_{n/g..2n/g-1}, k_1, v_1 | ...]``, each ``hn`` rows per head. Split by output rows
@@ -39,6 +41,7 @@ from training.config import ModelConfig
 from training.models.core_attention import core_attention
 from training.models.kv_cache import KVCache
 from training.models.ops import causal_attention_with_dropout, dropout_add
+from training.models.rotary import apply_rotary, rotary_cos_sin, rotary_table
 from training.parallel import random as tp_random
 from training.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from training.parallel.mappings import group_size
@@ -86,33 +89,6 @@ NORMS = (nn.LayerNorm, RMSNorm)
 """Normalisation modules (their parameters are exempt from weight decay, ``training.optim``)."""
 
 
-def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of RoPE's angles: positions [..., s] (integer) -> two [..., s, rotary_dim] in ``dtype``.
-
-    Frequencies theta_i = base^(-2i/d), i < d/2 (d = rotary_dim); angle of position m: m theta_i, laid out
-    [theta_0 .. theta_{d/2-1}, theta_0 .. theta_{d/2-1}] (the "rotate half" convention of GPT-NeoX, Llama
-    and Megatron-Core). Computed in fp32, then cast, as ``transformers`` does."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).float()
-                               / rotary_dim))                          # [d/2]
-    freqs = positions.float()[..., None] * inv_freq                    # [..., s, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)                            # [..., s, d]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.size(-1)`` dims of every head of x [b, heads, s, hn] by RoPE; the rest pass.
-
-    Dimension i pairs with i + d/2 (d = rotary dims): (x_i, x_{i+d/2}) -> (x_i cos - x_{i+d/2} sin,
-    x_{i+d/2} cos + x_i sin), i.e. the complex number x_i + j x_{i+d/2} times e^{j m theta_i}.
-    ``cos``/``sin`` [s, d] or [b, 1, s, d] (:func:`rotary_cos_sin`)."""
-    d = cos.size(-1)
-    rot, rest = (x, None) if d == x.size(-1) else (x[..., :d], x[..., d:])
-    x1, x2 = rot.chunk(2, dim=-1)
-    out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return out if rest is None else torch.cat((out, rest), dim=-1)
-
-
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
     """The full fused QKV weight (or bias) of :class:`ParallelSelfAttention` from separate ones: q [n hn, ...],
     k and v [g hn, ...] (rows = output features, as ``nn.Linear``). g = n: ``[Q; K; V]``; g < n: per group
@@ -158,8 +134,10 @@ class ParallelSelfAttention(nn.Module):
         self.local_kv_heads = divide(g, tp)                                # = local_heads without GQA
         self.rotary_dim = cfg.rotary_dim                                   # 0: no RoPE
         self.rotary_base = cfg.rotary_base
+        self.rope_scaling = cfg.llama3_rope_scaling                        # None: plain RoPE
         self.causal = causal
         self.dropout = cfg.attention_dropout
+        self.selective = cfg.recompute == "selective"                     # recompute the core in backward
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         qkv_init = normal_init(seed, prefix + "qkv", cfg.init_method_std)
         if self.grouped:
@@ -188,9 +166,10 @@ class ParallelSelfAttention(nn.Module):
         else:
             q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [b, n/p, s, hn]
         if self.rotary_dim:
-            if positions is None:
-                positions = torch.arange(s, device=x.device)
-            cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rotary_base, q.dtype)
+            if positions is None:  # 0 .. s-1: one cached table for every layer and step (models/rotary.py)
+                cos, sin = rotary_table(s, self.rotary_dim, self.rotary_base, q.dtype, x.device, self.rope_scaling)
+            else:
+                cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rotary_base, q.dtype, self.rope_scaling)
             if cos.dim() == 3:                                             # per-sequence positions [b, s, d]
                 cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -212,17 +191,37 @@ class ParallelSelfAttention(nn.Module):
         q, k, v = self.project(x, positions)
         if cache is not None:
             k, v = cache.update(self.layer_number - 1, k, v)               # [b, g/p, cached + s, hn]
-        k, v = self.expand_kv(k), self.expand_kv(v)
         p = self.dropout if self.training else 0.0
+        if self.selective and self.training and torch.is_grad_enabled() and self._keeps_scores(q, p):
+            y = self._recomputed_attention(q, k, v, attn_mask, p)
+        else:
+            y = self._attention(q, k, v, attn_mask, p)                      # [b, n/p, s, hn]
+        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/p]
+        return self.proj(y)                                                # [b, s, h], all-reduced
+
+    def _attention(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
+        """The attention core of q [b, n/p, s, hn], k and v [b, g/p, s, hn] -> [b, n/p, s, hn]: key/value
+        heads repeated for their query heads, scores, softmax, dropout p, times V."""
+        k, v = self.expand_kv(k), self.expand_kv(v)
         if p > 0.0:
             # Attention-probability dropout acts on TP-local heads: it uses the model-parallel stream. The
             # stream switch sets the generator's state, which torch.compile cannot trace: compiled layers run
             # this one call eagerly between two graphs. Without dropout no number is drawn and no switch made.
-            y = self._core_on_model_parallel_stream(q, k, v, attn_mask, p)
-        else:
-            y = self._core(q, k, v, attn_mask, 0.0)                          # [b, n/p, s, hn]
-        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/p]
-        return self.proj(y)                                                # [b, s, h], all-reduced
+            return self._core_on_model_parallel_stream(q, k, v, attn_mask, p)
+        return self._core(q, k, v, attn_mask, 0.0)
+
+    def _keeps_scores(self, q: torch.Tensor, p: float) -> bool:
+        """Whether :meth:`_core` keeps s x s tensors for backward (what selective recomputation saves):
+        Megatron's core (the fp16 stabilisers) and the CPU dropout path keep the probabilities, their dropout
+        mask and output; SDPA's fused kernels (flash, memory-efficient: on GPUs, and on CPU without dropout)
+        keep only q, k, v, the output and the log-sum-exp, and recompute the scores in their backward kernel."""
+        return self.qk_layer_scaling or self.softmax_in_fp32 or (p > 0.0 and q.device.type != "cuda")
+
+    @torch.compiler.disable
+    def _recomputed_attention(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
+        """``model.recompute: selective`` (Korthikanti et al. 2022): :meth:`_attention` keeping only q, k, v
+        (k, v before the GQA repeat); backward runs it again from the same RNG states (same dropout mask)."""
+        return tp_random.recompute(functools.partial(self._attention, attn_mask=attn_mask, p=p), q, k, v)
 
     def _core(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
         """softmax(Q K^T / sqrt(hn) + mask) with dropout p, times V: [b, n/p, s, hn]."""

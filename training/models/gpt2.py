@@ -74,7 +74,7 @@ class GPT2Model(nn.Module):
                                                        else positions)
         x = dropout(x, self.cfg.hidden_dropout, self.training)
         for layer in self.layers:
-            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
+            if self.cfg.recompute == "full" and self.training and torch.is_grad_enabled() and cache is None:
                 x = tp_random.checkpoint(layer, x, mask, positions)       # a cached forward is never recomputed
             else:
                 x = layer(x, mask, positions, cache)

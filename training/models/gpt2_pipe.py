@@ -103,7 +103,7 @@ def build_gpt2_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed
         ]
     return PipelineModule(layers=specs, topology=ps.topology, loss_fn=loss_fn,
                           partition_method="type:TransformerLayer",
-                          activation_checkpoint_interval=1 if cfg.activation_checkpointing else 0,
+                          activation_checkpoint_interval=1 if cfg.recompute == "full" else 0,
                           activation_checkpoint_func=tp_random.checkpoint,
                           checkpointable_layers=["TransformerLayer"])
 

@@ -9,6 +9,8 @@ Two streams (Megatron's scheme, implemented by ``deepspeed.checkpointing``):
 
 ``deepspeed.checkpointing.configure`` must run before seeding; its ``checkpoint`` saves and restores
 the CPU, device and tracker RNG states so that recomputation replays the same dropout masks.
+:func:`recompute` does the same for one small region (selective recomputation of the attention core)
+without DeepSpeed's per-call bookkeeping: one device-generator state and the tracker's dict per call.
 """
 from __future__ import annotations
 
@@ -55,6 +57,58 @@ def model_parallel_rng() -> contextlib.AbstractContextManager:
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     """Recompute ``function(*args)`` in backward with the forward's RNG states restored."""
     return deepspeed.checkpointing.checkpoint(function, *args)
+
+
+def _device_rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_device_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class _Recompute(torch.autograd.Function):
+    """forward: ``function(*tensors)`` without keeping its graph, only its inputs; backward: the same
+    call again, replaying the random numbers it drew, then its backward."""
+
+    @staticmethod
+    def forward(ctx, function, *tensors):
+        ctx.function = function
+        ctx.device = tensors[0].device
+        # the generator states the call starts from: the device's default generator and the tracker's streams
+        # (a fork replaces a stream's state tensor, never writes into it: a shallow copy is a snapshot)
+        ctx.rng = _device_rng_state(ctx.device)
+        ctx.tracker = get_tracker().get_states()
+        ctx.save_for_backward(*tensors)
+        return function(*tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        tracker = get_tracker()
+        now_rng, now_tracker = _device_rng_state(ctx.device), tracker.get_states()
+        _set_device_rng_state(ctx.device, ctx.rng)
+        tracker.set_states(ctx.tracker)
+        try:
+            with torch.enable_grad():
+                out = ctx.function(*inputs)
+        finally:  # back to where backward was: the replay must not rewind the streams
+            _set_device_rng_state(ctx.device, now_rng)
+            tracker.set_states(now_tracker)
+        torch.autograd.backward(out, grad)
+        return (None, *(t.grad if t.requires_grad else None for t in inputs))
+
+
+def recompute(function: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
+    """``function(*tensors)`` (one tensor out) whose intermediate activations are not kept: backward runs it
+    again, from the same device-generator and tracker states, so dropout inside (on either stream) draws
+    the same mask, and gets the same numbers bitwise. Keeps only ``tensors`` (saved for backward, so
+    ``saved_tensors_hooks`` see them). ``function`` must be deterministic given those states and must not
+    mutate its inputs; it runs without a graph in forward."""
+    return _Recompute.apply(function, *tensors)
 
 
 def get_rng_state() -> dict:

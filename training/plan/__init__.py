@@ -7,7 +7,7 @@ What it computes, per device, for one optimizer step (all formulas in docs/plan.
   token types, pooler, LM-head dense+LN+bias and the binary head);
 * memory: fp16/bf16 weights 2 B + grads 2 B + fp32 master/m/v 12 B per parameter (fp32 training:
   4 + 4 + 8), ZeRO-1 dividing the optimizer part by DP; activations per Korthikanti et al. 2022
-  with and without full activation checkpointing;
+  without recomputation, with selective recomputation (attention core) and with full checkpointing;
 * FLOPs per step (Narayanan et al. 2021 eq. 3), communication volume per step for TP, PP, DP;
 * a predicted step time from an alpha-beta model (``TimeModel``; every constant documented there).
 
@@ -35,9 +35,9 @@ from typing import Any
 
 # public name -> the submodule that defines it (loaded by __getattr__ on first use)
 _EXPORTS = {
-    "accounting": ("ModelShape", "bert_expected_masked_positions", "bert_flops_per_iteration", "bert_heads_forward_flops",
+    "accounting": ("ModelShape", "attention_core_forward_flops", "bert_expected_masked_positions", "bert_flops_per_iteration", "bert_heads_forward_flops",
                    "embedding_params", "flops_per_iteration", "gpt_head_forward_flops", "head_params",
-                   "layer_forward_flops", "layer_params", "model_flops_per_iteration", "stage_params", "step_flops",
+                   "layer_forward_flops", "layer_params", "model_flops_per_iteration", "recomputed_flops", "stage_params", "step_flops",
                    "total_params", "training_flops", "transformer_layer_forward_flops"),
     "cli": ("build_parser", "load_plan_config", "main"),
     "layout": ("Layout", "validate"),

@@ -194,6 +194,25 @@ def transformer_layer_forward_flops(tokens: int, seq: int, hidden: int, ffn: int
     return tokens * (2 * h * (h + 2 * kv) + 2 * h * h + mlp + 4 * seq * h)
 
 
+def attention_core_forward_flops(tokens: int, seq: int, hidden: int) -> int:
+    """The attention core of one layer's forward for ``tokens`` = B s tokens: scores Q K^T and probabilities
+    x V, 2 s h each per token (every query head, also with GQA): the FLOPs that selective recomputation
+    runs once more in backward (softmax and dropout are not matmuls)."""
+    return tokens * 4 * seq * hidden
+
+
+def recomputed_flops(shape: ModelShape, global_batch: int, recompute: str) -> float:
+    """FLOPs one step spends recomputing in backward, whole model: 'full' one more forward of every layer,
+    'selective' one more forward of every attention core (Korthikanti et al. 2022: 4 B s^2 h l, i.e.
+    s / (18 h + 3 s) of the layers' forward + backward for f = 4h), 'none' nothing."""
+    tokens = global_batch * shape.seq
+    if recompute == "full":
+        return shape.num_layers * layer_forward_flops(shape, tokens)
+    if recompute == "selective":
+        return shape.num_layers * attention_core_forward_flops(tokens, shape.seq, shape.hidden)
+    return 0.0
+
+
 def gpt_head_forward_flops(tokens: int, hidden: int, vocab: int) -> int:
     """The tied output layer at every position: 2 h V per token."""
     return 2 * tokens * hidden * vocab

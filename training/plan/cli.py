@@ -9,8 +9,8 @@ import logging
 import sys
 from typing import Any
 
-from megatron_ds_suite.core.config import apply_overrides, build_dataclass, merge_dicts, read_yaml
-from training.config import Config, ConfigError
+from megatron_ds_suite.core.config import build_dataclass, merge_dicts, read_yaml
+from training.config import Config, ConfigError, with_overrides
 from training.plan.accounting import ModelShape
 from training.plan.layout import Layout, validate
 from training.plan.presets import PRESETS
@@ -38,7 +38,7 @@ def load_plan_config(path: str | None, model: str | None, overrides: list[str]) 
         if model not in PRESETS:
             raise ConfigError(f"unknown --model {model!r}; choose one of: {', '.join(PRESETS)}")
         data = merge_dicts(data, {"model": PRESETS[model]})
-    return build_dataclass(Config, apply_overrides(data, overrides, example="train.iters=50"))
+    return build_dataclass(Config, with_overrides(data, overrides))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,8 +3,8 @@
 Weights/gradients/optimizer: fp16/bf16 mixed precision 2 + 2 + 12 bytes per parameter (fp32 master, m,
 v), fp32 training 4 + 4 + 8; ZeRO-1 divides the optimizer part by DP, where DeepSpeed's ZeRO optimizer
 keeps an fp32 copy of the weights in fp32 training too (12 bytes per parameter in every dtype).
-Activations per Korthikanti et al. 2022, with and without full activation checkpointing, at the peak of a
-1F1B schedule.
+Activations per Korthikanti et al. 2022 without recomputation, with selective recomputation (the attention
+core) and with full activation checkpointing, at the peak of a 1F1B schedule.
 """
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def activation_bytes_per_layer(shape: ModelShape, micro_batch: int, tp: int, sco
     Terms: 10 sbh replicated on every TP rank (two LN inputs 4, QKV and h->4h inputs 4, two dropout
     masks 2); 24/t split (Q, K, V 6, projection input 2, GeLU input and output 2 x 8); 5 a s^2 b / t
     for the attention scores (softmax output 2, dropout mask 1, dropout output 2). For an MLP width f
-    the 16 becomes 4 f / h. ``scores_stored=False`` drops the s^2 term (flash attention).
+    the 16 becomes 4 f / h. ``scores_stored=False`` drops the s^2 term: flash attention, and selective
+    recomputation (the paper's ``s b h (10 + 24/t)``, Table 2), which recomputes exactly that term.
 
     In elements: e = ``act_bytes`` per activation, k = ``mask_bytes`` per mask element,
 
@@ -80,14 +81,22 @@ class Memory:
     optimizer_zero1: float
     activations: float
     activations_ckpt: float
+    activations_selective: float
+    """Activations with selective recomputation (``model.recompute: selective``; = ``activations`` when the
+    attention core keeps no scores)."""
 
     def total(self, zero1: bool, ckpt: bool) -> float:
-        return (self.params + self.grads + (self.optimizer_zero1 if zero1 else self.optimizer)
-                + (self.activations_ckpt if ckpt else self.activations))
+        return self.total_for(zero1, "full" if ckpt else "none")
+
+    def total_for(self, zero1: bool, recompute: str) -> float:
+        """Total bytes with ``recompute`` 'none', 'selective' or 'full'."""
+        act = {"none": self.activations, "selective": self.activations_selective, "full": self.activations_ckpt}
+        return self.params + self.grads + (self.optimizer_zero1 if zero1 else self.optimizer) + act[recompute]
 
 
 def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: bool,
-                           scores_stored: bool = True, act_bytes: int = 2, mask_bytes: int = 1) -> float:
+                           scores_stored: bool = True, act_bytes: int = 2, mask_bytes: int = 1,
+                           selective: bool = False) -> float:
     """Activations alive on one TP rank of ``stage`` at the peak of a 1F1B schedule.
 
     Stage i keeps min(p - i, m) micro-batches in flight (one when p = 1: gradient accumulation runs
@@ -97,10 +106,12 @@ def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: boo
     sec. 4.3, no SP): embedding dropout mask s b h on stage 0; final-LN input 2 s b h, output-layer
     input 2 s b h and fp32 logits 4 s b V / t on the last stage. 16-bit by default; ``act_bytes`` and
     ``mask_bytes`` as in :func:`activation_bytes_per_layer` (2 s b h -> e s b h, the mask k s b h).
+    ``selective``: the attention core is recomputed in backward, so no layer keeps its s^2 scores (the one
+    core being recomputed holds them for a moment: not counted, 1/l of what was saved).
     """
     s, b, h = shape.seq, lay.micro_batch, shape.hidden
     e, k = act_bytes, mask_bytes
-    per_layer = activation_bytes_per_layer(shape, b, lay.tp, scores_stored, e, k)
+    per_layer = activation_bytes_per_layer(shape, b, lay.tp, scores_stored and not selective, e, k)
     layers = shape.num_layers // lay.pp
     in_flight = min(lay.pp - stage, lay.num_micro)
     if ckpt:
@@ -125,7 +136,9 @@ def memory(shape: ModelShape, lay: Layout, dtype: str = "fp16", scores_stored: b
     for i, n in enumerate(params):
         m = Memory(params=wb * n, grads=gb * n, optimizer=ob * n, optimizer_zero1=ZERO_OPTIMIZER_BYTES_PER_PARAM * n / lay.dp,
                    activations=stage_activation_bytes(shape, lay, i, False, scores_stored, e, k),
-                   activations_ckpt=stage_activation_bytes(shape, lay, i, True, scores_stored, e, k))
+                   activations_ckpt=stage_activation_bytes(shape, lay, i, True, scores_stored, e, k),
+                   activations_selective=stage_activation_bytes(shape, lay, i, False, scores_stored, e, k,
+                                                                selective=True))
         if best is None or m.total(False, False) > best.total(False, False):
             best = m
     assert best is not None

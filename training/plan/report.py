@@ -4,9 +4,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from training.plan.accounting import ModelShape, stage_params, step_flops, total_params
+from training.plan.accounting import ModelShape, recomputed_flops, stage_params, step_flops, total_params
 from training.layout import Layout
-from training.plan.memory import GIB, memory, state_bytes_per_param
+from training.plan.memory import GIB, Memory, memory, state_bytes_per_param
 from training.plan.paper import PAPER_BASELINE_TFLOPS, default_compute_fraction, paper_weak_scaling
 from training.plan.recompute import choose_recompute
 from training.plan.timing import Comm, TimeModel, comm, step_time
@@ -46,6 +46,19 @@ def _llama_parts(shape: ModelShape) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def _selective_line(shape: ModelShape, lay: Layout, mem: Memory, scores_stored: bool) -> str:
+    """What selective recomputation (``model.recompute: selective``) saves and what it recomputes."""
+    if not scores_stored:
+        return ("  selective recomputation: saves nothing here (fused attention keeps no s^2 scores and "
+                "recomputes them in its backward kernel): same as none")
+    extra = recomputed_flops(shape, lay.global_batch, "selective")
+    full = recomputed_flops(shape, lay.global_batch, "full")
+    base = step_flops(shape, lay.global_batch, False)
+    return (f"  selective recomputation (attention core): activations {_gib(mem.activations_selective)} GiB, "
+            f"saves {_gib(mem.activations - mem.activations_selective)} GiB of {_gib(mem.activations)}; "
+            f"recomputes {extra:.4g} FLOPs per step (+{extra / base:.2%}; full: +{full / base:.2%})")
+
+
 def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dtype: str,
                 scores_stored: bool = True) -> str:
     """The CLI report as text (tables)."""
@@ -83,10 +96,10 @@ def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dty
         out.append(f"  {label:28s}{_gib(vals[0]) + fits[0]:>12s}{_gib(vals[1]) + fits[1]:>12s}")
     if over:
         out.append(f"  (! = exceeds the {hw.memory_gb:g} GiB of one {hw.name})")
+    out.append(_selective_line(shape, lay, mem, scores_stored))
     if hw.memory_gb > 0:
         choice = choose_recompute(shape, lay, dtype, hw.memory_gb, scores_stored=scores_stored, cpu=hw.name == "cpu")
-        out.append(f"  model.activation_checkpointing: auto -> {str(choice.recompute).lower()} on {hw.name}: "
-                   f"{choice.describe()}")
+        out.append(f"  model.recompute: auto -> {choice.recompute} on {hw.name}: {choice.describe()}")
     out.append("")
     f = default_compute_fraction(hw, tm, dtype)
     out.append(f"per step (compute fraction {f:.3f} of {hw.peak_tflops.get(dtype) or 0:.4g} TFLOP/s peak):")

@@ -15,15 +15,16 @@ the same logits as ``transformers`` (fp32) and :func:`to_hf` gives its state dic
     model.norm.weight                                 -> final_ln.weight
     lm_head.weight                                    -> output_layer.weight (or tied to the embedding)
 
-Biases (``attention_bias``, ``mlp_bias``) map to the same modules' ``.bias``. Only plain RoPE is computed
-(``rope_type: default``); Llama 3.1+'s ``llama3`` frequency scaling is refused in one line, as is a
-``head_dim`` other than hidden / heads.
+Biases (``attention_bias``, ``mlp_bias``) map to the same modules' ``.bias``. RoPE: plain (``rope_type:
+default``) and Llama 3.1+'s ``llama3`` frequency scaling (``factor``, ``low_freq_factor``, ``high_freq_factor``,
+``original_max_position_embeddings`` <-> ``model.rope_scaling``, the same names); other rope types are refused
+in one line, as is a ``head_dim`` other than hidden / heads.
 """
 from __future__ import annotations
 
 import torch
 
-from training.config import ModelConfig
+from training.config import ModelConfig, RopeScalingConfig
 from training.models.blocks import fuse_qkv, split_qkv
 from megatron_ds_suite.core.errors import SuiteError
 
@@ -38,15 +39,37 @@ class LlamaMappingError(SuiteError):
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
-def _rope(hf_cfg) -> tuple[str, float, float]:
-    """(rope type, theta, partial rotary factor) from transformers 5's ``rope_parameters`` or 4's
-    ``rope_theta`` / ``rope_scaling``."""
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+"""The ``llama3`` rope-scaling keys: ``transformers``' names, and ours (``RopeScalingConfig``)."""
+
+
+def _rope(hf_cfg) -> tuple[str, float, float, dict]:
+    """(rope type, theta, partial rotary factor, the scaling's keys) from transformers 5's ``rope_parameters`` or
+    4's ``rope_theta`` / ``rope_scaling``."""
     params = dict(getattr(hf_cfg, "rope_parameters", None) or {})
-    scaling = getattr(hf_cfg, "rope_scaling", None) or {}
+    scaling = dict(getattr(hf_cfg, "rope_scaling", None) or {})
     kind = params.get("rope_type") or params.get("type") or scaling.get("rope_type") or scaling.get("type") or "default"
     theta = params.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", getattr(hf_cfg, "partial_rotary_factor", 1.0))
-    return kind, float(theta), float(partial)
+    return kind, float(theta), float(partial), {**scaling, **params}
+
+
+def _rope_scaling(kind: str, params: dict) -> RopeScalingConfig | None:
+    """``model.rope_scaling`` for an HF rope type ('default': none; 'llama3': its four keys)."""
+    if kind != "llama3":
+        return None
+    return RopeScalingConfig(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                             high_freq_factor=float(params["high_freq_factor"]),
+                             original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+
+
+def _hf_rope_parameters(cfg: ModelConfig) -> dict:
+    """``rope_parameters`` of ``transformers``' config for ours (theta, and the llama3 scaling when set)."""
+    out: dict = {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    if cfg.rope_scaling is not None:
+        out["rope_type"] = "llama3"
+        out.update({k: getattr(cfg.rope_scaling, k) for k in LLAMA3_KEYS})
+    return out
 
 
 def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
@@ -55,7 +78,7 @@ def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
     if family not in LLAMA_FAMILY:
         raise LlamaMappingError(f"model_type {family!r} is not a Llama-family config ({', '.join(LLAMA_FAMILY)})")
     h, n = hf_cfg.hidden_size, hf_cfg.num_attention_heads
-    kind, theta, partial = _rope(hf_cfg)
+    kind, theta, partial, rope_params = _rope(hf_cfg)
     unsupported = []
     window = getattr(hf_cfg, "sliding_window", None)
     if family == "mistral" and window is not None and window < hf_cfg.max_position_embeddings:
@@ -64,7 +87,7 @@ def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
         unsupported.append("use_sliding_window=true")
     if hf_cfg.hidden_act != "silu":
         unsupported.append(f"hidden_act={hf_cfg.hidden_act!r}")
-    if kind != "default":
+    if kind not in ("default", "llama3"):
         unsupported.append(f"rope_type={kind!r}")
     head_dim = getattr(hf_cfg, "head_dim", None) or h // n
     if head_dim * n != h:
@@ -86,6 +109,7 @@ def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
                        attention_dropout=float(getattr(hf_cfg, "attention_dropout", 0.0) or 0.0),
                        init_method_std=float(hf_cfg.initializer_range), layernorm_epsilon=float(hf_cfg.rms_norm_eps),
                        activation="swiglu", position_embedding="rope", rotary_base=theta, rotary_percent=partial,
+                       rope_scaling=_rope_scaling(kind, rope_params),
                        normalization="rmsnorm", num_query_groups=None if groups == n else groups,
                        untie_embeddings_and_output_weights=not getattr(hf_cfg, "tie_word_embeddings", False),
                        add_bias_linear=bias, add_qkv_bias=family == "qwen2")
@@ -103,7 +127,7 @@ def hf_config(cfg: ModelConfig, vocab_size: int | None = None):
                   hidden_act="silu", max_position_embeddings=cfg.positions,
                   initializer_range=cfg.init_method_std, rms_norm_eps=cfg.layernorm_epsilon,
                   tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
-                  rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
+                  rope_parameters=_hf_rope_parameters(cfg),
                   attention_dropout=cfg.attention_dropout)
     if qkv_bias_only(cfg):
         return transformers.Qwen2Config(**common, use_sliding_window=False)
