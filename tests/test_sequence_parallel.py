@@ -107,6 +107,118 @@ def test_sequence_parallel_maps_and_linears_equal_the_serial_reference():
         assert fwd == {"all_gather": 1} and bwd == {"all_gather": 1, "reduce_scatter": 1}, r["column_calls"]
 
 
+def _bert_cfg(layer_order: str):
+    from training.config import ModelConfig
+
+    return ModelConfig(arch="bert", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+                       vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0, layer_order=layer_order)
+
+
+def _bert_loss_and_grads(model, batch) -> tuple[torch.Tensor, dict]:
+    from training.models.bert import bert_loss
+
+    tokens, types, padding, labels, loss_mask, sop = batch
+    lm_loss, sop_logits = model(tokens, types, padding, labels, loss_mask)
+    loss, _ = bert_loss(lm_loss, sop_logits, sop)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _layers_worker(rank: int, world: int) -> dict:
+    """BERT (both layer orders) SP vs off; one GPT-2 layer's collectives with SP; SP dropout under checkpointing."""
+    from training.models.bert import BertModel
+    from training.models.blocks import TransformerLayer, dropout_on_shard
+    from training.models.gpt2 import GPT2Model
+    from training.parallel import random as tp_random
+    from training.parallel.mappings import COLLECTIVE_CALLS, gather_sequence
+    from training.parallel.state import ParallelState
+
+    ps = ParallelState(tp=world)
+    tp_random.configure(ps, num_layers=2)
+    out: dict = {}
+    g = torch.Generator().manual_seed(5)
+    s = 16
+    tokens = torch.randint(0, VOCAB, (2, s), generator=g)
+    padding = torch.ones(2, s, dtype=torch.long)
+    padding[1, 12:] = 0
+    batch = (tokens, torch.randint(0, 2, (2, s), generator=g), padding, torch.randint(0, VOCAB, (2, s), generator=g),
+             (torch.rand(2, s, generator=g) < 0.3).long(), torch.tensor([0, 1]))
+    for order in ("pre_ln", "post_ln"):
+        res = []
+        for sp in (False, True):
+            model = BertModel(_bert_cfg(order), VOCAB, ps.tp_group, seed=7, sequence_parallel=sp).train()
+            res.append(_bert_loss_and_grads(model, batch))
+        (loss_off, grads_off), (loss_on, grads_on) = res
+        out[f"bert_{order}"] = (abs(loss_on - loss_off).item(),
+                                max((grads_on[n] - gr).abs().max().item() for n, gr in grads_off.items()))
+
+    # one GPT-2 layer with SP: collectives per forward and backward
+    cfg = _bert_cfg("pre_ln")
+    cfg.arch = "gpt2"
+    layer = TransformerLayer(cfg, ps.tp_group, 7, 0, sequence_parallel=True)
+    x = torch.randn(2, s // world, 32, requires_grad=True)
+    COLLECTIVE_CALLS.clear()
+    y = layer(x)
+    out["fwd"] = dict(COLLECTIVE_CALLS)
+    COLLECTIVE_CALLS.clear()
+    y.sum().backward()
+    out["bwd"] = dict(COLLECTIVE_CALLS)
+
+    # dropout on the sequence chunk: each TP rank draws its own mask, and checkpointing replays it
+    tp_random.set_seed(11)
+    masks = gather_sequence(dropout_on_shard(torch.ones(2, s // world, 32), None, 0.5, True), ps.tp_group)
+    out["masks_differ"] = not torch.equal(*masks.chunk(world, dim=1)[:2])
+    cfg.hidden_dropout = cfg.attention_dropout = 0.1
+    runs = []
+    for ckpt in (False, True):
+        cfg.activation_checkpointing = ckpt
+        tp_random.set_seed(11)
+        model = GPT2Model(cfg, VOCAB, ps.tp_group, seed=7, sequence_parallel=True).train()
+        loss = model(tokens, batch[3]).mean()
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    out["dropout_ckpt"] = (abs(runs[0][0] - runs[1][0]).item(),
+                           max((runs[1][1][n] - gr).abs().max().item() for n, gr in runs[0][1].items()))
+    return out
+
+
+def test_bert_layer_collectives_and_dropout_with_sequence_parallelism():
+    for r in run_distributed(_layers_worker, 2):
+        for order in ("pre_ln", "post_ln"):
+            loss_diff, grad_diff = r[f"bert_{order}"]
+            assert loss_diff < 1e-6 and grad_diff < 1e-6, (order, r[f"bert_{order}"])
+        # forward: g before QKV and the MLP's first linear, g-bar after both projections, no all-reduce; backward:
+        # the duals plus the two re-gathers of the saved chunks, and one all-reduce per marked parameter (the
+        # two LayerNorms' weight and bias, the two projection biases)
+        assert r["fwd"] == {"all_gather": 2, "reduce_scatter": 2}, r["fwd"]
+        assert r["bwd"] == {"all_gather": 4, "reduce_scatter": 2, "all_reduce": 6}, r["bwd"]
+        assert r["masks_differ"]
+        assert r["dropout_ckpt"][0] < 1e-6 and r["dropout_ckpt"][1] < 1e-6, r["dropout_ckpt"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.tensor=1"], "parallel.sequence_parallel=true needs parallel.tensor > 1"),
+    (["model.seq_length=63"], "model.seq_length=63 is not a multiple of parallel.tensor=2"),
+])
+def test_config_refusals_are_one_line(overrides, message):
+    from megatron_ds_suite.core.errors import ConfigError
+    from training.config import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "llama_tiny.yaml", ["parallel.sequence_parallel=true", *overrides])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_pipeline_sends_whole_chunks():
+    from training.config import deepspeed_config, load_config
+
+    cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", ["parallel.sequence_parallel=true",
+                                                             "parallel.pipeline=2"])
+    assert deepspeed_config(cfg, 1, "fp32")["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+    cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", ["parallel.pipeline=2"])
+    assert "pipeline" not in deepspeed_config(cfg, 1, "fp32")
+
+
 # --------------------------------------------------------------------------------------------------
 # SP on == SP off, whole models under the DeepSpeed engine
 # --------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ Sequence parallelism (Korthikanti et al. 2022) adds three maps on the **sequence
 |--------------------------------------------|------------------------------|------------------------------|-------|
 | scatter_to_sequence_parallel_region        | split seq dim, keep own      | all-gather seq dim           |       |
 | gather_from_sequence_parallel_region       | all-gather seq dim           | reduce-scatter seq dim       | g     |
+| ... (``grad_is_partial=False``)            | all-gather seq dim           | split seq dim, keep own      |       |
 | reduce_scatter_to_sequence_parallel_region | reduce-scatter seq dim       | all-gather seq dim           | g-bar |
 
 g replaces f before a column-parallel linear and g-bar replaces g after a row-parallel one: an all-reduce is
@@ -192,16 +193,18 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """g: forward all-gather of the sequence, backward reduce-scatter."""
+    """g: forward all-gather of the sequence, backward reduce-scatter (or split, for a whole gradient)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None, grad_is_partial: bool) -> torch.Tensor:
+        ctx.group, ctx.grad_is_partial = group, grad_is_partial
         return gather_sequence(x, group)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return reduce_scatter_sequence(grad, ctx.group), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        if ctx.grad_is_partial:
+            return reduce_scatter_sequence(grad, ctx.group), None, None
+        return split_sequence(grad, ctx.group), None, None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -245,10 +248,13 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGrou
     return x if group_size(group) == 1 else _ScatterToSequenceParallelRegion.apply(x, group, dim)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None,
+                                         grad_is_partial: bool = True) -> torch.Tensor:
     """g: all-gather the sequence [b, s/p, h] -> [b, s, h]; reduce-scatter in backward (enter a TP region whose
-    ranks each produce a partial gradient of the whole sequence)."""
-    return x if group_size(group) == 1 else _GatherFromSequenceParallelRegion.apply(x, group)
+    ranks each produce a partial gradient of the whole sequence). ``grad_is_partial=False``: the consumer is
+    replicated (every rank computes the same whole gradient, e.g. BERT's heads), so backward keeps this rank's
+    chunk of it (Megatron's ``tensor_parallel_output_grad=False``)."""
+    return x if group_size(group) == 1 else _GatherFromSequenceParallelRegion.apply(x, group, grad_is_partial)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
