@@ -327,3 +327,24 @@ def test_sequence_parallel_equals_tensor_parallel(model_name):
             assert max(res["grad_diff"]) < 1e-6, (layout, res["grad_diff"], res["grad_max"])
             assert not res["marked_off"] and res["marked"], layout
             assert res["marked"] == res["expected"], res
+
+
+def test_planner_sequence_parallel_terms():
+    """The planner's activation memory with SP is the paper's sbh/t (34 + 5as/h) (16-bit, eq. 4) where without
+    it is sbh (10 + 24/t + 5as/(ht)); the report shows both; SP at TP 1 is refused in one line."""
+    from megatron_ds_suite.core.errors import ConfigError
+    from training.plan import Layout, ModelShape, activation_bytes_per_layer, preset_shape, render_plan, validate
+    from training.plan.timing import TimeModel
+    from training.runtime.hardware import get_hardware
+
+    s, b, h, a, t = 2048, 1, 3072, 32, 8
+    shape = ModelShape(arch="gpt2", num_layers=72, hidden=h, heads=a, seq=s, vocab=51200, positions=s, ffn=4 * h)
+    assert activation_bytes_per_layer(shape, b, t, sequence_parallel=True) == pytest.approx(
+        s * b * h / t * (34 + 5 * a * s / h))
+    assert activation_bytes_per_layer(shape, b, t) == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    shape = preset_shape("gpt2-8.3b")
+    text = render_plan(shape, Layout(tp=8, micro_batch=4, global_batch=8, sequence_parallel=True),
+                       get_hardware("a100"), TimeModel(), "fp16")
+    assert "sequence parallel" in text and "activations without SP" in text
+    with pytest.raises(ConfigError, match="sequence parallelism needs --tp > 1"):
+        validate(shape, Layout(tp=1, sequence_parallel=True))

@@ -16,6 +16,9 @@ class Layout:
     micro_batch: int = 8
     global_batch: int = 8
     gpus_per_node: int = 8
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (``parallel.sequence_parallel``): activations outside the TP regions
+    split along the sequence, i.e. divided by ``tp`` (:func:`training.plan.memory.activation_bytes_per_layer`)."""
 
     @property
     def world(self) -> int:
@@ -55,6 +58,10 @@ def validate(shape: ModelShape, lay: Layout) -> None:
     if lay.global_batch % (lay.micro_batch * lay.dp):
         raise ConfigError(f"global batch {lay.global_batch} is not divisible by micro batch x DP = "
                           f"{lay.micro_batch} x {lay.dp}: change train.global_batch_size or --dp")
+    if lay.sequence_parallel and lay.tp == 1:
+        raise ConfigError("sequence parallelism needs --tp > 1 (it splits the sequence across the TP ranks)")
+    if lay.sequence_parallel and shape.seq % lay.tp:
+        raise ConfigError(f"sequence parallelism: seq_length {shape.seq} is not a multiple of --tp {lay.tp}")
     if shape.positions < shape.seq:
         raise ConfigError(f"max_position_embeddings {shape.positions} < seq_length {shape.seq}")
 
