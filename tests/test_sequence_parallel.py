@@ -348,3 +348,53 @@ def test_planner_sequence_parallel_terms():
     assert "sequence parallel" in text and "activations without SP" in text
     with pytest.raises(ConfigError, match="sequence parallelism needs --tp > 1"):
         validate(shape, Layout(tp=1, sequence_parallel=True))
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer: config -> task -> fp16 engine with our optimizer step, on emulated CUDA with the collective guard
+# --------------------------------------------------------------------------------------------------
+def _trainer_worker(rank: int, world: int, work: str) -> dict:
+    import json
+
+    from tests.device_guard import emulated_cuda_run
+    from tests.distributed import SHARED_DATA
+    from training.config import load_config
+    from training.trainer import Trainer
+
+    from training.trainer import allow_fp16_on_cpu
+
+    allow_fp16_on_cpu()  # before the accelerator is made to report cuda: DeepSpeed's CPU one then runs fp16
+    gpt2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
+    out = {}
+    for sp in (False, True):
+        ov = {"data.corpus": "null", "data.text_files": f"[{Path(SHARED_DATA) / 'corpus' / 'botchan.txt'}]",
+              "data.tokenizer": json.dumps({"kind": "gpt2_bpe", "vocab_file": str(gpt2 / "gpt2-vocab.json"),
+                                            "merges_file": str(gpt2 / "gpt2-merges.txt")}),
+              "run.dir": f"{work}/sp{int(sp)}", "train.progress_bar": "false", "model.seq_length": "32",
+              "model.hidden_dropout": "0.0", "model.attention_dropout": "0.0", "train.micro_batch_size": "2",
+              "train.global_batch_size": "4", "train.iters": "3", "train.eval_interval": "0",
+              "train.eval_iters": "1", "precision.dtype": "fp16", "parallel.tensor": "2",
+              "parallel.sequence_parallel": str(sp).lower(), "optimizer.warmup_iters": "0",
+              "run.device_peak_tflops": "1.0"}
+        with emulated_cuda_run(rank) as (guard, _):
+            trainer = Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", [f"{k}={v}" for k, v in ov.items()]))
+            losses = [trainer.train_step()["loss"] for _ in range(3)]
+            out[sp] = {"losses": losses, "o1_step": trainer.o1_step, "violations": list(guard.violations),
+                       "seen": sum(guard.seen.values()),
+                       "marked": sum(getattr(p, "sequence_parallel", False) for p in trainer.model.parameters())}
+    return out
+
+
+def test_trainer_fp16_engine_with_sequence_parallelism(tmp_path):
+    data = Path(__file__).resolve().parents[2] / "shared" / "data"
+    if not (data / "tokenizers" / "gpt2").exists() or not (data / "corpus" / "botchan.txt").exists():
+        pytest.skip("../shared/data (GPT-2 tokenizer, botchan.txt) not present")
+    for r in run_distributed(_trainer_worker, 2, str(tmp_path)):
+        off, on = r[False], r[True]
+        assert off["o1_step"] and on["o1_step"]  # fp16 at ZeRO-0: training/runtime/optimizer_step.py
+        assert not on["violations"] and on["seen"] > 0, on["violations"]
+        # 2 layers x (2 LayerNorms x 2 + 2 projection biases) + the final LayerNorm's 2
+        assert off["marked"] == 0 and on["marked"] == 14
+        # fp16 on both sides: the same steps up to fp16 rounding of different summation orders
+        assert on["losses"] == pytest.approx(off["losses"], rel=2e-3), (on["losses"], off["losses"])
+        assert on["losses"][-1] < on["losses"][0]
