@@ -169,8 +169,8 @@ class ParallelConfig(Freezable):
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (Korthikanti et al. 2022), TP > 1 only: norms, dropout and residuals run
     on a 1/tensor chunk of the sequence, the TP all-reduces become all-gather / reduce-scatter pairs; same
-    weights and numerics, about (34 + 5as/h)/(10 + 24/t + 5as/(ht)) of the activation memory. model.seq_length
-    must be a multiple of parallel.tensor."""
+    weights and numerics, activations per layer sbh/t (34 + 5as/h) instead of sbh (10 + 24/t + 5as/(ht)) (docs/
+    llama.md). model.seq_length must be a multiple of parallel.tensor."""
 
 
 @dataclass
