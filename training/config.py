@@ -213,6 +213,11 @@ class ParallelConfig(Freezable):
     zero_stage: int = 0
     """DeepSpeed ZeRO stage: 0 = off, 1 = optimizer states sharded across DP ranks (2/3 do not mix
     with tensor/pipeline parallelism and are refused)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (Korthikanti et al. 2022), TP > 1 only: norms, dropout and residuals run
+    on a 1/tensor chunk of the sequence, the TP all-reduces become all-gather / reduce-scatter pairs; same
+    weights and numerics, activations per layer sbh/t (34 + 5as/h) instead of sbh (10 + 24/t + 5as/(ht)) (docs/
+    llama.md). model.seq_length must be a multiple of parallel.tensor."""
 
 
 @dataclass
@@ -487,6 +492,12 @@ def validate_static(cfg: Config) -> None:
     if m.ffn_size % p.tensor:
         raise ConfigError(f"parallel.tensor={p.tensor} does not divide the MLP width {m.ffn_size}")
     validate_model_options(m, p.tensor)
+    if p.sequence_parallel and p.tensor == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor > 1 (it splits the sequence "
+                          "across the tensor-parallel ranks)")
+    if p.sequence_parallel and m.seq_length % p.tensor:
+        raise ConfigError(f"parallel.sequence_parallel=true: model.seq_length={m.seq_length} is not a multiple of "
+                          f"parallel.tensor={p.tensor}")
     if m.positions < m.seq_length:
         raise ConfigError(f"model.max_position_embeddings={m.positions} < model.seq_length={m.seq_length}")
     if p.zero_stage not in (0, 1):
@@ -620,6 +631,11 @@ def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
         # (re-enable with deepspeed: {timers: {throughput: {enabled: true}}})
         "timers": {"throughput": {"enabled": False}},
     }
+    if cfg.parallel.sequence_parallel and cfg.parallel.pipeline > 1:
+        # DeepSpeed's pipeline sends 1/tensor of each activation per TP rank and all-gathers it on arrival,
+        # which assumes activations alike on every TP rank; with sequence parallelism each rank sends its own
+        # sequence chunk whole (already 1/tensor of the activation)
+        ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if dtype == "fp16":
         ds["fp16"].update({
             "loss_scale": pr.loss_scale,

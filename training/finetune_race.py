@@ -104,6 +104,9 @@ def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -
         raise ConfigError(f"finetune.max_qa_length must be >= 1, got {f.max_qa_length}")
     if f.eval_batch_size < 1:
         raise ConfigError(f"finetune.eval_batch_size must be >= 1, got {f.eval_batch_size}")
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel is for pretraining (GPT-2, Llama, BERT); RACE fine-tuning "
+                          "runs without it: set parallel.sequence_parallel=false (the weights are the same)")
     return cfg, meta
 
 

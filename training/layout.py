@@ -32,6 +32,9 @@ class Layout:
     global_batch: int = 8  # samples per optimizer step over all DP replicas
     gpus_per_node: int = 8  # where TP/DP traffic leaves the node (the planner's time model)
     padded_vocab: int | None = None  # None while the vocabulary size is unknown (the planner never needs it)
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism (``parallel.sequence_parallel``): activations outside the TP regions
+    split along the sequence, i.e. divided by ``tp`` (:func:`training.plan.memory.activation_bytes_per_layer`)."""
 
     @property
     def world_size(self) -> int:
@@ -87,7 +90,7 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -
     vocab = vocab_size or cfg.model.vocab_size
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp) if vocab else None
     lay = Layout(tp=tp, pp=pp, dp=world_size // mp, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
-                 padded_vocab=padded)
+                 padded_vocab=padded, sequence_parallel=cfg.parallel.sequence_parallel)
     lay.check()
     return lay
 

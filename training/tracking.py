@@ -52,6 +52,8 @@ OWNERS: dict[str, str] = {
     "tensorboard": "run.tensorboard",
     "csv_monitor": "run.csv",
     "wandb": "run.wandb",
+    "pipeline.pipe_partitioned": "parallel.sequence_parallel (off with it under PP, DeepSpeed's default otherwise)",
+    "pipeline.grad_partitioned": "parallel.sequence_parallel (off with it under PP, DeepSpeed's default otherwise)",
 }
 
 

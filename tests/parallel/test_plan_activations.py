@@ -29,6 +29,11 @@ checkpointed layer (CPU, accelerator = CPU here, and the model-parallel tracker'
 constant the planner does not count (15 KB per layer: 0.05 % of one 2.5B-model layer input at b 8); at TP 1
 the test subtracts that from the profiler's count and checks that the rest is e s b h. (DeepSpeed keeps the
 checkpointed inputs outside autograd's saved tensors, so this one has no second measurement.)
+
+With sequence parallelism (``sp``, TP 2) the layer takes its sequence chunk [b, s/2, h] and the planner's
+``sbh/t (34 + 5as/h)`` form (:func:`activation_bytes_per_layer` with ``sequence_parallel=True``) is measured the
+same ways: the norms' inputs, the dropout masks and the inputs of QKV and the MLP's first linear (kept as the
+chunk by the sequence-parallel column linear) are all 1/t.
 """
 from __future__ import annotations
 
@@ -87,7 +92,7 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def _worker(rank: int, world: int, seq: int) -> dict:
+def _worker(rank: int, world: int, seq: int, sp: bool) -> dict:
     import torch
 
     from training.config import ModelConfig
@@ -103,30 +108,40 @@ def _worker(rank: int, world: int, seq: int) -> dict:
 
     # one layer, no checkpointing
     cfg = ModelConfig(hidden_size=H, num_attention_heads=HEADS, seq_length=seq)
-    layer = TransformerLayer(cfg, ps.tp_group, 1234, 0).train()
-    x = torch.randn(B, seq, H, requires_grad=True)
+    layer = TransformerLayer(cfg, ps.tp_group, 1234, 0, sequence_parallel=sp).train()
+    x = torch.randn(B, seq // world if sp else seq, H, requires_grad=True)  # SP: this rank's sequence chunk
     for _ in range(2):  # warm-up: one-time allocations (the cached causal bias) before measuring
         layer(x).sum().backward()
     # the forward leaves its output and the saved tensors alive; the layer input is saved (LN1's input)
     # but was allocated before the forward. Smallest of three: at TP 2 a gloo buffer of the forward's
     # all-reduces is sometimes still alive when the window closes (only ever adds bytes)
+    # With SP the forward's two all-gathers hand gloo world x [b, s/2, h] output buffers each; gloo's worker thread
+    # drops the last reference to them after the collective, a free the profiler (recording this thread) does not
+    # see: measured alone, one all-gather's net bytes are its result plus exactly those buffers. They are not
+    # kept for backward, so they are taken off (``gloo_outputs``: world x the bytes each rank handed in).
+    from training.parallel.mappings import COLLECTIVE_BYTES
+
+    COLLECTIVE_BYTES.clear()
+    layer(x)
+    gloo_outputs = world * COLLECTIVE_BYTES["all_gather"]
+    out["gloo_outputs"] = gloo_outputs
     nets = []
-    for _ in range(3):
+    for _ in range(5 if sp else 3):
         y, net = _profiled_net_bytes(lambda: layer(x))
-        nets.append(net - _nbytes(y) + _nbytes(x))
+        nets.append(net - _nbytes(y) + _nbytes(x) - gloo_outputs)
         del y
     out["layer_profiler"] = min(nets)
     _, out["layer_saved"] = _saved_bytes(lambda: layer(x), layer.parameters())
 
     # the same layer with selective recomputation: the attention core keeps only q, k, v
     sel = TransformerLayer(ModelConfig(hidden_size=H, num_attention_heads=HEADS, seq_length=seq,
-                                       recompute="selective"), ps.tp_group, 1234, 0).train()
+                                       recompute="selective"), ps.tp_group, 1234, 0, sequence_parallel=sp).train()
     for _ in range(2):
         sel(x).sum().backward()
     nets = []
-    for _ in range(3):
+    for _ in range(5 if sp else 3):
         y, net = _profiled_net_bytes(lambda: sel(x))
-        nets.append(net - _nbytes(y) + _nbytes(x))
+        nets.append(net - _nbytes(y) + _nbytes(x) - gloo_outputs)
         del y
     out["selective_profiler"] = min(nets)
     _, out["selective_saved"] = _saved_bytes(lambda: sel(x), sel.parameters())
@@ -138,7 +153,7 @@ def _worker(rank: int, world: int, seq: int) -> dict:
         for layers in (2, 4):
             mcfg = ModelConfig(num_layers=layers, hidden_size=H, num_attention_heads=HEADS, seq_length=seq,
                                activation_checkpointing=ckpt)
-            model = GPT2Model(mcfg, VOCAB, ps.tp_group, seed=1234).train()
+            model = GPT2Model(mcfg, VOCAB, ps.tp_group, seed=1234, sequence_parallel=sp).train()
             for _ in range(2):
                 model(tokens, labels).sum().backward()
             if not ckpt:  # DeepSpeed's CheckpointFunction keeps its inputs outside autograd's saved tensors
@@ -169,16 +184,19 @@ def _worker(rank: int, world: int, seq: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("tp,seq", [(1, 64), (1, 128), (2, 128)], ids=lambda v: str(v))
-def test_activation_memory_per_layer_matches_measurement(tp, seq):
-    ranks = run_distributed(_worker, tp, seq, timeout=600)
+@pytest.mark.parametrize("tp,seq,sp", [(1, 64, False), (1, 128, False), (2, 128, False), (2, 128, True)],
+                         ids=lambda v: str(v))
+def test_activation_memory_per_layer_matches_measurement(tp, seq, sp):
+    ranks = run_distributed(_worker, tp, seq, sp, timeout=600)
     e, k = activation_element_bytes("fp32", cpu=True)
     assert (e, k) == (4, 4)
     shape = _shape(seq)
-    planned = activation_bytes_per_layer(shape, B, tp, True, e, k)
-    doubled_16bit = activation_bytes_per_layer(shape, B, tp, True, 4, 2)  # fp32 elements, 16-bit masks doubled
+    planned = activation_bytes_per_layer(shape, B, tp, True, e, k, sequence_parallel=sp)
+    if sp:  # the paper's sbh/t (34 + 5as/h), in our element sizes: every term of the TP formula's over t
+        assert planned < activation_bytes_per_layer(shape, B, tp, True, e, k)
+    doubled_16bit = activation_bytes_per_layer(shape, B, tp, True, 4, 2, sequence_parallel=sp)  # 16-bit x 2
     # selective recomputation: what the planner counts per layer (memory()'s activations_selective)
-    planned_selective = activation_bytes_per_layer(shape, B, tp, False, e, k)
+    planned_selective = activation_bytes_per_layer(shape, B, tp, False, e, k, sequence_parallel=sp)
     sbh = seq * B * H
     for r in ranks:
         # no checkpointing: one layer alone, two independent measurements, and one layer inside the model

@@ -19,6 +19,13 @@ Differences from GPT-2 (``training.models.gpt2``):
   (fp32, logits never gathered); pooler = tanh(dense(hidden at [CLS])); binary head Linear(h, 2)
   for sentence-order prediction.
 
+Sequence parallelism (``sequence_parallel=True``, ``parallel.sequence_parallel``; :mod:`training.models.blocks`):
+the encoder runs on this rank's sequence chunk as GPT-2 does (word embedding reduce-scattered, the chunk's
+position and token-type embeddings added, the embedding LayerNorm, dropout, the layers and the final LayerNorm
+on the chunk; token-type table and LayerNorm gradients all-reduced over TP), and :meth:`BertModel.encode` gathers
+the whole sequence at its end: the heads (pooler, SOP, MLM on the masked positions) are unchanged. RACE
+fine-tuning (:class:`BertMultipleChoice`) keeps it off.
+
 The MLM head runs only on the masked positions (x[loss_mask] -> [m, h] -> [m, V/p]): the same loss as
 Megatron's full [b, s, V/p] logits masked afterwards, without the b*s*V/p logits tensor.
 
@@ -33,12 +40,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.config import ModelConfig
-from training.models.blocks import TransformerLayer, activation, normal_init
+from training.models.blocks import (
+    TransformerLayer,
+    activation,
+    dropout_on_shard,
+    mark_norm_sequence_parallel,
+    normal_init,
+)
 from training.models.ops import dropout
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
-from training.parallel.layers import VocabParallelEmbedding
-from training.parallel.mappings import copy_to_parallel_region, gather_from_parallel_region, group_size
+from training.parallel.layers import VocabParallelEmbedding, mark_sequence_parallel
+from training.parallel.mappings import (
+    copy_to_parallel_region,
+    gather_from_parallel_region,
+    gather_from_sequence_parallel_region,
+    group_size,
+    scatter_to_sequence_parallel_region,
+    split_sequence,
+)
 from training.parallel.utils import divide, set_tensor_parallel_attributes
 
 NUM_CHOICES = 4
@@ -53,8 +73,10 @@ class BertLayer(TransformerLayer):
     """One bidirectional transformer layer in the configured order (``model.layer_order``, see the module
     docstring): the shared :class:`training.models.blocks.TransformerLayer` without the causal mask."""
 
-    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None, seed: int, index: int):
-        super().__init__(cfg, group, seed, index, causal=False, pre_ln=cfg.layer_order == "pre_ln")
+    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None, seed: int, index: int,
+                 sequence_parallel: bool = False):
+        super().__init__(cfg, group, seed, index, causal=False, pre_ln=cfg.layer_order == "pre_ln",
+                         sequence_parallel=sequence_parallel)
 
 
 class BertLMHead(nn.Module):
@@ -87,9 +109,11 @@ class BertModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group: dist.ProcessGroup | None = None,
                  seed: int = 1234,
-                 add_lm_head: bool = True, add_binary_head: bool | None = None, add_pooler: bool | None = None):
+                 add_lm_head: bool = True, add_binary_head: bool | None = None, add_pooler: bool | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.cfg, self.group = cfg, group
+        self.sequence_parallel = sp = sequence_parallel and group_size(group) > 1
         self.padded_vocab_size = padded_vocab_size
         add_binary_head = cfg.binary_head if add_binary_head is None else add_binary_head
         add_pooler = add_binary_head if add_pooler is None else add_pooler
@@ -98,17 +122,23 @@ class BertModel(nn.Module):
         std, h = cfg.init_method_std, cfg.hidden_size
         self.embedding = nn.Module()
         self.embedding.word_embeddings = VocabParallelEmbedding(
-            padded_vocab_size, h, group, init_method=normal_init(seed, "embedding.word_embeddings", std))
+            padded_vocab_size, h, group, init_method=normal_init(seed, "embedding.word_embeddings", std),
+            sequence_parallel=sp)
         self.embedding.position_embeddings = nn.Embedding(cfg.positions, h)
         normal_init(seed, "embedding.position_embeddings", std)(self.embedding.position_embeddings.weight)
         self.embedding.tokentype_embeddings = nn.Embedding(cfg.num_tokentypes, h) if cfg.num_tokentypes > 0 else None
         if self.embedding.tokentype_embeddings is not None:
             normal_init(seed, "embedding.tokentype_embeddings", std)(self.embedding.tokentype_embeddings.weight)
+            if sp:  # looked up for this rank's tokens only
+                mark_sequence_parallel(self.embedding.tokentype_embeddings.weight, group)
         self.pre_ln = cfg.layer_order == "pre_ln"
         # post-LN (original BERT) normalises the embeddings; pre-LN normalises the last layer's output
         self.embedding_ln = None if self.pre_ln else nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
-        self.layers = nn.ModuleList(BertLayer(cfg, group, seed, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(BertLayer(cfg, group, seed, i, sequence_parallel=sp) for i in range(cfg.num_layers))
         self.final_ln = nn.LayerNorm(h, eps=cfg.layernorm_epsilon) if self.pre_ln else None
+        for ln in (self.embedding_ln, self.final_ln):
+            if sp and ln is not None:
+                mark_norm_sequence_parallel(ln, group)
         self.lm_head = BertLMHead(cfg, padded_vocab_size, group, seed) if add_lm_head else None
         self.pooler = None
         if add_pooler:
@@ -127,22 +157,30 @@ class BertModel(nn.Module):
         b, s = tokens.shape
         if s > self.cfg.positions:
             raise ValueError(f"sequence length {s} exceeds max_position_embeddings {self.cfg.positions}")
-        pos = torch.arange(s, device=tokens.device)
-        x = self.embedding.word_embeddings(tokens) + self.embedding.position_embeddings(pos)
+        sp = self.sequence_parallel
+        pos = self.embedding.position_embeddings(torch.arange(s, device=tokens.device))  # [s, h]
+        if sp:  # this rank's chunk of the sequence: positions, token types (the word embedding reduce-scatters)
+            pos = scatter_to_sequence_parallel_region(pos, self.group, dim=0)
+        x = self.embedding.word_embeddings(tokens) + pos                   # [b, s, h] ([b, s/p, h] SP)
         if self.embedding.tokentype_embeddings is not None:
             if types is None:
                 types = torch.zeros_like(tokens)
-            x = x + self.embedding.tokentype_embeddings(types)
+            x = x + self.embedding.tokentype_embeddings(split_sequence(types, self.group) if sp else types)
         if self.embedding_ln is not None:
             x = self.embedding_ln(x)
-        x = dropout(x, self.cfg.hidden_dropout, self.training)
+        if sp and self.training and self.cfg.hidden_dropout > 0.0:
+            x = dropout_on_shard(x, None, self.cfg.hidden_dropout, True)
+        else:
+            x = dropout(x, self.cfg.hidden_dropout, self.training)
         mask = attention_mask(padding_mask)
         for layer in self.layers:
             if self.cfg.recompute == "full" and self.training and torch.is_grad_enabled():
                 x = tp_random.checkpoint(layer, x, mask)
             else:
                 x = layer(x, mask)
-        return self.final_ln(x) if self.final_ln is not None else x
+        x = self.final_ln(x) if self.final_ln is not None else x
+        # the heads are replicated: every rank computes the whole gradient of x, backward keeps its chunk
+        return gather_from_sequence_parallel_region(x, self.group, grad_is_partial=False) if sp else x
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         """tanh(dense(hidden[:, 0])) -> [b, h] (the [CLS] position)."""

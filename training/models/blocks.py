@@ -24,6 +24,13 @@ Llama-family options (``training.config.ModelConfig``; the defaults are the GPT-
 * ``activation: swiglu`` -> the MLP's first linear is [gate; up] (2f rows, stride 2: rank r holds gate_r and
   up_r), ``silu(gate) * up``, then the row-parallel down projection (``proj``).
 * ``add_bias_linear: false`` -> no bias in the four linears (``add_qkv_bias`` puts one back on QKV).
+
+Sequence parallelism (``sequence_parallel=True``, from ``parallel.sequence_parallel``; Korthikanti et al. 2022):
+a layer takes and returns this rank's sequence chunk x [b, s/p, h]. The norms, dropout and residual adds run on
+the chunk; QKV and the MLP's first linear all-gather it (g, instead of f), the two row-parallel projections
+reduce-scatter (g-bar, instead of g's all-reduce). The norm weights (and the projections' biases) are replicated
+but see only s/p tokens: their gradients are all-reduced over TP (``mark_sequence_parallel``). Dropout on the
+chunk draws from the TP-local stream, since each rank holds different tokens.
 """
 from __future__ import annotations
 
@@ -40,10 +47,10 @@ from torch import nn
 from training.config import ModelConfig
 from training.models.core_attention import core_attention
 from training.models.kv_cache import KVCache
-from training.models.ops import causal_attention_with_dropout, dropout_add
+from training.models.ops import causal_attention_with_dropout, dropout, dropout_add
 from training.models.rotary import apply_rotary, rotary_cos_sin, rotary_table
 from training.parallel import random as tp_random
-from training.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from training.parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
 from training.parallel.mappings import group_size
 from training.parallel.utils import divide
 
@@ -85,6 +92,21 @@ def norm(cfg: ModelConfig, hidden_size: int | None = None) -> nn.Module:
     return nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
 
 
+def mark_norm_sequence_parallel(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """A norm run on the sequence chunk: its weight (and bias) gradients all-reduced over TP."""
+    for param in module.parameters():
+        mark_sequence_parallel(param, group)
+
+
+@torch.compiler.disable
+def dropout_on_shard(x: torch.Tensor, residual: torch.Tensor | None, p: float, training: bool) -> torch.Tensor:
+    """``residual + dropout(x)`` (or ``dropout(x)``) on a sequence-parallel chunk: every TP rank holds different
+    tokens, so the mask comes from the TP-local stream (as Megatron's sequence-parallel dropout). The stream
+    switch cannot be traced by torch.compile: it runs eagerly between graphs."""
+    with tp_random.model_parallel_rng():
+        return dropout(x, p, training) if residual is None else dropout_add(x, residual, p, training)
+
+
 NORMS = (nn.LayerNorm, RMSNorm)
 """Normalisation modules (their parameters are exempt from weight decay, ``training.optim``)."""
 
@@ -120,7 +142,7 @@ class ParallelSelfAttention(nn.Module):
     ranks, optionally with rotary position embeddings on the queries and keys."""
 
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None, seed: int, prefix: str, causal: bool = True,
-                 layer_number: int = 1):
+                 layer_number: int = 1, sequence_parallel: bool = False):
         super().__init__()
         h, n, g = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups
         tp = group_size(group)
@@ -143,20 +165,23 @@ class ParallelSelfAttention(nn.Module):
         if self.grouped:
             # per group [q heads of the group; k; v] (module docstring): stride 1 keeps groups whole
             self.qkv = ColumnParallelLinear(h, (n + 2 * g) * self.head_dim, group, bias=cfg.qkv_bias,
-                                            init_method=qkv_init)
+                                            init_method=qkv_init, sequence_parallel=sequence_parallel)
         else:
             # Fused QKV: global rows [Q; K; V], stride 3 so rank r holds [Q_r; K_r; V_r].
-            self.qkv = ColumnParallelLinear(h, 3 * h, group, bias=cfg.qkv_bias, init_method=qkv_init, stride=3)
+            self.qkv = ColumnParallelLinear(h, 3 * h, group, bias=cfg.qkv_bias, init_method=qkv_init, stride=3,
+                                            sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(h, h, group, bias=cfg.add_bias_linear,
-                                      init_method=normal_init(seed, prefix + "proj", out_std))
+                                      init_method=normal_init(seed, prefix + "proj", out_std),
+                                      sequence_parallel=sequence_parallel)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [b, s, h] -> q [b, n/p, s, hn], k and v [b, g/p, s, hn] (RoPE applied to q and k).
+        """x [b, s, h] (sequence parallel: [b, s/p, h]) -> q [b, n/p, s, hn], k and v [b, g/p, s, hn] (RoPE applied
+        to q and k).
 
         ``positions``: token positions [s] or [b, s] for RoPE (None = 0 .. s-1)."""
-        b, s, _ = x.shape
         qkv = self.qkv(x)                                                  # [b, s, (n + 2g)/p * hn]
+        b, s = qkv.shape[:2]                                               # the whole sequence, also with SP
         if self.grouped:
             per = self.local_heads // self.local_kv_heads
             qkv = qkv.view(b, s, self.local_kv_heads, per + 2, self.head_dim)
@@ -187,8 +212,8 @@ class ParallelSelfAttention(nn.Module):
                 cache: KVCache | None = None) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h]. ``positions`` [s] or [b, s] for RoPE (None = 0 .. s-1). With a ``cache`` the s
         new positions attend over the cached keys and values as well, under ``attn_mask`` (:meth:`KVCache.attn_mask`)."""
-        b, s, _ = x.shape
         q, k, v = self.project(x, positions)
+        b, s = q.size(0), q.size(2)                                        # s: the whole sequence under SP
         if cache is not None:
             k, v = cache.update(self.layer_number - 1, k, v)               # [b, g/p, cached + s, hn]
         p = self.dropout if self.training else 0.0
@@ -261,16 +286,19 @@ class ParallelMLP(nn.Module):
     """h -> 4h (column-parallel) -> GeLU -> h (row-parallel); with SwiGLU h -> [gate; up] 2 x f
     (column-parallel, stride 2) -> silu(gate) * up -> h (row-parallel)."""
 
-    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None, seed: int, prefix: str):
+    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None, seed: int, prefix: str,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.act = activation(cfg.activation)
         gated = cfg.activation == "swiglu"
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.fc = ColumnParallelLinear(cfg.hidden_size, (2 if gated else 1) * cfg.ffn_size, group,
                                        bias=cfg.add_bias_linear, stride=2 if gated else 1,
-                                       init_method=normal_init(seed, prefix + "fc", cfg.init_method_std))
+                                       init_method=normal_init(seed, prefix + "fc", cfg.init_method_std),
+                                       sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, group, bias=cfg.add_bias_linear,
-                                      init_method=normal_init(seed, prefix + "proj", out_std))
+                                      init_method=normal_init(seed, prefix + "proj", out_std),
+                                      sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.act(self.fc(x)))                             # [b, s, 4h/p] -> [b, s, h]
@@ -284,25 +312,37 @@ class TransformerLayer(nn.Module):
     ``post_ln`` (original BERT)                                  x = LN1(x + Drop(Attn(x)));  x = LN2(x + Drop(MLP(x)))
 
     ``causal`` masks future positions (GPT-2); ``mask`` [b, 1, 1, s] bool (True = attend) masks padding keys (BERT).
+    ``sequence_parallel``: x is this rank's sequence chunk [b, s/p, h] (module docstring).
     """
 
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None, seed: int, index: int,
-                 causal: bool = True, pre_ln: bool = True):
+                 causal: bool = True, pre_ln: bool = True, sequence_parallel: bool = False):
         super().__init__()
         prefix = f"layers.{index}."
         self.pre_ln = pre_ln
         self.ln1 = norm(cfg)
-        self.attn = ParallelSelfAttention(cfg, group, seed, prefix + "attn.", causal=causal, layer_number=index + 1)
+        self.attn = ParallelSelfAttention(cfg, group, seed, prefix + "attn.", causal=causal, layer_number=index + 1,
+                                          sequence_parallel=sequence_parallel)
         self.ln2 = norm(cfg)
-        self.mlp = ParallelMLP(cfg, group, seed, prefix + "mlp.")
-        self.dropout = cfg.hidden_dropout  # TP-replicated activations: default generator
+        self.mlp = ParallelMLP(cfg, group, seed, prefix + "mlp.", sequence_parallel=sequence_parallel)
+        # TP-replicated activations: default generator; sequence chunks: the TP-local stream
+        self.dropout = cfg.hidden_dropout
+        self.sequence_parallel = sequence_parallel and group_size(group) > 1
+        if self.sequence_parallel:
+            mark_norm_sequence_parallel(self.ln1, group)
+            mark_norm_sequence_parallel(self.ln2, group)
+
+    def _dropout_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel and self.training and self.dropout > 0.0:
+            return dropout_on_shard(x, residual, self.dropout, True)
+        return dropout_add(x, residual, self.dropout, self.training)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
-        """x [b, s, h] -> [b, s, h]; ``positions`` and ``cache`` as :meth:`ParallelSelfAttention.forward`."""
-        p, train = self.dropout, self.training
+        """x [b, s, h] -> [b, s, h] (sequence parallel: [b, s/p, h] -> [b, s/p, h]); ``positions`` and ``cache`` as
+        :meth:`ParallelSelfAttention.forward`."""
         if self.pre_ln:
-            x = dropout_add(self.attn(self.ln1(x), mask, positions, cache), x, p, train)
-            return dropout_add(self.mlp(self.ln2(x)), x, p, train)
-        x = self.ln1(dropout_add(self.attn(x, mask, positions, cache), x, p, train))
-        return self.ln2(dropout_add(self.mlp(x), x, p, train))
+            x = self._dropout_add(self.attn(self.ln1(x), mask, positions, cache), x)
+            return self._dropout_add(self.mlp(self.ln2(x)), x)
+        x = self.ln1(self._dropout_add(self.attn(x, mask, positions, cache), x))
+        return self.ln2(self._dropout_add(self.mlp(x), x))

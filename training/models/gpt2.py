@@ -8,6 +8,13 @@ The layers are :class:`training.models.blocks.TransformerLayer` (pre-LN, causal)
 Each rank holds n/p heads and a 4h/p slice of the MLP; one all-reduce per sub-block in forward (g,
 after the row-parallel projection) and one in backward (f, before the column-parallel projection).
 
+Sequence parallelism (``sequence_parallel=True``, ``parallel.sequence_parallel``; see
+:mod:`training.models.blocks`): the word embedding's partial sums are reduce-scattered to this rank's sequence
+chunk [b, s/p, h] (g-bar, instead of the all-reduce), the learned position embeddings of the chunk's positions
+added, dropout, the layers and the final norm run on the chunk, and the output layer all-gathers it (g) before
+the vocab-parallel projection. The weights are the same as without it (checkpoints are interchangeable); the
+sequence length must be a multiple of p.
+
 Weights: every parameter is drawn from its own CPU generator seeded by (seed, parameter name), as a
 full master weight that is then sliced. So with the same seed and padded vocabulary a TP=k model is
 exactly the TP=1 model split k ways, independent of construction order.
@@ -16,45 +23,62 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from training.config import ModelConfig
-from training.models.blocks import TransformerLayer, norm, normal_init
+from training.models.blocks import (
+    TransformerLayer,
+    dropout_on_shard,
+    mark_norm_sequence_parallel,
+    norm,
+    normal_init,
+)
 from training.models.kv_cache import KVCache
 from training.models.ops import dropout
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
-from training.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from training.parallel.mappings import copy_to_parallel_region, gather_from_parallel_region, group_size
+from training.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
+from training.parallel.mappings import (
+    gather_from_parallel_region,
+    group_size,
+    scatter_to_sequence_parallel_region,
+)
 
 
 class GPT2Model(nn.Module):
     """GPT-2 language model. ``forward(tokens)`` -> vocab-parallel logits [b, s, V/p];
     ``forward(tokens, labels)`` -> per-token loss [b, s] (vocab-parallel cross-entropy, fp32);
-    ``forward(tokens, positions=..., cache=...)``: the next tokens of a generation (:class:`KVCache`)."""
+    ``forward(tokens, positions=..., cache=...)``: the next tokens of a generation (:class:`KVCache`).
+    ``sequence_parallel``: Megatron's sequence parallelism over ``group`` (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group: dist.ProcessGroup | None = None,
-                 seed: int = 1234):
+                 seed: int = 1234, sequence_parallel: bool = False):
         super().__init__()
         self.cfg, self.group = cfg, group
+        self.sequence_parallel = sequence_parallel and group_size(group) > 1
+        sp = self.sequence_parallel
         self.padded_vocab_size = padded_vocab_size
         std = cfg.init_method_std
         self.embedding = nn.Module()
         self.embedding.word_embeddings = VocabParallelEmbedding(
-            padded_vocab_size, cfg.hidden_size, group, init_method=normal_init(seed, "embedding.word_embeddings", std))
+            padded_vocab_size, cfg.hidden_size, group, init_method=normal_init(seed, "embedding.word_embeddings", std),
+            sequence_parallel=sp)
         if cfg.position_embedding == "learned":
             self.embedding.position_embeddings = nn.Embedding(cfg.positions, cfg.hidden_size)
             normal_init(seed, "embedding.position_embeddings", std)(self.embedding.position_embeddings.weight)
         else:  # RoPE: positions enter each layer's attention; no table
             self.embedding.position_embeddings = None
-        self.layers = nn.ModuleList(TransformerLayer(cfg, group, seed, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(cfg, group, seed, i, sequence_parallel=sp)
+                                    for i in range(cfg.num_layers))
         self.final_ln = norm(cfg)
+        if sp:
+            mark_norm_sequence_parallel(self.final_ln, group)
         self.output_layer = output_layer(cfg, padded_vocab_size, group, seed)
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                       cache: KVCache | None = None) -> torch.Tensor:
-        """tokens [b, s] -> final hidden states [b, s, h] (after the final LayerNorm).
+        """tokens [b, s] -> final hidden states [b, s, h] (after the final LayerNorm); with sequence parallelism
+        this rank's chunk [b, s/p, h].
 
         ``positions`` [s] or [b, s]: the tokens' positions (learned table or RoPE; None = 0 .. s-1, or the s
         positions after the cached ones). ``cache``: incremental decoding, the s tokens follow the ``cache.length``
@@ -68,11 +92,17 @@ class GPT2Model(nn.Module):
             mask = cache.attn_mask(s)                                      # [b or 1, 1, s, start + s]
             if positions is None:
                 positions = torch.arange(start, start + s, device=tokens.device)
-        x = self.embedding.word_embeddings(tokens)                         # [b, s, h]
+        x = self.embedding.word_embeddings(tokens)                         # [b, s, h] ([b, s/p, h] SP)
         if self.embedding.position_embeddings is not None:
-            x = x + self.embedding.position_embeddings(torch.arange(s, device=tokens.device) if positions is None
-                                                       else positions)
-        x = dropout(x, self.cfg.hidden_dropout, self.training)
+            pos = self.embedding.position_embeddings(torch.arange(s, device=tokens.device) if positions is None
+                                                     else positions)          # [s, h] or [b, s, h]
+            if self.sequence_parallel:  # this chunk's positions; backward gathers the whole gradient on every rank
+                pos = scatter_to_sequence_parallel_region(pos, self.group, dim=pos.dim() - 2)
+            x = x + pos
+        if self.sequence_parallel and self.training and self.cfg.hidden_dropout > 0.0:
+            x = dropout_on_shard(x, None, self.cfg.hidden_dropout, True)
+        else:
+            x = dropout(x, self.cfg.hidden_dropout, self.training)
         for layer in self.layers:
             if self.cfg.recompute == "full" and self.training and torch.is_grad_enabled() and cache is None:
                 x = tp_random.checkpoint(layer, x, mask, positions)       # a cached forward is never recomputed
@@ -80,15 +110,16 @@ class GPT2Model(nn.Module):
                 x = layer(x, mask, positions, cache)
         if cache is not None:
             cache.advance(s)
-        return self.final_ln(x)                                            # [b, s, h]
+        return self.final_ln(x)                                            # [b, s, h] ([b, s/p, h] SP)
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output layer: f, then x @ W_local^T -> logits for this rank's vocabulary rows; W is the word
         embedding (tied) or ``output_layer.weight`` (untied), both [V/p, h] per rank.
 
-        hidden [..., h] (replicated, e.g. :meth:`hidden_states`) -> vocab-parallel logits [..., V/p]."""
+        hidden [..., h] (replicated, e.g. :meth:`hidden_states`) -> vocab-parallel logits [..., V/p]; with
+        sequence parallelism hidden is this rank's chunk [b, s/p, h], all-gathered first (g)."""
         weight = self.embedding.word_embeddings.weight if self.output_layer is None else self.output_layer.weight
-        return F.linear(copy_to_parallel_region(hidden, self.group), weight)
+        return column_parallel_linear(hidden, weight, None, self.group, sequence_parallel=self.sequence_parallel)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:

@@ -11,23 +11,31 @@ With ``model.untie_embeddings_and_output_weights`` the embedding is an ordinary 
 its own last layer (:class:`OutputLayerPipe`, ``output_layer.weight``): nothing is tied between the stages.
 RoPE (``position_embedding: rope``) has no table; the final norm is LayerNorm or RMSNorm (``FinalLayerNorm`` /
 ``FinalRMSNorm``, both named ``final_ln``).
+
+With sequence parallelism (``parallel.sequence_parallel``, as in :mod:`training.models.gpt2`) the stages send
+each other this rank's sequence chunk [b, s/p, h]: p times less point-to-point traffic per TP rank.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from training.config import ModelConfig
-from training.models.blocks import RMSNorm, TransformerLayer, normal_init
+from training.models.blocks import (
+    RMSNorm,
+    TransformerLayer,
+    dropout_on_shard,
+    mark_norm_sequence_parallel,
+    normal_init,
+)
 from training.models.gpt2 import output_layer
 from training.models.ops import dropout
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
-from training.parallel.layers import VocabParallelEmbedding
-from training.parallel.mappings import copy_to_parallel_region
+from training.parallel.layers import VocabParallelEmbedding, column_parallel_linear
+from training.parallel.mappings import group_size, scatter_to_sequence_parallel_region
 from training.parallel.state import ParallelState
 
 
@@ -35,12 +43,15 @@ class EmbeddingPipe(nn.Module):
     """Token + position embeddings and embedding dropout (stage 0); its word embedding doubles as
     the output layer on the last stage."""
 
-    def __init__(self, cfg: ModelConfig, padded_vocab: int, group: dist.ProcessGroup | None, seed: int):
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, group: dist.ProcessGroup | None, seed: int,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.cfg, self.group = cfg, group
+        self.sequence_parallel = sequence_parallel and group_size(group) > 1
         std = cfg.init_method_std
         self.word_embeddings = VocabParallelEmbedding(padded_vocab, cfg.hidden_size, group,
-                                                      init_method=normal_init(seed, "embedding.word_embeddings", std))
+                                                      init_method=normal_init(seed, "embedding.word_embeddings", std),
+                                                      sequence_parallel=self.sequence_parallel)
         if cfg.position_embedding == "learned":
             self.position_embeddings = nn.Embedding(cfg.positions, cfg.hidden_size)
             normal_init(seed, "embedding.position_embeddings", std)(self.position_embeddings.weight)
@@ -48,58 +59,74 @@ class EmbeddingPipe(nn.Module):
             self.position_embeddings = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.word_embeddings(tokens)                                           # [b, s, h]
+        x = self.word_embeddings(tokens)                                           # [b, s, h] ([b, s/p, h] SP)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(torch.arange(tokens.size(1), device=tokens.device))
+            pos = self.position_embeddings(torch.arange(tokens.size(1), device=tokens.device))  # [s, h]
+            if self.sequence_parallel:
+                pos = scatter_to_sequence_parallel_region(pos, self.group, dim=0)
+            x = x + pos
+        if self.sequence_parallel and self.training and self.cfg.hidden_dropout > 0.0:
+            return dropout_on_shard(x, None, self.cfg.hidden_dropout, True)
         return dropout(x, self.cfg.hidden_dropout, self.training)
 
 
 def output_logits(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
-    """Tied output layer: f, then x @ E_local^T -> vocab-parallel logits [b, s, V/p]."""
-    return F.linear(copy_to_parallel_region(x, embedding.group), embedding.word_embeddings.weight)
+    """Tied output layer: f (sequence parallel: g), then x @ E_local^T -> vocab-parallel logits [b, s, V/p]."""
+    return column_parallel_linear(x, embedding.word_embeddings.weight, None, embedding.group,
+                                  sequence_parallel=embedding.sequence_parallel)
 
 
 class FinalLayerNorm(nn.LayerNorm):
-    pass
+    def __init__(self, hidden_size: int, eps: float, group: dist.ProcessGroup | None = None,
+                 sequence_parallel: bool = False):
+        super().__init__(hidden_size, eps=eps)
+        if sequence_parallel:
+            mark_norm_sequence_parallel(self, group)
 
 
 class FinalRMSNorm(RMSNorm):
-    pass
+    def __init__(self, hidden_size: int, eps: float, group: dist.ProcessGroup | None = None,
+                 sequence_parallel: bool = False):
+        super().__init__(hidden_size, eps=eps)
+        if sequence_parallel:
+            mark_norm_sequence_parallel(self, group)
 
 
 class OutputLayerPipe(nn.Module):
     """The untied output layer on the last stage: f, then x @ W_local^T -> vocab-parallel logits [b, s, V/p]."""
 
-    def __init__(self, cfg: ModelConfig, padded_vocab: int, group: dist.ProcessGroup | None, seed: int):
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, group: dist.ProcessGroup | None, seed: int,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel and group_size(group) > 1
         layer = output_layer(cfg, padded_vocab, group, seed)
         assert layer is not None
         self.weight = layer.weight  # the parameter with its partition tag; named "output_layer.weight"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_parallel_region(x, self.group), self.weight)
+        return column_parallel_linear(x, self.weight, None, self.group, sequence_parallel=self.sequence_parallel)
 
 
-def build_gpt2_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed: int) -> PipelineModule:
-    group = ps.tp_group
+def build_gpt2_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed: int,
+                    sequence_parallel: bool = False) -> PipelineModule:
+    group, sp = ps.tp_group, sequence_parallel
 
     def loss_fn(logits, labels):
         return vocab_parallel_cross_entropy(logits, labels, group).mean()
 
     final_norm = FinalRMSNorm if cfg.normalization == "rmsnorm" else FinalLayerNorm
-    layers = [LayerSpec(TransformerLayer, cfg, group, seed, i) for i in range(cfg.num_layers)]
-    final = LayerSpec(final_norm, cfg.hidden_size, eps=cfg.layernorm_epsilon)
+    layers = [LayerSpec(TransformerLayer, cfg, group, seed, i, sequence_parallel=sp) for i in range(cfg.num_layers)]
+    final = LayerSpec(final_norm, cfg.hidden_size, eps=cfg.layernorm_epsilon, group=group, sequence_parallel=sp)
     if cfg.untie_embeddings_and_output_weights:
-        specs = [LayerSpec(EmbeddingPipe, cfg, padded_vocab, group, seed), *layers, final,
-                 LayerSpec(OutputLayerPipe, cfg, padded_vocab, group, seed)]
+        specs = [LayerSpec(EmbeddingPipe, cfg, padded_vocab, group, seed, sequence_parallel=sp), *layers, final,
+                 LayerSpec(OutputLayerPipe, cfg, padded_vocab, group, seed, sequence_parallel=sp)]
     else:
         specs = [
-            TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab, group, seed,
+            TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab, group, seed, sequence_parallel=sp,
                           tied_weight_attr="word_embeddings.weight"),
             *layers, final,
-            TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab, group, seed, forward_fn=output_logits,
-                          tied_weight_attr="word_embeddings.weight"),
+            TiedLayerSpec("embed", EmbeddingPipe, cfg, padded_vocab, group, seed, sequence_parallel=sp,
+                          forward_fn=output_logits, tied_weight_attr="word_embeddings.weight"),
         ]
     return PipelineModule(layers=specs, topology=ps.topology, loss_fn=loss_fn,
                           partition_method="type:TransformerLayer",

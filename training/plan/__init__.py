@@ -7,7 +7,8 @@ What it computes, per device, for one optimizer step (all formulas in docs/plan.
   token types, pooler, LM-head dense+LN+bias and the binary head);
 * memory: fp16/bf16 weights 2 B + grads 2 B + fp32 master/m/v 12 B per parameter (fp32 training:
   4 + 4 + 8), ZeRO-1 dividing the optimizer part by DP; activations per Korthikanti et al. 2022
-  without recomputation, with selective recomputation (attention core) and with full checkpointing;
+  without recomputation, with selective recomputation (attention core) and with full checkpointing, with
+  and without sequence parallelism;
 * FLOPs per step (Narayanan et al. 2021 eq. 3), communication volume per step for TP, PP, DP;
 * a predicted step time from an alpha-beta model (``TimeModel``; every constant documented there).
 

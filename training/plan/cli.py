@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch", type=int, default=None, help="default: train.micro_batch_size")
     ap.add_argument("--global-batch", type=int, default=None,
                     help="default: train.global_batch_size, raised to micro x DP when smaller")
+    ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                    help="Megatron's sequence parallelism, TP > 1 (default: parallel.sequence_parallel)")
     ap.add_argument("--flash-attention", action="store_true",
                     help="do not count the s^2 attention-score activations (fused attention kernels)")
     ap.add_argument("--dp-overlap", type=float, default=TimeModel.dp_overlap,
@@ -102,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         glob = args.global_batch if args.global_batch is not None else max(cfg.train.global_batch_size,
                                                                                micro * args.dp)
         dtype = args.dtype or ("fp16" if cfg.precision.dtype == "auto" else cfg.precision.dtype)
+        sp = args.sequence_parallel if args.sequence_parallel is not None else cfg.parallel.sequence_parallel
         lay = Layout(tp=tp, pp=pp, dp=args.dp, micro_batch=micro, global_batch=glob,
-                     gpus_per_node=args.gpus_per_node or hw.gpus_per_node)
+                     gpus_per_node=args.gpus_per_node or hw.gpus_per_node, sequence_parallel=sp)
         if lay.tp < 1:
             raise ConfigError(f"--tp must be >= 1, got {lay.tp}")
         shape = ModelShape.from_config(cfg.model, tp, cfg.bert)

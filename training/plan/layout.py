@@ -36,5 +36,9 @@ def validate(shape: ModelShape, lay: Layout) -> None:
                           f"that divides model.num_layers")
     if lay.pp > 1 and shape.arch == "bert":
         raise ConfigError("--pp > 1 with BERT: pipeline parallelism is GPT-only (BERT is TP-only under DeepSpeed)")
+    if lay.sequence_parallel and lay.tp == 1:
+        raise ConfigError("sequence parallelism needs --tp > 1 (it splits the sequence across the TP ranks)")
+    if lay.sequence_parallel and shape.seq % lay.tp:
+        raise ConfigError(f"sequence parallelism: seq_length {shape.seq} is not a multiple of --tp {lay.tp}")
     if shape.positions < shape.seq:
         raise ConfigError(f"max_position_embeddings {shape.positions} < seq_length {shape.seq}")

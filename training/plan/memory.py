@@ -4,7 +4,8 @@ Weights/gradients/optimizer: fp16/bf16 mixed precision 2 + 2 + 12 bytes per para
 v), fp32 training 4 + 4 + 8; ZeRO-1 divides the optimizer part by DP, where DeepSpeed's ZeRO optimizer
 keeps an fp32 copy of the weights in fp32 training too (12 bytes per parameter in every dtype).
 Activations per Korthikanti et al. 2022 without recomputation, with selective recomputation (the attention
-core) and with full activation checkpointing, at the peak of a 1F1B schedule.
+core) and with full activation checkpointing, with and without sequence
+parallelism, at the peak of a 1F1B schedule.
 """
 from __future__ import annotations
 
@@ -43,12 +44,12 @@ def activation_element_bytes(dtype: str, cpu: bool = False) -> tuple[int, int]:
 
 
 def activation_bytes_per_layer(shape: ModelShape, micro_batch: int, tp: int, scores_stored: bool = True,
-                               act_bytes: int = 2, mask_bytes: int = 1) -> float:
-    """Korthikanti et al. 2022, eq. (1)/(2) (no sequence parallelism); with the defaults 16-bit activations
-    and 1-byte masks:
+                               act_bytes: int = 2, mask_bytes: int = 1, sequence_parallel: bool = False) -> float:
+    """Korthikanti et al. 2022, eq. (1)/(2)/(4); with the defaults 16-bit activations and 1-byte masks:
 
         s b h (34 + 5 a s / h)                       t = 1
         s b h (10 + 24/t + 5 a s / (h t))            tensor parallel
+        s b h / t (34 + 5 a s / h)                   tensor + sequence parallel (``sequence_parallel``)
 
     Terms: 10 sbh replicated on every TP rank (two LN inputs 4, QKV and h->4h inputs 4, two dropout
     masks 2); 24/t split (Q, K, V 6, projection input 2, GeLU input and output 2 x 8); 5 a s^2 b / t
@@ -62,10 +63,15 @@ def activation_bytes_per_layer(shape: ModelShape, micro_batch: int, tp: int, sco
 
     (e = 4, k = 4 for fp32 on CPU: :func:`activation_element_bytes`). Not counted: the LayerNorms' mean
     and 1/std (2 x 2 s b fp32 values, < 0.5 % at h >= 64).
+
+    Sequence parallelism divides the replicated ``e 4 + 2 k`` by t: the two norms' inputs, the two dropout masks
+    and the inputs of QKV and the MLP's first linear, which our sequence-parallel column linear keeps as the
+    chunk [b, s/t, h] and all-gathers again in backward (``training.parallel.layers``).
     """
     s, b, h, a = shape.seq, micro_batch, shape.hidden, shape.heads
     e, k = act_bytes, mask_bytes
-    per_sbh = e * (4 + (4 + 2 * shape.ffn / h) / tp) + 2 * k
+    replicated = e * 4 + 2 * k
+    per_sbh = replicated / (tp if sequence_parallel else 1) + e * (4 + 2 * shape.ffn / h) / tp
     if scores_stored:
         per_sbh += (2 * e + k) * a * s / (h * tp)
     return s * b * h * per_sbh
@@ -103,25 +109,28 @@ def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: boo
     micro-batches one after another and frees each before the next). Without checkpointing each
     keeps the full per-layer set for its l/p layers; with full checkpointing only the layer input
     (2 s b h per layer) plus the working set of the one layer being recomputed. Extras (Korthikanti
-    sec. 4.3, no SP): embedding dropout mask s b h on stage 0; final-LN input 2 s b h, output-layer
+    sec. 4.3): embedding dropout mask s b h on stage 0; final-LN input 2 s b h, output-layer
     input 2 s b h and fp32 logits 4 s b V / t on the last stage. 16-bit by default; ``act_bytes`` and
     ``mask_bytes`` as in :func:`activation_bytes_per_layer` (2 s b h -> e s b h, the mask k s b h).
     ``selective``: the attention core is recomputed in backward, so no layer keeps its s^2 scores (the one
     core being recomputed holds them for a moment: not counted, 1/l of what was saved).
+    With sequence parallelism (``lay.sequence_parallel``) every s b h term here is the rank's chunk: / t.
     """
     s, b, h = shape.seq, lay.micro_batch, shape.hidden
     e, k = act_bytes, mask_bytes
-    per_layer = activation_bytes_per_layer(shape, b, lay.tp, scores_stored and not selective, e, k)
+    sp = lay.sequence_parallel
+    per_layer = activation_bytes_per_layer(shape, b, lay.tp, scores_stored and not selective, e, k, sequence_parallel=sp)
+    sbh = s * b * h / (lay.tp if sp else 1)
     layers = shape.num_layers // lay.pp
     in_flight = min(lay.pp - stage, lay.num_micro)
     if ckpt:
-        act = in_flight * layers * e * s * b * h + per_layer
+        act = in_flight * layers * e * sbh + per_layer
     else:
         act = in_flight * layers * per_layer
     if stage == 0:
-        act += in_flight * k * s * b * h
+        act += in_flight * k * sbh
     if stage == lay.pp - 1:
-        act += 2 * e * s * b * h + 4 * s * b * shape.vocab / lay.tp
+        act += 2 * e * sbh + 4 * s * b * shape.vocab / lay.tp
     return act
 
 

@@ -69,7 +69,8 @@ def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dty
                f"V(padded)={shape.vocab:,} ffn={shape.ffn}{_llama_parts(shape)}")
     out.append(f"layout: TP={lay.tp} PP={lay.pp} DP={lay.dp} -> {lay.world} devices of {hw.name} "
                f"({hw.gpus_per_node}/node); micro batch {lay.micro_batch}, global batch {lay.global_batch}, "
-               f"{lay.num_micro} micro-batches/step; dtype {dtype}")
+               f"{lay.num_micro} micro-batches/step; dtype {dtype}"
+               + ("; sequence parallel" if lay.sequence_parallel else ""))
     out.append("")
     out.append(f"parameters: total {total:,} ({_fmt_params(total)}), "
                + ("untied output layer included" if shape.untied else "tied output embedding counted once"))
@@ -87,6 +88,11 @@ def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dty
     out.append(f"  {f'optimizer states, ZeRO-1/{lay.dp}':28s}{_gib(mem.optimizer_zero1):>12s}"
                f"{_gib(mem.optimizer_zero1):>12s}")
     out.append(f"  {'activations':28s}{_gib(mem.activations):>12s}{_gib(mem.activations_ckpt):>12s}")
+    if lay.tp > 1 and shape.seq % lay.tp == 0:  # the other parallel.sequence_parallel setting, for comparison
+        other = memory(shape, dataclasses.replace(lay, sequence_parallel=not lay.sequence_parallel), dtype,
+                       scores_stored, cpu=hw.name == "cpu")
+        label = "activations without SP" if lay.sequence_parallel else "activations with SP"
+        out.append(f"  {label:28s}{_gib(other.activations):>12s}{_gib(other.activations_ckpt):>12s}")
     over = False
     for zero1 in (False, True):
         label = "total, ZeRO-1" if zero1 else "total"

@@ -132,7 +132,8 @@ class BertTask(Task):
 
     # ---- model and loss --------------------------------------------------------------------------
     def build_model(self, padded_vocab: int):
-        return BertModel(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed)
+        return BertModel(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed,
+                         sequence_parallel=self.cfg.parallel.sequence_parallel)
 
     def loss(self, engine: torch.nn.Module, batch) -> tuple[torch.Tensor, dict]:
         batch = batch_to_device(batch, engine)

@@ -38,8 +38,10 @@ class GPTTask(Task):
         if self.cfg.parallel.pipeline > 1:
             from training.models.gpt2_pipe import build_gpt2_pipe
 
-            return build_gpt2_pipe(self.cfg.model, padded_vocab, self.ps, seed=self.cfg.train.seed)
-        return GPT2Model(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed)
+            return build_gpt2_pipe(self.cfg.model, padded_vocab, self.ps, seed=self.cfg.train.seed,
+                                   sequence_parallel=self.cfg.parallel.sequence_parallel)
+        return GPT2Model(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed,
+                         sequence_parallel=self.cfg.parallel.sequence_parallel)
 
     def micro_batches(self, consumed_samples: int):
         return self.sampler.micro_batches(consumed_samples)
