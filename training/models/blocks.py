@@ -215,9 +215,9 @@ class ParallelSelfAttention(nn.Module):
         k, v = self.expand_kv(k), self.expand_kv(v)
         p = self.dropout if self.training else 0.0
         if p > 0.0:
-            # Attention-probability dropout acts on TP-local heads: it uses the model-parallel stream. The
-            # stream switch sets the generator's state, which torch.compile cannot trace: compiled layers run
-            # this one call eagerly between two graphs. Without dropout no number is drawn and no switch made.
+            # Attention-probability dropout acts on TP-local heads: it uses the model-parallel stream (eager:
+            # the tracker's generator fork; compiled: a counter-based mask, no graph break). Without dropout
+            # no number is drawn and no switch made.
             y = self._core_on_model_parallel_stream(q, k, v, attn_mask, p)
         else:
             y = self._core(q, k, v, attn_mask, 0.0)                          # [b, n/p, s, hn]
@@ -236,8 +236,13 @@ class ParallelSelfAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
                                               is_causal=self.causal and attn_mask is None)
 
-    @torch.compiler.disable
     def _core_on_model_parallel_stream(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # a generator's state cannot be switched inside a graph: the explicit core with the traceable
+            # model-parallel mask (training/parallel/random.py model_parallel_dropout), fused by the compiler
+            return core_attention(q, k, v, layer_number=self.layer_number, query_key_layer_scaling=self.qk_layer_scaling,
+                                  softmax_in_fp32=self.softmax_in_fp32, causal=self.causal, attn_mask=attn_mask,
+                                  dropout_p=p, dropout_fn=tp_random.model_parallel_dropout)
         with tp_random.model_parallel_rng():
             return self._core(q, k, v, attn_mask, p)
 
