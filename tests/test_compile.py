@@ -166,3 +166,32 @@ def test_trainer_with_compiled_layers_matches_eager(spm_model, tmp_path):
                                                         **{"model.compile": "true"}))
     assert [c[0] for c in comp] == [2, 2] and eager[0][0] == 0
     torch.testing.assert_close(torch.tensor(comp[0][1]), torch.tensor(eager[0][1]), rtol=1e-5, atol=1e-5)
+
+
+@needs_corpus
+def test_compiled_stop_and_resume_is_bitwise_identical(spm_model, tmp_path):
+    """``model.compile=true`` at TP = 2 with hidden and attention dropout: the compiled model-parallel stream's
+    only state is the default generator, which the checkpoint saves, so stop-and-resume repeats every loss."""
+    from tests.test_training import _resume_worker
+
+    over = _overrides(spm_model, tmp_path, **{"train.iters": 4, "parallel.tensor": 2, "model.hidden_dropout": 0.1,
+                                              "model.attention_dropout": 0.1, "train.global_batch_size": 4,
+                                              "model.compile": "true"})
+    full, part = run_distributed(_resume_worker, 2, over, str(tmp_path))[0]
+    steps = lambda rows: [(r["iteration"], r["loss"]) for r in rows if "event" not in r]  # noqa: E731
+    assert steps(full) == steps(part) and len(steps(full)) == 4
+
+
+def test_cuda_graph_needs_a_gpu():
+    """``model.cuda_graph=true`` is refused in one line where there is no CUDA GPU (scripts/gpu_check.sh
+    ``--only cuda_graph`` exercises it on one)."""
+    from megatron_ds_suite.core.errors import ConfigError
+    from training.config import ModelConfig
+    from training.models.blocks import TransformerLayer
+    from training.models.compile_layers import compile_layers
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    layer = TransformerLayer(ModelConfig(hidden_size=64, num_attention_heads=4), None, 1, 0)
+    with pytest.raises(ConfigError, match="model.cuda_graph=true captures CUDA graphs: it needs a CUDA GPU"):
+        compile_layers(layer, cuda_graph=True)
