@@ -14,6 +14,8 @@ Checks (each a real run through the project's own entry points, ``torchrun`` for
     lambada          LAMBADA accuracy of the same model (``--limit`` examples)
     resume_equal     stop at half-way and resume: the losses after it equal the uninterrupted run's
     hf_export        Hugging Face export: ``GPT2LMHeadModel`` logits equal ours (fp32)
+    cuda_graph       ``model.cuda_graph=true`` (TP=2 with 2 GPUs): fp32 losses equal eager's without dropout;
+        fp16 with dropout and activation checkpointing, the loss falls
     gpt2_1.2b        the paper's 1.2B config (fp16, activation checkpointing): step time, TFLOP/s, memory
 
 Data comes from ``--data`` (default ``../shared/data`` beside the checkout: GPT-2 BPE files, Botchan,
@@ -198,6 +200,27 @@ def resume_equal(ctx: Context) -> tuple[bool, str]:
     return diff <= 1e-4 and len(after) == steps - half, f"max |loss diff| {diff:.2e} over iterations {half + 1}..{steps}"
 
 
+def cuda_graph(ctx: Context) -> tuple[bool, str]:
+    """``model.cuda_graph=true`` (compiled layers replayed as CUDA graphs; never run on a GPU before this check):
+    fp32 without dropout its losses equal eager's; with dropout and activation checkpointing the loss falls."""
+    tp = min(2, ctx.gpus)
+    cfg = str(ROOT / "configs" / "gpt2_tiny.yaml")
+    exact = {"precision.dtype": "fp32", "parallel.tensor": tp, "model.hidden_dropout": 0.0,
+             "model.attention_dropout": 0.0}
+    runs = {"cuda_graph_eager": exact, "cuda_graph_fp32": {**exact, "model.cuda_graph": "true"},
+            "cuda_graph_dropout": {"parallel.tensor": tp, "precision.dtype": "fp16", "model.cuda_graph": "true",
+                                   "model.activation_checkpointing": "true"}}
+    for run, over in runs.items():
+        ctx.run(run, ["-m", "training.pretrain", "--config", cfg, *ctx.gpt_overrides(run, **over)], nproc=tp)
+    if ctx.dry:
+        return True, "planned"
+    a, b = metrics(ctx.out / "cuda_graph_eager"), metrics(ctx.out / "cuda_graph_fp32")
+    diff = max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b))
+    ok, detail = loss_falls(ctx.out / "cuda_graph_dropout", max_skipped=5)
+    return (ok and diff <= 1e-4 and len(a) == len(b),
+            f"TP {tp}: fp32 max |loss diff| vs eager {diff:.2e}; fp16, dropout, recompute: {detail}")
+
+
 def hf_export(ctx: Context) -> tuple[bool, str]:
     out = ctx.out / "hf_export"
     ctx.run("hf_export", ["-m", "training.tools.export_hf", "--checkpoint", str(ctx.out / "gpt2_tp1_pp1_fp16"), "--out",
@@ -233,6 +256,7 @@ CHECKS: list[tuple[str, int, Callable[[Context], tuple[bool, str]]]] = [
     ("lambada", 1, evaluation("lambada")),
     ("resume_equal", 1, resume_equal),
     ("hf_export", 1, hf_export),
+    ("cuda_graph", 1, cuda_graph),
     ("gpt2_1.2b", 1, gpt2_1p2b),
 ]
 NAMES = [c[0] for c in CHECKS]

@@ -117,9 +117,13 @@ class ModelConfig(Freezable):
     (set only one of the two; read into ``recompute`` when the config is built, then None)."""
     compile: bool = False
     """``torch.compile`` every transformer layer (torchtitan-style, one compiled graph shared by all layers;
-    element-wise work fused): one graph per layer when ``attention_dropout`` is 0; with attention dropout the
-    attention core runs eagerly on the model-parallel RNG stream between graphs. Numerics equal eager in fp32
-    without dropout (dropout masks are drawn by the compiled code: other numbers, same distribution)."""
+    element-wise work fused): one graph per layer at any TP degree, with or without dropout (attention dropout's
+    model-parallel stream becomes a traced counter-based mask, ``training/parallel/random.py``). Numerics equal
+    eager in fp32 without dropout (dropout masks are drawn by the compiled code: other numbers, same distribution)."""
+    cuda_graph: bool = False
+    """Replay every compiled layer as CUDA graphs (implies ``compile``; torch's CUDA-graph trees, ``torch.compile``
+    mode ``reduce-overhead``: one capture per layer call site, Megatron's per-layer graphs). CUDA only; not yet run
+    on a GPU (``scripts/gpu_check.sh --only cuda_graph``). What blocks a whole-step capture: docs/gpu_step.md."""
     # BERT only
     layer_order: Literal["pre_ln", "post_ln"] = "pre_ln"
     """BERT: 'pre_ln' = the paper's rearranged order (Figure 7), 'post_ln' = original BERT."""

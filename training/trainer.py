@@ -177,8 +177,8 @@ class Trainer:
         t = cfg.train
         self.task.build_data()
         self.model = self.task.build_model(self.padded_vocab)
-        if cfg.model.compile:  # every transformer layer through torch.compile (training/models/compile_layers.py)
-            compile_layers(self.model)
+        if cfg.model.compile or cfg.model.cuda_graph:  # every transformer layer through torch.compile
+            compile_layers(self.model, cuda_graph=cfg.model.cuda_graph)  # (training/models/compile_layers.py)
         init_from.load_weights(self.model, self.desc, self.ps)  # train.init_from's weights, before the engine copies them
         optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters, tdev.local_device().type, self.dtype)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)

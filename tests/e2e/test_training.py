@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.training_runs import ROOT, needs_corpus, tiny_overrides, train_worker
+from tests.helpers.training_runs import ROOT, needs_corpus, resume_worker, tiny_overrides, train_worker
 
 @needs_corpus
 def test_tp2_dp2_and_zero1_match_tp1_dp1_and_loss_decreases(spm_model, tmp_path):
@@ -81,30 +81,13 @@ def test_fp16_overflow_skips_step_halves_scale_and_aborts(spm_model, tmp_path):
     assert len(out["records"]) == 2 and out["aborted"] and "3 consecutive steps skipped" in out["aborted"]
 
 
-def _resume_worker(rank, world, overrides, base):
-    from training.config import load_config
-    from training.trainer import Trainer
-
-    def rows(cfg):
-        return [json.loads(line) for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
-
-    config = ROOT / "configs" / "gpt2_tiny.yaml"
-    full = load_config(config, overrides + [f"run.dir={base}/full"])
-    Trainer(full).train()
-    part = load_config(config, overrides + [f"run.dir={base}/part", "train.exit_at=2"])
-    Trainer(part).train()                     # stops (and saves) at iteration 2
-    part = load_config(config, overrides + [f"run.dir={base}/part"])
-    Trainer(part).train()                     # a fresh trainer resumes from the checkpoint
-    return rows(full), rows(part)
-
-
 @needs_corpus
 def test_stop_and_resume_is_bitwise_identical(spm_model, tmp_path):
     # TP=2 with dropout on: the tracker and default RNG streams, the data position and the
     # LR schedule all have to be restored for the numbers to repeat exactly
     over = tiny_overrides(spm_model, tmp_path, **{"train.iters": 4, "parallel.tensor": 2, "model.hidden_dropout": 0.1,
                                               "model.attention_dropout": 0.1, "train.global_batch_size": 4})
-    full, part = run_distributed(_resume_worker, 2, over, str(tmp_path))[0]
+    full, part = run_distributed(resume_worker, 2, over, str(tmp_path))[0]
     steps = lambda rows: [(r["iteration"], r["loss"], r["lr"]) for r in rows if "event" not in r]  # noqa: E731
     assert steps(full) == steps(part) and len(steps(full)) == 4
     # the engine runs Megatron's schedule: update 1 at lr 0 (warmup 1), then the cosine decay

@@ -90,3 +90,22 @@ def metric_steps(run_dir: Path) -> dict:
     """iteration -> (loss, lr) of a run's metrics.jsonl training rows."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["iteration"]: (r["loss"], r["lr"]) for r in rows if "event" not in r}
+
+
+def resume_worker(rank, world, overrides, base):
+    """Train gpt2_tiny to the end (base/full), and again stopping at iteration 2 and resuming in a fresh
+    trainer (base/part); returns both runs' metrics rows."""
+    from training.config import load_config
+    from training.trainer import Trainer
+
+    def rows(cfg):
+        return [json.loads(line) for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+
+    config = ROOT / "configs" / "gpt2_tiny.yaml"
+    full = load_config(config, overrides + [f"run.dir={base}/full"])
+    Trainer(full).train()
+    part = load_config(config, overrides + [f"run.dir={base}/part", "train.exit_at=2"])
+    Trainer(part).train()                     # stops (and saves) at iteration 2
+    part = load_config(config, overrides + [f"run.dir={base}/part"])
+    Trainer(part).train()                     # a fresh trainer resumes from the checkpoint
+    return rows(full), rows(part)

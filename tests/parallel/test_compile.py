@@ -42,22 +42,60 @@ def _explain_worker(rank, world, dropout, extra=None):
     return ex.graph_count, ex.graph_break_count, reasons, eager_calls
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
 @pytest.mark.parametrize("world,extra", [(1, None), (2, None), (1, LLAMA), (2, LLAMA)],
                          ids=["tp1", "tp2", "llama-tp1", "llama-tp2"])
-def test_one_graph_per_layer_without_attention_dropout(world, extra):
+def test_one_graph_per_layer(world, extra, dropout):
     """No graph break in a layer at TP = 1 or TP = 2 (dynamo turns gloo's all-reduce into a functional
-    collective), GPT-2's block and the Llama block (RoPE, RMSNorm, SwiGLU, GQA, no biases); the eager layer
-    still counts its two forward all-reduces."""
-    for graphs, breaks, reasons, eager_calls in run_distributed(_explain_worker, world, 0.0, extra):
+    collective), GPT-2's block and the Llama block (RoPE, RMSNorm, SwiGLU, GQA, no biases), with and without
+    dropout: attention dropout's model-parallel stream is a traced counter-based mask under compilation
+    (``training.parallel.random.model_parallel_dropout``), not a generator fork. The eager layer still counts
+    its two forward all-reduces."""
+    for graphs, breaks, reasons, eager_calls in run_distributed(_explain_worker, world, dropout, extra):
         assert (graphs, breaks) == (1, 0), reasons
         assert eager_calls == ({"all_reduce": 2} if world == 2 else {})
 
 
-def test_attention_dropout_runs_eagerly_between_graphs():
-    """With attention dropout the only breaks are at the one call that switches to the model-parallel RNG
-    stream (made ``torch.compiler.disable`` on purpose: a generator's state cannot be traced)."""
-    graphs, breaks, reasons, _ = run_distributed(_explain_worker, 1, 0.1)[0]
-    assert graphs <= 4 and reasons == ["Skip inlining `torch.compiler.disable()`d function"], reasons
+def _streams_worker(rank, world):
+    import torch.nn.functional as F
+
+    from training.parallel import random as tp_random
+    from training.parallel.state import ParallelState
+
+    ps = ParallelState(tp=world)
+    tp_random.configure(ps, 2)
+
+    @torch.compile(fullgraph=True)
+    def draw(x):  # attention dropout (model-parallel stream), then hidden dropout (default stream)
+        return tp_random.model_parallel_dropout(x, 0.5), F.dropout(x, 0.5, True)
+
+    x = torch.ones(4, 64, 64)
+    out = []
+    for seed in (1, 1, 2):
+        tp_random.set_seed(seed)
+        out.append([t.ne(0) for t in draw(x) + draw(x)])  # two calls: the key advances
+    key = torch.tensor(12345)
+    eager = tp_random.counter_mask(x.shape, key, 2718 + 7 + rank, 0.1)
+    compiled = torch.compile(tp_random.counter_mask, fullgraph=True)(x.shape, key, 2718 + 7 + rank, 0.1)
+    return out, eager, compiled
+
+
+def test_compiled_model_parallel_stream_differs_across_tp_ranks_and_repeats_per_seed():
+    """The compiled model-parallel stream keeps the tracker's guarantees: attention masks differ across the TP
+    ranks and from one call to the next, the default stream (hidden dropout) stays the same on every TP rank
+    after it, the same seed repeats every mask and another seed changes them. The hash's integer arithmetic
+    gives the same bits eager and compiled (inductor's C++), with P(keep) = 1 - p."""
+    (r0, e0, c0), (r1, e1, c1) = run_distributed(_streams_worker, 2)
+    for runs in (r0, r1):
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))      # same seed, same masks
+        assert not torch.equal(runs[0][0], runs[2][0])                       # another seed, another mask
+        assert not torch.equal(runs[0][0], runs[0][2])                       # the key advances per call
+    for m0, m1 in zip(r0[0], r1[0]):
+        assert m0.float().mean().item() == pytest.approx(0.5, abs=0.02)
+    assert not torch.equal(r0[0][0], r1[0][0]) and not torch.equal(r0[0][2], r1[0][2])  # attention: per TP rank
+    assert torch.equal(r0[0][1], r1[0][1]) and torch.equal(r0[0][3], r1[0][3])          # hidden: shared
+    assert torch.equal(e0, c0) and torch.equal(e1, c1) and not torch.equal(e0, e1)
+    assert e0.float().mean().item() == pytest.approx(0.9, abs=0.01)
 
 
 def _grads_worker(rank, world, runs, extra=None):
@@ -128,3 +166,32 @@ def test_trainer_with_compiled_layers_matches_eager(spm_model, tmp_path):
                                                         **{"model.compile": "true"}))
     assert [c[0] for c in comp] == [2, 2] and eager[0][0] == 0
     torch.testing.assert_close(torch.tensor(comp[0][1]), torch.tensor(eager[0][1]), rtol=1e-5, atol=1e-5)
+
+
+@needs_corpus
+def test_compiled_stop_and_resume_is_bitwise_identical(spm_model, tmp_path):
+    """``model.compile=true`` at TP = 2 with hidden and attention dropout: the compiled model-parallel stream's
+    only state is the default generator, which the checkpoint saves, so stop-and-resume repeats every loss."""
+    from tests.helpers.training_runs import resume_worker
+
+    over = tiny_overrides(spm_model, tmp_path, **{"train.iters": 4, "parallel.tensor": 2, "model.hidden_dropout": 0.1,
+                                              "model.attention_dropout": 0.1, "train.global_batch_size": 4,
+                                              "model.compile": "true"})
+    full, part = run_distributed(resume_worker, 2, over, str(tmp_path))[0]
+    steps = lambda rows: [(r["iteration"], r["loss"]) for r in rows if "event" not in r]  # noqa: E731
+    assert steps(full) == steps(part) and len(steps(full)) == 4
+
+
+def test_cuda_graph_needs_a_gpu():
+    """``model.cuda_graph=true`` is refused in one line where there is no CUDA GPU (scripts/gpu_check.sh
+    ``--only cuda_graph`` exercises it on one)."""
+    from megatron_ds_suite.core.errors import ConfigError
+    from training.config import ModelConfig
+    from training.models.blocks import TransformerLayer
+    from training.models.compile_layers import compile_layers
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    layer = TransformerLayer(ModelConfig(hidden_size=64, num_attention_heads=4), None, 1, 0)
+    with pytest.raises(ConfigError, match="model.cuda_graph=true captures CUDA graphs: it needs a CUDA GPU"):
+        compile_layers(layer, cuda_graph=True)

@@ -429,7 +429,7 @@ def test_unsupported_llama_configs_are_refused():
     transformers = pytest.importorskip("transformers")
     from training.tools.hf_llama import LlamaMappingError, model_config_from_hf
 
-    # llama3 scaling maps (tests/test_rope_scaling.py); linear position interpolation does not
+    # llama3 scaling maps (tests/unit/test_rope_scaling.py); linear position interpolation does not
     scaled = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=96,
                                       rope_parameters={"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0})
     with pytest.raises(LlamaMappingError, match="rope_type='linear'"):

@@ -4,7 +4,7 @@ With dropout on (the CPU path whose attention core keeps the s x s probabilities
 none, selective and full give the same loss and the same gradients, bit for bit, at TP 1 and TP 2, for the
 GPT-2 block, the Llama-style block (RoPE, grouped-query attention: the recomputed region starts before the
 key/value repeat) and BERT (padding mask); the dropout masks inside the recomputed core are replayed from the
-model-parallel tracker's stream. What selective saves is measured in ``tests/test_plan_activations.py``.
+model-parallel tracker's stream. What selective saves is measured in ``tests/parallel/test_plan_activations.py``.
 """
 from __future__ import annotations
 
@@ -245,8 +245,9 @@ def _compiled_worker(rank: int, world: int) -> dict:
 
 
 def test_selective_in_compiled_layers():
-    """``model.compile``: the recomputed core runs eagerly between the layer's graphs (like the attention-dropout
-    core does already) and gives the gradients of compiled layers without recomputation, bit for bit."""
+    """``model.compile``: the recomputed core runs eagerly between the layer's graphs, drawing its attention
+    dropout from the compiled path's counter-based mask, and gives the gradients of compiled layers without
+    recomputation, bit for bit."""
     out = run_distributed(_compiled_worker, 1)[0]
     assert out["recomputed"] == 1
     for a, b in zip(out["none"], out["selective"], strict=True):

@@ -218,21 +218,22 @@ class ParallelSelfAttention(nn.Module):
             k, v = cache.update(self.layer_number - 1, k, v)               # [b, g/p, cached + s, hn]
         p = self.dropout if self.training else 0.0
         if self.selective and self.training and torch.is_grad_enabled() and self._keeps_scores(q, p):
-            y = self._recomputed_attention(q, k, v, attn_mask, p)
+            # a compiled layer runs the recomputed core eagerly, with the compiled path's traceable dropout mask
+            y = self._recomputed_attention(q, k, v, attn_mask, p, torch.compiler.is_compiling())
         else:
             y = self._attention(q, k, v, attn_mask, p)                      # [b, n/p, s, hn]
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/p]
         return self.proj(y)                                                # [b, s, h], all-reduced
 
-    def _attention(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
+    def _attention(self, q, k, v, attn_mask, p: float, traced_mask: bool = False) -> torch.Tensor:
         """The attention core of q [b, n/p, s, hn], k and v [b, g/p, s, hn] -> [b, n/p, s, hn]: key/value
         heads repeated for their query heads, scores, softmax, dropout p, times V."""
         k, v = self.expand_kv(k), self.expand_kv(v)
         if p > 0.0:
-            # Attention-probability dropout acts on TP-local heads: it uses the model-parallel stream. The
-            # stream switch sets the generator's state, which torch.compile cannot trace: compiled layers run
-            # this one call eagerly between two graphs. Without dropout no number is drawn and no switch made.
-            return self._core_on_model_parallel_stream(q, k, v, attn_mask, p)
+            # Attention-probability dropout acts on TP-local heads: it uses the model-parallel stream (eager:
+            # the tracker's generator fork; compiled: a counter-based mask, no graph break). Without dropout
+            # no number is drawn and no switch made.
+            return self._core_on_model_parallel_stream(q, k, v, attn_mask, p, traced_mask)
         return self._core(q, k, v, attn_mask, 0.0)
 
     def _keeps_scores(self, q: torch.Tensor, p: float) -> bool:
@@ -243,10 +244,11 @@ class ParallelSelfAttention(nn.Module):
         return self.qk_layer_scaling or self.softmax_in_fp32 or (p > 0.0 and q.device.type != "cuda")
 
     @torch.compiler.disable
-    def _recomputed_attention(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
+    def _recomputed_attention(self, q, k, v, attn_mask, p: float, traced_mask: bool = False) -> torch.Tensor:
         """``model.recompute: selective`` (Korthikanti et al. 2022): :meth:`_attention` keeping only q, k, v
         (k, v before the GQA repeat); backward runs it again from the same RNG states (same dropout mask)."""
-        return tp_random.recompute(functools.partial(self._attention, attn_mask=attn_mask, p=p), q, k, v)
+        return tp_random.recompute(functools.partial(self._attention, attn_mask=attn_mask, p=p, traced_mask=traced_mask),
+                                   q, k, v)
 
     def _core(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
         """softmax(Q K^T / sqrt(hn) + mask) with dropout p, times V: [b, n/p, s, hn]."""
@@ -260,8 +262,16 @@ class ParallelSelfAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
                                               is_causal=self.causal and attn_mask is None)
 
-    @torch.compiler.disable
-    def _core_on_model_parallel_stream(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
+    def _core_on_model_parallel_stream(self, q, k, v, attn_mask, p: float, traced_mask: bool = False) -> torch.Tensor:
+        """The attention core with dropout on the model-parallel stream: the tracker's generator fork (eager), or
+        the counter-based mask under compilation and in a compiled layer's eagerly recomputed core (``traced_mask``),
+        so that a compiled layer draws the same masks with or without selective recomputation."""
+        if traced_mask or torch.compiler.is_compiling():
+            # a generator's state cannot be switched inside a graph: the explicit core with the traceable
+            # model-parallel mask (training/parallel/random.py model_parallel_dropout), fused by the compiler
+            return core_attention(q, k, v, layer_number=self.layer_number, query_key_layer_scaling=self.qk_layer_scaling,
+                                  softmax_in_fp32=self.softmax_in_fp32, causal=self.causal, attn_mask=attn_mask,
+                                  dropout_p=p, dropout_fn=tp_random.model_parallel_dropout)
         with tp_random.model_parallel_rng():
             return self._core(q, k, v, attn_mask, p)
 

@@ -16,6 +16,7 @@ overflow and how the softmax rounds. ``tests/unit/test_attention_numerics.py`` c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -26,10 +27,13 @@ MASKED_SCORE = -10000.0  # Megatron's attention_mask_func fill value
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_number: int,
                    query_key_layer_scaling: bool, softmax_in_fp32: bool, causal: bool,
-                   attn_mask: torch.Tensor | None, dropout_p: float) -> torch.Tensor:
+                   attn_mask: torch.Tensor | None, dropout_p: float,
+                   dropout_fn: Callable[[torch.Tensor, float], torch.Tensor] | None = None) -> torch.Tensor:
     """q [b, n, s, hn], k and v [b, n, sk, hn] -> [b, n, s, hn]. ``attn_mask``: bool, broadcastable to [b, n, s, sk],
     True = attend (the SDPA convention used by the models); ``causal`` adds the lower-triangular mask, aligned to
-    the last key (sk > s: the s queries follow sk - s cached keys, :class:`training.models.kv_cache.KVCache`)."""
+    the last key (sk > s: the s queries follow sk - s cached keys, :class:`training.models.kv_cache.KVCache`).
+    ``dropout_fn(probs, p)`` replaces the default-stream dropout on the probabilities (compiled layers pass
+    :func:`training.parallel.random.model_parallel_dropout`)."""
     b, n, s, hn = q.shape
     sk = k.size(2)
     coeff = float(max(1, layer_number)) if query_key_layer_scaling else 1.0
@@ -52,5 +56,8 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_n
     probs = torch.softmax(x, dim=-1)
     if half and softmax_in_fp32:
         probs = probs.to(scores.dtype)
-    probs = dropout(probs, dropout_p, dropout_p > 0.0)
+    if dropout_fn is not None and dropout_p > 0.0:
+        probs = dropout_fn(probs, dropout_p)
+    else:
+        probs = dropout(probs, dropout_p, dropout_p > 0.0)
     return torch.matmul(probs, v)                                         # [b, n, s, hn]

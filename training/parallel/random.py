@@ -11,10 +11,19 @@ Two streams (Megatron's scheme, implemented by ``deepspeed.checkpointing``):
 the CPU, device and tracker RNG states so that recomputation replays the same dropout masks.
 :func:`recompute` does the same for one small region (selective recomputation of the attention core)
 without DeepSpeed's per-call bookkeeping: one device-generator state and the tracker's dict per call.
+
+Compiled layers (``model.compile``) cannot switch a generator's state inside a graph, so under ``torch.compile``
+the model-parallel stream is a counter-based mask instead (:func:`model_parallel_dropout`): a 32-bit hash of
+(a key drawn from the default generator, the tracker's model-parallel seed, the element's index) in plain
+integer tensor ops, which the compiler traces and fuses. The key is the same on every TP rank (the default
+stream is) and the seed differs per TP rank, so the masks do. Its only state is the default generator, which
+activation checkpointing restores (exact replay) and checkpoints save (exact resume), and which on a GPU
+advances on the device (CUDA-graph safe). Eager code keeps the tracker fork and its numbers.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +31,7 @@ from typing import Any
 import deepspeed
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
@@ -52,6 +62,50 @@ def model_parallel_rng() -> contextlib.AbstractContextManager:
     if MODEL_PARALLEL_RNG in tracker.get_states():
         return tracker.fork(MODEL_PARALLEL_RNG)
     return contextlib.nullcontext()
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x c mod 2^32 for int64 x in [0, 2^32): the constant split in 16-bit halves, so no product reaches 2^48
+    (signed int64 overflow is undefined behaviour in the C++ kernels)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' ``lowbias32``: xor-shift, multiply, twice) of int64 values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_mask(shape: torch.Size, key: torch.Tensor, seed: int, p: float) -> torch.Tensor:
+    """Bool keep-mask of ``shape`` on ``key``'s device, P(keep) = 1 - p (to 2^-32). Element i (flat index, 32-bit
+    halves i_lo, i_hi) keeps when ``mix(mix(i_lo ^ mix(key ^ seed_lo)) ^ (i_hi + seed_hi)) >= p 2^32``: a pure
+    function of (key, seed, i), no generator state; compiled, one fused element-wise kernel (iota + integer ops)."""
+    idx = torch.arange(math.prod(shape), dtype=torch.int64, device=key.device).view(shape)
+    stream = _mix32(key.to(torch.int64) ^ (seed & _M32))
+    u = _mix32(_mix32((idx & _M32) ^ stream) ^ (((idx >> 32) + (seed >> 32)) & _M32))
+    return u >= round(p * 2**32)
+
+
+def model_parallel_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout of ``x`` on the model-parallel stream in traceable ops: the compiled twin of
+    ``with model_parallel_rng(): dropout(x, p, True)`` (other numbers, the same distribution).
+
+    One key in [0, 2^31) is drawn from the default generator (the same on every TP rank, so the default stream
+    stays in step across them) and hashed with this rank's model-parallel seed (the tracker's ``seed + 2718 +
+    tp_rank``): masks differ across TP ranks and repeat across data-parallel replicas, as the tracker's do.
+    Before :func:`configure` (no tracker seed) it is dropout on the default stream, as the eager fork is."""
+    seeds = get_tracker().seeds_  # {model-parallel seed} after set_seed; read at trace time (a guarded constant)
+    if not seeds:
+        return F.dropout(x, p, True)
+    key = torch.randint(0, 2**31 - 1, (), device=x.device)
+    keep = counter_mask(x.shape, key, min(seeds), p)
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
 
 
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
