@@ -183,6 +183,8 @@ def parse_jsonl_line(sid: str, line: bytes, text_field: str, id_field: str | Non
         return RawRecord(sid, None, "bad_json", f"{e.msg} (col {e.colno}): " + _snippet(s))
     except RecursionError:  # nested deeper than the interpreter's stack: 2 KB of brackets suffice
         too_deep = True
+    except ValueError as e:  # an integer of more than 4,300 digits: Python's int-from-string limit
+        return RawRecord(sid, None, "bad_json", f"{str(e).split(':')[0]}: " + _snippet(s))
     if too_deep or nested_deeper_than(obj, MAX_JSON_DEPTH, s):
         return RawRecord(sid, None, "bad_json", f"nested deeper than {MAX_JSON_DEPTH} levels: " + _snippet(s))
     if not isinstance(obj, dict):
