@@ -503,6 +503,21 @@ def _(p, tmp):
     return data_build(p, tmp, [{"type": "jsonl", "path": str(tmp / "d")}])
 
 
+def _warned_once(p, tmp, res):
+    n = sum("not read" in line for line in res.out.splitlines())
+    return None if n == 1 else f"the 'file(s) not read' warning appears {n} times"
+
+
+@case("data_pipeline", "dir_source_stray_file", "a jsonl folder holding a README among 8 shards' worth of records",
+      "ok", check=_warned_once)
+def _(p, tmp):
+    d = tmp / "in"
+    d.mkdir()
+    shutil.copyfile(jsonl(tmp, [])[0]["path"], d / "a.jsonl")
+    (d / "README.md").write_text("what this folder holds\n")
+    return data_build(p, tmp, [{"type": "jsonl", "path": str(d)}], "shard_size=1")
+
+
 @case("data_pipeline", "prefix_escapes_output", "`dataset.gpt_prefix=../x`",
       check=lambda p, tmp, res: "wrote outside the output folder" if list(tmp.glob("x.*")) else None)
 def _(p, tmp):
@@ -1302,6 +1317,22 @@ def _(p, tmp):
     return ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "evaluation", "generate",
             "--checkpoint", str(fixture(p, "run_tp2")), "--tp", "2", "--prompt", "hello world",
             "--max-new-tokens", "4", "--greedy", "--no-progress", "--json", str(tmp / "r.json")]
+
+
+def _one_error_line(p, tmp, res):
+    n = sum(bool(re.match(r"^(\[rank\d+\]: )?(checkpoint )?error: ", line)) for line in res.out.splitlines())
+    return None if n == 1 else f"{n} error lines (one per rank?)"
+
+
+@case("evaluation", "tp2_launcher_truncated_shard", "`wikitext103 --tp 2` under the launcher, rank 1's shard cut short",
+      timeout=300, check=_one_error_line)
+def _(p, tmp):
+    run = copy_of(p, "run_tp2", tmp / "run")
+    f = next((run / "checkpoints").glob("*/mp_rank_01_model_states.pt"))
+    f.write_bytes(f.read_bytes()[:4096])
+    return ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", "evaluation", "wikitext103",
+            "--checkpoint", str(run), "--tp", "2", "--data", str(_words(tmp)), "--no-progress", "--json",
+            str(tmp / "r.json")]
 
 
 @case("evaluation", "heldout_without_corpus", "`heldout --corpus` names nothing")
