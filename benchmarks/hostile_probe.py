@@ -1,7 +1,7 @@
 """Hostile-user probe (issue 30): run the real commands on damaged or wrong inputs and classify what the user sees.
 
     python -m benchmarks.hostile_probe [--root CHECKOUT] [--only PATTERN] [--jobs N] [--json OUT.json] [--md OUT.md]
-    python -m benchmarks.hostile_probe --compare BEFORE.json AFTER.json [--md OUT.md]
+    python -m benchmarks.hostile_probe --compare before=BEFORE.json after=AFTER.json [--md OUT.md]
 
 Each case sets itself up in a temporary folder (tiny corpora built by the project's own builder, a two-step TP=1
 GPT-2 run, a random transformers GPT-2 imported at TP=2, then damaged copies of them: truncated shards, swapped
@@ -491,7 +491,7 @@ def _(p, tmp):
                                {"type": "text", "path": str(fixture(p, "text")), "text_mode": "blocks"}])
 
 
-@case("data_pipeline", "workers_negative", "`workers=-1`")
+@case("data_pipeline", "workers_negative", "`workers=-1` (all cores, as joblib reads it, or refused)", "either")
 def _(p, tmp):
     return data_build(p, tmp, None, "workers=-1")
 
@@ -860,11 +860,18 @@ def _(p, tmp):
     return _train(p, tmp, corpus=c)
 
 
-@case("training", "resume_tokenizer_swapped", "resume a run whose own tokenizer copy was edited (same size)")
+@case("training", "resume_on_another_tokenizer", "resume on a corpus made with another tokenizer of the same size")
 def _(p, tmp):
-    cmd = _resume(p, tmp)
-    swap_merges(tmp / "run" / "tokenizer")
-    return cmd
+    import hashlib
+
+    copy_of(p, "run", tmp / "run")
+    c = copy_of(p, "corpus", tmp / "corpus")
+    swap_merges(c / "tokenizer")  # and the manifest says so: a consistent corpus of another tokenizer
+    manifest = json.loads((c / "corpus.json").read_text())
+    manifest["tokenizer"]["sha256"]["merges_file"] = hashlib.sha256((c / "tokenizer" / "gpt2-merges.txt")
+                                                                    .read_bytes()).hexdigest()
+    (c / "corpus.json").write_text(json.dumps(manifest, indent=1))
+    return _train(p, tmp, iters=3, corpus=c)
 
 
 @case("training", "resume_binary_latest", "resume with a binary checkpoints/latest", check=config_json_unchanged)
@@ -1709,35 +1716,31 @@ def _md_counts(c: dict[str, int]) -> str:
                                                              if c.get("setup failed") else "")
 
 
-def markdown(rows: list[dict], before: list[dict] | None = None) -> str:
-    """Per-area tables and the totals; with ``before``: both outcomes side by side."""
-    prev = {(r["area"], r["name"]): r for r in before or []}
-    out = []
-    head = "| counts (clean / traceback / silent / hang) | " + ("before | after |" if before else "result |")
-    out += [head, "|---|---|" + ("---|" if before else "")]
+def markdown(rows: list[dict], earlier: list[tuple[str, list[dict]]] | None = None, label: str = "result",
+             changed_only: bool = False) -> str:
+    """Per-area tables and the totals; with ``earlier`` (label, rows) runs: their outcomes in columns before
+    this run's (``label``); ``changed_only``: list only the cases whose outcome differs between the runs."""
+    earlier = earlier or []
+    prev = [(name, {(r["area"], r["name"]): r for r in rs}) for name, rs in earlier]
+    out = ["| counts (clean / traceback / silent / hang) | " + " | ".join([n for n, _ in earlier] + [label]) + " |",
+           "|---|" + "---|" * (len(earlier) + 1)]
     for area in AREAS + (None,):
-        label = area or "**total**"
-        now = _md_counts(counts(rows, area))
-        if before:
-            out.append(f"| {label} | {_md_counts(counts(before, area))} | {now} |")
-        else:
-            out.append(f"| {label} | {now} |")
+        cells = [_md_counts(counts(rs, area)) for _, rs in earlier] + [_md_counts(counts(rows, area))]
+        out.append(f"| {area or '**total**'} | " + " | ".join(cells) + " |")
     for area in AREAS:
         sel = [r for r in rows if r["area"] == area]
+        if changed_only:
+            sel = [r for r in sel if any(d.get((r["area"], r["name"]), {}).get("outcome") != r["outcome"]
+                                         for _, d in prev)]
         if not sel:
             continue
-        out += ["", f"### {area}", ""]
-        if before:
-            out += ["| case | hostile input | before | after | what the user sees now |", "|---|---|---|---|---|"]
-        else:
-            out += ["| case | hostile input | outcome | what the user sees |", "|---|---|---|---|"]
+        out += ["", f"### {area}", "",
+                "| case | hostile input | " + " | ".join([n for n, _ in earlier] + [label]) + " | what the user sees"
+                + (" now" if earlier else "") + " |", "|---|---|" + "---|" * (len(earlier) + 2)]
         for r in sel:
-            note = r["note"].replace("|", "\\|")
-            if before:
-                b = prev.get((r["area"], r["name"]), {}).get("outcome", "-")
-                out.append(f"| `{r['name']}` | {r['defect']} | {b} | {r['outcome']} | {note} |")
-            else:
-                out.append(f"| `{r['name']}` | {r['defect']} | {r['outcome']} | {note} |")
+            note = re.sub(r"/tmp/hostile-probe-[^/ ]+/", "", r["note"]).replace("|", "\\|")
+            before = [d.get((r["area"], r["name"]), {}).get("outcome", "-") for _, d in prev]
+            out.append(f"| `{r['name']}` | {r['defect']} | " + " | ".join(before + [r["outcome"]]) + f" | {note} |")
     return "\n".join(out) + "\n"
 
 
@@ -1752,11 +1755,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--md", help="write the markdown report here")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder (logs/ has every command's output)")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
-    ap.add_argument("--compare", nargs=2, metavar=("BEFORE.json", "AFTER.json"), help="report two earlier runs")
+    ap.add_argument("--changed", action="store_true", help="with --compare: only the cases whose outcome changed")
+    ap.add_argument("--compare", nargs="+", metavar="LABEL=RUN.json",
+                    help="report earlier runs side by side, oldest first (the last one's notes are shown)")
     args = ap.parse_args(argv)
     if args.compare:
-        before, after = (json.loads(Path(f).read_text())["rows"] for f in args.compare)
-        text = markdown(after, before)
+        runs = [(x.split("=", 1)[0] if "=" in x else Path(x).stem,
+                 json.loads(Path(x.split("=", 1)[-1]).read_text())["rows"]) for x in args.compare]
+        text = markdown(runs[-1][1], runs[:-1], runs[-1][0], args.changed)
         if args.md:
             Path(args.md).write_text(text)
         print(text)
