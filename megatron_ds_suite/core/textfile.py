@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_ds_suite.core.errors import SuiteError
+
 
 def read_utf8(path: str | Path, what: str, error: type[Exception]) -> str:
     """The text of ``path``; a file that is not UTF-8 raises ``error`` naming ``what``, the byte and the reason."""
@@ -15,8 +17,9 @@ def read_utf8(path: str | Path, what: str, error: type[Exception]) -> str:
                     f"text file") from None
 
 
-class BadJsonLine(ValueError):
-    """One line of a user's jsonl file that cannot become a JSON value; ``str()`` is the short reason."""
+class BadJsonLine(SuiteError):
+    """One line of a user's jsonl file that cannot become a JSON value; ``str()`` is the short reason (each reader
+    turns it into its own one-line error, naming the file and line, or a counted skip)."""
 
 
 def json_line(line: str | bytes):
