@@ -508,7 +508,7 @@ def _warned_once(p, tmp, res):
     return None if n == 1 else f"the 'file(s) not read' warning appears {n} times"
 
 
-@case("data_pipeline", "dir_source_stray_file", "a jsonl folder holding a README among 8 shards' worth of records",
+@case("data_pipeline", "dir_source_stray_file", "a jsonl folder holding a README, read as 5 one-record shards",
       "ok", check=_warned_once)
 def _(p, tmp):
     d = tmp / "in"
