@@ -16,7 +16,6 @@ distinct n-grams (probability ~ corpus n-grams x eval n-grams / 2^64) can only a
 """
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import numpy as np
 
 from data_pipeline.dedup.hashing import ShingleSpec, shingle_fingerprints_batch
 from megatron_ds_suite.core.errors import SuiteError
-from megatron_ds_suite.core.textfile import read_utf8
+from megatron_ds_suite.core.textfile import BadJsonLine, json_line, read_utf8
 
 _WORD = re.compile(r"\w+")
 
@@ -56,8 +55,8 @@ def read_eval_texts(path: Path) -> list[str]:
         for k, line in enumerate(raw.splitlines(), 1):
             if line.strip():
                 try:
-                    out.append(str(json.loads(line)["text"]))
-                except (json.JSONDecodeError, KeyError, TypeError):
+                    out.append(str(json_line(line)["text"]))
+                except (BadJsonLine, KeyError, TypeError):
                     raise OverlapError(f"{path}:{k}: not a JSON object with a 'text' field") from None
         return out
     return [line for line in raw.splitlines() if line.strip()]
@@ -116,8 +115,8 @@ def iter_corpus_texts(corpus: Path, text_field: str = "text") -> Iterator[str]:
                 if not raw.strip():
                     continue
                 try:
-                    text = json.loads(raw.decode("utf-8"))[text_field]
-                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError):
+                    text = json_line(raw.decode("utf-8"))[text_field]
+                except (UnicodeDecodeError, BadJsonLine, KeyError, TypeError):
                     raise OverlapError(f"{f}:{k}: not a UTF-8 JSON object with a {text_field!r} field: pass a built "
                                        "corpus folder (documents.jsonl) or jsonl files of documents") from None
                 yield str(text)

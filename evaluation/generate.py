@@ -28,7 +28,6 @@ document id (not included in the output) unless ``stop_at_eod`` is off.
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from evaluation.errors import EvalError
-from megatron_ds_suite.core.textfile import read_utf8
+from megatron_ds_suite.core.textfile import BadJsonLine, json_line, read_utf8
 from training.models.kv_cache import KVCache
 from training.parallel.mappings import gather_from_parallel_region
 
@@ -228,9 +227,9 @@ def read_prompts(path: str | Path) -> list[str]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EvalError(f"{p}:{n}: not JSON ({e.msg})") from None
+                obj = json_line(line)
+            except BadJsonLine as e:
+                raise EvalError(f"{p}:{n}: not JSON ({e})") from None
             text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise EvalError(f'{p}:{n}: expected {{"prompt": "..."}}')

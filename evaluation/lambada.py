@@ -14,7 +14,6 @@ positions is cut from the left (counted in ``truncated``; Megatron assumes it fi
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from tqdm import tqdm
 
 from evaluation.errors import EvalError
 from evaluation.scoring import LMScorer
+from megatron_ds_suite.core.textfile import BadJsonLine, json_line
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +42,9 @@ def read_lambada_jsonl(path: str | Path, key: str = "text") -> list[str]:
                 if not line.strip():
                     raise EvalError(f"{p}:{lineno}: empty line (expected one JSON object per line)")
                 try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise EvalError(f"{p}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+                    obj = json_line(line)
+                except BadJsonLine as e:
+                    raise EvalError(f"{p}:{lineno}: malformed JSON ({e})") from None
                 if not isinstance(obj, dict) or key not in obj:
                     raise EvalError(f"{p}:{lineno}: missing key {key!r} (expected {{\"{key}\": \"...\"}})")
                 if not isinstance(obj[key], str) or not obj[key].split():

@@ -10,6 +10,7 @@ config does not model go in its ``deepspeed:`` section, merged in (keys the conf
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -538,7 +539,7 @@ def validate_static(cfg: Config) -> None:
             raise ConfigError("run.wandb.enabled=true needs the wandb package: pip install 'megatron-ds-suite[tracking]'")
     from training.tracking import check_passthrough
 
-    check_passthrough(cfg.deepspeed)
+    check_passthrough(cfg.deepspeed, DS_FIXED)
     try:
         parts = [float(x) for x in cfg.data.split.split(",")]
         assert len(parts) == 3 and all(x >= 0 for x in parts) and sum(parts) > 0
@@ -617,6 +618,17 @@ def resolve_dtype(cfg: Config, on_gpu: bool) -> str:
     return d
 
 
+#: DeepSpeed keys every run writes with the same value (the ``deepspeed:`` section may replace them); also the
+#: reference type of a key DeepSpeed reads with a default of None (``training.ds_schema.check_schema``)
+DS_FIXED: dict[str, Any] = {
+    "steps_per_print": 10**9,  # we log ourselves, one line per step
+    "zero_allow_untested_optimizer": True,  # our client optimizer is torch.optim.AdamW
+    # DeepSpeed's throughput timer synchronises the device twice per micro-batch; we time steps ourselves
+    # (re-enable with deepspeed: {timers: {throughput: {enabled: true}}})
+    "timers": {"throughput": {"enabled": False}},
+}
+
+
 def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
     """The DeepSpeed JSON, derived from the run config (saved as RUN_DIR/ds_config.json)."""
     t, pr = cfg.train, cfg.precision
@@ -626,14 +638,10 @@ def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": cfg.optimizer.clip_grad,
-        "steps_per_print": 10**9,  # we log ourselves, one line per step
         "zero_optimization": {"stage": cfg.parallel.zero_stage},
-        "zero_allow_untested_optimizer": True,  # our client optimizer is torch.optim.AdamW
         "fp16": {"enabled": dtype == "fp16"},
         "bf16": {"enabled": dtype == "bf16"},
-        # DeepSpeed's throughput timer synchronises the device twice per micro-batch; we time steps ourselves
-        # (re-enable with deepspeed: {timers: {throughput: {enabled: true}}})
-        "timers": {"throughput": {"enabled": False}},
+        **copy.deepcopy(DS_FIXED),
     }
     if cfg.parallel.sequence_parallel and cfg.parallel.pipeline > 1:
         # DeepSpeed's pipeline sends 1/tensor of each activation per TP rank and all-gathers it on arrival,

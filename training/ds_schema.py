@@ -36,9 +36,10 @@ class _Keys(KeysView):
 class _Recorder(dict):
     """A dict (nested dicts too) that records, per path, the keys looked up and whether it was read whole."""
 
-    def __init__(self, data: dict, path: tuple = (), log: dict | None = None):
+    def __init__(self, data: dict, path: tuple = (), log: dict | None = None, defaults: dict | None = None):
         self.path, self.log = path, ({} if log is None else log)
-        super().__init__({k: _Recorder(v, path + (k,), self.log) if isinstance(v, dict) else v
+        self.defaults = {} if defaults is None else defaults  # (path + (key,)) -> the default DeepSpeed passed
+        super().__init__({k: _Recorder(v, path + (k,), self.log, self.defaults) if isinstance(v, dict) else v
                           for k, v in data.items()})
 
     def saw(self, key) -> None:
@@ -49,6 +50,8 @@ class _Recorder(dict):
 
     def get(self, key, default=None):
         self.saw(key)
+        if default is not None:
+            self.defaults.setdefault(self.path + (key,), default)
         return dict.get(self, key, default)
 
     def __getitem__(self, key):
@@ -80,8 +83,29 @@ class _Recorder(dict):
         # DeepSpeedConfig copies the top level first ("so that the user json is unmodified"): still recorded
         clone = _Recorder.__new__(_Recorder)
         dict.update(clone, dict.items(self))
-        clone.path, clone.log = self.path, self.log
+        clone.path, clone.log, clone.defaults = self.path, self.log, self.defaults
         return clone
+
+
+def _lookup(d: dict, path: tuple):
+    """``d[path[0]][path[1]]...``, None where the path is not there."""
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _type_mismatch(value, default) -> str | None:
+    """The type DeepSpeed expects for a scalar it reads with ``default`` (``get_scalar_param``), when ``value`` is
+    not of it: DeepSpeed does no type check there, so ``steps_per_print: often`` failed deep inside the engine."""
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "true or false"
+    if isinstance(default, (int, float)):
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+    if isinstance(default, str):
+        return None if isinstance(value, str) else "a string"
+    return None
 
 
 def _closest(word: str, known) -> str:
@@ -132,8 +156,10 @@ def _refuse_validation_error(err, section: dict) -> None:
     raise ConfigError(f"{key}: {first['msg']} (DeepSpeed's {err.title})") from None
 
 
-def check_schema(section: dict[str, Any]) -> None:
-    """Refuse a key of ``section`` (the ``deepspeed:`` pass-through) that the installed DeepSpeed does not read."""
+def check_schema(section: dict[str, Any], reference: dict[str, Any] | None = None) -> None:
+    """Refuse a key of ``section`` (the ``deepspeed:`` pass-through) that the installed DeepSpeed does not read, or a
+    scalar of another type than the default DeepSpeed reads it with (where that default is None: than the value
+    ``reference``, the DeepSpeed config this project derives, has there)."""
     if not section:
         return
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
@@ -157,6 +183,11 @@ def check_schema(section: dict[str, Any]) -> None:
     finally:
         ds_logger.setLevel(level)
     for leaf in _leaves(section):
+        default = rec.defaults.get(leaf, _lookup(reference or {}, leaf))
+        want = _type_mismatch(_lookup(section, leaf), default)
+        if want is not None:
+            raise ConfigError(f"deepspeed.{'.'.join(map(str, leaf))}={_lookup(section, leaf)!r}: DeepSpeed reads {want} "
+                              f"there (e.g. {default!r})")
         for depth in range(len(leaf)):
             seen = rec.log.get(leaf[:depth])
             if not seen or _OPEN in seen:

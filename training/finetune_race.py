@@ -47,6 +47,7 @@ def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -
     from megatron_ds_suite.configs_lookup import find_config
     from megatron_ds_suite.core.config import apply_overrides, merge_dicts, read_yaml
     from training.checkpoint_reader import read_client_state
+    from training.init_from import apart_from_source
 
     own = read_yaml(find_config(path), hint=" (see configs/race.yaml)")  # a file, else a bundled config
     own = apply_overrides(own, overrides, example="finetune.epochs=3")
@@ -57,6 +58,11 @@ def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -
                           "(e.g. finetune.pretrained=runs/bert-tiny)")
     if not isinstance(ft.get("race_dir"), str):
         raise ConfigError("finetune.race_dir must name the RACE folder (with train/, dev/, test/)")
+    run_dir = (own.get("run") or {}).get("dir") if isinstance(own.get("run"), dict) else None
+    if isinstance(run_dir, str) and isinstance(pretrained, str):  # before the pretrained checkpoint is read
+        if Path(run_dir).resolve() == Path(pretrained).resolve():
+            raise ConfigError(f"run.dir={run_dir} is the pretrained run: fine-tune into a new directory")
+        apart_from_source(run_dir, "finetune.pretrained", pretrained)
     bad = sorted(set(own.get("model") or {}) - TUNABLE_MODEL_KEYS)
     if bad:
         raise ConfigError(f"model.{bad[0]} comes from the pretrained checkpoint and cannot be set for fine-tuning "

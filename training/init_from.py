@@ -77,6 +77,18 @@ def _source_meta(run_dir: str) -> dict:
         raise ConfigError(f"train.init_from={run_dir}: {e}") from None
 
 
+def apart_from_source(run_dir: str | Path, key: str, src: str | Path) -> None:
+    """Refuse a ``run.dir`` that holds the source run ``src`` or lies inside it (symlinks resolved): the new run
+    would write its checkpoints, ``latest`` and metrics into the run it reads, or a later ``--overwrite`` of one
+    would destroy the other. The same folder has its own message at the caller."""
+    from training.runtime.run_lock import overlapping_input
+
+    reason = overlapping_input(run_dir, {key: src})
+    if reason is not None and not reason.startswith("is "):
+        raise ConfigError(f"run.dir={run_dir} {reason}: the new run would write into or around the run it starts "
+                          f"from; choose a run.dir outside {src} that does not hold it")
+
+
 def adopt_model_config(cfg: Config) -> None:
     """Copy the source checkpoint's model shape into ``cfg.model`` (no-op without ``train.init_from``).
     One step of :func:`training.trainer.resolve_run`, before the config is frozen."""
@@ -86,6 +98,7 @@ def adopt_model_config(cfg: Config) -> None:
     if Path(src).resolve() == Path(cfg.run.dir).resolve():
         raise ConfigError(f"train.init_from={src} is this run's own directory: to resume a run just rerun it; "
                           "init_from starts a new run.dir from another run's weights")
+    apart_from_source(cfg.run.dir, "train.init_from", src)
     from training.checkpoint import latest_tag
 
     # resuming: the run's own checkpoint has the adopted shape (and the source may be gone by now)

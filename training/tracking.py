@@ -75,7 +75,7 @@ def owner_of(key: str) -> str | None:
     return None
 
 
-def check_passthrough(section: dict[str, Any]) -> None:
+def check_passthrough(section: dict[str, Any], reference: dict[str, Any] | None = None) -> None:
     """Refuse a ``deepspeed:`` key the run config owns (one line naming the field that owns it), or one the
     installed DeepSpeed does not know (one line naming the closest key it reads: ``training.ds_schema``)."""
     for key in _leaves(section):
@@ -83,12 +83,12 @@ def check_passthrough(section: dict[str, Any]) -> None:
         if owner:
             raise ConfigError(f"deepspeed.{key} is derived from {owner}: set that instead (the deepspeed: section "
                               f"may only add DeepSpeed options the run config does not own)")
-    check_schema(section)
+    check_schema(section, reference)
 
 
 def merge_passthrough(derived: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
     """``derived`` with ``section`` merged in (nested dicts merged key by key; checked first)."""
-    check_passthrough(section)
+    check_passthrough(section, derived)
     return merge_dicts(derived, section)
 
 

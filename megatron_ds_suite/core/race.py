@@ -20,7 +20,6 @@ error, a single question otherwise; an empty file counts as one (its questions a
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Sequence
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ds_suite.core.errors import RaceDataError
+from megatron_ds_suite.core.textfile import BadJsonLine, json_line
 
 logger = logging.getLogger(__name__)
 
@@ -159,12 +159,9 @@ def read_race_dir(path: str | Path, level: str | None = None, report: RaceReadRe
             if not line.strip():
                 continue
             try:
-                data = json.loads(line)
-            except json.JSONDecodeError as e:
-                report.skip(f"{f}:{lineno}: invalid JSON ({e.msg})")
-                continue
-            except RecursionError:
-                report.skip(f"{f}:{lineno}: invalid JSON (nested too deep)")
+                data = json_line(line)
+            except BadJsonLine as e:
+                report.skip(f"{f}:{lineno}: invalid JSON ({e})")
                 continue
             missing = [k for k in ("article", "questions", "options", "answers") if not isinstance(data, dict) or k not in data]
             if missing:  # every question of the article is lost, not one

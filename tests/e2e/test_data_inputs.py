@@ -353,3 +353,13 @@ def test_an_hf_source_that_cannot_load_stops_the_build_in_one_line(tmp_path, cas
     assert r.returncode == 2, r.stderr
     assert len(lines) == 1 and lines[0].startswith("error: source hf ") and "cannot be loaded" in lines[0], r.stderr
     assert not list((tmp_path / "out").glob("work/ingest/*.jsonl")), "work started before the source was checked"
+
+
+def test_a_number_past_pythons_digit_limit_is_a_counted_reject():
+    """A JSON number of 100,000 digits (a 100 KB line) raised ValueError (Python's 4,300-digit int limit) in the
+    ingest worker and stopped the build with a traceback: a ``bad_json`` reject like any malformed line."""
+    from data_pipeline.sources import parse_jsonl_line
+
+    rec = parse_jsonl_line("in.jsonl:7", b'{"text": "kept?", "n": ' + b"9" * 100_000 + b"}", "text", None, 10**7)
+    assert rec.reason == "bad_json" and rec.detail.startswith("Exceeds the limit (4300 digits)"), rec
+    assert parse_jsonl_line("in.jsonl:8", b'{"text": "fine", "n": ' + b"9" * 4000 + b"}", "text", None, 10**7).reason is None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -290,3 +291,39 @@ def test_evaluation_error_under_the_launcher_is_printed_once(tmp_path):
     (code0, err0), (code1, err1) = run_distributed(_evaluate_missing_run, 2, str(tmp_path / "no-run"))
     assert code0 == code1 == 2
     assert _one_line(err0).startswith("error: checkpoint directory") and err1.strip() == ""
+
+
+HOSTILE_LINES = {"nested": "[" * 1000 + "]" * 1000,  # 2 KB past Python's stack: RecursionError
+                 "huge_number": '{"text": "a b", "n": ' + "9" * 100_000 + "}"}  # past the 4,300-digit int limit
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE_LINES))
+def test_a_hostile_json_line_is_one_line_or_a_counted_skip_in_every_reader(tmp_path, kind):
+    """Each jsonl reader of user files (LAMBADA, generate --prompts, RACE, overlap's eval sets and corpus) met a line
+    nested past the stack or holding a number past Python's digit limit with a RecursionError/ValueError traceback
+    (the hostile probe's cases): now the reader's own one-line error, or a counted skip for RACE."""
+    from data_pipeline.overlap import OverlapError, iter_corpus_texts, read_eval_texts
+    from evaluation.errors import EvalError
+    from evaluation.generate import read_prompts
+    from evaluation.lambada import read_lambada_jsonl
+    from megatron_ds_suite.core.race import read_race_dir
+
+    good, bad = json.dumps({"text": "the cat sat on the mat", "prompt": "hello"}), HOSTILE_LINES[kind]
+    f = tmp_path / "x.jsonl"
+    f.write_text(f"{good}\n{bad}\n{good}\n", encoding="utf-8")
+    reason = "nested too deep" if kind == "nested" else "Exceeds the limit (4300 digits) for integer string conversion"
+    with pytest.raises(EvalError, match=rf"x\.jsonl:2: malformed JSON \({re.escape(reason)}"):
+        read_lambada_jsonl(f)
+    with pytest.raises(EvalError, match=rf"x\.jsonl:2: not JSON \({re.escape(reason)}"):
+        read_prompts(f)
+    with pytest.raises(OverlapError, match=r"x\.jsonl:2: not a JSON object"):
+        read_eval_texts(f)
+    with pytest.raises(OverlapError, match=r"x\.jsonl:2: not a UTF-8 JSON object"):
+        list(iter_corpus_texts(f))
+    race = tmp_path / "RACE" / "dev" / "middle"
+    race.mkdir(parents=True)
+    (race / "1.txt").write_text(json.dumps({"article": "a b c", "questions": ["q?"], "options": [["a", "b", "c", "d"]],
+                                            "answers": ["A"]}))
+    (race / "2.txt").write_text(bad)
+    qs, rep = read_race_dir(race)
+    assert len(qs) == 1 and rep.skipped == 1 and rep.problems == [f"{race / '2.txt'}:1: invalid JSON ({reason})"]

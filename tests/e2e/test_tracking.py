@@ -266,3 +266,17 @@ def test_passthrough_known_set_comes_from_deepspeed(monkeypatch):
     real = ds_config.get_dump_state
     monkeypatch.setattr(ds_config, "get_dump_state", lambda d: (d.get("brand_new_option"), real(d))[1])
     assert _cfg("deepspeed.brand_new_option=1").deepspeed == {"brand_new_option": 1}
+
+
+@pytest.mark.parametrize("override, want", [
+    ("deepspeed.steps_per_print=often", "deepspeed.steps_per_print='often': DeepSpeed reads a number there"),
+    ("deepspeed.wall_clock_breakdown=7", "deepspeed.wall_clock_breakdown=7: DeepSpeed reads true or false there"),
+])
+def test_passthrough_refuses_a_scalar_of_the_wrong_type(override, want):
+    """A scalar DeepSpeed reads without a type check (``steps_per_print: often``) was accepted and failed in the
+    engine with a TypeError traceback on every rank; refused in one line with the type DeepSpeed's default has."""
+    with pytest.raises(ConfigError) as e:
+        _cfg(override)
+    assert "\n" not in str(e.value) and str(e.value).startswith(want), str(e.value)
+    assert _cfg("deepspeed.steps_per_print=5", "deepspeed.wall_clock_breakdown=true").deepspeed == {
+        "steps_per_print": 5, "wall_clock_breakdown": True}

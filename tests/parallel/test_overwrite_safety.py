@@ -121,3 +121,36 @@ def test_reshard_into_its_own_run_is_refused(random_gpt2, tmp_path, capsys):
     assert main(["--checkpoint", str(run), "--tp", "1", "--out", str(run / "tp1")]) == 2
     assert f"--out {run / 'tp1'} lies inside --checkpoint {run}: choose a new directory outside it" in _one_line(capsys)
     assert _snapshot(run) == before and not (run / "tp1").exists()
+
+
+@pytest.mark.parametrize("where", ["inside", "parent", "link_inside"])
+def test_init_from_refuses_a_run_dir_around_or_inside_its_source(tmp_path, where):
+    """``train.init_from`` refused only ``run.dir`` equal to the source: a run.dir inside the source wrote the new
+    run's checkpoints into it, and one holding it put the source inside the new run. Checked before any read."""
+    from training.config import ConfigError, load_config
+    from training.init_from import adopt_model_config
+
+    src = tmp_path / "runs" / "src"
+    src.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(src)
+    run_dir = {"inside": src / "next", "parent": src.parent, "link_inside": tmp_path / "link" / "next"}[where]
+    cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", [f"run.dir={run_dir}", f"train.init_from={src}"])
+    reason = f"contains train.init_from {src}" if where == "parent" else f"lies inside train.init_from {src}"
+    with pytest.raises(ConfigError, match=f"run.dir={run_dir} {reason}: the new run would write into or around"):
+        adopt_model_config(cfg)
+    assert list(src.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["inside", "parent"])
+def test_finetune_refuses_a_run_dir_around_or_inside_the_pretrained_run(tmp_path, where):
+    from training.config import ConfigError
+    from training.finetune_race import load_finetune_config
+
+    pre = tmp_path / "runs" / "bert"
+    pre.mkdir(parents=True)
+    run_dir = {"inside": pre / "race", "parent": pre.parent}[where]
+    reason = f"contains finetune.pretrained {pre}" if where == "parent" else f"lies inside finetune.pretrained {pre}"
+    with pytest.raises(ConfigError, match=f"run.dir={run_dir} {reason}"):
+        load_finetune_config(ROOT / "configs" / "race.yaml", [f"finetune.pretrained={pre}", f"run.dir={run_dir}"])
+    with pytest.raises(ConfigError, match="is the pretrained run"):  # the same folder: its own message, as before
+        load_finetune_config(ROOT / "configs" / "race.yaml", [f"finetune.pretrained={pre}", f"run.dir={pre}"])

@@ -190,3 +190,30 @@ def test_every_record_is_traceable_to_one_output_row(tmp_path):
     kept = [r["i"] for r in rows("documents.jsonl")]
     dups = [m["i"] for r in rows("duplicates.jsonl") for m in r["removed"]]
     assert sorted(kept + dups + [r["i"] for r in rejects]) == list(range(10))
+
+
+def test_files_not_read_are_reported_once_per_build(tmp_path, caplog):
+    """The 'file(s) not read' warning came from listing the folder, which every stage fingerprint does: a build of
+    a folder holding one README repeated it 63 times (issue 30 item 8: 'one warning repeats ~130 times'); said once."""
+    from pathlib import Path
+
+    from data_pipeline.config import config_from_dict
+    from data_pipeline.stages import build
+    from tests.helpers.distributed import SHARED_DATA
+
+    gpt2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
+    if not (gpt2 / "gpt2-vocab.json").is_file():
+        pytest.skip("../shared/data absent")
+    d = tmp_path / "in"
+    d.mkdir()
+    words = "the cat sat on the mat while the dog slept by the door".split()
+    (d / "a.jsonl").write_bytes(_lines(*(" ".join(words[i:] + words[:i]) for i in range(12))))
+    (d / "README.md").write_text("about this folder\n")
+    cfg = config_from_dict({"output_dir": str(tmp_path / "out"), "sources": [{"type": "jsonl", "path": str(d)}],
+                            "workers": 1, "shard_size": 4, "progress": False, "length": {"min_tokens": 4},
+                            "tokenizer": {"type": "gpt2", "vocab_file": str(gpt2 / "gpt2-vocab.json"),
+                                          "merges_file": str(gpt2 / "gpt2-merges.txt")}})
+    with caplog.at_level(logging.WARNING):
+        build(cfg)
+    warned = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert len(warned) == 1 and "1 file(s) not read" in warned[0] and "README.md" in warned[0], warned
