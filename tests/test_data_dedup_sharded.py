@@ -190,6 +190,15 @@ def test_union_find_stores_only_joined_documents():
     assert uf.find(12) == 4 and set(uf.parent) == {4, 9, 12} and uf.clusters() == {4: [4, 9, 12]}
 
 
+def test_visit_measured_accepts_at_the_threshold_and_keeps_first_links():
+    uf, res, accepted = dd.UnionFind(), dd.DedupResult({}, {}, {}), {}
+    for i, j, jac in [(1, 4, 0.7), (2, 4, 0.9), (3, 5, 0.69), (1, 2, 1.0)]:
+        dd.visit_measured(uf, res, accepted, i, j, jac, 0.7)
+    assert (res.verified, res.accepted, res.rejected) == (4, 3, 1)
+    assert uf.clusters() == {1: [1, 2, 4]} and accepted == {(1, 4): 0.7, (2, 4): 0.9, (1, 2): 1.0}
+    assert res.link == {4: (1, 0.7), 1: (4, 0.7), 2: (4, 0.9)}  # the first merging edge of each end only
+
+
 def test_stale_files_of_an_interrupted_run_are_not_read(words, tmp_path):
     docs = _corpora(words)["chains"]
     store = _store(tmp_path / "store", docs)
