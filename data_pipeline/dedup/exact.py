@@ -34,8 +34,8 @@ def text_keys(store: DocStore) -> np.ndarray:
     if all(f.exists() for f in files):
         return np.concatenate([np.load(f) for f in files]) if files else np.zeros((0, 2), np.uint64)
     keys = np.empty((len(store), 2), dtype=np.uint64)
-    for pos, rec in enumerate(store):
-        keys[pos] = text_key(rec["text"])
+    for pos, text in enumerate(store.iter_texts()):
+        keys[pos] = text_key(text)
     return keys
 
 
@@ -62,10 +62,10 @@ def write_subset(store: DocStore, keep: np.ndarray, folder: Path) -> DocStore:
     want = np.zeros(len(store), dtype=bool)
     want[keep] = True
     atomic_write_json(folder / TEXT_FROM, {"folder": str(store.text_folder.resolve())})
-    for k in store.shards:
-        lo, hi = np.searchsorted(store.shard_of, [k, k + 1])  # shards are stored in order
-        rows = lo + np.flatnonzero(want[lo:hi])
-        atomic_save_npy(folder / f"{shard_name(k)}.idx.npy", store.table[rows].astype(np.int64))
+    for slot, k in enumerate(store.shards):
+        lo, hi = int(store.starts[slot]), int(store.starts[slot + 1])
+        rows = store.rows(slot)[np.flatnonzero(want[lo:hi])]
+        atomic_save_npy(folder / f"{shard_name(k)}.idx.npy", rows.astype(np.int64))
         atomic_write_json(folder / f"{shard_name(k)}.done.json", {"kept": int(len(rows))})
     return DocStore(folder)
 

@@ -65,7 +65,7 @@ def verify_block(args: tuple[str, list[tuple[int, int]], int, str]) -> list[tupl
     store = DocStore(Path(store_dir))
     try:
         docs = sorted({d for p in block for d in p})
-        texts = [store.get(d)["text"] for d in docs]
+        texts = [store.text(d) for d in docs]
     finally:
         store.close()
     values, offsets = shingle_sets_batch(texts, ShingleSpec(n, unit))
@@ -166,11 +166,12 @@ def duplicate_rows(store: DocStore, clusters: dict[int, list[int]], link: dict[i
         rem = []
         for m in ms[1:]:
             via, via_j = link[m]
-            rem.append({"id": store.get(m)["src"], "i": int(store.input_index[m]),
-                        "jaccard": round(to_survivor(root, m), 6),
-                        "linked_via": int(store.input_index[via]), "link_jaccard": round(via_j, 6)})
+            meta = store.meta(m)
+            rem.append({"id": meta["src"], "i": meta["i"], "jaccard": round(to_survivor(root, m), 6),
+                        "linked_via": int(store.row(via)[0]), "link_jaccard": round(via_j, 6)})
             removed.append(m)
-        rows.append({"kept": store.get(root)["src"], "kept_i": int(store.input_index[root]), "removed": rem})
+        kept = store.meta(root)
+        rows.append({"kept": kept["src"], "kept_i": kept["i"], "removed": rem})
     return rows, removed
 
 
