@@ -126,8 +126,11 @@ def training_counts(index: WordIndex, texts: Sequence[str],
         raise ValueError(f"training counts come from a {SPM_IDENTITY} index, not {index.split}")
     safe = np.fromiter((_line_safe(t, max_sentence_length) for t in texts), dtype=bool, count=len(texts))
     out = WordCounts(docs=len(texts))
-    for words, ids, n, prefix in ((index.raw, index.raw_ids, index.raw_n, ""),
-                                  (index.spaced, index.spaced_ids, index.spaced_n, " ")):
+    tables = [(index.raw, index.raw_ids, index.raw_n, ""), (index.spaced, index.spaced_ids, index.spaced_n, " ")]
+    # the larger table first: Counter.update copies a mapping into an empty Counter in C, but adds to a
+    # non-empty one key by key in Python (same counts either way: addition commutes)
+    tables.sort(key=lambda t: -len(t[0]))
+    for words, ids, n, prefix in tables:
         counts = np.bincount(ids[np.repeat(safe, n)], minlength=len(words)).tolist()
         out.words.update({prefix + w: c for w, c in zip(words, counts) if c and "\n" not in w})
         for w, c in zip(words, counts):
