@@ -227,3 +227,38 @@ def test_memory_benchmark_runs_and_both_paths_agree(words, tmp_path):
     assert [r[3].strip() for r in rows] == ["memory", "sharded"]
     assert rows[0][-2] == rows[1][-2] and int(rows[0][9].replace(",", "")) > 20  # same digest; real removals
     assert list(tmp_path.iterdir()) == []  # the generated store is deleted
+
+
+def test_exact_map_reduce_equals_exact_representatives(words, tmp_path):
+    from data_pipeline.dedup import exact as ex
+    from data_pipeline.dedup.exact_sharded import (KeyMapJob, KeyReduceJob, SubsetJob, SubsetPositions, key_map,
+                                                   key_reduce, read_dups, shard_groups, write_subset_group)
+    from data_pipeline.store import TEXT_FROM, atomic_write_json
+
+    base = _corpora(words)["mixed"]
+    docs = base + base[::3] + [base[5]] * 4  # copies later in the store, some of copies
+    store = _store(tmp_path / "store", docs, shard=17)
+    rep_of = ex.exact_representatives(ex.text_keys(store))
+    want = np.flatnonzero(rep_of != np.arange(len(docs)))
+    assert len(want) > 100
+    for parts, per_group in [(1, 10**9), (3, 40), (7, 1)]:
+        work = tmp_path / f"w{parts}"
+        (work / "keys").mkdir(parents=True)
+        (work / "dups").mkdir()
+        (work / "sub").mkdir()
+        groups = shard_groups(store, per_group)
+        assert [g[0] for g in groups][1:] == [g[1] for g in groups][:-1] and groups[-1][1] == len(store.shards)
+        for g, (lo, hi) in enumerate(groups):
+            key_map(KeyMapJob(str(store.folder), g, lo, hi, parts, str(work / "keys")))
+        starts = tuple(int(store.starts[lo]) for lo, _ in groups)
+        n = sum(key_reduce(KeyReduceJob(str(work / "keys"), p, len(groups), starts, str(work / "dups")))
+                for p in range(parts))
+        got = read_dups(work / "dups")
+        assert n == len(want) and got[:, 0].tolist() == want.tolist() and got[:, 1].tolist() == rep_of[want].tolist()
+        atomic_write_json(work / "sub" / TEXT_FROM, {"folder": str(store.text_folder.resolve())})
+        for g, (lo, hi) in enumerate(groups):
+            write_subset_group(SubsetJob(str(store.folder), g, lo, hi, str(work / "dups"), str(work / "sub")))
+        sub, reps = DocStore(work / "sub"), np.flatnonzero(rep_of == np.arange(len(docs)))
+        to_store = SubsetPositions(work / "sub")
+        assert len(sub) == len(reps) and [to_store(p) for p in range(len(sub))] == reps.tolist()
+        assert list(sub.iter_texts()) == [docs[p] for p in reps]

@@ -12,6 +12,7 @@ signature. Collision probability for n documents: about n^2 / 2^129.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -75,12 +76,19 @@ def merge_exact(res: DedupResult, reps: np.ndarray, rep_of: np.ndarray) -> Dedup
     store positions are ``reps``) → the result in store positions with each exact copy added to its
     survivor's cluster: linked via its survivor at Jaccard 1, its Jaccard to the cluster's kept document
     equal to its survivor's."""
-    clusters = {int(reps[r]): [int(reps[m]) for m in ms] for r, ms in res.clusters.items()}
-    link = {int(reps[m]): (int(reps[v]), j) for m, (v, j) in res.link.items()}
-    to_surv = {int(reps[m]): j for m, j in res.to_survivor.items()}
+    copies = np.flatnonzero(rep_of != np.arange(len(rep_of)))
+    return merge_copies(res, lambda r: int(reps[r]), np.column_stack([copies, rep_of[copies]]))
+
+
+def merge_copies(res: DedupResult, to_store: Callable[[int], int], copies: np.ndarray) -> DedupResult:
+    """:func:`merge_exact` with the survivors' positions mapped by ``to_store`` and the exact copies given as
+    (copy, survivor) store positions (int64[m, 2], sorted by copy): what the sharded stage's components task
+    uses (the copies from :mod:`data_pipeline.dedup.exact_sharded`)."""
+    clusters = {to_store(r): [to_store(m) for m in ms] for r, ms in res.clusters.items()}
+    link = {to_store(m): (to_store(v), j) for m, (v, j) in res.link.items()}
+    to_surv = {to_store(m): j for m, j in res.to_survivor.items()}
     root_of = {m: r for r, ms in clusters.items() for m in ms}
-    for m in np.flatnonzero(rep_of != np.arange(len(rep_of))).tolist():
-        g = int(rep_of[m])
+    for m, g in copies.tolist():
         root = root_of.setdefault(g, g)
         clusters.setdefault(root, [root]).append(m)
         link[m] = (g, 1.0)

@@ -162,16 +162,16 @@ def duplicate_rows(store: DocStore, clusters: dict[int, list[int]], link: dict[i
     """
     rows: list[dict[str, Any]] = []
     removed: list[int] = []
+    # every member's metadata, read in store order (a few shard indexes open at a time; ``via`` is a member)
+    meta = {p: store.meta(p) for p in sorted(p for ms in clusters.values() for p in ms)}
     for root, ms in sorted(clusters.items()):
         rem = []
         for m in ms[1:]:
             via, via_j = link[m]
-            meta = store.meta(m)
-            rem.append({"id": meta["src"], "i": meta["i"], "jaccard": round(to_survivor(root, m), 6),
-                        "linked_via": int(store.row(via)[0]), "link_jaccard": round(via_j, 6)})
+            rem.append({"id": meta[m]["src"], "i": meta[m]["i"], "jaccard": round(to_survivor(root, m), 6),
+                        "linked_via": meta[via]["i"], "link_jaccard": round(via_j, 6)})
             removed.append(m)
-        kept = store.meta(root)
-        rows.append({"kept": kept["src"], "kept_i": kept["i"], "removed": rem})
+        rows.append({"kept": meta[root]["src"], "kept_i": meta[root]["i"], "removed": rem})
     return rows, removed
 
 
