@@ -221,11 +221,16 @@ def test_memory_benchmark_runs_and_both_paths_agree(words, tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench_dedup_memory", "--docs", "3000", "--chunk", "500",
-                          "--tmp", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=600)
+                          "--tmp", str(tmp_path), "--paths", "memory", "sharded", "stage-before", "stage"],
+                         cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [r.split("|") for r in out.stdout.splitlines() if r.startswith("| 3,000 ")]
-    assert [r[3].strip() for r in rows] == ["memory", "sharded"]
+    assert [r[3].strip() for r in rows] == ["memory", "sharded", "stage-before", "stage"]
     assert rows[0][-2] == rows[1][-2] and int(rows[0][9].replace(",", "")) > 20  # same digest; real removals
+    # the stage's report files (exact copies merged in) are identical with and without the flat driver
+    assert rows[2][-2] == rows[3][-2] and rows[2][-2].strip().startswith("files ")
+    assert rows[2][8:11] == rows[3][8:11] and rows[2][9] == rows[0][9]  # the same documents removed as fuzzy alone
+    assert int(rows[2][10].replace(",", "")) < int(rows[0][10].replace(",", ""))  # copies never reach the LSH
     assert list(tmp_path.iterdir()) == []  # the generated store is deleted
 
 
