@@ -7,7 +7,12 @@ file is written; the store is deleted at the end). Then each path runs in a fres
 (signatures computed from scratch each time, same chunks and workers):
 
 * ``memory``: ``dedup.dedup_store`` (signatures loaded on the driver, LSH, verification and union-find there);
-* ``sharded``: ``dedup.sharded.dedup_sharded`` with ``local_pmap`` (the build's default, ``dedup.sharded``).
+* ``sharded``: ``dedup.sharded.dedup_sharded`` with ``local_pmap`` (the fuzzy steps as worker tasks, the edge
+  files replayed and the result returned on the driver);
+* ``stage-before`` / ``stage``: the dedup stage's work as the build does it with ``dedup.sharded`` (exact copies
+  first, fuzzy dedup of the survivors, ``duplicates.jsonl`` + ``removed.npy`` written), before issue 31's flat
+  driver (exact keys, the survivors' subset, the replay, the merge and the report on the driver) and now
+  (``dedup_stage_files``: all of it in worker tasks). Their digest is that of the two written files.
 
 Printed per run: wall seconds, peak RSS of the driver (its ``VmHWM``) and of the largest worker process
 (``RUSAGE_CHILDREN`` max RSS), clusters / removed / candidate pairs, and a digest of the full result
@@ -54,10 +59,33 @@ def write_store(folder: Path, n: int, shard: int) -> float:
     return size / 1e6
 
 
+def _stage_before(store, tmp: Path, shingle, lsh, workers: int, chunk: int) -> dict:
+    """The dedup stage's sharded path before issue 31's flat driver: exact keys grouped, the survivors' subset,
+    ``dedup_sharded`` (edges replayed here), ``merge_exact`` and the report rows, all on this process."""
+    import numpy as np
+
+    from data_pipeline import dedup as dd
+    from data_pipeline.dedup import exact as ex
+    from data_pipeline.dedup.sharded import dedup_sharded, local_pmap
+    from data_pipeline.store import atomic_save_npy, write_jsonl_atomic
+
+    n = len(store)
+    rep_of = ex.exact_representatives(ex.text_keys(store))
+    reps = np.flatnonzero(rep_of == np.arange(n))
+    sub = ex.write_subset(store, reps, tmp / "exact-survivors")
+    res = ex.merge_exact(dedup_sharded(sub, tmp / "sig-exact", tmp / "work", shingle, lsh, chunk, 20000,
+                                       local_pmap(workers), workers), reps, rep_of)
+    rows, removed = dd.duplicate_rows(store, res.clusters, res.link, lambda root, m: res.to_survivor[m])
+    atomic_save_npy(tmp / "out" / "removed.npy", np.asarray(sorted(removed), dtype=np.int64))
+    write_jsonl_atomic(tmp / "out" / "duplicates.jsonl", rows)
+    return {"clusters": len(res.clusters), "removed": len(removed), "candidates": res.candidates,
+            "phases": res.seconds}
+
+
 def run_one(path: str, store_dir: Path, tmp: Path, workers: int, chunk: int) -> dict:
     """In this (fresh) process: one dedup of the store; the measurements as a dict."""
     from data_pipeline import dedup as dd
-    from data_pipeline.dedup.sharded import dedup_sharded, local_pmap
+    from data_pipeline.dedup.sharded import dedup_sharded, dedup_stage_files, local_pmap
     from data_pipeline.report import peak_rss_mib
     from data_pipeline.store import DocStore
 
@@ -65,6 +93,24 @@ def run_one(path: str, store_dir: Path, tmp: Path, workers: int, chunk: int) -> 
     store = DocStore(store_dir)
     rss0 = peak_rss_mib()[0]
     t = time.perf_counter()
+    if path in ("stage-before", "stage"):  # exact + fuzzy + the report files, as the build's dedup stage
+        (tmp / "out").mkdir()
+        if path == "stage":
+            got = dedup_stage_files(store, tmp / "sig", tmp / "work", tmp / "out", shingle, lsh, chunk, 20000,
+                                    local_pmap(workers), True, workers)
+            got = {"clusters": got["clusters"], "removed": got["removed"], "candidates": got["candidates"],
+                   "phases": got["seconds"]}
+        else:
+            got = _stage_before(store, tmp, shingle, lsh, workers, chunk)
+        secs = time.perf_counter() - t
+        driver, _ = peak_rss_mib()
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        h = hashlib.sha256()
+        for f in ("duplicates.jsonl", "removed.npy"):
+            h.update((tmp / "out" / f).read_bytes())
+        return {"path": path, "docs": len(store), "seconds": round(secs, 1), "driver_mib": round(driver),
+                "driver_after_open_mib": round(rss0), "worker_mib": round(kids), **got,
+                "digest": "files " + h.hexdigest()[:16]}
     if path == "memory":
         res = dd.dedup_store(store, tmp / "sig", shingle, lsh, chunk, workers, 20000, progress=False)
     else:
@@ -85,7 +131,7 @@ def run_one(path: str, store_dir: Path, tmp: Path, workers: int, chunk: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, nargs="+", default=[100_000])
-    ap.add_argument("--paths", nargs="+", default=["memory", "sharded"], choices=["memory", "sharded"])
+    ap.add_argument("--paths", nargs="+", default=["memory", "sharded"], choices=["memory", "sharded", "stage-before", "stage"])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=2000, help="documents per signature chunk and per store shard")
     ap.add_argument("--tmp", default=None, help="folder for the store and the signatures (default: a new temp dir)")

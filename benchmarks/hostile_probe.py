@@ -575,10 +575,17 @@ def _built(p: Probe, tmp: Path) -> tuple[Path, Path]:
     return out, conf
 
 
+def _first_shard(out: Path) -> Path:
+    """The ingest store's first text shard: ``docs-00000.txt`` (UTF-8 texts + offsets, since the binary store) or
+    ``docs-00000.jsonl`` (older checkouts probed with --root)."""
+    txt = out / "work" / "ingest" / "docs-00000.txt"
+    return txt if txt.is_file() else out / "work" / "ingest" / "docs-00000.jsonl"
+
+
 @case("data_pipeline", "truncated_shard", "a finished stage's shard cut short, then `stage dedup`")
 def _(p, tmp):
     out, conf = _built(p, tmp)
-    shard = out / "work" / "ingest" / "docs-00000.jsonl"  # the filter and dedup stages read its texts
+    shard = _first_shard(out)  # the filter and dedup stages read its texts
     shard.write_bytes(shard.read_bytes()[:100])
     for d in (out / "work").glob("signatures-*"):
         shutil.rmtree(d)
@@ -588,7 +595,7 @@ def _(p, tmp):
 @case("data_pipeline", "missing_shard", "a finished stage's shard deleted, then `stage dedup`")
 def _(p, tmp):
     out, conf = _built(p, tmp)
-    (out / "work" / "ingest" / "docs-00000.jsonl").unlink()
+    _first_shard(out).unlink()
     for d in (out / "work").glob("signatures-*"):
         shutil.rmtree(d)
     return ["python", "-m", "data_pipeline", "stage", "dedup", "--config", str(conf)]

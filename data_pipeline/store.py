@@ -1,20 +1,30 @@
-"""Sharded document stores between stages, with random access and atomic, resumable shards.
+"""Sharded document stores between stages: UTF-8 texts + offsets, random access, atomic resumable shards.
 
-A store is a folder of shards ``docs-00000.jsonl`` (one JSON object per line: ``{"i": input index,
-"src": source id, "text": cleaned text}``) plus, per shard, ``docs-00000.idx.npy``: an int64 array of
-shape ``[n, 3]`` = (input index, byte offset, byte length) that lets a later stage re-read any document
-with one ``seek`` (dedup verification reads texts this way instead of keeping them in memory). A later
-stage's store may hold only the indexes, pointing into an earlier store's shard files (``_text_from.json``
-names that folder: the filter keeps its documents' texts where ingest wrote them).
+A store is a folder of shards. Shard ``docs-00000`` of the stage that writes the texts (ingest) is:
+
+* ``docs-00000.txt``: the cleaned texts, UTF-8, concatenated (no separator, no escaping);
+* ``docs-00000.meta.jsonl``: per document one JSON line ``{"src": source id[, "uid": user id]}``;
+* ``docs-00000.idx.npy``: int64 ``[n, 5]`` = (input index, text byte offset, text byte length, meta byte
+  offset, meta byte length), rows in file order (offsets increasing).
+
+A document's text is one slice of the ``.txt`` file decoded as UTF-8 (read through ``mmap``): no stage
+encodes or decodes JSON for a text (``docs/data_format.md`` §5). A later stage's store may hold only the
+indexes, pointing into an earlier store's shard files (``_text_from.json`` names that folder: the filter
+keeps its documents' texts where ingest wrote them).
+
+Opening a store reads only each shard's row count (:class:`DocStore`); a shard's index is loaded when a
+document of it is read, and only a few are kept, so the reader's memory does not grow with the corpus.
 
 Every file is written under a temporary name and ``os.replace``-d into place; a shard's ``.done.json``
 (its counts) is written last and is the shard's completion marker, so a crash leaves either a finished
-shard or nothing that counts.
+shard or nothing that counts (the ``.txt`` and ``.meta.jsonl`` of an aborted shard are never renamed).
 """
 from __future__ import annotations
 
 import json
+import mmap
 import shutil
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +33,11 @@ import numpy as np
 
 from data_pipeline.config import ConfigError
 from megatron_ds_suite.core import atomic
+
+#: the shard layout written by :class:`ShardWriter` (part of the ingest stage's fingerprint)
+STORE_FORMAT = "utf8-offsets-v1"
+#: columns of a shard index row
+COL_I, COL_OFF, COL_LEN, COL_MOFF, COL_MLEN = range(5)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -46,32 +61,48 @@ def shard_name(k: int) -> str:
     return f"docs-{k:05d}"
 
 
+def text_path(folder: Path, k: int) -> Path:
+    return folder / f"{shard_name(k)}.txt"
+
+
+def meta_path(folder: Path, k: int) -> Path:
+    return folder / f"{shard_name(k)}.meta.jsonl"
+
+
+def index_path(folder: Path, k: int) -> Path:
+    return folder / f"{shard_name(k)}.idx.npy"
+
+
 class ShardWriter:
-    """Writes one shard's jsonl + index; :meth:`commit` publishes it with its counts."""
+    """Writes one shard's texts, metadata and index; :meth:`commit` publishes it with its counts."""
 
     def __init__(self, folder: Path, k: int):
         self.folder, self.k = folder, k
-        self.path = folder / f"{shard_name(k)}.jsonl"
-        self._file = atomic.atomic_open(self.path, "wb")  # a hidden temporary file until commit
-        self.f = self._file.__enter__()
-        self.index: list[tuple[int, int, int]] = []
-        self.offset = 0
+        self._files = [atomic.atomic_open(text_path(folder, k), "wb"),  # hidden temporary files until commit
+                       atomic.atomic_open(meta_path(folder, k), "wb")]
+        self.text_f, self.meta_f = (f.__enter__() for f in self._files)
+        self.index: list[tuple[int, int, int, int, int]] = []
+        self.offset = self.meta_offset = 0
 
     def add(self, i: int, src: str, text: str, **extra: Any) -> None:
-        line = json.dumps({"i": i, "src": src, "text": text, **extra}, ensure_ascii=False).encode("utf-8") + b"\n"
-        self.f.write(line)
-        self.index.append((i, self.offset, len(line)))
-        self.offset += len(line)
+        data = text.encode("utf-8")
+        meta = json.dumps({"src": src, **extra}, ensure_ascii=False).encode("utf-8") + b"\n"
+        self.text_f.write(data)
+        self.meta_f.write(meta)
+        self.index.append((i, self.offset, len(data), self.meta_offset, len(meta)))
+        self.offset += len(data)
+        self.meta_offset += len(meta)
 
     def commit(self, counts: dict[str, Any]) -> None:
-        self._file.__exit__(None, None, None)  # fsync, rename into place
-        atomic_save_npy(self.folder / f"{shard_name(self.k)}.idx.npy",
-                        np.asarray(self.index, dtype=np.int64).reshape(-1, 3))
+        for f in self._files:
+            f.__exit__(None, None, None)  # fsync, rename into place
+        atomic_save_npy(index_path(self.folder, self.k), np.asarray(self.index, dtype=np.int64).reshape(-1, 5))
         atomic_write_json(self.folder / f"{shard_name(self.k)}.done.json", counts)
 
     def abort(self) -> None:
         stop = RuntimeError("shard aborted")
-        self._file.__exit__(type(stop), stop, None)  # closes and removes the temporary file
+        for f in self._files:
+            f.__exit__(type(stop), stop, None)  # closes and removes the temporary file
 
 
 def done_shards(folder: Path) -> list[int]:
@@ -82,23 +113,84 @@ def shard_counts(folder: Path, k: int) -> dict[str, Any]:
     return read_json(folder / f"{shard_name(k)}.done.json")
 
 
-def iter_shard(folder: Path, k: int) -> Iterator[dict[str, Any]]:
-    with open(folder / f"{shard_name(k)}.jsonl", "rb") as f:
-        for line in f:
-            yield json.loads(line)
+class _Mapped:
+    """A read-only file mapped into memory (an empty file maps to ``b""``)."""
+
+    def __init__(self, path: Path):
+        self._f = open(path, "rb")
+        size = self._f.seek(0, 2)
+        self.data: Any = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+
+    def close(self) -> None:
+        if isinstance(self.data, mmap.mmap):
+            self.data.close()
+        self._f.close()
 
 
-def read_record(f: Any, row: np.ndarray) -> dict[str, Any]:
-    """The record at index ``row`` (input index, byte offset, length) of the open shard file ``f``."""
-    f.seek(int(row[1]))
-    return json.loads(f.read(int(row[2])))
+class ShardReader:
+    """One shard's ``.txt`` and ``.meta.jsonl`` in ``folder``, mapped: texts and records by index row.
+    Use as a context manager (or :meth:`close`)."""
+
+    def __init__(self, folder: Path, k: int):
+        self._txt = _Mapped(text_path(folder, k))
+        try:
+            self._meta = _Mapped(meta_path(folder, k))
+        except BaseException:
+            self._txt.close()
+            raise
+
+    def text(self, row: np.ndarray) -> str:
+        off = int(row[COL_OFF])
+        return self._txt.data[off:off + int(row[COL_LEN])].decode("utf-8")
+
+    def texts(self, rows: np.ndarray) -> list[str]:
+        """The texts of index rows ``rows`` (int64[m, 5]), in order."""
+        data = self._txt.data
+        return [data[o:o + n].decode("utf-8") for o, n in rows[:, COL_OFF:COL_LEN + 1].tolist()]
+
+    def record(self, row: np.ndarray) -> dict[str, Any]:
+        """``{"i", "src", "text"[, "uid"]}`` of index row ``row``."""
+        moff = int(row[COL_MOFF])
+        meta = json.loads(self._meta.data[moff:moff + int(row[COL_MLEN])])
+        return {"i": int(row[COL_I]), "src": meta.pop("src"), "text": self.text(row), **meta}
+
+    def meta(self, row: np.ndarray) -> dict[str, Any]:
+        """``{"i", "src"[, "uid"]}`` of index row ``row`` (the text not read)."""
+        moff = int(row[COL_MOFF])
+        return {"i": int(row[COL_I]), **json.loads(self._meta.data[moff:moff + int(row[COL_MLEN])])}
+
+    def close(self) -> None:
+        self._txt.close()
+        self._meta.close()
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def load_index(folder: Path, k: int) -> np.ndarray:
+    """Shard ``k``'s index rows (int64[n, 5])."""
+    return np.load(index_path(folder, k))
 
 
 def iter_rows(folder: Path, k: int, rows: np.ndarray) -> Iterator[dict[str, Any]]:
-    """The records of shard ``k``'s file in ``folder`` at the index ``rows`` (in file order)."""
-    with open(folder / f"{shard_name(k)}.jsonl", "rb") as f:
+    """The records of shard ``k``'s files in ``folder`` at the index ``rows`` (in file order)."""
+    with ShardReader(folder, k) as r:
         for row in rows:
-            yield read_record(f, row)
+            yield r.record(row)
+
+
+def iter_shard(folder: Path, k: int) -> Iterator[dict[str, Any]]:
+    """Every record of shard ``k`` of the store that wrote the texts (``folder``)."""
+    yield from iter_rows(folder, k, load_index(folder, k))
+
+
+def shard_texts(folder: Path, k: int, rows: np.ndarray | None = None) -> list[str]:
+    """The texts of shard ``k`` in ``folder`` at ``rows`` (default: all of them), in order."""
+    with ShardReader(folder, k) as r:
+        return r.texts(load_index(folder, k) if rows is None else rows)
 
 
 class StoreError(ConfigError):
@@ -109,65 +201,131 @@ TEXT_FROM = "_text_from.json"  # in an index-only store (the filter's, dedup's e
 
 
 class DocStore:
-    """Read side of a finished store: ordered iteration and random access by position.
+    """Read side of a finished store: ordered iteration and random access by position (0 .. len - 1).
 
-    An index-only store (the filter stage's; :func:`data_pipeline.dedup.exact.write_subset`) holds only the
-    per-shard indexes, whose offsets point into the shard files of the store named in its
-    ``_text_from.json``."""
+    Opening it reads only each shard's row count and checks the shard files are whole; a shard's index is
+    loaded when one of its documents is read and at most ``cache_shards`` indexes (and opened shard files)
+    are kept, so the memory of a reader is bounded by its shards, not by the corpus. An index-only store
+    (the filter stage's; :func:`data_pipeline.dedup.exact.write_subset`) holds only the per-shard indexes,
+    whose offsets point into the shard files of the store named in its ``_text_from.json``."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, cache_shards: int = 4):
         self.folder = folder
         text_from = folder / TEXT_FROM
         self.text_folder = Path(read_json(text_from)["folder"]) if text_from.is_file() else folder
         self.shards = done_shards(folder)
-        idx = [np.load(folder / f"{shard_name(k)}.idx.npy") for k in self.shards]
-        self.shard_of = np.concatenate([np.full(len(a), k, dtype=np.int64) for k, a in zip(self.shards, idx)]) \
-            if idx else np.zeros(0, np.int64)
-        self.table = np.concatenate(idx) if idx else np.zeros((0, 3), np.int64)  # (input idx, offset, len)
-        self._files: dict[int, Any] = {}
-        for k, a in zip(self.shards, idx):  # a deleted or cut shard is one line here, not a traceback later
-            f = self.text_folder / f"{shard_name(k)}.jsonl"
-            need = int((a[:, 1] + a[:, 2]).max()) if len(a) else 0
-            have = f.stat().st_size if f.is_file() else None
-            if have is None or have < need:
-                raise StoreError(f"{f} is {'missing' if have is None else f'truncated ({have} of {need} bytes)'}: "
-                                 f"the finished stage output was damaged; rerun with `build --force` (or delete "
-                                 f"{self.text_folder} and run `build`)")
+        counts = []
+        for k in self.shards:  # a deleted or cut shard is one line here, not a traceback later
+            idx = np.load(index_path(folder, k), mmap_mode="r")  # the header and the last row only
+            counts.append(len(idx))
+            if not len(idx):
+                continue
+            last = np.asarray(idx[-1])
+            for f, need in ((text_path(self.text_folder, k), int(last[COL_OFF] + last[COL_LEN])),
+                            (meta_path(self.text_folder, k), int(last[COL_MOFF] + last[COL_MLEN]))):
+                have = f.stat().st_size if f.is_file() else None
+                if have is None or have < need:
+                    raise StoreError(f"{f} is {'missing' if have is None else f'truncated ({have} of {need} bytes)'}"
+                                     f": the finished stage output was damaged; rerun with `build --force` (or "
+                                     f"delete {self.text_folder} and run `build`)")
+        #: store position of each shard's first document, and the total at the end (len(shards) + 1)
+        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+        self._cache_size = max(1, cache_shards)
+        self._rows: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._readers: OrderedDict[int, ShardReader] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self.table)
+        return int(self.starts[-1])
+
+    def slot_of(self, pos: int) -> int:
+        """Which shard (its place in ``shards``) holds store position ``pos``."""
+        return int(np.searchsorted(self.starts, pos, side="right")) - 1
+
+    def rows(self, slot: int) -> np.ndarray:
+        """The index rows (int64[m, 5]) of the shard at ``slot`` (loaded, a few kept)."""
+        got = self._rows.get(slot)
+        if got is None:
+            got = self._rows[slot] = load_index(self.folder, self.shards[slot])
+            if len(self._rows) > self._cache_size:
+                self._rows.popitem(last=False)
+        else:
+            self._rows.move_to_end(slot)
+        return got
+
+    def _reader(self, slot: int) -> ShardReader:
+        r = self._readers.get(slot)
+        if r is None:
+            r = self._readers[slot] = ShardReader(self.text_folder, self.shards[slot])
+            if len(self._readers) > self._cache_size:
+                self._readers.popitem(last=False)[1].close()
+        else:
+            self._readers.move_to_end(slot)
+        return r
+
+    def row(self, pos: int) -> np.ndarray:
+        slot = self.slot_of(pos)
+        return self.rows(slot)[pos - int(self.starts[slot])]
 
     @property
     def input_index(self) -> np.ndarray:
-        return self.table[:, 0]
+        """int64[n]: every position's input index (reads every shard index: O(n) memory, for small stores
+        and checks; the stages use :meth:`row` / :meth:`rows`)."""
+        parts = [np.load(index_path(self.folder, k), mmap_mode="r")[:, COL_I] for k in self.shards]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        if self.text_folder != self.folder:
-            yield from self.iter_range(0, len(self))
-            return
-        for k in self.shards:
-            yield from iter_shard(self.folder, k)
+        return self.iter_range(0, len(self))
 
-    def iter_range(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
-        """Records at positions [start, stop), read in file order."""
-        pos = start
+    def _spans(self, start: int, stop: int) -> Iterator[tuple[int, np.ndarray]]:
+        """(slot, index rows) covering positions [start, stop), shard by shard."""
+        pos = max(0, start)
         while pos < stop:
-            k = int(self.shard_of[pos])
-            end = min(stop, int(np.searchsorted(self.shard_of, k, side="right")))  # shards are stored in order
-            yield from iter_rows(self.text_folder, k, self.table[pos:end])
+            slot = self.slot_of(pos)
+            lo, hi = int(self.starts[slot]), int(self.starts[slot + 1])
+            end = min(stop, hi)
+            rows = self.rows(slot) if end - pos == hi - lo else self.rows(slot)[pos - lo:end - lo]
+            yield slot, rows
             pos = end
 
+    def iter_range(self, start: int, stop: int) -> Iterator[dict[str, Any]]:
+        """Records at positions [start, stop), read in file order (each shard's files opened for the span, so
+        an iteration never shares a mapping with :meth:`get`)."""
+        for slot, rows in self._spans(start, stop):
+            with ShardReader(self.text_folder, self.shards[slot]) as r:
+                for row in rows:
+                    yield r.record(row)
+
+    def texts(self, start: int, stop: int) -> list[str]:
+        """The texts at positions [start, stop) (no metadata read)."""
+        out: list[str] = []
+        for slot, rows in self._spans(start, stop):
+            with ShardReader(self.text_folder, self.shards[slot]) as r:
+                out += r.texts(rows)
+        return out
+
+    def iter_texts(self) -> Iterator[str]:
+        """Every text in store order, one shard's texts in memory at a time."""
+        for slot in range(len(self.shards)):
+            yield from self.texts(int(self.starts[slot]), int(self.starts[slot + 1]))
+
     def get(self, pos: int) -> dict[str, Any]:
-        k = int(self.shard_of[pos])
-        f = self._files.get(k)
-        if f is None:
-            f = self._files[k] = open(self.text_folder / f"{shard_name(k)}.jsonl", "rb")
-        return read_record(f, self.table[pos])
+        slot = self.slot_of(pos)
+        return self._reader(slot).record(self.rows(slot)[pos - int(self.starts[slot])])
+
+    def text(self, pos: int) -> str:
+        slot = self.slot_of(pos)
+        return self._reader(slot).text(self.rows(slot)[pos - int(self.starts[slot])])
+
+    def meta(self, pos: int) -> dict[str, Any]:
+        """``{"i", "src"[, "uid"]}`` of position ``pos`` (the text not read)."""
+        slot = self.slot_of(pos)
+        return self._reader(slot).meta(self.rows(slot)[pos - int(self.starts[slot])])
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+        self._rows.clear()
 
 
 def reset_dir(folder: Path) -> None:

@@ -118,16 +118,22 @@ def _ids(ids: array[int], distinct: int) -> np.ndarray:
     return np.frombuffer(ids, dtype=np.int64).astype(np.uint16 if distinct <= 1 << 16 else np.int32)
 
 
-def training_counts(index: WordIndex, texts: Sequence[str],
-                    max_sentence_length: int = MAX_SENTENCE_LENGTH) -> WordCounts | None:
+def training_counts(index: WordIndex, texts: Sequence[str], max_sentence_length: int = MAX_SENTENCE_LENGTH,
+                    normalized: bool = False) -> WordCounts | None:
     """``count_training_words(texts, max_sentence_length)``, from an index of the ``identity`` split (see
-    module docstring)."""
+    module docstring). ``normalized``: every text is an output of
+    :func:`data_pipeline.clean.normalize_whitespace` (the ingest worker's), so the whitespace checks of
+    :func:`_line_safe` hold already (:func:`_line_safe_normalized`)."""
     if index.split != SPM_IDENTITY:
         raise ValueError(f"training counts come from a {SPM_IDENTITY} index, not {index.split}")
-    safe = np.fromiter((_line_safe(t, max_sentence_length) for t in texts), dtype=bool, count=len(texts))
+    check = _line_safe_normalized if normalized else _line_safe
+    safe = np.fromiter((check(t, max_sentence_length) for t in texts), dtype=bool, count=len(texts))
     out = WordCounts(docs=len(texts))
-    for words, ids, n, prefix in ((index.raw, index.raw_ids, index.raw_n, ""),
-                                  (index.spaced, index.spaced_ids, index.spaced_n, " ")):
+    tables = [(index.raw, index.raw_ids, index.raw_n, ""), (index.spaced, index.spaced_ids, index.spaced_n, " ")]
+    # the larger table first: Counter.update copies a mapping into an empty Counter in C, but adds to a
+    # non-empty one key by key in Python (same counts either way: addition commutes)
+    tables.sort(key=lambda t: -len(t[0]))
+    for words, ids, n, prefix in tables:
         counts = np.bincount(ids[np.repeat(safe, n)], minlength=len(words)).tolist()
         out.words.update({prefix + w: c for w, c in zip(words, counts) if c and "\n" not in w})
         for w, c in zip(words, counts):
@@ -155,6 +161,18 @@ def _line_safe(text: str, max_sentence_length: int) -> bool:
         if any(c in text for c in _OTHER_ASCII_WS):
             return False
     elif "\u2581" in text or _OTHER_WS.search(text):
+        return False
+    if len(text) * 4 <= max_sentence_length:
+        return True
+    return all(len(line) * 4 <= max_sentence_length or len(line.encode("utf-8")) <= max_sentence_length
+               for line in text.split("\n"))
+
+
+def _line_safe_normalized(text: str, max_sentence_length: int) -> bool:
+    """:func:`_line_safe` for a non-empty output of ``normalize_whitespace``, which has no whitespace but spaces
+    and line breaks, no space next to a line break and no leading or trailing whitespace (so it is not
+    whitespace only): only the U+2581 and line-length checks are left (tested equal)."""
+    if not text or "\u2581" in text:
         return False
     if len(text) * 4 <= max_sentence_length:
         return True

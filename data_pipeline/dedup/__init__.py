@@ -26,7 +26,7 @@ from data_pipeline.dedup.lsh import (LshSpec, band_pairs, bucket_pairs, candidat
 from data_pipeline.dedup.minhash import (ShingleCache, Signer, chunk_files, compute_signatures, remove_stale_tmp,
                                          sign_chunk)
 from data_pipeline.dedup.verify import (DedupResult, UnionFind, cluster, duplicate_rows, jaccard_sorted,
-                                        verify_and_cluster, verify_block, verify_pairs)
+                                        verify_and_cluster, verify_block, verify_pairs, visit_measured)
 from data_pipeline.store import DocStore
 
 
@@ -57,4 +57,4 @@ __all__ = ["FINGERPRINT_VERSION", "DedupResult", "LshSpec", "ShingleCache", "Shi
            "compute_signatures", "dedup_store", "duplicate_rows", "jaccard", "jaccard_sorted", "lsh_params",
            "make_lsh", "remove_stale_tmp", "shingle_fingerprints_batch", "shingle_hashes", "shingle_hashes_batch",
            "shingle_set", "shingle_sets_batch", "sign_chunk", "units", "verify_and_cluster", "verify_block",
-           "verify_pairs", "word_unit_hashes", "xxh64_short"]
+           "verify_pairs", "visit_measured", "word_unit_hashes", "xxh64_short"]

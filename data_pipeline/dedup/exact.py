@@ -12,6 +12,7 @@ signature. Collision probability for n documents: about n^2 / 2^129.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +35,8 @@ def text_keys(store: DocStore) -> np.ndarray:
     if all(f.exists() for f in files):
         return np.concatenate([np.load(f) for f in files]) if files else np.zeros((0, 2), np.uint64)
     keys = np.empty((len(store), 2), dtype=np.uint64)
-    for pos, rec in enumerate(store):
-        keys[pos] = text_key(rec["text"])
+    for pos, text in enumerate(store.iter_texts()):
+        keys[pos] = text_key(text)
     return keys
 
 
@@ -62,10 +63,10 @@ def write_subset(store: DocStore, keep: np.ndarray, folder: Path) -> DocStore:
     want = np.zeros(len(store), dtype=bool)
     want[keep] = True
     atomic_write_json(folder / TEXT_FROM, {"folder": str(store.text_folder.resolve())})
-    for k in store.shards:
-        lo, hi = np.searchsorted(store.shard_of, [k, k + 1])  # shards are stored in order
-        rows = lo + np.flatnonzero(want[lo:hi])
-        atomic_save_npy(folder / f"{shard_name(k)}.idx.npy", store.table[rows].astype(np.int64))
+    for slot, k in enumerate(store.shards):
+        lo, hi = int(store.starts[slot]), int(store.starts[slot + 1])
+        rows = store.rows(slot)[np.flatnonzero(want[lo:hi])]
+        atomic_save_npy(folder / f"{shard_name(k)}.idx.npy", rows.astype(np.int64))
         atomic_write_json(folder / f"{shard_name(k)}.done.json", {"kept": int(len(rows))})
     return DocStore(folder)
 
@@ -75,12 +76,19 @@ def merge_exact(res: DedupResult, reps: np.ndarray, rep_of: np.ndarray) -> Dedup
     store positions are ``reps``) → the result in store positions with each exact copy added to its
     survivor's cluster: linked via its survivor at Jaccard 1, its Jaccard to the cluster's kept document
     equal to its survivor's."""
-    clusters = {int(reps[r]): [int(reps[m]) for m in ms] for r, ms in res.clusters.items()}
-    link = {int(reps[m]): (int(reps[v]), j) for m, (v, j) in res.link.items()}
-    to_surv = {int(reps[m]): j for m, j in res.to_survivor.items()}
+    copies = np.flatnonzero(rep_of != np.arange(len(rep_of)))
+    return merge_copies(res, lambda r: int(reps[r]), np.column_stack([copies, rep_of[copies]]))
+
+
+def merge_copies(res: DedupResult, to_store: Callable[[int], int], copies: np.ndarray) -> DedupResult:
+    """:func:`merge_exact` with the survivors' positions mapped by ``to_store`` and the exact copies given as
+    (copy, survivor) store positions (int64[m, 2], sorted by copy): what the sharded stage's components task
+    uses (the copies from :mod:`data_pipeline.dedup.exact_sharded`)."""
+    clusters = {to_store(r): [to_store(m) for m in ms] for r, ms in res.clusters.items()}
+    link = {to_store(m): (to_store(v), j) for m, (v, j) in res.link.items()}
+    to_surv = {to_store(m): j for m, j in res.to_survivor.items()}
     root_of = {m: r for r, ms in clusters.items() for m in ms}
-    for m in np.flatnonzero(rep_of != np.arange(len(rep_of))).tolist():
-        g = int(rep_of[m])
+    for m, g in copies.tolist():
         root = root_of.setdefault(g, g)
         clusters.setdefault(root, [root]).append(m)
         link[m] = (g, 1.0)

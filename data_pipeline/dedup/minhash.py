@@ -129,7 +129,7 @@ def sign_chunk(job: SignJob) -> tuple[int, int]:
     store_dir, start, stop, out_dir = job.store_dir, job.start, job.stop, job.out_dir
     signer = Signer(job.num_perm, job.seed, job.shingle)
     store = DocStore(Path(store_dir))
-    texts = [rec["text"] for rec in store.iter_range(start, stop)]
+    texts = store.texts(start, stop)
     values, offsets = shingle_sets_batch(texts, signer.spec)
     sigs = signer.sign_sets(values, offsets)
     f = chunk_files(Path(out_dir), start)

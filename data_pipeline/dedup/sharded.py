@@ -1,5 +1,7 @@
-"""Near-duplicate removal whose driver holds no signature, bucket or candidate list: every step a worker task.
+"""Near-duplicate removal whose driver holds nothing per document: every step a worker task.
 
+0. exact copies (the stage, :func:`dedup_stage_files`): key map/reduce and the survivors' store, per shard
+   group and key partition (:mod:`~data_pipeline.dedup.exact_sharded`);
 1. signatures: :func:`~data_pipeline.dedup.minhash.sign_chunk` per chunk (as before; nothing loaded back);
 2. buckets: :func:`~data_pipeline.dedup.buckets.bucket_chunk` per chunk (band keys → partition files), then
    :func:`~data_pipeline.dedup.buckets.reduce_partition` per partition (buckets → candidate pairs, split by
@@ -7,9 +9,11 @@
 3. verification: :func:`~data_pipeline.dedup.edges.verify_range` per document range (Jaccard of the pairs
    not already joined within the range → edge files);
 4. components: :func:`~data_pipeline.dedup.components.replay_edges` streams the edge files in range order
-   on the driver (memory: one range's edges + the clustered documents), then the Jaccard of each removed
-   member to its survivor is measured by :func:`~data_pipeline.dedup.edges.measure_pairs` tasks (or reused
-   from an accepted edge).
+   (memory: one range's edges + the clustered documents), then the Jaccard of each removed member to its
+   survivor is reused from an accepted edge or measured. In the stage (:func:`dedup_stage_files`) this is
+   one worker task, :func:`~data_pipeline.dedup.components.components_task`, which also merges the exact
+   copies back and writes ``duplicates.jsonl`` and ``removed.npy``; :func:`dedup_sharded` (tests,
+   benchmarks) replays on the calling process and returns the result.
 
 The result (clusters, links, Jaccards to survivors, candidate / measured / accepted / rejected / skipped
 counts) equals :func:`data_pipeline.dedup.dedup_store`'s, for any number of partitions and ranges (tested).
@@ -30,13 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from data_pipeline.dedup.buckets import BucketJob, ReduceJob, bucket_chunk, reduce_partition
-from data_pipeline.dedup.components import replay_edges
+from data_pipeline.dedup.components import ComponentsJob, components_task, replay_edges
 from data_pipeline.dedup.edges import MeasureJob, RangeJob, measure_pairs, verify_range
+from data_pipeline.dedup.exact_sharded import (DOCS_PER_GROUP, KeyMapJob, KeyReduceJob, SubsetJob, key_map, key_reduce,
+                                               shard_groups, write_subset_group)
 from data_pipeline.dedup.hashing import ShingleSpec
 from data_pipeline.dedup.lsh import LshSpec
 from data_pipeline.dedup.minhash import sign_chunk, sign_jobs
 from data_pipeline.dedup.verify import DedupResult, pair_blocks
-from data_pipeline.store import DocStore
+from data_pipeline.store import TEXT_FROM, DocStore, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +54,11 @@ DOCS_PER_RANGE = 100_000
 
 
 def local_pmap(workers: int) -> PMap:
-    """``pmap`` over ``workers`` forked processes (in this process when 1, or for a single job)."""
+    """``pmap`` over ``workers`` forked processes (in this process when 1). A single job runs in a worker
+    too, so a task's memory (the components task's) is never the driver's."""
     def pmap(fn: Callable[[Any], Any], jobs: Sequence[Any]) -> list[Any]:
         jobs = list(jobs)
-        if workers > 1 and len(jobs) > 1:
+        if workers > 1 and jobs:
             with get_context("fork").Pool(min(workers, len(jobs))) as pool:
                 return list(pool.imap(fn, jobs))
         return [fn(j) for j in jobs]
@@ -68,10 +75,11 @@ def layout(n: int, bands: int, min_tasks: int, records_per_part: int = RECORDS_P
     return parts, -(-n // range_docs) if n else 1, range_docs
 
 
-def dedup_sharded(store: DocStore, sig_dir: Path, work: Path, shingle: ShingleSpec, lsh: LshSpec, chunk_size: int,
-                  max_docs: int, pmap: PMap, min_tasks: int = 1, records_per_part: int = RECORDS_PER_PARTITION,
-                  docs_per_range: int = DOCS_PER_RANGE) -> DedupResult:
-    """The whole fuzzy stage as worker tasks (module docstring); ``work`` is emptied and removed."""
+def fuzzy_edges(store: DocStore, sig_dir: Path, work: Path, shingle: ShingleSpec, lsh: LshSpec, chunk_size: int,
+                max_docs: int, pmap: PMap, min_tasks: int = 1, records_per_part: int = RECORDS_PER_PARTITION,
+                docs_per_range: int = DOCS_PER_RANGE) -> tuple[int, int, dict[str, float]]:
+    """Steps 1-3 (module docstring): signatures, buckets, verification; the edge files end in ``work/edges``
+    (``work`` is emptied first). Returns (ranges, documents without a signature, seconds per phase)."""
     t0 = time.perf_counter()
     n = len(store)
     if n >= 2**31:
@@ -92,7 +100,22 @@ def dedup_sharded(store: DocStore, sig_dir: Path, work: Path, shingle: ShingleSp
     pmap(verify_range, [RangeJob(str(pairs), r, str(sig_dir), n, chunk_size, lsh.threshold, max_docs, str(edges))
                         for r in range(ranges)])
     shutil.rmtree(pairs)
-    res, accepted = replay_edges(edges, ranges, n, lsh.threshold)
+    log.info("dedup (sharded): %d documents, %d partitions, %d ranges", n, parts, ranges)
+    return ranges, unsignatured, {"minhash": round(t1 - t0, 3), "lsh": round(t2 - t1, 3),
+                                  "verify_cluster": round(time.perf_counter() - t2, 3)}
+
+
+def dedup_sharded(store: DocStore, sig_dir: Path, work: Path, shingle: ShingleSpec, lsh: LshSpec, chunk_size: int,
+                  max_docs: int, pmap: PMap, min_tasks: int = 1, records_per_part: int = RECORDS_PER_PARTITION,
+                  docs_per_range: int = DOCS_PER_RANGE) -> DedupResult:
+    """The whole fuzzy stage as worker tasks (module docstring), the result returned to this process (the
+    form tests and benchmarks compare; the build's stage uses :func:`dedup_stage_files`, whose driver holds
+    no per-document result); ``work`` is emptied and removed."""
+    n = len(store)
+    ranges, unsignatured, seconds = fuzzy_edges(store, sig_dir, work, shingle, lsh, chunk_size, max_docs, pmap,
+                                                min_tasks, records_per_part, docs_per_range)
+    t2 = time.perf_counter()
+    res, accepted = replay_edges(work / "edges", ranges, n, lsh.threshold)
     shutil.rmtree(work)
     need = [(root, m) for root, ms in res.clusters.items() for m in ms[1:]]
     for root, m in need:
@@ -103,9 +126,58 @@ def dedup_sharded(store: DocStore, sig_dir: Path, work: Path, shingle: ShingleSp
     for block, jacs in zip(blocks, pmap(measure_pairs, [MeasureJob(str(sig_dir), n, chunk_size, b) for b in blocks])):
         for (_, m), jac in zip(block, jacs):
             res.to_survivor[m] = jac
-    t3 = time.perf_counter()
     res.unsignatured = unsignatured
-    res.seconds = {"minhash": round(t1 - t0, 3), "lsh": round(t2 - t1, 3), "verify_cluster": round(t3 - t2, 3)}
-    log.info("dedup (sharded): %d documents, %d partitions, %d ranges, %d candidate pairs, %d clusters",
-             n, parts, ranges, res.candidates, len(res.clusters))
+    res.seconds = {**seconds, "verify_cluster": round(seconds["verify_cluster"] + time.perf_counter() - t2, 3)}
+    log.info("dedup (sharded): %d candidate pairs, %d clusters", res.candidates, len(res.clusters))
     return res
+
+
+def dedup_stage_files(store: DocStore, sig_dir: Path, work: Path, out: Path, shingle: ShingleSpec, lsh: LshSpec,
+                      chunk_size: int, max_docs: int, pmap: PMap, exact: bool, min_tasks: int = 1,
+                      records_per_part: int = RECORDS_PER_PARTITION, docs_per_range: int = DOCS_PER_RANGE,
+                      docs_per_group: int = DOCS_PER_GROUP) -> dict[str, Any]:
+    """The dedup stage with a driver that holds nothing per document: exact copies by key map/reduce
+    (:mod:`~data_pipeline.dedup.exact_sharded`), the fuzzy steps on the survivors (:func:`fuzzy_edges`), then
+    one components task that writes ``out/duplicates.jsonl`` and ``out/removed.npy``
+    (:func:`~data_pipeline.dedup.components.components_task`). The files equal those the stage writes from
+    :func:`data_pipeline.dedup.dedup_store` + :func:`~data_pipeline.dedup.exact.merge_exact` (tested).
+    Returns the counts and seconds per phase; ``work`` is emptied and removed."""
+    t0 = time.perf_counter()
+    n = len(store)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    fuzzy_store, fuzzy_sig, subset_dir, dup_dir, copies = store, sig_dir, None, None, 0
+    if exact:
+        groups = shard_groups(store, docs_per_group)
+        parts = max(1, min_tasks, -(-n // RECORDS_PER_PARTITION))
+        kmap, dup_dir = work / "keys", work / "dups"
+        kmap.mkdir()
+        dup_dir.mkdir()
+        pmap(key_map, [KeyMapJob(str(store.folder), g, lo, hi, parts, str(kmap)) for g, (lo, hi) in enumerate(groups)])
+        group_starts = tuple(int(store.starts[lo]) for lo, _ in groups)
+        copies = sum(pmap(key_reduce, [KeyReduceJob(str(kmap), p, len(groups), group_starts, str(dup_dir))
+                                       for p in range(parts)]))
+        shutil.rmtree(kmap)
+        if copies:  # fuzzy dedup of the survivors only; the copies are merged back by the components task
+            subset_dir = work / "exact-survivors"
+            subset_dir.mkdir()
+            atomic_write_json(subset_dir / TEXT_FROM, {"folder": str(store.text_folder.resolve())})
+            pmap(write_subset_group, [SubsetJob(str(store.folder), g, lo, hi, str(dup_dir), str(subset_dir))
+                                      for g, (lo, hi) in enumerate(groups)])
+            fuzzy_store, fuzzy_sig = DocStore(subset_dir), Path(str(sig_dir) + "-exact")
+    t_exact = round(time.perf_counter() - t0, 3)
+    edges_work = work / "fuzzy"
+    ranges, unsignatured, seconds = fuzzy_edges(fuzzy_store, fuzzy_sig, edges_work, shingle, lsh, chunk_size,
+                                                max_docs, pmap, min_tasks, records_per_part, docs_per_range)
+    t2 = time.perf_counter()
+    job = ComponentsJob(str(edges_work / "edges"), ranges, len(fuzzy_store), lsh.threshold, str(fuzzy_sig), chunk_size,
+                        max_docs, str(store.folder), str(subset_dir) if subset_dir else None,
+                        str(dup_dir) if dup_dir else None, str(out))
+    (counts,) = pmap(components_task, [job])
+    if fuzzy_store is not store:
+        fuzzy_store.close()
+    shutil.rmtree(work)
+    seconds["verify_cluster"] = round(seconds["verify_cluster"] + time.perf_counter() - t2, 3)
+    log.info("dedup (sharded): %d documents, %d exact copies, %d candidate pairs, %d clusters", n, copies,
+             counts["candidates"], counts["clusters"])
+    return {**counts, "exact_copies": copies, "unsignatured": unsignatured, "seconds": {"exact": t_exact, **seconds}}

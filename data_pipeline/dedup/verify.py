@@ -65,7 +65,7 @@ def verify_block(args: tuple[str, list[tuple[int, int]], int, str]) -> list[tupl
     store = DocStore(Path(store_dir))
     try:
         docs = sorted({d for p in block for d in p})
-        texts = [store.get(d)["text"] for d in docs]
+        texts = [store.text(d) for d in docs]
     finally:
         store.close()
     values, offsets = shingle_sets_batch(texts, ShingleSpec(n, unit))
@@ -162,15 +162,16 @@ def duplicate_rows(store: DocStore, clusters: dict[int, list[int]], link: dict[i
     """
     rows: list[dict[str, Any]] = []
     removed: list[int] = []
+    # every member's metadata, read in store order (a few shard indexes open at a time; ``via`` is a member)
+    meta = {p: store.meta(p) for p in sorted(p for ms in clusters.values() for p in ms)}
     for root, ms in sorted(clusters.items()):
         rem = []
         for m in ms[1:]:
             via, via_j = link[m]
-            rem.append({"id": store.get(m)["src"], "i": int(store.input_index[m]),
-                        "jaccard": round(to_survivor(root, m), 6),
-                        "linked_via": int(store.input_index[via]), "link_jaccard": round(via_j, 6)})
+            rem.append({"id": meta[m]["src"], "i": meta[m]["i"], "jaccard": round(to_survivor(root, m), 6),
+                        "linked_via": meta[via]["i"], "link_jaccard": round(via_j, 6)})
             removed.append(m)
-        rows.append({"kept": store.get(root)["src"], "kept_i": int(store.input_index[root]), "removed": rem})
+        rows.append({"kept": meta[root]["src"], "kept_i": meta[root]["i"], "removed": rem})
     return rows, removed
 
 
@@ -194,6 +195,26 @@ class DedupResult:
         return self.unsignatured if self.unsignatured is not None else int((~self.active).sum())
 
 
+def visit_measured(uf: UnionFind, res: DedupResult, accepted: dict[tuple[int, int], float], i: int, j: int,
+                   jac: float, threshold: float) -> None:
+    """The accept/reject step of the sorted visit, for a pair (i < j) whose ends ``uf`` does not join yet and
+    whose Jaccard ``jac`` was measured: counted in ``res.verified``; at or above ``threshold`` it is a merging
+    edge (union, the first merging edge of each end kept in ``res.link``, the edge in ``accepted``, counted
+    in ``res.accepted``), below it only counted in ``res.rejected``. The one definition used by
+    :func:`verify_and_cluster` (measuring as it goes) and
+    :func:`data_pipeline.dedup.components.replay_edges` (replaying Jaccards measured by the workers), so
+    the two visits cannot drift apart."""
+    res.verified += 1
+    if jac >= threshold:
+        uf.union(i, j)
+        res.link.setdefault(j, (i, jac))
+        res.link.setdefault(i, (j, jac))
+        accepted[(i, j)] = jac
+        res.accepted += 1
+    else:
+        res.rejected += 1
+
+
 def _jaccards(sets: dict[int, np.ndarray], pairs: list[tuple[int, int]]) -> list[float]:
     return [jaccard_sorted(sets[i], sets[j]) for i, j in pairs]
 
@@ -215,9 +236,8 @@ def verify_and_cluster(cache: ShingleCache, pairs: np.ndarray, threshold: float,
     pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
     pairs = pairs[np.lexsort((pairs[:, 1], pairs[:, 0]))]
     uf = UnionFind()
-    link: dict[int, tuple[int, float]] = {}
     accepted: dict[tuple[int, int], float] = {}
-    res = DedupResult({}, link, {}, candidates=len(pairs))
+    res = DedupResult({}, {}, {}, candidates=len(pairs))
     bar = tqdm(total=len(pairs), desc="dedup: verify", unit="pair", disable=not progress)
     find = uf.find
     for part in pair_blocks(list(map(tuple, pairs.tolist())), max_docs):  # type: ignore[arg-type]
@@ -226,16 +246,7 @@ def verify_and_cluster(cache: ShingleCache, pairs: np.ndarray, threshold: float,
         for i, j in todo:
             if find(i) == find(j):  # joined by an earlier pair of this part
                 continue
-            jac = jaccard_sorted(sets[i], sets[j])
-            res.verified += 1
-            if jac >= threshold:
-                uf.union(i, j)
-                link.setdefault(j, (i, jac))
-                link.setdefault(i, (j, jac))
-                accepted[(i, j)] = jac
-                res.accepted += 1
-            else:
-                res.rejected += 1
+            visit_measured(uf, res, accepted, i, j, jaccard_sorted(sets[i], sets[j]), threshold)
         bar.update(len(part))
     bar.close()
     res.skipped = len(pairs) - res.verified

@@ -17,7 +17,7 @@ from typing import Any
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.sources import input_fingerprint
-from data_pipeline.store import atomic_write_json, read_json, reset_dir
+from data_pipeline.store import STORE_FORMAT, atomic_write_json, read_json, reset_dir
 from megatron_ds_suite.core.errors import SuiteError
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def fingerprint(cfg: BuildConfig, stage: str) -> str:
     """Hash of everything that determines a stage's output."""
     if stage == "ingest":
         return digest(["ingest", [dataclasses.asdict(s) for s in cfg.sources], input_fingerprint(cfg),
-                        dataclasses.asdict(cfg.clean), cfg.shard_size])
+                        dataclasses.asdict(cfg.clean), cfg.shard_size, STORE_FORMAT])
     if stage == "tokenizer":
         t = dataclasses.asdict(cfg.tokenizer)
         if cfg.tokenizer.type != "sentencepiece":

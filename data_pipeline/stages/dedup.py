@@ -63,18 +63,7 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
         candidates = None
         from data_pipeline.dedup import exact as ex
 
-        def fuzzy(st: DocStore, sdir: Path) -> Any:
-            if d.sharded:  # every step a worker task; the driver streams the edge files (dedup/sharded.py)
-                from data_pipeline.dedup.sharded import dedup_sharded, local_pmap
-
-                if cfg.executor == "ray":
-                    from data_pipeline.ray_executor import ray_pmap, shuffle_tasks
-
-                    pmap, tasks = ray_pmap(cfg), shuffle_tasks(cfg)
-                else:
-                    pmap, tasks = local_pmap(cfg.num_workers), cfg.num_workers
-                return dedup_sharded(st, sdir, folder / "lsh", shingle, lsh, d.chunk_size, d.verify_block_docs,
-                                     pmap, tasks)
+        def fuzzy(st: DocStore, sdir: Path) -> Any:  # dedup.sharded false: the single-driver reference path
             cand = candidates
             if cfg.executor == "ray":  # signature chunks and the LSH band shuffle as Ray tasks
                 from data_pipeline.ray_executor import band_shuffle_pairs, ray_sign_chunks
@@ -86,6 +75,29 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
             return dd.dedup_store(st, sdir, shingle, lsh, d.chunk_size, cfg.num_workers, d.verify_block_docs,
                                   cfg.progress, cand)
 
+        if d.sharded:  # every step a worker task, the report written by one: the driver holds nothing per document
+            from data_pipeline.dedup.sharded import dedup_stage_files, local_pmap
+
+            if cfg.executor == "ray":
+                from data_pipeline.ray_executor import ray_pmap, shuffle_tasks
+
+                pmap, tasks = ray_pmap(cfg), shuffle_tasks(cfg)
+            else:
+                pmap, tasks = local_pmap(cfg.num_workers), cfg.num_workers
+            got = dedup_stage_files(store, sig_dir, folder / "lsh", folder, shingle, lsh, d.chunk_size,
+                                    d.verify_block_docs, pmap, d.exact, tasks)
+            store.close()
+            copies = got["exact_copies"]
+            info["exact"] = {"enabled": d.exact, "key": ex.KEY, "duplicates": copies}
+            info.update(exact_duplicates=copies, fuzzy_removed=got["removed"] - copies)
+            info.update(documents=n, unsignatured=got["unsignatured"], candidate_pairs=got["candidates"],
+                        verified_pairs=got["accepted"], rejected_candidates=got["rejected"],
+                        skipped_candidates=got["skipped"], measured_pairs=got["verified"],
+                        clusters=got["clusters"], removed=got["removed"], phase_seconds=got["seconds"])
+            log.info("dedup: %d docs, %d exact duplicates, %d candidate pairs, %d verified, %d clusters, %d removed "
+                     "%s", n, copies, got["candidates"], got["accepted"], got["clusters"], got["removed"],
+                     got["seconds"])
+            return finish_stage(cfg, "dedup", timer.finish(n, **info))
         t_exact = time.perf_counter()
         rep_of = ex.exact_representatives(ex.text_keys(store)) if d.exact else np.arange(n)
         reps = np.flatnonzero(rep_of == np.arange(n))

@@ -38,13 +38,13 @@ def _decontaminate(cfg: BuildConfig, store: DocStore, removed: set[int]) -> dict
     if cfg.decontaminate.against:
         sets = [load_eval_set(name, cfg.resolve(p), cfg.decontaminate.ngram)
                 for name, _, p in (x.partition("=") for x in cfg.decontaminate.against)]
-        texts = (rec["text"] for rec in store)
+        texts = store.iter_texts()
         found = {pos: names for pos, names in contaminated_positions(texts, sets, cfg.num_workers, cfg.progress)
                  if pos not in removed}
     rows = []
     for pos in sorted(found):
-        rec = store.get(pos)
-        rows.append({"id": document_row(rec)["id"], "i": rec["i"], "sets": found[pos]})
+        rec = store.meta(pos)
+        rows.append({"id": document_row({**rec, "text": ""})["id"], "i": rec["i"], "sets": found[pos]})
     write_jsonl_atomic(cfg.out / "contaminated.jsonl", rows)
     return found
 
@@ -118,9 +118,9 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     bar = progress_bar(cfg, total=len(store), desc="export: write", unit="doc")
     drop = np.zeros(len(store), dtype=bool)
     drop[np.fromiter(removed | set(contaminated), dtype=np.int64)] = True
-    bounds = np.searchsorted(store.shard_of, [*store.shards, (store.shards[-1] + 1) if store.shards else 0])
-    jobs = [ExportJob(str(store.folder), str(store.text_folder), k, store.table[bounds[n]:bounds[n + 1]],
-                      drop[bounds[n]:bounds[n + 1]], tok_stats["spec"], cfg.dataset.gpt, tok.eod, np.dtype(dtype).str)
+    bounds = store.starts
+    jobs = [ExportJob(str(store.folder), str(store.text_folder), k, store.rows(n), drop[bounds[n]:bounds[n + 1]],
+                      tok_stats["spec"], cfg.dataset.gpt, tok.eod, np.dtype(dtype).str)
             for n, k in enumerate(store.shards)]
     pool = get_context("fork").Pool(min(cfg.num_workers, len(jobs))) if cfg.num_workers > 1 and len(jobs) > 1 \
         else None

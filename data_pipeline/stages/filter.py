@@ -18,8 +18,8 @@ from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.words import WordIndex, encode_indexed
 from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, progress_bar, require_stage, work_dir
-from data_pipeline.store import (TEXT_FROM, atomic_save_npy, atomic_write_json, done_shards, iter_shard, read_record,
-                                 shard_counts, shard_name, write_jsonl_atomic)
+from data_pipeline.store import (TEXT_FROM, ShardReader, atomic_save_npy, atomic_write_json, done_shards, iter_shard,
+                                 load_index, shard_counts, shard_name, write_jsonl_atomic)
 
 
 def save_token_ids(folder: Path, k: int, flat: np.ndarray, lens: np.ndarray) -> None:
@@ -79,14 +79,13 @@ def filter_shard(job: FilterJob) -> dict[str, Any]:
 
     src, dst = Path(src_s), Path(dst_s)
     tok = cached_tokenizer(spec)
-    table = np.load(src / f"{shard_name(k)}.idx.npy")  # (input index, byte offset, length) per ingested text
+    table = load_index(src, k)  # (input index, text offset, length, meta offset, length) per ingested text
     index = WordIndex.load(src, k)
     words = getattr(tok, "word_cache", None)
     recs: list[dict[str, Any]] | None = None
     if index is not None and words is not None and index.split == words.split_name and len(index.raw_n) == len(table):
-        with open(src / f"{shard_name(k)}.jsonl", "rb") as f:  # the ingest worker's words: one numpy gather
-
-            flat, lens = encode_indexed(words, index, lambda d: read_record(f, table[d])["text"])  # declined texts
+        with ShardReader(src, k) as reader:  # the ingest worker's words: one numpy gather
+            flat, lens = encode_indexed(words, index, lambda d: reader.text(table[d]))  # declined texts
     else:  # another tokenizer (or an ingest without the index): encode the texts
         recs = list(iter_shard(src, k))
         parts = [tok.encode_flat([r["text"] for r in recs[s:s + batch]]) for s in range(0, len(recs), batch)]
@@ -101,9 +100,9 @@ def filter_shard(job: FilterJob) -> dict[str, Any]:
                    dtype=np.uint64).reshape(-1, 2)
     atomic_save_npy(dst / f"{shard_name(k)}.key.npy", keys)
     short_rows, examples = [], []
-    with open(src / f"{shard_name(k)}.jsonl", "rb") as f:
-        for j in np.flatnonzero(~keep).tolist():  # only the too-short records are read back
-            rec = recs[j] if recs is not None else read_record(f, table[j])
+    with ShardReader(src, k) as reader:
+        for j in np.flatnonzero(~keep).tolist():  # only the too-short records' metadata is read back
+            rec = recs[j] if recs is not None else reader.meta(table[j])
             short_rows.append({"i": rec["i"], "src": rec["src"], "reason": "too_short",
                                "detail": f"{int(n[j])} tokens < length.min_tokens={min_tokens}"})
             if len(examples) < 3:

@@ -79,7 +79,7 @@ def ingest_shard(job: IngestJob) -> dict[str, Any]:
             index = WordIndex.build(texts, split)
             index.save(folder, k)
         if split is not None and count_words:  # one line of JSON: the C encoder (indent takes the Python one)
-            wc = training_counts(index, texts)
+            wc = training_counts(index, texts, normalized=ws)  # ws: texts are normalize_whitespace's
             atomic.write_text(word_counts_path(folder, k),
                               json.dumps(wc.to_json() if wc is not None else {"words": None}, ensure_ascii=False))
         info = {"read": len(records), "first": first, "clean": counts.pop("clean", 0), "rejected": dict(counts)}

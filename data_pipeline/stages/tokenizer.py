@@ -10,7 +10,7 @@ from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, require_stage, work_dir
 from data_pipeline.stages.ingest import trains_on_word_counts, word_counts_path
-from data_pipeline.store import DocStore, iter_shard
+from data_pipeline.store import DocStore, shard_texts
 from data_pipeline.tokenizer_train import MAX_SENTENCES, WordCounts, count_training_words
 
 
@@ -31,11 +31,11 @@ def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
 
         def texts() -> Iterator[str]:
             nonlocal n_docs
-            for rec in store:
+            for text in store.iter_texts():
                 if n_docs >= t.train_max_docs:
                     return
                 n_docs += 1
-                yield rec["text"]
+                yield text
 
         counts = training_word_counts(cfg, store) if trains_on_word_counts(cfg) else None
         if counts is not None:  # trained from the ingest workers' word counts; the texts are not read
@@ -76,7 +76,7 @@ def training_word_counts(cfg: BuildConfig, store: DocStore) -> WordCounts | None
             return None  # the ingest worker found a sentence that cannot be counted
         part = WordCounts.from_json(saved) if saved is not None else None
         if part is None or total.docs + part.docs > max_docs or total.lines + part.lines >= max_lines:
-            part = count_training_words((r["text"] for r in iter_shard(store.folder, k)),
+            part = count_training_words(shard_texts(store.folder, k),
                                         max_docs=max_docs - total.docs, max_lines=max_lines - total.lines)
             if part is None:
                 return None

@@ -190,6 +190,15 @@ def test_union_find_stores_only_joined_documents():
     assert uf.find(12) == 4 and set(uf.parent) == {4, 9, 12} and uf.clusters() == {4: [4, 9, 12]}
 
 
+def test_visit_measured_accepts_at_the_threshold_and_keeps_first_links():
+    uf, res, accepted = dd.UnionFind(), dd.DedupResult({}, {}, {}), {}
+    for i, j, jac in [(1, 4, 0.7), (2, 4, 0.9), (3, 5, 0.69), (1, 2, 1.0)]:
+        dd.visit_measured(uf, res, accepted, i, j, jac, 0.7)
+    assert (res.verified, res.accepted, res.rejected) == (4, 3, 1)
+    assert uf.clusters() == {1: [1, 2, 4]} and accepted == {(1, 4): 0.7, (2, 4): 0.9, (1, 2): 1.0}
+    assert res.link == {4: (1, 0.7), 1: (4, 0.7), 2: (4, 0.9)}  # the first merging edge of each end only
+
+
 def test_stale_files_of_an_interrupted_run_are_not_read(words, tmp_path):
     docs = _corpora(words)["chains"]
     store = _store(tmp_path / "store", docs)
@@ -212,9 +221,49 @@ def test_memory_benchmark_runs_and_both_paths_agree(words, tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench_dedup_memory", "--docs", "3000", "--chunk", "500",
-                          "--tmp", str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=600)
+                          "--tmp", str(tmp_path), "--paths", "memory", "sharded", "stage-before", "stage"],
+                         cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [r.split("|") for r in out.stdout.splitlines() if r.startswith("| 3,000 ")]
-    assert [r[3].strip() for r in rows] == ["memory", "sharded"]
+    assert [r[3].strip() for r in rows] == ["memory", "sharded", "stage-before", "stage"]
     assert rows[0][-2] == rows[1][-2] and int(rows[0][9].replace(",", "")) > 20  # same digest; real removals
+    # the stage's report files (exact copies merged in) are identical with and without the flat driver
+    assert rows[2][-2] == rows[3][-2] and rows[2][-2].strip().startswith("files ")
+    assert rows[2][8:11] == rows[3][8:11] and rows[2][9] == rows[0][9]  # the same documents removed as fuzzy alone
+    assert int(rows[2][10].replace(",", "")) < int(rows[0][10].replace(",", ""))  # copies never reach the LSH
     assert list(tmp_path.iterdir()) == []  # the generated store is deleted
+
+
+def test_exact_map_reduce_equals_exact_representatives(words, tmp_path):
+    from data_pipeline.dedup import exact as ex
+    from data_pipeline.dedup.exact_sharded import (KeyMapJob, KeyReduceJob, SubsetJob, SubsetPositions, key_map,
+                                                   key_reduce, read_dups, shard_groups, write_subset_group)
+    from data_pipeline.store import TEXT_FROM, atomic_write_json
+
+    base = _corpora(words)["mixed"]
+    docs = base + base[::3] + [base[5]] * 4  # copies later in the store, some of copies
+    store = _store(tmp_path / "store", docs, shard=17)
+    rep_of = ex.exact_representatives(ex.text_keys(store))
+    want = np.flatnonzero(rep_of != np.arange(len(docs)))
+    assert len(want) > 100
+    for parts, per_group in [(1, 10**9), (3, 40), (7, 1)]:
+        work = tmp_path / f"w{parts}"
+        (work / "keys").mkdir(parents=True)
+        (work / "dups").mkdir()
+        (work / "sub").mkdir()
+        groups = shard_groups(store, per_group)
+        assert [g[0] for g in groups][1:] == [g[1] for g in groups][:-1] and groups[-1][1] == len(store.shards)
+        for g, (lo, hi) in enumerate(groups):
+            key_map(KeyMapJob(str(store.folder), g, lo, hi, parts, str(work / "keys")))
+        starts = tuple(int(store.starts[lo]) for lo, _ in groups)
+        n = sum(key_reduce(KeyReduceJob(str(work / "keys"), p, len(groups), starts, str(work / "dups")))
+                for p in range(parts))
+        got = read_dups(work / "dups")
+        assert n == len(want) and got[:, 0].tolist() == want.tolist() and got[:, 1].tolist() == rep_of[want].tolist()
+        atomic_write_json(work / "sub" / TEXT_FROM, {"folder": str(store.text_folder.resolve())})
+        for g, (lo, hi) in enumerate(groups):
+            write_subset_group(SubsetJob(str(store.folder), g, lo, hi, str(work / "dups"), str(work / "sub")))
+        sub, reps = DocStore(work / "sub"), np.flatnonzero(rep_of == np.arange(len(docs)))
+        to_store = SubsetPositions(work / "sub")
+        assert len(sub) == len(reps) and [to_store(p) for p in range(len(sub))] == reps.tolist()
+        assert list(sub.iter_texts()) == [docs[p] for p in reps]

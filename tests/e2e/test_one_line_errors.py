@@ -61,7 +61,7 @@ def test_missing_or_truncated_shard(tmp_path, capsys, damage):
 
     conf = _config(tmp_path, "out")
     assert main(["build", "--config", str(conf)]) == 0
-    shard = tmp_path / "out" / "work" / "ingest" / "docs-00000.jsonl"  # the filter store reads its texts there
+    shard = tmp_path / "out" / "work" / "ingest" / "docs-00000.txt"  # the filter store reads its texts there
     if damage == "missing":
         shard.unlink()
     else:
@@ -70,7 +70,7 @@ def test_missing_or_truncated_shard(tmp_path, capsys, damage):
     capsys.readouterr()
     assert main(["stage", "dedup", "--config", str(conf)]) == 2
     line = _one_line(capsys.readouterr().err)
-    assert f"docs-00000.jsonl is {damage}" in line and "build --force" in line
+    assert f"docs-00000.txt is {damage}" in line and "build --force" in line
 
 
 @needs_data

@@ -76,12 +76,12 @@ def test_resume_skips_finished_shards_and_stage_rerun(tmp_path):
     folder = work_dir(cfg, "ingest")
     shards = done_shards(folder)
     assert len(shards) == 3
-    before = {k: (folder / f"{shard_name(k)}.jsonl").stat().st_mtime_ns for k in shards}
+    before = {k: (folder / f"{shard_name(k)}.txt").stat().st_mtime_ns for k in shards}
     # simulate a crash during shard 2: its marker is gone and the stage is not finished
     (folder / f"{shard_name(2)}.done.json").unlink()
     (folder / "_stage.json").write_text(json.dumps({"fingerprint": fingerprint(cfg, "ingest"), "status": "started"}))
     out, stats = build(cfg)
-    after = {k: (folder / f"{shard_name(k)}.jsonl").stat().st_mtime_ns for k in shards}
+    after = {k: (folder / f"{shard_name(k)}.txt").stat().st_mtime_ns for k in shards}
     assert after[0] == before[0] and after[1] == before[1] and after[2] != before[2]
     assert stats["documents"]["read"] == 300 and stats["documents"]["reconciles"]
     # a stage needs its upstream stages

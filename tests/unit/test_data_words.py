@@ -113,3 +113,17 @@ def test_filter_without_index_gives_the_same_files(tmp_path: Path, texts: list[s
     run_stage(cfg, "filter")
     again = {p.name: p.read_bytes() for p in sorted(flt.glob("docs-*")) if not p.name.endswith(".done.json")}
     assert again == first
+
+
+def test_line_check_of_normalized_texts_equals_the_full_check(texts: list[str]) -> None:
+    from data_pipeline.clean import normalize_whitespace
+    from data_pipeline.words import _line_safe, _line_safe_normalized
+
+    normed = [t for t in (normalize_whitespace(x) for x in texts + [x + "\u2581" for x in BUILT]) if t]
+    assert any("\u2581" in t for t in normed) and not all(_line_safe(t, 200) for t in normed)
+    for max_len in (4192, 200, 40):
+        assert [_line_safe_normalized(t, max_len) for t in normed] == [_line_safe(t, max_len) for t in normed]
+    clean = [t for t in normed if "\u2581" not in t]
+    got = training_counts(WordIndex.build(clean, SPM_IDENTITY), clean, 200, normalized=True)
+    want = count_training_words(clean, 200)
+    assert got is not None and want is not None and got.words == want.words and got.lines == want.lines
