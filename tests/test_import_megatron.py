@@ -36,7 +36,6 @@ import torch
 
 from tests.distributed import SHARED_DATA, run_distributed
 
-pytest.importorskip("megatron.core", reason="the test extra's megatron-core (Megatron's own modules)")
 GPT2_DIR = Path(SHARED_DATA) / "tokenizers" / "gpt2"
 H, N, L, F, POS, S = 32, 4, 2, 64, 24, 12
 
@@ -248,6 +247,7 @@ def _import(src: Path, out: Path, tp: int, arch: str, bert_vocab: Path, pp: int 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 def test_megatron_tp2_checkpoint_imports_at_tp1_and_tp2_with_megatrons_logits(arch, bert_vocab, tmp_path):
+    pytest.importorskip("megatron.core", reason="the test extra's megatron-core (Megatron's own modules)")
     from megatron_ds_suite.core.tokenizer import load_tokenizer
     from training.checkpoint import load_model_for_eval
 
@@ -317,3 +317,121 @@ def test_a_pickle_asking_for_another_global_is_refused_in_one_line(tmp_path, cap
     assert rc == 2 and len(err.splitlines()) == 1
     assert "refused to load" in err and "getcwd" in err
     assert not (tmp_path / "out").exists()
+
+
+# --- Megatron-LM's own legacy model and checkpointing code (a source checkout) ---------------------------------
+MEGATRON_LM_SOURCE = "MEGATRON_LM_SOURCE"
+"""Environment variable naming a checkout of NVIDIA/Megatron-LM that still has ``megatron/legacy/model`` (tested:
+6da62672cfb3c64bc9bfd9bf2eecd239dff4c0d1, 2026-04-13, the last commit with both legacy GPT and BERT; made with
+``git --git-dir=MIRROR archive 6da62672cf megatron | tar -x -C DIR``)."""
+
+
+def _legacy_megatron_worker(rank: int, world: int, source: str, save: str, arch: str, padded: int, tokens, types_,
+                            pad):
+    """Megatron-LM's own ``megatron.legacy.model`` GPTModel/BertModel at TP=world, built from its own argument
+    parser (``--use-legacy-models --transformer-impl local --ckpt-format torch``), run forward, and saved by its own
+    ``megatron.training.checkpointing.save_checkpoint``. Shims, CPU only: no GPU arch query (``< 10``), apex's
+    ``fused_layer_norm_affine`` -> ``torch.nn.functional.layer_norm`` (the same function), the global memory buffer
+    and the model-parallel RNG fork as in :func:`_megatron_worker`, ``torch.cuda.get_rng_state`` -> the CPU state,
+    ``args.model_type`` as ``pretrain()`` sets it and ``args.apply_layernorm_1p`` (read by the legacy norm, no longer
+    defined by this revision's arguments.py); the padded vocabulary is set as Megatron's tokenizer builder would."""
+    import os
+    import sys
+
+    import torch.nn.functional as Fn
+
+    sys.path.insert(0, source)
+    for m in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+        del sys.modules[m]
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # what Megatron asks of a TP run
+    from megatron.training import arguments, global_vars
+
+    arguments.get_device_arch_version = lambda: 0
+    sys.argv = ["pretrain", "--num-layers", str(L), "--hidden-size", str(H), "--num-attention-heads", str(N),
+                "--ffn-hidden-size", str(F), "--seq-length", "16", "--max-position-embeddings", str(POS),
+                "--micro-batch-size", "1", "--tensor-model-parallel-size", str(world), "--use-legacy-models",
+                "--use-cpu-initialization", "--hidden-dropout", "0", "--attention-dropout", "0", "--save", save,
+                "--ckpt-format", "torch", "--no-gradient-accumulation-fusion", "--transformer-impl", "local",
+                "--make-vocab-size-divisible-by", "32", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
+                "--no-persist-layer-norm", "--save-interval", "10", "--train-iters", "10", "--lr", "0.0001",
+                "--tokenizer-type", "GPT2BPETokenizer" if arch == "gpt2" else "BertWordPieceLowerCase"]
+    args = arguments.parse_args()
+    args.rank, args.world_size = rank, world
+    arguments.validate_args(args)
+    args.padded_vocab_size = padded
+    from megatron.core.enums import ModelType
+
+    args.model_type = ModelType.encoder_or_decoder
+    args.apply_layernorm_1p = False
+    global_vars.set_args(args)
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    parallel_state.get_global_memory_buffer = lambda: types.SimpleNamespace(
+        get_tensor=lambda shape, dtype, name, **kw: torch.empty(shape, dtype=dtype))
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    init_num_microbatches_calculator(rank, None, args.global_batch_size, args.micro_batch_size, args.data_parallel_size)
+    torch.manual_seed(1234)
+    sys.modules["fused_layer_norm_cuda"] = types.ModuleType("fused_layer_norm_cuda")
+    from megatron.legacy.model import fused_layer_norm
+
+    fused_layer_norm.fused_layer_norm_affine = lambda x, w, b, shape, eps: Fn.layer_norm(x, shape, w, b, eps)
+    from megatron.legacy.model import BertModel, GPTModel
+    from megatron.training.checkpointing import save_checkpoint
+
+    config = arguments.core_transformer_config_from_args(args)
+    if arch == "gpt2":
+        model = GPTModel(config, num_tokentypes=0, parallel_output=True, pre_process=True, post_process=True)
+    else:
+        model = BertModel(config, num_tokentypes=2, add_binary_head=True, parallel_output=True, pre_process=True,
+                          post_process=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(_noise(name, rank, getattr(p, "tensor_model_parallel", False), p.shape))
+    model.eval()
+    b, s = tokens.shape
+    with torch.no_grad():
+        if arch == "gpt2":
+            mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+            logits, sop = model(tokens, torch.arange(s)[None].expand(b, s), mask), None
+        else:
+            logits, sop = model(tokens, pad, tokentype_ids=types_)
+    parts = [torch.empty_like(logits) for _ in range(world)]
+    torch.distributed.all_gather(parts, logits.contiguous())
+    save_checkpoint(3, [model], None, None, 0)
+    return torch.cat(parts, -1), sop
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+def test_checkpoint_written_by_megatron_lm_legacy_code_imports_with_its_logits(arch, bert_vocab, tmp_path):
+    """Megatron-LM's own legacy model and save_checkpoint (source checkout in $MEGATRON_LM_SOURCE; skipped without
+    one) write a TP=2 checkpoint (checkpoint_version 3.0); ours imported at TP=1 and TP=2 gives its logits."""
+    import os
+
+    from training.checkpoint import load_model_for_eval
+
+    source = os.environ.get(MEGATRON_LM_SOURCE)
+    if not source or not (Path(source) / "megatron" / "legacy" / "model" / "gpt_model.py").is_file():
+        pytest.skip(f"${MEGATRON_LM_SOURCE} does not name a Megatron-LM checkout with megatron/legacy/model")
+    if arch == "gpt2" and not GPT2_DIR.is_dir():
+        pytest.skip("../shared/data/tokenizers/gpt2 absent")
+    vocab = 50257 if arch == "gpt2" else 300
+    padded = 64 * -(-vocab // 64)
+    tokens, types_, pad = _inputs(vocab)
+    if arch == "bert":
+        pad[1, S - 3:] = 0
+    save = tmp_path / "megatron_save"
+    meg = run_distributed(_legacy_megatron_worker, 2, source, str(save), arch, padded, tokens, types_, pad, timeout=300)
+    ref, ref_sop = meg[0][0][..., :vocab], meg[0][1]
+    keep = pad.bool()
+    model, cfg, _ = load_model_for_eval(_import(save, tmp_path / "ours_tp1", 1, arch, bert_vocab))
+    with torch.no_grad():
+        ours, sop = model(tokens, types_, pad) if arch == "bert" else (model(tokens), None)
+    results = [(ours, sop)] + run_distributed(_our_worker, 2, str(_import(save, tmp_path / "ours_tp2", 2, arch,
+                                                                          bert_vocab)), tokens, types_, pad)
+    for ours, sop in results:
+        torch.testing.assert_close(ours[..., :vocab][keep], ref[keep], rtol=0, atol=1e-5)
+        if arch == "bert":
+            torch.testing.assert_close(sop, ref_sop, rtol=0, atol=1e-5)

@@ -13,7 +13,7 @@ Weights only: the optimizer, schedule and RNG states in the files are not carrie
 
 The files are pickles. They are loaded with ``torch.load(weights_only=True)`` and an allow-list of what
 Megatron stores besides tensors: its ``args`` (``argparse.Namespace``), numpy arrays (RNG states) and
-Megatron's enums in ``args`` (:data:`MEGATRON_ENUMS`, read as plain strings; Megatron need not be installed).
+the enums in ``args`` (:data:`MEGATRON_ENUMS`, read as plain strings; Megatron need not be installed).
 A file that asks for anything else is refused in one line, before any weight is used.
 
 Names (``language_model.embedding`` / ``.encoder``, called ``.transformer`` before 2021; attention
@@ -77,10 +77,11 @@ logger = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"
 FILE = "model_optim_rng.pt"
 
-#: Megatron enums found in the ``args`` of its checkpoints (``args.model_type`` since 2022,
-#: ``args.attention_backend`` since 2024, the position-embedding type of Megatron-DeepSpeed), and in the
-#: rerun state machine's state; each is read as the string ``"Name(value)"`` by :func:`_enum_stand_in`.
+#: Enums found in the ``args`` of Megatron's checkpoints (``args.model_type`` since 2022, ``args.attention_backend``
+#: since 2024, ``args.exit_signal`` = ``signal.SIGTERM``, the position-embedding type of Megatron-DeepSpeed) and in
+#: the rerun state machine's state; each is read as the string ``"Name(value)"`` by :func:`_enum_stand_in`.
 MEGATRON_ENUMS = (
+    "signal.Signals",
     "megatron.model.enums.ModelType",
     "megatron.model.enums.PositionEmbeddingType",
     "megatron.legacy.model.enums.ModelType",
@@ -336,7 +337,7 @@ def refuse_unsupported(args) -> None:
         "group_query_attention": (False, None),
         "untie_embeddings_and_output_weights": (False, None),
         "apply_residual_connection_post_layernorm": (False, None),
-        "add_bias_linear": (True, None), "add_qkv_bias": (False, None),
+        "add_bias_linear": (True, None),
         "num_experts": (None, 0, 1), "virtual_pipeline_model_parallel_size": (None, 1),
         "transformer_impl": ("local", None),
     }
