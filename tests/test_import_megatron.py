@@ -442,3 +442,38 @@ def test_checkpoint_written_by_megatron_lm_legacy_code_imports_with_its_logits(a
                                                                           bert_vocab)), tokens, types_, pad)
     for tp, (ours, sop) in zip((1, 2, 2), results):
         _agree(f"{arch} Megatron-LM legacy TP=2 -> ours TP={tp}", ours[..., :vocab][keep], ref[keep], sop, ref_sop)
+
+
+def test_old_qkv_orders_read_as_megatrons_own_fix_query_key_value_ordering(monkeypatch):
+    """Megatron-LM's own ``_transpose_first_dim`` (what ``fix_query_key_value_ordering`` applies to versions 0 and
+    1.0, from the $MEGATRON_LM_SOURCE checkout) turns the test's version-0 / 1.0 shards back into the version-3.0
+    shard, and the importer reads all three as the same queries, keys and values."""
+    import os
+    import sys
+
+    from training.tools.import_megatron import qkv_to_ours
+
+    source = os.environ.get(MEGATRON_LM_SOURCE)
+    if not source or not (Path(source) / "megatron" / "training" / "checkpointing.py").is_file():
+        pytest.skip(f"${MEGATRON_LM_SOURCE} does not name a Megatron-LM checkout")
+    monkeypatch.syspath_prepend(source)
+    saved = {m: sys.modules.pop(m) for m in list(sys.modules) if m == "megatron" or m.startswith("megatron.")}
+    try:
+        from megatron.training.checkpointing import _transpose_first_dim
+
+        heads, hn, h = 3, 4, 10
+        attention = types.SimpleNamespace(hidden_size_per_attention_head=hn, num_attention_heads_per_partition=heads)
+        model = types.SimpleNamespace(language_model=types.SimpleNamespace(encoder=types.SimpleNamespace(
+            layers=[types.SimpleNamespace(self_attention=attention)])))
+        for shape in ((3 * heads * hn, h), (3 * heads * hn,)):
+            v3 = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)))
+            want = qkv_to_ours(v3, heads, 3.0)
+            for version in (0, 1.0):
+                old = _to_version(v3, heads, version)
+                assert not torch.equal(old, v3)
+                assert torch.equal(_transpose_first_dim(old.clone(), 3, version == 0, model), v3)
+                assert torch.equal(qkv_to_ours(old, heads, version), want)
+    finally:
+        for m in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+            del sys.modules[m]
+        sys.modules.update(saved)
