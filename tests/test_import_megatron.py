@@ -133,7 +133,7 @@ def _nest(flat: dict[str, torch.Tensor]) -> dict:
 
 
 def write_megatron_checkpoint(save: Path, shards: list[dict], arch: str, vocab: int, version: float | None,
-                              pp: int = 1, iteration: int = 7) -> Path:
+                              pp: int = 1, iteration: int = 7, **arg_overrides) -> Path:
     """Legacy Megatron-LM files from Megatron-Core shards (module docstring, step 2); ``version`` None = 3.0;
     ``pp`` = 2 splits the layers over two stages as Megatron's pipeline does (embedding on the first, the final
     norm, heads and the tied ``word_embeddings_for_head`` on the last)."""
@@ -154,6 +154,7 @@ def write_megatron_checkpoint(save: Path, shards: list[dict], arch: str, vocab: 
         tokenizer_type="GPT2BPETokenizer" if arch == "gpt2" else "BertWordPieceLowerCase",
         model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto, iteration=iteration,
         transformer_impl="local", vocab_size=vocab)
+    vars(args).update(arg_overrides)
     folder = save / f"iter_{iteration:07d}"
     per_stage = L // pp
     for r, shard in enumerate(shards):
@@ -290,6 +291,17 @@ def test_megatron_tp2_checkpoint_imports_at_tp1_and_tp2_with_megatrons_logits(ar
     run2 = _import(src, tmp_path / "ours_tp2", 2, arch, bert_vocab)
     for ours, sop in run_distributed(_our_worker, 2, str(run2), tokens, types_, pad):
         _agree(f"{arch} Megatron-Core TP=2 -> ours TP=2", ours[..., :vocab][keep], ref[keep], sop, ref_sop)
+    if arch == "bert":  # refused in one line each: a vocabulary of another size, a shape our BERT does not compute
+        from training.tools.import_megatron import ImportMegatronError, import_megatron
+
+        bigger = tmp_path / "vocab400.txt"
+        bigger.write_text(bert_vocab.read_text() + "".join(f"x{i}\n" for i in range(100)))
+        with pytest.raises(ImportMegatronError, match="wrong --vocab-file"):
+            import_megatron(src, tmp_path / "refused_vocab", 1, vocab_file=str(bigger))
+        swiglu = write_megatron_checkpoint(tmp_path / "meg_swiglu", shards, arch, vocab, None, swiglu=True)
+        with pytest.raises(ImportMegatronError, match="swiglu=True"):
+            import_megatron(swiglu, tmp_path / "refused_swiglu", 1, vocab_file=str(bert_vocab))
+        assert not (tmp_path / "refused_vocab").exists() and not (tmp_path / "refused_swiglu").exists()
     if arch == "gpt2":  # a source at TP=2 x PP=2 (stage folders mp_rank_XX_YYY) to ours at TP=1 x PP=2
         src_pp = write_megatron_checkpoint(tmp_path / "meg_pp2", shards, arch, vocab, None, pp=2)
         run_pp = _import(src_pp, tmp_path / "ours_pp2", 1, arch, bert_vocab, pp=2)
