@@ -132,6 +132,10 @@ class ModelConfig(Freezable):
     binary_head: bool = True
     head: Literal["pretrain", "multiple_choice"] = "pretrain"
     """BERT: which heads the checkpoint holds; 'multiple_choice' is written by training.finetune_race."""
+    lm_head_activation: Literal["gelu", "gelu_new"] | None = None
+    """BERT: the MLM head's GeLU when it is not ``activation``'s (None = the same). Megatron-LM's BERT runs its
+    MLP through the fused bias-GeLU kernel (tanh form, ``--bias-gelu-fusion``, its default) but its LM head
+    through the exact erf GeLU: its imports (``training.tools.import_megatron``) set 'gelu' here."""
 
     def __post_init__(self) -> None:  # ModelConfig(activation_checkpointing=...) from Python (files: read_old_keys)
         old = self.activation_checkpointing
@@ -559,6 +563,8 @@ def validate_model_options(m: ModelConfig, tp: int) -> None:
             raise ConfigError(f"{', '.join(bad)}: the Llama-family options are for GPT (model.arch: gpt2); "
                               f"BERT keeps learned positions, LayerNorm, GeLU, multi-head attention, tied "
                               f"embeddings and biases")
+    if m.lm_head_activation is not None and m.arch != "bert":
+        raise ConfigError(f"model.lm_head_activation={m.lm_head_activation} is for BERT's MLM head; GPT has none")
     heads, groups = m.num_attention_heads, m.query_groups
     if m.num_query_groups is not None:
         if groups < 1:

@@ -36,7 +36,7 @@ logger = logging.getLogger("training")
 # model keys that determine parameter shapes or the computed function: taken from the source
 SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
               "max_position_embeddings", "vocab_size", "layernorm_epsilon", "activation", "layer_order",
-              "num_tokentypes", "position_embedding", "rotary_base", "rotary_percent", "rope_scaling", "normalization",
+              "num_tokentypes", "lm_head_activation", "position_embedding", "rotary_base", "rotary_percent", "rope_scaling", "normalization",
               "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias")
 
 

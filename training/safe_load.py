@@ -63,7 +63,10 @@ def _deepspeed_safe_types() -> list:
     return types
 
 
-_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)|Unsupported operand \S+|Trying to call reduce for \S+")
+# torch's wording for a global off the allow-list, for one in a blocked module (os, posix, subprocess, ...: "Trying
+# to load unsupported GLOBAL posix.system whose module posix is blocked"), and for other refused opcodes
+_GLOBAL = re.compile(r"Unsupported global: GLOBAL (\S+)|unsupported GLOBAL (\S+) whose module|Unsupported operand \S+"
+                     r"|Trying to call reduce for \S+")
 
 
 def load(path: str | Path, map_location="cpu"):
@@ -74,7 +77,7 @@ def load(path: str | Path, map_location="cpu"):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         m = _GLOBAL.search(str(e))
-        what = m.group(1) or m.group(0) if m else str(e).splitlines()[0][:120]
+        what = (m.group(1) or m.group(2) or m.group(0)) if m else str(e).splitlines()[0][:120]
         raise CheckpointError(f"refused to load {path}: it asks to run {what}, which a checkpoint of this project "
                               f"never needs (only tensors and plain data are loaded); do not use files from an "
                               f"untrusted source") from None

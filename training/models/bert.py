@@ -80,12 +80,13 @@ class BertLayer(TransformerLayer):
 
 
 class BertLMHead(nn.Module):
-    """dense -> GeLU -> LayerNorm -> tied vocab-parallel logits + vocab-parallel bias."""
+    """dense -> GeLU (``model.lm_head_activation``, else ``model.activation``) -> LayerNorm -> tied vocab-parallel
+    logits + vocab-parallel bias."""
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group: dist.ProcessGroup | None, seed: int):
         super().__init__()
         self.group = group
-        self.act = activation(cfg.activation)
+        self.act = activation(cfg.lm_head_activation or cfg.activation)
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         normal_init(seed, "lm_head.dense", cfg.init_method_std)(self.dense.weight)
         nn.init.zeros_(self.dense.bias)

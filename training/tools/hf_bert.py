@@ -136,6 +136,9 @@ def build_hf_bert(sd: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size: int
                                f"(this one: head={cfg.head}, binary_head={cfg.binary_head})")
     if cfg.num_tokentypes < 1:
         raise BertMappingError("a BERT without token-type embeddings does not map to transformers' BERT")
+    if cfg.lm_head_activation not in (None, cfg.activation):
+        raise BertMappingError(f"the MLM head's GeLU ({cfg.lm_head_activation}) is not the MLP's ({cfg.activation}): "
+                               f"transformers' BERT has one hidden_act for both")
     cls = MegatronBertForPreTraining if cfg.layer_order == "pre_ln" else BertForPreTraining
     model = cls(hf_config(cfg, vocab_size))
     theirs = to_hf(sd, cfg, vocab_size)
