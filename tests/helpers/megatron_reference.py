@@ -1,6 +1,8 @@
 """Independent ports of Megatron-LM's reference code, shared by the data, blending and fidelity tests: the
 blending order (plain Python, and Megatron's own ``helpers.cpp`` compiled from a Megatron-LM checkout or
-mirror), the epoch count and ``build_sample_idx`` of its GPT dataset, and its ``AnnealingLR`` schedule."""
+mirror), the epoch count and ``build_sample_idx`` of its GPT dataset, and its ``AnnealingLR`` schedule; and
+handles on Megatron-Core's own data code from the installed ``megatron-core`` wheel (its blending helpers, its
+``GPTDataset`` over its ``IndexedDataset``)."""
 from __future__ import annotations
 
 import ctypes
@@ -185,3 +187,70 @@ def megatron_lrs(cfg: OptimizerConfig, iters: int) -> list[float]:
         out.append(sched.lr)
         sched.step()
     return out
+
+
+# --- Megatron-Core (the megatron-core wheel of the test extra) ---------------------------------------------
+def megatron_core_datasets_dir() -> Path:
+    """megatron/core/datasets of the installed megatron-core; skip when it is not installed."""
+    pytest.importorskip("megatron.core", reason="megatron-core (the test extra) is not installed")
+    import megatron.core.datasets as mcd
+
+    return Path(mcd.__file__).parent
+
+
+def megatron_core_blend(how: str, build: Path):
+    """Megatron-Core's own ``build_blending_indices`` as ``blend(weights, size) -> (dataset_index, sample_index)``.
+
+    ``how="prebuilt"``: the wheel's compiled ``helpers_cpp`` through ``megatron.core.datasets.helpers``, called as
+    ``BlendedDataset._build_indices`` calls it (the weights as a Python list); ``how="source"``: the wheel's own
+    ``helpers.cpp`` compiled here with g++ (:func:`compile_megatron_blend`; Megatron-Core's ``compile_helpers``
+    runs a Makefile the wheel does not ship)."""
+    src = megatron_core_datasets_dir() / "helpers.cpp"
+    if how == "prebuilt":
+        try:
+            from megatron.core.datasets import helpers
+        except ImportError as e:
+            pytest.skip(f"megatron-core's compiled helpers do not import ({e})")
+
+        def blend(weights, size):
+            di, dsi = np.zeros(size, dtype=np.int16), np.zeros(size, dtype=np.int64)
+            helpers.build_blending_indices(di, dsi, [float(w) for w in weights], len(weights), size, False)
+            return di, dsi
+        return blend
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler to build megatron-core's helpers.cpp")
+    if not src.is_file():
+        pytest.skip(f"{src} is not in the megatron-core wheel")
+    raw, index_dtype = compile_megatron_blend(src.read_text(), build)
+
+    def blend(weights, size):
+        w = np.ascontiguousarray(weights, dtype=np.float64)
+        di, dsi = np.zeros(size, dtype=index_dtype), np.zeros(size, dtype=np.int64)
+        raw(di.ctypes.data, dsi.ctypes.data, w.ctypes.data, len(w), size)
+        return di, dsi
+    return blend
+
+
+class McoreTokenizer:
+    """What Megatron-Core's ``GPTDatasetConfig`` reads of a tokenizer (vocabulary size, EOD and pad ids)."""
+
+    def __init__(self, vocab_size: int, eod: int):
+        self.vocab_size, self.eod, self.pad = vocab_size, eod, vocab_size  # a pad id no token has
+        self.unique_identifiers = {"class": "McoreTokenizer", "vocab_size": vocab_size, "eod": eod}
+
+
+def megatron_core_gpt_dataset(prefix: Path, documents: np.ndarray, num_samples: int, seq_length: int, seed: int,
+                              split: str, cache: Path | None, vocab_size: int, eod: int):
+    """Megatron-Core's own ``GPTDataset`` (its ``IndexedDataset`` reading ``prefix``) over the item ids
+    ``documents`` of split ``split`` ("train", "valid" or "test"), its index maps cached under ``cache``."""
+    megatron_core_datasets_dir()
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.utils import Split
+
+    cfg = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=None, split="1,0,0",
+                           path_to_cache=None if cache is None else str(cache),
+                           tokenizer=McoreTokenizer(vocab_size, eod), reset_position_ids=False,
+                           reset_attention_mask=False, eod_mask_loss=False)
+    return GPTDataset(IndexedDataset(str(prefix)), str(prefix), np.asarray(documents, dtype=np.int32), num_samples,
+                      getattr(Split, split), cfg)

@@ -10,7 +10,13 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.helpers.megatron_reference import REVISIONS, compile_megatron_blend, megatron_source, reference_blend
+from tests.helpers.megatron_reference import (
+    REVISIONS,
+    compile_megatron_blend,
+    megatron_core_blend,
+    megatron_source,
+    reference_blend,
+)
 from training.data.blending import blending_indices, normalise, samples_per_dataset
 
 RNG = np.random.default_rng(29)
@@ -112,6 +118,24 @@ def test_blending_indices_equal_megatrons_own_cpp(revision, tmp_path):
         weights /= np.sum(weights)
         di, dsi = np.zeros(n, dtype=index_dtype), np.zeros(n, dtype=np.int64)
         blend(di.ctypes.data, dsi.ctypes.data, weights.ctypes.data, len(weights), n)
+        d, k = blending_indices(normalise(raw), n)
+        assert np.array_equal(d, di.astype(np.int16)), name
+        assert np.array_equal(k, dsi), name
+
+
+# --- Megatron-Core's own C++ (the megatron-core wheel of the test extra: runs on CI) ------------------------------
+@pytest.mark.parametrize("how", ["prebuilt", "source"])
+def test_blending_indices_equal_megatron_cores_own_helpers(how, tmp_path):
+    """megatron-core 0.16.1's ``build_blending_indices``: "prebuilt" is the wheel's compiled ``helpers_cpp`` called
+    as its ``BlendedDataset`` calls it, "source" the wheel's ``helpers.cpp`` compiled here with g++. Fed the weights
+    as Megatron 2021's pipeline hands them over (running-sum normalisation, then float64 ``w / numpy.sum(w)``, which
+    is also Megatron-Core's ``normalize``)."""
+    blend = megatron_core_blend(how, tmp_path)
+    n = 200_000
+    for name, raw in WEIGHT_SETS.items():
+        weights = np.array(normalise(raw), dtype=np.float64)
+        weights /= np.sum(weights)
+        di, dsi = blend(weights, n)
         d, k = blending_indices(normalise(raw), n)
         assert np.array_equal(d, di.astype(np.int16)), name
         assert np.array_equal(k, dsi), name
