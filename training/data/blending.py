@@ -10,7 +10,9 @@ sequence length and seed:
 1. Weights (``get_datasets_weights_and_num_samples``, ``megatron/data/dataset_utils.py``): divided by
    their sum (a plain left-to-right float sum), then each prefix is asked for
    ``int(ceil(N * w_i * 1.005))`` samples of each split (Megatron's 0.5% margin). HEAD's builder asks
-   ``ceil(ceil(N * w_i) * 1.005)`` instead and builds its GPT index maps differently: not matched.
+   ``ceil(ceil(N * w_i) * 1.005)`` instead and splits by rounded cumulative boundaries: not matched
+   (given the same documents and counts, Megatron-Core 0.16.1's own GPT maps and blend are ours:
+   ``tests/unit/test_megatron_core_data.py``).
 2. Each prefix gets its own GPT dataset (:mod:`training.data.gpt_dataset`): its own train/valid/test
    split of its documents and its own ``doc_idx``/``sample_idx``/``shuffle_idx`` from
    ``RandomState(seed)``. Megatron's blending came with the 2021 GPT dataset, which shuffles a short last
