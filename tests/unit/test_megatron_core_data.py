@@ -5,6 +5,7 @@ document indices; its ``GPTDataset`` builds the same doc/sample/shuffle index ma
 ``data.prefixes`` uses), loads our cached ``.npy`` maps, and serves the same samples."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -63,6 +64,35 @@ def test_megatron_core_indexed_dataset_reads_our_bin_idx(corpus, mmap, tmp_path)
     whole = theirs[0:len(items)]  # a slice: Megatron-Core returns one array per item
     assert [x.tolist() for x in whole] == [np.asarray(it).tolist() for it in items]
 
+
+
+def test_megatron_core_indexed_dataset_reads_a_corpus_built_by_the_data_pipeline(tmp_path):
+    """``data_pipeline.build`` (configs/data/tiny.yaml, 120 records, one worker) writes the GPT and BERT datasets;
+    Megatron-Core's reader gives every GPT document as our tokenizer's ids of the kept text plus EOD, and the
+    BERT sentence dataset item for item and document for document as our reader does."""
+    megatron_core_datasets_dir()
+    import data_pipeline
+    from data_pipeline.config import load_config
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron_ds_suite.core.corpus import load_corpus
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "data" / "tiny.yaml",
+                      [f"output_dir={tmp_path / 'c'}", "workers=1", "sources.0.limit=120", "dataset.bert=true",
+                       "tokenizer.flavor=bert"])
+    out = data_pipeline.build(cfg)
+    tok = load_corpus(out).tokenizer
+    kept = [json.loads(x)["text"] for x in (out / "documents.jsonl").read_text().splitlines()]
+    gpt = IndexedDataset(str(out / "gpt_text_document"))
+    assert len(gpt) == len(kept) >= 50
+    assert gpt.document_indices.tolist() == list(range(len(kept) + 1))
+    want = [ids + [tok.eod] for ids in tok.encode_batch(kept)]
+    assert gpt.sequence_lengths.tolist() == [len(w) for w in want]
+    assert all(gpt[i].tolist() == want[i] for i in range(len(kept)))
+    bert, ours = IndexedDataset(str(out / "bert_text_sentence")), MMapIndexedDataset(out / "bert_text_sentence")
+    assert len(bert.document_indices) - 1 == len(kept) and len(bert) > 3 * len(kept)
+    assert bert.document_indices.tolist() == ours.doc_idx.tolist()
+    assert bert.sequence_lengths.tolist() == ours.sizes.tolist()
+    assert all(bert[i].tolist() == ours[i].tolist() for i in range(len(bert)))
 
 # (samples, seq_length, seed): one epoch; several epochs with the short last one shuffled apart; several epochs with
 # a last epoch long enough to be shuffled with the others
