@@ -385,7 +385,7 @@ def bench_llama_1b(out: Path, data: Path, steps: int = LLAMA_1B_STEPS) -> None:
     TFLOP/s and MFU (``training.metrics.flops_per_iteration``: Llama's gated MLP and grouped key/values) over the
     last half of ``steps`` steps of each of :data:`VARIANTS_LLAMA_1B`, and the recompute mode ``auto`` chose."""
     variants = []
-    for (micro, recompute), i in zip(VARIANTS_LLAMA_1B, range(len(VARIANTS_LLAMA_1B))):
+    for i, (micro, recompute) in enumerate(VARIANTS_LLAMA_1B):
         variants.append(({"micro_batch": micro, "recompute": recompute},
                          lambda tmp, i=i: llama_1b_overrides(data, tmp, steps)[i]))
     bench_trainer(ROOT / "configs" / "llama_1b.yaml", variants, out, steps)
@@ -419,7 +419,8 @@ def bench_trainer(config: Path, variants: list[tuple[dict, Callable[[str], dict[
             peak = torch.cuda.max_memory_allocated() / 2**30
             if trainer is not None:
                 o1, mfu_peak = trainer.o1_step, trainer.peak
-                chosen = getattr(trainer.cfg.model, "recompute", None)
+                # model.recompute as the trainer resolved it (auto -> none / selective / full), for a string variant
+                chosen = trainer.cfg.model.recompute if isinstance(what["recompute"], str) else None
             del trainer
             gc.collect()
             torch.cuda.empty_cache()
@@ -429,7 +430,7 @@ def bench_trainer(config: Path, variants: list[tuple[dict, Callable[[str], dict[
         tail = rows[steps // 2:]
         step = sum(r["step_time_s"] for r in tail) / len(tail)
         tflops = sum(r["tflops_per_device"] for r in tail) / len(tail)
-        results.append({**what, "recompute_chosen": chosen, "step_time_s": step, "tflops_per_device": tflops,
+        results.append({**what, **({"recompute_chosen": chosen} if chosen else {}), "step_time_s": step, "tflops_per_device": tflops,
                         "tokens_per_s": sum(r["tokens_per_s"] for r in tail) / len(tail),
                         "mfu": tflops / mfu_peak if mfu_peak else None, "peak_memory_gib": peak, "o1_step": o1,
                         "skipped_last": sum(0 if r["step_applied"] else 1 for r in tail)})
