@@ -84,8 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="recompute each layer in backward (ours: model.activation_checkpointing; HF: "
                         "gradient_checkpointing_enable); MFU still counts model FLOPs only")
     p.add_argument("--dropout", type=float, default=None,
-                   help="hidden, attention and embedding dropout, both models (default 0.1 for gpt2, 0 for llama "
-                        "as Llama trains; HF's Llama has attention dropout only, so llama needs 0 or that alone)")
+                   help="hidden, attention and embedding dropout, both models (default 0.1 for gpt2; llama: 0 only, "
+                        "as Llama trains and since HF's Llama has no hidden dropout)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
