@@ -1,4 +1,11 @@
-"""Training-step benchmark: our GPT-2 (TP=1) against Hugging Face ``GPT2LMHeadModel``, on CPU or one GPU.
+"""Training-step benchmark: our GPT-2 or Llama-style model (TP=1) against Hugging Face's, on CPU or one GPU.
+
+``--model gpt2`` (default): our GPT-2 against ``GPT2LMHeadModel``. ``--model llama``: our GPT with the Llama
+options (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied output, no biases; the shape of
+``configs/llama_tiny.yaml``, or ``--preset llama-1b`` = ``configs/llama_1b.yaml``, tied as that config is) against
+``LlamaForCausalLM`` of the same shape holding the same weights (``training.tools.hf_llama.to_hf``), so the first
+step's losses must agree (checked before timing; the run stops if they differ). HF's loss is its own
+``ForCausalLMLoss`` given ``shift_labels`` = our labels, i.e. over the same s positions as ours.
 
 Both models have the same dimensions, dtype, batch, sequence, dropout and activation (exact erf
 GELU), and the same padded vocabulary (HF's ``vocab_size`` is set to our padded size so both do the
@@ -11,13 +18,14 @@ One step = forward (mean token loss), ``engine.backward``, ``engine.step``. HF r
 
 Repetitions are interleaved (ours, HF, matmul peak; rotated each repetition); each repetition
 times ``--steps`` steps after ``--warmup`` untimed ones. MFU = model FLOPs per step
-(``training.metrics.model_flops_per_iteration``, no recomputation counted) / step time / peak. On
+(``training.metrics.flops_per_iteration``: GPT-2, or Llama with GQA and SwiGLU; no recomputation counted) / step time / peak. On
 CPU the peak is the dense matmul FLOP/s measured in the same repetition
 (``training.runtime.hardware.measure_cpu_peak_tflops``); on a GPU it is the data-sheet dense peak of the
 dtype (``training.runtime.hardware``), and the measured large-matmul rate is reported beside it.
 
     .venv/bin/python -m benchmarks.bench_train_step --reps 5 --steps 2
     .venv/bin/python -m benchmarks.bench_train_step --profile 3        # torch.profiler tables instead
+    .venv/bin/python -m benchmarks.bench_train_step --model llama --reps 5 --steps 2 --counts 2
     python -m benchmarks.bench_train_step --device cuda --dtype fp16 --preset gpt2-1.2b --reps 5 --steps 5
 """
 from __future__ import annotations
@@ -42,17 +50,28 @@ log = logging.getLogger("bench_train_step")
 
 # the Megatron-LM paper's single-GPU baseline (Shoeybi et al. 2019, Table 1; configs/gpt2_1.2b.yaml),
 # micro-batch 8 as in that config
-PRESETS = {"gpt2-1.2b": dict(layers=40, hidden=1536, heads=16, seq=1024, batch=8, vocab=50257)}
+PRESETS = {"gpt2-1.2b": dict(layers=40, hidden=1536, heads=16, seq=1024, batch=8, vocab=50257),
+           # configs/llama_1b.yaml (Llama 3.2 1B's shape), micro-batch 2 as in that config
+           "llama-1b": dict(layers=16, hidden=2048, heads=32, kv_groups=8, seq=4096, batch=2, vocab=128256)}
+PRESET_MODEL = {"gpt2-1.2b": "gpt2", "llama-1b": "llama"}
 DEFAULTS = dict(layers=6, hidden=384, heads=6, seq=256, batch=4, vocab=50257)
+# configs/llama_tiny.yaml's shape (3 layers, hidden 96, 6 heads in 2 key/value groups, seq 64), GPT-2's vocabulary
+LLAMA_DEFAULTS = dict(layers=3, hidden=96, heads=6, kv_groups=2, seq=64, batch=4, vocab=50257)
+LLAMA_CONFIGS = {None: "configs/llama_tiny.yaml", "llama-1b": "configs/llama_1b.yaml"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=["gpt2", "llama"], default=None,
+                   help="gpt2 (default): ours vs GPT2LMHeadModel; llama: our Llama-style GPT vs LlamaForCausalLM "
+                        "(same weights, first-step losses checked equal); a preset implies its model")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="model dimensions and micro-batch of a named model (explicit flags below override them)")
     p.add_argument("--layers", type=int, default=None, help=f"default {DEFAULTS['layers']}")
     p.add_argument("--hidden", type=int, default=None, help=f"default {DEFAULTS['hidden']}")
     p.add_argument("--heads", type=int, default=None, help=f"default {DEFAULTS['heads']}")
+    p.add_argument("--kv-groups", type=int, default=None,
+                   help="--model llama: key/value head groups (GQA), default that of the model's config")
     p.add_argument("--seq", type=int, default=None, help=f"default {DEFAULTS['seq']}")
     p.add_argument("--batch", type=int, default=None,
                    help=f"micro = global batch (one micro-batch per step), default {DEFAULTS['batch']}")
@@ -64,7 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each layer in backward (ours: model.activation_checkpointing; HF: "
                         "gradient_checkpointing_enable); MFU still counts model FLOPs only")
-    p.add_argument("--dropout", type=float, default=0.1, help="hidden, attention and embedding dropout, both models")
+    p.add_argument("--dropout", type=float, default=None,
+                   help="hidden, attention and embedding dropout, both models (default 0.1 for gpt2; llama: 0 only, "
+                        "as Llama trains and since HF's Llama has no hidden dropout)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=2, help="timed steps per repetition")
@@ -92,7 +113,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="instead of timing, profile STEPS steps of each model and print the top operators")
     p.add_argument("--profile-rows", type=int, default=25)
     args = p.parse_args(argv)
-    base = {**DEFAULTS, **PRESETS.get(args.preset, {})}
+    implied = PRESET_MODEL.get(args.preset)
+    if args.model is not None and implied is not None and args.model != implied:
+        p.error(f"--preset {args.preset} is a {implied} model, not --model {args.model}")
+    args.model = args.model or implied or "gpt2"
+    if args.model == "gpt2" and args.kv_groups is not None:
+        p.error("--kv-groups needs --model llama (GPT-2 has one key/value head per query head)")
+    base = {**(LLAMA_DEFAULTS if args.model == "llama" else DEFAULTS), **PRESETS.get(args.preset, {}),
+            "dropout": 0.0 if args.model == "llama" else 0.1}
     for k, v in base.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -101,6 +129,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{k} must be >= 1")
     if args.hidden % args.heads:
         p.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    if args.model == "llama":
+        if args.kv_groups < 1 or args.heads % args.kv_groups:
+            p.error(f"--kv-groups {args.kv_groups} must divide --heads {args.heads}")
+        if args.dropout:
+            p.error("--model llama: --dropout must be 0 (Hugging Face's Llama has no hidden dropout, so the two "
+                    "models would not compute the same step)")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
     if args.dtype == "bf16" and args.device == "cuda" and not torch.cuda.is_bf16_supported():
@@ -112,14 +146,37 @@ def project_config(args):
     from training.config import Config, ModelConfig
 
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                            seq_length=args.seq, vocab_size=args.vocab, hidden_dropout=args.dropout,
-                            attention_dropout=args.dropout, activation_checkpointing=args.activation_checkpointing)
+    if getattr(args, "model", "gpt2") == "llama":
+        cfg.model = llama_model_config(args)
+    else:
+        cfg.model = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                                seq_length=args.seq, vocab_size=args.vocab, hidden_dropout=args.dropout,
+                                attention_dropout=args.dropout, activation_checkpointing=args.activation_checkpointing)
     cfg.precision.dtype = args.dtype
     cfg.precision.allow_fp16_on_cpu = args.device == "cpu" and args.dtype == "fp16"
     cfg.train.micro_batch_size = cfg.train.global_batch_size = args.batch
     cfg.train.iters = 10**6
     return cfg
+
+
+def llama_model_config(args):
+    """The model section of the Llama config (``configs/llama_tiny.yaml``, or ``llama_1b.yaml`` for that preset)
+    with the benchmark's dimensions: RoPE base, RMSNorm epsilon, tying and biases from the file; the SwiGLU width
+    from the file for its own hidden size, else Llama's rule (2/3 x 4h rounded up to 256)."""
+    import dataclasses
+
+    from pathlib import Path
+
+    from training.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    m = load_config(root / LLAMA_CONFIGS.get(args.preset, LLAMA_CONFIGS[None])).model
+    ffn = m.ffn_hidden_size if args.hidden == m.hidden_size else None
+    return dataclasses.replace(m, num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                               num_query_groups=None if args.kv_groups == args.heads else args.kv_groups,
+                               ffn_hidden_size=ffn, seq_length=args.seq, max_position_embeddings=None,
+                               vocab_size=args.vocab, hidden_dropout=0.0, attention_dropout=0.0,
+                               activation_checkpointing=args.activation_checkpointing, recompute="none")
 
 
 class Runner:
@@ -130,6 +187,7 @@ class Runner:
         self.name, self.engine, self.model, self.loss_fn = name, engine, model, loss_fn
         self.tokens, self.labels, self.clip, self.mpu = tokens, labels, clip, mpu
         self.static_bytes = 0  # GPU memory the engine holds between steps (weights, grads, optimizer state)
+        self.first_loss: float | None = None  # the loss of the first step this runner took
 
     def warm_up(self, steps: int, max_steps: int = 64) -> int:
         """At least ``steps`` steps, continued (up to ``max_steps``) while fp16 loss scaling still skips:
@@ -172,6 +230,8 @@ class Runner:
         from deepspeed.runtime.utils import clip_grad_norm_
 
         loss = self.loss_fn(self.engine, self.tokens, self.labels)
+        if self.first_loss is None:
+            self.first_loss = loss.item()
         self.engine.backward(loss)
         if self.clip:
             clip_grad_norm_(self.model.parameters(), self.clip, mpu=self.mpu)
@@ -239,6 +299,7 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
         return torch.cuda.memory_allocated() if args.device == "cuda" else 0
 
     ours_loss = lambda e, t, l: e(t, l).mean()  # noqa: E731
+    llama = getattr(args, "model", "gpt2") == "llama"  # ours: the Llama options come with cfg.model
     if args.only in (None, "ours"):
         before = gpu_bytes()
         ours = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
@@ -266,20 +327,57 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
         runners["ours (engine default)"].static_bytes = gpu_bytes() - before
     if args.only in (None, "hf"):
         before = gpu_bytes()
-        hcfg = GPT2Config(vocab_size=padded, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
-                          n_head=args.heads, activation_function="gelu", resid_pdrop=args.dropout,
-                          embd_pdrop=args.dropout, attn_pdrop=args.dropout, layer_norm_epsilon=1e-5,
-                          initializer_range=0.02)
-        torch.manual_seed(cfg.train.seed)
-        hf = GPT2LMHeadModel._from_config(hcfg, attn_implementation="sdpa").train()
-        if args.activation_checkpointing:
-            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # HF shifts internally: labels = the input ids (loss over s-1 positions, logits over all s)
+        if llama:
+            hf = hf_llama_same_weights(cfg, padded, args.activation_checkpointing)
+            # HF's own loss over the same s positions as ours: shift_labels = our (already shifted) labels
+            hf_loss = lambda e, t, l: e(input_ids=t, labels=l, shift_labels=l).loss  # noqa: E731
+        else:
+            hcfg = GPT2Config(vocab_size=padded, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
+                              n_head=args.heads, activation_function="gelu", resid_pdrop=args.dropout,
+                              embd_pdrop=args.dropout, attn_pdrop=args.dropout, layer_norm_epsilon=1e-5,
+                              initializer_range=0.02)
+            torch.manual_seed(cfg.train.seed)
+            hf = GPT2LMHeadModel._from_config(hcfg, attn_implementation="sdpa").train()
+            if args.activation_checkpointing:
+                hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # HF shifts internally: labels = the input ids (loss over s-1 positions, logits over all s)
+            hf_loss = lambda e, t, l: e(input_ids=t, labels=t).loss  # noqa: E731
         assert hf.config._attn_implementation == "sdpa", hf.config._attn_implementation
-        runners["hf"] = Runner("hf", engine(hf), hf, lambda e, t, l: e(input_ids=t, labels=t).loss, tokens, labels,
-                               clip)
+        runners["hf"] = Runner("hf", engine(hf), hf, hf_loss, tokens, labels, clip)
         runners["hf"].static_bytes = gpu_bytes() - before
     return runners
+
+
+def hf_llama_same_weights(cfg, padded: int, activation_checkpointing: bool):
+    """``LlamaForCausalLM`` (sdpa attention) of ``cfg.model``'s shape with our model's initial weights (ours built
+    from the same seed, mapped by ``training.tools.hf_llama.to_hf``; strict load), vocabulary ``padded``."""
+    from transformers import LlamaForCausalLM
+
+    from training.models.gpt2 import GPT2Model
+    from training.tools.hf_llama import hf_config, to_hf
+
+    ref = GPT2Model(cfg.model, padded, None, seed=cfg.train.seed)
+    weights = to_hf(ref.state_dict(), cfg.model, padded)
+    del ref
+    hf = LlamaForCausalLM._from_config(hf_config(cfg.model, padded), attn_implementation="sdpa")
+    hf.load_state_dict(weights, strict=True)
+    if activation_checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return hf.train()
+
+
+def check_first_losses(first: dict[str, float], dtype: str) -> str:
+    """--model llama: ours and HF hold the same weights, so their first-step losses must agree (fp32 to 1e-4
+    relative, bf16/fp16 to 2e-2). Returns the report line; raises SystemExit when they differ."""
+    ours, hf = first["ours"], first["hf"]
+    tol = 1e-4 if dtype == "fp32" else 2e-2
+    diff = abs(ours - hf)
+    ok = diff <= tol * max(1.0, abs(ours))
+    line = (f"First-step loss (same weights): ours {ours:.6f}, HF {hf:.6f}, |diff| {diff:.2e} "
+            f"({'equal' if ok else 'DIFFERENT'} within {tol:g} relative)")
+    if not ok:
+        raise SystemExit(f"bench_train_step: {line}")
+    return line
 
 
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaMemsetAsync",
@@ -365,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from training.config import padded_vocab_size
     from training.runtime.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
-    from training.metrics import model_flops_per_iteration
+    from training.metrics import flops_per_iteration
 
     if args.device == "cpu" and args.dtype == "fp16":
         from training.trainer import allow_fp16_on_cpu
@@ -389,6 +487,8 @@ def main(argv: list[str] | None = None) -> None:
         profile(runners, args.profile, args.profile_rows, args.device)
         return
     warm = {name: r.warm_up(args.warmup) for name, r in runners.items()}
+    first_line = (check_first_losses({k: runners[k].first_loss for k in ("ours", "hf")}, args.dtype)
+                  if args.model == "llama" and {"ours", "hf"} <= set(runners) else None)
     skipped_before = {name: r.skipped() for name, r in runners.items()}
     clocks = {name: common.CpuClock(lambda r=r: r.timed_applied(args.steps), args.steps)
               for name, r in runners.items()}
@@ -410,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
     samples = common.interleaved(candidates, args.reps)
     peak = samples["peak"] if args.device == "cpu" else common.Samples([sheet] * args.reps)
 
-    flops = model_flops_per_iteration(args.batch, args.seq, args.layers, args.hidden, padded)
+    flops = flops_per_iteration(cfg, padded)  # GPT-2's count, or with the Llama MLP width, GQA and SwiGLU
     ntok = args.batch * args.seq
     rate_unit, rate_name = (1e9, "GFLOP/s") if args.device == "cpu" else (1e12, "TFLOP/s")
     rows = []
@@ -430,6 +530,12 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
     print()
     print(common.markdown_header(info, common.load_average()))
+    if args.model == "llama":
+        m = cfg.model
+        print(f"- Llama-style (ours: RoPE base {m.rotary_base:g}, RMSNorm, SwiGLU MLP {m.ffn_size}, "
+              f"{m.query_groups} key/value groups, output layer "
+              f"{'untied' if m.untie_embeddings_and_output_weights else 'tied'}, no biases; HF: LlamaForCausalLM, "
+              f"sdpa, the same initial weights)")
     print(f"- model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, micro=global "
           f"batch {args.batch}, vocab {args.vocab} padded to {padded} (both models), dropout {args.dropout}, "
           f"{args.dtype} on {args.device}, activation checkpointing {'on' if args.activation_checkpointing else 'off'}"
@@ -448,6 +554,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cpu":
         print(f"\nTHP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')} (huge pages for large CPU "
               f"allocations; set by training.runtime.process_env.configure(), override with THP_MEM_ALLOC_ENABLE=0)")
+    if first_line:
+        print(f"\n{first_line}")
     if "ours" in runners and "hf" in runners:
         speed = common.ratio_samples(samples["hf"], samples["ours"])
         line = f"\nSpeed-up ours/HF (HF step time / ours, per repetition): {speed.fmt('.3f')}"

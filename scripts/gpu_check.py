@@ -17,6 +17,9 @@ Checks (each a real run through the project's own entry points, ``torchrun`` for
     cuda_graph       ``model.cuda_graph=true`` (TP=2 with 2 GPUs): fp32 losses equal eager's without dropout;
         fp16 with dropout and activation checkpointing, the loss falls
     gpt2_1.2b        the paper's 1.2B config (fp16, activation checkpointing): step time, TFLOP/s, memory
+    llama_1b         the Llama-style 1B config (configs/llama_1b.yaml: GQA, SwiGLU, RoPE, RMSNorm; bf16, seq
+        4096, ``model.recompute: auto``): step time, TFLOP/s and MFU by the Llama FLOP count
+        (``training.plan.accounting``: gated MLP, grouped key/values), peak memory
 
 Data comes from ``--data`` (default ``../shared/data`` beside the checkout: GPT-2 BPE files, Botchan,
 Tiny Shakespeare, WikiText-103, LAMBADA, RACE). Logs go to OUT/logs/NAME.log, the table to stdout and
@@ -244,6 +247,22 @@ def gpt2_1p2b(ctx: Context) -> tuple[bool, str]:
     return ok, f"{r['device']}, seq 1024, fp16; " + "; ".join(describe_1p2b(v) for v in r["variants"])
 
 
+def llama_1b(ctx: Context) -> tuple[bool, str]:
+    out = ctx.out / "llama_1b.json"
+    if ctx.dry:  # each variant's config must load (the same checks the trainer makes) and fit one process
+        from training.layout import check_world
+
+        for ov in llama_1b_overrides(ctx.data, "DRY"):
+            check_world(load_llama_1b(ov), 1)
+    ctx.run("llama_1b", ["-m", "scripts.gpu_check", "--bench-llama-1b", str(out), "--data", str(ctx.data)], nproc=0)
+    if ctx.dry:
+        return True, "planned"
+    r = json.loads(out.read_text())
+    first = r["variants"][0]
+    ok = not first.get("oom") and first["skipped_last"] == 0
+    return ok, f"{r['device']}, seq 4096, bf16; " + "; ".join(describe_1p2b(v) for v in r["variants"])
+
+
 CHECKS: list[tuple[str, int, Callable[[Context], tuple[bool, str]]]] = [
     ("gpt2_tp1_fp16", 1, gpt2(1, "fp16")),
     ("gpt2_tp1_bf16", 1, gpt2(1, "bf16")),
@@ -258,6 +277,7 @@ CHECKS: list[tuple[str, int, Callable[[Context], tuple[bool, str]]]] = [
     ("hf_export", 1, hf_export),
     ("cuda_graph", 1, cuda_graph),
     ("gpt2_1.2b", 1, gpt2_1p2b),
+    ("llama_1b", 1, llama_1b),
 ]
 NAMES = [c[0] for c in CHECKS]
 # a check that reads another's run directory runs only when that one ran in this invocation
@@ -317,10 +337,64 @@ def compare_hf(run_dir: Path, hf_dir: Path, data: Path) -> None:
 VARIANTS_1P2B = ((4, True), (8, False), (16, False))
 
 
+def _bench_data_overrides(data: Path, run_dir: str, steps: int, micro: int) -> dict[str, str]:
+    """Tiny Shakespeare in GPT-2 BPE, ``steps`` steps of one micro-batch each, no evaluation."""
+    g = data / "tokenizers" / "gpt2"
+    return {"data.corpus": "null", "data.text_files": f"[{data / 'corpus' / 'tinyshakespeare.txt'}]",
+            "data.tokenizer": json.dumps({"kind": "gpt2_bpe", "vocab_file": str(g / "gpt2-vocab.json"),
+                                          "merges_file": str(g / "gpt2-merges.txt")}),
+            "run.dir": run_dir, "train.iters": str(steps), "train.micro_batch_size": str(micro),
+            "train.global_batch_size": str(micro), "optimizer.warmup_iters": "1", "train.eval_interval": "0"}
+
+
 def bench_1p2b(out: Path, data: Path, steps: int = 8) -> None:
     """configs/gpt2_1.2b.yaml on one GPU, trained by the trainer itself for ``steps`` steps in each of
     :data:`VARIANTS_1P2B` (one after another in one process): the mean step time, TFLOP/s and MFU of the last
     half, and the peak memory. Each step reads its metrics (log interval 1)."""
+    variants = []
+    for micro, recompute in VARIANTS_1P2B:
+        def overrides(tmp: str, micro=micro, recompute=recompute) -> dict[str, str]:
+            return {**_bench_data_overrides(data, tmp, steps, micro), "precision.initial_scale_power": "16",
+                    "model.activation_checkpointing": str(recompute).lower()}
+        variants.append(({"micro_batch": micro, "recompute": recompute}, overrides))
+    bench_trainer(ROOT / "configs" / "gpt2_1.2b.yaml", variants, out, steps)
+
+
+# (micro-batch, model.recompute) of the Llama-style 1B: the config's own (micro-batch 2, `auto`: the planner picks
+# none / selective / full for the GPU's memory), then micro-batch 4 with `auto`
+VARIANTS_LLAMA_1B = ((2, "auto"), (4, "auto"))
+LLAMA_1B_STEPS = 8
+
+
+def llama_1b_overrides(data: Path, run_dir: str, steps: int = LLAMA_1B_STEPS) -> list[dict[str, str]]:
+    """configs/llama_1b.yaml's overrides for each of :data:`VARIANTS_LLAMA_1B`: Tiny Shakespeare in GPT-2 BPE (ids
+    below the config's 128,256-entry vocabulary, which is kept: the FLOPs are the 1B model's), all of it for
+    training (at seq 4096 the default split's test share holds no sequence)."""
+    return [{**_bench_data_overrides(data, run_dir, steps, micro), "model.recompute": recompute,
+             "data.split": "100,0,0"} for micro, recompute in VARIANTS_LLAMA_1B]
+
+
+def load_llama_1b(overrides: dict[str, str]):
+    from training.config import load_config
+
+    return load_config(ROOT / "configs" / "llama_1b.yaml", [f"{k}={v}" for k, v in overrides.items()])
+
+
+def bench_llama_1b(out: Path, data: Path, steps: int = LLAMA_1B_STEPS) -> None:
+    """configs/llama_1b.yaml on one GPU (bf16, seq 4096), as :func:`bench_1p2b`: the trainer's own step time,
+    TFLOP/s and MFU (``training.metrics.flops_per_iteration``: Llama's gated MLP and grouped key/values) over the
+    last half of ``steps`` steps of each of :data:`VARIANTS_LLAMA_1B`, and the recompute mode ``auto`` chose."""
+    variants = []
+    for i, (micro, recompute) in enumerate(VARIANTS_LLAMA_1B):
+        variants.append(({"micro_batch": micro, "recompute": recompute},
+                         lambda tmp, i=i: llama_1b_overrides(data, tmp, steps)[i]))
+    bench_trainer(ROOT / "configs" / "llama_1b.yaml", variants, out, steps)
+
+
+def bench_trainer(config: Path, variants: list[tuple[dict, Callable[[str], dict[str, str]]]], out: Path,
+                  steps: int) -> None:
+    """Train ``config`` for ``steps`` steps per variant (its description, and its overrides for a run folder),
+    one after another in this process; write the device and each variant's figures to ``out`` (JSON)."""
     import gc
     import tempfile
 
@@ -332,42 +406,44 @@ def bench_1p2b(out: Path, data: Path, steps: int = 8) -> None:
 
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
     init_distributed()
-    g = data / "tokenizers" / "gpt2"
     results = []
-    for micro, recompute in VARIANTS_1P2B:
+    for what, overrides in variants:
         with tempfile.TemporaryDirectory() as tmp:
-            ov = {"data.corpus": "null", "data.text_files": f"[{data / 'corpus' / 'tinyshakespeare.txt'}]",
-                  "data.tokenizer": json.dumps({"kind": "gpt2_bpe", "vocab_file": str(g / "gpt2-vocab.json"),
-                                                "merges_file": str(g / "gpt2-merges.txt")}),
-                  "run.dir": tmp, "train.iters": str(steps), "train.micro_batch_size": str(micro),
-                  "train.global_batch_size": str(micro), "model.activation_checkpointing": str(recompute).lower(),
-                  "optimizer.warmup_iters": "1", "precision.initial_scale_power": "16", "train.eval_interval": "0"}
-            trainer = Trainer(load_config(ROOT / "configs" / "gpt2_1.2b.yaml", [f"{k}={v}" for k, v in ov.items()]))
+            ov = overrides(tmp)
             torch.cuda.reset_peak_memory_stats()
             try:
+                trainer = Trainer(load_config(config, [f"{k}={v}" for k, v in ov.items()]))
                 rows = [trainer.train_step() for _ in range(steps)]
             except torch.cuda.OutOfMemoryError:
-                rows = None
+                rows, trainer = None, None
             peak = torch.cuda.max_memory_allocated() / 2**30
-            o1, mfu_peak = trainer.o1_step, trainer.peak
+            if trainer is not None:
+                o1, mfu_peak = trainer.o1_step, trainer.peak
+                # model.recompute as the trainer resolved it (auto -> none / selective / full), for a string variant
+                chosen = trainer.cfg.model.recompute if isinstance(what["recompute"], str) else None
             del trainer
             gc.collect()
             torch.cuda.empty_cache()
         if rows is None:
-            results.append({"micro_batch": micro, "recompute": recompute, "oom": True, "peak_memory_gib": peak})
+            results.append({**what, "oom": True, "peak_memory_gib": peak})
             continue
         tail = rows[steps // 2:]
         step = sum(r["step_time_s"] for r in tail) / len(tail)
         tflops = sum(r["tflops_per_device"] for r in tail) / len(tail)
-        results.append({"micro_batch": micro, "recompute": recompute, "step_time_s": step, "tflops_per_device": tflops,
+        results.append({**what, **({"recompute_chosen": chosen} if chosen else {}), "step_time_s": step, "tflops_per_device": tflops,
+                        "tokens_per_s": sum(r["tokens_per_s"] for r in tail) / len(tail),
                         "mfu": tflops / mfu_peak if mfu_peak else None, "peak_memory_gib": peak, "o1_step": o1,
                         "skipped_last": sum(0 if r["step_applied"] else 1 for r in tail)})
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "variants": results}))
 
 
 def describe_1p2b(r: dict) -> str:
-    """One variant of :func:`bench_1p2b` in words."""
-    what = f"micro-batch {r['micro_batch']}, recompute {'full' if r['recompute'] else 'none'}"
+    """One variant of :func:`bench_1p2b` or :func:`bench_llama_1b` in words."""
+    rec = r["recompute"]
+    rec = ("full" if rec else "none") if isinstance(rec, bool) else rec
+    if r.get("recompute_chosen") not in (None, rec):
+        rec += f" -> {r['recompute_chosen']}"
+    what = f"micro-batch {r['micro_batch']}, recompute {rec}"
     if r.get("oom"):
         return f"{what}: out of memory ({r['peak_memory_gib']:.1f} GiB)"
     mfu = f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else ""
@@ -396,6 +472,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prepare-bert-corpus", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--compare-hf", nargs=2, type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--bench-1p2b", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--bench-llama-1b", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 4:
         p.error(f"--steps must be >= 4 (the loss must have room to fall), got {args.steps}")
@@ -416,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.bench_1p2b:
         bench_1p2b(args.bench_1p2b, args.data)
+        return 0
+    if args.bench_llama_1b:
+        bench_llama_1b(args.bench_llama_1b, args.data)
         return 0
     if args.cpu_dry_run:
         gpus, device = args.gpus or 2, f"dry run (plan for {args.gpus or 2} GPUs, nothing executed)"

@@ -49,6 +49,46 @@ def test_train_step_benchmark_runs_both_models(dtype):
         assert all(int(rows[m].rstrip(" |").split("|")[-1].split("(")[1].split(")")[0]) > 0 for m in ("ours", "hf"))
 
 
+def test_train_step_benchmark_llama_same_weights_same_first_loss():
+    """--model llama: our Llama-style GPT (RoPE, RMSNorm, SwiGLU, GQA, untied, no biases) and LlamaForCausalLM
+    with the same weights, both timed and counted; their first-step losses agree (else the run stops)."""
+    argv = ["--model", "llama", "--layers", "1", "--hidden", "32", "--heads", "4", "--kv-groups", "2", "--seq", "16",
+            "--batch", "2", "--vocab", "300", "--reps", "1", "--steps", "1", "--warmup", "1", "--counts", "1"]
+    text = run_distributed(_bench_worker, 1, argv)[0]
+    rows = {line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")}
+    assert {"ours", "hf"} <= rows, text
+    assert "Llama-style (ours: RoPE base 10000, RMSNorm, SwiGLU MLP 256, 2 key/value groups, output layer untied" in text
+    assert "(equal within 0.0001 relative)" in text and "Host work per step" in text
+    from training.plan.accounting import model_flops_per_iteration
+
+    # the Llama count (MLP 256 gated, 2 of 4 heads' keys/values), not GPT-2's
+    flops = model_flops_per_iteration(2, 16, 1, 32, 384, ffn=256, kv_hidden=16, gated=True)
+    assert f"model FLOPs per step: {flops / 1e12:.4g} TFLOP" in text
+    assert flops != model_flops_per_iteration(2, 16, 1, 32, 384)
+
+
+def test_train_step_benchmark_llama_arguments_and_loss_check():
+    from benchmarks import bench_train_step as b
+
+    args = b.parse_args(["--model", "llama"])
+    assert (args.layers, args.hidden, args.heads, args.kv_groups, args.seq, args.dropout) == (3, 96, 6, 2, 64, 0.0)
+    m = b.project_config(args).model
+    assert (m.ffn_size, m.query_groups, m.normalization, m.activation, m.position_embedding) == \
+        (256, 2, "rmsnorm", "swiglu", "rope")
+    assert m.untie_embeddings_and_output_weights and not m.add_bias_linear
+    big = b.project_config(b.parse_args(["--preset", "llama-1b"])).model
+    assert (big.ffn_size, big.query_groups, big.rotary_base, big.untie_embeddings_and_output_weights) == \
+        (8192, 8, 500000, False)
+    assert b.parse_args([]).model == "gpt2" and b.parse_args([]).dropout == 0.1
+    for argv in (["--model", "llama", "--kv-groups", "4"], ["--model", "llama", "--dropout", "0.1"],
+                 ["--kv-groups", "2"], ["--model", "gpt2", "--preset", "llama-1b"]):
+        with pytest.raises(SystemExit):
+            b.parse_args(argv)
+    assert "equal within" in b.check_first_losses({"ours": 5.0, "hf": 5.0 + 1e-6}, "fp32")
+    with pytest.raises(SystemExit, match="DIFFERENT"):
+        b.check_first_losses({"ours": 5.0, "hf": 5.01}, "fp32")
+
+
 def test_train_step_benchmark_step_ab_and_counts():
     """The optimizer-step A/B on CPU (fp16): both candidates timed, and per step ours reads the device once
     where DeepSpeed's own step reads it once per parameter tensor (1 layer: 12 + 4 tensors)."""

@@ -29,6 +29,7 @@ def test_dry_run_plans_every_check_and_renders_the_table(capsys, tmp_path):
     assert "parallel.pipeline=2" in rows["gpt2_pp2"][1] and "precision.dtype=fp16" in rows["gpt2_pp2"][1]
     assert rows["resume_equal"][1].count("training.pretrain") == 3 and "train.exit_at=15" in rows["resume_equal"][1]
     assert "-m evaluation wikitext103 " in rows["wikitext103"][1] and "--limit 500" in rows["wikitext103"][1]
+    assert "-m scripts.gpu_check --bench-llama-1b " in rows["llama_1b"][1]
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
 
 
@@ -68,6 +69,29 @@ def test_a_planned_evaluation_command_must_parse(tmp_path):
     with pytest.raises(ValueError, match="does not parse: -m evaluation wikitext --checkpoint"):
         ctx.run("x", ["-m", "evaluation", "wikitext", "--checkpoint", "c", "--data", "d"], nproc=1)
     ctx.run("x", ["-m", "evaluation", "wikitext103", "--checkpoint", "c", "--data", "d"], nproc=1)
+
+
+def test_the_llama_1b_row_plans_the_1b_config_with_llama_flops(tmp_path):
+    """The Llama-style 1B row trains configs/llama_1b.yaml itself (GQA 32/8, SwiGLU 8192, vocabulary 128,256 kept
+    under the GPT-2 BPE data, seq 4096, bf16, recompute auto); its MFU is the trainer's, by the Llama FLOP count."""
+    from training.config import padded_vocab_size
+    from training.metrics import flops_per_iteration
+    from training.plan.accounting import model_flops_per_iteration
+
+    plans = gpu_check.llama_1b_overrides(tmp_path, str(tmp_path / "run"))
+    assert [(p["train.micro_batch_size"], p["model.recompute"]) for p in plans] == [("2", "auto"), ("4", "auto")]
+    cfg = gpu_check.load_llama_1b(plans[0])
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.query_groups, m.ffn_size, m.seq_length, m.vocab_size, cfg.precision.dtype) \
+        == (16, 2048, 8, 8192, 4096, 128256, "bf16")
+    v = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
+    flops = flops_per_iteration(cfg, v)
+    assert flops == model_flops_per_iteration(2, 4096, 16, 2048, v, ffn=8192, kv_hidden=512, gated=True)
+    assert flops > 1.1 * model_flops_per_iteration(2, 4096, 16, 2048, v, ffn=8192)  # gated MLP, not GPT-2's count
+    assert gpu_check.describe_1p2b({"micro_batch": 2, "recompute": "auto", "recompute_chosen": "selective",
+                                    "step_time_s": 0.2, "tflops_per_device": 370.0, "mfu": 0.374,
+                                    "peak_memory_gib": 40.0}) == \
+        "micro-batch 2, recompute auto -> selective: step 0.200 s, 370.0 TFLOP/s, MFU 37.4%, peak 40.0 GiB"
 
 
 def test_render_escapes_pipes():
