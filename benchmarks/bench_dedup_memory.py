@@ -1,9 +1,11 @@
 """Peak memory of the fuzzy dedup: the driver and its workers, in-memory driver path vs ``dedup.sharded``.
 
-For each N the benchmark writes a document store of N generated documents (``bench_corpus.markov_corpus``:
-~300-word word-bigram documents from botchan + tinyshakespeare, 10 % edited and 2 % exact copies of earlier
-documents of the same 50,000-document batch), generated batch by batch straight into store shards (no input
-file is written; the store is deleted at the end). Then each path runs in a fresh process on that store
+For each N the benchmark writes a document store of N documents, generated batch by batch straight into store
+shards (no input file is written; the store is deleted at the end): ``--corpus generated`` (default,
+``bench_corpus.markov_corpus``: ~300-word word-bigram documents from botchan + tinyshakespeare) or ``--corpus
+real`` (``real_corpus.real_text_corpus``: resampled real sentences, web-like lengths, non-ASCII words and
+mojibake); both with 10 % edited and 2 % exact copies of earlier documents of the same 50,000-document batch
+(batch ``b`` seeded with ``7 + b``). Then each path runs in a fresh process on that store
 (signatures computed from scratch each time, same chunks and workers):
 
 * ``memory``: ``dedup.dedup_store`` (signatures loaded on the driver, LSH, verification and union-find there);
@@ -38,17 +40,31 @@ DATA = ROOT / ".." / "shared" / "data" / "corpus"
 BATCH = 50_000
 
 
-def write_store(folder: Path, n: int, shard: int) -> float:
-    """``n`` generated documents into a store at ``folder``; returns the text megabytes written."""
+def write_store(folder: Path, n: int, shard: int, corpus: str = "generated") -> float:
+    """``n`` documents of ``corpus`` into a store at ``folder``; returns the text megabytes written."""
+    from tqdm import tqdm
+
     from benchmarks.bench_corpus import markov_corpus
+    from benchmarks.real_corpus import real_sentences, real_text_corpus
     from data_pipeline.planted import real_words
     from data_pipeline.store import ShardWriter
 
-    words = real_words([DATA / "botchan.txt", DATA / "tinyshakespeare.txt"])
+    if corpus == "real":
+        src = real_sentences()
+        if src is None:
+            raise SystemExit("--corpus real needs ../shared/data (WikiText-103, LAMBADA, botchan, tinyshakespeare)")
+
+        def batch(m: int, seed: int) -> list[str]:
+            return real_text_corpus(m, seed=seed, sources=src)
+    else:
+        words = real_words([DATA / "botchan.txt", DATA / "tinyshakespeare.txt"])
+
+        def batch(m: int, seed: int) -> list[str]:
+            return markov_corpus(words, m, seed=seed)
     folder.mkdir(parents=True)
     size, k = 0, 0
-    for b in range(0, n, BATCH):
-        docs = markov_corpus(words, min(BATCH, n - b), seed=7 + b // BATCH)
+    for b in tqdm(range(0, n, BATCH), desc=f"writing {n:,} {corpus} documents", unit="batch", file=sys.stderr):
+        docs = batch(min(BATCH, n - b), 7 + b // BATCH)
         for s in range(0, len(docs), shard):
             w = ShardWriter(folder, k)
             for i, text in enumerate(docs[s:s + shard], start=b + s):
@@ -132,6 +148,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, nargs="+", default=[100_000])
     ap.add_argument("--paths", nargs="+", default=["memory", "sharded"], choices=["memory", "sharded", "stage-before", "stage"])
+    ap.add_argument("--corpus", choices=["generated", "real"], default="generated",
+                    help="the documents: markov bigram text, or resampled real sentences (benchmarks/real_corpus.py)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=2000, help="documents per signature chunk and per store shard")
     ap.add_argument("--tmp", default=None, help="folder for the store and the signatures (default: a new temp dir)")
@@ -147,7 +165,10 @@ def main() -> None:
     for n in args.docs:
         tmp = Path(tempfile.mkdtemp(prefix="bench_dedup_mem_", dir=args.tmp))
         try:
-            mb = write_store(tmp / "store", n, args.chunk)
+            t = time.perf_counter()
+            mb = write_store(tmp / "store", n, args.chunk, args.corpus)
+            print(f"<!-- {n:,} {args.corpus} documents, {mb:,.0f} MB written in {time.perf_counter() - t:.0f} s -->",
+                  flush=True)
             for path in args.paths:
                 run_tmp = tmp / path
                 run_tmp.mkdir()

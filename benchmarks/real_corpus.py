@@ -90,9 +90,10 @@ def _mojibake(word: str, codec: str) -> str:
 
 def real_text_corpus(n: int, seed: int = 31, near_frac: float = 0.10, exact_frac: float = 0.02,
                      nonascii_frac: float = 0.2, mojibake_frac: float = 0.03,
-                     data: Path = SHARED) -> list[str] | None:
-    """``n`` documents of resampled real sentences (module docstring); ``None`` without the data."""
-    src = real_sentences(data)
+                     data: Path = SHARED, sources: dict[str, list[str]] | None = None) -> list[str] | None:
+    """``n`` documents of resampled real sentences (module docstring); ``None`` without the data.
+    ``sources``: :func:`real_sentences`'s result, to reuse across calls (batches of a large corpus)."""
+    src = sources if sources is not None else real_sentences(data)
     if src is None:
         return None
     rng = np.random.default_rng(seed)
