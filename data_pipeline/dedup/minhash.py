@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +22,7 @@ import numpy as np
 
 from data_pipeline.dedup.hashing import ShingleSpec, fmix32, shingle_sets_batch
 from data_pipeline.store import DocStore, atomic_save_npy
+from data_pipeline.workers import worker_pool
 
 if TYPE_CHECKING:
     from datasketch import LeanMinHash
@@ -181,7 +181,7 @@ def compute_signatures(store: DocStore, sig_dir: Path, num_perm: int, seed: int,
     bar = tqdm(total=n, initial=n - sum(j.stop - j.start for j in jobs), desc="dedup: minhash", unit="doc",
                disable=not progress)
     if workers > 1 and len(jobs) > 1:
-        with get_context("fork").Pool(min(workers, len(jobs))) as pool:
+        with worker_pool(min(workers, len(jobs))) as pool:
             for _, k in pool.imap_unordered(sign_chunk, jobs):
                 bar.update(k)
     else:

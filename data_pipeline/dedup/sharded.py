@@ -29,7 +29,6 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,7 @@ from data_pipeline.dedup.lsh import LshSpec
 from data_pipeline.dedup.minhash import sign_chunk, sign_jobs
 from data_pipeline.dedup.verify import DedupResult, pair_blocks
 from data_pipeline.store import TEXT_FROM, DocStore, atomic_write_json
+from data_pipeline.workers import worker_pool
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,13 @@ DOCS_PER_RANGE = 100_000
 
 
 def local_pmap(workers: int) -> PMap:
-    """``pmap`` over ``workers`` forked processes (in this process when 1). A single job runs in a worker
-    too, so a task's memory (the components task's) is never the driver's."""
+    """``pmap`` over ``workers`` forked processes (in this process when 1; the build's shared pool during a
+    build, :mod:`data_pipeline.workers`). A single job runs in a worker too, so a task's memory (the
+    components task's) is never the driver's."""
     def pmap(fn: Callable[[Any], Any], jobs: Sequence[Any]) -> list[Any]:
         jobs = list(jobs)
         if workers > 1 and jobs:
-            with get_context("fork").Pool(min(workers, len(jobs))) as pool:
+            with worker_pool(min(workers, len(jobs))) as pool:
                 return list(pool.imap(fn, jobs))
         return [fn(j) for j in jobs]
     return pmap

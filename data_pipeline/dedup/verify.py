@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import numpy as np
 from data_pipeline.dedup.hashing import ShingleSpec, shingle_sets_batch
 from data_pipeline.dedup.minhash import ShingleCache
 from data_pipeline.store import DocStore
+from data_pipeline.workers import worker_pool
 
 
 # ------------------------------------------------------------------------------------------ verification
@@ -92,7 +92,7 @@ def verify_pairs(store: DocStore, pairs: Iterable[tuple[int, int]], spec: Shingl
     out: list[tuple[int, int, float]] = []
     bar = tqdm(total=len(pairs), desc=desc, unit="pair", disable=not progress)
     if workers > 1 and len(jobs) > 1:
-        with get_context("fork").Pool(min(workers, len(jobs))) as pool:
+        with worker_pool(min(workers, len(jobs))) as pool:
             for res in pool.imap(verify_block, jobs):
                 out.extend(res)
                 bar.update(len(res))

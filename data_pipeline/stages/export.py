@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from multiprocessing import get_context
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from data_pipeline.stages.bookkeeping import (assemble_stats, begin_stage, finis
                                               work_dir)
 from data_pipeline.stages.tokenizer import load_stage_tokenizer
 from data_pipeline.store import DocStore, atomic_write_json, done_shards, iter_rows, shard_name, write_jsonl_atomic
+from data_pipeline.workers import worker_pool
 from megatron_ds_suite.core import atomic
 
 
@@ -122,34 +123,32 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     jobs = [ExportJob(str(store.folder), str(store.text_folder), k, store.rows(n), drop[bounds[n]:bounds[n + 1]],
                       tok_stats["spec"], cfg.dataset.gpt, tok.eod, np.dtype(dtype).str)
             for n, k in enumerate(store.shards)]
-    pool = get_context("fork").Pool(min(cfg.num_workers, len(jobs))) if cfg.num_workers > 1 and len(jobs) > 1 \
-        else None
     try:
-        with atomic.atomic_open(out / "documents.jsonl", "wb") as f:  # published only when every shard is written
-            # shards in order (imap keeps it): documents.jsonl and the .bin are the kept documents in input order
-            for rows, ids, sizes, n_in in (pool.imap(_export_shard, jobs) if pool else map(_export_shard, jobs)):
-                f.write(rows)
-                kept += len(sizes)
-                if gpt is not None:
-                    gpt.add_documents(ids, sizes)
-                    tokens += len(ids)
-                bar.update(n_in)
-            if bert is not None:  # one item per sentence: split and tokenized here
-                for pos, rec in enumerate(store):
-                    if not drop[pos]:
-                        sents = split_sentences(rec["text"])
-                        items = [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(sents) if ids]
-                        bert.add_document(items)
-                        sentences += len(items)
-                        if gpt is None:
-                            tokens += sum(len(x) for x in items)
-            for b in (gpt, bert):
-                if b is not None:
-                    b.finalize()
+        with ExitStack() as stack:
+            pool = (stack.enter_context(worker_pool(min(cfg.num_workers, len(jobs)))) if cfg.num_workers > 1 and len(jobs) > 1
+                    else None)
+            with atomic.atomic_open(out / "documents.jsonl", "wb") as f:  # published only when every shard is written
+                # shards in order (imap keeps it): documents.jsonl and the .bin are the kept documents in input order
+                for rows, ids, sizes, n_in in (pool.imap(_export_shard, jobs) if pool else map(_export_shard, jobs)):
+                    f.write(rows)
+                    kept += len(sizes)
+                    if gpt is not None:
+                        gpt.add_documents(ids, sizes)
+                        tokens += len(ids)
+                    bar.update(n_in)
+                if bert is not None:  # one item per sentence: split and tokenized here
+                    for pos, rec in enumerate(store):
+                        if not drop[pos]:
+                            sents = split_sentences(rec["text"])
+                            items = [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(sents) if ids]
+                            bert.add_document(items)
+                            sentences += len(items)
+                            if gpt is None:
+                                tokens += sum(len(x) for x in items)
+                for b in (gpt, bert):
+                    if b is not None:
+                        b.finalize()
     finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
         bar.close()
     # rejects (all of them, in input order) and the duplicates report
     ingest_dir = work_dir(cfg, "ingest")

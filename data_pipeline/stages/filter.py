@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import numpy as np
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.words import WordIndex, encode_indexed
+from data_pipeline.workers import worker_pool
 from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, progress_bar, require_stage, work_dir
 from data_pipeline.store import (TEXT_FROM, ShardReader, atomic_save_npy, atomic_write_json, done_shards, iter_shard,
                                  load_index, shard_counts, shard_name, write_jsonl_atomic)
@@ -133,7 +133,7 @@ def run_filter(cfg: BuildConfig) -> dict[str, Any]:
         for info in ray_map(cfg, filter_shard, jobs):
             bar.update(info["in"])
     elif cfg.num_workers > 1 and len(jobs) > 1:
-        with get_context("fork").Pool(min(cfg.num_workers, len(jobs))) as pool:
+        with worker_pool(min(cfg.num_workers, len(jobs))) as pool:
             for info in pool.imap_unordered(filter_shard, jobs):
                 bar.update(info["in"])
     else:

@@ -6,7 +6,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from multiprocessing import get_context
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from data_pipeline.dedup.exact import text_key
 from data_pipeline.store import ShardWriter, atomic_save_npy, done_shards, shard_counts, shard_name, write_jsonl_atomic
 from megatron_ds_suite.core import atomic
 from data_pipeline.words import GPT2_WHITESPACE, SPM_IDENTITY, WordIndex, training_counts
+from data_pipeline.workers import worker_pool
 
 log = logging.getLogger(__name__)
 
@@ -159,23 +160,21 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
                 bar.update(info["read"])
         finally:
             bar.close()
-    ctx = get_context("fork")
-    pool = ctx.Pool(workers) if workers > 1 and cfg.executor == "local" else None
     try:
-        for k, first, recs in (_shards_of(iter_records(cfg, lazy=True), cfg.shard_size) if cfg.executor == "local" else ()):
-            if k in done:
-                bar.update(len(recs))
-                continue
-            if pool is None:
-                bar.update(ingest_shard(job(k, first, recs))["read"])
-            else:
-                pending.append(pool.apply_async(ingest_shard, (job(k, first, recs),)))
-                drain(2 * workers)  # bounded: at most ~2 shards per worker in flight
-        drain(0)
+        with ExitStack() as stack:
+            pool = stack.enter_context(worker_pool(workers)) if workers > 1 and cfg.executor == "local" else None
+            for k, first, recs in (_shards_of(iter_records(cfg, lazy=True), cfg.shard_size) if cfg.executor == "local"
+                                   else ()):
+                if k in done:
+                    bar.update(len(recs))
+                    continue
+                if pool is None:
+                    bar.update(ingest_shard(job(k, first, recs))["read"])
+                else:
+                    pending.append(pool.apply_async(ingest_shard, (job(k, first, recs),)))
+                    drain(2 * workers)  # bounded: at most ~2 shards per worker in flight
+            drain(0)
     finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
         bar.close()
     read = clean = 0
     by_reason: Counter[str] = Counter()

@@ -15,6 +15,7 @@ from data_pipeline.stages.filter import run_filter
 from data_pipeline.stages.ingest import run_ingest
 from data_pipeline.stages.tokenizer import run_tokenizer
 from data_pipeline.store import atomic_write_json
+from data_pipeline.workers import build_pool
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +41,13 @@ def build(cfg: BuildConfig, force: bool = False) -> tuple[Path, dict[str, Any]]:
     cfg.out.mkdir(parents=True, exist_ok=True)
     reused: set[str] = set()
     t0 = time.perf_counter()
-    for stage in STAGES:
-        if not force and is_done(cfg, stage) and not (stage == "export" and not (cfg.out / "stats.json").exists()):
-            log.info("stage %s: finished earlier with the same inputs and settings, reused", stage)
-            reused.add(stage)
-            continue
-        RUNNERS[stage](cfg)
+    with build_pool(cfg.num_workers):  # one set of forked workers for every stage (data_pipeline.workers)
+        for stage in STAGES:
+            if not force and is_done(cfg, stage) and not (stage == "export" and not (cfg.out / "stats.json").exists()):
+                log.info("stage %s: finished earlier with the same inputs and settings, reused", stage)
+                reused.add(stage)
+                continue
+            RUNNERS[stage](cfg)
     stats = assemble_stats(cfg, reused)
     stats["total_seconds"] = round(time.perf_counter() - t0, 3)
     stats["peak_rss_now_mib"] = peak_rss_mib()[0]
