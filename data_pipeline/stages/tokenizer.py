@@ -1,7 +1,6 @@
 """Stage ``tokenizer``: train sentencepiece on the cleaned documents, or load the given tokenizer files."""
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -9,7 +8,7 @@ from typing import Any
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, require_stage, work_dir
-from data_pipeline.stages.ingest import trains_on_word_counts, word_counts_path
+from data_pipeline.stages.ingest import read_word_counts, trains_on_word_counts
 from data_pipeline.store import DocStore, shard_texts
 from data_pipeline.tokenizer_train import MAX_SENTENCES, WordCounts, count_training_words
 
@@ -70,11 +69,9 @@ def training_word_counts(cfg: BuildConfig, store: DocStore) -> WordCounts | None
     for k in store.shards:
         if total.docs >= max_docs or total.lines >= max_lines:
             break
-        f = word_counts_path(store.folder, k)
-        saved = json.loads(f.read_text("utf-8")) if f.is_file() else None
-        if saved is not None and saved["words"] is None:
+        found, part = read_word_counts(store.folder, k)
+        if found and part is None:
             return None  # the ingest worker found a sentence that cannot be counted
-        part = WordCounts.from_json(saved) if saved is not None else None
         if part is None or total.docs + part.docs > max_docs or total.lines + part.lines >= max_lines:
             part = count_training_words(shard_texts(store.folder, k),
                                         max_docs=max_docs - total.docs, max_lines=max_lines - total.lines)

@@ -112,3 +112,27 @@ def test_build_tokenizer_from_ingest_counts(tmp_path: Path) -> None:
         from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer
 
         assert pieces(SentencePieceTokenizer(got)) == pieces(ref)
+
+
+def test_word_counts_files_round_trip(tmp_path: Path) -> None:
+    """The ingest worker's counts files give back the same counter (words, counts, order, docs, lines); a
+    word holding a line break (never a training word) goes inline as JSON; uncountable shards say so."""
+    from collections import Counter
+
+    from data_pipeline.stages.ingest import read_word_counts, word_counts_path, write_word_counts
+    from data_pipeline.tokenizer_train import WordCounts
+
+    cases = [WordCounts(Counter({"the": 5, " cat": 2, "\u00e9t\u00e9": 1, " \u6771\u4eac": 7, "\u2581x": 3, " ": 1}),
+                        docs=4, lines=9),
+             WordCounts(Counter(), docs=2, lines=0),
+             WordCounts(Counter({"a\nb": 1, "c": 2}), docs=1, lines=2)]
+    for k, wc in enumerate(cases):
+        write_word_counts(tmp_path, k, wc)
+        found, got = read_word_counts(tmp_path, k)
+        assert found and got is not None
+        assert list(got.words.items()) == list(wc.words.items()) and (got.docs, got.lines) == (wc.docs, wc.lines)
+    assert "word_list" in json.loads(word_counts_path(tmp_path, 0).read_text())
+    assert json.loads(word_counts_path(tmp_path, 2).read_text())["words"] == {"a\nb": 1, "c": 2}
+    write_word_counts(tmp_path, 3, None)
+    assert read_word_counts(tmp_path, 3) == (True, None)
+    assert read_word_counts(tmp_path, 4) == (False, None)
