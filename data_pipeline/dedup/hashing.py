@@ -154,16 +154,27 @@ def xxh64_short(buf: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.nda
     return res
 
 
+def _unicode_word_bytes(text: str) -> bytes:
+    """The lower-cased UTF-8 bytes of a non-ASCII ``text`` whose word-byte runs (``_WORD_BYTES``: ASCII
+    ``[0-9a-z_]`` and every byte >= 0x80) are exactly its ``\\w+`` words: each non-ASCII character that is
+    not a word character (``str.isalnum``, what ``re``'s ``\\w`` tests beyond ``_``: dashes, ``°``, combining
+    marks ...) becomes a space; the others keep all their bytes >= 0x80. The same words, in order, as
+    ``" ".join(re.findall(r"\\w+", text.lower()))`` (tested), without building a string per word."""
+    low = text.lower()
+    for c in {c for c in set(low) if c >= "\x80" and not c.isalnum()}:
+        low = low.replace(c, " ")
+    return low.encode("utf-8")
+
+
 def word_unit_hashes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(xxh64 of every ``\\w+`` word of the lower-cased documents, in order: uint64[W]; words per
     document: int64[len(texts)]). Equal to ``[xxh64(w.encode()) for w in re.findall(r"\\w+", t.lower())]``.
 
     All documents of the batch are joined (``\\n``-separated) into one byte buffer: ASCII documents as
     they are (``bytes.lower`` and a ``bytes.translate`` word-byte table do the regex's job), non-ASCII
-    documents as their regex words joined by spaces. Word boundaries are the edges of the word-byte
-    mask; words are hashed by :func:`xxh64_short`."""
-    parts = [t.encode("ascii") if t.isascii() else " ".join(_WORD.findall(t.lower())).encode("utf-8")
-             for t in texts]
+    documents lower-cased with their non-word characters turned into spaces (:func:`_unicode_word_bytes`).
+    Word boundaries are the edges of the word-byte mask; words are hashed by :func:`xxh64_short`."""
+    parts = [t.encode("ascii") if t.isascii() else _unicode_word_bytes(t) for t in texts]
     plen = np.fromiter((len(p) for p in parts), np.int64, len(parts))
     raw = b"\n".join(parts).lower()
     total = len(raw)

@@ -54,6 +54,30 @@ def test_word_hashes_equal_xxhash_of_regex_words(corpus):
     assert nw.tolist() == [len(re.findall(r"\w+", t.lower())) for t in corpus]
 
 
+def test_word_hashes_of_any_unicode_equal_the_regex():
+    """Non-ASCII documents (their non-word characters turned into spaces, the rest kept as UTF-8 bytes): the
+    same words as ``\\w+`` on random strings over ASCII, Latin, combining marks, punctuation, CJK, the
+    characters whose lower case grows (``İ``) and any code point (lone surrogates included)."""
+    import random
+
+    rng = random.Random(3)
+    pools = [[chr(c) for c in range(0x20, 0x7f)], [chr(c) for c in range(0xa0, 0x250)],
+             [chr(c) for c in range(0x300, 0x370)], [chr(c) for c in range(0x2000, 0x2070)],
+             [chr(c) for c in range(0x3000, 0x3100)], list("\u0130\u1e9e\u2126\u212a\u00b2\u2155\u0660\uff11_ \n")]
+    texts = []
+    for _ in range(3000):
+        n = rng.randint(1, 30)
+        if rng.random() < 0.2:
+            texts.append("".join(chr(rng.randrange(0x110000)) for _ in range(n)))
+        else:
+            texts.append("".join(rng.choice(rng.choice(pools)) for _ in range(n)))
+    texts = [t for t in texts if not t.isascii()]
+    h, nw = dd.word_unit_hashes(texts)
+    words = [re.findall(r"\w+", t.lower()) for t in texts]
+    assert h.tolist() == [xxhash.xxh64_intdigest(w.encode("utf-8", "surrogatepass")) for ws in words for w in ws]
+    assert nw.tolist() == [len(ws) for ws in words] and sum(nw) > 3000
+
+
 @pytest.mark.parametrize("unit", ["word", "char"])
 def test_fingerprint_sets_match_reference_sets(corpus, unit):
     spec = dd.ShingleSpec(5, unit)
