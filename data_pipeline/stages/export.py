@@ -15,7 +15,8 @@ from data_pipeline.report import StageTimer
 from data_pipeline.stages.bookkeeping import (assemble_stats, begin_stage, finish_stage, progress_bar, require_stage,
                                               work_dir)
 from data_pipeline.stages.tokenizer import load_stage_tokenizer
-from data_pipeline.store import DocStore, atomic_write_json, done_shards, iter_rows, shard_name, write_jsonl_atomic
+from data_pipeline.store import (DocStore, atomic_write_json, done_shards, iter_rows, load_index, shard_name,
+                                  write_jsonl_atomic)
 from data_pipeline.workers import worker_pool
 from megatron_ds_suite.core import atomic
 
@@ -30,9 +31,10 @@ def document_row(rec: dict[str, Any]) -> dict[str, Any]:
     return {"id": rec["src"], "i": rec["i"], "text": rec["text"]}
 
 
-def _decontaminate(cfg: BuildConfig, store: DocStore, removed: set[int]) -> dict[int, list[str]]:
-    """Store positions of documents kept by dedup that share a ``decontaminate.ngram``-gram with an
-    evaluation set → the sets' names; written to ``contaminated.jsonl`` (always, empty when off)."""
+def _decontaminate(cfg: BuildConfig, store: DocStore, removed: np.ndarray) -> dict[int, list[str]]:
+    """Store positions of documents kept by dedup (``removed``: bool per position) that share a
+    ``decontaminate.ngram``-gram with an evaluation set → the sets' names; written to ``contaminated.jsonl``
+    (always, empty when off)."""
     from data_pipeline.overlap import contaminated_positions, load_eval_set
 
     found: dict[int, list[str]] = {}
@@ -41,7 +43,7 @@ def _decontaminate(cfg: BuildConfig, store: DocStore, removed: set[int]) -> dict
                 for name, _, p in (x.partition("=") for x in cfg.decontaminate.against)]
         texts = store.iter_texts()
         found = {pos: names for pos, names in contaminated_positions(texts, sets, cfg.num_workers, cfg.progress)
-                 if pos not in removed}
+                 if not removed[pos]}
     rows = []
     for pos in sorted(found):
         rec = store.meta(pos)
@@ -52,13 +54,13 @@ def _decontaminate(cfg: BuildConfig, store: DocStore, removed: set[int]) -> dict
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ExportJob:
-    """What one export worker does: the rows ``rows`` of filter shard ``shard`` (in ``folder``, texts in
-    ``text_folder``) less those marked in ``drop`` -> their document lines and, with ``gpt``, token ids."""
+    """What one export worker does: the rows of filter shard ``shard`` (in ``folder``, texts in ``text_folder``)
+    less those marked in ``drop`` -> their document lines and, with ``gpt``, token ids. The worker reads the
+    shard's index rows itself, so the driver holds one byte per document, not the rows of every shard."""
 
     folder: str
     text_folder: str
     shard: int
-    rows: np.ndarray  # the shard's index rows
     drop: np.ndarray  # bool per row: removed by dedup or decontamination
     spec: dict[str, Any]  # the tokenizer spec (used only for a filter output without token files)
     gpt: bool  # dataset.gpt: also the ids, EOD appended
@@ -73,9 +75,10 @@ def _export_shard(job: ExportJob) -> tuple[bytes, np.ndarray, np.ndarray, int]:
     output older than its token files). Returns (lines, ids, sizes, documents read)."""
     from data_pipeline.stages.filter import cached_tokenizer, token_ids_of_shard
 
-    folder_s, text_folder, k, rows, drop = job.folder, job.text_folder, job.shard, job.rows, job.drop
+    folder_s, text_folder, k, drop = job.folder, job.text_folder, job.shard, job.drop
     spec, gpt, eod, dtype = job.spec, job.gpt, job.eod, job.dtype
     folder = Path(folder_s)
+    rows = load_index(folder, k)
     keep = ~drop
     lines, texts = [], []
     for rec in iter_rows(Path(text_folder), k, rows[keep]):
@@ -110,17 +113,17 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     out = cfg.out
     tok = load_stage_tokenizer(cfg)
     store = DocStore(work_dir(cfg, "filter"))
-    removed = set(np.load(work_dir(cfg, "dedup") / "removed.npy").tolist())
-    contaminated = _decontaminate(cfg, store, removed)
+    drop = np.zeros(len(store), dtype=bool)  # removed by dedup, then also by decontamination
+    drop[np.load(work_dir(cfg, "dedup") / "removed.npy")] = True
+    contaminated = _decontaminate(cfg, store, drop)
+    drop[np.fromiter(contaminated, dtype=np.int64, count=len(contaminated))] = True
     dtype = best_dtype(tok.vocab_size)
     gpt = MMapIndexedDatasetBuilder(out / cfg.dataset.gpt_prefix, dtype) if cfg.dataset.gpt else None
     bert = MMapIndexedDatasetBuilder(out / cfg.dataset.bert_prefix, dtype) if cfg.dataset.bert else None
     kept = tokens = sentences = 0
     bar = progress_bar(cfg, total=len(store), desc="export: write", unit="doc")
-    drop = np.zeros(len(store), dtype=bool)
-    drop[np.fromiter(removed | set(contaminated), dtype=np.int64)] = True
     bounds = store.starts
-    jobs = [ExportJob(str(store.folder), str(store.text_folder), k, store.rows(n), drop[bounds[n]:bounds[n + 1]],
+    jobs = [ExportJob(str(store.folder), str(store.text_folder), k, drop[bounds[n]:bounds[n + 1]],
                       tok_stats["spec"], cfg.dataset.gpt, tok.eod, np.dtype(dtype).str)
             for n, k in enumerate(store.shards)]
     try:
