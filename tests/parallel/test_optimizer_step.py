@@ -206,7 +206,8 @@ def _trajectory_worker(rank, world, spec, tmp, dtype, overflow_at, steps, extra)
     out = {}
     for mode in ("o1", "deepspeed"):
         t = _trainer(spec, f"{tmp}/{dtype}-{mode}", 2, dtype, **{"optimizer.warmup_iters": 0,
-                                                                  "precision.max_consecutive_skipped": 0, **extra})
+                                                                  "precision.max_consecutive_skipped": 0,
+                                                                  "train.iters": steps, **extra})
         if mode == "deepspeed":
             optimizer_step.uninstall(t.engine)
         param = t.model.layers[0].mlp.fc.weight
@@ -267,14 +268,23 @@ def test_trainer_trajectory_equals_deepspeeds_step(spm_model, tmp_path, case):
         scales = [x[2] for x in ours]
         assert scales[:13] == [256, 256, 256, 128, 64, 64, 64, 64, 64, 128, 128, 64, 64]
         assert max(scales) == 2048 and scales[-1] == 2048
-    torch.testing.assert_close(torch.tensor([x[0] for x in ours]), torch.tensor([x[0] for x in ds]),
+    # Where the scale grows (the hysteresis case only: window 4, not 1000) the updates differ on purpose
+    # (training/runtime/optimizer_step.py): DeepSpeed doubles the scale before unscaling, so Adam gets half the
+    # gradient (norm 0.64 at step 9, under the clip) where ours unscales by the scale the gradients carry and
+    # clips (norm 1.29 -> 1), Megatron's rule. Up to the first growth step the two runs are the same training.
+    grown = [k for k in range(STEPS) if ds[k][2] > (ds[k - 1][2] if k else 2.0**8)]
+    same = grown[0] + 1 if grown else STEPS  # the loss of a growth step comes before its update
+    assert (case == "fp16-hysteresis") == bool(grown)
+    torch.testing.assert_close(torch.tensor([x[0] for x in ours[:same]]), torch.tensor([x[0] for x in ds[:same]]),
                                rtol=2e-3, atol=2e-3)
+    if grown:  # afterwards the same descent, apart by at most (measured) 0.013
+        assert same == 10 and max(abs(a[0] - b[0]) for a, b in zip(ours, ds)) < 0.03
     # DeepSpeed's unfused wrapper reports the norm of the scaled gradients; ours, the unscaled one (bf16: scale 1)
     scale_used = [2.0**8 if dtype == "fp16" else 1.0] + [x[2] for x in ds[:-1]]
-    applied = [k for k in range(STEPS) if k not in overflow_at]
+    applied = [k for k in range(same) if k not in overflow_at]
     torch.testing.assert_close(torch.tensor([ours[k][3] for k in applied]),
                                torch.tensor([ds[k][3] / scale_used[k] for k in applied]), rtol=1e-3, atol=1e-4)
-    assert ours[-1][0] < ours[0][0] - 0.5  # it learns
+    assert ours[-1][0] < ours[0][0] - 0.3  # it learns
 
 
 def _fp32_pin_worker(rank, world, spec, tmp, steps):
