@@ -17,11 +17,26 @@ LLAMA = dict(position_embedding="rope", normalization="rmsnorm", activation="swi
              untie_embeddings_and_output_weights=True, add_bias_linear=False)
 
 
-def _explain_worker(rank, world, dropout, extra=None):
+def _padding_mask() -> torch.Tensor:
+    """[2, 16] BERT padding mask (1 = token): the second sequence ends in 5 padding positions."""
+    pad = torch.ones(2, 16, dtype=torch.long)
+    pad[1, 11:] = 0
+    return pad
+
+
+def _layer(cfg, group, bert: bool):
+    """GPT-2/Llama's causal TransformerLayer, or BERT's bidirectional BertLayer (as BertModel builds it)."""
+    from training.models.bert import BertLayer
+    from training.models.blocks import TransformerLayer
+
+    return (BertLayer(cfg, group, 1, 0) if bert else TransformerLayer(cfg, group, 1, 0)).train()
+
+
+def _explain_worker(rank, world, dropout, extra=None, bert=False):
     import torch._dynamo as dynamo
 
     from training.config import ModelConfig
-    from training.models.blocks import TransformerLayer
+    from training.models.bert import attention_mask
     from training.parallel import random as tp_random
     from training.parallel.mappings import COLLECTIVE_CALLS
     from training.parallel.state import ParallelState
@@ -29,31 +44,93 @@ def _explain_worker(rank, world, dropout, extra=None):
     ps = ParallelState(tp=world)
     tp_random.configure(ps, 2)
     tp_random.set_seed(1)
-    cfg = ModelConfig(hidden_size=64, num_attention_heads=4, hidden_dropout=dropout, attention_dropout=dropout,
-                      **(extra or {}))
-    layer = TransformerLayer(cfg, ps.tp_group, 1, 0).train()
-    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
-    COLLECTIVE_CALLS.clear()
-    layer(x)
-    eager_calls = dict(COLLECTIVE_CALLS)
-    dynamo.reset()
-    ex = dynamo.explain(layer)(x)
-    reasons = sorted({r.reason.splitlines()[0] for r in ex.break_reasons})
-    return ex.graph_count, ex.graph_break_count, reasons, eager_calls
+    out = []
+    # BERT: both layer orders (pre-LN, as configs/bert_*.yaml; post-LN, the original BERT), with a padding mask
+    for order in (("pre_ln", "post_ln") if bert else ("pre_ln",)):
+        cfg = ModelConfig(hidden_size=64, num_attention_heads=4, hidden_dropout=dropout, attention_dropout=dropout,
+                          layer_order=order, **(extra or {}))
+        layer = _layer(cfg, ps.tp_group, bert)
+        x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+        args = (x, attention_mask(_padding_mask())) if bert else (x,)
+        COLLECTIVE_CALLS.clear()
+        layer(*args)
+        eager_calls = dict(COLLECTIVE_CALLS)
+        dynamo.reset()
+        ex = dynamo.explain(layer)(*args)
+        reasons = sorted({r.reason.splitlines()[0] for r in ex.break_reasons})
+        out.append((ex.graph_count, ex.graph_break_count, reasons, eager_calls))
+    return out
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
-@pytest.mark.parametrize("world,extra", [(1, None), (2, None), (1, LLAMA), (2, LLAMA)],
-                         ids=["tp1", "tp2", "llama-tp1", "llama-tp2"])
-def test_one_graph_per_layer(world, extra, dropout):
+@pytest.mark.parametrize("world,extra,bert", [(1, None, False), (2, None, False), (1, LLAMA, False),
+                                              (2, LLAMA, False), (1, None, True), (2, None, True)],
+                         ids=["tp1", "tp2", "llama-tp1", "llama-tp2", "bert-tp1", "bert-tp2"])
+def test_one_graph_per_layer(world, extra, bert, dropout):
     """No graph break in a layer at TP = 1 or TP = 2 (dynamo turns gloo's all-reduce into a functional
-    collective), GPT-2's block and the Llama block (RoPE, RMSNorm, SwiGLU, GQA, no biases), with and without
+    collective), GPT-2's block, the Llama block (RoPE, RMSNorm, SwiGLU, GQA, no biases) and BERT's
+    bidirectional layer (no causal mask, a [b, 1, 1, s] padding mask, pre-LN and post-LN), with and without
     dropout: attention dropout's model-parallel stream is a traced counter-based mask under compilation
     (``training.parallel.random.model_parallel_dropout``), not a generator fork. The eager layer still counts
     its two forward all-reduces."""
-    for graphs, breaks, reasons, eager_calls in run_distributed(_explain_worker, world, dropout, extra):
-        assert (graphs, breaks) == (1, 0), reasons
-        assert eager_calls == ({"all_reduce": 2} if world == 2 else {})
+    for results in run_distributed(_explain_worker, world, dropout, extra, bert):
+        assert len(results) == (2 if bert else 1)
+        for graphs, breaks, reasons, eager_calls in results:
+            assert (graphs, breaks) == (1, 0), reasons
+            assert eager_calls == ({"all_reduce": 2} if world == 2 else {})
+
+
+def _checkpointed_graphs_worker(rank, world, bert):
+    """Graphs dynamo builds for two compiled layers run the way the trainer runs them under
+    ``model.recompute: full``: ``tp_random.checkpoint(layer, x[, mask])`` (DeepSpeed's checkpoint, eager) around
+    each compiled layer, forward and backward; dropout 0 and 0.1, without and with the checkpoint."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    from training.config import ModelConfig
+    from training.models.bert import attention_mask
+    from training.parallel import random as tp_random
+    from training.parallel.state import ParallelState
+
+    ps = ParallelState(tp=world)
+    tp_random.configure(ps, 2)
+    tp_random.set_seed(1)
+    out = {}
+    for dropout in (0.0, 0.1):
+        cfg = ModelConfig(hidden_size=64, num_attention_heads=4, num_layers=2, hidden_dropout=dropout,
+                          attention_dropout=dropout, recompute="full")
+        for ckpt in (False, True):
+            layers = [_layer(cfg, ps.tp_group, bert) for _ in range(2)]
+            dynamo.reset()
+            counters.clear()
+            cnt = CompileCounter()  # counts the graphs dynamo hands to the backend (explain's graph_count)
+            for layer in layers:
+                layer.compile(backend=cnt)
+            x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+            extra = (attention_mask(_padding_mask()),) if bert else ()
+            y = x
+            for layer in layers:
+                y = tp_random.checkpoint(layer, y, *extra) if ckpt else layer(y, *extra)
+            y.square().mean().backward()
+            out[dropout, ckpt] = (cnt.frame_count, sum(counters["graph_break"].values()),
+                                  dict(counters["graph_break"]))
+    return out
+
+
+@pytest.mark.parametrize("world,bert", [(1, False), (2, True)], ids=["tp1", "bert-tp2"])
+def test_checkpointed_compiled_layers_are_two_graphs(world, bert):
+    """Under ``model.recompute: full`` the trainer calls DeepSpeed's checkpoint eagerly around each compiled
+    layer (``GPT2Model.forward``, ``BertModel.encode``): the checkpoint itself is never traced. Without it, two
+    layers are one graph (the second layer reuses the first's). With it, exactly two graphs and no break, with
+    and without dropout: the checkpoint's forward runs the layer under ``no_grad``, and the graph is guarded on
+    the grad mode (dynamo's recompile log: "GLOBAL_STATE changed: grad_mode"), so dynamo compiles the no-grad
+    forward once more (``compile_layers``' docstring); backward's recompute runs with grad enabled and reuses
+    the first graph. Neither graph is split: the checkpoint adds a graph, never a break."""
+    for r in run_distributed(_checkpointed_graphs_worker, world, bert):
+        for dropout in (0.0, 0.1):
+            assert r[dropout, False][:2] == (1, 0), r[dropout, False][2]
+            assert r[dropout, True][:2] == (2, 0), r[dropout, True][2]
 
 
 def _streams_worker(rank, world):
@@ -98,8 +175,9 @@ def test_compiled_model_parallel_stream_differs_across_tp_ranks_and_repeats_per_
     assert e0.float().mean().item() == pytest.approx(0.9, abs=0.01)
 
 
-def _grads_worker(rank, world, runs, extra=None):
+def _grads_worker(rank, world, runs, extra=None, bert=False):
     from training.config import ModelConfig
+    from training.models.bert import BertModel
     from training.models.compile_layers import compile_layers
     from training.models.gpt2 import GPT2Model
     from training.parallel import random as tp_random
@@ -112,24 +190,33 @@ def _grads_worker(rank, world, runs, extra=None):
         tp_random.set_seed(1)
         cfg = ModelConfig(hidden_size=64, num_attention_heads=4, num_layers=2, hidden_dropout=p, attention_dropout=p,
                           activation_checkpointing=ckpt, seq_length=32, **(extra or {}))
-        model = GPT2Model(cfg, 128, None, seed=3).train()
+        model = (BertModel(cfg, 128, None, seed=3) if bert else GPT2Model(cfg, 128, None, seed=3)).train()
         n = compile_layers(model) if compiled else 0
         tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
         tp_random.set_seed(5)
-        loss = model(tokens, tokens).mean()
+        if bert:  # MLM + SOP on a padded batch: the second sequence's last 9 positions are padding
+            pad = torch.ones(2, 32, dtype=torch.long)
+            pad[1, 23:] = 0
+            types = (torch.arange(32) >= 16).long().expand(2, 32)
+            lm_loss, sop = model(tokens, types, pad, tokens, pad)
+            loss = lm_loss.mean() + torch.nn.functional.cross_entropy(sop, torch.tensor([0, 1]))
+        else:
+            loss = model(tokens, tokens).mean()
         loss.backward()
         out.append((n, loss.detach(), {k: q.grad.clone() for k, q in model.named_parameters()}))
     return out
 
 
-@pytest.mark.parametrize("extra", [None, LLAMA], ids=["gpt2", "llama"])
-def test_compiled_layers_equal_eager_and_replay_dropout_under_recompute(extra):
+@pytest.mark.parametrize("extra,bert", [(None, False), (LLAMA, False), (None, True)],
+                         ids=["gpt2", "llama", "bert"])
+def test_compiled_layers_equal_eager_and_replay_dropout_under_recompute(extra, bert):
     """fp32, dropout 0: compiled (inductor) = eager to 1e-5, with and without activation checkpointing.
     Dropout 0.1: compiled with checkpointing gives bitwise the gradients of compiled without, i.e. recompute
-    replays the masks the compiled forward drew. GPT-2's block and the Llama block."""
+    replays the masks the compiled forward drew. GPT-2's block, the Llama block and BERT's (bidirectional,
+    padding mask, MLM + SOP loss; pre-LN as configs/bert_*.yaml, post-LN's one graph: test_one_graph_per_layer)."""
     runs = [(False, False, 0.0), (True, False, 0.0), (True, True, 0.0), (True, False, 0.1), (True, True, 0.1)]
     (_, l0, g0), (n1, l1, g1), (_, l2, g2), (_, l3, g3), (_, l4, g4) = run_distributed(_grads_worker, 1, runs,
-                                                                                       extra)[0]
+                                                                                       extra, bert)[0]
     assert n1 == 2
     for loss, grads in ((l1, g1), (l2, g2)):
         torch.testing.assert_close(loss, l0, rtol=1e-5, atol=1e-5)

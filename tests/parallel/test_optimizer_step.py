@@ -198,46 +198,147 @@ def test_step_host_work_is_constant_in_layers(spm_model, tmp_path, dtype):
         assert ours2["read_syncs"] == ours8["read_syncs"] == 1
 
 
-def _trajectory_worker(rank, world, spec, tmp, dtype, overflow_at):
+def _trajectory_worker(rank, world, spec, tmp, dtype, overflow_at, steps, extra):
+    from deepspeed.runtime.fp16.loss_scaler import DELAYED_SHIFT
+
     from training.runtime import optimizer_step
 
     out = {}
     for mode in ("o1", "deepspeed"):
         t = _trainer(spec, f"{tmp}/{dtype}-{mode}", 2, dtype, **{"optimizer.warmup_iters": 0,
-                                                                  "precision.max_consecutive_skipped": 0})
+                                                                  "precision.max_consecutive_skipped": 0,
+                                                                  "train.iters": steps, **extra})
         if mode == "deepspeed":
             optimizer_step.uninstall(t.engine)
         param = t.model.layers[0].mlp.fc.weight
         state = {"on": False}
         param.register_hook(lambda g: g * float("inf") if state["on"] else g)
         rows = []
-        for it in range(12):
+        for it in range(steps):
             state["on"] = it in overflow_at
             m = t.train_step()
             rows.append((m["loss"], m["step_applied"], m["loss_scale"], m["grad_norm"]))
         out[mode] = rows
+        out["delayed_shift"] = (t.engine.dynamic_loss_scale_args() or {}).get(DELAYED_SHIFT)
     return out
 
 
+def _zero0_scales(scale: float, window: int, overflow_at: list[int], steps: int) -> list[float]:
+    """The scale after each step under DeepSpeed's ZeRO-0 rule (``FP16_Optimizer`` / ``FP16_UnfusedOptimizer``
+    ``_update_scale``), written out here: every overflow halves the scale, ``window`` clean steps counted from
+    the last overflow double it. No hysteresis: those wrappers never read ``delayed_shift`` (DeepSpeed #697)."""
+    out, last = [], -1
+    for it in range(steps):
+        if it in overflow_at:
+            scale, last = scale / 2, it
+        elif (it - last - 1) > 0 and (it - last - 1) % window == 0:
+            scale *= 2
+        out.append(scale)
+    return out
+
+
+STEPS = 50
+TRAJECTORIES = {  # dtype, steps whose gradients are made inf, extra overrides
+    "fp16": ("fp16", [3, 4], {}),
+    # hysteresis 2 (DeepSpeed's fp16.hysteresis, passed on as delayed_shift), overflows at consecutive (3, 4)
+    # and non-consecutive (11, 19, 30) steps, a window of 4 so the scale grows (and would refill the hysteresis)
+    "fp16-hysteresis": ("fp16", [3, 4, 11, 19, 30], {"precision.hysteresis": 2, "precision.loss_scale_window": 4}),
+    "bf16": ("bf16", [5, 30], {}),
+}
+
+
 @needs_corpus
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_trainer_trajectory_equals_deepspeeds_step(spm_model, tmp_path, dtype):
-    """Twelve trainer steps with the O(1) step and with DeepSpeed's: the same applied/skipped steps under
+@pytest.mark.parametrize("case", list(TRAJECTORIES))
+def test_trainer_trajectory_equals_deepspeeds_step(spm_model, tmp_path, case):
+    """Fifty trainer steps with the O(1) step and with DeepSpeed's: the same applied/skipped steps under
     injected overflows (fp16: the same loss scales; bf16 skips a non-finite step too), losses and gradient norms
-    equal to their precision."""
-    overflow_at = [3, 4] if dtype == "fp16" else [5]
-    r = run_distributed(_trajectory_worker, 1, spm_model, str(tmp_path), dtype, overflow_at)[0]
+    equal to their precision. With ``precision.hysteresis: 2`` both halve the scale on *every* overflow, the
+    first of a run included: DeepSpeed's ZeRO-0 wrappers ignore hysteresis (#697; ZeRO-1's scaler honours it,
+    tests/parallel/test_fp16_training.py), and ours keeps DeepSpeed's behaviour (its ``_update_scale``)."""
+    dtype, overflow_at, extra = TRAJECTORIES[case]
+    r = run_distributed(_trajectory_worker, 1, spm_model, str(tmp_path), dtype, overflow_at, STEPS, extra)[0]
     ours, ds = r["o1"], r["deepspeed"]
-    assert [x[1] for x in ours] == [x[1] for x in ds] == [k not in overflow_at for k in range(12)]
+    assert [x[1] for x in ours] == [x[1] for x in ds] == [k not in overflow_at for k in range(STEPS)]
     assert [x[2] for x in ours] == [x[2] for x in ds]
-    torch.testing.assert_close(torch.tensor([x[0] for x in ours]), torch.tensor([x[0] for x in ds]),
+    if dtype == "fp16":
+        window = int(extra.get("precision.loss_scale_window", 1000))
+        assert r["delayed_shift"] == 2  # the hysteresis reached DeepSpeed's config (config default 2)
+        assert [x[2] for x in ours] == _zero0_scales(2.0**8, window, overflow_at, STEPS)
+    if case == "fp16-hysteresis":  # the sequence exercises growth between overflows, and halving at each one
+        scales = [x[2] for x in ours]
+        assert scales[:13] == [256, 256, 256, 128, 64, 64, 64, 64, 64, 128, 128, 64, 64]
+        assert max(scales) == 2048 and scales[-1] == 2048
+    # Where the scale grows (the hysteresis case only: window 4, not 1000) the updates differ on purpose
+    # (training/runtime/optimizer_step.py): DeepSpeed doubles the scale before unscaling, so Adam gets half the
+    # gradient (norm 0.64 at step 9, under the clip) where ours unscales by the scale the gradients carry and
+    # clips (norm 1.29 -> 1), Megatron's rule. Up to the first growth step the two runs are the same training.
+    grown = [k for k in range(STEPS) if ds[k][2] > (ds[k - 1][2] if k else 2.0**8)]
+    same = grown[0] + 1 if grown else STEPS  # the loss of a growth step comes before its update
+    assert (case == "fp16-hysteresis") == bool(grown)
+    torch.testing.assert_close(torch.tensor([x[0] for x in ours[:same]]), torch.tensor([x[0] for x in ds[:same]]),
                                rtol=2e-3, atol=2e-3)
+    if grown:  # afterwards the same descent, apart by at most (measured) 0.013
+        assert same == 10 and max(abs(a[0] - b[0]) for a, b in zip(ours, ds)) < 0.03
     # DeepSpeed's unfused wrapper reports the norm of the scaled gradients; ours, the unscaled one (bf16: scale 1)
     scale_used = [2.0**8 if dtype == "fp16" else 1.0] + [x[2] for x in ds[:-1]]
-    applied = [k for k in range(12) if k not in overflow_at]
+    applied = [k for k in range(same) if k not in overflow_at]
     torch.testing.assert_close(torch.tensor([ours[k][3] for k in applied]),
                                torch.tensor([ds[k][3] / scale_used[k] for k in applied]), rtol=1e-3, atol=1e-4)
-    assert ours[-1][0] < ours[0][0]  # it learns
+    assert ours[-1][0] < ours[0][0] - 0.3  # it learns
+
+
+def _fp32_pin_worker(rank, world, spec, tmp, steps):
+    """The trainer's fp32 step and a plain PyTorch loop from the same weights on the same batches."""
+    from training.models.gpt2 import GPT2Model
+
+    t = _trainer(spec, f"{tmp}/fp32", 2, "fp32", **{"train.global_batch_size": 4, "optimizer.warmup_iters": 0,
+                                                    "optimizer.decay_style": "constant", "optimizer.lr": 3e-3,
+                                                    "optimizer.clip_grad": 1.0})
+    oc = t.cfg.optimizer
+    ref = GPT2Model(t.cfg.model, t.padded_vocab, None, seed=t.cfg.train.seed).train()
+    ref.load_state_dict(t.model.state_dict())
+    # Megatron's groups (biases and norms undecayed) are exactly the 1-D parameters of this model
+    params = list(ref.parameters())
+    groups = [{"params": [p for p in params if p.dim() > 1], "weight_decay": oc.weight_decay},
+              {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=oc.lr, betas=(oc.beta1, oc.beta2), eps=oc.eps, fused=True)
+    batches = [list(t.task.micro_batches(k * 4)) for k in range(steps)]  # the sampler is a function of the step
+    ours, theirs = [], []
+    for step in batches:
+        m = t.train_step()
+        ours.append((m["loss"], m["grad_norm"], m["step_applied"]))
+        losses = []
+        for tokens, labels in step:
+            loss = ref(tokens, labels).mean()
+            (loss / len(step)).backward()  # gradient accumulation: the mean over the micro-batches
+            losses.append(loss.detach())
+        norm = _reference_clip(params, oc.clip_grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        theirs.append((float(torch.stack(losses).mean()), norm, True))
+    same_weights = all(torch.equal(a, b) for a, b in zip(t.model.state_dict().values(), ref.state_dict().values()))
+    return ours, theirs, len(batches[0]), same_weights
+
+
+@needs_corpus
+def test_fp32_trainer_trajectory_equals_a_plain_pytorch_loop(spm_model, tmp_path):
+    """The trainer's fp32 step (DeepSpeed's engine stepping torch's fused AdamW, our on-device clip, gradient
+    accumulation over 2 micro-batches) pinned against a plain PyTorch loop written here: the same initial
+    weights and batches, ``torch.optim.AdamW`` with the same hyper-parameters and groups, Megatron's clip
+    (norm in float64, scaled only when above the limit). Twelve steps, every loss bitwise equal (the same
+    operations in the same order: nothing justifies a tolerance), the grad norms to 1e-6 (the trainer sums the
+    squared norms in another order), and bitwise the same weights at the end."""
+    steps = 12
+    ours, theirs, gas, same_weights = run_distributed(_fp32_pin_worker, 1, spm_model, str(tmp_path), steps)[0]
+    assert gas == 2 and len(ours) == steps
+    assert [x[0] for x in ours] == [x[0] for x in theirs]
+    assert all(x[2] for x in ours)
+    for (_, a, _), (_, b, _) in zip(ours, theirs):
+        assert a == pytest.approx(b, rel=1e-6)
+    norms = [b for _, b, _ in theirs]
+    assert sum(b > 1.0 for b in norms) >= 2 and sum(b < 1.0 for b in norms) >= 3, norms  # clipped and not
+    assert theirs[-1][0] < theirs[0][0] - 0.5
+    assert same_weights
 
 
 def _tp_norm_worker(rank, world, spec, tmp):
