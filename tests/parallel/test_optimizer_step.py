@@ -7,7 +7,10 @@ every read a stall, so a count on CPU is the count on a GPU.
 """
 from __future__ import annotations
 
+import json
+import math
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,6 +142,8 @@ def _trainer(spec, run_dir, layers: int, dtype: str, **extra):
 
 
 def _counts_worker(rank, world, spec, tmp, dtype):
+    """Operators and host reads of the trainer's step (and of its optimizer step alone) at 2 and 8 layers, with
+    the O(1) step and with DeepSpeed's, on a step that does not read its metrics and on one that does."""
     from benchmarks.host_work import HostWork
     from training.runtime import optimizer_step
 
@@ -172,30 +177,67 @@ def _counts_worker(rank, world, spec, tmp, dtype):
 
 
 @needs_corpus
-@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_step_host_work_is_constant_in_layers(spm_model, tmp_path, dtype):
-    """fp16: the optimizer step costs the same kernels at 2 and 8 layers and one host read (DeepSpeed's: a
-    chain of kernels and a read per tensor), and the whole step reads nothing else unless its metrics are
-    read (one more read). fp32: no read at all in a step whose metrics are not read; the clip adds no sync."""
+    """fp16/bf16: the optimizer step costs the same kernels at 2 and 8 layers (DeepSpeed's: a chain of kernels
+    and a read per tensor). Host reads per step: fp16 1 (the skip decision), bf16 0 (skip and clip on the
+    device), fp32 0 on a step whose metrics are not read; exactly 1 in every dtype on a step that reads them
+    (fp16: the metrics ride on the skip decision's read)."""
     c = run_distributed(_counts_worker, 1, spm_model, str(tmp_path), dtype)[0]
     ours2, ours8, ds2, ds8 = c[(2, "o1")], c[(8, "o1")], c[(2, "deepspeed")], c[(8, "deepspeed")]
     assert ours2["loss_on_device"] and ours8["loss_on_device"]
-    if dtype == "fp16":
-        assert ours2["o1"] and not ds2["o1"]
-        assert ours2["opt"] == ours8["opt"] and ours2["opt"][1] == 1  # O(1) kernels, one read
-        assert ours2["step_syncs"] == ours8["step_syncs"] == 1
-        assert ours2["read_syncs"] == ours8["read_syncs"] == 2
-        # DeepSpeed's own step: per tensor (12 more per layer) at least one read and several kernels
-        assert ds8["opt"][1] - ds2["opt"][1] >= 6 * 12
-        assert ds8["opt"][0] - ds2["opt"][0] >= 6 * 12 * 10
-        # the whole step's kernels per layer: forward + backward only with ours
-        per_layer_ours = (ours8["step_kernels"] - ours2["step_kernels"]) / 6
-        per_layer_ds = (ds8["step_kernels"] - ds2["step_kernels"]) / 6
-        assert per_layer_ds - per_layer_ours >= 12 * 10
-    else:
+    lazy_reads = {"fp16": 1, "bf16": 0, "fp32": 0}[dtype]
+    assert ours2["step_syncs"] == ours8["step_syncs"] == lazy_reads
+    assert ours2["read_syncs"] == ours8["read_syncs"] == 1
+    if dtype == "fp32":
         assert not ours2["o1"]  # fp32: no wrapper, the engine steps torch's fused AdamW itself
-        assert ours2["step_syncs"] == ours8["step_syncs"] == 0
-        assert ours2["read_syncs"] == ours8["read_syncs"] == 1
+        return
+    assert ours2["o1"] and not ds2["o1"]
+    assert ours2["opt"] == ours8["opt"] and ours2["opt"][1] == lazy_reads  # O(1) kernels
+    # DeepSpeed's own step: per tensor (12 more per layer) at least one read and several kernels
+    assert ds8["opt"][1] - ds2["opt"][1] >= 6 * 12
+    assert ds8["opt"][0] - ds2["opt"][0] >= 6 * 12 * 10
+    # the whole step's kernels per layer: forward + backward only with ours
+    per_layer_ours = (ours8["step_kernels"] - ours2["step_kernels"]) / 6
+    per_layer_ds = (ds8["step_kernels"] - ds2["step_kernels"]) / 6
+    assert per_layer_ds - per_layer_ours >= 12 * 10
+
+
+def _loop_worker(rank, world, spec, tmp, dtype):
+    from benchmarks.host_work import HostWork
+
+    extra = {"train.iters": 7, "train.log_interval": 3, "train.eval_interval": 0, "train.save_interval": 0,
+             "optimizer.warmup_iters": 0}
+    t = _trainer(spec, f"{tmp}/{dtype}-loop", 2, dtype, **extra)
+    reads = []
+    inner = t.train_step
+
+    def counted(read=True):
+        with HostWork() as w:
+            m = inner(read=read)
+        reads.append((read, w.syncs))
+        return m
+
+    t.train_step = counted
+    t.train()
+    lines = (Path(tmp) / f"{dtype}-loop" / "metrics.jsonl").read_text().splitlines()
+    logged = [(r["iteration"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines) if "event" not in r]
+    ref = _trainer(spec, f"{tmp}/{dtype}-ref", 2, dtype, **extra)  # the same run, read every step
+    every = [ref.train_step(read=True) for _ in range(7)]
+    return reads, logged, [(m["iteration"], m["loss"], m["grad_norm"]) for m in every]
+
+
+@needs_corpus
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_train_reads_the_host_on_log_steps_only(spm_model, tmp_path, dtype):
+    """Trainer.train() with log_interval=3 over 7 steps: steps 3, 6 (log) and 7 (the last) read their metrics in
+    one host read; the others read nothing (fp16: only the skip decision). The logged loss and gradient norm are
+    exactly those of the same run read on every step."""
+    reads, logged, every = run_distributed(_loop_worker, 1, spm_model, str(tmp_path), dtype)[0]
+    lazy = 1 if dtype == "fp16" else 0
+    assert reads == [(False, lazy), (False, lazy), (True, 1), (False, lazy), (False, lazy), (True, 1), (True, 1)]
+    assert logged == [every[i] for i in (2, 5, 6)]
+    assert all(math.isfinite(loss) for _, loss, _ in logged)
 
 
 def _trajectory_worker(rank, world, spec, tmp, dtype, overflow_at):
