@@ -32,8 +32,9 @@ The loss-scale sequence is DeepSpeed's (its ``_update_scale`` is called as befor
 difference: DeepSpeed updates the scale *before* unscaling, so on a step where the scale grows the
 gradients are divided by twice the scale the loss was multiplied by (half the gradient reaches Adam and
 the clip). Here they are divided by the scale they carry, as Megatron's grad scaler does. And in bf16 a
-non-finite step is skipped on the device only: the host does not know, so the LR scheduler still steps
-(DeepSpeed holds it back on a skipped step).
+non-finite step is skipped on the device only: the host learns it at the next read (a log step), so until
+then the LR schedule runs one step ahead per skipped step (DeepSpeed holds it back on a skipped step;
+:func:`settle_skips` rewinds it at the read).
 
 Not covered (DeepSpeed's own step runs): the legacy fused-Adam/LAMB paths, MoE layers, and
 ``BF16_Optimizer`` (bf16 with pipeline parallelism). ZeRO optimizers have their own step.
@@ -282,9 +283,18 @@ def device_skips(engine: DeepSpeedEngine) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def settle_skips(engine: DeepSpeedEngine, skipped: int) -> None:
-    """After a read: the device's skip count moves into the engine's host counter (checkpointed)."""
+    """After a read, the ``skipped`` steps the device skipped since the last one are settled on the host as
+    DeepSpeed settles a skip: counted in ``engine.skipped_steps`` (checkpointed), and the LR schedule (a torch
+    scheduler; it stepped on them unknowingly) rewound by as many steps, so the schedule is DeepSpeed's again
+    from the next step on."""
+    if not skipped:
+        return
     engine.skipped_steps += skipped
     engine.optimizer._o1_skipped.zero_()
+    sched = engine.lr_scheduler
+    if isinstance(sched, torch.optim.lr_scheduler.LRScheduler):
+        sched.last_epoch -= skipped + 1
+        sched.step()  # sets the groups' rates for the rewound epoch
 
 
 def installed(engine: DeepSpeedEngine) -> bool:
