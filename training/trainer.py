@@ -327,13 +327,12 @@ class Trainer:
 
     def _count_skips(self, applied: bool, consecutive: int) -> None:
         """Note the latest step's skip (an fp16 overflow, a non-finite bf16 gradient); abort past
-        ``precision.max_consecutive_skipped`` in a row."""
+        ``precision.max_consecutive_skipped`` in a row (bf16: ``consecutive`` is the longest run since the last
+        read, known only then)."""
         st = self.state
         st.consecutive_skipped = consecutive
-        if applied:
-            return
         scale = self.loss_scale()
-        if self.is_rank0:
+        if not applied and self.is_rank0:
             logger.warning("iteration %d: %s overflow, step skipped; loss scale now %s", st.iteration, self.dtype, scale)
         limit = self.cfg.precision.max_consecutive_skipped
         if limit and consecutive >= limit:
@@ -362,7 +361,7 @@ class Trainer:
         skip it) or too many skipped steps in a row."""
         on_device = {k: v for k, v in m.items() if isinstance(v, torch.Tensor)}
         device_skip = isinstance(m["step_applied"], torch.Tensor)
-        if device_skip:
+        if device_skip:  # the longest run of skipped steps since the last read
             on_device["consecutive_skipped"] = optimizer_step.device_skips(self.engine)[2]
         if on_device:
             read = dict(zip(on_device, self._stack(on_device).tolist()))

@@ -282,6 +282,61 @@ def test_trainer_trajectory_equals_deepspeeds_step(spm_model, tmp_path, dtype):
     assert ours[-1][0] < ours[0][0]  # it learns
 
 
+def _bf16_skip_worker(rank, world, spec, tmp):
+    from benchmarks.host_work import HostWork
+    from training.runtime import optimizer_step
+    from training.trainer import TrainingAborted
+
+    out = {}
+    for mode in ("o1", "deepspeed"):
+        t = _trainer(spec, f"{tmp}/{mode}", 2, "bf16", **{"optimizer.warmup_iters": 0,
+                                                           "precision.max_consecutive_skipped": 2})
+        if mode == "deepspeed":
+            optimizer_step.uninstall(t.engine)
+        param = t.model.layers[0].mlp.fc.weight
+        state = {"on": False}
+        param.register_hook(lambda g: g * float("inf") if state["on"] else g)
+        rows, syncs, aborted = [], [], None
+        for it in range(1, 10):
+            state["on"] = it in (2, 7, 8)
+            read = mode == "deepspeed" or it % 3 == 0
+            try:
+                with HostWork() as w:
+                    m = t.train_step(read=read)
+            except TrainingAborted as e:
+                aborted = (it, str(e))
+                break
+            syncs.append(w.syncs)
+            if read:
+                rows.append((it, m["step_applied"], m["skipped"], m["lr"], m["loss"], m["grad_norm"]))
+        out[mode] = {"rows": rows, "syncs": syncs, "aborted": aborted, "skipped_steps": t.engine.skipped_steps}
+    return out
+
+
+@needs_corpus
+def test_bf16_skips_on_the_device_and_settles_at_the_read(spm_model, tmp_path):
+    """bf16 with an inf gradient at step 2, read only at steps 3, 6, 9 (no host read on the others, the skipped
+    one included): step 3 still runs one LR step ahead (the host does not know yet); at its read the skip is
+    counted (skipped 1) and the LR schedule rewound, so steps 4-6 run DeepSpeed's rates (its own step, read
+    every step); losses and norms equal DeepSpeed's to bf16 precision. Infs at
+    steps 7 and 8 with max_consecutive_skipped=2 abort at the next read (step 9: 2 in a row), as DeepSpeed's
+    run aborts at step 8."""
+    r = run_distributed(_bf16_skip_worker, 1, spm_model, str(tmp_path))[0]
+    ours, ds = r["o1"], r["deepspeed"]
+    assert ours["syncs"] == [0, 0, 1, 0, 0, 1, 0, 0]  # steps 1-8; step 9 aborted inside its read
+    assert ours["aborted"][0] == 9 and ds["aborted"][0] == 8
+    assert "2 consecutive steps skipped for bf16 overflow" in ours["aborted"][1]
+    assert [row[:3] for row in ours["rows"]] == [(3, True, 1), (6, True, 1)]
+    by_it = {row[0]: row for row in ds["rows"]}
+    assert by_it[2][1] is False and by_it[3][2] == 1
+    o3, o6 = ours["rows"]
+    assert o3[3] == by_it[4][3] != by_it[3][3]  # until the read the schedule runs a step ahead (step 3: DS's step 4)
+    assert o6[3] == by_it[6][3]  # rewound at the read: DeepSpeed's rates again
+    for o in (o3, o6):
+        assert o[4] == pytest.approx(by_it[o[0]][4], rel=2e-3) and o[5] == pytest.approx(by_it[o[0]][5], rel=1e-3)
+    assert ours["skipped_steps"] == 3 and ds["skipped_steps"] == 3
+
+
 def _tp_norm_worker(rank, world, spec, tmp):
     t = _trainer(spec, f"{tmp}/tp{world}", 2, "fp16", **{"parallel.tensor": world, "optimizer.warmup_iters": 0})
     norms = []

@@ -147,6 +147,7 @@ def _on_device(opt, flats: list[torch.Tensor], total_sq: torch.Tensor) -> None:
     opt.optimizer.found_inf = found
     opt._o1_skipped.add_(found)
     opt._o1_consecutive.add_(1).mul_(found)  # reset to 0 by an applied step
+    torch.maximum(opt._o1_worst, opt._o1_consecutive, out=opt._o1_worst)  # the longest run since the last read
     opt._global_grad_norm = norm
     if opt.clip_grad > 0.0:
         torch._foreach_mul_(flats, ((norm + 1e-6) / opt.clip_grad).clamp(min=1).reciprocal().float())
@@ -234,11 +235,12 @@ def install(engine: DeepSpeedEngine) -> bool:
     if not any(opt.fp16_groups):
         return False
     opt._o1_layout = _Layout(opt.fp16_groups, opt.mpu)
-    opt._o1_skipped = opt._o1_consecutive = None
+    opt._o1_skipped = opt._o1_consecutive = opt._o1_worst = None
     if step is _unfused_step and _skips_on_device(opt):
         device = opt.fp16_groups[0][0].device
         opt._o1_skipped = torch.zeros((), device=device)  # steps skipped since the last settle_skips
-        opt._o1_consecutive = torch.zeros((), device=device)
+        opt._o1_consecutive = torch.zeros((), device=device)  # skipped in a row up to the latest step
+        opt._o1_worst = torch.zeros((), device=device)  # the longest such run since the last settle_skips
     opt.step = types.MethodType(step, opt)
     return True
 
@@ -275,18 +277,20 @@ def take_ridden(engine: DeepSpeedEngine) -> list[float] | None:
 
 def device_skips(engine: DeepSpeedEngine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """bf16's device-side skip state (the last step's found-inf 0/1, steps skipped since the last
-    :func:`settle_skips`, consecutive skipped steps), or None when skips are decided on the host."""
+    :func:`settle_skips`, the longest run of consecutive skipped steps since then), or None when skips are
+    decided on the host."""
     opt = engine.optimizer
     if not installed(engine) or getattr(opt, "_o1_skipped", None) is None:
         return None
-    return opt.optimizer.found_inf, opt._o1_skipped, opt._o1_consecutive
+    return opt.optimizer.found_inf, opt._o1_skipped, opt._o1_worst
 
 
 def settle_skips(engine: DeepSpeedEngine, skipped: int) -> None:
     """After a read, the ``skipped`` steps the device skipped since the last one are settled on the host as
     DeepSpeed settles a skip: counted in ``engine.skipped_steps`` (checkpointed), and the LR schedule (a torch
     scheduler; it stepped on them unknowingly) rewound by as many steps, so the schedule is DeepSpeed's again
-    from the next step on."""
+    from the next step on. The longest-run count starts again."""
+    engine.optimizer._o1_worst.zero_()
     if not skipped:
         return
     engine.skipped_steps += skipped
@@ -307,6 +311,6 @@ def uninstall(engine: DeepSpeedEngine) -> None:
     opt = engine.optimizer
     if getattr(opt, "_o1_layout", None) is not None:
         del opt.step
-        opt._o1_layout = opt._o1_skipped = opt._o1_consecutive = None
+        opt._o1_layout = opt._o1_skipped = opt._o1_consecutive = opt._o1_worst = None
         if hasattr(opt.optimizer, "found_inf"):
             del opt.optimizer.found_inf
