@@ -124,7 +124,7 @@ def _decide(opt, total_sq: torch.Tensor, scale: float) -> float | None:
     if riders is None:
         sq = total_sq.item()
     else:
-        sq, *opt._o1_ridden = torch.cat([total_sq.reshape(1), riders.to(total_sq)]).tolist()
+        sq, *opt._o1_ridden = torch.cat([total_sq.reshape(1), riders.to(total_sq.device, total_sq.dtype)]).tolist()
     norm_scaled = math.sqrt(sq) if sq >= 0 else float("nan")  # NaN >= 0 is False: NaN stays NaN
     if not math.isfinite(norm_scaled):
         return None
