@@ -189,7 +189,7 @@ class Trainer:
                                                     mpu=None if self.pipe else self.ps, config=self.ds_config,
                                                     dist_init_required=False)
         ds_compat.undo_initial_zero_step(self.engine)  # fp16 at ZeRO-0: Adam starts at step 0, as in fp32
-        # fp16/bf16 at ZeRO-0: the optimizer step in O(1) kernels and one host read, not a loop over tensors
+        # fp16/bf16 at ZeRO-0: the optimizer step in O(1) kernels and one host read (fp16) or none (bf16)
         self.o1_step = optimizer_step.install(self.engine)
         if self.dp == 1 and not self.pipe and cfg.parallel.zero_stage == 0:
             # one replica: DeepSpeed would still flatten every gradient, all-reduce it with itself and
@@ -260,12 +260,14 @@ class Trainer:
     def train_step(self, read: bool = True) -> dict:
         """One optimizer step (gradient accumulation inside); returns the step's metrics.
 
-        The step itself reads nothing back from the device except, in fp16/bf16, the one value that decides
-        whether the update is applied (training.runtime.optimizer_step). With ``read=False`` the loss, its
-        parts and the gradient norm stay device tensors and are not all-reduced over data parallelism (the
-        host can run ahead of the GPU); ``read=True`` (what log steps and direct callers use) makes them Python
-        numbers in one read, and checks the loss. Every rank must pass the same ``read``: it is collective.
-        Step time is the mean over the steps since the last read (or :meth:`restart_step_clock`)."""
+        The step itself reads nothing back from the device except, in fp16, the one value that decides
+        whether the update is applied (training.runtime.optimizer_step; bf16 decides it on the device). With
+        ``read=False`` the loss, its parts and the gradient norm stay device tensors and are not all-reduced
+        over data parallelism (the host can run ahead of the GPU); ``read=True`` (what log steps and direct
+        callers use) makes them Python numbers in one read, and checks the loss: in fp16 that read is the
+        step's own (the metrics ride on the skip decision), so a log step reads once in every dtype. Every
+        rank must pass the same ``read``: it is collective. Step time is the mean over the steps since the
+        last read (or :meth:`restart_step_clock`)."""
         start, steps = getattr(self, "_clock", None) or (time.perf_counter(), 0)
         self._clock = (start, steps + 1)
         lr = self.engine.get_lr()[0]  # the rate this step uses
@@ -279,14 +281,22 @@ class Trainer:
             batches = []  # the pipeline engine ran them
         else:
             batches = self.task.micro_batches(st.consumed_samples)
+        riders: list[str] = []
         for batch in batches:
             loss, extra = self.task.loss(self.engine, batch)
             for k, v in extra.items():
                 parts[k] = parts.get(k, 0.0) + torch.as_tensor(v).detach().float() / self.gas
             self.engine.backward(loss)
-            self.engine.step()
             losses.append(loss.detach().float())
+            if read and self.engine.is_gradient_accumulation_boundary() and optimizer_step.reads_on_host(self.engine):
+                # fp16: the step reads the host anyway (the skip decision); the metrics ride on that read
+                on_device = {"loss": torch.stack(losses).mean(), **parts}
+                optimizer_step.ride_along(self.engine, self._stack(on_device))
+                riders = list(on_device)
+            self.engine.step()
+        ridden = optimizer_step.take_ridden(self.engine) if riders else None
         applied = self.engine.was_step_applied()  # host state: fp16's one read already happened in the step
+        skips = optimizer_step.device_skips(self.engine)  # bf16: skipped or not is known on the device only
         st.iteration += 1
         st.consumed_samples += self.cfg.train.global_batch_size
         scale = self.loss_scale()
@@ -306,35 +316,63 @@ class Trainer:
             **parts,
             **extra_metrics,
         }
-        if not applied:
-            st.consecutive_skipped += 1
-            if self.is_rank0:
-                logger.warning("iteration %d: fp16 overflow, step skipped; loss scale now %s", st.iteration, scale)
-            limit = self.cfg.precision.max_consecutive_skipped
-            if limit and st.consecutive_skipped >= limit:
-                raise TrainingAborted(
-                    f"{st.consecutive_skipped} consecutive steps skipped for fp16 overflow (loss scale {scale}): "
-                    f"the loss or gradients are inf/NaN; lower optimizer.lr, use precision.dtype=bf16, or raise "
-                    f"precision.max_consecutive_skipped")
+        if ridden is not None:
+            m.update(zip(riders, ridden))
+        if skips is not None:  # device values, made host values by read_metrics
+            m["step_applied"] = 1 - skips[0]
+            m["skipped"] = skips[1] + self.engine.skipped_steps
         else:
-            st.consecutive_skipped = 0
+            self._count_skips(bool(applied), 0 if applied else st.consecutive_skipped + 1)
         return self.read_metrics(m) if read else m
+
+    def _count_skips(self, applied: bool, consecutive: int) -> None:
+        """Note the latest step's skip (an fp16 overflow, a non-finite bf16 gradient); abort past
+        ``precision.max_consecutive_skipped`` in a row (bf16: ``consecutive`` is the longest run since the last
+        read, known only then)."""
+        st = self.state
+        st.consecutive_skipped = consecutive
+        scale = self.loss_scale()
+        if not applied and self.is_rank0:
+            logger.warning("iteration %d: %s overflow, step skipped; loss scale now %s", st.iteration, self.dtype, scale)
+        limit = self.cfg.precision.max_consecutive_skipped
+        if limit and consecutive >= limit:
+            raise TrainingAborted(
+                f"{consecutive} consecutive steps skipped for {self.dtype} overflow (loss scale {scale}): "
+                f"the loss or gradients are inf/NaN; lower optimizer.lr, use precision.dtype=bf16, or raise "
+                f"precision.max_consecutive_skipped")
+
+    def _stack(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Device values stacked into one float64 tensor (one read), the loss averaged over DP replicas (a
+        collective; the other values are this replica's)."""
+        dev = tdev.module_device(self.engine)
+        stacked = torch.stack([v.detach().to(dev, torch.float64).reshape(()) for v in values.values()])
+        if self.dp > 1 and "loss" in values:
+            loss_mask = torch.tensor([k == "loss" for k in values], device=dev)
+            mean = stacked.clone()
+            dist.all_reduce(mean, group=self.ps.dp_group)
+            stacked = torch.where(loss_mask, mean / self.dp, stacked)
+        return stacked
 
     def read_metrics(self, m: dict) -> dict:
         """The step's device values as Python numbers, in one device-to-host read: the loss averaged over DP
-        replicas (a collective: every rank calls this for the same step), its parts, the gradient norm; and
-        the timing since the last read. Raises :class:`TrainingAborted` for a non-finite loss on an applied
-        step (fp32/bf16 have no loss scaling to skip it)."""
-        dev = tdev.module_device(self.engine)
-        tensor_keys = [k for k, v in m.items() if isinstance(v, torch.Tensor)]
-        if tensor_keys:
-            values = torch.stack([m[k].detach().to(dev, torch.float64).reshape(()) for k in tensor_keys])
-            if self.dp > 1:  # the loss is averaged over DP replicas (the other values are this replica's)
-                loss_mask = torch.tensor([k == "loss" for k in tensor_keys], device=dev)
-                mean = values.clone()
-                dist.all_reduce(mean, group=self.ps.dp_group)
-                values = torch.where(loss_mask, mean / self.dp, values)
-            m = {**m, **dict(zip(tensor_keys, values.tolist()))}
+        replicas (a collective: every rank calls this for the same step), its parts, the gradient norm, bf16's
+        device-side skip (``m`` must then be the latest step's); and the timing since the last read. Raises
+        :class:`TrainingAborted` for a non-finite loss on an applied step (fp32/bf16 have no loss scaling to
+        skip it) or too many skipped steps in a row."""
+        on_device = {k: v for k, v in m.items() if isinstance(v, torch.Tensor)}
+        device_skip = isinstance(m["step_applied"], torch.Tensor)
+        if device_skip:  # the longest run of skipped steps since the last read
+            on_device["consecutive_skipped"] = optimizer_step.device_skips(self.engine)[2]
+        if on_device:
+            read = dict(zip(on_device, self._stack(on_device).tolist()))
+            consecutive = int(read.pop("consecutive_skipped", 0))
+            m = {**m, **read}
+        if device_skip:
+            m["step_applied"], m["skipped"] = m["step_applied"] == 1.0, int(m["skipped"])
+            optimizer_step.settle_skips(self.engine, m["skipped"] - self.engine.skipped_steps)
+            if not m["step_applied"]:
+                m["grad_norm"] = None
+            self._count_skips(m["step_applied"], consecutive)
         start, steps = getattr(self, "_clock", None) or (time.perf_counter(), 1)
         elapsed = (time.perf_counter() - start) / max(steps, 1)
         self.restart_step_clock()

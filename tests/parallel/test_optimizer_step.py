@@ -7,7 +7,10 @@ every read a stall, so a count on CPU is the count on a GPU.
 """
 from __future__ import annotations
 
+import json
+import math
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,6 +142,8 @@ def _trainer(spec, run_dir, layers: int, dtype: str, **extra):
 
 
 def _counts_worker(rank, world, spec, tmp, dtype):
+    """Operators and host reads of the trainer's step (and of its optimizer step alone) at 2 and 8 layers, with
+    the O(1) step and with DeepSpeed's, on a step that does not read its metrics and on one that does."""
     from benchmarks.host_work import HostWork
     from training.runtime import optimizer_step
 
@@ -172,30 +177,67 @@ def _counts_worker(rank, world, spec, tmp, dtype):
 
 
 @needs_corpus
-@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_step_host_work_is_constant_in_layers(spm_model, tmp_path, dtype):
-    """fp16: the optimizer step costs the same kernels at 2 and 8 layers and one host read (DeepSpeed's: a
-    chain of kernels and a read per tensor), and the whole step reads nothing else unless its metrics are
-    read (one more read). fp32: no read at all in a step whose metrics are not read; the clip adds no sync."""
+    """fp16/bf16: the optimizer step costs the same kernels at 2 and 8 layers (DeepSpeed's: a chain of kernels
+    and a read per tensor). Host reads per step: fp16 1 (the skip decision), bf16 0 (skip and clip on the
+    device), fp32 0 on a step whose metrics are not read; exactly 1 in every dtype on a step that reads them
+    (fp16: the metrics ride on the skip decision's read)."""
     c = run_distributed(_counts_worker, 1, spm_model, str(tmp_path), dtype)[0]
     ours2, ours8, ds2, ds8 = c[(2, "o1")], c[(8, "o1")], c[(2, "deepspeed")], c[(8, "deepspeed")]
     assert ours2["loss_on_device"] and ours8["loss_on_device"]
-    if dtype == "fp16":
-        assert ours2["o1"] and not ds2["o1"]
-        assert ours2["opt"] == ours8["opt"] and ours2["opt"][1] == 1  # O(1) kernels, one read
-        assert ours2["step_syncs"] == ours8["step_syncs"] == 1
-        assert ours2["read_syncs"] == ours8["read_syncs"] == 2
-        # DeepSpeed's own step: per tensor (12 more per layer) at least one read and several kernels
-        assert ds8["opt"][1] - ds2["opt"][1] >= 6 * 12
-        assert ds8["opt"][0] - ds2["opt"][0] >= 6 * 12 * 10
-        # the whole step's kernels per layer: forward + backward only with ours
-        per_layer_ours = (ours8["step_kernels"] - ours2["step_kernels"]) / 6
-        per_layer_ds = (ds8["step_kernels"] - ds2["step_kernels"]) / 6
-        assert per_layer_ds - per_layer_ours >= 12 * 10
-    else:
+    lazy_reads = {"fp16": 1, "bf16": 0, "fp32": 0}[dtype]
+    assert ours2["step_syncs"] == ours8["step_syncs"] == lazy_reads
+    assert ours2["read_syncs"] == ours8["read_syncs"] == 1
+    if dtype == "fp32":
         assert not ours2["o1"]  # fp32: no wrapper, the engine steps torch's fused AdamW itself
-        assert ours2["step_syncs"] == ours8["step_syncs"] == 0
-        assert ours2["read_syncs"] == ours8["read_syncs"] == 1
+        return
+    assert ours2["o1"] and not ds2["o1"]
+    assert ours2["opt"] == ours8["opt"] and ours2["opt"][1] == lazy_reads  # O(1) kernels
+    # DeepSpeed's own step: per tensor (12 more per layer) at least one read and several kernels
+    assert ds8["opt"][1] - ds2["opt"][1] >= 6 * 12
+    assert ds8["opt"][0] - ds2["opt"][0] >= 6 * 12 * 10
+    # the whole step's kernels per layer: forward + backward only with ours
+    per_layer_ours = (ours8["step_kernels"] - ours2["step_kernels"]) / 6
+    per_layer_ds = (ds8["step_kernels"] - ds2["step_kernels"]) / 6
+    assert per_layer_ds - per_layer_ours >= 12 * 10
+
+
+def _loop_worker(rank, world, spec, tmp, dtype):
+    from benchmarks.host_work import HostWork
+
+    extra = {"train.iters": 7, "train.log_interval": 3, "train.eval_interval": 0, "train.save_interval": 0,
+             "optimizer.warmup_iters": 0}
+    t = _trainer(spec, f"{tmp}/{dtype}-loop", 2, dtype, **extra)
+    reads = []
+    inner = t.train_step
+
+    def counted(read=True):
+        with HostWork() as w:
+            m = inner(read=read)
+        reads.append((read, w.syncs))
+        return m
+
+    t.train_step = counted
+    t.train()
+    lines = (Path(tmp) / f"{dtype}-loop" / "metrics.jsonl").read_text().splitlines()
+    logged = [(r["iteration"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines) if "event" not in r]
+    ref = _trainer(spec, f"{tmp}/{dtype}-ref", 2, dtype, **extra)  # the same run, read every step
+    every = [ref.train_step(read=True) for _ in range(7)]
+    return reads, logged, [(m["iteration"], m["loss"], m["grad_norm"]) for m in every]
+
+
+@needs_corpus
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_train_reads_the_host_on_log_steps_only(spm_model, tmp_path, dtype):
+    """Trainer.train() with log_interval=3 over 7 steps: steps 3, 6 (log) and 7 (the last) read their metrics in
+    one host read; the others read nothing (fp16: only the skip decision). The logged loss and gradient norm are
+    exactly those of the same run read on every step."""
+    reads, logged, every = run_distributed(_loop_worker, 1, spm_model, str(tmp_path), dtype)[0]
+    lazy = 1 if dtype == "fp16" else 0
+    assert reads == [(False, lazy), (False, lazy), (True, 1), (False, lazy), (False, lazy), (True, 1), (True, 1)]
+    assert logged == [every[i] for i in (2, 5, 6)]
+    assert all(math.isfinite(loss) for _, loss, _ in logged)
 
 
 def _trajectory_worker(rank, world, spec, tmp, dtype, overflow_at, steps, extra):
@@ -339,6 +381,61 @@ def test_fp32_trainer_trajectory_equals_a_plain_pytorch_loop(spm_model, tmp_path
     assert sum(b > 1.0 for b in norms) >= 2 and sum(b < 1.0 for b in norms) >= 3, norms  # clipped and not
     assert theirs[-1][0] < theirs[0][0] - 0.5
     assert same_weights
+
+
+def _bf16_skip_worker(rank, world, spec, tmp):
+    from benchmarks.host_work import HostWork
+    from training.runtime import optimizer_step
+    from training.trainer import TrainingAborted
+
+    out = {}
+    for mode in ("o1", "deepspeed"):
+        t = _trainer(spec, f"{tmp}/{mode}", 2, "bf16", **{"optimizer.warmup_iters": 0,
+                                                           "precision.max_consecutive_skipped": 2})
+        if mode == "deepspeed":
+            optimizer_step.uninstall(t.engine)
+        param = t.model.layers[0].mlp.fc.weight
+        state = {"on": False}
+        param.register_hook(lambda g: g * float("inf") if state["on"] else g)
+        rows, syncs, aborted = [], [], None
+        for it in range(1, 10):
+            state["on"] = it in (2, 7, 8)
+            read = mode == "deepspeed" or it % 3 == 0
+            try:
+                with HostWork() as w:
+                    m = t.train_step(read=read)
+            except TrainingAborted as e:
+                aborted = (it, str(e))
+                break
+            syncs.append(w.syncs)
+            if read:
+                rows.append((it, m["step_applied"], m["skipped"], m["lr"], m["loss"], m["grad_norm"]))
+        out[mode] = {"rows": rows, "syncs": syncs, "aborted": aborted, "skipped_steps": t.engine.skipped_steps}
+    return out
+
+
+@needs_corpus
+def test_bf16_skips_on_the_device_and_settles_at_the_read(spm_model, tmp_path):
+    """bf16 with an inf gradient at step 2, read only at steps 3, 6, 9 (no host read on the others, the skipped
+    one included): step 3 still runs one LR step ahead (the host does not know yet); at its read the skip is
+    counted (skipped 1) and the LR schedule rewound, so steps 4-6 run DeepSpeed's rates (its own step, read
+    every step); losses and norms equal DeepSpeed's to bf16 precision. Infs at
+    steps 7 and 8 with max_consecutive_skipped=2 abort at the next read (step 9: 2 in a row), as DeepSpeed's
+    run aborts at step 8."""
+    r = run_distributed(_bf16_skip_worker, 1, spm_model, str(tmp_path))[0]
+    ours, ds = r["o1"], r["deepspeed"]
+    assert ours["syncs"] == [0, 0, 1, 0, 0, 1, 0, 0]  # steps 1-8; step 9 aborted inside its read
+    assert ours["aborted"][0] == 9 and ds["aborted"][0] == 8
+    assert "2 consecutive steps skipped for bf16 overflow" in ours["aborted"][1]
+    assert [row[:3] for row in ours["rows"]] == [(3, True, 1), (6, True, 1)]
+    by_it = {row[0]: row for row in ds["rows"]}
+    assert by_it[2][1] is False and by_it[3][2] == 1
+    o3, o6 = ours["rows"]
+    assert o3[3] == by_it[4][3] != by_it[3][3]  # until the read the schedule runs a step ahead (step 3: DS's step 4)
+    assert o6[3] == by_it[6][3]  # rewound at the read: DeepSpeed's rates again
+    for o in (o3, o6):
+        assert o[4] == pytest.approx(by_it[o[0]][4], rel=2e-3) and o[5] == pytest.approx(by_it[o[0]][5], rel=1e-3)
+    assert ours["skipped_steps"] == 3 and ds["skipped_steps"] == 3
 
 
 def _tp_norm_worker(rank, world, spec, tmp):

@@ -1,4 +1,4 @@
-"""DeepSpeed's ZeRO-0 mixed-precision optimizer step in a constant number of kernels and one host read.
+"""DeepSpeed's ZeRO-0 mixed-precision optimizer step in a constant number of kernels and at most one host read.
 
 DeepSpeed 0.19 wraps the client optimizer in ``FP16_Optimizer`` (for its ``FusedAdam``: one flat fp32
 master buffer per group) or ``FP16_UnfusedOptimizer`` (any other optimizer, and bf16 without pipeline
@@ -18,8 +18,12 @@ doing the same work (``_unscale_main_grads_and_check_for_nan`` + multi-tensor no
    pipeline-tied copies never: DeepSpeed's own mask), summed and all-reduced over the model-parallel
    group. An inf or NaN anywhere (masked tensors included: 0 x inf = NaN) makes the sum non-finite, so
    the same all-reduce carries the overflow flag;
-3. **one** host read (the norm): non-finite -> the step is skipped exactly as DeepSpeed skips it
-   (``_skip_invalid_grad_norm``: the loss scale halves, ``skipped_steps`` counts it, no scheduler step);
+3. fp16: **one** host read (the norm): non-finite -> the step is skipped exactly as DeepSpeed skips it
+   (``_skip_invalid_grad_norm``: the loss scale halves, ``skipped_steps`` counts it, no scheduler step).
+   The loss scale and DeepSpeed's scheduler bookkeeping are host state, so the read stays; on a log step
+   the trainer's metrics ride on it (:func:`ride_along`): one read in all. bf16 around torch's fused
+   Adam/AdamW: **no** read; the skip is the optimizer's ``found_inf`` on the device and the clip factor a
+   device scalar (:func:`_on_device`; skips are counted on the device and read on log steps);
 4. unscale and clip in one multiply, the client optimizer's own step (FusedAdam or torch's fused AdamW:
    multi-tensor), and the fp16 weights refreshed with one copy (the fused wrapper's fp16 parameters are
    views of one flat buffer) or one multi-tensor copy (the unfused wrapper).
@@ -27,7 +31,10 @@ doing the same work (``_unscale_main_grads_and_check_for_nan`` + multi-tensor no
 The loss-scale sequence is DeepSpeed's (its ``_update_scale`` is called as before). One deliberate
 difference: DeepSpeed updates the scale *before* unscaling, so on a step where the scale grows the
 gradients are divided by twice the scale the loss was multiplied by (half the gradient reaches Adam and
-the clip). Here they are divided by the scale they carry, as Megatron's grad scaler does.
+the clip). Here they are divided by the scale they carry, as Megatron's grad scaler does. And in bf16 a
+non-finite step is skipped on the device only: the host learns it at the next read (a log step), so until
+then the LR schedule runs one step ahead per skipped step (DeepSpeed holds it back on a skipped step;
+:func:`settle_skips` rewinds it at the read).
 
 Not covered (DeepSpeed's own step runs): the legacy fused-Adam/LAMB paths, MoE layers, and
 ``BF16_Optimizer`` (bf16 with pipeline parallelism). ZeRO optimizers have their own step.
@@ -111,8 +118,13 @@ def _unscale_factor(opt, norm_scaled: float, scale: float) -> float:
 
 
 def _decide(opt, total_sq: torch.Tensor, scale: float) -> float | None:
-    """The step's one host read. Returns the scaled global norm, or None when the step is skipped."""
-    sq = total_sq.item()
+    """The step's one host read (fp16: it decides the skip). Returns the scaled global norm, or None when the
+    step is skipped. Values staged with :func:`ride_along` (a log step's loss ...) are read in the same read."""
+    riders, opt._o1_riders = getattr(opt, "_o1_riders", None), None
+    if riders is None:
+        sq = total_sq.item()
+    else:
+        sq, *opt._o1_ridden = torch.cat([total_sq.reshape(1), riders.to(total_sq.device, total_sq.dtype)]).tolist()
     norm_scaled = math.sqrt(sq) if sq >= 0 else float("nan")  # NaN >= 0 is False: NaN stays NaN
     if not math.isfinite(norm_scaled):
         return None
@@ -121,6 +133,25 @@ def _decide(opt, total_sq: torch.Tensor, scale: float) -> float | None:
         opt._update_scale(False)
     opt._global_grad_norm = norm_scaled / scale
     return norm_scaled
+
+
+def _on_device(opt, flats: list[torch.Tensor], total_sq: torch.Tensor) -> None:
+    """bf16 (no loss scale): the skip decided and the clip applied on the device, no host read.
+
+    A non-finite norm sets the client optimizer's ``found_inf`` (torch's fused Adam/AdamW then leaves
+    weights, moments and step count untouched, as DeepSpeed's skip does); the host sees ``overflow=False``.
+    The clip factor ``1 / max(1, (norm + 1e-6) / clip)`` is the host rule's, in float64, cast to fp32 as a
+    Python scalar is, so the update is bitwise the one the host-read step makes."""
+    norm = total_sq.sqrt()  # float64; NaN and inf stay so
+    found = (~torch.isfinite(norm)).float()
+    opt.optimizer.found_inf = found
+    opt._o1_skipped.add_(found)
+    opt._o1_consecutive.add_(1).mul_(found)  # reset to 0 by an applied step
+    torch.maximum(opt._o1_worst, opt._o1_consecutive, out=opt._o1_worst)  # the longest run since the last read
+    opt._global_grad_norm = norm
+    if opt.clip_grad > 0.0:
+        torch._foreach_mul_(flats, ((norm + 1e-6) / opt.clip_grad).clamp(min=1).reciprocal().float())
+    opt.overflow = False
 
 
 def _fused_step(self, closure=None):
@@ -161,14 +192,18 @@ def _views_of(group: list[torch.Tensor], flat: torch.Tensor) -> bool:
 
 
 def _unfused_step(self, closure=None):
-    """``FP16_UnfusedOptimizer.step`` (one fp32 master per parameter) in O(1) kernels and one host read."""
+    """``FP16_UnfusedOptimizer.step`` (one fp32 master per parameter) in O(1) kernels and one host read (fp16),
+    or none (bf16 around torch's fused Adam/AdamW: :func:`_on_device`)."""
     lay: _Layout = self._o1_layout
     scale = self.loss_scale_config.cur_scale
     flats = [lay.flat_fp32(group) for group in self.fp16_groups]
-    norm_scaled = _decide(self, lay.norm_sq(flats), scale)
-    if norm_scaled is None:
-        return self._skip_invalid_grad_norm()
-    torch._foreach_mul_(flats, _unscale_factor(self, norm_scaled, scale))
+    if getattr(self, "_o1_skipped", None) is not None:  # bf16 around torch's fused Adam: no host read
+        _on_device(self, flats, lay.norm_sq(flats))
+    else:
+        norm_scaled = _decide(self, lay.norm_sq(flats), scale)
+        if norm_scaled is None:
+            return self._skip_invalid_grad_norm()
+        torch._foreach_mul_(flats, _unscale_factor(self, norm_scaled, scale))
     for masters, flat, sizes in zip(self.fp32_groups, flats, lay.sizes):
         for m, g in zip(masters, flat.split(sizes)):
             m.grad = g.view_as(m)
@@ -200,8 +235,70 @@ def install(engine: DeepSpeedEngine) -> bool:
     if not any(opt.fp16_groups):
         return False
     opt._o1_layout = _Layout(opt.fp16_groups, opt.mpu)
+    opt._o1_skipped = opt._o1_consecutive = opt._o1_worst = None
+    if step is _unfused_step and _skips_on_device(opt):
+        device = opt.fp16_groups[0][0].device
+        opt._o1_skipped = torch.zeros((), device=device)  # steps skipped since the last settle_skips
+        opt._o1_consecutive = torch.zeros((), device=device)  # skipped in a row up to the latest step
+        opt._o1_worst = torch.zeros((), device=device)  # the longest such run since the last settle_skips
     opt.step = types.MethodType(step, opt)
     return True
+
+
+def _skips_on_device(opt) -> bool:
+    """bf16 (no loss scaling) around torch's fused Adam/AdamW, whose ``found_inf`` skips an update on the
+    device. Anything else (fp16: the loss scale and DeepSpeed's scheduler bookkeeping are host state) reads."""
+    inner = opt.optimizer
+    return (not opt.loss_scale_config.use_grad_scaling and opt.fp16_groups[0][0].dtype == torch.bfloat16
+            and isinstance(inner, torch.optim.Adam) and all(g.get("fused") for g in inner.param_groups))
+
+
+def reads_on_host(engine: DeepSpeedEngine) -> bool:
+    """Whether the installed step makes one host read (fp16), that :func:`ride_along` can share."""
+    return installed(engine) and getattr(engine.optimizer, "_o1_skipped", None) is None
+
+
+def ride_along(engine: DeepSpeedEngine, values: torch.Tensor) -> None:
+    """Stage a 1-D device tensor to be read in the next step's one host read (a log step's metrics: one read,
+    not two); :func:`take_ridden` returns the values after that step."""
+    if not reads_on_host(engine):
+        raise RuntimeError("ride_along needs the O(1) step with a host read (fp16)")
+    engine.optimizer._o1_riders = values.reshape(-1)
+    engine.optimizer._o1_ridden = None
+
+
+def take_ridden(engine: DeepSpeedEngine) -> list[float] | None:
+    """The values staged with :func:`ride_along`, as read by the last step (None when nothing rode)."""
+    opt = engine.optimizer
+    values = getattr(opt, "_o1_ridden", None)
+    opt._o1_ridden = opt._o1_riders = None
+    return values
+
+
+def device_skips(engine: DeepSpeedEngine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """bf16's device-side skip state (the last step's found-inf 0/1, steps skipped since the last
+    :func:`settle_skips`, the longest run of consecutive skipped steps since then), or None when skips are
+    decided on the host."""
+    opt = engine.optimizer
+    if not installed(engine) or getattr(opt, "_o1_skipped", None) is None:
+        return None
+    return opt.optimizer.found_inf, opt._o1_skipped, opt._o1_worst
+
+
+def settle_skips(engine: DeepSpeedEngine, skipped: int) -> None:
+    """After a read, the ``skipped`` steps the device skipped since the last one are settled on the host as
+    DeepSpeed settles a skip: counted in ``engine.skipped_steps`` (checkpointed), and the LR schedule (a torch
+    scheduler; it stepped on them unknowingly) rewound by as many steps, so the schedule is DeepSpeed's again
+    from the next step on. The longest-run count starts again."""
+    engine.optimizer._o1_worst.zero_()
+    if not skipped:
+        return
+    engine.skipped_steps += skipped
+    engine.optimizer._o1_skipped.zero_()
+    sched = engine.lr_scheduler
+    if isinstance(sched, torch.optim.lr_scheduler.LRScheduler):
+        sched.last_epoch -= skipped + 1
+        sched.step()  # sets the groups' rates for the rewound epoch
 
 
 def installed(engine: DeepSpeedEngine) -> bool:
@@ -214,4 +311,6 @@ def uninstall(engine: DeepSpeedEngine) -> None:
     opt = engine.optimizer
     if getattr(opt, "_o1_layout", None) is not None:
         del opt.step
-        opt._o1_layout = None
+        opt._o1_layout = opt._o1_skipped = opt._o1_consecutive = opt._o1_worst = None
+        if hasattr(opt.optimizer, "found_inf"):
+            del opt.optimizer.found_inf
