@@ -16,7 +16,11 @@ Checks (each a real run through the project's own entry points, ``torchrun`` for
     hf_export        Hugging Face export: ``GPT2LMHeadModel`` logits equal ours (fp32)
     cuda_graph       ``model.cuda_graph=true`` (TP=2 with 2 GPUs): fp32 losses equal eager's without dropout;
         fp16 with dropout and activation checkpointing, the loss falls
-    gpt2_1.2b        the paper's 1.2B config (fp16, activation checkpointing): step time, TFLOP/s, memory
+    fused_adam_step1 DeepSpeed's FusedAdam under the trainer's fp16 wrapper (``FP16_Optimizer``,
+        ``ds_compat.undo_initial_zero_step``, the O(1) step): the first update equals Megatron's step-1 update
+        ``p (1 - lr wd) - lr g / (|g| + eps)``; without the undo it does not
+    gpt2_1.2b        the paper's 1.2B config (fp16): the trainer's step time, TFLOP/s, MFU, memory at micro-batch 4
+        (full recompute), 8 and 16 (none), and HF ``GPT2LMHeadModel`` at micro-batch 8 under the same engine
     llama_1b         the Llama-style 1B config (configs/llama_1b.yaml: GQA, SwiGLU, RoPE, RMSNorm; bf16, seq
         4096, ``model.recompute: auto``): step time, TFLOP/s and MFU by the Llama FLOP count
         (``training.plan.accounting``: gated MLP, grouped key/values), peak memory
@@ -236,6 +240,18 @@ def hf_export(ctx: Context) -> tuple[bool, str]:
     return r["max_abs_diff"] <= 1e-3, f"max |logit diff| {r['max_abs_diff']:.2e} over {r['tokens']} tokens (fp32)"
 
 
+def fused_adam_step1(ctx: Context) -> tuple[bool, str]:
+    out = ctx.out / "fused_adam_step1.json"
+    ctx.run("fused_adam_step1", ["-m", "scripts.gpu_check", "--first-update", str(out)], nproc=0)
+    if ctx.dry:
+        return True, "planned"
+    r = json.loads(out.read_text())
+    ok = r["undo"]["max_abs_diff"] <= FIRST_UPDATE_TOL and r["no_undo"]["max_abs_diff"] > 100 * FIRST_UPDATE_TOL
+    return ok, (f"{r['optimizer']}, {r['params']} weights: max |update - Megatron's step 1| {r['undo']['max_abs_diff']:.1e} "
+                f"with the undo (Adam step {r['undo']['adam_step']}), {r['no_undo']['max_abs_diff']:.1e} without "
+                f"(Adam step {r['no_undo']['adam_step']})")
+
+
 def gpt2_1p2b(ctx: Context) -> tuple[bool, str]:
     out = ctx.out / "gpt2_1.2b.json"
     ctx.run("gpt2_1.2b", ["-m", "scripts.gpu_check", "--bench-1p2b", str(out), "--data", str(ctx.data)], nproc=0)
@@ -244,7 +260,7 @@ def gpt2_1p2b(ctx: Context) -> tuple[bool, str]:
     r = json.loads(out.read_text())
     first = r["variants"][0]
     ok = not first.get("oom") and first["skipped_last"] == 0
-    return ok, f"{r['device']}, seq 1024, fp16; " + "; ".join(describe_1p2b(v) for v in r["variants"])
+    return ok, f"{r['device']}, seq 1024, fp16; " + "; ".join(describe_1p2b(v) for v in r["variants"]) + describe_hf(r)
 
 
 def llama_1b(ctx: Context) -> tuple[bool, str]:
@@ -276,6 +292,7 @@ CHECKS: list[tuple[str, int, Callable[[Context], tuple[bool, str]]]] = [
     ("resume_equal", 1, resume_equal),
     ("hf_export", 1, hf_export),
     ("cuda_graph", 1, cuda_graph),
+    ("fused_adam_step1", 1, fused_adam_step1),
     ("gpt2_1.2b", 1, gpt2_1p2b),
     ("llama_1b", 1, llama_1b),
 ]
@@ -350,14 +367,61 @@ def _bench_data_overrides(data: Path, run_dir: str, steps: int, micro: int) -> d
 def bench_1p2b(out: Path, data: Path, steps: int = 8) -> None:
     """configs/gpt2_1.2b.yaml on one GPU, trained by the trainer itself for ``steps`` steps in each of
     :data:`VARIANTS_1P2B` (one after another in one process): the mean step time, TFLOP/s and MFU of the last
-    half, and the peak memory. Each step reads its metrics (log interval 1)."""
+    half, and the peak memory. Each step reads its metrics (log interval 1). Then HF's GPT2LMHeadModel at
+    micro-batch :data:`HF_MICRO_1P2B` in the same process (:func:`bench_hf_1p2b`)."""
     variants = []
     for micro, recompute in VARIANTS_1P2B:
         def overrides(tmp: str, micro=micro, recompute=recompute) -> dict[str, str]:
             return {**_bench_data_overrides(data, tmp, steps, micro), "precision.initial_scale_power": "16",
                     "model.activation_checkpointing": str(recompute).lower()}
         variants.append(({"micro_batch": micro, "recompute": recompute}, overrides))
-    bench_trainer(ROOT / "configs" / "gpt2_1.2b.yaml", variants, out, steps)
+    config = ROOT / "configs" / "gpt2_1.2b.yaml"
+    bench_trainer(config, variants, out, steps)
+    r = json.loads(out.read_text())
+    try:
+        r["hf"] = bench_hf_1p2b(config, ["--device", "cuda", "--batch", str(HF_MICRO_1P2B)], steps)
+    except Exception as e:  # noqa: BLE001 - the trainer's rows stand without HF's
+        r["hf"] = {"micro_batch": HF_MICRO_1P2B, "error": f"{type(e).__name__}: {e}"}
+    out.write_text(json.dumps(r))
+
+
+HF_MICRO_1P2B = 8  # the micro-batch of HF's row (the paper config's, and the bench_train_step A/B's)
+
+
+def bench_hf_1p2b(config: Path, shape: list[str], steps: int) -> dict:
+    """HF ``GPT2LMHeadModel`` of ``config``'s shape (layers, hidden, heads, seq, padded vocabulary, dropout 0.1,
+    fp16) under the same engine as ours: ``benchmarks.bench_train_step``'s runner (the trainer's DeepSpeed config,
+    AdamW as the trainer picks it, ``ds_compat.undo_initial_zero_step`` and the O(1) step). ``shape``:
+    bench_train_step arguments (device, micro-batch, or a smaller shape for a CPU test). Mean time of ``steps``
+    applied steps after warm-up, its TFLOP/s by our FLOP count, and the MFU against the device's dense fp16 peak
+    (the trainer's MFU, training.runtime.hardware; None on CPU)."""
+    import torch
+
+    from benchmarks import bench_train_step as b
+    from training.config import load_config, padded_vocab_size
+    from training.metrics import flops_per_iteration
+    from training.runtime.hardware import detect_device_kind, peak_tflops
+
+    m = load_config(config).model
+    args = b.parse_args(["--dtype", "fp16", "--only", "hf", "--layers", str(m.num_layers), "--hidden",
+                         str(m.hidden_size), "--heads", str(m.num_attention_heads), "--seq", str(m.seq_length),
+                         "--vocab", str(m.vocab_size), "--dropout", str(m.hidden_dropout), *shape])
+    args.adam = b.adam_for(args.device, args.dtype, args.adam)
+    if args.device == "cpu":
+        from training.trainer import allow_fp16_on_cpu
+
+        allow_fp16_on_cpu()
+    cfg = b.project_config(args)
+    padded = padded_vocab_size(args.vocab, m.make_vocab_size_divisible_by, 1)  # the config's padding, as ours
+    seq = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    seq = seq.to(args.device)
+    runner = b.build_runners(args, cfg, padded, seq[:, :-1].contiguous(), seq[:, 1:].contiguous())["hf"]
+    runner.warm_up(2)
+    step = runner.timed_applied(steps)
+    tflops = flops_per_iteration(cfg, padded) / step / 1e12
+    peak = peak_tflops(detect_device_kind(), "fp16") if args.device == "cuda" else None
+    return {"micro_batch": args.batch, "step_time_s": step, "tflops_per_device": tflops,
+            "mfu": tflops / peak if peak else None, "adam": args.adam}
 
 
 # (micro-batch, model.recompute) of the Llama-style 1B: the config's own (micro-batch 2, `auto`: the planner picks
@@ -451,6 +515,80 @@ def describe_1p2b(r: dict) -> str:
             f"{r['peak_memory_gib']:.1f} GiB")
 
 
+def describe_hf(r: dict) -> str:
+    """HF's row of :func:`bench_1p2b` in words, with ours/HF at its micro-batch (empty if it has none)."""
+    hf = r.get("hf")
+    if not hf:
+        return ""
+    if "error" in hf:
+        return f"; HF GPT2LMHeadModel micro-batch {hf['micro_batch']}: {hf['error']}"
+    mfu = f", MFU {100 * hf['mfu']:.1f}%" if hf.get("mfu") else ""
+    text = (f"; HF GPT2LMHeadModel micro-batch {hf['micro_batch']} (same engine): step {hf['step_time_s']:.3f} s, "
+            f"{hf['tflops_per_device']:.1f} TFLOP/s{mfu}")
+    ours = [v for v in r["variants"] if v["micro_batch"] == hf["micro_batch"] and not v.get("oom")]
+    if ours:
+        text += f"; ours/HF {hf['step_time_s'] / ours[0]['step_time_s']:.3f}x (HF step time / ours)"
+    return text
+
+
+FIRST_UPDATE_TOL = 1e-5  # fp32 masters, |update| ~ lr = 1e-2: Adam's sqrt and division round at ~1e-7 relative
+
+
+def first_update(device: str = "cuda", adam: str = "fused") -> dict:
+    """The first update of the trainer's fp16 optimizer against Megatron's step 1, with and without
+    ``ds_compat.undo_initial_zero_step``: DeepSpeed's ``FP16_Optimizer`` (the wrapper it gives FusedAdam) around
+    ``adam`` ('fused': DeepSpeed's FusedAdam, CUDA; 'torch': torch's AdamW, for a CPU test of this function), the
+    O(1) step installed, lr 1e-2, weight decay 0.1, one step of random gradients (scaled by the loss scale, as
+    backward leaves them). Megatron's step 1: bias corrections 1 - beta^1 give m = g, v = g^2, so the update is
+    ``p (1 - lr wd) - lr g / (|g| + eps)``. FusedAdam seeds each new state's step from its group's ``step``:
+    the undo must set it to 0, or the first real step is Adam's step 2 (the bug of issue 27)."""
+    import types
+
+    import torch
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+
+    from training.runtime import ds_compat, optimizer_step
+
+    lr, wd, eps = 1e-2, 0.1, 1e-8
+    res: dict = {"optimizer": "DeepSpeed FusedAdam" if adam == "fused" else "torch AdamW", "device": device}
+    for undo in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128),
+                                    torch.nn.Linear(128, 32)).to(device).half()
+        if adam == "fused":
+            from deepspeed.ops.adam import FusedAdam
+
+            from training.runtime.gpu_settings import deepspeed_buildable_arch_list
+
+            with deepspeed_buildable_arch_list():
+                inner = FusedAdam(model.parameters(), lr=lr, weight_decay=wd, eps=eps, adam_w_mode=True)
+        else:
+            inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, eps=eps)
+        opt = FP16_Optimizer(inner, dynamic_loss_scale=True, verbose=False, clip_grad=0.0,
+                             dynamic_loss_args={"init_scale": 2.0**8, "scale_window": 1000, "delayed_shift": 1,
+                                                "consecutive_hysteresis": False, "min_scale": 1})
+        engine = types.SimpleNamespace(optimizer=opt)
+        if undo:
+            ds_compat.undo_initial_zero_step(engine)
+        installed = optimizer_step.install(engine)
+        before = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+        gen = torch.Generator().manual_seed(3)
+        grads = [torch.randn(p.shape, generator=gen).half().to(device) for p in model.parameters()]
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g * opt.loss_scale_config.cur_scale
+        opt.step()
+        g = torch.cat([x.float().reshape(-1) for x in grads])
+        expected = before * (1 - lr * wd) - lr * g / (g.abs() + eps)
+        after = opt.fp32_groups_flat[0].detach().float()
+        state = next(iter(inner.state.values()), {})
+        step = state.get("step", inner.param_groups[0].get("step"))
+        res["undo" if undo else "no_undo"] = {"max_abs_diff": (after - expected).abs().max().item(),
+                                              "adam_step": int(step) if step is not None else None,
+                                              "o1_step": installed, "overflow": bool(opt.overflow)}
+        res["params"] = before.numel()
+    return res
+
+
 # --------------------------------------------------------------------------------------------------
 def render(rows: list[Row], header: str) -> str:
     """A Markdown table (readable as plain text too)."""
@@ -473,6 +611,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compare-hf", nargs=2, type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--bench-1p2b", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--bench-llama-1b", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--first-update", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 4:
         p.error(f"--steps must be >= 4 (the loss must have room to fall), got {args.steps}")
@@ -493,6 +632,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.bench_1p2b:
         bench_1p2b(args.bench_1p2b, args.data)
+        return 0
+    if args.first_update:
+        from training.runtime.distributed import init_distributed
+
+        init_distributed()  # the O(1) step all-reduces its norm over the (one-process) group
+        args.first_update.write_text(json.dumps(first_update()))
         return 0
     if args.bench_llama_1b:
         bench_llama_1b(args.bench_llama_1b, args.data)
