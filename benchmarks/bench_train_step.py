@@ -118,6 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after timing, count per step the operators dispatched (kernel launches on CUDA) and "
                         "the device-to-host syncs of each candidate (benchmarks.host_work; on CUDA also "
                         "torch.profiler's kernel launches and synchronisations), over STEPS steps")
+    p.add_argument("--json", type=str, default=None, metavar="PATH",
+                   help="also write each candidate's median s/step, TFLOP/s and MFU to PATH (JSON; scripts/gpu_check.py's "
+                        "1.2B row reads HF's from it)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="instead of timing, profile STEPS steps of each model and print the top operators")
     p.add_argument("--profile-rows", type=int, default=25)
@@ -565,9 +568,11 @@ def main(argv: list[str] | None = None) -> None:
     flops = flops_per_iteration(cfg, padded)  # GPT-2's count, or with the Llama MLP width, GQA and SwiGLU
     ntok = args.batch * args.seq
     rate_unit, rate_name = (1e9, "GFLOP/s") if args.device == "cpu" else (1e12, "TFLOP/s")
-    rows = []
+    rows, medians = [], {}
     for name in runners:
         t, peak = samples[name], peaks[runners[name].dtype or args.dtype]
+        medians[name] = {"step_time_s": t.median, "tflops": flops / t.median / 1e12,
+                         "mfu": flops / t.median / 1e12 / peak.median, "dtype": runners[name].dtype or args.dtype}
         mfu = common.Samples([flops / dt / 1e12 / pk for dt, pk in zip(t.values, peak.values)])
         row = [name, t.fmt(".3f"), common.Samples([ntok / x for x in t.values]).fmt(",.0f"),
                common.Samples([flops / x / rate_unit for x in t.values]).fmt(".1f"),
@@ -634,6 +639,12 @@ def main(argv: list[str] | None = None) -> None:
     if "ours" in runners and "ours (engine default)" in runners:
         print(f"Trainer's engine setting vs DeepSpeed's default (engine default step time / ours): "
               f"{common.ratio_samples(samples['ours (engine default)'], samples['ours']).fmt('.3f')}")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "batch": args.batch, "seq": args.seq, "layers": args.layers,
+                       "vocab_padded": padded, "adam": args.adam, "rows": medians}, f, indent=1)
     if args.counts:
         print_counts(args, runners, info)
 

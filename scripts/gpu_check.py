@@ -256,10 +256,18 @@ def gpt2_1p2b(ctx: Context) -> tuple[bool, str]:
     out = ctx.out / "gpt2_1.2b.json"
     ctx.run("gpt2_1.2b", ["-m", "scripts.gpu_check", "--bench-1p2b", str(out), "--data", str(ctx.data)], nproc=0)
     if ctx.dry:
+        ctx.run("gpt2_1.2b", hf_1p2b_command(ctx.out / "gpt2_1.2b_hf.json"), nproc=0)
         return True, "planned"
     r = json.loads(out.read_text())
     first = r["variants"][0]
     ok = not first.get("oom") and first["skipped_last"] == 0
+    hf_out = ctx.out / "gpt2_1.2b_hf.json"
+    try:  # the trainer's rows stand without HF's
+        ctx.run("gpt2_1.2b", hf_1p2b_command(hf_out), nproc=0)
+        hf = json.loads(hf_out.read_text())
+        r["hf"] = {"micro_batch": hf["batch"], **hf["rows"]["hf"]}
+    except (RuntimeError, OSError, KeyError) as e:
+        r["hf"] = {"micro_batch": HF_MICRO_1P2B, "error": f"{type(e).__name__}: {e}"}
     return ok, f"{r['device']}, seq 1024, fp16; " + "; ".join(describe_1p2b(v) for v in r["variants"]) + describe_hf(r)
 
 
@@ -367,61 +375,32 @@ def _bench_data_overrides(data: Path, run_dir: str, steps: int, micro: int) -> d
 def bench_1p2b(out: Path, data: Path, steps: int = 8) -> None:
     """configs/gpt2_1.2b.yaml on one GPU, trained by the trainer itself for ``steps`` steps in each of
     :data:`VARIANTS_1P2B` (one after another in one process): the mean step time, TFLOP/s and MFU of the last
-    half, and the peak memory. Each step reads its metrics (log interval 1). Then HF's GPT2LMHeadModel at
-    micro-batch :data:`HF_MICRO_1P2B` in the same process (:func:`bench_hf_1p2b`)."""
+    half, and the peak memory. Each step reads its metrics (log interval 1)."""
     variants = []
     for micro, recompute in VARIANTS_1P2B:
         def overrides(tmp: str, micro=micro, recompute=recompute) -> dict[str, str]:
             return {**_bench_data_overrides(data, tmp, steps, micro), "precision.initial_scale_power": "16",
                     "model.activation_checkpointing": str(recompute).lower()}
         variants.append(({"micro_batch": micro, "recompute": recompute}, overrides))
-    config = ROOT / "configs" / "gpt2_1.2b.yaml"
-    bench_trainer(config, variants, out, steps)
-    r = json.loads(out.read_text())
-    try:
-        r["hf"] = bench_hf_1p2b(config, ["--device", "cuda", "--batch", str(HF_MICRO_1P2B)], steps)
-    except Exception as e:  # noqa: BLE001 - the trainer's rows stand without HF's
-        r["hf"] = {"micro_batch": HF_MICRO_1P2B, "error": f"{type(e).__name__}: {e}"}
-    out.write_text(json.dumps(r))
+    bench_trainer(ROOT / "configs" / "gpt2_1.2b.yaml", variants, out, steps)
 
 
-HF_MICRO_1P2B = 8  # the micro-batch of HF's row (the paper config's, and the bench_train_step A/B's)
+HF_MICRO_1P2B = 8  # the micro-batch of HF's row in the 1.2B check (the paper config's, and the A/B's)
 
 
-def bench_hf_1p2b(config: Path, shape: list[str], steps: int) -> dict:
-    """HF ``GPT2LMHeadModel`` of ``config``'s shape (layers, hidden, heads, seq, padded vocabulary, dropout 0.1,
-    fp16) under the same engine as ours: ``benchmarks.bench_train_step``'s runner (the trainer's DeepSpeed config,
-    AdamW as the trainer picks it, ``ds_compat.undo_initial_zero_step`` and the O(1) step). ``shape``:
-    bench_train_step arguments (device, micro-batch, or a smaller shape for a CPU test). Mean time of ``steps``
-    applied steps after warm-up, its TFLOP/s by our FLOP count, and the MFU against the device's dense fp16 peak
-    (the trainer's MFU, training.runtime.hardware; None on CPU)."""
-    import torch
-
-    from benchmarks import bench_train_step as b
+def hf_1p2b_command(out: Path) -> list[str]:
+    """``benchmarks.bench_train_step`` for HF ``GPT2LMHeadModel`` of configs/gpt2_1.2b.yaml's shape at micro-batch
+    :data:`HF_MICRO_1P2B` (fp16, the config's dropout, its padded vocabulary as the unpadded one so both count
+    the same FLOPs) under the same engine as ours (the trainer's DeepSpeed config, its AdamW choice, the O(1)
+    step); medians to ``out`` (JSON). A separate process: scripts do not import benchmarks."""
     from training.config import load_config, padded_vocab_size
-    from training.metrics import flops_per_iteration
-    from training.runtime.hardware import detect_device_kind, peak_tflops
 
-    m = load_config(config).model
-    args = b.parse_args(["--dtype", "fp16", "--only", "hf", "--layers", str(m.num_layers), "--hidden",
-                         str(m.hidden_size), "--heads", str(m.num_attention_heads), "--seq", str(m.seq_length),
-                         "--vocab", str(m.vocab_size), "--dropout", str(m.hidden_dropout), *shape])
-    args.adam = b.adam_for(args.device, args.dtype, args.adam)
-    if args.device == "cpu":
-        from training.trainer import allow_fp16_on_cpu
-
-        allow_fp16_on_cpu()
-    cfg = b.project_config(args)
-    padded = padded_vocab_size(args.vocab, m.make_vocab_size_divisible_by, 1)  # the config's padding, as ours
-    seq = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
-    seq = seq.to(args.device)
-    runner = b.build_runners(args, cfg, padded, seq[:, :-1].contiguous(), seq[:, 1:].contiguous())["hf"]
-    runner.warm_up(2)
-    step = runner.timed_applied(steps)
-    tflops = flops_per_iteration(cfg, padded) / step / 1e12
-    peak = peak_tflops(detect_device_kind(), "fp16") if args.device == "cuda" else None
-    return {"micro_batch": args.batch, "step_time_s": step, "tflops_per_device": tflops,
-            "mfu": tflops / peak if peak else None, "adam": args.adam}
+    m = load_config(ROOT / "configs" / "gpt2_1.2b.yaml").model
+    padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
+    return ["-m", "benchmarks.bench_train_step", "--device", "cuda", "--dtype", "fp16", "--only", "hf",
+            "--layers", str(m.num_layers), "--hidden", str(m.hidden_size), "--heads", str(m.num_attention_heads),
+            "--seq", str(m.seq_length), "--vocab", str(padded), "--dropout", str(m.hidden_dropout),
+            "--batch", str(HF_MICRO_1P2B), "--reps", "3", "--steps", "4", "--warmup", "2", "--json", str(out)]
 
 
 # (micro-batch, model.recompute) of the Llama-style 1B: the config's own (micro-batch 2, `auto`: the planner picks
@@ -524,7 +503,7 @@ def describe_hf(r: dict) -> str:
         return f"; HF GPT2LMHeadModel micro-batch {hf['micro_batch']}: {hf['error']}"
     mfu = f", MFU {100 * hf['mfu']:.1f}%" if hf.get("mfu") else ""
     text = (f"; HF GPT2LMHeadModel micro-batch {hf['micro_batch']} (same engine): step {hf['step_time_s']:.3f} s, "
-            f"{hf['tflops_per_device']:.1f} TFLOP/s{mfu}")
+            f"{hf['tflops']:.1f} TFLOP/s{mfu}")
     ours = [v for v in r["variants"] if v["micro_batch"] == hf["micro_batch"] and not v.get("oom")]
     if ours:
         text += f"; ours/HF {hf['step_time_s'] / ours[0]['step_time_s']:.3f}x (HF step time / ours)"

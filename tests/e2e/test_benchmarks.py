@@ -125,17 +125,21 @@ def _ratio(text: str, prefix: str) -> float:
     return float(line.rsplit(": ", 1)[1].split(" ")[0])
 
 
-def test_train_step_benchmark_dtype_ab_in_one_process():
+def test_train_step_benchmark_dtype_ab_in_one_process(tmp_path):
     """--dtype bf16 --dtype-ab fp16 --step-ab: bf16 with the O(1) step, bf16 with DeepSpeed's step and fp16 with
     the O(1) step, interleaved in one process. Per step the O(1) step reads the device at most once in bf16
     (its fp16 skip read is the one read) and exactly once in fp16, where DeepSpeed's bf16 step reads once per
     parameter tensor (1 layer: 12 + 4) and dispatches more operators."""
     argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "300",
             "--reps", "1", "--steps", "1", "--warmup", "1", "--dtype", "bf16", "--dtype-ab", "fp16", "--step-ab",
-            "--only", "ours", "--counts", "1"]
+            "--only", "ours", "--counts", "1", "--json", str(tmp_path / "ab.json")]
     text = run_distributed(_bench_worker, 1, argv)[0]
     timing = _timing_rows(text)
     assert list(timing) == ["ours", "ours (DeepSpeed step)", "ours (fp16)"], text
+    medians = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert [medians[k]["dtype"] for k in timing] == ["bf16", "bf16", "fp16"]
+    for name, cells in timing.items():  # the JSON holds the table's medians
+        assert f"{medians[name]['step_time_s']:.3f}" == cells[0].split()[0]
     assert all(float(r[0].split()[0]) > 0 for r in timing.values())  # s/step
     assert "candidate 'ours (fp16)' in fp16 with AdamW torch" in text
     assert "measured bf16 and fp16 matmul peak" in text

@@ -31,6 +31,9 @@ def test_dry_run_plans_every_check_and_renders_the_table(capsys, tmp_path):
     assert rows["resume_equal"][1].count("training.pretrain") == 3 and "train.exit_at=15" in rows["resume_equal"][1]
     assert "-m evaluation wikitext103 " in rows["wikitext103"][1] and "--limit 500" in rows["wikitext103"][1]
     assert "-m scripts.gpu_check --bench-llama-1b " in rows["llama_1b"][1]
+    hf = ("-m benchmarks.bench_train_step --device cuda --dtype fp16 --only hf --layers 40 --hidden 1536 --heads 16 "
+          "--seq 1024 --vocab 51200 --dropout 0.1 --batch 8")  # the 1.2B config's shape and padded vocabulary
+    assert "-m scripts.gpu_check --bench-1p2b " in rows["gpt2_1.2b"][1] and hf in rows["gpt2_1.2b"][1]
     assert rows["fused_adam_step1"][1].endswith("-m scripts.gpu_check --first-update "
                                                  f"{tmp_path}/fused_adam_step1.json".replace(str(ROOT) + "/", ""))
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
@@ -133,7 +136,7 @@ def test_first_update_check_measures_megatrons_step_one():
 
 def test_the_1p2b_row_reports_ours_against_hf():
     r = {"variants": [{"micro_batch": 4, "step_time_s": 0.133}, {"micro_batch": 8, "step_time_s": 0.172}],
-         "hf": {"micro_batch": 8, "step_time_s": 0.170, "tflops_per_device": 386.7, "mfu": 0.391}}
+         "hf": {"micro_batch": 8, "step_time_s": 0.170, "tflops": 386.7, "mfu": 0.391}}
     assert gpu_check.describe_hf(r) == ("; HF GPT2LMHeadModel micro-batch 8 (same engine): step 0.170 s, 386.7 TFLOP/s, "
                                         "MFU 39.1%; ours/HF 0.988x (HF step time / ours)")
     assert gpu_check.describe_hf({"variants": [], "hf": {"micro_batch": 8, "error": "OutOfMemoryError: x"}}) == \
