@@ -180,7 +180,7 @@ def test_train_step_benchmark_refuses_what_it_cannot_compare(capsys):
 def test_gpu_step_script_cpu_mode(tmp_path):
     """benchmarks/gpu_step.sh with GPU_STEP_DEVICE=cpu, short (two stages): the fp16 A/B stage runs the benchmark
     (ours, DeepSpeed's step, HF, then the counts: 1 read per step for ours and for HF under the same O(1) step,
-    one per parameter tensor for DeepSpeed's: 2 layers = 28 + 4 tensors, plus its overflow read), and the
+    at least one per parameter tensor for DeepSpeed's: 2 layers x 12 + 4 = 28 tensors), and the
     FusedAdam stage says why it cannot run on CPU."""
     import os
     import subprocess
@@ -203,7 +203,7 @@ def test_gpu_step_script_cpu_mode(tmp_path):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in counts.splitlines() if line.startswith("| ") and not line.startswith("| model")}
     assert float(rows["ours"][2]) == 1.0 and float(rows["hf"][2]) == 1.0
-    assert float(rows["ours (DeepSpeed step)"][2]) >= 32
+    assert float(rows["ours (DeepSpeed step)"][2]) >= 28
     assert int(rows["ours (DeepSpeed step)"][0].replace(",", "")) > 2 * int(rows["ours"][0].replace(",", ""))
 
 
