@@ -14,7 +14,7 @@
 # DeepSpeed importable (benchmarks/gpu_wheels.sh) and a data folder with corpus/tinyshakespeare.txt and
 # tokenizers/gpt2/ (DATA, default ../shared/data).
 #   bash benchmarks/gpu_step.sh                        # on the GPU machine
-#   GPU_STEP_DEVICE=cpu bash benchmarks/gpu_step.sh    # anywhere: the same stages on a tiny model, on CPU (~2 min)
+#   GPU_STEP_DEVICE=cpu bash benchmarks/gpu_step.sh    # anywhere: the same stages on a tiny model, on CPU (~3 min)
 #   GPU_STEP_DEVICE=cpu GPU_STEP_STAGES=fp16_ab bash benchmarks/gpu_step.sh   # short: one stage (CI)
 set -uo pipefail
 cd "$(dirname "$0")/.."
