@@ -26,6 +26,8 @@ dtype (``training.runtime.hardware``), and the measured large-matmul rate is rep
     .venv/bin/python -m benchmarks.bench_train_step --reps 5 --steps 2
     .venv/bin/python -m benchmarks.bench_train_step --profile 3        # torch.profiler tables instead
     .venv/bin/python -m benchmarks.bench_train_step --model llama --reps 5 --steps 2 --counts 2
+    .venv/bin/python -m benchmarks.bench_train_step --dtype fp16 --dtype-ab bf16 --step-ab --only ours --counts 2
+    python -m benchmarks.bench_train_step --device cuda --dtype fp16 --adam fused --adam-ab --only ours  # FusedAdam A/B
     python -m benchmarks.bench_train_step --device cuda --dtype fp16 --preset gpt2-1.2b --reps 5 --steps 5
 """
 from __future__ import annotations
@@ -105,10 +107,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adam", choices=["auto", "torch", "fused"], default="auto",
                    help="AdamW of every engine: torch's fused AdamW, DeepSpeed's FusedAdam (CUDA; DeepSpeed then "
                         "uses its fused FP16_Optimizer), or auto = what the trainer picks (FusedAdam for fp16 on CUDA)")
+    p.add_argument("--adam-ab", action="store_true",
+                   help="add a candidate 'ours (torch AdamW)' or 'ours (FusedAdam)': our model with the other AdamW "
+                        "than --adam resolves to, same dtype, same O(1) step. Needs --device cuda (DeepSpeed's "
+                        "FusedAdam is a CUDA kernel; on CPU it is refused, torch's AdamW being the only one there)")
+    p.add_argument("--dtype-ab", choices=["fp32", "bf16", "fp16"], default=None, metavar="DTYPE",
+                   help="add a candidate 'ours (DTYPE)': our model under DTYPE's DeepSpeed config (AdamW as --adam "
+                        "picks it for DTYPE), e.g. --dtype fp16 --dtype-ab bf16; its MFU is against DTYPE's peak")
     p.add_argument("--counts", type=int, default=0, metavar="STEPS",
                    help="after timing, count per step the operators dispatched (kernel launches on CUDA) and "
                         "the device-to-host syncs of each candidate (benchmarks.host_work; on CUDA also "
                         "torch.profiler's kernel launches and synchronisations), over STEPS steps")
+    p.add_argument("--json", type=str, default=None, metavar="PATH",
+                   help="also write each candidate's median s/step, TFLOP/s and MFU to PATH (JSON; scripts/gpu_check.py's "
+                        "1.2B row reads HF's from it)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="instead of timing, profile STEPS steps of each model and print the top operators")
     p.add_argument("--profile-rows", type=int, default=25)
@@ -135,10 +147,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.dropout:
             p.error("--model llama: --dropout must be 0 (Hugging Face's Llama has no hidden dropout, so the two "
                     "models would not compute the same step)")
+    if args.dtype_ab == args.dtype:
+        p.error(f"--dtype-ab {args.dtype_ab} is --dtype itself: name the other precision to compare")
+    if args.adam_ab and args.device != "cuda":
+        raise SystemExit("bench_train_step: --adam-ab needs --device cuda (DeepSpeed's FusedAdam is a CUDA kernel; "
+                         "on CPU torch's AdamW is the only candidate)")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
-    if args.dtype == "bf16" and args.device == "cuda" and not torch.cuda.is_bf16_supported():
-        p.error("--dtype bf16: this GPU has no bf16 support; use fp16")
+    if "bf16" in (args.dtype, args.dtype_ab) and args.device == "cuda" and not torch.cuda.is_bf16_supported():
+        p.error("bf16: this GPU has no bf16 support; use fp16")
     return args
 
 
@@ -188,6 +205,7 @@ class Runner:
         self.tokens, self.labels, self.clip, self.mpu = tokens, labels, clip, mpu
         self.static_bytes = 0  # GPU memory the engine holds between steps (weights, grads, optimizer state)
         self.first_loss: float | None = None  # the loss of the first step this runner took
+        self.dtype: str | None = None  # a precision other than --dtype's (--dtype-ab)
 
     def warm_up(self, steps: int, max_steps: int = 64) -> int:
         """At least ``steps`` steps, continued (up to ``max_steps``) while fp16 loss scaling still skips:
@@ -266,6 +284,20 @@ def tied_safe_optimizer(model, ocfg, iters: int, fused: bool = False, adam: str 
     return opt, sched
 
 
+ADAM_NAMES = {"fused": "FusedAdam", "torch": "torch AdamW"}
+
+
+def adam_for(device: str, dtype: str, adam: str) -> str:
+    """'fused' or 'torch': ``adam`` itself, or for 'auto' what the trainer picks for ``dtype`` on ``device``
+    (FusedAdam for fp16 on CUDA, torch's fused AdamW otherwise)."""
+    if adam != "auto":
+        return adam
+    from training.runtime.gpu_settings import fused_adam_available, settings_for
+
+    kind = settings_for(device, dtype, device == "cuda" and fused_adam_available()).optimizer
+    return "fused" if kind == "deepspeed_fused_adam" else "torch"
+
+
 def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
     import deepspeed
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -283,8 +315,9 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
     tp_random.configure(ps, cfg.model.num_layers)
     tp_random.set_seed(cfg.train.seed)
 
-    def engine(model, mpu: ParallelState | None = None, backward_allreduce=False, o1_step=True):
-        opt, sched = tied_safe_optimizer(model, cfg.optimizer, cfg.train.iters, fused=True, adam=args.adam)
+    def engine(model, mpu: ParallelState | None = None, backward_allreduce=False, o1_step=True, ds=ds,
+               adam=args.adam):
+        opt, sched = tied_safe_optimizer(model, cfg.optimizer, cfg.train.iters, fused=True, adam=adam)
         eng, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=mpu, config=dict(ds),
                                        dist_init_required=False)
         # DP = 1: the trainer switches the bucketed all-reduce of a replica with itself off (Trainer.__init__)
@@ -319,6 +352,24 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
         compile_layers(m)
         runners["ours (compiled)"] = Runner("ours (compiled)", engine(m, ps), m, ours_loss, tokens, labels, clip, ps)
         runners["ours (compiled)"].static_bytes = gpu_bytes() - before
+    if getattr(args, "adam_ab", False):
+        other = "torch" if args.adam == "fused" else "fused"
+        name = f"ours ({ADAM_NAMES[other]})"
+        before = gpu_bytes()
+        m = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
+        runners[name] = Runner(name, engine(m, ps, adam=other), m, ours_loss, tokens, labels, clip, ps)
+        runners[name].static_bytes = gpu_bytes() - before
+    if getattr(args, "dtype_ab", None):
+        d = args.dtype_ab
+        cfg_d = project_config(argparse.Namespace(**{**vars(args), "dtype": d}))
+        name = f"ours ({d})"
+        before = gpu_bytes()
+        m = GPT2Model(cfg_d.model, padded, ps.tp_group, seed=cfg.train.seed).train()
+        runners[name] = Runner(name, engine(m, ps, ds=deepspeed_config(cfg_d, 1, d),
+                                           adam=getattr(args, "dtype_ab_adam", None) or args.adam),
+                               m, ours_loss, tokens, labels, clip, ps)
+        runners[name].dtype = d
+        runners[name].static_bytes = gpu_bytes() - before
     if args.engine_default:
         before = gpu_bytes()
         m = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
@@ -399,6 +450,8 @@ def count(runners: dict[str, Runner], steps: int, device: str = "cpu") -> list[l
             for _ in range(steps):
                 r.step(read=False)
         row = [name, f"{w.total / steps:,.0f}", f"{w.kernels / steps:,.0f}", f"{w.syncs / steps:.1f}"]
+        if name == "ours (compiled)":  # dynamo runs no compiled frame under a TorchDispatchMode: these are eager's
+            row[1:4] = ["n/a"] * 3
         if device == "cuda":
             from torch.profiler import ProfilerActivity, profile as tprofile
 
@@ -465,17 +518,15 @@ def main(argv: list[str] | None = None) -> None:
     from training.runtime.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
     from training.metrics import flops_per_iteration
 
-    if args.device == "cpu" and args.dtype == "fp16":
+    if args.device == "cpu" and "fp16" in (args.dtype, args.dtype_ab):
         from training.trainer import allow_fp16_on_cpu
 
         allow_fp16_on_cpu()  # slow (no fp16 matmul units here); exercises the fp16 engine path
-    if args.adam == "auto":
-        from training.runtime.gpu_settings import fused_adam_available, settings_for
-
-        kind = settings_for(args.device, args.dtype, args.device == "cuda" and fused_adam_available()).optimizer
-        args.adam = "fused" if kind == "deepspeed_fused_adam" else "torch"
-    elif args.adam == "fused" and args.device != "cuda":
+    if args.adam == "fused" and args.device != "cuda":
         raise SystemExit("bench_train_step: --adam fused needs --device cuda (DeepSpeed's FusedAdam is a CUDA kernel)")
+    if args.dtype_ab:
+        args.dtype_ab_adam = adam_for(args.device, args.dtype_ab, args.adam)
+    args.adam = adam_for(args.device, args.dtype, args.adam)
     info = common.machine_info(gpu=args.device == "cuda")
     cfg = project_config(args)
     padded = padded_vocab_size(args.vocab, cfg.model.make_vocab_size_divisible_by, 1)
@@ -496,26 +547,32 @@ def main(argv: list[str] | None = None) -> None:
     candidates: dict = {}
     for name, clock in clocks.items():
         candidates[name] = clock if args.device == "cpu" else common.with_peak_gpu_memory(clock, memory[name])
+    dtypes = [args.dtype] + ([args.dtype_ab] if args.dtype_ab else [])  # each candidate's MFU uses its dtype's peak
     if args.device == "cpu":
         peak_fn = getattr(measure_cpu_peak_tflops, "__wrapped__", measure_cpu_peak_tflops)
-        candidates["peak"] = lambda: peak_fn(args.dtype)  # TFLOP/s, fresh each repetition
-        peak_what = f"measured {args.dtype} matmul peak (n=1024, same repetition)"
+        for d in dtypes:
+            candidates[f"peak {d}"] = lambda d=d: peak_fn(d)  # TFLOP/s, fresh each repetition
+        peak_what = f"measured {' and '.join(dtypes)} matmul peak (n=1024, same repetition)"
     else:
         kind = detect_device_kind()
-        sheet = peak_tflops(kind, args.dtype)
-        if sheet is None:
-            raise SystemExit(f"no data-sheet {args.dtype} peak for device kind {kind!r} in training/runtime/hardware.py")
+        sheets = {d: peak_tflops(kind, d) for d in dtypes}
+        for d, sheet in sheets.items():
+            if sheet is None:
+                raise SystemExit(f"no data-sheet {d} peak for device kind {kind!r} in training/runtime/hardware.py")
         candidates["matmul"] = lambda: common.gpu_matmul_tflops(args.dtype)
-        peak_what = f"data-sheet dense {args.dtype} peak of {kind}: {sheet:.1f} TFLOP/s"
+        peak_what = ", ".join(f"data-sheet dense {d} peak of {kind}: {sheets[d]:.1f} TFLOP/s" for d in dtypes)
     samples = common.interleaved(candidates, args.reps)
-    peak = samples["peak"] if args.device == "cpu" else common.Samples([sheet] * args.reps)
+    peaks = {d: samples[f"peak {d}"] if args.device == "cpu" else common.Samples([sheets[d]] * args.reps)
+             for d in dtypes}
 
     flops = flops_per_iteration(cfg, padded)  # GPT-2's count, or with the Llama MLP width, GQA and SwiGLU
     ntok = args.batch * args.seq
     rate_unit, rate_name = (1e9, "GFLOP/s") if args.device == "cpu" else (1e12, "TFLOP/s")
-    rows = []
+    rows, medians = [], {}
     for name in runners:
-        t = samples[name]
+        t, peak = samples[name], peaks[runners[name].dtype or args.dtype]
+        medians[name] = {"step_time_s": t.median, "tflops": flops / t.median / 1e12,
+                         "mfu": flops / t.median / 1e12 / peak.median, "dtype": runners[name].dtype or args.dtype}
         mfu = common.Samples([flops / dt / 1e12 / pk for dt, pk in zip(t.values, peak.values)])
         row = [name, t.fmt(".3f"), common.Samples([ntok / x for x in t.values]).fmt(",.0f"),
                common.Samples([flops / x / rate_unit for x in t.values]).fmt(".1f"),
@@ -541,9 +598,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.dtype} on {args.device}, activation checkpointing {'on' if args.activation_checkpointing else 'off'}"
           f"{f', {args.threads} threads' if args.device == 'cpu' else ''}; {args.reps} interleaved repetitions x "
           f"{args.steps} steps after {args.warmup} warm-up; extra gradient clipping {'on' if args.clip else 'off'}; "
-          f"AdamW {args.adam}")
+          f"AdamW {args.adam}" + (f"; candidate 'ours ({args.dtype_ab})' in {args.dtype_ab} with AdamW "
+                                  f"{args.dtype_ab_adam}" if args.dtype_ab else ""))
+    peak = peaks[args.dtype]
     print(f"- model FLOPs per step: {flops / 1e12:.4g} TFLOP; peak: {peak_what}"
-          + (f" = {peak.fmt('.4f')} TFLOP/s" if args.device == "cpu" else
+          + (" = " + " and ".join(f"{peaks[d].fmt('.4f')}" for d in dtypes) + " TFLOP/s" if args.device == "cpu" else
              f"; measured {args.dtype} matmul 8192^3: {samples['matmul'].fmt('.1f')} TFLOP/s")
           + ". MFU per rep = step rate / peak; best/best = fastest step / highest peak")
     print()
@@ -568,9 +627,24 @@ def main(argv: list[str] | None = None) -> None:
     if "ours" in runners and "ours (compiled)" in runners:
         print(f"Compiled layers vs eager (eager step time / compiled): "
               f"{common.ratio_samples(samples['ours'], samples['ours (compiled)']).fmt('.3f')}")
+    if "ours" in runners and args.dtype_ab:
+        d = args.dtype_ab
+        print(f"{args.dtype} vs {d} ({d} step time / {args.dtype}'s, ours): "
+              f"{common.ratio_samples(samples[f'ours ({d})'], samples['ours']).fmt('.3f')}")
+    if "ours" in runners and args.adam_ab:
+        other = "torch" if args.adam == "fused" else "fused"
+        print(f"{ADAM_NAMES[args.adam]} vs {ADAM_NAMES[other]} ({ADAM_NAMES[other]} step time / "
+              f"{ADAM_NAMES[args.adam]}'s, ours, {args.dtype}): "
+              f"{common.ratio_samples(samples[f'ours ({ADAM_NAMES[other]})'], samples['ours']).fmt('.3f')}")
     if "ours" in runners and "ours (engine default)" in runners:
         print(f"Trainer's engine setting vs DeepSpeed's default (engine default step time / ours): "
               f"{common.ratio_samples(samples['ours (engine default)'], samples['ours']).fmt('.3f')}")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "batch": args.batch, "seq": args.seq, "layers": args.layers,
+                       "vocab_padded": padded, "adam": args.adam, "rows": medians}, f, indent=1)
     if args.counts:
         print_counts(args, runners, info)
 
@@ -584,6 +658,10 @@ def print_counts(args, runners: dict[str, Runner], info: dict) -> None:
           f"loss read")
     print()
     print(common.markdown_table(head + ["skipped while counting"], count(runners, args.counts, args.device)))
+    if "ours (compiled)" in runners:
+        print("\nours (compiled): n/a = not countable by benchmarks.host_work (torch.compile runs no compiled frame "
+              "under a TorchDispatchMode, so the layers would run eagerly)"
+              + ("; the profiler columns count the compiled kernels" if args.device == "cuda" else ""))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,11 @@ Checks (each a real run through the project's own entry points, ``torchrun`` for
     hf_export        Hugging Face export: ``GPT2LMHeadModel`` logits equal ours (fp32)
     cuda_graph       ``model.cuda_graph=true`` (TP=2 with 2 GPUs): fp32 losses equal eager's without dropout;
         fp16 with dropout and activation checkpointing, the loss falls
-    gpt2_1.2b        the paper's 1.2B config (fp16, activation checkpointing): step time, TFLOP/s, memory
+    fused_adam_step1 DeepSpeed's FusedAdam under the trainer's fp16 wrapper (``FP16_Optimizer``,
+        ``ds_compat.undo_initial_zero_step``, the O(1) step): the first update equals Megatron's step-1 update
+        ``p (1 - lr wd) - lr g / (|g| + eps)``; without the undo it does not
+    gpt2_1.2b        the paper's 1.2B config (fp16): the trainer's step time, TFLOP/s, MFU, memory at micro-batch 4
+        (full recompute), 8 and 16 (none), and HF ``GPT2LMHeadModel`` at micro-batch 8 under the same engine
     llama_1b         the Llama-style 1B config (configs/llama_1b.yaml: GQA, SwiGLU, RoPE, RMSNorm; bf16, seq
         4096, ``model.recompute: auto``): step time, TFLOP/s and MFU by the Llama FLOP count
         (``training.plan.accounting``: gated MLP, grouped key/values), peak memory
@@ -236,15 +240,35 @@ def hf_export(ctx: Context) -> tuple[bool, str]:
     return r["max_abs_diff"] <= 1e-3, f"max |logit diff| {r['max_abs_diff']:.2e} over {r['tokens']} tokens (fp32)"
 
 
+def fused_adam_step1(ctx: Context) -> tuple[bool, str]:
+    out = ctx.out / "fused_adam_step1.json"
+    ctx.run("fused_adam_step1", ["-m", "scripts.gpu_check", "--first-update", str(out)], nproc=0)
+    if ctx.dry:
+        return True, "planned"
+    r = json.loads(out.read_text())
+    ok = r["undo"]["max_abs_diff"] <= FIRST_UPDATE_TOL and r["no_undo"]["max_abs_diff"] > 100 * FIRST_UPDATE_TOL
+    return ok, (f"{r['optimizer']}, {r['params']} weights: max |update - Megatron's step 1| {r['undo']['max_abs_diff']:.1e} "
+                f"with the undo (Adam step {r['undo']['adam_step']}), {r['no_undo']['max_abs_diff']:.1e} without "
+                f"(Adam step {r['no_undo']['adam_step']})")
+
+
 def gpt2_1p2b(ctx: Context) -> tuple[bool, str]:
     out = ctx.out / "gpt2_1.2b.json"
     ctx.run("gpt2_1.2b", ["-m", "scripts.gpu_check", "--bench-1p2b", str(out), "--data", str(ctx.data)], nproc=0)
     if ctx.dry:
+        ctx.run("gpt2_1.2b", hf_1p2b_command(ctx.out / "gpt2_1.2b_hf.json"), nproc=0)
         return True, "planned"
     r = json.loads(out.read_text())
     first = r["variants"][0]
     ok = not first.get("oom") and first["skipped_last"] == 0
-    return ok, f"{r['device']}, seq 1024, fp16; " + "; ".join(describe_1p2b(v) for v in r["variants"])
+    hf_out = ctx.out / "gpt2_1.2b_hf.json"
+    try:  # the trainer's rows stand without HF's
+        ctx.run("gpt2_1.2b", hf_1p2b_command(hf_out), nproc=0)
+        hf = json.loads(hf_out.read_text())
+        r["hf"] = {"micro_batch": hf["batch"], **hf["rows"]["hf"]}
+    except (RuntimeError, OSError, KeyError) as e:
+        r["hf"] = {"micro_batch": HF_MICRO_1P2B, "error": f"{type(e).__name__}: {e}"}
+    return ok, f"{r['device']}, seq 1024, fp16; " + "; ".join(describe_1p2b(v) for v in r["variants"]) + describe_hf(r)
 
 
 def llama_1b(ctx: Context) -> tuple[bool, str]:
@@ -276,6 +300,7 @@ CHECKS: list[tuple[str, int, Callable[[Context], tuple[bool, str]]]] = [
     ("resume_equal", 1, resume_equal),
     ("hf_export", 1, hf_export),
     ("cuda_graph", 1, cuda_graph),
+    ("fused_adam_step1", 1, fused_adam_step1),
     ("gpt2_1.2b", 1, gpt2_1p2b),
     ("llama_1b", 1, llama_1b),
 ]
@@ -358,6 +383,24 @@ def bench_1p2b(out: Path, data: Path, steps: int = 8) -> None:
                     "model.activation_checkpointing": str(recompute).lower()}
         variants.append(({"micro_batch": micro, "recompute": recompute}, overrides))
     bench_trainer(ROOT / "configs" / "gpt2_1.2b.yaml", variants, out, steps)
+
+
+HF_MICRO_1P2B = 8  # the micro-batch of HF's row in the 1.2B check (the paper config's, and the A/B's)
+
+
+def hf_1p2b_command(out: Path) -> list[str]:
+    """``benchmarks.bench_train_step`` for HF ``GPT2LMHeadModel`` of configs/gpt2_1.2b.yaml's shape at micro-batch
+    :data:`HF_MICRO_1P2B` (fp16, the config's dropout, its padded vocabulary as the unpadded one so both count
+    the same FLOPs) under the same engine as ours (the trainer's DeepSpeed config, its AdamW choice, the O(1)
+    step); medians to ``out`` (JSON). A separate process: scripts do not import benchmarks."""
+    from training.config import load_config, padded_vocab_size
+
+    m = load_config(ROOT / "configs" / "gpt2_1.2b.yaml").model
+    padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
+    return ["-m", "benchmarks.bench_train_step", "--device", "cuda", "--dtype", "fp16", "--only", "hf",
+            "--layers", str(m.num_layers), "--hidden", str(m.hidden_size), "--heads", str(m.num_attention_heads),
+            "--seq", str(m.seq_length), "--vocab", str(padded), "--dropout", str(m.hidden_dropout),
+            "--batch", str(HF_MICRO_1P2B), "--reps", "3", "--steps", "4", "--warmup", "2", "--json", str(out)]
 
 
 # (micro-batch, model.recompute) of the Llama-style 1B: the config's own (micro-batch 2, `auto`: the planner picks
@@ -451,6 +494,80 @@ def describe_1p2b(r: dict) -> str:
             f"{r['peak_memory_gib']:.1f} GiB")
 
 
+def describe_hf(r: dict) -> str:
+    """HF's row of :func:`bench_1p2b` in words, with ours/HF at its micro-batch (empty if it has none)."""
+    hf = r.get("hf")
+    if not hf:
+        return ""
+    if "error" in hf:
+        return f"; HF GPT2LMHeadModel micro-batch {hf['micro_batch']}: {hf['error']}"
+    mfu = f", MFU {100 * hf['mfu']:.1f}%" if hf.get("mfu") else ""
+    text = (f"; HF GPT2LMHeadModel micro-batch {hf['micro_batch']} (same engine): step {hf['step_time_s']:.3f} s, "
+            f"{hf['tflops']:.1f} TFLOP/s{mfu}")
+    ours = [v for v in r["variants"] if v["micro_batch"] == hf["micro_batch"] and not v.get("oom")]
+    if ours:
+        text += f"; ours/HF {hf['step_time_s'] / ours[0]['step_time_s']:.3f}x (HF step time / ours)"
+    return text
+
+
+FIRST_UPDATE_TOL = 1e-5  # fp32 masters, |update| ~ lr = 1e-2: Adam's sqrt and division round at ~1e-7 relative
+
+
+def first_update(device: str = "cuda", adam: str = "fused") -> dict:
+    """The first update of the trainer's fp16 optimizer against Megatron's step 1, with and without
+    ``ds_compat.undo_initial_zero_step``: DeepSpeed's ``FP16_Optimizer`` (the wrapper it gives FusedAdam) around
+    ``adam`` ('fused': DeepSpeed's FusedAdam, CUDA; 'torch': torch's AdamW, for a CPU test of this function), the
+    O(1) step installed, lr 1e-2, weight decay 0.1, one step of random gradients (scaled by the loss scale, as
+    backward leaves them). Megatron's step 1: bias corrections 1 - beta^1 give m = g, v = g^2, so the update is
+    ``p (1 - lr wd) - lr g / (|g| + eps)``. FusedAdam seeds each new state's step from its group's ``step``:
+    the undo must set it to 0, or the first real step is Adam's step 2 (the bug of issue 27)."""
+    import types
+
+    import torch
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+
+    from training.runtime import ds_compat, optimizer_step
+
+    lr, wd, eps = 1e-2, 0.1, 1e-8
+    res: dict = {"optimizer": "DeepSpeed FusedAdam" if adam == "fused" else "torch AdamW", "device": device}
+    for undo in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128),
+                                    torch.nn.Linear(128, 32)).to(device).half()
+        if adam == "fused":
+            from deepspeed.ops.adam import FusedAdam
+
+            from training.runtime.gpu_settings import deepspeed_buildable_arch_list
+
+            with deepspeed_buildable_arch_list():
+                inner = FusedAdam(model.parameters(), lr=lr, weight_decay=wd, eps=eps, adam_w_mode=True)
+        else:
+            inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, eps=eps)
+        opt = FP16_Optimizer(inner, dynamic_loss_scale=True, verbose=False, clip_grad=0.0,
+                             dynamic_loss_args={"init_scale": 2.0**8, "scale_window": 1000, "delayed_shift": 1,
+                                                "consecutive_hysteresis": False, "min_scale": 1})
+        engine = types.SimpleNamespace(optimizer=opt)
+        if undo:
+            ds_compat.undo_initial_zero_step(engine)
+        installed = optimizer_step.install(engine)
+        before = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+        gen = torch.Generator().manual_seed(3)
+        grads = [torch.randn(p.shape, generator=gen).half().to(device) for p in model.parameters()]
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g * opt.loss_scale_config.cur_scale
+        opt.step()
+        g = torch.cat([x.float().reshape(-1) for x in grads])
+        expected = before * (1 - lr * wd) - lr * g / (g.abs() + eps)
+        after = opt.fp32_groups_flat[0].detach().float()
+        state = next(iter(inner.state.values()), {})
+        step = state.get("step", inner.param_groups[0].get("step"))
+        res["undo" if undo else "no_undo"] = {"max_abs_diff": (after - expected).abs().max().item(),
+                                              "adam_step": int(step) if step is not None else None,
+                                              "o1_step": installed, "overflow": bool(opt.overflow)}
+        res["params"] = before.numel()
+    return res
+
+
 # --------------------------------------------------------------------------------------------------
 def render(rows: list[Row], header: str) -> str:
     """A Markdown table (readable as plain text too)."""
@@ -473,6 +590,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compare-hf", nargs=2, type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--bench-1p2b", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--bench-llama-1b", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--first-update", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps < 4:
         p.error(f"--steps must be >= 4 (the loss must have room to fall), got {args.steps}")
@@ -493,6 +611,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.bench_1p2b:
         bench_1p2b(args.bench_1p2b, args.data)
+        return 0
+    if args.first_update:
+        from training.runtime.distributed import init_distributed
+
+        init_distributed()  # the O(1) step all-reduces its norm over the (one-process) group
+        args.first_update.write_text(json.dumps(first_update()))
         return 0
     if args.bench_llama_1b:
         bench_llama_1b(args.bench_llama_1b, args.data)

@@ -105,6 +105,108 @@ def test_train_step_benchmark_step_ab_and_counts():
     assert int(rows["ours (DeepSpeed step)"][1].replace(",", "")) > int(rows["ours"][1].replace(",", ""))
 
 
+def _counts_rows(text: str) -> dict[str, list[str]]:
+    """The host-work table of a --counts run: model -> [operators, kernel operators, host syncs, skipped]."""
+    counts = text[text.index("Host work per step"):]
+    return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in counts.splitlines() if line.startswith("| ours")}
+
+
+def _timing_rows(text: str) -> dict[str, list[str]]:
+    """The timing table (the first table): model -> its cells."""
+    timing = text[:text.index("Host work per step")] if "Host work per step" in text else text
+    return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in timing.splitlines() if line.startswith("| ") and not line.startswith("| model")}
+
+
+def _ratio(text: str, prefix: str) -> float:
+    """The median of a 'PREFIX ...: 1.234 [lo-hi]' A/B line."""
+    line = next(line for line in text.splitlines() if line.startswith(prefix))
+    return float(line.rsplit(": ", 1)[1].split(" ")[0])
+
+
+def test_train_step_benchmark_dtype_ab_in_one_process(tmp_path):
+    """--dtype bf16 --dtype-ab fp16 --step-ab: bf16 with the O(1) step, bf16 with DeepSpeed's step and fp16 with
+    the O(1) step, interleaved in one process. Per step the O(1) step reads the device at most once in bf16
+    (its fp16 skip read is the one read) and exactly once in fp16, where DeepSpeed's bf16 step reads once per
+    parameter tensor (1 layer: 12 + 4) and dispatches more operators."""
+    argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "300",
+            "--reps", "1", "--steps", "1", "--warmup", "1", "--dtype", "bf16", "--dtype-ab", "fp16", "--step-ab",
+            "--only", "ours", "--counts", "1", "--json", str(tmp_path / "ab.json")]
+    text = run_distributed(_bench_worker, 1, argv)[0]
+    timing = _timing_rows(text)
+    assert list(timing) == ["ours", "ours (DeepSpeed step)", "ours (fp16)"], text
+    medians = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert [medians[k]["dtype"] for k in timing] == ["bf16", "bf16", "fp16"]
+    for name, cells in timing.items():  # the JSON holds the table's medians
+        assert f"{medians[name]['step_time_s']:.3f}" == cells[0].split()[0]
+    assert all(float(r[0].split()[0]) > 0 for r in timing.values())  # s/step
+    assert "candidate 'ours (fp16)' in fp16 with AdamW torch" in text
+    assert "measured bf16 and fp16 matmul peak" in text
+    assert _ratio(text, "bf16 vs fp16 (fp16 step time / bf16's, ours)") > 0
+    assert _ratio(text, "O(1) optimizer step vs DeepSpeed's") > 0
+    rows = _counts_rows(text)
+    assert float(rows["ours"][2]) <= 1.0 and float(rows["ours (fp16)"][2]) == 1.0
+    assert float(rows["ours (DeepSpeed step)"][2]) >= 16
+    assert int(rows["ours (DeepSpeed step)"][1].replace(",", "")) > int(rows["ours"][1].replace(",", ""))
+    assert int(rows["ours (fp16)"][3]) == 0  # warmed up past fp16's skipped steps before counting
+
+
+def test_train_step_benchmark_compile_ab():
+    """--compile: eager and compiled layers (inductor, one graph per layer) timed in one process; the host-work
+    counter cannot see compiled frames (dynamo runs none under a TorchDispatchMode), so their counts say n/a."""
+    argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "300",
+            "--reps", "1", "--steps", "1", "--warmup", "1", "--compile", "--only", "ours", "--counts", "1"]
+    text = run_distributed(_bench_worker, 1, argv)[0]
+    timing = _timing_rows(text)
+    assert list(timing) == ["ours", "ours (compiled)"], text
+    assert _ratio(text, "Compiled layers vs eager") > 0
+    rows = _counts_rows(text)
+    assert rows["ours (compiled)"][:3] == ["n/a"] * 3 and "ours (compiled): n/a = not countable" in text
+    assert int(rows["ours"][1].replace(",", "")) > 0 and float(rows["ours"][2]) == 0.0  # fp32: no host read
+
+
+def test_train_step_benchmark_refuses_what_it_cannot_compare(capsys):
+    from benchmarks import bench_train_step as b
+
+    with pytest.raises(SystemExit, match=r"^bench_train_step: --adam-ab needs --device cuda \(DeepSpeed's FusedAdam"):
+        b.parse_args(["--adam-ab"])
+    with pytest.raises(SystemExit):
+        b.parse_args(["--dtype", "bf16", "--dtype-ab", "bf16"])
+    assert "--dtype-ab bf16 is --dtype itself" in capsys.readouterr().err
+    assert b.adam_for("cpu", "fp16", "auto") == "torch" and b.adam_for("cuda", "fp16", "torch") == "torch"
+
+
+def test_gpu_step_script_cpu_mode(tmp_path):
+    """benchmarks/gpu_step.sh with GPU_STEP_DEVICE=cpu, short (two stages): the fp16 A/B stage runs the benchmark
+    (ours, DeepSpeed's step, HF, then the counts: 1 read per step for ours and for HF under the same O(1) step,
+    at least one per parameter tensor for DeepSpeed's: 2 layers x 12 + 4 = 28 tensors), and the
+    FusedAdam stage says why it cannot run on CPU."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_STEP_DEVICE": "cpu", "OUT": str(tmp_path),
+           "GPU_STEP_STAGES": "fp16_ab adam_ab"}
+    proc = subprocess.run(["bash", str(root / "benchmarks" / "gpu_step.sh")], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "== fp16_ab: exit 0 after" in proc.stdout, proc.stdout[-3000:]
+    assert "== adam_ab: skipped on CPU (DeepSpeed's FusedAdam is a CUDA kernel)" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adam_ab.txt", "fp16_ab.txt"]  # no other stage ran
+    text = (tmp_path / "fp16_ab.txt").read_text()
+    assert "2 layers, hidden 64, 4 heads, seq 32" in text and "fp16 on cpu" in text
+    assert list(_timing_rows(text)) == ["ours", "ours (DeepSpeed step)", "hf"], text
+    assert _ratio(text, "O(1) optimizer step vs DeepSpeed's") > 0
+    counts = text[text.index("Host work per step"):]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in counts.splitlines() if line.startswith("| ") and not line.startswith("| model")}
+    assert float(rows["ours"][2]) == 1.0 and float(rows["hf"][2]) == 1.0
+    assert float(rows["ours (DeepSpeed step)"][2]) >= 28
+    assert int(rows["ours (DeepSpeed step)"][0].replace(",", "")) > 2 * int(rows["ours"][0].replace(",", ""))
+
+
 def test_profile_mode_profiles_applied_fp16_steps():
     argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "300",
             "--dtype", "fp16", "--only", "ours", "--profile", "2", "--profile-rows", "5"]

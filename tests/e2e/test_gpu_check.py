@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from scripts import gpu_check
+from tests.helpers.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,6 +31,11 @@ def test_dry_run_plans_every_check_and_renders_the_table(capsys, tmp_path):
     assert rows["resume_equal"][1].count("training.pretrain") == 3 and "train.exit_at=15" in rows["resume_equal"][1]
     assert "-m evaluation wikitext103 " in rows["wikitext103"][1] and "--limit 500" in rows["wikitext103"][1]
     assert "-m scripts.gpu_check --bench-llama-1b " in rows["llama_1b"][1]
+    hf = ("-m benchmarks.bench_train_step --device cuda --dtype fp16 --only hf --layers 40 --hidden 1536 --heads 16 "
+          "--seq 1024 --vocab 51200 --dropout 0.1 --batch 8")  # the 1.2B config's shape and padded vocabulary
+    assert "-m scripts.gpu_check --bench-1p2b " in rows["gpt2_1.2b"][1] and hf in rows["gpt2_1.2b"][1]
+    assert rows["fused_adam_step1"][1].endswith("-m scripts.gpu_check --first-update "
+                                                 f"{tmp_path}/fused_adam_step1.json".replace(str(ROOT) + "/", ""))
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
 
 
@@ -106,3 +112,32 @@ def test_the_shell_wrapper_dry_run():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert _rows(proc.stdout)["bert_20"][0] == "DRY-RUN"
+
+
+def _first_update_worker(rank, world):
+    from training.trainer import allow_fp16_on_cpu
+
+    allow_fp16_on_cpu()
+    return gpu_check.first_update("cpu", "torch")
+
+
+def test_first_update_check_measures_megatrons_step_one():
+    """The fused_adam_step1 check's measurement, run on CPU with torch's AdamW in place of FusedAdam (a CUDA
+    kernel): through the trainer's fp16 wrapper and O(1) step, with the undo the first update is Megatron's
+    step 1 (Adam step 1) to ~1 ulp of the fp32 masters; without it Adam is at step 2 and the update is off by
+    3.6e-3 at lr 1e-2 (bias correction 0.744 and one extra weight decay), far above the check's tolerance."""
+    r = run_distributed(_first_update_worker, 1)[0]
+    assert r["params"] == 64 * 128 + 128 + 2 * 128 + 128 * 32 + 32
+    assert r["undo"]["o1_step"] and r["no_undo"]["o1_step"] and not r["undo"]["overflow"]
+    assert (r["undo"]["adam_step"], r["no_undo"]["adam_step"]) == (1, 2)
+    assert r["undo"]["max_abs_diff"] <= gpu_check.FIRST_UPDATE_TOL / 100
+    assert r["no_undo"]["max_abs_diff"] > 100 * gpu_check.FIRST_UPDATE_TOL
+
+
+def test_the_1p2b_row_reports_ours_against_hf():
+    r = {"variants": [{"micro_batch": 4, "step_time_s": 0.133}, {"micro_batch": 8, "step_time_s": 0.172}],
+         "hf": {"micro_batch": 8, "step_time_s": 0.170, "tflops": 386.7, "mfu": 0.391}}
+    assert gpu_check.describe_hf(r) == ("; HF GPT2LMHeadModel micro-batch 8 (same engine): step 0.170 s, 386.7 TFLOP/s, "
+                                        "MFU 39.1%; ours/HF 0.988x (HF step time / ours)")
+    assert gpu_check.describe_hf({"variants": [], "hf": {"micro_batch": 8, "error": "OutOfMemoryError: x"}}) == \
+        "; HF GPT2LMHeadModel micro-batch 8: OutOfMemoryError: x"
