@@ -124,6 +124,8 @@ def test_line_check_of_normalized_texts_equals_the_full_check(texts: list[str]) 
     for max_len in (4192, 200, 40):
         assert [_line_safe_normalized(t, max_len) for t in normed] == [_line_safe(t, max_len) for t in normed]
     clean = [t for t in normed if "\u2581" not in t]
-    got = training_counts(WordIndex.build(clean, SPM_IDENTITY), clean, 200, normalized=True)
-    want = count_training_words(clean, 200)
-    assert got is not None and want is not None and got.words == want.words and got.lines == want.lines
+    assert sum(t.count("\n\n") for t in clean) > 100  # paragraphs: the line count's "\n\n" rule is exercised
+    for max_len in (4192, 200):
+        got = training_counts(WordIndex.build(clean, SPM_IDENTITY), clean, max_len, normalized=True)
+        want = count_training_words(clean, max_len)
+        assert got is not None and want is not None and got.words == want.words and got.lines == want.lines
