@@ -16,7 +16,8 @@ them. From it
   space next to a line break, a line over ``max_sentence_length`` bytes) is counted from its text.
 
 Both give what the direct route gives (``encode_flat`` of the texts; ``count_training_words`` of the texts),
-tested. Files per shard: ``docs-K.wvocab.json`` (the split's name and the distinct words) and
+tested. Files per shard: ``docs-K.wvocab.json`` (the split's name and the distinct words, or their numbers
+with the words NUL-joined in ``docs-K.wvocab.txt``) and
 ``docs-K.wix.npz`` (the ids; read with ``allow_pickle=False``).
 """
 from __future__ import annotations
@@ -95,12 +96,20 @@ class WordIndex:
                    _ids(spaced_ids, len(spaced)), spaced_n, whole)
 
     def save(self, folder: Path, k: int) -> None:
+        """``docs-K.wix.npz`` (the ids), then ``docs-K.wvocab.json``: the split's name and the distinct words,
+        inline, or (no word holding a NUL, the common case) counts only, the words NUL-joined in
+        ``docs-K.wvocab.txt`` (a join instead of a JSON string per word: ~2x cheaper to write and read)."""
         with atomic.atomic_path(folder / f"{shard_name(k)}.wix.npz") as tmp:
             with open(tmp, "wb") as f:
                 np.savez(f, raw_ids=self.raw_ids, raw_n=self.raw_n, spaced_ids=self.spaced_ids,
                          spaced_n=self.spaced_n, whole=self.whole)
-        atomic.write_text(folder / f"{shard_name(k)}.wvocab.json",
-                          json.dumps({"split": self.split, "raw": self.raw, "spaced": self.spaced}, ensure_ascii=False))
+        vocab = folder / f"{shard_name(k)}.wvocab.json"
+        if any("\0" in w for w in (*self.raw, *self.spaced)):
+            atomic.write_text(vocab, json.dumps({"split": self.split, "raw": self.raw, "spaced": self.spaced},
+                                                ensure_ascii=False))
+            return
+        atomic.write_bytes(folder / f"{shard_name(k)}.wvocab.txt", "\0".join((*self.raw, *self.spaced)).encode("utf-8"))
+        atomic.write_text(vocab, json.dumps({"split": self.split, "raw_n": len(self.raw), "spaced_n": len(self.spaced)}))
 
     @classmethod
     def load(cls, folder: Path, k: int) -> WordIndex | None:
@@ -109,6 +118,13 @@ class WordIndex:
         if not (vocab.is_file() and arrays.is_file()):
             return None
         v = json.loads(vocab.read_text(encoding="utf-8"))
+        if "raw" not in v:  # the words in the NUL-joined text file
+            n_raw, n_spaced = int(v["raw_n"]), int(v["spaced_n"])
+            text = (folder / f"{shard_name(k)}.wvocab.txt").read_bytes().decode("utf-8")  # no newline translation
+            words = text.split("\0") if n_raw + n_spaced else []
+            if len(words) != n_raw + n_spaced:
+                raise ValueError(f"{vocab}: {n_raw + n_spaced} words announced, {len(words)} found")
+            v = {"split": v["split"], "raw": words[:n_raw], "spaced": words[n_raw:]}
         with np.load(arrays, allow_pickle=False) as z:
             return cls(v["split"], v["raw"], v["spaced"], z["raw_ids"], z["raw_n"], z["spaced_ids"], z["spaced_n"],
                        z["whole"])

@@ -45,7 +45,7 @@ def write_word_counts(folder: Path, k: int, wc: WordCounts | None) -> None:
     elif any("\n" in w for w in wc.words):
         atomic.write_text(header, json.dumps(wc.to_json(), ensure_ascii=False))
     else:
-        atomic.write_text(folder / f"{shard_name(k)}.words.txt", "\n".join(wc.words))
+        atomic.write_bytes(folder / f"{shard_name(k)}.words.txt", "\n".join(wc.words).encode("utf-8"))
         atomic_save_npy(folder / f"{shard_name(k)}.words.npy",
                         np.fromiter(wc.words.values(), dtype=np.int64, count=len(wc.words)))
         atomic.write_text(header, json.dumps({"docs": wc.docs, "lines": wc.lines, "word_list": len(wc.words)}))
@@ -60,7 +60,7 @@ def read_word_counts(folder: Path, k: int) -> tuple[bool, WordCounts | None]:
     if "word_list" not in saved:
         return True, WordCounts.from_json(saved) if saved["words"] is not None else None
     n = int(saved["word_list"])
-    words = (folder / f"{shard_name(k)}.words.txt").read_text("utf-8").split("\n") if n else []
+    words = (folder / f"{shard_name(k)}.words.txt").read_bytes().decode("utf-8").split("\n") if n else []  # a "\r" stays
     counts = np.load(folder / f"{shard_name(k)}.words.npy", allow_pickle=False).tolist()
     if len(words) != n or len(counts) != n:
         raise ValueError(f"{header}: {n} words announced, {len(words)} words and {len(counts)} counts found")

@@ -129,3 +129,19 @@ def test_line_check_of_normalized_texts_equals_the_full_check(texts: list[str]) 
         got = training_counts(WordIndex.build(clean, SPM_IDENTITY), clean, max_len, normalized=True)
         want = count_training_words(clean, max_len)
         assert got is not None and want is not None and got.words == want.words and got.lines == want.lines
+
+
+def test_index_files_round_trip(tmp_path: Path) -> None:
+    """An index saved and loaded is the same index: words with line breaks, non-ASCII and spaces as they are
+    (NUL-joined file), none at all, and a word holding a NUL (inline JSON instead)."""
+    cases = [["the cat\n\nsat", "\u6771\u4eac caf\u00e9 \u2581x", "a\nb c", "cr\rinside \r\n"], [], ["nul\x00inside word"]]
+    for k, texts in enumerate(cases):
+        index = WordIndex.build(texts, SPM_IDENTITY)
+        index.save(tmp_path, k)
+        got = WordIndex.load(tmp_path, k)
+        assert got is not None and (got.split, got.raw, got.spaced) == (index.split, index.raw, index.spaced)
+        for a, b in ((got.raw_ids, index.raw_ids), (got.spaced_ids, index.spaced_ids), (got.raw_n, index.raw_n),
+                     (got.spaced_n, index.spaced_n), (got.whole, index.whole)):
+            np.testing.assert_array_equal(a, b)
+        assert (tmp_path / f"docs-{k:05d}.wvocab.txt").is_file() == (k != 2)
+    assert WordIndex.load(tmp_path, 3) is None

@@ -122,7 +122,7 @@ def test_word_counts_files_round_trip(tmp_path: Path) -> None:
     from data_pipeline.stages.ingest import read_word_counts, word_counts_path, write_word_counts
     from data_pipeline.tokenizer_train import WordCounts
 
-    cases = [WordCounts(Counter({"the": 5, " cat": 2, "\u00e9t\u00e9": 1, " \u6771\u4eac": 7, "\u2581x": 3, " ": 1}),
+    cases = [WordCounts(Counter({"the": 5, " cat\r": 2, "\u00e9t\u00e9": 1, " \u6771\u4eac": 7, "\u2581x": 3, " ": 1}),
                         docs=4, lines=9),
              WordCounts(Counter(), docs=2, lines=0),
              WordCounts(Counter({"a\nb": 1, "c": 2}), docs=1, lines=2)]
