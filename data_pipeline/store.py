@@ -21,8 +21,11 @@ shard or nothing that counts (the ``.txt`` and ``.meta.jsonl`` of an aborted sha
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import mmap
+import os
+import re
 import shutil
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -105,8 +108,21 @@ class ShardWriter:
             f.__exit__(type(stop), stop, None)  # closes and removes the temporary file
 
 
+def scan_names(folder: Path, pattern: str) -> Iterator[str]:
+    """Names of the entries of ``folder`` matching the shell ``pattern`` (case-sensitive, as ``Path.glob`` on
+    POSIX), read as a stream: ``Path.glob`` of Python 3.11 lists the whole folder first (~200 bytes per entry:
+    +5 MiB on a driver for a 5,000-shard store, +35 MiB at the 174 GB corpus's 38,000). None if no folder."""
+    if not folder.is_dir():
+        return
+    match = re.compile(fnmatch.translate(pattern)).match
+    with os.scandir(folder) as entries:
+        for e in entries:
+            if match(e.name):
+                yield e.name
+
+
 def done_shards(folder: Path) -> list[int]:
-    return sorted(int(p.name[5:10]) for p in folder.glob("docs-*.done.json"))
+    return sorted(int(name[5:10]) for name in scan_names(folder, "docs-*.done.json"))
 
 
 def shard_counts(folder: Path, k: int) -> dict[str, Any]:

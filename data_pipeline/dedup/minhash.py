@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from data_pipeline.dedup.hashing import ShingleSpec, fmix32, shingle_sets_batch
-from data_pipeline.store import DocStore, atomic_save_npy
+from data_pipeline.store import DocStore, atomic_save_npy, scan_names
 from data_pipeline.workers import worker_pool
 
 if TYPE_CHECKING:
@@ -144,7 +144,8 @@ def remove_stale_tmp(folder: Path, min_age_s: float = 600.0) -> int:
     """Delete ``*.tmp*`` files that a killed run left in ``folder`` (atomic writes in progress are
     younger than ``min_age_s``: another live worker sharing the folder keeps its own). Returns how many."""
     now, n = time.time(), 0
-    for f in folder.glob("*.tmp*"):
+    for name in scan_names(folder, "*.tmp*"):
+        f = folder / name
         try:
             if f.is_file() and now - f.stat().st_mtime > min_age_s:
                 f.unlink()

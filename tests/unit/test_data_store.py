@@ -1,6 +1,8 @@
 """The binary document store (UTF-8 texts + offsets): round trip, atomic shards, damage detection, bounded reader."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -65,3 +67,19 @@ def test_empty_shard_and_empty_store(tmp_path):
     store = DocStore(tmp_path)
     assert len(store) == 0 and list(store) == [] and store.texts(0, 0) == []
     assert np.asarray(store.input_index).shape == (0,)
+
+
+def test_scan_names_matches_path_glob(tmp_path: Path) -> None:
+    """The streamed folder scan keeps ``Path.glob``'s matches (hidden temporary files included, case-sensitive,
+    folders too) and a missing folder has none."""
+    from data_pipeline.store import scan_names
+
+    names = ["docs-00000.done.json", "docs-00012.done.json", "docs-00003.idx.npy", ".docs-00004.done.json.tmp-ab.json",
+             "DOCS-00005.done.json", "sig-0.npy.tmp-x.npy", "docs-00007.done.json.bak", "x.tmp"]
+    for n in names:
+        (tmp_path / n).write_text("")
+    (tmp_path / "docs-00009.done.json").mkdir()
+    for pattern in ("docs-*.done.json", "*.tmp*", "*", "docs-0000?.*"):
+        assert sorted(scan_names(tmp_path, pattern)) == sorted(p.name for p in tmp_path.glob(pattern)), pattern
+    assert done_shards(tmp_path) == [0, 9, 12]
+    assert done_shards(tmp_path / "missing") == [] and list(scan_names(tmp_path / "missing", "*")) == []
