@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-CACHE_LIMIT = 200_000  # words cached per encoder (cleared when full; ~60 MB at most, measured)
+CACHE_LIMIT = 200_000  # words cached per encoder (when full, cleared but for the words at hand; ~60 MB at most, measured)
 
 Split = Callable[[str], "tuple[list[str], list[str]] | None"]
 """text -> (words for ``raw``, words for ``spaced``) in order, or ``None``: encode the text whole."""
@@ -82,7 +82,7 @@ class WordCache:
         return self._n_words
 
     def _add(self, table: dict[str, int], words: set[str], prefix: str) -> None:
-        words.difference_update(table.keys())
+        words = words.difference(table)  # iterates ``words`` (checked in the table), not the whole table
         if not words:
             return
         todo = list(words)
@@ -107,12 +107,32 @@ class WordCache:
         a leading space), unseen ones encoded now: with :meth:`gather`, the ids of texts already cut into
         words by this cache's ``split`` (the corpus builder cuts them once, in its ingest workers). Rows stay
         valid until the next call of this method or :meth:`encode_flat`."""
-        if self._n_words + len(raw) + len(spaced) > self.cache_limit:
-            self._reset()
-        self._add(self.raw, set(raw), "")
-        self._add(self.spaced, set(spaced), " ")
+        new_raw, new_spaced = set(raw).difference(self.raw), set(spaced).difference(self.spaced)
+        if self._n_words + len(new_raw) + len(new_spaced) > self.cache_limit:
+            self._keep_only(raw, spaced)
+        self._add(self.raw, new_raw, "")
+        self._add(self.spaced, new_spaced, " ")
         return (np.fromiter(map(self.raw.__getitem__, raw), dtype=np.int64, count=len(raw)),
                 np.fromiter(map(self.spaced.__getitem__, spaced), dtype=np.int64, count=len(spaced)))
+
+    def _keep_only(self, raw: Sequence[str], spaced: Sequence[str]) -> None:
+        """Empty the cache but for the words of ``raw`` and ``spaced`` it holds, their ids kept (compacted into a
+        new table, not encoded again): a full cache is cleared this way when a batch's new words do not fit,
+        so the words a corpus repeats from shard to shard (most of each shard's) are encoded once per encoder,
+        not once per clearing."""
+        keep_raw = [w for w in raw if w in self.raw]
+        keep_spaced = [w for w in spaced if w in self.spaced]
+        rows = np.fromiter(itertools.chain(map(self.raw.__getitem__, keep_raw), map(self.spaced.__getitem__, keep_spaced)),
+                           dtype=np.int64, count=len(keep_raw) + len(keep_spaced))
+        ids, lens = self.gather(rows)
+        self._reset()
+        n = len(rows)
+        self._ids = np.concatenate([ids, np.zeros(max(1 << 16, len(ids)), dtype=np.int64)])
+        self._len = np.concatenate([lens, np.zeros(max(1 << 12, n), dtype=np.int64)])
+        self._start = np.concatenate([np.cumsum(lens) - lens, np.zeros(max(1 << 12, n), dtype=np.int64)])
+        self.raw = dict(zip(keep_raw, range(len(keep_raw))))
+        self.spaced = dict(zip(keep_spaced, range(len(keep_raw), n)))
+        self._n_words, self._n_ids = n, len(ids)
 
     def gather(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(ids of the words at table ``rows``, concatenated in order; tokens per word), both int64."""

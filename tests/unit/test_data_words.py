@@ -40,7 +40,7 @@ def tok(texts: list[str], tmp_path_factory: pytest.TempPathFactory) -> SentenceP
 
 
 def _check_indexed(index: WordIndex, texts: list[str], want: tuple[np.ndarray, np.ndarray], fresh) -> None:
-    for cache_limit in (fresh.word_cache.cache_limit, 50):  # 50: the cache is reset between shards
+    for cache_limit in (fresh.word_cache.cache_limit, 50):  # 50: the cache is emptied but for the shard's words
         fresh.word_cache.cache_limit = cache_limit
         for _ in range(2):  # cold, then warm
             ids, n = encode_indexed(fresh.word_cache, index, texts.__getitem__)
@@ -53,6 +53,31 @@ def test_indexed_ids_equal_encode_flat(texts: list[str], tok: SentencePieceToken
     assert tok.word_cache.split_name == SPM_IDENTITY and not index.whole.any()
     _check_indexed(index, texts, tok.encode_flat(texts), SentencePieceTokenizer(tok.model_file))  # a cold cache
     assert index.raw_ids.dtype == np.uint16 and len(index.raw_n) == len(texts)
+
+
+def test_a_full_cache_keeps_the_words_at_hand(texts: list[str], tok: SentencePieceTokenizer) -> None:
+    """Two shards through a cache too small for both: the second's new words do not fit, so the cache is
+    emptied but for the second shard's words, whose ids are kept, not encoded again; the ids stay right."""
+    half = len(texts) // 2
+    shards = [texts[:half], texts[half:]]
+    indexes = [WordIndex.build(s, SPM_IDENTITY) for s in shards]
+    fresh = SentencePieceTokenizer(tok.model_file).word_cache
+    sent: list[str] = []
+    encode = fresh.encode_many
+    fresh.encode_many = lambda words: sent.extend(words) or encode(words)
+    first = {*indexes[0].raw}, {*indexes[0].spaced}
+    fresh.cache_limit = len(first[0]) + len(first[1]) + 10  # room for the first shard only
+    for index, shard in zip(indexes, shards):
+        sent.clear()
+        ids, n = encode_indexed(fresh, index, shard.__getitem__)
+        want = tok.encode_flat(shard)
+        np.testing.assert_array_equal(n, want[1])
+        np.testing.assert_array_equal(ids, want[0])
+    new_raw, new_spaced = set(indexes[1].raw) - first[0], set(indexes[1].spaced) - first[1]
+    assert len(new_raw) + len(new_spaced) > 10  # the second shard overflows the cache
+    assert sorted(sent) == sorted([*new_raw, *(" " + w for w in new_spaced)])  # only its new words encoded
+    assert set(fresh.raw) == set(indexes[1].raw) and set(fresh.spaced) == set(indexes[1].spaced)
+    assert fresh.cached_words == len(indexes[1].raw) + len(indexes[1].spaced)
 
 
 def test_indexed_ids_equal_encode_flat_gpt2(texts: list[str]) -> None:
