@@ -60,6 +60,26 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def write_word_list(path: Path, words: Iterable[str], sep: str) -> bool:
+    """``words`` joined by the one character ``sep``, UTF-8, to ``path`` (atomically): a join instead of a
+    JSON string per word (~2x cheaper to write and read). False, nothing written, when a word holds ``sep``
+    (the caller writes JSON instead). Read back by :func:`read_word_list`."""
+    words = list(words)
+    text = sep.join(words)
+    if text.count(sep) != max(len(words) - 1, 0):  # one C scan, not a test per word
+        return False
+    atomic.write_bytes(path, text.encode("utf-8"))
+    return True
+
+
+def read_word_list(path: Path, n: int, sep: str) -> list[str]:
+    """The ``n`` words :func:`write_word_list` wrote (bytes decoded: no newline translation, a ``\\r`` stays)."""
+    words = path.read_bytes().decode("utf-8").split(sep) if n else []
+    if len(words) != n:
+        raise ValueError(f"{path}: {n} words announced, {len(words)} found")
+    return words
+
+
 def shard_name(k: int) -> str:
     return f"docs-{k:05d}"
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.store import shard_name
+from data_pipeline.store import read_word_list, shard_name, write_word_list
 from megatron_ds_suite.core import atomic
 from data_pipeline.tokenizer_train import MAX_SENTENCE_LENGTH, WordCounts, count_training_words
 
@@ -104,12 +104,11 @@ class WordIndex:
                 np.savez(f, raw_ids=self.raw_ids, raw_n=self.raw_n, spaced_ids=self.spaced_ids,
                          spaced_n=self.spaced_n, whole=self.whole)
         vocab = folder / f"{shard_name(k)}.wvocab.json"
-        if any("\0" in w for w in (*self.raw, *self.spaced)):
+        if write_word_list(folder / f"{shard_name(k)}.wvocab.txt", (*self.raw, *self.spaced), "\0"):
+            atomic.write_text(vocab, json.dumps({"split": self.split, "raw_n": len(self.raw), "spaced_n": len(self.spaced)}))
+        else:
             atomic.write_text(vocab, json.dumps({"split": self.split, "raw": self.raw, "spaced": self.spaced},
                                                 ensure_ascii=False))
-            return
-        atomic.write_bytes(folder / f"{shard_name(k)}.wvocab.txt", "\0".join((*self.raw, *self.spaced)).encode("utf-8"))
-        atomic.write_text(vocab, json.dumps({"split": self.split, "raw_n": len(self.raw), "spaced_n": len(self.spaced)}))
 
     @classmethod
     def load(cls, folder: Path, k: int) -> WordIndex | None:
@@ -120,10 +119,7 @@ class WordIndex:
         v = json.loads(vocab.read_text(encoding="utf-8"))
         if "raw" not in v:  # the words in the NUL-joined text file
             n_raw, n_spaced = int(v["raw_n"]), int(v["spaced_n"])
-            text = (folder / f"{shard_name(k)}.wvocab.txt").read_bytes().decode("utf-8")  # no newline translation
-            words = text.split("\0") if n_raw + n_spaced else []
-            if len(words) != n_raw + n_spaced:
-                raise ValueError(f"{vocab}: {n_raw + n_spaced} words announced, {len(words)} found")
+            words = read_word_list(folder / f"{shard_name(k)}.wvocab.txt", n_raw + n_spaced, "\0")
             v = {"split": v["split"], "raw": words[:n_raw], "spaced": words[n_raw:]}
         with np.load(arrays, allow_pickle=False) as z:
             return cls(v["split"], v["raw"], v["spaced"], z["raw_ids"], z["raw_n"], z["spaced_ids"], z["spaced_n"],

@@ -18,7 +18,8 @@ from data_pipeline.report import StageTimer
 from data_pipeline.sources import REJECT_REASONS, RawRecord, check_sources, iter_records
 from data_pipeline.stages.bookkeeping import StageError, begin_stage, finish_stage, progress_bar
 from data_pipeline.dedup.exact import text_key
-from data_pipeline.store import ShardWriter, atomic_save_npy, done_shards, shard_counts, shard_name, write_jsonl_atomic
+from data_pipeline.store import (ShardWriter, atomic_save_npy, done_shards, read_word_list, shard_counts, shard_name,
+                                 write_jsonl_atomic, write_word_list)
 from megatron_ds_suite.core import atomic
 from data_pipeline.tokenizer_train import WordCounts
 from data_pipeline.words import GPT2_WHITESPACE, SPM_IDENTITY, WordIndex, training_counts
@@ -42,10 +43,9 @@ def write_word_counts(folder: Path, k: int, wc: WordCounts | None) -> None:
     header = word_counts_path(folder, k)
     if wc is None:
         atomic.write_text(header, json.dumps({"words": None}))
-    elif any("\n" in w for w in wc.words):
+    elif not write_word_list(folder / f"{shard_name(k)}.words.txt", wc.words, "\n"):
         atomic.write_text(header, json.dumps(wc.to_json(), ensure_ascii=False))
     else:
-        atomic.write_bytes(folder / f"{shard_name(k)}.words.txt", "\n".join(wc.words).encode("utf-8"))
         atomic_save_npy(folder / f"{shard_name(k)}.words.npy",
                         np.fromiter(wc.words.values(), dtype=np.int64, count=len(wc.words)))
         atomic.write_text(header, json.dumps({"docs": wc.docs, "lines": wc.lines, "word_list": len(wc.words)}))
@@ -60,10 +60,10 @@ def read_word_counts(folder: Path, k: int) -> tuple[bool, WordCounts | None]:
     if "word_list" not in saved:
         return True, WordCounts.from_json(saved) if saved["words"] is not None else None
     n = int(saved["word_list"])
-    words = (folder / f"{shard_name(k)}.words.txt").read_bytes().decode("utf-8").split("\n") if n else []  # a "\r" stays
+    words = read_word_list(folder / f"{shard_name(k)}.words.txt", n, "\n")
     counts = np.load(folder / f"{shard_name(k)}.words.npy", allow_pickle=False).tolist()
-    if len(words) != n or len(counts) != n:
-        raise ValueError(f"{header}: {n} words announced, {len(words)} words and {len(counts)} counts found")
+    if len(counts) != n:
+        raise ValueError(f"{header}: {n} words announced, {len(counts)} counts found")
     return True, WordCounts(Counter(dict(zip(words, counts))), int(saved["docs"]), int(saved["lines"]))
 
 
