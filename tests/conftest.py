@@ -2,9 +2,17 @@
 functions live in tests/helpers/. No test module imports another test module."""
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from tests.helpers.training_runs import BOTCHAN, train_spm_model
+
+# A suite started in the background of a non-interactive shell (`bash .ci/run &`, nohup) inherits SIGINT
+# ignored, and so would every process it starts: the Ctrl-C tests (in-process and in subprocesses) would see
+# no interrupt at all. They test our handling of SIGINT, so the suite takes SIGINT back as Python's default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -74,20 +73,39 @@ def test_missing_or_truncated_shard(tmp_path, capsys, damage):
 
 
 @needs_data
-def test_ctrl_c_is_one_line_and_resumable(tmp_path, capsys):
+def test_ctrl_c_is_one_line_and_resumable(tmp_path, capsys, monkeypatch):
+    """Ctrl-C inside the build (delivered right after ingest finishes, not at a time that a fast machine could
+    outrun): one line, exit 130, ingest kept; the same command then finishes without redoing ingest."""
+    import time
+
+    import data_pipeline.stages.ingest as ingest
     from data_pipeline.__main__ import main
+    from data_pipeline.config import load_config
+    from data_pipeline.stages import is_done
+    from data_pipeline.stages.bookkeeping import work_dir
 
     text = tmp_path / "big.txt"
     text.write_text(SHAKESPEARE.read_text(encoding="utf-8") * 3, encoding="utf-8")
     conf = _config(tmp_path, "out", sources=[{"type": "text", "path": str(text), "text_mode": "blocks"}])
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # Ctrl-C while the build runs
-    timer.start()
-    try:
-        rc = main(["build", "--config", str(conf)])
-    finally:
-        timer.cancel()
-    assert rc == 130
+    finish = ingest.finish_stage
+
+    def finish_then_ctrl_c(*args, **kwargs):
+        finish(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)  # the interrupt lands here, in the middle of the build
+        raise AssertionError("SIGINT was not delivered")
+
+    monkeypatch.setattr(ingest, "finish_stage", finish_then_ctrl_c)
+    assert main(["build", "--config", str(conf)]) == 130
     assert _one_line(capsys.readouterr().err).startswith("interrupted: finished work is kept")
+    cfg = load_config(conf)
+    assert is_done(cfg, "ingest") and not is_done(cfg, "tokenizer")
+    monkeypatch.setattr(ingest, "finish_stage", finish)
+    ingest_record = work_dir(cfg, "ingest") / "_stage.json"
+    before = ingest_record.stat().st_mtime_ns
+    assert main(["build", "--config", str(conf)]) == 0
+    assert all(is_done(cfg, s) for s in ("ingest", "tokenizer", "filter", "dedup", "export"))
+    assert ingest_record.stat().st_mtime_ns == before  # resumed after ingest, not redone
 
 
 @needs_data
