@@ -153,8 +153,11 @@ def training_counts(index: WordIndex, texts: Sequence[str], max_sentence_length:
                 for piece in (prefix + w).split("\n"):
                     if piece:
                         out.words[piece] += c
-    out.lines = sum(1 if "\n" not in t else sum(1 for line in t.split("\n") if line)
-                    for t, ok in zip(texts, safe.tolist()) if ok)
+    if normalized:  # no "\n" at either end and no "\n\n\n": the empty lines are the "\n\n"s
+        out.lines = sum(t.count("\n") + 1 - t.count("\n\n") for t, ok in zip(texts, safe.tolist()) if ok)
+    else:
+        out.lines = sum(1 if "\n" not in t else sum(1 for line in t.split("\n") if line)
+                        for t, ok in zip(texts, safe.tolist()) if ok)
     rest = count_training_words([t for t, ok in zip(texts, safe.tolist()) if not ok], max_sentence_length)
     if rest is None:
         return None
