@@ -15,6 +15,8 @@ buckets would give them).
 """
 from __future__ import annotations
 
+import itertools
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,27 +154,48 @@ def cluster(verified: Iterable[tuple[int, int, float]], threshold: float
 
 
 def duplicate_rows(store: DocStore, clusters: dict[int, list[int]], link: dict[int, tuple[int, float]],
-                   to_survivor: Callable[[int, int], float]) -> tuple[list[dict[str, Any]], list[int]]:
+                   to_survivor: Callable[[int, int], float]) -> tuple[Iterator[dict[str, Any]], list[int]]:
     """The rows of ``work/dedup/duplicates.jsonl`` and the removed store positions, clusters in survivor order.
 
     One row per cluster: ``{"kept": source id, "kept_i": input index, "removed": [{"id", "i", "jaccard"
     (to the survivor, 6 decimals), "linked_via" (input index of the other end of the first merging edge
     touching it), "link_jaccard"}, ...]}`` (members in store order). ``to_survivor(root, member)`` gives
     the Jaccard of a removed member to its survivor.
+
+    The rows are made one at a time as they are consumed (``write_jsonl_atomic`` takes the iterator), from
+    each member's source id and input index, read here in store order (a few shard indexes open at a time;
+    the store is not read again, so it may be closed before the rows are): no dictionary per member or per
+    row is held, which was most of the components task's memory at 10^7 documents.
     """
-    rows: list[dict[str, Any]] = []
-    removed: list[int] = []
-    # every member's metadata, read in store order (a few shard indexes open at a time; ``via`` is a member)
-    meta = {p: store.meta(p) for p in sorted(p for ms in clusters.values() for p in ms)}
-    for root, ms in sorted(clusters.items()):
-        rem = []
-        for m in ms[1:]:
-            via, via_j = link[m]
-            rem.append({"id": meta[m]["src"], "i": meta[m]["i"], "jaccard": round(to_survivor(root, m), 6),
-                        "linked_via": meta[via]["i"], "link_jaccard": round(via_j, 6)})
-            removed.append(m)
-        rows.append({"kept": meta[root]["src"], "kept_i": meta[root]["i"], "removed": rem})
-    return rows, removed
+    roots = sorted(clusters)
+    sizes = [len(clusters[r]) for r in roots]
+    flat = np.fromiter(itertools.chain.from_iterable(clusters[r] for r in roots), dtype=np.int64, count=sum(sizes))
+    members = np.unique(flat)  # store order
+    src: list[str] = []
+    inputs = array("q")
+    for p in members.tolist():
+        m = store.meta(p)
+        src.append(m["src"])
+        inputs.append(m["i"])
+    at = np.searchsorted(members, flat)  # row of each member (in cluster order) in src / inputs
+    removed = [m for r in roots for m in clusters[r][1:]]
+    vias = np.fromiter((link[m][0] for m in removed), dtype=np.int64, count=len(removed))
+    via_at = np.searchsorted(members, vias)
+    if len(vias) and not np.array_equal(members[np.minimum(via_at, len(members) - 1)], vias):
+        raise ValueError("a removed document's link is not a member of any cluster")
+
+    def rows() -> Iterator[dict[str, Any]]:
+        pos = r_pos = 0
+        for root, size in zip(roots, sizes):
+            ms, ks = clusters[root], at[pos:pos + size].tolist()
+            rem = []
+            for m, k, v in zip(ms[1:], ks[1:], via_at[r_pos:r_pos + size - 1].tolist()):
+                rem.append({"id": src[k], "i": inputs[k], "jaccard": round(to_survivor(root, m), 6),
+                            "linked_via": inputs[v], "link_jaccard": round(link[m][1], 6)})
+            yield {"kept": src[ks[0]], "kept_i": inputs[ks[0]], "removed": rem}
+            pos, r_pos = pos + size, r_pos + size - 1
+
+    return rows(), removed
 
 
 @dataclass

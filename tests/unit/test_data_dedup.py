@@ -145,3 +145,40 @@ def test_planted_recall_precision_determinism(planted, tmp_path):
     _, verified2, clusters2, _ = run_dedup(store, workers=1, tmp=tmp_path)
     assert clusters2 == clusters and sorted(verified2) == sorted(verified)
 
+
+
+def test_duplicate_rows_equal_a_row_per_cluster_built_from_the_metadata(tmp_path):
+    """``duplicate_rows`` (rows made as they are written, from arrays) against the rows built directly from each
+    member's metadata, on random clusters over a 5-shard store; the store is closed before the rows are made."""
+    from data_pipeline.store import ShardWriter
+
+    rng = np.random.default_rng(4)
+    n = 500
+    for k in range(0, n, 100):
+        w = ShardWriter(tmp_path, k // 100)
+        for i in range(k, k + 100):
+            w.add(1000 + 3 * i, f"src-{i}-\u00e9", f"text {i}")
+        w.commit({})
+    perm = rng.permutation(n)
+    clusters, link, to_survivor, pos = {}, {}, {}, 0
+    while pos < 400:
+        ms = sorted(int(x) for x in perm[pos:pos + int(rng.integers(2, 7))])
+        pos += len(ms)
+        clusters[ms[0]] = ms
+        for j, m in enumerate(ms[1:]):
+            link[m] = (ms[int(rng.integers(0, j + 1))], float(rng.random()))
+            to_survivor[m] = float(rng.random())
+    store = DocStore(tmp_path)
+    meta = {p: store.meta(p) for ms in clusters.values() for p in ms}
+    want = [{"kept": meta[r]["src"], "kept_i": meta[r]["i"],
+             "removed": [{"id": meta[m]["src"], "i": meta[m]["i"], "jaccard": round(to_survivor[m], 6),
+                          "linked_via": meta[link[m][0]]["i"], "link_jaccard": round(link[m][1], 6)}
+                         for m in clusters[r][1:]]} for r in sorted(clusters)]
+    rows, removed = dd.duplicate_rows(store, clusters, link, lambda root, m: to_survivor[m])
+    store.close()
+    assert list(rows) == want
+    assert removed == [m for r in sorted(clusters) for m in clusters[r][1:]]
+    assert want[0]["kept_i"] == 1000 + 3 * sorted(clusters)[0]
+    link[clusters[sorted(clusters)[0]][1]] = (n + 5, 0.9)  # a link outside every cluster: an error, not a wrong row
+    with pytest.raises(ValueError, match="not a member"):
+        dd.duplicate_rows(DocStore(tmp_path), clusters, link, lambda root, m: to_survivor[m])
