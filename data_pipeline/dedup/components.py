@@ -20,17 +20,16 @@ import numpy as np
 
 from data_pipeline.dedup.edges import edge_files
 from data_pipeline.dedup.minhash import ShingleCache
-from data_pipeline.dedup.verify import (DedupResult, UnionFind, duplicate_rows, jaccard_sorted, pair_blocks,
-                                        visit_measured)
+from data_pipeline.dedup.verify import (AcceptedEdges, DedupResult, UnionFind, duplicate_rows, jaccard_sorted,
+                                        pair_blocks, visit_measured)
 from data_pipeline.store import DocStore, atomic_save_npy, write_jsonl_atomic
 
 
-def replay_edges(edge_dir: Path, ranges: int, n: int, threshold: float
-                 ) -> tuple[DedupResult, dict[tuple[int, int], float]]:
-    """(result without ``to_survivor``, {accepted edge (i, j): Jaccard})."""
+def replay_edges(edge_dir: Path, ranges: int, n: int, threshold: float) -> tuple[DedupResult, AcceptedEdges]:
+    """(result without ``to_survivor``, the accepted edges (i, j) with their Jaccards)."""
     uf = UnionFind()
     find = uf.find
-    accepted: dict[tuple[int, int], float] = {}
+    accepted = AcceptedEdges()
     res = DedupResult({}, {}, {})
     for r in range(ranges):
         e_f, j_f = edge_files(edge_dir, r)
@@ -64,14 +63,12 @@ class ComponentsJob:
     out_dir: str  # gets ``duplicates.jsonl`` and ``removed.npy``
 
 
-def survivor_jaccards(res: DedupResult, accepted: dict[tuple[int, int], float], sig_dir: Path, n: int,
+def survivor_jaccards(res: DedupResult, accepted: AcceptedEdges, sig_dir: Path, n: int,
                       chunk_size: int, max_docs: int) -> None:
     """Fill ``res.to_survivor``: each removed member's Jaccard to its cluster's survivor, reused from an
     accepted edge (survivor, member) or measured from the fingerprint sets (blocks of at most ``max_docs``)."""
     need = [(root, m) for root, ms in res.clusters.items() for m in ms[1:]]
-    for root, m in need:
-        if (root, m) in accepted:
-            res.to_survivor[m] = accepted[(root, m)]
+    accepted.reuse(res, need)
     cache = ShingleCache(sig_dir, n, chunk_size, lazy=True)
     for block in pair_blocks([p for p in need if p[1] not in res.to_survivor], max_docs):
         sets = cache.load(d for p in block for d in p)

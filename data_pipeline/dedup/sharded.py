@@ -119,9 +119,7 @@ def dedup_sharded(store: DocStore, sig_dir: Path, work: Path, shingle: ShingleSp
     res, accepted = replay_edges(work / "edges", ranges, n, lsh.threshold)
     shutil.rmtree(work)
     need = [(root, m) for root, ms in res.clusters.items() for m in ms[1:]]
-    for root, m in need:
-        if (root, m) in accepted:
-            res.to_survivor[m] = accepted[(root, m)]
+    accepted.reuse(res, need)
     del accepted
     blocks = [tuple(b) for b in pair_blocks([p for p in need if p[1] not in res.to_survivor], max_docs)]
     for block, jacs in zip(blocks, pmap(measure_pairs, [MeasureJob(str(sig_dir), n, chunk_size, b) for b in blocks])):

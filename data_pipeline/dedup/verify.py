@@ -218,7 +218,40 @@ class DedupResult:
         return self.unsignatured if self.unsignatured is not None else int((~self.active).sum())
 
 
-def visit_measured(uf: UnionFind, res: DedupResult, accepted: dict[tuple[int, int], float], i: int, j: int,
+class AcceptedEdges:
+    """The merging edges of a visit, (i, j) -> Jaccard, in two flat arrays: 16 bytes an edge instead of a
+    dictionary entry with a tuple and a float (~180). :func:`visit_measured` adds to it; :meth:`reuse` looks
+    the survivors' edges up once the visit is over."""
+
+    def __init__(self) -> None:
+        self.keys = array("q")  # i << 32 | j
+        self.jac = array("d")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add(self, i: int, j: int, jac: float) -> None:
+        if i < 0 or j >> 32 or i >> 31:
+            raise ValueError(f"document numbers must be < 2^31, got ({i}, {j})")
+        self.keys.append(i << 32 | j)
+        self.jac.append(jac)
+
+    def reuse(self, res: DedupResult, need: list[tuple[int, int]]) -> None:
+        """``res.to_survivor[m]`` = the Jaccard of the accepted edge (root, m), for the pairs of ``need`` that
+        are one, in ``need``'s order (the others are measured by the caller)."""
+        if not len(self.keys) or not need:
+            return
+        keys = np.frombuffer(self.keys, dtype=np.int64)
+        order = np.argsort(keys)
+        ordered = keys[order]
+        want = np.fromiter((r << 32 | m for r, m in need), dtype=np.int64, count=len(need))
+        at = np.minimum(np.searchsorted(ordered, want), len(ordered) - 1)
+        jac = np.frombuffer(self.jac, dtype=np.float64)[order]
+        for k in np.flatnonzero(ordered[at] == want).tolist():
+            res.to_survivor[need[k][1]] = float(jac[at[k]])
+
+
+def visit_measured(uf: UnionFind, res: DedupResult, accepted: AcceptedEdges, i: int, j: int,
                    jac: float, threshold: float) -> None:
     """The accept/reject step of the sorted visit, for a pair (i < j) whose ends ``uf`` does not join yet and
     whose Jaccard ``jac`` was measured: counted in ``res.verified``; at or above ``threshold`` it is a merging
@@ -232,7 +265,7 @@ def visit_measured(uf: UnionFind, res: DedupResult, accepted: dict[tuple[int, in
         uf.union(i, j)
         res.link.setdefault(j, (i, jac))
         res.link.setdefault(i, (j, jac))
-        accepted[(i, j)] = jac
+        accepted.add(i, j, jac)
         res.accepted += 1
     else:
         res.rejected += 1
@@ -259,7 +292,7 @@ def verify_and_cluster(cache: ShingleCache, pairs: np.ndarray, threshold: float,
     pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
     pairs = pairs[np.lexsort((pairs[:, 1], pairs[:, 0]))]
     uf = UnionFind()
-    accepted: dict[tuple[int, int], float] = {}
+    accepted = AcceptedEdges()
     res = DedupResult({}, {}, {}, candidates=len(pairs))
     bar = tqdm(total=len(pairs), desc="dedup: verify", unit="pair", disable=not progress)
     find = uf.find
@@ -275,9 +308,7 @@ def verify_and_cluster(cache: ShingleCache, pairs: np.ndarray, threshold: float,
     res.skipped = len(pairs) - res.verified
     res.clusters = uf.clusters()
     need = [(root, m) for root, ms in res.clusters.items() for m in ms[1:]]
-    for root, m in need:
-        if (root, m) in accepted:
-            res.to_survivor[m] = accepted[(root, m)]
+    accepted.reuse(res, need)
     for part in pair_blocks([p for p in need if p[1] not in res.to_survivor], max_docs):
         sets = cache.load(d for p in part for d in p)
         for (_, m), jac in zip(part, _jaccards(sets, part)):

@@ -191,12 +191,23 @@ def test_union_find_stores_only_joined_documents():
 
 
 def test_visit_measured_accepts_at_the_threshold_and_keeps_first_links():
-    uf, res, accepted = dd.UnionFind(), dd.DedupResult({}, {}, {}), {}
+    from data_pipeline.dedup.verify import AcceptedEdges
+
+    uf, res, accepted = dd.UnionFind(), dd.DedupResult({}, {}, {}), AcceptedEdges()
     for i, j, jac in [(1, 4, 0.7), (2, 4, 0.9), (3, 5, 0.69), (1, 2, 1.0)]:
         dd.visit_measured(uf, res, accepted, i, j, jac, 0.7)
     assert (res.verified, res.accepted, res.rejected) == (4, 3, 1)
-    assert uf.clusters() == {1: [1, 2, 4]} and accepted == {(1, 4): 0.7, (2, 4): 0.9, (1, 2): 1.0}
+    assert uf.clusters() == {1: [1, 2, 4]} and len(accepted) == 3
     assert res.link == {4: (1, 0.7), 1: (4, 0.7), 2: (4, 0.9)}  # the first merging edge of each end only
+    # the survivors' edges looked up after the visit: (1, 4) and (1, 2) were accepted, (1, 5) and (2, 4)-as-(4, 2) not
+    accepted.reuse(res, [(1, 4), (1, 5), (1, 2), (4, 2), (3, 5)])
+    assert res.to_survivor == {4: 0.7, 2: 1.0}
+    big = AcceptedEdges()
+    big.add(2**31 - 1, 2**31 - 1 + 1, 0.8)  # the largest document numbers the pair key holds
+    big.reuse(res, [(2**31 - 1, 2**31)])
+    assert res.to_survivor[2**31] == 0.8
+    with pytest.raises(ValueError, match="must be < 2"):
+        big.add(2**31, 2**31 + 1, 0.8)
 
 
 def test_stale_files_of_an_interrupted_run_are_not_read(words, tmp_path):
