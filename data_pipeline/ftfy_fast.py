@@ -5,9 +5,8 @@ The pipeline calls ``ftfy.fix_text(text)`` with ftfy's default ``TextFixerConfig
 input, so :func:`data_pipeline.clean.clean_text` may skip it: a document that holds none of the
 characters in :data:`FTFY_TRIGGERS` and is already in NFC is returned unchanged. :func:`fix_text`
 applies the same test to each segment (line) ftfy fixes on its own, so ftfy runs only on the lines
-that need it, and lines whose only triggers are curly quotes, characters only the mojibake detector
-looks at and ``&`` take a shortcut made of ftfy's own ``is_bad``, ``HTML_ENTITY_RE`` and
-``uncurl_quotes`` (:func:`fix_segment` gives the argument).
+that need it, and lines whose only triggers are curly quotes take a shortcut made of ftfy's own
+``is_bad`` and ``uncurl_quotes`` (:func:`fix_segment` gives the argument).
 
 The trigger set is **derived at import from ftfy's own tables and regexes**, not written by hand:
 
@@ -213,6 +212,7 @@ _ASCII_TRIGGER_RE = (_char_class(frozenset(c for c in FTFY_TRIGGERS if c.isascii
                      if FTFY_TRIGGERS is not None else None)
 #: The characters ``uncurl_quotes`` replaces, and the triggers but them.
 QUOTES: frozenset[str] = TRIGGERS_BY_STEP["uncurl_quotes"] or frozenset()
+_OTHER_TRIGGER_RE = _char_class(FTFY_TRIGGERS - QUOTES) if FTFY_TRIGGERS is not None else None
 
 
 def _quotes_path_holds() -> bool:
@@ -228,26 +228,7 @@ QUOTES_PATH = _quotes_path_holds()
 #: Characters one of which every match of the mojibake detector holds besides curly quotes: a
 #: segment without them is not ``is_bad`` whatever its quotes.
 BAD_BESIDES_QUOTES = regex_must_contain(badness.BADNESS_RE, QUOTES) if QUOTES_PATH else None
-if BAD_BESIDES_QUOTES is not None and set(fixes.uncurl_quotes("".join(sorted(QUOTES)))) & BAD_BESIDES_QUOTES:
-    BAD_BESIDES_QUOTES = None  # what uncurling writes could make a match: is_bad is always asked
 _BAD_BESIDES_QUOTES_RE = _char_class(BAD_BESIDES_QUOTES) if BAD_BESIDES_QUOTES else None
-
-
-def _only_of(step: str) -> frozenset[str]:
-    """The triggers of ``step`` that no other step has."""
-    mine = TRIGGERS_BY_STEP[step] or frozenset()
-    others = [t or frozenset() for name, t in TRIGGERS_BY_STEP.items() if name != step]
-    return mine - frozenset().union(*others)
-
-
-#: Triggers the shortcut of :func:`fix_segment` lets through besides curly quotes, because the one step they
-#: trigger is a no-op it checks for: the mojibake detector's characters (``fix_encoding`` stops at ``not
-#: is_bad``) and ``unescape_html``'s ``&`` (no change without an ``HTML_ENTITY_RE`` match).
-ENCODING_ONLY: frozenset[str] = _only_of("fix_encoding") if FTFY_TRIGGERS is not None else frozenset()
-ENTITY_ONLY: frozenset[str] = _only_of("unescape_html") if FTFY_TRIGGERS is not None else frozenset()
-_ENTITY_ONLY_RE = _char_class(ENTITY_ONLY) if ENTITY_ONLY else None
-_BLOCKS_SHORTCUT_RE = (_char_class(FTFY_TRIGGERS - QUOTES - ENCODING_ONLY - ENTITY_ONLY)
-                       if FTFY_TRIGGERS is not None else None)
 
 
 def needs_ftfy(text: str) -> bool:
@@ -296,31 +277,27 @@ def fix_text(text: str) -> str:
     return "".join(out)
 
 
-def _has_entity(segment: str) -> bool:
-    return _ENTITY_ONLY_RE is not None and _ENTITY_ONLY_RE.search(segment) is not None \
-        and chardata.HTML_ENTITY_RE.search(segment) is not None
+def _is_bad(segment: str) -> bool:
+    """``ftfy.badness.is_bad``, answered False without running it where no match is possible."""
+    if _BAD_BESIDES_QUOTES_RE is not None and _BAD_BESIDES_QUOTES_RE.search(segment) is None:
+        return False
+    return badness.is_bad(segment)
 
 
 def fix_segment(segment: str, cfg: ftfy.TextFixerConfig = CONFIG) -> str:
     """``ftfy.fix_text(segment, cfg)`` for one segment (no ``\\n`` but at its end), with a shortcut for
-    the commonest cases in real text: a segment whose only triggers are curly quotes, characters only the
-    mojibake detector looks at (:data:`ENCODING_ONLY`: accented capitals, ``£``, ...) and ``&``.
+    the commonest case in real text, a segment whose only triggers are curly quotes.
 
-    Such a segment, if NFC, not ``ftfy.badness.is_bad`` and without an ``HTML_ENTITY_RE`` match, comes out
-    of ftfy as ``ftfy.fixes.uncurl_quotes(segment)`` when that is NFC, not ``is_bad`` and without an entity
-    too: in ``fix_and_explain``'s first pass ``unescape_html`` finds no entity, ``fix_encoding`` stops at
-    ``not is_bad``, the fixers before ``uncurl_quotes`` find none of their characters, the ones after it
-    and NFC see a text with none of theirs that is NFC (what ``uncurl_quotes`` writes, ASCII ``'`` and
-    ``"``, triggers nothing: :func:`_quotes_path_holds`); the second pass starts from that text, which
-    meets the same premises, and so changes nothing and returns it. Everything else (and any segment where
-    a premise fails) goes to ``ftfy.fix_text``."""
-    if QUOTES_PATH and _BLOCKS_SHORTCUT_RE is not None and _BLOCKS_SHORTCUT_RE.search(segment) is None \
-            and unicodedata.is_normalized("NFC", segment) and not _has_entity(segment):
-        # without a character of BAD_BESIDES_QUOTES, is_bad is False (and stays so once quotes are ASCII)
-        detector = _BAD_BESIDES_QUOTES_RE is None or _BAD_BESIDES_QUOTES_RE.search(segment) is not None
-        if not (detector and badness.is_bad(segment)):
-            fixed = fixes.uncurl_quotes(segment)
-            # ASCII ' and " are in none of HTML_ENTITY_RE's classes: uncurling makes no entity
-            if fixed == segment or (unicodedata.is_normalized("NFC", fixed) and not (detector and badness.is_bad(fixed))):
-                return fixed
+    Such a segment, if NFC and not ``ftfy.badness.is_bad``, comes out of ftfy as
+    ``ftfy.fixes.uncurl_quotes(segment)`` when that is NFC: in ``fix_and_explain``'s first pass
+    ``unescape_html`` has no ``&``, ``fix_encoding`` stops at ``not is_bad``, the fixers before
+    ``uncurl_quotes`` find none of their characters, the ones after it and NFC see a text without
+    triggers that is NFC (what ``uncurl_quotes`` writes, ASCII ``'`` and ``"``, triggers nothing:
+    :func:`_quotes_path_holds`); the second pass starts from that text and so changes nothing and
+    returns it. Everything else (and any segment where a premise fails) goes to ``ftfy.fix_text``."""
+    if QUOTES_PATH and _OTHER_TRIGGER_RE is not None and _OTHER_TRIGGER_RE.search(segment) is None \
+            and unicodedata.is_normalized("NFC", segment) and not _is_bad(segment):
+        fixed = fixes.uncurl_quotes(segment)
+        if unicodedata.is_normalized("NFC", fixed):
+            return fixed
     return ftfy.fix_text(segment, cfg)

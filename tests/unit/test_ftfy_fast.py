@@ -207,36 +207,6 @@ def test_quotes_shortcut():
     check_exact(texts)
 
 
-def test_shortcut_for_mojibake_detector_characters_and_ampersands(monkeypatch):
-    """Segments whose triggers are only curly quotes, characters only the mojibake detector looks at and
-    ``&``: equal to ftfy, and ftfy is not called for the ones that are not mojibake and hold no entity."""
-    import data_pipeline.ftfy_fast as ff
-    assert ff.ENTITY_ONLY == {"&"} and {"\u00c9", "\u00a3", "\u00c3"} <= ff.ENCODING_ONLY
-    plain = ["Fran\u00c7ois \u00c9mile paid \u00a35 & more\n", "AT&T and Q&A \u201cquoted\u201d\n", "\u00c9t\u00c9 \u00a9 2020",
-             "\u00bd & \u00bc \u2018x\u2019"]
-    needing = ["caf\u00c3\u00a9 \u00c9", "a &amp; b \u00c9", "\u201c&eacute;\u201d", "E\u0301 & \u00c9", "\u00c3\u00a9&lt;",
-               "&#x41; \u00a3", "\u00c9\u0080 x"]
-    calls: list[str] = []
-    real = ff.ftfy.fix_text
-    monkeypatch.setattr(ff.ftfy, "fix_text", lambda t, cfg=CONFIG: calls.append(t) or real(t, cfg))
-    for t in plain:
-        assert ff.fix_segment(t) == real(t, CONFIG), repr(t)
-    assert calls == []  # all taken by the shortcut
-    for t in needing:
-        assert ff.fix_segment(t) == real(t, CONFIG), repr(t)
-    assert len(calls) == len(needing)  # mojibake, an entity, not NFC, a C1 control: ftfy itself
-    rng = random.Random(11)
-    pool = list("\u2018\u2019\u201c\u201d&;#<>ab .,'\"0123456789") + sorted(ff.ENCODING_ONLY)[:60] + \
-        list("\u0301\u00e9\u20ac\u0080\u2014")
-    texts = ["".join(rng.choice(pool) for _ in range(rng.randint(1, 14))) for _ in range(30000)]
-    texts += ["&amp" + t + ";" for t in texts[:2000]] + ["x&" + t for t in texts[:2000]]
-    calls.clear()
-    for t in texts:
-        assert ff.fix_segment(t) == real(t, CONFIG), repr(t)
-    assert len(calls) < 0.8 * len(texts)  # the shortcut decided a good share of them
-    check_exact(texts[:5000])
-
-
 def test_nfd_text(real_docs):
     words = non_ascii_words(real_docs)
     texts = [unicodedata.normalize(form, w) for w in words for form in ("NFD", "NFKD", "NFC")]
