@@ -43,3 +43,18 @@ def report_error(error: SuiteError, rank: int = 0) -> int:
     if rank == 0:
         print(error.one_line(), file=sys.stderr)
     return 2
+
+
+def exit_process(code: int) -> None:
+    """``sys.exit(code)``, except that a failed distributed command (``code`` != 0, its one line already printed)
+    leaves without interpreter finalisation (``os._exit`` after flushing the logs and standard streams): once
+    DeepSpeed has been initialised, its module globals keep the process groups alive until then, and their
+    destruction there can abort the process ("terminate called without an active exception"), which turns the
+    launcher's exit code into 250 (seen on a rank stopped by a truncated checkpoint shard, under load). Every
+    file a failed run writes is written atomically before this point; a successful run exits normally."""
+    if code and os.environ.get("WORLD_SIZE", "1") != "1":
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -28,7 +28,7 @@ import os
 import sys
 from pathlib import Path
 
-from training.cli import launcher_parser, report_error, setup_rank_logging
+from training.cli import exit_process, launcher_parser, report_error, setup_rank_logging
 from training.config import Config, ConfigError, config_from_dict
 from training.layout import derive_layout
 from training.runtime.launch import run_locked
@@ -157,4 +157,4 @@ def finetune(cfg: Config, meta: dict, rank: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

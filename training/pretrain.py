@@ -16,7 +16,7 @@ if __name__ == "__main__":  # run as `python -m`: process settings before torch 
 import os
 import sys
 
-from training.cli import launcher_parser, report_error, setup_rank_logging
+from training.cli import exit_process, launcher_parser, report_error, setup_rank_logging
 from megatron_ds_suite.core.errors import SuiteError
 from training.config import Config, load_config
 from training.layout import derive_layout
@@ -49,4 +49,4 @@ def train(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
