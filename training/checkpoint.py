@@ -22,6 +22,7 @@ tensors and plain data, so the numpy RNG state is stored as a list rather than a
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from training import checkpoint_catalog as catalog
 from training import safe_load
 from training.checkpoint_reader import (  # noqa: F401 - re-exported: callers import them from here
     LATEST, canonical_name, check_tag, checkpoint_dir, latest_tag, load_merged_state_dict,
@@ -179,61 +181,65 @@ def save(engine: DeepSpeedEngine, model: torch.nn.Module, state: TrainState, ps:
         "optimizer_param_names": optimizer_param_names(engine, model, desc),
         "dtype": desc.dtype,
     }
+    if (root / tag).is_dir() and catalog.tag_state(root / tag) == "complete":
+        # the same iteration is saved already (a run resumed at its last iteration ends here): a complete
+        # checkpoint is never written into
+        if is_rank0:
+            logger.info("checkpoint %s is complete already; not saving it again", root / tag)
+        return root / tag
+    if is_rank0:
+        catalog.begin_save(run_dir, tag)  # the .saving marker, before any rank writes a byte
+    dist.barrier()
     try:
         engine.save_checkpoint(str(root), tag=tag, client_state=client, save_latest=False)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per host: its page cache holds what its ranks wrote
+            catalog.sync_folder(root / tag)
     except (OSError, RuntimeError) as e:  # a full disk surfaces from torch.save as RuntimeError (zip writer)
         shutil.rmtree(root / tag, ignore_errors=True)  # no half-written checkpoint; `latest` still names a whole one
         cause = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip().splitlines()[-1]
         raise OSError(getattr(e, "errno", None), f"could not write checkpoint {tag} ({cause})", str(root / tag)) from e
-    dist.barrier()
+    dist.barrier()  # every rank's files are written and durable
     if is_rank0:
-        atomic_write_text(root / LATEST, tag)
-        tags = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("iter_"))
-        for old in tags[:-max(desc.cfg.train.keep_last, 1)]:
-            shutil.rmtree(root / old, ignore_errors=True)
+        catalog.finish_save(run_dir, tag, state.iteration)  # the completion record, then `latest`
+        catalog.prune(run_dir, desc.cfg.train.keep_last)
         logger.info("saved checkpoint %s", root / tag)
     dist.barrier()
     return root / tag
 
 
-def _remove_unfinished(run_dir: Path, is_rank0: bool, latest: str | None) -> None:
-    """Checkpoint folders newer than ``latest`` were being written when a run died (killed, out of disk):
-    never complete, never named by ``latest``. Rank 0 removes them before training goes on."""
-    root = checkpoint_dir(run_dir)
-    if is_rank0 and root.is_dir():
-        for p in sorted(root.glob("iter_*")):
-            if p.is_dir() and (latest is None or p.name > latest):
-                logger.warning("removing unfinished checkpoint %s (newer than %s: its save never completed)",
-                               p, root / LATEST if latest else "any complete checkpoint")
-                shutil.rmtree(p, ignore_errors=True)
+def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: ModelDescription) -> bool:
+    """Resume ``state`` (and the engine) from the checkpoint :func:`training.checkpoint_catalog.plan_resume` picks
+    (``latest``, or ``train.resume_tag``), if any; folders of saves that never finished (and, with an older
+    ``train.resume_tag``, the newer checkpoints) are moved aside by rank 0, never deleted. Returns True when it
+    resumed."""
+    run_dir, is_rank0 = desc.run_dir, ps.rank == 0
+    plan = catalog.plan_resume(run_dir, desc.cfg.train.resume_tag)  # every rank reads; all refuse alike
+    tag = plan.tag
+    if tag is not None:  # every refusal before anything is moved
+        meta = read_client_state(run_dir, tag)
+        if meta.get("weights_only"):  # written by training.tools.import_hf: no optimizer, schedule or RNG to resume
+            raise ConfigError(f"{run_dir} holds imported weights only ({meta.get('imported_from')}), not a run "
+                              f"to resume: start a new run from it with train.init_from={run_dir} and another run.dir")
+        saved_sha = (meta.get("tokenizer") or {}).get("sha256")
+        if saved_sha and saved_sha != desc.tokenizer.file_sha256():
+            raise CheckpointError(f"checkpoint {run_dir}/checkpoints/{tag} was trained with another tokenizer "
+                                  f"(file sha256 {saved_sha} vs now {desc.tokenizer.file_sha256()}): resume with "
+                                  f"the original tokenizer files or start a new run.dir")
+        saved = meta["parallel"]
+        if (saved["tp"], saved["pp"]) != (ps.dims.tp, ps.dims.pp):
+            raise ConfigError(f"checkpoint {run_dir}/checkpoints/{tag} was saved with TP={saved['tp']} "
+                              f"PP={saved['pp']} but this run uses TP={ps.dims.tp} PP={ps.dims.pp}: "
+                              f"convert it with python -m training.tools.reshard --checkpoint {run_dir} "
+                              f"--tp {ps.dims.tp} --pp {ps.dims.pp} --out NEW_RUN_DIR, or resume with "
+                              f"parallel.tensor={saved['tp']} parallel.pipeline={saved['pp']}")
+    if dist.is_initialized():
+        dist.barrier()  # every rank has read the folder before rank 0 moves anything in it
+    if is_rank0:
+        catalog.carry_out(run_dir, plan)
     if dist.is_initialized():
         dist.barrier()
-
-
-def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: ModelDescription) -> bool:
-    """Resume ``state`` (and the engine) from RUN_DIR's newest checkpoint, if any. Returns True
-    when it resumed."""
-    run_dir, is_rank0 = desc.run_dir, ps.rank == 0
-    tag = latest_tag(run_dir)
-    _remove_unfinished(run_dir, is_rank0, tag)
     if tag is None:
         return False
-    meta = read_client_state(run_dir, tag)
-    if meta.get("weights_only"):  # written by training.tools.import_hf: no optimizer, schedule or RNG to resume
-        raise ConfigError(f"{run_dir} holds imported weights only ({meta.get('imported_from')}), not a run "
-                          f"to resume: start a new run from it with train.init_from={run_dir} and another run.dir")
-    saved_sha = (meta.get("tokenizer") or {}).get("sha256")
-    if saved_sha and saved_sha != desc.tokenizer.file_sha256():
-        raise CheckpointError(f"checkpoint {run_dir}/checkpoints/{tag} was trained with another tokenizer "
-                              f"(file sha256 {saved_sha} vs now {desc.tokenizer.file_sha256()}): resume with "
-                              f"the original tokenizer files or start a new run.dir")
-    saved = meta["parallel"]
-    if (saved["tp"], saved["pp"]) != (ps.dims.tp, ps.dims.pp):
-        raise ConfigError(f"checkpoint {run_dir}/checkpoints/{tag} was saved with TP={saved['tp']} "
-                          f"PP={saved['pp']} but this run uses TP={ps.dims.tp} PP={ps.dims.pp}: "
-                          f"convert it with python -m training.tools.reshard --checkpoint {run_dir} "
-                          f"--tp {ps.dims.tp} --pp {ps.dims.pp} --out NEW_RUN_DIR, or resume with "
-                          f"parallel.tensor={saved['tp']} parallel.pipeline={saved['pp']}")
     safe_load.install()  # DeepSpeed's own reads with weights_only=True as well
     _, client = engine.load_checkpoint(str(checkpoint_dir(run_dir)), tag=tag)
     if client is None:

@@ -11,46 +11,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
+from training import checkpoint_catalog as catalog
 from training import safe_load
+from training.checkpoint_catalog import LATEST, check_tag, checkpoint_dir  # noqa: F401 - re-exported
 from training.config import Config, ConfigError, config_from_dict
-from training.safe_load import CheckpointError, CheckpointMissing
-
-LATEST = "latest"
-
-
-def checkpoint_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+from training.safe_load import CheckpointError, CheckpointMissing  # noqa: F401 - CheckpointError re-exported
 
 
 def latest_tag(run_dir: str | Path) -> str | None:
     """The tag ``checkpoints/latest`` names; it must be a directory directly inside checkpoints/."""
-    f = checkpoint_dir(run_dir) / LATEST
-    if not f.is_file():
-        return None
-    try:
-        tag = f.read_bytes().decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise CheckpointError(f"{f} is not a text file naming a checkpoint (e.g. iter_0000020): write the newest "
-                              f"tag present in {f.parent} into it, or delete it to start afresh") from None
-    check_tag(run_dir, tag, f"{f} names")
-    return tag
-
-
-def check_tag(run_dir: str | Path, tag: str, what: str = "tag") -> None:
-    """A tag is one plain directory name under checkpoints/ (never a path or a symbolic link leading elsewhere)
-    that exists."""
-    root = checkpoint_dir(run_dir)
-    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag:
-        raise CheckpointError(f"{what} {tag!r}, which is not a checkpoint name (expected e.g. iter_0000020 inside "
-                              f"{root}): fix the file or delete it to start afresh")
-    if (root / tag).is_symlink():
-        raise CheckpointError(f"{what} {tag!r} but {root / tag} is a symbolic link (to {(root / tag).readlink()}): a "
-                              f"checkpoint must be a folder inside {root}; copy it there instead of linking")
-    if not (root / tag).is_dir():
-        have = sorted(p.name for p in root.glob("iter_*") if p.is_dir())
-        raise CheckpointError(f"{what} {tag!r} but {root / tag} does not exist (present: {', '.join(have) or 'none'}): "
-                              f"write the newest present tag into {root / LATEST} or delete it to start afresh")
+    return catalog.read_latest(run_dir)
 
 
 def canonical_name(pipe_name: str, num_layers: int) -> str | None:
@@ -76,7 +46,13 @@ def model_files(run_dir: str | Path, tag: str | None) -> tuple[str, list[Path]]:
         if (run_dir / "corpus.json").is_file():
             raise CheckpointMissing(f"{run_dir} is a corpus folder (it holds corpus.json), not a training run: pass the "
                                     f"run directory a training wrote (run.dir), which holds checkpoints/latest")
+        newest = catalog.newest_complete(catalog.scan(run_dir))
+        if newest is not None:
+            raise CheckpointMissing(f"{run_dir} has no checkpoints/latest but holds complete checkpoints (the newest is "
+                                    f"{newest.name}): pass --tag {newest.name}, or write {newest.name} into "
+                                    f"{checkpoint_dir(run_dir) / LATEST}")
         raise CheckpointMissing(f"{run_dir} has no checkpoints/latest: train with run.dir={run_dir} first")
+    catalog.verify(run_dir, tag)
     files = sorted((checkpoint_dir(run_dir) / tag).glob("mp_rank_*_model_states.pt"))
     if not files:
         raise CheckpointMissing(f"{checkpoint_dir(run_dir) / tag} holds no mp_rank_*_model_states.pt files")

@@ -280,6 +280,10 @@ class TrainConfig(Freezable):
     """Checkpoint every N iterations (0 = only at the end)."""
     keep_last: int = 2
     """Keep this many newest checkpoints."""
+    resume_tag: str | None = None
+    """Resume from this checkpoint tag (e.g. iter_0000020) instead of the one `checkpoints/latest` names; needed when
+    `latest` is lost, or to go back to an older checkpoint on purpose: the newer ones are moved to
+    checkpoints/superseded/, never deleted (see training.checkpoint_catalog)."""
     exit_at: int | None = None
     """Save and stop at this iteration (the schedule still runs to `iters`); rerun to resume."""
     progress_bar: bool | None = None

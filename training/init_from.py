@@ -68,11 +68,11 @@ def local_weights(named_params: Iterable[tuple[str, torch.nn.Parameter]], state:
     return local
 
 
-def _source_meta(run_dir: str) -> dict:
+def _source_meta(run_dir: str, tag: str | None = None) -> dict:
     from training.checkpoint import read_client_state
 
     try:
-        return read_client_state(run_dir)
+        return read_client_state(run_dir, tag)
     except (FileNotFoundError, OSError) as e:
         raise ConfigError(f"train.init_from={run_dir}: {e}") from None
 
@@ -99,10 +99,11 @@ def adopt_model_config(cfg: Config) -> None:
         raise ConfigError(f"train.init_from={src} is this run's own directory: to resume a run just rerun it; "
                           "init_from starts a new run.dir from another run's weights")
     apart_from_source(cfg.run.dir, "train.init_from", src)
-    from training.checkpoint import latest_tag
+    from training.checkpoint_catalog import plan_resume
 
     # resuming: the run's own checkpoint has the adopted shape (and the source may be gone by now)
-    theirs = _source_meta(cfg.run.dir if latest_tag(cfg.run.dir) else src)["config"]["model"]
+    own = plan_resume(cfg.run.dir, cfg.train.resume_tag).tag
+    theirs = (_source_meta(cfg.run.dir, own) if own else _source_meta(src))["config"]["model"]
     if theirs.get("head", "pretrain") == "multiple_choice":
         raise ConfigError(f"train.init_from={src} is a RACE multiple-choice fine-tune; start from a pretrained model")
     changed = []
@@ -128,10 +129,11 @@ def load_weights(model: torch.nn.Module, desc: ModelDescription, ps: ParallelSta
     """Load ``train.init_from``'s weights into ``model`` (this rank's TP shards, before the DeepSpeed engine
     exists). Skipped when the run resumes from its own checkpoint. Returns True if weights were loaded."""
     from training import checkpoint as ckpt
+    from training import checkpoint_catalog as catalog
 
     cfg = desc.cfg
     src = cfg.train.init_from
-    if not src or ckpt.latest_tag(desc.run_dir) is not None:
+    if not src or catalog.plan_resume(desc.run_dir, cfg.train.resume_tag).tag is not None:
         return False
     state, src_cfg, meta = ckpt.load_merged_state_dict(src)
     tok = desc.tokenizer

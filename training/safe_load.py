@@ -85,8 +85,10 @@ def load(path: str | Path, map_location="cpu"):
         raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint is incomplete; resume from "
                               f"an earlier tag or retrain") from None
     except (RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"cannot read checkpoint file {path} (truncated or not a torch checkpoint: "
-                              f"{str(e).splitlines()[0][:100]}); resume from an earlier tag") from None
+        size = path.stat().st_size if path.is_file() else 0
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:100]  # EOFError of a 0-byte file says nothing
+        what = "empty: 0 bytes" if size == 0 else f"truncated or not a torch checkpoint: {why}"
+        raise CheckpointError(f"cannot read checkpoint file {path} ({what}); resume from an earlier tag") from None
 
 
 def install() -> None:

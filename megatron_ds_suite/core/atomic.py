@@ -14,6 +14,7 @@ end so writers that add one when it is missing (``numpy.save``) use the name as 
 * :func:`atomic_path` -- a temporary path for writers that take a file name (``numpy.save``,
   ``torch.save``, ``shutil.copyfile``); it is published when the ``with`` block ends without error.
 * :func:`copy_file` -- copy a file into place atomically.
+* :func:`fsync_file`, :func:`fsync_dir` -- make a file written elsewhere (or a folder's entries) durable.
 * :func:`atomic_dir` -- a temporary folder that replaces the target folder when complete; the folders a
   killed (SIGKILL) earlier writer of the same target left are removed first, with one warning.
 """
@@ -42,7 +43,8 @@ def _temp_path(path: Path) -> Path:
     return Path(name)
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: str | Path) -> None:
+    """Flush ``path``'s data to disk (for files written by others, e.g. ``torch.save`` inside DeepSpeed)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -50,7 +52,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: str | Path) -> None:
     """Make the rename itself durable (best effort: not every platform or file system allows it)."""
     try:
         fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -67,7 +69,7 @@ def _fsync_dir(directory: Path) -> None:
 def _publish(tmp: Path, path: Path) -> None:
     os.chmod(tmp, 0o666 & ~_UMASK)
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 @contextmanager
@@ -80,7 +82,7 @@ def atomic_path(path: str | Path, mkdir: bool = True) -> Iterator[Path]:
     tmp = _temp_path(path)
     try:
         yield tmp
-        _fsync_file(tmp)
+        fsync_file(tmp)
         _publish(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)  # no-op after a successful rename
@@ -179,6 +181,6 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename

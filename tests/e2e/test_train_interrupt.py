@@ -126,18 +126,23 @@ def test_full_disk_while_saving_is_one_line_and_leaves_no_partial_checkpoint(tmp
     assert _leftovers(run) == []
     assert _checkpoints(run) == ("iter_0000002", ["iter_0000002"])  # the complete one kept, no partial iter_4
 
-    # a save killed outright (SIGKILL, power loss) leaves a folder newer than `latest`: the next run removes it
+    # a save killed outright (SIGKILL, power loss) leaves a folder newer than `latest` holding the .saving marker
+    # and no completion record: the next run moves it to checkpoints/incomplete/ (never deletes it) and saves anew
     killed = run / "checkpoints" / "iter_0000004"
     killed.mkdir()
+    (killed / ".saving").write_text("")
     (killed / "mp_rank_00_model_states.pt").write_bytes(b"PK\x03\x04 cut short")
     again = subprocess.run(_command(tmp_path, run, **{"train.iters": "4", "train.save_interval": "2"}),
                            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert "resumed from iter_0000002 at iteration 2" in again.stderr + again.stdout
-    assert "removing unfinished checkpoint" in again.stderr + again.stdout
+    assert "moved checkpoint iter_0000004, whose save never completed, to " in again.stderr + again.stdout
+    moved = run / "checkpoints" / "incomplete" / "iter_0000004"
+    assert (moved / "mp_rank_00_model_states.pt").read_bytes() == b"PK\x03\x04 cut short"  # kept as it was
     # written anew, whole: a valid archive holding the same records as the complete checkpoint (sizes may differ
     # by the archive's 64-byte record alignment, since the pickled counters differ)
     assert _archive_records(killed / "mp_rank_00_model_states.pt") == _archive_records(
         run / "checkpoints" / "iter_0000002" / "mp_rank_00_model_states.pt")
     assert (killed / "mp_rank_00_model_states.pt").stat().st_size > model_bytes - 4096
-    assert _checkpoints(run) == ("iter_0000004", ["iter_0000002", "iter_0000004"])
+    assert _checkpoints(run) == ("iter_0000004", ["incomplete", "iter_0000002", "iter_0000004"])
+    assert sorted(p.name for p in killed.iterdir()) == ["complete.json", "mp_rank_00_model_states.pt"]
