@@ -922,6 +922,127 @@ def _(p, tmp):
     return cmd
 
 
+def _pt_digests(run: Path) -> dict[str, str]:
+    """Every checkpoint file of a run by tag/name, wherever its tag folder now is (moved aside counts as kept)."""
+    import hashlib
+
+    return {f"{f.parent.name}/{f.name}": hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted((run / "checkpoints").rglob("*.pt"))}
+
+
+def _keep_ckpts(tmp: Path) -> None:
+    (tmp / "ckpts.before.json").write_text(json.dumps(_pt_digests(tmp / "run")))
+
+
+def ckpts_kept(p, tmp, res):
+    """Issue 38: no checkpoint file the run had is gone or changed (moved to incomplete/ or superseded/ is kept)."""
+    before = json.loads((tmp / "ckpts.before.json").read_text())
+    after = _pt_digests(tmp / "run")
+    lost = sorted(k for k, v in before.items() if after.get(k) != v)
+    return f"checkpoint files lost or changed: {', '.join(lost[:4])}" if lost else None
+
+
+def _second_tag(run: Path, name: str) -> None:
+    """A second whole checkpoint beside the run's iter_0000002 (its files copied: as valid as the original)."""
+    shutil.copytree(run / "checkpoints" / "iter_0000002", run / "checkpoints" / name)
+
+
+@case("training", "resume_latest_deleted", "checkpoints/latest lost (a run folder copied without it)",
+      check=ckpts_kept)
+def _(p, tmp):
+    cmd = _resume(p, tmp)
+    (tmp / "run" / "checkpoints" / "latest").unlink()
+    _keep_ckpts(tmp)
+    return cmd
+
+
+@case("training", "resume_latest_deleted_two_tags", "checkpoints/latest lost, two complete checkpoints",
+      check=ckpts_kept)
+def _(p, tmp):
+    cmd = _resume(p, tmp)
+    _second_tag(tmp / "run", "iter_0000001")
+    (tmp / "run" / "checkpoints" / "latest").unlink()
+    _keep_ckpts(tmp)
+    return cmd
+
+
+@case("training", "resume_latest_rolled_back", "checkpoints/latest pointed at an older tag by hand",
+      check=ckpts_kept)
+def _(p, tmp):
+    cmd = _resume(p, tmp)
+    _second_tag(tmp / "run", "iter_0000001")
+    (tmp / "run" / "checkpoints" / "latest").write_text("iter_0000001")
+    _keep_ckpts(tmp)
+    return cmd
+
+
+def _superseded_kept(p, tmp, res):
+    problem = ckpts_kept(p, tmp, res)
+    if problem:
+        return problem
+    moved = tmp / "run" / "checkpoints" / "superseded" / "iter_0000002"
+    return None if moved.is_dir() else "the newer checkpoint was not moved to checkpoints/superseded/"
+
+
+@case("training", "resume_older_tag_on_purpose", "train.resume_tag names an older tag (the documented way back)",
+      "ok", check=_superseded_kept)
+def _(p, tmp):
+    cmd = _resume(p, tmp, "train.resume_tag=iter_0000001")
+    _second_tag(tmp / "run", "iter_0000001")
+    _keep_ckpts(tmp)
+    return cmd
+
+
+def _resumed_from_2(p, tmp, res):
+    problem = ckpts_kept(p, tmp, res)
+    if problem:
+        return problem
+    return None if "resumed from iter_0000002" in res.out else "did not resume from iter_0000002"
+
+
+@case("training", "resume_tag_after_latest_lost", "latest lost, train.resume_tag names the newest tag", "ok",
+      check=_resumed_from_2)
+def _(p, tmp):
+    cmd = _resume(p, tmp, "train.resume_tag=iter_0000002")
+    (tmp / "run" / "checkpoints" / "latest").unlink()
+    _keep_ckpts(tmp)
+    return cmd
+
+
+@case("training", "resume_zero_byte_model_file", "the model states file of the latest tag emptied (0 bytes)")
+def _(p, tmp):
+    cmd = _resume(p, tmp)
+    (latest_tag_dir(tmp / "run") / "mp_rank_00_model_states.pt").write_bytes(b"")
+    return cmd
+
+
+@case("training", "resume_zero_byte_optimizer_file", "the optimizer states file of the latest tag emptied")
+def _(p, tmp):
+    cmd = _resume(p, tmp)
+    files = sorted(latest_tag_dir(tmp / "run").glob("*optim_states.pt")) or sorted(
+        latest_tag_dir(tmp / "run").glob("*.pt"))
+    files[-1].write_bytes(b"")
+    return cmd
+
+
+def _moved_not_deleted(p, tmp, res):
+    moved = tmp / "run" / "checkpoints" / "incomplete" / "iter_0000003" / "mp_rank_00_model_states.pt"
+    if not moved.is_file() or moved.read_bytes() != b"PK\x03\x04 cut":
+        return "the unfinished save was deleted, not moved to checkpoints/incomplete/"
+    return None
+
+
+@case("training", "resume_after_killed_save", "a save killed midway (its folder newer than latest, .saving, a cut "
+      "file)", "ok", check=_moved_not_deleted)
+def _(p, tmp):
+    cmd = _resume(p, tmp, iters=4)
+    torn = tmp / "run" / "checkpoints" / "iter_0000003"
+    torn.mkdir()
+    (torn / ".saving").write_text("")
+    (torn / "mp_rank_00_model_states.pt").write_bytes(b"PK\x03\x04 cut")
+    return cmd
+
+
 EVIL = textwrap.dedent("""
     import pickle, sys
     class Evil:
@@ -1179,6 +1300,20 @@ def _(p, tmp):
     run = copy_of(p, "run", tmp / "run")
     f = latest_tag_dir(run) / "mp_rank_00_model_states.pt"
     f.write_bytes(f.read_bytes()[:4096])
+    return _wikitext(run, _words(tmp))
+
+
+@case("evaluation", "checkpoint_zero_byte", "the model file emptied (0 bytes)")
+def _(p, tmp):
+    run = copy_of(p, "run", tmp / "run")
+    (latest_tag_dir(run) / "mp_rank_00_model_states.pt").write_bytes(b"")
+    return _wikitext(run, _words(tmp))
+
+
+@case("evaluation", "checkpoint_latest_deleted", "checkpoints/latest lost: the line must name the tag to pass")
+def _(p, tmp):
+    run = copy_of(p, "run", tmp / "run")
+    (run / "checkpoints" / "latest").unlink()
     return _wikitext(run, _words(tmp))
 
 
@@ -1498,6 +1633,13 @@ def _(p, tmp):
     tag = latest_tag_dir(run)
     shutil.move(str(tag), tmp / "moved")
     tag.symlink_to(tmp / "moved")
+    return _export(run, tmp / "hf")
+
+
+@case("tools", "export_zero_byte_shard", "the model file emptied (0 bytes)")
+def _(p, tmp):
+    run = copy_of(p, "run", tmp / "run")
+    (latest_tag_dir(run) / "mp_rank_00_model_states.pt").write_bytes(b"")
     return _export(run, tmp / "hf")
 
 
