@@ -468,6 +468,7 @@ class DocStore:
                             (meta_path(self.text_folder, k), int(last[COL_MOFF] + last[COL_MLEN]))):
                 have = f.stat().st_size if f.is_file() else None
                 if have is None or have < need:
+                    self._check.file(folder, k, ".idx.npy")  # the index changed rather than the file? name it
                     raise StoreError(f"{f} is {'missing' if have is None else f'truncated ({have} of {need} bytes)'}"
                                      f": {REBUILD}")
         #: store position of each shard's first document, and the total at the end (len(shards) + 1)

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from data_pipeline.dedup.verify import DedupResult
-from data_pipeline.store import (DocStore, ShardCheck, atomic_save_npy, reset_dir, seal_shard, shard_name,
-                                 write_text_from)
+from data_pipeline.store import (REBUILD, DocStore, ShardCheck, StoreError, atomic_save_npy, reset_dir, seal_shard,
+                                 shard_name, write_text_from)
 
 KEY = "blake2b-128 of the cleaned text's UTF-8 bytes"
 
@@ -36,7 +36,10 @@ def text_keys(store: DocStore) -> np.ndarray:
     if all(f.exists() for f in files):  # a key file (a cache: the texts give it again) is checked before it is used
         check = ShardCheck()
         files = [check.file(store.folder, k, ".key.npy") for k in store.shards]
-        return np.concatenate([np.load(f) for f in files]) if files else np.zeros((0, 2), np.uint64)
+        keys = np.concatenate([np.load(f) for f in files]) if files else np.zeros((0, 2), np.uint64)
+        if len(keys) != len(store):
+            raise StoreError(f"{store.folder}: its key files hold {len(keys)} keys for {len(store)} documents: {REBUILD}")
+        return keys
     keys = np.empty((len(store), 2), dtype=np.uint64)
     for pos, text in enumerate(store.iter_texts()):
         keys[pos] = text_key(text)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from data_pipeline.dedup.exact import text_key
-from data_pipeline.store import DocStore, ShardCheck, atomic_save_npy, seal_shard, shard_name
+from data_pipeline.store import REBUILD, DocStore, ShardCheck, StoreError, atomic_save_npy, seal_shard, shard_name
 
 #: documents per shard group (map and subset tasks)
 DOCS_PER_GROUP = 100_000
@@ -76,6 +76,9 @@ def key_map(job: KeyMapJob) -> int:
         k = store.shards[slot]
         keys.append(np.load(check.file(store.folder, k, ".key.npy")) if (store.folder / f"{shard_name(k)}.key.npy").exists()
                     else np.asarray([text_key(t) for t in store.texts(start, stop)], np.uint64).reshape(-1, 2))
+        if len(keys[-1]) != stop - start:
+            raise StoreError(f"{store.folder / shard_name(k)}.key.npy holds {len(keys[-1])} keys for {stop - start} "
+                             f"documents: {REBUILD}")
         pos.append(np.arange(start, stop, dtype=np.uint64))
     store.close()
     rec = np.column_stack([np.concatenate(keys), np.concatenate(pos)]) if keys else np.zeros((0, 3), np.uint64)

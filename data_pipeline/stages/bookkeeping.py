@@ -21,7 +21,8 @@ from typing import Any
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.sources import input_fingerprint
-from data_pipeline.store import STORE_FORMAT, StoreError, atomic_write_json, done_shards, read_json, reset_dir
+from data_pipeline.store import (REBUILD, STORE_FORMAT, DocStore, ShardCheck, StoreError, atomic_write_json, done_shards, read_json,
+                                 reset_dir)
 from megatron_ds_suite.core.errors import SuiteError
 
 log = logging.getLogger(__name__)
@@ -159,12 +160,14 @@ def begin_stage(cfg: BuildConfig, stage: str) -> Path:
     return folder
 
 
-def finish_stage(cfg: BuildConfig, stage: str, stats: dict[str, Any], shards: int | None = None) -> dict[str, Any]:
-    """Mark the stage done with its stats (the last write of a stage); ``shards``: how many shards (``docs-00000``
-    to ``docs-<shards - 1>``) the stage's store holds, checked against the folder first."""
+def finish_stage(cfg: BuildConfig, stage: str, stats: dict[str, Any], shards: int | None = None,
+                 docs: int | None = None) -> dict[str, Any]:
+    """Mark the stage done with its stats (the last write of a stage); for a stage that writes a store,
+    ``shards``: how many shards (``docs-00000`` to ``docs-<shards - 1>``) it holds, checked against the folder
+    first, and ``docs``: how many documents their indexes hold (checked by :func:`open_store`)."""
     rec = {"fingerprint": fingerprint(cfg, stage), "status": "done", "stats": stats}
     if shards is not None:
-        rec["shards"] = shards
+        rec.update(shards=shards, docs=docs)
         check_shards(work_dir(cfg, stage), shards)
     atomic_write_json(work_dir(cfg, stage) / "_stage.json", rec)
     log.info("stage %s done in %.2fs", stage, stats.get("seconds", 0.0))
@@ -183,6 +186,22 @@ def require_stage(cfg: BuildConfig, stage: str) -> dict[str, Any]:
     return rec["stats"]
 
 
+def open_store(cfg: BuildConfig, stage: str) -> DocStore:
+    """The store of the finished ``stage`` (:func:`require_stage` first), opened, holding as many documents as
+    its stage wrote (a shard index cut or replaced by a shorter one is refused here, before any work)."""
+    require_stage(cfg, stage)
+    store = DocStore(work_dir(cfg, stage))
+    docs = stage_record(cfg, stage).get("docs")  # type: ignore[union-attr]
+    if docs is not None and len(store) != docs:
+        store.close()
+        check = ShardCheck()
+        for k in store.shards:  # name the index that changed (it no longer matches its checksum)
+            check.file(store.folder, k, ".idx.npy")
+        raise StoreError(f"{store.folder}: its shard indexes hold {len(store)} documents, its stage wrote {docs}: "
+                         f"{REBUILD}")
+    return store
+
+
 def check_shards(folder: Path, shards: Any) -> None:
     """The finished shards (completion markers) of the store ``folder`` are exactly ``docs-00000`` to
     ``docs-<shards - 1>``, as its stage recorded; one-line :class:`StoreError` naming the first difference."""
@@ -197,7 +216,7 @@ def check_shards(folder: Path, shards: Any) -> None:
     what = (f"the completion marker of shard {lost[0]} (docs-{lost[0]:05d}.done.json) is missing" if lost else
             f"it also holds shard {extra[0]}, which its stage did not write")
     raise StoreError(f"{folder}: its stage wrote {shards} shard(s), {len(found)} are finished ({what}{' and more' if len(lost) + len(extra) > 1 else ''}): "
-                     f"the finished stage output was damaged; rerun with `build --force` (it rebuilds the work files)")
+                     f"{REBUILD}")
 
 
 def reconcile(documents: dict[str, Any]) -> None:

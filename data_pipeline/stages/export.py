@@ -12,8 +12,8 @@ import numpy as np
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
-from data_pipeline.stages.bookkeeping import (assemble_stats, begin_stage, finish_stage, progress_bar, reconcile,
-                                              require_stage, stage_tokenizer_spec, work_dir)
+from data_pipeline.stages.bookkeeping import (assemble_stats, begin_stage, finish_stage, open_store, progress_bar,
+                                              reconcile, require_stage, stage_tokenizer_spec, work_dir)
 from data_pipeline.stages.tokenizer import load_stage_tokenizer
 from data_pipeline.store import (REBUILD, DocStore, ShardCheck, ShardReader, StoreError, atomic_write_json, done_shards,
                                  load_index, shard_name, write_jsonl_atomic)
@@ -116,6 +116,7 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     spec = stage_tokenizer_spec(cfg)
     flt = require_stage(cfg, "filter")
     ded = require_stage(cfg, "dedup")
+    open_store(cfg, "filter").close()  # whole, before any work
     begin_stage(cfg, "export")
     out = cfg.out
     tok = load_stage_tokenizer(cfg)

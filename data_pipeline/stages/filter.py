@@ -83,6 +83,8 @@ def filter_shard(job: FilterJob) -> dict[str, Any]:
     tok = cached_tokenizer(spec)
     check = ShardCheck()  # every ingest file read here is checked against the shard's checksums first
     table = load_index(src, k, src, check)  # (input index, text offset, length, meta offset, length) per text
+    for sfx in (".txt", ".meta.jsonl"):  # the filter is the first reader of the shard: all of it, even the texts
+        check.file(src, k, sfx)           # the word ids stand for (one CRC-32 pass, ~1 GB/s)
     verify_files(src, k, [".wix.npz", ".wvocab.json", ".wvocab.txt", ".key.npy"], caches=True)
     index = WordIndex.load(src, k)
     words = getattr(tok, "word_cache", None)
@@ -158,4 +160,4 @@ def run_filter(cfg: BuildConfig) -> dict[str, Any]:
     stats = timer.finish(tot["in"], kept=tot["kept"], too_short=tot["too_short"], tokens=tot["tokens"],
                          min_tokens=cfg.length.min_tokens, count_eod=cfg.length.count_eod,
                          tokenizer=require_stage(cfg, "tokenizer")["spec"], too_short_examples=examples)
-    return finish_stage(cfg, "filter", stats, shards=shards)
+    return finish_stage(cfg, "filter", stats, shards=shards, docs=tot["kept"])

@@ -238,4 +238,4 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
     if clean == 0:
         raise StageError(f"no usable document in the inputs ({read} records read, all rejected: "
                          f"{dict(by_reason)}); see {folder}/*.rejects.jsonl")
-    return finish_stage(cfg, "ingest", stats, shards=shards.count)
+    return finish_stage(cfg, "ingest", stats, shards=shards.count, docs=clean)

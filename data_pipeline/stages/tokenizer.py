@@ -6,8 +6,7 @@ from typing import Any
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
-from data_pipeline.stages.bookkeeping import (begin_stage, finish_stage, record_spec, require_stage,
-                                              stage_tokenizer_spec, work_dir)
+from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, open_store, record_spec, stage_tokenizer_spec
 from data_pipeline.stages.ingest import WORD_COUNT_FILES, read_word_counts, trains_on_word_counts
 from data_pipeline.store import DocStore, shard_texts, verify_files
 from data_pipeline.tokenizer_train import MAX_SENTENCES, WordCounts, count_training_words
@@ -25,8 +24,7 @@ def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
     tok_dir = cfg.out / "tokenizer"
     n_docs = 0
     if t.type == "sentencepiece":
-        require_stage(cfg, "ingest")
-        store = DocStore(work_dir(cfg, "ingest"))
+        store = open_store(cfg, "ingest")
 
         def texts() -> Iterator[str]:
             nonlocal n_docs
