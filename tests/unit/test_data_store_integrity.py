@@ -297,3 +297,25 @@ def test_an_output_folder_beside_its_sources_is_accepted(tmp_path, layout):
                  "source_inside_output": (src, tmp_path)}[layout]
     cfg = config_from_dict({"output_dir": str(out), "sources": [{"type": "jsonl", "path": str(path)}]})
     assert cfg.out == out
+
+
+# ------------------------------------------------------------------------------ the previous format
+def test_a_work_folder_of_the_previous_format_is_rebuilt_or_refused(built, corpus, monkeypatch):
+    """Markers without checksums are refused in one line by a reader; a work folder of another ``STORE_FORMAT``
+    is not finished for this version: ``stage`` says so in one line and ``build`` rebuilds it, never misreads it."""
+    import data_pipeline.stages.bookkeeping as bookkeeping
+
+    cfg = _cfg(corpus)
+    folder = work_dir(cfg, "ingest")
+    for k in range(3):
+        marker = folder / f"{shard_name(k)}.done.json"
+        marker.write_text(json.dumps({x: v for x, v in json.loads(marker.read_text()).items() if x != "files"}))
+    with pytest.raises(StoreError) as e:
+        DocStore(folder).text(0)
+    assert "has no file checksums (an older version of the builder wrote this folder)" in _one_line(e)
+    monkeypatch.setattr(bookkeeping, "STORE_FORMAT", "utf8-offsets-v1")  # as if the folder were written by v1
+    with pytest.raises(StageError, match="stage 'filter' has not finished for this config"):
+        run_stage(cfg, "dedup")
+    build(cfg)  # the folder's stages are rebuilt (their fingerprints name the format), byte for byte as before
+    assert _outputs(corpus) == _outputs(built)
+    assert all("files" in json.loads((folder / f"{shard_name(k)}.done.json").read_text()) for k in range(3))
