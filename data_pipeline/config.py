@@ -8,6 +8,8 @@ this module holds the dataclasses and the value checks of the corpus builder.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,6 +188,12 @@ def _validate(cfg: BuildConfig) -> None:
                     raise ConfigError(f"sources[{i}].path: input not found: {p}")
         if s.limit is not None and s.limit < 0:
             raise ConfigError(f"sources[{i}].limit must be >= 0, got {s.limit}")
+        folder = _source_folder(cfg, s)
+        out = cfg.out.resolve()
+        if folder is not None and (out == folder or folder in out.parents):
+            raise ConfigError(f"output_dir {cfg.out} lies inside sources[{i}].path {s.path}, whose folders are read "
+                              f"whole: a later build would read this build's own files (documents.jsonl, work/...) as "
+                              f"input; choose an output_dir outside the source folders")
     enum("tokenizer.type", cfg.tokenizer.type)
     enum("tokenizer.flavor", cfg.tokenizer.flavor)
     enum("dedup.shingle_unit", cfg.dedup.shingle_unit)
@@ -241,6 +249,20 @@ def _validate(cfg: BuildConfig) -> None:
             raise ConfigError(f"decontaminate.against item {item!r} must look like NAME=FILE")
         if not cfg.resolve(path).is_file():
             raise ConfigError(f"decontaminate.against {name}: file not found: {cfg.resolve(path)}")
+
+
+def _source_folder(cfg: BuildConfig, s: SourceConfig) -> Path | None:
+    """The folder a local source reads every file under (a directory, or a glob's fixed leading part), resolved;
+    None for a single file, the built-in corpus or a Hub name."""
+    if not s.path or s.type == "default" or (s.type == "hf" and not _looks_local(s.path)):
+        return None
+    p = cfg.resolve(s.path)
+    if p.is_dir():
+        return p.resolve()
+    if p.exists():
+        return None
+    fixed = list(itertools.takewhile(lambda x: not glob.has_magic(x), p.parts))
+    return Path(*fixed).resolve() if fixed and len(fixed) < len(p.parts) else None
 
 
 def _looks_local(p: str) -> bool:

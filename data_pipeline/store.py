@@ -5,12 +5,20 @@ A store is a folder of shards. Shard ``docs-00000`` of the stage that writes the
 * ``docs-00000.txt``: the cleaned texts, UTF-8, concatenated (no separator, no escaping);
 * ``docs-00000.meta.jsonl``: per document one JSON line ``{"src": source id[, "uid": user id]}``;
 * ``docs-00000.idx.npy``: int64 ``[n, 5]`` = (input index, text byte offset, text byte length, meta byte
-  offset, meta byte length), rows in file order (offsets increasing).
+  offset, meta byte length), rows in file order (offsets increasing);
+* ``docs-00000.done.json``: the stage's counts for the shard and ``"files"``: the size and CRC-32 of every file
+  of the shard (:mod:`data_pipeline.shard_sums`), written last (:func:`seal_shard`): the completion marker.
 
 A document's text is one slice of the ``.txt`` file decoded as UTF-8 (read through ``mmap``): no stage
 encodes or decodes JSON for a text (``docs/data_format.md`` §5). A later stage's store may hold only the
-indexes, pointing into an earlier store's shard files (``_text_from.json`` names that folder: the filter
-keeps its documents' texts where ingest wrote them).
+indexes, pointing into an earlier store's shard files (``_text_from.json`` names that folder relative to the
+store's own, so a copied output folder reads its own texts: the filter keeps its documents' texts where ingest
+wrote them).
+
+Every read is checked: a shard's files against the checksums of its marker (once per reader, when the file is
+first read: :class:`ShardCheck`), every index row against the sizes of the files it points into
+(:func:`load_index`), a missing or unreadable work file is one :class:`StoreError` line naming the file and
+``build --force``.
 
 Opening a store reads only each shard's row count (:class:`DocStore`); a shard's index is loaded when a
 document of it is read, and only a few are kept, so the reader's memory does not grow with the corpus.
@@ -22,6 +30,7 @@ shard or nothing that counts (the ``.txt`` and ``.meta.jsonl`` of an aborted sha
 from __future__ import annotations
 
 import fnmatch
+import io
 import json
 import mmap
 import os
@@ -35,10 +44,12 @@ from typing import Any
 import numpy as np
 
 from data_pipeline.config import ConfigError
+from data_pipeline.shard_sums import ALGORITHM, SummingFile, data_sum, file_sum, mismatch
 from megatron_ds_suite.core import atomic
 
-#: the shard layout written by :class:`ShardWriter` (part of the ingest stage's fingerprint)
-STORE_FORMAT = "utf8-offsets-v1"
+#: the shard layout written by :class:`ShardWriter` (part of the ingest stage's fingerprint): v2 added the files'
+#: checksums to the completion markers and made ``_text_from.json`` relative
+STORE_FORMAT = f"utf8-offsets-v2-{ALGORITHM}"
 #: columns of a shard index row
 COL_I, COL_OFF, COL_LEN, COL_MOFF, COL_MLEN = range(5)
 
@@ -51,9 +62,13 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic.write_json(path, obj, indent=1, sort_keys=True, ensure_ascii=False)
 
 
-def atomic_save_npy(path: Path, arr: np.ndarray) -> None:
+def atomic_save_npy(path: Path, arr: np.ndarray) -> list[int]:
+    """``np.save`` to ``path`` atomically; returns the file's ``[bytes, crc32]``, summed while it was written."""
     with atomic.atomic_path(path) as tmp:
-        np.save(tmp, arr)
+        with open(tmp, "wb") as f:
+            out = SummingFile(f)
+            np.save(out, arr)  # type: ignore[arg-type]
+    return out.sum()
 
 
 def read_json(path: Path) -> Any:
@@ -96,6 +111,21 @@ def index_path(folder: Path, k: int) -> Path:
     return folder / f"{shard_name(k)}.idx.npy"
 
 
+def done_path(folder: Path, k: int) -> Path:
+    """Shard ``k``'s completion marker."""
+    return folder / f"{shard_name(k)}.done.json"
+
+
+def seal_shard(folder: Path, k: int, counts: dict[str, Any], sums: dict[str, list[int]] | None = None,
+               others: Iterable[str] = ()) -> None:
+    """Publish shard ``k``: its marker ``docs-K.done.json`` = ``counts`` + ``"files"``: ``[bytes, crc32]`` per file
+    suffix, from ``sums`` (summed while written) and by reading back the files of the suffixes ``others``.
+    Written last: the shard's completion marker."""
+    files = {sfx: file_sum(folder / f"{shard_name(k)}{sfx}") for sfx in others}
+    files.update(sums or {})
+    atomic_write_json(done_path(folder, k), {**counts, "files": files})
+
+
 class ShardWriter:
     """Writes one shard's texts, metadata and index; :meth:`commit` publishes it with its counts."""
 
@@ -103,7 +133,7 @@ class ShardWriter:
         self.folder, self.k = folder, k
         self._files = [atomic.atomic_open(text_path(folder, k), "wb"),  # hidden temporary files until commit
                        atomic.atomic_open(meta_path(folder, k), "wb")]
-        self.text_f, self.meta_f = (f.__enter__() for f in self._files)
+        self.text_f, self.meta_f = (SummingFile(f.__enter__()) for f in self._files)
         self.index: list[tuple[int, int, int, int, int]] = []
         self.offset = self.meta_offset = 0
 
@@ -116,11 +146,14 @@ class ShardWriter:
         self.offset += len(data)
         self.meta_offset += len(meta)
 
-    def commit(self, counts: dict[str, Any]) -> None:
+    def commit(self, counts: dict[str, Any], others: Iterable[str] = ()) -> None:
+        """Publish the shard with ``counts``; ``others``: suffixes of further files of the shard already written
+        (their checksums go in the marker too)."""
         for f in self._files:
             f.__exit__(None, None, None)  # fsync, rename into place
-        atomic_save_npy(index_path(self.folder, self.k), np.asarray(self.index, dtype=np.int64).reshape(-1, 5))
-        atomic_write_json(self.folder / f"{shard_name(self.k)}.done.json", counts)
+        idx = atomic_save_npy(index_path(self.folder, self.k), np.asarray(self.index, dtype=np.int64).reshape(-1, 5))
+        seal_shard(self.folder, self.k, counts, {".txt": self.text_f.sum(), ".meta.jsonl": self.meta_f.sum(),
+                                                 ".idx.npy": idx}, others)
 
     def abort(self) -> None:
         stop = RuntimeError("shard aborted")
@@ -145,8 +178,87 @@ def done_shards(folder: Path) -> list[int]:
     return sorted(int(name[5:10]) for name in scan_names(folder, "docs-*.done.json"))
 
 
+#: what a damaged finished store's error line tells the user
+REBUILD = "the finished stage output was damaged; rerun with `build --force` (it rebuilds the work files)"
+
+
 def shard_counts(folder: Path, k: int) -> dict[str, Any]:
-    return read_json(folder / f"{shard_name(k)}.done.json")
+    """Shard ``k``'s completion marker: the stage's counts and ``"files"`` (one-line :class:`StoreError` when it is
+    missing or not a JSON object)."""
+    p = done_path(folder, k)
+    try:
+        rec = read_json(p)
+    except FileNotFoundError:
+        raise StoreError(f"{p} is missing: {REBUILD}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise StoreError(f"{p} is damaged (not JSON: {e}): {REBUILD}") from None
+    if not isinstance(rec, dict):
+        raise StoreError(f"{p} is damaged (a JSON {type(rec).__name__}, not an object): {REBUILD}")
+    return rec
+
+
+class ShardCheck:
+    """Checks the files of shards against the checksums of their completion markers, each file once (a reader
+    holds one: the first read of a file checks it, later reads trust it)."""
+
+    def __init__(self) -> None:
+        self._files: dict[tuple[str, int], dict[str, Any]] = {}
+        self._checked: set[tuple[str, int, str]] = set()
+
+    def _recorded(self, folder: Path, k: int, suffix: str) -> Any:
+        key = (str(folder), k)
+        files = self._files.get(key)
+        if files is None:
+            files = shard_counts(folder, k).get("files")
+            if not isinstance(files, dict):
+                raise StoreError(f"{done_path(folder, k)} has no file checksums (an older version of the builder "
+                                 f"wrote this folder): rerun with `build --force`")
+            self._files[key] = files
+        if suffix not in files:
+            raise StoreError(f"{folder / (shard_name(k) + suffix)} is not recorded in {done_path(folder, k).name}: "
+                             f"{REBUILD}")
+        return files[suffix]
+
+    def data(self, folder: Path, k: int, suffix: str, data: Any) -> None:
+        """Check the bytes ``data`` read from shard ``k``'s ``suffix`` file (once)."""
+        key = (str(folder), k, suffix)
+        if key in self._checked:
+            return
+        self._fail(folder, k, suffix, mismatch(data_sum(data), self._recorded(folder, k, suffix)))
+        self._checked.add(key)
+
+    def file(self, folder: Path, k: int, suffix: str) -> Path:
+        """Check shard ``k``'s ``suffix`` file by reading it (once); returns its path."""
+        path = folder / f"{shard_name(k)}{suffix}"
+        key = (str(folder), k, suffix)
+        if key not in self._checked:
+            want = self._recorded(folder, k, suffix)
+            if not path.is_file():
+                raise StoreError(f"{path} is missing: {REBUILD}")
+            self._fail(folder, k, suffix, mismatch(file_sum(path), want))
+            self._checked.add(key)
+        return path
+
+    @staticmethod
+    def _fail(folder: Path, k: int, suffix: str, problem: str | None) -> None:
+        if problem:
+            raise StoreError(f"{folder / (shard_name(k) + suffix)} is {problem}: {REBUILD}")
+
+
+def verify_files(folder: Path, k: int, suffixes: Iterable[str], caches: bool = False) -> None:
+    """Check shard ``k``'s files of ``suffixes`` against its marker (one-line :class:`StoreError` otherwise).
+    ``caches``: the files are caches the texts give again (word ids, exact-dedup keys): one that is absent is not
+    checked (its reader recomputes it), one that is there must match."""
+    check = ShardCheck()
+    for sfx in suffixes:
+        if not caches or (folder / f"{shard_name(k)}{sfx}").exists():
+            check.file(folder, k, sfx)
+
+
+def recorded_suffixes(folder: Path, k: int) -> list[str]:
+    """The suffixes of the files shard ``k``'s marker lists."""
+    files = shard_counts(folder, k).get("files")
+    return sorted(files) if isinstance(files, dict) else []
 
 
 class _Mapped:
@@ -164,40 +276,64 @@ class _Mapped:
 
 
 class ShardReader:
-    """One shard's ``.txt`` and ``.meta.jsonl`` in ``folder``, mapped: texts and records by index row.
-    Use as a context manager (or :meth:`close`)."""
+    """One shard's ``.txt`` and ``.meta.jsonl`` in ``folder``, mapped when first read and then checked against
+    the shard's checksums (``check``: a reader's :class:`ShardCheck`, so a file is checked once per reader):
+    texts and records by index row. Use as a context manager (or :meth:`close`)."""
 
-    def __init__(self, folder: Path, k: int):
-        self._txt = _Mapped(text_path(folder, k))
+    def __init__(self, folder: Path, k: int, check: ShardCheck | None = None):
+        self.folder, self.k = folder, k
+        self._check = check or ShardCheck()
+        self._txt: _Mapped | None = None
+        self._meta: _Mapped | None = None
+
+    def _map(self, path: Path, suffix: str) -> _Mapped:
+        if not path.is_file():
+            raise StoreError(f"{path} is missing: {REBUILD}")
+        m = _Mapped(path)
         try:
-            self._meta = _Mapped(meta_path(folder, k))
+            self._check.data(self.folder, self.k, suffix, m.data)
         except BaseException:
-            self._txt.close()
+            m.close()
             raise
+        return m
+
+    @property
+    def _text_data(self) -> Any:
+        if self._txt is None:
+            self._txt = self._map(text_path(self.folder, self.k), ".txt")
+        return self._txt.data
+
+    @property
+    def _meta_data(self) -> Any:
+        if self._meta is None:
+            self._meta = self._map(meta_path(self.folder, self.k), ".meta.jsonl")
+        return self._meta.data
 
     def text(self, row: np.ndarray) -> str:
         off = int(row[COL_OFF])
-        return self._txt.data[off:off + int(row[COL_LEN])].decode("utf-8")
+        return self._text_data[off:off + int(row[COL_LEN])].decode("utf-8")
 
     def texts(self, rows: np.ndarray) -> list[str]:
         """The texts of index rows ``rows`` (int64[m, 5]), in order."""
-        data = self._txt.data
+        data = self._text_data
         return [data[o:o + n].decode("utf-8") for o, n in rows[:, COL_OFF:COL_LEN + 1].tolist()]
 
     def record(self, row: np.ndarray) -> dict[str, Any]:
         """``{"i", "src", "text"[, "uid"]}`` of index row ``row``."""
         moff = int(row[COL_MOFF])
-        meta = json.loads(self._meta.data[moff:moff + int(row[COL_MLEN])])
+        meta = json.loads(self._meta_data[moff:moff + int(row[COL_MLEN])])
         return {"i": int(row[COL_I]), "src": meta.pop("src"), "text": self.text(row), **meta}
 
     def meta(self, row: np.ndarray) -> dict[str, Any]:
         """``{"i", "src"[, "uid"]}`` of index row ``row`` (the text not read)."""
         moff = int(row[COL_MOFF])
-        return {"i": int(row[COL_I]), **json.loads(self._meta.data[moff:moff + int(row[COL_MLEN])])}
+        return {"i": int(row[COL_I]), **json.loads(self._meta_data[moff:moff + int(row[COL_MLEN])])}
 
     def close(self) -> None:
-        self._txt.close()
-        self._meta.close()
+        for m in (self._txt, self._meta):
+            if m is not None:
+                m.close()
+        self._txt = self._meta = None
 
     def __enter__(self) -> ShardReader:
         return self
@@ -206,9 +342,43 @@ class ShardReader:
         self.close()
 
 
-def load_index(folder: Path, k: int) -> np.ndarray:
-    """Shard ``k``'s index rows (int64[n, 5])."""
-    return np.load(index_path(folder, k))
+def load_index(folder: Path, k: int, text_folder: Path | None = None, check: ShardCheck | None = None) -> np.ndarray:
+    """Shard ``k``'s index rows (int64[n, 5]), checked: the file against the shard's checksum, its shape, and
+    every row against the sizes of the ``.txt`` / ``.meta.jsonl`` it points into (in ``text_folder``, by default
+    the store's own: :func:`text_folder_of`). One-line :class:`StoreError` otherwise."""
+    path = index_path(folder, k)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise StoreError(f"{path} is missing: {REBUILD}") from None
+    (check or ShardCheck()).data(folder, k, ".idx.npy", data)
+    try:
+        rows = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise StoreError(f"{path} is not a readable index ({e}): {REBUILD}") from None
+    if rows.dtype != np.int64 or rows.ndim != 2 or rows.shape[1] != 5:
+        raise StoreError(f"{path} is not an index (int64[n, 5]; got {rows.dtype}{list(rows.shape)}): {REBUILD}")
+    check_rows(rows, path, text_folder if text_folder is not None else text_folder_of(folder), k)
+    return rows
+
+
+def check_rows(rows: np.ndarray, index_file: Path, text_folder: Path, k: int) -> None:
+    """Every row of ``rows`` (shard ``k``'s, read from ``index_file``) lies inside shard ``k``'s ``.txt`` and
+    ``.meta.jsonl`` in ``text_folder`` (vectorised: two comparisons per row); one-line :class:`StoreError`."""
+    if not len(rows):
+        return
+    for f, col_off, col_len in ((text_path(text_folder, k), COL_OFF, COL_LEN),
+                                (meta_path(text_folder, k), COL_MOFF, COL_MLEN)):
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            raise StoreError(f"{f} is missing: {REBUILD}") from None
+        off, n = rows[:, col_off], rows[:, col_len]
+        bad = np.flatnonzero((off < 0) | (n < 0) | (off > size - n))
+        if len(bad):
+            j = int(bad[0])
+            raise StoreError(f"{index_file} row {j} points at bytes {int(off[j])}..{int(off[j]) + int(n[j])} of {f}, "
+                             f"which has {size} ({len(bad)} such rows): {REBUILD}")
 
 
 def iter_rows(folder: Path, k: int, rows: np.ndarray) -> Iterator[dict[str, Any]]:
@@ -236,6 +406,36 @@ class StoreError(ConfigError):
 TEXT_FROM = "_text_from.json"  # in an index-only store (the filter's, dedup's exact survivors): the text's folder
 
 
+def write_text_from(folder: Path, text_folder: Path) -> None:
+    """Record in the index-only store ``folder`` that its texts are in ``text_folder``, by a path relative to
+    ``folder`` (a copied or moved output folder reads its own texts)."""
+    atomic_write_json(folder / TEXT_FROM, {"folder": os.path.relpath(text_folder.resolve(), folder.resolve())})
+
+
+def text_folder_of(folder: Path) -> Path:
+    """The folder holding the texts of the store ``folder``: itself, or the one its ``_text_from.json`` names.
+    An absolute path there (an older builder wrote them) is followed only inside the same ``work`` folder
+    (``folder``'s grandparent): anywhere else it may be the folder this one was copied from."""
+    f = folder / TEXT_FROM
+    if not f.is_file():
+        return folder
+    try:
+        ref = read_json(f)["folder"]
+        if not isinstance(ref, str):
+            raise TypeError(type(ref).__name__)
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise StoreError(f"{f} is damaged ({type(e).__name__}: {e}): {REBUILD}") from None
+    p = Path(ref)
+    if not p.is_absolute():
+        return (folder.resolve() / p).resolve()
+    root = folder.resolve().parent.parent
+    if p.resolve() == root or root in p.resolve().parents:
+        return p
+    raise StoreError(f"{f} names the texts' folder {p} by an absolute path outside {root} (an older version of the "
+                     f"builder wrote it; this folder may be a copy that would read another corpus's texts): rerun "
+                     f"with `build --force`")
+
+
 class DocStore:
     """Read side of a finished store: ordered iteration and random access by position (0 .. len - 1).
 
@@ -247,12 +447,19 @@ class DocStore:
 
     def __init__(self, folder: Path, cache_shards: int = 4):
         self.folder = folder
-        text_from = folder / TEXT_FROM
-        self.text_folder = Path(read_json(text_from)["folder"]) if text_from.is_file() else folder
+        self.text_folder = text_folder_of(folder)
         self.shards = done_shards(folder)
+        self._check = ShardCheck()  # each file checked against its checksum when first read
         counts = []
         for k in self.shards:  # a deleted or cut shard is one line here, not a traceback later
-            idx = np.load(index_path(folder, k), mmap_mode="r")  # the header and the last row only
+            try:
+                idx = np.load(index_path(folder, k), mmap_mode="r")  # the header and the last row only
+            except FileNotFoundError:
+                raise StoreError(f"{index_path(folder, k)} is missing: {REBUILD}") from None
+            except (ValueError, OSError, EOFError) as e:
+                raise StoreError(f"{index_path(folder, k)} is not a readable index ({e}): {REBUILD}") from None
+            if idx.ndim != 2 or idx.shape[1] != 5:
+                raise StoreError(f"{index_path(folder, k)} is not an index (shape {list(idx.shape)}): {REBUILD}")
             counts.append(len(idx))
             if not len(idx):
                 continue
@@ -261,9 +468,9 @@ class DocStore:
                             (meta_path(self.text_folder, k), int(last[COL_MOFF] + last[COL_MLEN]))):
                 have = f.stat().st_size if f.is_file() else None
                 if have is None or have < need:
+                    self._check.file(folder, k, ".idx.npy")  # the index changed rather than the file? name it
                     raise StoreError(f"{f} is {'missing' if have is None else f'truncated ({have} of {need} bytes)'}"
-                                     f": the finished stage output was damaged; rerun with `build --force` (or "
-                                     f"delete {self.text_folder} and run `build`)")
+                                     f": {REBUILD}")
         #: store position of each shard's first document, and the total at the end (len(shards) + 1)
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         self._cache_size = max(1, cache_shards)
@@ -281,7 +488,7 @@ class DocStore:
         """The index rows (int64[m, 5]) of the shard at ``slot`` (loaded, a few kept)."""
         got = self._rows.get(slot)
         if got is None:
-            got = self._rows[slot] = load_index(self.folder, self.shards[slot])
+            got = self._rows[slot] = load_index(self.folder, self.shards[slot], self.text_folder, self._check)
             if len(self._rows) > self._cache_size:
                 self._rows.popitem(last=False)
         else:
@@ -291,7 +498,7 @@ class DocStore:
     def _reader(self, slot: int) -> ShardReader:
         r = self._readers.get(slot)
         if r is None:
-            r = self._readers[slot] = ShardReader(self.text_folder, self.shards[slot])
+            r = self._readers[slot] = ShardReader(self.text_folder, self.shards[slot], self._check)
             if len(self._readers) > self._cache_size:
                 self._readers.popitem(last=False)[1].close()
         else:
@@ -327,7 +534,7 @@ class DocStore:
         """Records at positions [start, stop), read in file order (each shard's files opened for the span, so
         an iteration never shares a mapping with :meth:`get`)."""
         for slot, rows in self._spans(start, stop):
-            with ShardReader(self.text_folder, self.shards[slot]) as r:
+            with ShardReader(self.text_folder, self.shards[slot], self._check) as r:
                 for row in rows:
                     yield r.record(row)
 
@@ -335,7 +542,7 @@ class DocStore:
         """The texts at positions [start, stop) (no metadata read)."""
         out: list[str] = []
         for slot, rows in self._spans(start, stop):
-            with ShardReader(self.text_folder, self.shards[slot]) as r:
+            with ShardReader(self.text_folder, self.shards[slot], self._check) as r:
                 out += r.texts(rows)
         return out
 

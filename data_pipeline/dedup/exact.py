@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from data_pipeline.dedup.verify import DedupResult
-from data_pipeline.store import TEXT_FROM, DocStore, atomic_save_npy, atomic_write_json, reset_dir, shard_name
+from data_pipeline.store import (REBUILD, DocStore, ShardCheck, StoreError, atomic_save_npy, reset_dir, seal_shard,
+                                 shard_name, write_text_from)
 
 KEY = "blake2b-128 of the cleaned text's UTF-8 bytes"
 
@@ -32,8 +33,13 @@ def text_keys(store: DocStore) -> np.ndarray:
     """uint64[n, 2]: the key of every stored document, in store order — from the ``docs-K.key.npy`` files
     the filter stage writes (hashed while it had the text), else by reading the texts again."""
     files = [store.folder / f"{shard_name(k)}.key.npy" for k in store.shards]
-    if all(f.exists() for f in files):
-        return np.concatenate([np.load(f) for f in files]) if files else np.zeros((0, 2), np.uint64)
+    if all(f.exists() for f in files):  # a key file (a cache: the texts give it again) is checked before it is used
+        check = ShardCheck()
+        files = [check.file(store.folder, k, ".key.npy") for k in store.shards]
+        keys = np.concatenate([np.load(f) for f in files]) if files else np.zeros((0, 2), np.uint64)
+        if len(keys) != len(store):
+            raise StoreError(f"{store.folder}: its key files hold {len(keys)} keys for {len(store)} documents: {REBUILD}")
+        return keys
     keys = np.empty((len(store), 2), dtype=np.uint64)
     for pos, text in enumerate(store.iter_texts()):
         keys[pos] = text_key(text)
@@ -62,12 +68,12 @@ def write_subset(store: DocStore, keep: np.ndarray, folder: Path) -> DocStore:
     reset_dir(folder)
     want = np.zeros(len(store), dtype=bool)
     want[keep] = True
-    atomic_write_json(folder / TEXT_FROM, {"folder": str(store.text_folder.resolve())})
+    write_text_from(folder, store.text_folder)
     for slot, k in enumerate(store.shards):
         lo, hi = int(store.starts[slot]), int(store.starts[slot + 1])
         rows = store.rows(slot)[np.flatnonzero(want[lo:hi])]
-        atomic_save_npy(folder / f"{shard_name(k)}.idx.npy", rows.astype(np.int64))
-        atomic_write_json(folder / f"{shard_name(k)}.done.json", {"kept": int(len(rows))})
+        idx = atomic_save_npy(folder / f"{shard_name(k)}.idx.npy", rows.astype(np.int64))
+        seal_shard(folder, k, {"kept": int(len(rows))}, {".idx.npy": idx})
     return DocStore(folder)
 
 

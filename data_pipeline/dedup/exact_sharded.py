@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from data_pipeline.dedup.exact import text_key
-from data_pipeline.store import DocStore, atomic_save_npy, atomic_write_json, shard_name
+from data_pipeline.store import REBUILD, DocStore, ShardCheck, StoreError, atomic_save_npy, seal_shard, shard_name
 
 #: documents per shard group (map and subset tasks)
 DOCS_PER_GROUP = 100_000
@@ -69,12 +69,16 @@ class KeyMapJob:
 def key_map(job: KeyMapJob) -> int:
     """Map task (module docstring); returns the group's number of documents."""
     store = DocStore(Path(job.store_dir))
+    check = ShardCheck()
     keys, pos = [], []
     for slot in range(job.lo, job.hi):
         start, stop = int(store.starts[slot]), int(store.starts[slot + 1])
-        f = store.folder / f"{shard_name(store.shards[slot])}.key.npy"
-        keys.append(np.load(f) if f.exists() else
-                    np.asarray([text_key(t) for t in store.texts(start, stop)], np.uint64).reshape(-1, 2))
+        k = store.shards[slot]
+        keys.append(np.load(check.file(store.folder, k, ".key.npy")) if (store.folder / f"{shard_name(k)}.key.npy").exists()
+                    else np.asarray([text_key(t) for t in store.texts(start, stop)], np.uint64).reshape(-1, 2))
+        if len(keys[-1]) != stop - start:
+            raise StoreError(f"{store.folder / shard_name(k)}.key.npy holds {len(keys[-1])} keys for {stop - start} "
+                             f"documents: {REBUILD}")
         pos.append(np.arange(start, stop, dtype=np.uint64))
     store.close()
     rec = np.column_stack([np.concatenate(keys), np.concatenate(pos)]) if keys else np.zeros((0, 3), np.uint64)
@@ -153,9 +157,9 @@ def write_subset_group(job: SubsetJob) -> int:
         start, stop, k = int(store.starts[slot]), int(store.starts[slot + 1]), store.shards[slot]
         pos = np.arange(start, stop, dtype=np.int64)
         keep = ~np.isin(pos, copies[(copies >= start) & (copies < stop)])
-        atomic_save_npy(out / f"{shard_name(k)}.idx.npy", store.rows(slot)[keep].astype(np.int64))
-        atomic_save_npy(out / f"{shard_name(k)}.pos.npy", pos[keep])
-        atomic_write_json(out / f"{shard_name(k)}.done.json", {"kept": int(keep.sum())})
+        sums = {".idx.npy": atomic_save_npy(out / f"{shard_name(k)}.idx.npy", store.rows(slot)[keep].astype(np.int64)),
+                ".pos.npy": atomic_save_npy(out / f"{shard_name(k)}.pos.npy", pos[keep])}
+        seal_shard(out, k, {"kept": int(keep.sum())}, sums)
         kept += int(keep.sum())
     store.close()
     return kept

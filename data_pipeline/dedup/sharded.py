@@ -41,7 +41,7 @@ from data_pipeline.dedup.hashing import ShingleSpec
 from data_pipeline.dedup.lsh import LshSpec
 from data_pipeline.dedup.minhash import sign_chunk, sign_jobs
 from data_pipeline.dedup.verify import DedupResult, pair_blocks
-from data_pipeline.store import TEXT_FROM, DocStore, atomic_write_json
+from data_pipeline.store import DocStore, write_text_from
 from data_pipeline.workers import worker_pool
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def dedup_stage_files(store: DocStore, sig_dir: Path, work: Path, out: Path, shi
         if copies:  # fuzzy dedup of the survivors only; the copies are merged back by the components task
             subset_dir = work / "exact-survivors"
             subset_dir.mkdir()
-            atomic_write_json(subset_dir / TEXT_FROM, {"folder": str(store.text_folder.resolve())})
+            write_text_from(subset_dir, store.text_folder)
             pmap(write_subset_group, [SubsetJob(str(store.folder), g, lo, hi, str(dup_dir), str(subset_dir))
                                       for g, (lo, hi) in enumerate(groups)])
             fuzzy_store, fuzzy_sig = DocStore(subset_dir), Path(str(sig_dir) + "-exact")

@@ -1,8 +1,12 @@
 """Stage bookkeeping: fingerprints, ``work/<stage>/_stage.json`` markers, resume and the build's stats.
 
-Each stage records ``work/<stage>/_stage.json`` = {fingerprint, status, stats}. The fingerprint hashes
+Each stage records ``work/<stage>/_stage.json`` = {fingerprint, status, stats[, shards]}. The fingerprint hashes
 the config keys that change the stage's result together with the upstream fingerprint, so ``build``
 skips a finished stage whose inputs did not change and recomputes everything downstream of a change.
+A stage that writes a store (ingest, filter) records how many shards it wrote (``shards``); a later stage
+refuses that store when its finished shards disagree (:func:`require_stage`), and the build refuses counts
+that do not reconcile (:func:`reconcile`). A damaged ``_stage.json`` is one line; ``build --force`` (every
+stage begun again, :func:`begin_stage`) rewrites it.
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from typing import Any
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.sources import input_fingerprint
-from data_pipeline.store import STORE_FORMAT, atomic_write_json, read_json, reset_dir
+from data_pipeline.store import (REBUILD, STORE_FORMAT, DocStore, ShardCheck, StoreError, atomic_write_json, done_shards, read_json,
+                                 reset_dir)
 from megatron_ds_suite.core.errors import SuiteError
 
 log = logging.getLogger(__name__)
@@ -59,8 +64,8 @@ def fingerprint(cfg: BuildConfig, stage: str) -> str:
         if cfg.tokenizer.type != "sentencepiece":
             t = {k: t[k] for k in ("type", "model_file", "vocab_file", "merges_file")
                  + (("lowercase",) if cfg.tokenizer.type == "wordpiece" else ())}
-            return digest(["tokenizer", t, _file_stats(cfg)])
-        return digest(["tokenizer", fingerprint(cfg, "ingest"), t, cfg.seed])
+            return digest(["tokenizer", t, _file_stats(cfg), SPEC_PATHS])
+        return digest(["tokenizer", fingerprint(cfg, "ingest"), t, cfg.seed, SPEC_PATHS])
     if stage == "filter":
         return digest(["filter", fingerprint(cfg, "ingest"), fingerprint(cfg, "tokenizer"),
                         dataclasses.asdict(cfg.length)])
@@ -72,6 +77,31 @@ def fingerprint(cfg: BuildConfig, stage: str) -> str:
             parts.append([cfg.decontaminate.ngram, _decontam_files(cfg)])
         return digest(parts)
     raise ValueError(stage)
+
+
+#: how the tokenizer stage records its files (part of its fingerprint): relative to the output folder
+SPEC_PATHS = "relative-to-output"
+
+
+def record_spec(cfg: BuildConfig, spec: dict[str, Any]) -> dict[str, Any]:
+    """A tokenizer spec as the tokenizer stage records it: each ``*_file`` inside the output folder relative to
+    it (a copied output folder uses its own files), any other absolute."""
+    out = cfg.out.resolve()
+    rec = {}
+    for k, v in spec.items():
+        if k.endswith("_file") and v:
+            p = Path(v).resolve()
+            v = p.relative_to(out).as_posix() if out in p.parents else str(p)
+        rec[k] = v
+    return rec
+
+
+def stage_tokenizer_spec(cfg: BuildConfig) -> dict[str, Any]:
+    """The finished tokenizer stage's spec with its files as paths (a relative one resolved against the output
+    folder)."""
+    spec = require_stage(cfg, "tokenizer")["spec"]
+    return {k: (str(cfg.out.resolve() / v) if k.endswith("_file") and v and not Path(v).is_absolute() else v)
+            for k, v in spec.items()}
 
 
 def _file_stats(cfg: BuildConfig) -> list[Any]:
@@ -94,9 +124,20 @@ def _decontam_files(cfg: BuildConfig) -> list[Any]:
 
 
 def stage_record(cfg: BuildConfig, stage: str) -> dict[str, Any] | None:
-    """The stage's ``_stage.json``, or None before it started."""
+    """The stage's ``_stage.json``, or None before it started; one-line :class:`StoreError` when it is damaged."""
     p = work_dir(cfg, stage) / "_stage.json"
-    return read_json(p) if p.exists() else None
+    if not p.exists():
+        return None
+    try:
+        rec = read_json(p)
+    except (ValueError, UnicodeDecodeError, OSError) as e:
+        raise StoreError(f"{p} is damaged ({type(e).__name__}: {' '.join(str(e).split())[:100]}): rerun with "
+                         f"`build --force` (it rebuilds the work files)") from None
+    if not (isinstance(rec, dict) and isinstance(rec.get("status"), str)
+            and (rec["status"] != "done" or isinstance(rec.get("stats"), dict))):
+        raise StoreError(f"{p} is damaged (not a stage record): rerun with `build --force` (it rebuilds the work "
+                         f"files)")
+    return rec
 
 
 def is_done(cfg: BuildConfig, stage: str) -> bool:
@@ -108,7 +149,10 @@ def is_done(cfg: BuildConfig, stage: str) -> bool:
 def begin_stage(cfg: BuildConfig, stage: str) -> Path:
     """Prepare a stage folder: keep finished shards of the same fingerprint (resume), else wipe it."""
     folder = work_dir(cfg, stage)
-    rec = stage_record(cfg, stage)
+    try:
+        rec = stage_record(cfg, stage)
+    except StoreError:  # a damaged record: the stage starts again from nothing (its work files only)
+        rec = None
     fp = fingerprint(cfg, stage)
     if rec is None or rec.get("fingerprint") != fp or rec.get("status") == "done":
         reset_dir(folder)
@@ -116,20 +160,74 @@ def begin_stage(cfg: BuildConfig, stage: str) -> Path:
     return folder
 
 
-def finish_stage(cfg: BuildConfig, stage: str, stats: dict[str, Any]) -> dict[str, Any]:
-    """Mark the stage done with its stats (the last write of a stage)."""
-    atomic_write_json(work_dir(cfg, stage) / "_stage.json",
-                      {"fingerprint": fingerprint(cfg, stage), "status": "done", "stats": stats})
+def finish_stage(cfg: BuildConfig, stage: str, stats: dict[str, Any], shards: int | None = None,
+                 docs: int | None = None) -> dict[str, Any]:
+    """Mark the stage done with its stats (the last write of a stage); for a stage that writes a store,
+    ``shards``: how many shards (``docs-00000`` to ``docs-<shards - 1>``) it holds, checked against the folder
+    first, and ``docs``: how many documents their indexes hold (checked by :func:`open_store`)."""
+    rec = {"fingerprint": fingerprint(cfg, stage), "status": "done", "stats": stats}
+    if shards is not None:
+        rec.update(shards=shards, docs=docs)
+        check_shards(work_dir(cfg, stage), shards)
+    atomic_write_json(work_dir(cfg, stage) / "_stage.json", rec)
     log.info("stage %s done in %.2fs", stage, stats.get("seconds", 0.0))
     return stats
 
 
 def require_stage(cfg: BuildConfig, stage: str) -> dict[str, Any]:
-    """The stats of a finished upstream stage; one-line ``StageError`` otherwise."""
+    """The stats of a finished upstream stage whose store holds the shards it wrote; one-line ``StageError`` /
+    ``StoreError`` otherwise."""
     if not is_done(cfg, stage):
         raise StageError(f"stage '{stage}' has not finished for this config in {cfg.out}: run "
                          f"`python -m data_pipeline build --config ...` (or `stage {stage}`) first")
-    return stage_record(cfg, stage)["stats"]  # type: ignore[index]
+    rec: dict[str, Any] = stage_record(cfg, stage)  # type: ignore[assignment]
+    if "shards" in rec:
+        check_shards(work_dir(cfg, stage), rec["shards"])
+    return rec["stats"]
+
+
+def open_store(cfg: BuildConfig, stage: str) -> DocStore:
+    """The store of the finished ``stage`` (:func:`require_stage` first), opened, holding as many documents as
+    its stage wrote (a shard index cut or replaced by a shorter one is refused here, before any work)."""
+    require_stage(cfg, stage)
+    store = DocStore(work_dir(cfg, stage))
+    docs = stage_record(cfg, stage).get("docs")  # type: ignore[union-attr]
+    if docs is not None and len(store) != docs:
+        store.close()
+        check = ShardCheck()
+        for k in store.shards:  # name the index that changed (it no longer matches its checksum)
+            check.file(store.folder, k, ".idx.npy")
+        raise StoreError(f"{store.folder}: its shard indexes hold {len(store)} documents, its stage wrote {docs}: "
+                         f"{REBUILD}")
+    return store
+
+
+def check_shards(folder: Path, shards: Any) -> None:
+    """The finished shards (completion markers) of the store ``folder`` are exactly ``docs-00000`` to
+    ``docs-<shards - 1>``, as its stage recorded; one-line :class:`StoreError` naming the first difference."""
+    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 0:
+        raise StoreError(f"{folder / '_stage.json'} is damaged (shards: {shards!r}): rerun with `build --force`")
+    found = done_shards(folder)
+    if found == list(range(shards)):
+        return
+    have = set(found)
+    lost = [k for k in range(shards) if k not in have]
+    extra = [k for k in found if k >= shards]
+    what = (f"the completion marker of shard {lost[0]} (docs-{lost[0]:05d}.done.json) is missing" if lost else
+            f"it also holds shard {extra[0]}, which its stage did not write")
+    raise StoreError(f"{folder}: its stage wrote {shards} shard(s), {len(found)} are finished ({what}{' and more' if len(lost) + len(extra) > 1 else ''}): "
+                     f"{REBUILD}")
+
+
+def reconcile(documents: dict[str, Any]) -> None:
+    """``read = malformed + too_short + duplicates + contaminated + kept``, or a one-line :class:`StageError`: a
+    build that lost (or invented) documents is not published as finished."""
+    parts = ("malformed", "too_short", "duplicates", "contaminated", "kept")
+    total = sum(documents[p] for p in parts)
+    if documents["read"] != total:
+        raise StageError(f"the build's document counts do not reconcile: read {documents['read']} != "
+                         + " + ".join(f"{p} {documents[p]}" for p in parts)
+                         + f" = {total}: a work file was lost or changed between stages; rerun with `build --force`")
 
 
 def progress_bar(cfg: BuildConfig, **kw: Any) -> Any:
@@ -152,11 +250,12 @@ def assemble_stats(cfg: BuildConfig, reused: set[str] | None = None) -> dict[str
                                                              "peak_rss_children_mib")},
                        "reused": s in (reused or set())} for s in STAGES}
     tok = flt["tokenizer"]
+    documents = {"read": read, "malformed": malformed, "too_short": too_short, "duplicates": dups,
+                 "contaminated": contaminated, "kept": kept}
+    reconcile(documents)
     return {
         "output_dir": str(cfg.out),
-        "documents": {"read": read, "malformed": malformed, "too_short": too_short, "duplicates": dups,
-                      "contaminated": contaminated, "kept": kept,
-                      "reconciles": read == malformed + too_short + dups + contaminated + kept},
+        "documents": {**documents, "reconciles": True},
         "malformed_by_reason": ing["rejected_by_reason"],
         "tokens": {"kept": exp["tokens"], "includes_eod": bool(cfg.dataset.gpt), "sentences": exp["sentences"]},
         "length_filter": {"min_tokens": flt["min_tokens"], "count_eod": flt["count_eod"],

@@ -11,7 +11,7 @@ import numpy as np
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
-from data_pipeline.stages.bookkeeping import begin_stage, digest, finish_stage, fingerprint, require_stage, work_dir
+from data_pipeline.stages.bookkeeping import begin_stage, digest, finish_stage, fingerprint, open_store, work_dir
 from data_pipeline.store import DocStore, atomic_save_npy, write_jsonl_atomic
 
 if TYPE_CHECKING:
@@ -34,7 +34,8 @@ def run_dedup(cfg: BuildConfig) -> dict[str, Any]:
     from data_pipeline import dedup as dd
 
     timer = StageTimer("dedup")
-    require_stage(cfg, "filter")
+    store = open_store(cfg, "filter")  # finished, whole (shards and documents as its stage wrote them)
+    store.close()
     folder = begin_stage(cfg, "dedup")
     store = DocStore(work_dir(cfg, "filter"))
     d = cfg.dedup

@@ -12,11 +12,11 @@ import numpy as np
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
-from data_pipeline.stages.bookkeeping import (assemble_stats, begin_stage, finish_stage, progress_bar, require_stage,
-                                              work_dir)
+from data_pipeline.stages.bookkeeping import (assemble_stats, begin_stage, finish_stage, open_store, progress_bar,
+                                              reconcile, require_stage, stage_tokenizer_spec, work_dir)
 from data_pipeline.stages.tokenizer import load_stage_tokenizer
-from data_pipeline.store import (DocStore, atomic_write_json, done_shards, iter_rows, load_index, shard_name,
-                                  write_jsonl_atomic)
+from data_pipeline.store import (REBUILD, DocStore, ShardCheck, ShardReader, StoreError, atomic_write_json, done_shards,
+                                 load_index, shard_name, write_jsonl_atomic)
 from data_pipeline.workers import worker_pool
 from megatron_ds_suite.core import atomic
 
@@ -78,12 +78,18 @@ def _export_shard(job: ExportJob) -> tuple[bytes, np.ndarray, np.ndarray, int]:
     folder_s, text_folder, k, drop = job.folder, job.text_folder, job.shard, job.drop
     spec, gpt, eod, dtype = job.spec, job.gpt, job.eod, job.dtype
     folder = Path(folder_s)
-    rows = load_index(folder, k)
+    check = ShardCheck()  # the filter's and the ingest's files of the shard, each checked against its checksum
+    rows = load_index(folder, k, Path(text_folder), check)
     keep = ~drop
+    if len(keep) != len(rows):
+        raise StoreError(f"{folder}: shard {k} holds {len(rows)} documents, the stage expected {len(keep)}: "
+                         f"{REBUILD}")
     lines, texts = [], []
-    for rec in iter_rows(Path(text_folder), k, rows[keep]):
-        lines.append(json.dumps(document_row(rec), ensure_ascii=False))
-        texts.append(rec["text"])
+    with ShardReader(Path(text_folder), k, check) as reader:
+        for row in rows[keep]:
+            rec = reader.record(row)
+            lines.append(json.dumps(document_row(rec), ensure_ascii=False))
+            texts.append(rec["text"])
     text = ("\n".join(lines) + "\n").encode("utf-8") if lines else b""
     if not gpt:
         return text, np.zeros(0, np.int64), np.zeros(len(lines), np.int64), len(keep)
@@ -106,9 +112,11 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
 
     timer = StageTimer("export")
     ing = require_stage(cfg, "ingest")
-    tok_stats = require_stage(cfg, "tokenizer")
+    require_stage(cfg, "tokenizer")
+    spec = stage_tokenizer_spec(cfg)
     flt = require_stage(cfg, "filter")
     ded = require_stage(cfg, "dedup")
+    open_store(cfg, "filter").close()  # whole, before any work
     begin_stage(cfg, "export")
     out = cfg.out
     tok = load_stage_tokenizer(cfg)
@@ -124,7 +132,7 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     bar = progress_bar(cfg, total=len(store), desc="export: write", unit="doc")
     bounds = store.starts
     jobs = [ExportJob(str(store.folder), str(store.text_folder), k, drop[bounds[n]:bounds[n + 1]],
-                      tok_stats["spec"], cfg.dataset.gpt, tok.eod, np.dtype(dtype).str)
+                      spec, cfg.dataset.gpt, tok.eod, np.dtype(dtype).str)
             for n, k in enumerate(store.shards)]
     try:
         with ExitStack() as stack:
@@ -159,7 +167,9 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     with atomic.atomic_open(out / "rejects.jsonl", "wb") as f:
         for k in done_shards(ingest_dir):
             short = filter_dir / f"{shard_name(k)}.too_short.jsonl"
-            with open(ingest_dir / f"{shard_name(k)}.rejects.jsonl", "rb") as r:
+            if short.is_file():
+                ShardCheck().file(filter_dir, k, ".too_short.jsonl")
+            with open(ShardCheck().file(ingest_dir, k, ".rejects.jsonl"), "rb") as r:
                 if not short.is_file():  # a filter stage finished before too-short rows were listed
                     shutil.copyfileobj(r, f)
                     continue
@@ -172,10 +182,12 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
     exp = timer.finish(len(store), kept=kept, tokens=tokens, sentences=sentences, contaminated=len(contaminated),
                        decontaminate={"ngram": cfg.decontaminate.ngram, "against": cfg.decontaminate.against}
                        if cfg.decontaminate.against else None)
+    reconcile({"read": ing["read"], "malformed": ing["rejected"], "too_short": flt["too_short"],
+               "duplicates": ded["removed"], "contaminated": len(contaminated), "kept": kept})  # before "done"
     finish_stage(cfg, "export", exp)
     stats = assemble_stats(cfg)
     atomic_write_json(out / "stats.json", stats)
-    write_manifest(out, tok_stats["spec"], cfg.dataset.gpt_prefix if gpt else None,
+    write_manifest(out, spec, cfg.dataset.gpt_prefix if gpt else None,
                    cfg.dataset.bert_prefix if bert else None,
                    extra={"documents": stats["documents"], "tokens": stats["tokens"],
                           "length_filter": stats["length_filter"], "dedup": stats["dedup"],

@@ -17,28 +17,30 @@ from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
 from data_pipeline.words import WordIndex, encode_indexed
 from data_pipeline.workers import worker_pool
-from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, progress_bar, require_stage, work_dir
-from data_pipeline.store import (TEXT_FROM, ShardReader, atomic_save_npy, atomic_write_json, done_shards, iter_shard,
-                                 load_index, shard_counts, shard_name, write_jsonl_atomic)
+from data_pipeline.stages.bookkeeping import (begin_stage, finish_stage, progress_bar, require_stage, stage_record,
+                                              stage_tokenizer_spec, work_dir)
+from data_pipeline.store import (ShardCheck, ShardReader, atomic_save_npy, done_shards, load_index, seal_shard, shard_counts, shard_name, verify_files, write_jsonl_atomic,
+                                 write_text_from)
 
 
-def save_token_ids(folder: Path, k: int, flat: np.ndarray, lens: np.ndarray) -> None:
+def save_token_ids(folder: Path, k: int, flat: np.ndarray, lens: np.ndarray) -> dict[str, list[int]]:
     """Shard ``k``'s token ids, one row per stored document: ``docs-K.tok.npy`` (``flat``: concatenated, EOD
     not included) and ``docs-K.tokoff.npy`` (int64 offsets, len = documents + 1). Written before the shard's
-    ``.done.json`` marker, so a finished shard always has them."""
+    ``.done.json`` marker, so a finished shard always has them; returns their checksums (for the marker)."""
     off = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=off[1:])
-    atomic_save_npy(folder / f"{shard_name(k)}.tok.npy", flat)
-    atomic_save_npy(folder / f"{shard_name(k)}.tokoff.npy", off)
+    return {".tok.npy": atomic_save_npy(folder / f"{shard_name(k)}.tok.npy", flat),
+            ".tokoff.npy": atomic_save_npy(folder / f"{shard_name(k)}.tokoff.npy", off)}
 
 
 def token_ids_of_shard(folder: Path, k: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Shard ``k``'s token ids and offsets (:func:`save_token_ids`), or ``None`` for a filter output that
-    predates the token files (export then tokenizes again, with the same result)."""
-    off = folder / f"{shard_name(k)}.tokoff.npy"
-    if not off.exists():
+    """Shard ``k``'s token ids and offsets (:func:`save_token_ids`), checked against the shard's checksums, or
+    ``None`` for a filter shard without token files (a cache: export then tokenizes again, with the same result)."""
+    if not (folder / f"{shard_name(k)}.tokoff.npy").exists():
         return None
-    return np.load(folder / f"{shard_name(k)}.tok.npy"), np.load(off)
+    check = ShardCheck()
+    return (np.load(check.file(folder, k, ".tok.npy"), allow_pickle=False),
+            np.load(check.file(folder, k, ".tokoff.npy"), allow_pickle=False))
 
 
 _TOKENIZERS: dict[str, Any] = {}  # one per spec per worker process: its word cache lasts across shards
@@ -79,28 +81,36 @@ def filter_shard(job: FilterJob) -> dict[str, Any]:
 
     src, dst = Path(src_s), Path(dst_s)
     tok = cached_tokenizer(spec)
-    table = load_index(src, k)  # (input index, text offset, length, meta offset, length) per ingested text
+    check = ShardCheck()  # every ingest file read here is checked against the shard's checksums first
+    table = load_index(src, k, src, check)  # (input index, text offset, length, meta offset, length) per text
+    for sfx in (".txt", ".meta.jsonl"):  # the filter is the first reader of the shard: all of it, even the texts
+        check.file(src, k, sfx)           # the word ids stand for (one CRC-32 pass, ~1 GB/s)
+    verify_files(src, k, [".wix.npz", ".wvocab.json", ".wvocab.txt", ".key.npy"], caches=True)
     index = WordIndex.load(src, k)
     words = getattr(tok, "word_cache", None)
     recs: list[dict[str, Any]] | None = None
     if index is not None and words is not None and index.split == words.split_name and len(index.raw_n) == len(table):
-        with ShardReader(src, k) as reader:  # the ingest worker's words: one numpy gather
+        with ShardReader(src, k, check) as reader:  # the ingest worker's words: one numpy gather
             flat, lens = encode_indexed(words, index, lambda d: reader.text(table[d]))  # declined texts
     else:  # another tokenizer (or an ingest without the index): encode the texts
-        recs = list(iter_shard(src, k))
+        with ShardReader(src, k, check) as reader:
+            recs = [reader.record(row) for row in table]
         parts = [tok.encode_flat([r["text"] for r in recs[s:s + batch]]) for s in range(0, len(recs), batch)]
         flat = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
         lens = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
     n = lens + (1 if count_eod else 0)
     keep = n >= min_tokens
-    save_token_ids(dst, k, flat[np.repeat(keep, lens)].astype(best_dtype(tok.vocab_size)), lens[keep])
+    sums = save_token_ids(dst, k, flat[np.repeat(keep, lens)].astype(best_dtype(tok.vocab_size)), lens[keep])
     keys_file = src / f"{shard_name(k)}.key.npy"  # hashed by the ingest worker while it had the text
-    keys = np.load(keys_file)[keep] if keys_file.exists() else \
-        np.asarray([text_key(r["text"]) for r, ok in zip(recs or iter_shard(src, k), keep.tolist()) if ok],
-                   dtype=np.uint64).reshape(-1, 2)
-    atomic_save_npy(dst / f"{shard_name(k)}.key.npy", keys)
+    if keys_file.exists():  # checked above
+        keys = np.load(keys_file, allow_pickle=False)[keep]
+    else:
+        with ShardReader(src, k, check) as reader:
+            keys = np.asarray([text_key(reader.text(row)) for row, ok in zip(table, keep.tolist()) if ok],
+                              dtype=np.uint64).reshape(-1, 2)
+    sums[".key.npy"] = atomic_save_npy(dst / f"{shard_name(k)}.key.npy", keys)
     short_rows, examples = [], []
-    with ShardReader(src, k) as reader:
+    with ShardReader(src, k, check) as reader:
         for j in np.flatnonzero(~keep).tolist():  # only the too-short records' metadata is read back
             rec = recs[j] if recs is not None else reader.meta(table[j])
             short_rows.append({"i": rec["i"], "src": rec["src"], "reason": "too_short",
@@ -110,19 +120,20 @@ def filter_shard(job: FilterJob) -> dict[str, Any]:
     write_jsonl_atomic(dst / f"{shard_name(k)}.too_short.jsonl", short_rows)  # for rejects.jsonl
     info = {"in": len(table), "kept": int(keep.sum()), "too_short": int((~keep).sum()), "tokens": int(n[keep].sum()),
             "examples": examples}
-    atomic_save_npy(dst / f"{shard_name(k)}.idx.npy", table[keep])
-    atomic_write_json(dst / f"{shard_name(k)}.done.json", info)  # the shard's completion marker, last
+    sums[".idx.npy"] = atomic_save_npy(dst / f"{shard_name(k)}.idx.npy", table[keep])
+    seal_shard(dst, k, info, sums, [".too_short.jsonl"])  # the shard's completion marker, last
     return info
 
 
 def run_filter(cfg: BuildConfig) -> dict[str, Any]:
     """Tokenize every document once, keep those of at least ``length.min_tokens`` tokens."""
     timer = StageTimer("filter")
-    require_stage(cfg, "ingest")
-    spec = require_stage(cfg, "tokenizer")["spec"]
+    require_stage(cfg, "ingest")  # checks the ingest store holds the shards its stage wrote
+    shards = stage_record(cfg, "ingest").get("shards", len(done_shards(work_dir(cfg, "ingest"))))  # type: ignore[union-attr]
+    spec = stage_tokenizer_spec(cfg)
     src = work_dir(cfg, "ingest")
     dst = begin_stage(cfg, "filter")
-    atomic_write_json(dst / TEXT_FROM, {"folder": str(src.resolve())})  # the kept texts stay where ingest wrote them
+    write_text_from(dst, src)  # the kept texts stay where ingest wrote them
     todo = [k for k in done_shards(src) if k not in set(done_shards(dst))]
     jobs = [FilterJob(str(src), str(dst), k, spec, cfg.length.min_tokens, cfg.length.count_eod,
                       cfg.dataset.tokenize_batch) for k in todo]
@@ -146,8 +157,7 @@ def run_filter(cfg: BuildConfig) -> dict[str, Any]:
         c = shard_counts(dst, k)
         tot.update({x: c[x] for x in ("in", "kept", "too_short", "tokens")})
         examples += c["examples"][: max(0, 5 - len(examples))]
-    tok_spec = {k: v for k, v in spec.items()}
     stats = timer.finish(tot["in"], kept=tot["kept"], too_short=tot["too_short"], tokens=tot["tokens"],
                          min_tokens=cfg.length.min_tokens, count_eod=cfg.length.count_eod,
-                         tokenizer=tok_spec, too_short_examples=examples)
-    return finish_stage(cfg, "filter", stats)
+                         tokenizer=require_stage(cfg, "tokenizer")["spec"], too_short_examples=examples)
+    return finish_stage(cfg, "filter", stats, shards=shards, docs=tot["kept"])

@@ -18,14 +18,20 @@ from data_pipeline.report import StageTimer
 from data_pipeline.sources import REJECT_REASONS, RawRecord, check_sources, iter_records
 from data_pipeline.stages.bookkeeping import StageError, begin_stage, finish_stage, progress_bar
 from data_pipeline.dedup.exact import text_key
-from data_pipeline.store import (ShardWriter, atomic_save_npy, done_shards, read_word_list, shard_counts, shard_name,
-                                 write_jsonl_atomic, write_word_list)
+from data_pipeline.store import (ShardWriter, atomic_save_npy, done_shards, read_word_list, shard_counts, shard_name, write_jsonl_atomic, write_word_list)
 from megatron_ds_suite.core import atomic
 from data_pipeline.tokenizer_train import WordCounts
 from data_pipeline.words import GPT2_WHITESPACE, SPM_IDENTITY, WordIndex, training_counts
 from data_pipeline.workers import worker_pool
 
 log = logging.getLogger(__name__)
+
+
+#: suffixes of the side files an ingest shard may have besides its texts, metadata and index (their checksums go in
+#: the shard's completion marker)
+WORD_INDEX_FILES = (".wix.npz", ".wvocab.json", ".wvocab.txt")
+WORD_COUNT_FILES = (".words.json", ".words.txt", ".words.npy")
+SIDE_FILES = (".rejects.jsonl", ".key.npy", *WORD_INDEX_FILES, *WORD_COUNT_FILES)
 
 
 def word_counts_path(folder: Path, k: int) -> Path:
@@ -117,7 +123,7 @@ def ingest_shard(job: IngestJob) -> dict[str, Any]:
         if split is not None and count_words:  # one line of JSON: the C encoder (indent takes the Python one)
             write_word_counts(folder, k, training_counts(index, texts, normalized=ws))  # ws: normalize_whitespace's
         info = {"read": len(records), "first": first, "clean": counts.pop("clean", 0), "rejected": dict(counts)}
-        writer.commit(info)
+        writer.commit(info, [s for s in SIDE_FILES if (folder / f"{shard_name(k)}{s}").is_file()])
         return info
     except BaseException:
         writer.abort()
@@ -144,16 +150,27 @@ def _uid_of(rec: RawRecord) -> dict[str, Any]:
     return {"uid": rec.uid if isinstance(rec.uid, (str, int, float, bool)) else str(rec.uid)}
 
 
-def _shards_of(records: Iterator[RawRecord], size: int) -> Iterator[tuple[int, int, list[RawRecord]]]:
-    buf: list[RawRecord] = []
-    k = first = 0
-    for rec in records:
-        buf.append(rec)
-        if len(buf) == size:
-            yield k, first, buf
-            k, first, buf = k + 1, first + size, []
-    if buf:
-        yield k, first, buf
+class _Shards:
+    """The input records in shards of ``size`` (shard number, input index of its first record, records);
+    ``count``: how many it has yielded (the stage records it: :func:`finish_stage`)."""
+
+    def __init__(self, records: Iterator[RawRecord], size: int):
+        self.records, self.size, self.count = records, size, 0
+
+    def __iter__(self) -> Iterator[tuple[int, int, list[RawRecord]]]:
+        buf: list[RawRecord] = []
+        for rec in self.records:
+            buf.append(rec)
+            if len(buf) == self.size:
+                yield self._next(buf)
+                buf = []
+        if buf:
+            yield self._next(buf)
+
+    def _next(self, buf: list[RawRecord]) -> tuple[int, int, list[RawRecord]]:
+        k = self.count
+        self.count += 1
+        return k, k * self.size, buf
 
 
 def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
@@ -178,11 +195,12 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
         return IngestJob(str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace, split,
                          count_words and first < cfg.tokenizer.train_max_docs)
 
+    shards = _Shards(iter_records(cfg, lazy=True), cfg.shard_size)
     if cfg.executor == "ray":  # one Ray task per shard; same shard function, same files
         from data_pipeline.ray_executor import ray_map
 
         def ray_jobs() -> Iterator[IngestJob]:
-            for k, first, recs in _shards_of(iter_records(cfg, lazy=True), cfg.shard_size):
+            for k, first, recs in shards:
                 if k in done:
                     bar.update(len(recs))
                     continue
@@ -196,8 +214,7 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
     try:
         with ExitStack() as stack:
             pool = stack.enter_context(worker_pool(workers)) if workers > 1 and cfg.executor == "local" else None
-            for k, first, recs in (_shards_of(iter_records(cfg, lazy=True), cfg.shard_size) if cfg.executor == "local"
-                                   else ()):
+            for k, first, recs in (shards if cfg.executor == "local" else ()):
                 if k in done:
                     bar.update(len(recs))
                     continue
@@ -221,4 +238,4 @@ def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
     if clean == 0:
         raise StageError(f"no usable document in the inputs ({read} records read, all rejected: "
                          f"{dict(by_reason)}); see {folder}/*.rejects.jsonl")
-    return finish_stage(cfg, "ingest", stats)
+    return finish_stage(cfg, "ingest", stats, shards=shards.count, docs=clean)

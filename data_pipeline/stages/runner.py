@@ -1,4 +1,8 @@
-"""Build orchestration: run one stage, or every stage not finished for this config."""
+"""Build orchestration: run one stage, or every stage not finished for this config.
+
+A build or a stage holds the output folder's lock (``output_dir/.lock``,
+:mod:`megatron_ds_suite.core.folder_lock`, the one training runs take) from before its first stage until it
+ends: a second build into the same folder is refused in one line instead of wiping the first one's work."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +20,7 @@ from data_pipeline.stages.ingest import run_ingest
 from data_pipeline.stages.tokenizer import run_tokenizer
 from data_pipeline.store import atomic_write_json
 from data_pipeline.workers import build_pool
+from megatron_ds_suite.core.folder_lock import folder_lock
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +33,13 @@ def run_stage(cfg: BuildConfig, stage: str) -> dict[str, Any]:
     """Run one stage now (recomputing it); its upstream stages must be finished for this config."""
     if stage not in RUNNERS:
         raise ConfigError(f"unknown stage '{stage}' (stages: {', '.join(STAGES)})")
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    return RUNNERS[stage](cfg)
+    with output_lock(cfg):
+        return RUNNERS[stage](cfg)
+
+
+def output_lock(cfg: BuildConfig) -> Any:
+    """The output folder's lock (created with the folder), held for a ``with`` block."""
+    return folder_lock(cfg.out, "output_dir", "corpus build")
 
 
 def build(cfg: BuildConfig, force: bool = False) -> tuple[Path, dict[str, Any]]:
@@ -38,7 +48,11 @@ def build(cfg: BuildConfig, force: bool = False) -> tuple[Path, dict[str, Any]]:
         from data_pipeline.ray_executor import connect
 
         connect(cfg)
-    cfg.out.mkdir(parents=True, exist_ok=True)
+    with output_lock(cfg):
+        return _build(cfg, force)
+
+
+def _build(cfg: BuildConfig, force: bool) -> tuple[Path, dict[str, Any]]:
     reused: set[str] = set()
     t0 = time.perf_counter()
     with build_pool(cfg.num_workers):  # one set of forked workers for every stage (data_pipeline.workers)

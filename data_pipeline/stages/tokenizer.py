@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.report import StageTimer
-from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, require_stage, work_dir
-from data_pipeline.stages.ingest import read_word_counts, trains_on_word_counts
-from data_pipeline.store import DocStore, shard_texts
+from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, open_store, record_spec, stage_tokenizer_spec
+from data_pipeline.stages.ingest import WORD_COUNT_FILES, read_word_counts, trains_on_word_counts
+from data_pipeline.store import DocStore, shard_texts, verify_files
 from data_pipeline.tokenizer_train import MAX_SENTENCES, WordCounts, count_training_words
 
 
@@ -25,8 +24,7 @@ def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
     tok_dir = cfg.out / "tokenizer"
     n_docs = 0
     if t.type == "sentencepiece":
-        require_stage(cfg, "ingest")
-        store = DocStore(work_dir(cfg, "ingest"))
+        store = open_store(cfg, "ingest")
 
         def texts() -> Iterator[str]:
             nonlocal n_docs
@@ -54,8 +52,7 @@ def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
     else:
         spec = copy_tokenizer_files(GPT2BPETokenizer(cfg.resolve(t.vocab_file or ""),
                                                      cfg.resolve(t.merges_file or "")).spec(), cfg.out)
-    spec = {k: (str(Path(v).resolve()) if k.endswith("_file") else v) for k, v in spec.items()}
-    return finish_stage(cfg, "tokenizer", timer.finish(n_docs, spec=spec, trained_on_docs=n_docs))
+    return finish_stage(cfg, "tokenizer", timer.finish(n_docs, spec=record_spec(cfg, spec), trained_on_docs=n_docs))
 
 
 def training_word_counts(cfg: BuildConfig, store: DocStore) -> WordCounts | None:
@@ -69,6 +66,7 @@ def training_word_counts(cfg: BuildConfig, store: DocStore) -> WordCounts | None
     for k in store.shards:
         if total.docs >= max_docs or total.lines >= max_lines:
             break
+        verify_files(store.folder, k, WORD_COUNT_FILES, caches=True)  # checked against the shard's checksums
         found, part = read_word_counts(store.folder, k)
         if found and part is None:
             return None  # the ingest worker found a sentence that cannot be counted
@@ -84,4 +82,4 @@ def training_word_counts(cfg: BuildConfig, store: DocStore) -> WordCounts | None
 def load_stage_tokenizer(cfg: BuildConfig) -> Any:
     from megatron_ds_suite.core.tokenizer import load_tokenizer
 
-    return load_tokenizer(require_stage(cfg, "tokenizer")["spec"])
+    return load_tokenizer(stage_tokenizer_spec(cfg))

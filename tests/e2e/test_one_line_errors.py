@@ -73,6 +73,33 @@ def test_missing_or_truncated_shard(tmp_path, capsys, damage):
 
 
 @needs_data
+@pytest.mark.parametrize("holder", ["corpus build", "training run"])
+def test_a_second_build_into_a_locked_output_folder_is_one_line(tmp_path, capsys, holder):
+    """Another process holds the output folder (a build, or a training run, in the same folder): `build` and
+    `stage` stop with one line before writing anything; once it is gone the build goes on."""
+    from data_pipeline.__main__ import main
+
+    conf = _config(tmp_path, "out")
+    code = ("import sys, time\nfrom megatron_ds_suite.core.folder_lock import FolderLock\n"
+            f"FolderLock({str(tmp_path / 'out')!r}, 'output_dir', {holder!r}).acquire()\n"
+            "print('locked', flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        for cmd in (["build"], ["build", "--force"], ["stage", "ingest"]):
+            assert main([*cmd, "--config", str(conf)]) == 2
+            line = _one_line(capsys.readouterr().err)
+            assert line.startswith(f"error: output_dir {tmp_path / 'out'} is in use by another {holder} "
+                                   f"(pid {proc.pid} on "), line
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock"]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert main(["build", "--config", str(conf)]) == 0
+
+
+@needs_data
 def test_ctrl_c_is_one_line_and_resumable(tmp_path, capsys, monkeypatch):
     """Ctrl-C inside the build (delivered right after ingest finishes, not at a time that a fast machine could
     outrun): one line, exit 130, ingest kept; the same command then finishes without redoing ingest."""

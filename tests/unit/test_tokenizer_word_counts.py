@@ -108,7 +108,7 @@ def test_build_tokenizer_from_ingest_counts(tmp_path: Path) -> None:
         assert stats["trained_on_docs"] == 150
         texts = [r["text"] for r in DocStore(folder)][:150]
         ref = train_sentencepiece(texts, tmp_path / f"ref-{ws}-{drop}", 400, seed=cfg.seed, num_threads=2)
-        got = json.loads((work_dir(cfg, "tokenizer") / "_stage.json").read_text())["stats"]["spec"]["model_file"]
+        got = cfg.out / json.loads((work_dir(cfg, "tokenizer") / "_stage.json").read_text())["stats"]["spec"]["model_file"]
         from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer
 
         assert pieces(SentencePieceTokenizer(got)) == pieces(ref)
