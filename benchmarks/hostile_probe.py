@@ -1258,12 +1258,12 @@ def _(p, tmp):
     return cmd
 
 
-@case("training", "resume_zero_byte_optimizer_file", "the optimizer states file of the latest tag emptied")
+@case("training", "resume_model_file_grown", "the model states file of the latest tag replaced by a longer one "
+      "(junk appended)")
 def _(p, tmp):
     cmd = _resume(p, tmp)
-    files = sorted(latest_tag_dir(tmp / "run").glob("*optim_states.pt")) or sorted(
-        latest_tag_dir(tmp / "run").glob("*.pt"))
-    files[-1].write_bytes(b"")
+    f = latest_tag_dir(tmp / "run") / "mp_rank_00_model_states.pt"
+    f.write_bytes(f.read_bytes() + b"\0" * 4096)
     return cmd
 
 
