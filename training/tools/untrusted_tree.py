@@ -63,7 +63,8 @@ def path_name(path: tuple) -> str:
 def leaves(root: Any, where: str, max_depth: int = MAX_DEPTH, max_entries: int = MAX_ENTRIES
            ) -> list[tuple[tuple, Any]]:
     """[(path, leaf)] of ``root`` in depth-first order of its entries (a path: the keys from ``root``; a leaf:
-    anything not a dict, list, tuple, set or Namespace). ``where`` (the file) starts each refusal (module docstring)."""
+    anything not a dict, list, tuple, set or Namespace), a container's own leaves before those of the containers it
+    holds. ``where`` (the file) starts each refusal (module docstring)."""
     out: list[tuple[tuple, Any]] = []
     seen: set[int] = set()
     entries = 0
@@ -89,9 +90,9 @@ def leaves(root: Any, where: str, max_depth: int = MAX_DEPTH, max_entries: int =
                 out.append((child, value))
                 continue
             if id(value) in above:
-                raise TreeError(f"{where}: {path_name(child)} holds itself (a cyclic structure): not data a "
-                                f"checkpoint holds; do not use files from an untrusted source")
-            if len(child) > max_depth:
+                raise TreeError(f"{where}: {path_name(child)} is a container it lies inside (a cyclic structure): not "
+                                f"data a checkpoint holds; do not use files from an untrusted source")
+            if len(child) >= max_depth:  # ``child`` would be container number max_depth + 1 on its path
                 raise TreeError(f"{where} nests containers more than {max_depth} deep (at {path_name(child[:8])}...): "
                                 f"not data a checkpoint holds; do not use files from an untrusted source")
             children.append((value, child, above + (id(value),)))
