@@ -109,3 +109,38 @@ def write_megatron_gpt2(save: Path, tp: int = 2, pp: int = 1, layers: int = 2, h
                         "rng_state": [{"random_rng_state": (3, tuple(range(5)), None)}]}, d / "model_optim_rng.pt")
     (Path(save) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return full
+
+
+# --- hostile structures (what a crafted pickle can hold), for the tests and the probe ------------------------------
+def shared_dicts(levels: int, leaf) -> dict:
+    """A 'billion laughs' of dicts: every level holds the next one twice, so one small object (a pickle of about a
+    kilobyte) is reachable by ``2 ** levels`` paths."""
+    d = {"w": leaf}
+    for _ in range(levels):
+        d = {"a": d, "b": d}
+    return d
+
+
+def nested_dicts(levels: int, leaf) -> dict:
+    """``levels`` dicts, each inside the next (``{"x": {"x": ... {"w": leaf}}}``)."""
+    d = {"w": leaf}
+    for _ in range(levels):
+        d = {"x": d}
+    return d
+
+
+def torch_save_deep(obj, path: Path) -> None:
+    """``torch.save`` of a structure nested deeper than the default recursion limit (the pickler recurses, the
+    weights-only unpickler does not), from a thread with a large stack."""
+    import sys
+    import threading
+
+    limit, size = sys.getrecursionlimit(), threading.stack_size(512 << 20)
+    try:
+        sys.setrecursionlimit(100_000)
+        t = threading.Thread(target=torch.save, args=(obj, path))
+        t.start()
+        t.join()
+    finally:
+        threading.stack_size(size)
+        sys.setrecursionlimit(limit)

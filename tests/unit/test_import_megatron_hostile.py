@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_ds_suite.app.megatron_files import write_megatron_gpt2
+from megatron_ds_suite.app.megatron_files import nested_dicts, shared_dicts, torch_save_deep, write_megatron_gpt2
 from tests.helpers.distributed import SHARED_DATA
 
 GPT2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
@@ -84,36 +82,6 @@ def test_intact_files_import_with_their_exact_tensors(pristine, tmp_path, tp, pp
 
 
 # --- structures no recursive walk survives ---------------------------------------------------------------------
-def _laughs(levels: int, leaf) -> dict:
-    """A dict whose every level holds the next one twice: one object reachable by 2**levels paths."""
-    d = {"w": leaf}
-    for _ in range(levels):
-        d = {"a": d, "b": d}
-    return d
-
-
-def _deep(levels: int, leaf) -> dict:
-    d = {"w": leaf}
-    for _ in range(levels):
-        d = {"x": d}
-    return d
-
-
-def _save_deep(state, path: Path) -> None:
-    """torch.save of a structure deeper than the default recursion limit (the C pickler recurses; the weights-only
-    unpickler does not), in a thread with a large stack."""
-    limit = sys.getrecursionlimit()
-    size = threading.stack_size(512 << 20)
-    try:
-        sys.setrecursionlimit(100_000)
-        t = threading.Thread(target=torch.save, args=(state, path))
-        t.start()
-        t.join()
-    finally:
-        threading.stack_size(size)
-        sys.setrecursionlimit(limit)
-
-
 @pytest.mark.parametrize("where", ["model", "encoder"])
 def test_shared_subdicts_are_walked_once(pristine, tmp_path, where):
     """A 'billion laughs' of dicts (40 levels, each holding the next twice: 2**40 paths, a file of about a kilobyte)
@@ -122,9 +90,9 @@ def test_shared_subdicts_are_walked_once(pristine, tmp_path, where):
     for name in ("mp_rank_00", "mp_rank_01"):
         def damage(state):
             if where == "model":
-                state["model"] = _laughs(40, torch.zeros(1))
+                state["model"] = shared_dicts(40, torch.zeros(1))
             else:
-                state["model"]["language_model"]["encoder"]["junk"] = _laughs(40, torch.zeros(1))
+                state["model"]["language_model"]["encoder"]["junk"] = shared_dicts(40, torch.zeros(1))
         _edit(_rank(src, name), damage)
     if where == "model":  # the whole file: a few kilobytes
         assert _rank(src, "mp_rank_00").stat().st_size < 20_000
@@ -137,11 +105,19 @@ def test_shared_subdicts_outside_the_model_do_not_stop_an_import(pristine, tmp_p
 
     src = _copy(pristine, tmp_path)
     for name in ("mp_rank_00", "mp_rank_01"):
-        _edit(_rank(src, name), lambda s: s.__setitem__("optimizer", _laughs(60, 1.0)))
+        _edit(_rank(src, name), lambda s: s.__setitem__("optimizer", shared_dicts(60, 1.0)))
     t0 = time.monotonic()
     sd, _, _ = load_merged_state_dict(_import(src, tmp_path / "out"))
     assert time.monotonic() - t0 < 20
     assert torch.equal(sd["final_ln.weight"], pristine[(2, 1)][1]["final_ln.weight"])
+
+
+def test_shared_subdicts_without_tensors_are_one_line(pristine, tmp_path):
+    """The model as a 'billion laughs' of dicts holding no tensor at all: the walk ends and says what is missing."""
+    src = _copy(pristine, tmp_path)
+    for name in ("mp_rank_00", "mp_rank_01"):
+        _edit(_rank(src, name), lambda s: s.__setitem__("model", shared_dicts(40, 0.0)))
+    _refused(src, tmp_path, "holds no embedding.word_embeddings.weight", seconds=20)
 
 
 @pytest.mark.parametrize("where", ["model", "encoder", "args"])
@@ -151,12 +127,12 @@ def test_deep_nesting_is_refused_in_one_line(pristine, tmp_path, where):
         path = _rank(src, name)
         state = torch.load(path, weights_only=False)
         if where == "model":
-            state["model"] = _deep(5000, torch.zeros(1))
+            state["model"] = nested_dicts(5000, torch.zeros(1))
         elif where == "encoder":
-            state["model"]["language_model"]["encoder"]["junk"] = _deep(5000, torch.zeros(1))
+            state["model"]["language_model"]["encoder"]["junk"] = nested_dicts(5000, torch.zeros(1))
         else:
-            state["args"].data_path = _deep(5000, "x")
-        _save_deep(state, path)
+            state["args"].data_path = nested_dicts(5000, "x")
+        torch_save_deep(state, path)
     _refused(src, tmp_path, "nests containers more than 64 deep", "untrusted")
 
 

@@ -509,11 +509,6 @@ def model_config(weights: dict[str, torch.Tensor], args, heads: int, vocab_size:
     """Our ModelConfig from Megatron's args and the tensors' shapes (they must agree)."""
     refuse_unsupported(args)
     arch = "bert" if "lm_head.bias" in weights else "gpt2"
-    need = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "layers.0.mlp.fc.weight"]
-    lacking = [n for n in need if n not in weights]
-    if lacking:
-        raise ImportMegatronError(f"the checkpoint holds no {few(lacking)} (our names): not a Megatron-LM GPT-2/BERT "
-                                  f"model")
     layers = 1 + max(int(k.split(".")[1]) for k in weights if k.startswith("layers."))
     hidden = weights["embedding.word_embeddings.weight"].size(1)
     positions = weights["embedding.position_embeddings.weight"].size(0)
@@ -615,6 +610,11 @@ def import_megatron(checkpoint: str | Path, out: str | Path, tp: int = 1, pp: in
 def _import(folder: Path, files, out: Path, tp: int, pp: int, vocab_file, merge_file, tokenizer_type, heads,
             seq_length) -> Path:
     weights, args, version, (src_tp, src_pp) = read_weights(files, heads)
+    need = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "layers.0.mlp.fc.weight"]
+    lacking = [n for n in need if n not in weights]
+    if lacking:
+        raise ImportMegatronError(f"{folder} holds no {few(lacking)} (our names for Megatron's tensors): not a "
+                                  f"Megatron-LM GPT-2/BERT model")
     heads = heads or _arg(args, "num_attention_heads")
     arch = "bert" if "lm_head.bias" in weights else "gpt2"
     kind = tokenizer_kind(args, arch, tokenizer_type)
