@@ -25,6 +25,13 @@ GeLU, LayerNorm eps, positions, MLP width). It holds weights only (no optimizer,
     python -m training.pretrain --config X.yaml train.init_from=RUN_DIR ...   # train on from it
     python -m training.tools.export_hf --checkpoint RUN_DIR --out DIR               # and back (== the source)
 
+The weights are read from the folder's files and checked against the model ``config.json`` builds
+(:mod:`training.tools.hf_weights`; ``from_pretrained`` would fill a missing tensor with random values): a missing,
+unexpected or other-shaped tensor, a shard index that omits tensors, NaN/Inf values and bad ``config.json`` values
+are refused in one line naming them, before anything is written; :func:`write_checkpoint` checks every import
+against our model once more (:mod:`training.tools.tensor_check`). The run records the tokenizer's identity
+(``vocab_size``, ``eod``, the files' sha256), so a tokenizer swapped afterwards is refused where the run is read.
+
 Name/layout mapping (inverse of :mod:`training.tools.export_hf`; HF ``Conv1D`` stores ``[in, out]``):
 
     transformer.wte.weight [V, h]               -> embedding.word_embeddings.weight [V_padded, h]

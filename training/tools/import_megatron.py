@@ -15,6 +15,15 @@ The files are pickles. They are loaded with ``torch.load(weights_only=True)`` an
 Megatron stores besides tensors: its ``args`` (``argparse.Namespace``), numpy arrays (RNG states) and
 the enums in ``args`` (:data:`MEGATRON_ENUMS`, read as plain strings; Megatron need not be installed).
 A file that asks for anything else is refused in one line, before any weight is used.
+Each file is then walked once, iteratively and bounded (:mod:`training.tools.untrusted_tree`: depth, entries,
+shared sub-structures visited once, cycles refused), so a small crafted file can neither hang the import nor end it
+in a ``RecursionError``.
+
+The rank files must make one checkpoint: as many as the TP x PP of the checkpoint's own args (a missing one is
+named), all of the same iteration, checkpoint_version and args (but ``rank``), the TP ranks of a stage with the same
+tensor names and shapes and equal copies of the replicated tensors. The args read are type-checked
+(:data:`INT_ARGS`, :data:`FLOAT_ARGS`, :data:`BOOL_ARGS`), and the merged weights are checked against our model
+(names, shapes, finite values) before anything is written.
 
 Names (``language_model.embedding`` / ``.encoder``, called ``.transformer`` before 2021; attention
 ``self_attention`` or ``attention``; norms ``*_layernorm`` or ``*_norm``):
