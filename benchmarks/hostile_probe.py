@@ -1950,6 +1950,246 @@ def _(p, tmp):
     return _import(fixture(p, "hf"), tmp / "run", "--tp", "3")
 
 
+def _hf_weights(src: Path, fn) -> None:
+    """Edit the random GPT-2's model.safetensors in place (``fn`` gets its {name: tensor})."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(src / "model.safetensors"))
+    fn(sd)
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _hf_config(src: Path, **values) -> None:
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, **values}))
+
+
+def _nothing_written(p, tmp, res):
+    return "a run was written" if (tmp / "run").exists() else None
+
+
+@case("tools", "import_missing_tensor", "`import_hf` of a model.safetensors lacking one tensor (random-filled before)",
+      check=_nothing_written)
+def _(p, tmp):
+    src = shutil.copytree(fixture(p, "hf"), tmp / "hf")
+    _hf_weights(src, lambda sd: sd.pop("transformer.h.0.mlp.c_fc.weight"))
+    return _import(src, tmp / "run")
+
+
+@case("tools", "import_config_more_layers", "`import_hf` of a config.json claiming 3 layers, weights of 1",
+      check=_nothing_written)
+def _(p, tmp):
+    src = shutil.copytree(fixture(p, "hf"), tmp / "hf")
+    _hf_config(src, n_layer=3)
+    return _import(src, tmp / "run")
+
+
+@case("tools", "import_partial_shard_index", "`import_hf` of shards whose model.safetensors.index.json omits tensors",
+      check=_nothing_written)
+def _(p, tmp):
+    from safetensors.torch import load_file, save_file
+
+    src = shutil.copytree(fixture(p, "hf"), tmp / "hf")
+    sd = load_file(str(src / "model.safetensors"))
+    (src / "model.safetensors").unlink()
+    names, wmap = sorted(sd), {}
+    for k in range(2):
+        fname = f"model-{k + 1:05d}-of-00002.safetensors"
+        save_file({n: sd[n] for n in names[k::2]}, str(src / fname), metadata={"format": "pt"})
+        wmap.update({n: fname for n in names[k::2]})
+    omitted = {n for n in names if ".mlp." in n}
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(t.numel() * 4 for t in sd.values())},
+         "weight_map": {n: f for n, f in wmap.items() if n not in omitted}}))
+    return _import(src, tmp / "run")
+
+
+@case("tools", "import_unexpected_tensor", "`import_hf` of weights holding a tensor the model lacks",
+      check=_nothing_written)
+def _(p, tmp):
+    import torch
+
+    src = shutil.copytree(fixture(p, "hf"), tmp / "hf")
+    _hf_weights(src, lambda sd: sd.__setitem__("transformer.h.4.attn.c_attn.weight", torch.zeros(32, 96)))
+    return _import(src, tmp / "run")
+
+
+@case("tools", "import_shape_mismatch", "`import_hf` of a LayerNorm weight of 33 values in a hidden-32 model",
+      check=_nothing_written)
+def _(p, tmp):
+    import torch
+
+    src = shutil.copytree(fixture(p, "hf"), tmp / "hf")
+    _hf_weights(src, lambda sd: sd.__setitem__("transformer.h.0.ln_1.weight", torch.ones(33)))
+    return _import(src, tmp / "run")
+
+
+@case("tools", "import_nan_weight", "`import_hf` of weights holding a NaN", check=_nothing_written)
+def _(p, tmp):
+    src = shutil.copytree(fixture(p, "hf"), tmp / "hf")
+    _hf_weights(src, lambda sd: sd["transformer.h.0.attn.c_proj.weight"].view(-1).__setitem__(7, float("nan")))
+    return _import(src, tmp / "run")
+
+
+@case("tools", "import_config_bad_value", "`import_hf` of a config.json with `n_layer: \"three\"`",
+      check=_nothing_written)
+def _(p, tmp):
+    src = shutil.copytree(fixture(p, "hf"), tmp / "hf")
+    _hf_config(src, n_layer="three")
+    return _import(src, tmp / "run")
+
+
+@case("tools", "import_tokenizer_swapped", "export an imported run whose merges.txt was edited after the import")
+def _(p, tmp):
+    run = copy_of(p, "run_tp2", tmp / "run")
+    f = run / "tokenizer" / "merges.txt"
+    lines = f.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[10], lines[11] = lines[11], lines[10]
+    f.write_text("".join(lines), encoding="utf-8")
+    return _export(run, tmp / "hf")
+
+
+def _megatron(src: Path, out: Path) -> list[str]:
+    return ["python", "-m", "training.tools.import_megatron", "--checkpoint", str(src), "--out", str(out),
+            "--vocab-file", str(GPT2_TOK / "gpt2-vocab.json"), "--merge-file", str(GPT2_TOK / "gpt2-merges.txt")]
+
+
+def _megatron_copy(p: Probe, tmp: Path) -> Path:
+    """A private copy of a tiny Megatron-LM GPT-2 saved at TP=2 (legacy layout). Written by this probe's own
+    checkout (megatron_ds_suite/app/megatron_files.py): the files are Megatron's format, not the checkout's."""
+    with p.lock:
+        if "megatron" not in p.fixtures:
+            from megatron_ds_suite.app.megatron_files import write_megatron_gpt2
+
+            write_megatron_gpt2(p.base / "fixtures" / "megatron", tp=2)
+            p.fixtures["megatron"] = p.base / "fixtures" / "megatron"
+    return Path(shutil.copytree(p.fixtures["megatron"], tmp / "meg"))
+
+
+def _megatron_edit(src: Path, fn, ranks=("mp_rank_00", "mp_rank_01")) -> None:
+    import torch
+
+    for r in ranks:
+        f = src / "iter_0000007" / r / "model_optim_rng.pt"
+        state = torch.load(f, weights_only=False)
+        fn(state)
+        torch.save(state, f)
+
+
+def _names_missing_rank(p, tmp, res):
+    return None if "mp_rank_01/model_optim_rng.pt" in res.out else "the error does not name the missing rank file"
+
+
+@case("tools", "import_megatron_ok", "import a tiny TP=2 Megatron-LM GPT-2 (control)", "ok")
+def _(p, tmp):
+    return _megatron(_megatron_copy(p, tmp), tmp / "run")
+
+
+@case("tools", "import_megatron_shared_dicts", "a 1 KB model_optim_rng.pt whose dicts hold the next one twice, 40 deep",
+      timeout=60)
+def _(p, tmp):
+    from megatron_ds_suite.app.megatron_files import shared_dicts
+
+    src = _megatron_copy(p, tmp)
+    _megatron_edit(src, lambda s: s.__setitem__("model", shared_dicts(40, 0.0)))
+    return _megatron(src, tmp / "run")
+
+
+@case("tools", "import_megatron_deep_nesting", "a model state nested 5,000 dicts deep")
+def _(p, tmp):
+    import torch
+
+    from megatron_ds_suite.app.megatron_files import nested_dicts, torch_save_deep
+
+    src = _megatron_copy(p, tmp)
+    for r in ("mp_rank_00", "mp_rank_01"):
+        f = src / "iter_0000007" / r / "model_optim_rng.pt"
+        state = torch.load(f, weights_only=False)
+        state["model"]["language_model"]["encoder"]["junk"] = nested_dicts(5000, 0.0)
+        torch_save_deep(state, f)
+    return _megatron(src, tmp / "run")
+
+
+@case("tools", "import_megatron_cyclic", "a model state dict that holds itself")
+def _(p, tmp):
+    def damage(state):
+        enc = state["model"]["language_model"]["encoder"]
+        enc["loop"] = enc
+
+    src = _megatron_copy(p, tmp)
+    _megatron_edit(src, damage)
+    return _megatron(src, tmp / "run")
+
+
+@case("tools", "import_megatron_rank_iteration", "rank files of two iterations (mp_rank_01 of iteration 8)",
+      check=_nothing_written)
+def _(p, tmp):
+    src = _megatron_copy(p, tmp)
+    _megatron_edit(src, lambda s: s.__setitem__("iteration", 8), ranks=("mp_rank_01",))
+    return _megatron(src, tmp / "run")
+
+
+@case("tools", "import_megatron_rank_args", "rank files saved with other args (mp_rank_01: hidden_dropout 0.2)",
+      check=_nothing_written)
+def _(p, tmp):
+    src = _megatron_copy(p, tmp)
+    _megatron_edit(src, lambda s: setattr(s["args"], "hidden_dropout", 0.2), ranks=("mp_rank_01",))
+    return _megatron(src, tmp / "run")
+
+
+@case("tools", "import_megatron_rank_shapes", "mp_rank_01's QKV shard of another shape")
+def _(p, tmp):
+    import torch
+
+    src = _megatron_copy(p, tmp)
+    _megatron_edit(src, lambda s: s["model"]["language_model"]["encoder"].__setitem__(
+        "layers.0.self_attention.query_key_value.weight", torch.zeros(30, 16)), ranks=("mp_rank_01",))
+    return _megatron(src, tmp / "run")
+
+
+@case("tools", "import_megatron_missing_tp_rank", "a TP=2 checkpoint with mp_rank_01 deleted",
+      check=_names_missing_rank)
+def _(p, tmp):
+    src = _megatron_copy(p, tmp)
+    shutil.rmtree(src / "iter_0000007" / "mp_rank_01")
+    return _megatron(src, tmp / "run")
+
+
+@case("tools", "import_megatron_rank_count", "a third rank file beside a checkpoint whose args say TP=2",
+      check=lambda p, tmp, res: None if "TP=2" in res.out else "the error does not name the checkpoint's TP")
+def _(p, tmp):
+    src = _megatron_copy(p, tmp)
+    shutil.copytree(src / "iter_0000007" / "mp_rank_01", src / "iter_0000007" / "mp_rank_02")
+    return _megatron(src, tmp / "run")
+
+
+@case("tools", "import_megatron_replicated_differ", "a LayerNorm weight that differs between the two TP ranks",
+      check=_nothing_written)
+def _(p, tmp):
+    def damage(state):
+        enc = state["model"]["language_model"]["encoder"]
+        enc["layers.0.input_layernorm.weight"] = enc["layers.0.input_layernorm.weight"] + 0.01
+
+    src = _megatron_copy(p, tmp)
+    _megatron_edit(src, damage, ranks=("mp_rank_01",))
+    return _megatron(src, tmp / "run")
+
+
+@case("tools", "import_megatron_string_args", "args with `num_attention_heads: \"4\"` (a string)")
+def _(p, tmp):
+    src = _megatron_copy(p, tmp)
+    _megatron_edit(src, lambda s: setattr(s["args"], "num_attention_heads", "4"))
+    return _megatron(src, tmp / "run")
+
+
+@case("tools", "import_megatron_nan", "a NaN in the MLP weight of both TP ranks", check=_nothing_written)
+def _(p, tmp):
+    src = _megatron_copy(p, tmp)
+    _megatron_edit(src, lambda s: s["model"]["language_model"]["encoder"][
+        "layers.1.mlp.dense_h_to_4h.weight"].view(-1).__setitem__(3, float("nan")))
+    return _megatron(src, tmp / "run")
+
+
 def _reshard(ckpt: Path, out: Path, *extra: str) -> list[str]:
     return ["python", "-m", "training.tools.reshard", "--checkpoint", str(ckpt), "--out", str(out), *extra]
 

@@ -98,7 +98,7 @@ class WordPieceTokenizer(_TokenizersBacked):
 
     def spec(self) -> dict[str, Any]:
         return {"kind": self.kind, "vocab_file": str(self.vocab_file), "lowercase": self.lowercase,
-                "vocab_size": self.vocab_size, "eod": self.eod}
+                "vocab_size": self.vocab_size, "eod": self.eod, "sha256": self.file_sha256()}
 
 
 class HFTokenizer(_TokenizersBacked):
@@ -130,4 +130,4 @@ class HFTokenizer(_TokenizersBacked):
 
     def spec(self) -> dict[str, Any]:
         return {"kind": self.kind, "tokenizer_file": str(self.tokenizer_file), "eod_token": self.eod_token,
-                "vocab_size": self.vocab_size, "eod": self.eod}
+                "vocab_size": self.vocab_size, "eod": self.eod, "sha256": self.file_sha256()}

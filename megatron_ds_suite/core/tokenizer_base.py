@@ -93,7 +93,7 @@ class Tokenizer(abc.ABC):
         """sha256 of each of the tokenizer's files, by spec key (computed once): what identifies the
         tokenizer by content, so a replaced file with the same vocabulary size is still noticed."""
         if self.__dict__.get("_sha256") is None:
-            self._sha256 = {k: sha256_file(Path(getattr(self, k))) for k in ("vocab_file", "merges_file", "model_file")
+            self._sha256 = {k: sha256_file(Path(getattr(self, k))) for k in ("vocab_file", "merges_file", "model_file", "tokenizer_file")
                             if getattr(self, k, None) is not None}
         return dict(self._sha256)
 

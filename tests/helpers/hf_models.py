@@ -12,13 +12,14 @@ from tests.helpers.distributed import SHARED_DATA
 GPT2_TOKENIZER = Path(SHARED_DATA) / "tokenizers" / "gpt2"
 
 
-def save_random_gpt2(folder: Path, seed: int = 0, n_positions: int = 64) -> Path:
-    """An odd-shaped GPT-2 (3 layers, hidden 96, 6 heads, the real 50,257-id vocabulary, tanh GeLU) with
-    every LayerNorm and bias perturbed, saved with the real GPT-2 tokenizer files."""
+def save_random_gpt2(folder: Path, seed: int = 0, n_positions: int = 64, n_layer: int = 3, n_embd: int = 96,
+                     n_head: int = 6) -> Path:
+    """An odd-shaped GPT-2 (by default 3 layers, hidden 96, 6 heads; the real 50,257-id vocabulary, tanh GeLU)
+    with every LayerNorm and bias perturbed, saved with the real GPT-2 tokenizer files."""
     from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=96, n_layer=3, n_head=6,
+    cfg = GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
                      initializer_range=0.1, activation_function="gelu_new")
     model = GPT2LMHeadModel(cfg).eval()
     g = torch.Generator().manual_seed(seed + 1)

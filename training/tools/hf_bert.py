@@ -19,6 +19,7 @@ import torch
 
 from training.config import ModelConfig
 from training.parallel.sharding import is_vocab_sized, resize_vocab_rows
+from training.tools.hf_interop import check_config
 from megatron_ds_suite.core.errors import SuiteError
 
 ACTS = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new"}
@@ -57,6 +58,10 @@ def _pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
     """Our BERT ModelConfig for a ``MegatronBertConfig`` (pre_ln) or ``BertConfig`` (post_ln)."""
+    check_config(hf_cfg, counts=("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                                 "max_position_embeddings", "vocab_size", "type_vocab_size"),
+                 probabilities=("hidden_dropout_prob", "attention_probs_dropout_prob"),
+                 positives=("layer_norm_eps", "initializer_range"))
     act = ACTS.get(hf_cfg.hidden_act) if isinstance(hf_cfg.hidden_act, str) else None
     if act is None:
         raise BertMappingError(f"hidden_act={hf_cfg.hidden_act!r} is not supported (gelu, gelu_new)")

@@ -35,3 +35,40 @@ def gpt2_layer_names(num_layers: int) -> list[tuple[str, str, bool]]:
             names += [(a + ours + ".weight", h + theirs + ".weight", True), (a + ours + ".bias", h + theirs + ".bias", False)]
     names += [("final_ln" + p, "transformer.ln_f" + p, False) for p in (".weight", ".bias")]
     return names
+
+
+def _shown(value) -> str:
+    """A config value for a message: scalars as written, containers by type (no recursion into them)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)[:60]
+    return f"a {type(value).__name__}"
+
+
+def check_config(hf_cfg, counts: tuple[str, ...] = (), optional_counts: tuple[str, ...] = (),
+                 probabilities: tuple[str, ...] = (), positives: tuple[str, ...] = ()) -> None:
+    """The ``config.json`` values an import reads, checked before any is used: ``counts`` integers >= 1
+    (``optional_counts`` may also be null), ``probabilities`` numbers in [0, 1), ``positives`` finite numbers > 0
+    (absent keys keep transformers' defaults). The first bad one is one ImportHFError line naming the key."""
+    import math
+
+    def bad(key: str, want: str) -> ImportHFError:
+        return ImportHFError(f"config.json: {key}={_shown(getattr(hf_cfg, key, None))} is not {want}: fix config.json "
+                             f"(or save the model again)")
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    for key in counts + optional_counts:
+        v = getattr(hf_cfg, key, None)
+        if v is None and key in optional_counts:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise bad(key, "an integer >= 1")
+    for key in probabilities:
+        v = getattr(hf_cfg, key, 0.0)
+        if not number(v) or not 0.0 <= v < 1.0:
+            raise bad(key, "a number in [0, 1)")
+    for key in positives:
+        v = getattr(hf_cfg, key, 1.0)
+        if not number(v) or v <= 0:
+            raise bad(key, "a finite number > 0")

@@ -26,6 +26,7 @@ import torch
 
 from training.config import ModelConfig, RopeScalingConfig
 from training.models.blocks import fuse_qkv, split_qkv
+from training.tools.hf_interop import check_config
 from megatron_ds_suite.core.errors import SuiteError
 
 
@@ -51,6 +52,9 @@ def _rope(hf_cfg) -> tuple[str, float, float, dict]:
     kind = params.get("rope_type") or params.get("type") or scaling.get("rope_type") or scaling.get("type") or "default"
     theta = params.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", getattr(hf_cfg, "partial_rotary_factor", 1.0))
+    for key, value in (("rope_theta", theta), ("partial_rotary_factor", partial)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+            raise LlamaMappingError(f"config.json: {key}={value!r:.60} is not a finite number > 0: fix config.json")
     return kind, float(theta), float(partial), {**scaling, **params}
 
 
@@ -77,6 +81,9 @@ def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
     family = getattr(hf_cfg, "model_type", None)
     if family not in LLAMA_FAMILY:
         raise LlamaMappingError(f"model_type {family!r} is not a Llama-family config ({', '.join(LLAMA_FAMILY)})")
+    check_config(hf_cfg, counts=("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                                 "max_position_embeddings", "vocab_size"), optional_counts=("num_key_value_heads", "head_dim"),
+                 probabilities=("attention_dropout",), positives=("rms_norm_eps", "initializer_range"))
     h, n = hf_cfg.hidden_size, hf_cfg.num_attention_heads
     kind, theta, partial, rope_params = _rope(hf_cfg)
     unsupported = []

@@ -25,6 +25,13 @@ GeLU, LayerNorm eps, positions, MLP width). It holds weights only (no optimizer,
     python -m training.pretrain --config X.yaml train.init_from=RUN_DIR ...   # train on from it
     python -m training.tools.export_hf --checkpoint RUN_DIR --out DIR               # and back (== the source)
 
+The weights are read from the folder's files and checked against the model ``config.json`` builds
+(:mod:`training.tools.hf_weights`; ``from_pretrained`` would fill a missing tensor with random values): a missing,
+unexpected or other-shaped tensor, a shard index that omits tensors, NaN/Inf values and bad ``config.json`` values
+are refused in one line naming them, before anything is written; :func:`write_checkpoint` checks every import
+against our model once more (:mod:`training.tools.tensor_check`). The run records the tokenizer's identity
+(``vocab_size``, ``eod``, the files' sha256), so a tokenizer swapped afterwards is refused where the run is read.
+
 Name/layout mapping (inverse of :mod:`training.tools.export_hf`; HF ``Conv1D`` stores ``[in, out]``):
 
     transformer.wte.weight [V, h]               -> embedding.word_embeddings.weight [V_padded, h]
@@ -52,8 +59,9 @@ from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.program import prog as program
 from training.runtime.run_lock import lock_existing_output, overlapping_input
 from megatron_ds_suite.core.program import stderr_is_terminal
-from training.tools.hf_interop import ImportHFError, gpt2_layer_names, require_transformers
+from training.tools.hf_interop import ImportHFError, check_config, gpt2_layer_names, require_transformers
 from training.tools.hf_llama import LLAMA_FAMILY
+from training.tools.tensor_check import check_shapes, check_values, model_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +102,9 @@ def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
     if getattr(hf_cfg, "model_type", None) != "gpt2":
         raise ImportHFError(f"model_type {getattr(hf_cfg, 'model_type', None)!r} is not supported: only GPT-2 "
                             f"(GPT2LMHeadModel) folders can be imported")
-    act = ACTIVATIONS.get(hf_cfg.activation_function)
+    check_config(hf_cfg, counts=("n_layer", "n_embd", "n_head", "n_positions", "vocab_size"), optional_counts=("n_inner",),
+                 probabilities=("resid_pdrop", "attn_pdrop"), positives=("layer_norm_epsilon", "initializer_range"))
+    act = ACTIVATIONS.get(hf_cfg.activation_function) if isinstance(hf_cfg.activation_function, str) else None
     unsupported = []
     if act is None:
         unsupported.append(f"activation_function={hf_cfg.activation_function!r}")
@@ -141,20 +151,18 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], num_layers: int) -> dict[str
     return out
 
 
-def load_source(folder: Path, model_type: str) -> dict[str, torch.Tensor]:
-    """The source's state dict (fp32, CPU) through its transformers class."""
-    require_transformers()
-    import transformers
+#: ``model_type`` -> the transformers class whose folders import
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "megatron-bert": "MegatronBertForPreTraining", "bert": "BertForPreTraining",
+              **LLAMA_FAMILY}
 
-    cls = {"gpt2": "GPT2LMHeadModel", "megatron-bert": "MegatronBertForPreTraining",
-           "bert": "BertForPreTraining", **LLAMA_FAMILY}[model_type]
-    try:
-        model = getattr(transformers, cls).from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
-    except Exception as e:  # noqa: BLE001 - a damaged or cut weights file raises whatever its reader raises
-        first = (str(e).splitlines() or [""])[0][:200]  # (safetensors' SafetensorError, torch's RuntimeError, ...)
-        raise ImportHFError(f"{folder}: cannot load the weights ({type(e).__name__}: {first}): a damaged or "
-                            f"incomplete weights file? download or save the model again") from None
-    return model.state_dict()
+
+def load_source(folder: Path, hf_cfg) -> dict[str, torch.Tensor]:
+    """The source's tensors {transformers name: tensor}, read from its files and checked against the model its
+    config builds (:mod:`training.tools.hf_weights`: nothing missing, unexpected or of another shape, all finite)."""
+    transformers = require_transformers()
+    from training.tools.hf_weights import read_checked
+
+    return read_checked(folder, getattr(transformers, HF_CLASSES[hf_cfg.model_type]), hf_cfg)
 
 
 def bpe_files_from_tokenizer_json(path: Path, dest: Path) -> None:
@@ -183,7 +191,9 @@ def bpe_files_from_tokenizer_json(path: Path, dest: Path) -> None:
 
 def import_tokenizer(folder: Path, dest: Path, model_type: str):
     """Copy the source's tokenizer files into ``dest`` and return (our tokenizer, spec relative to the run
-    directory), after checking that its ids equal ``AutoTokenizer``'s on a probe text.
+    directory, with its identity: ``vocab_size``, ``eod`` and the files' ``sha256``, as training records it, so
+    a tokenizer file swapped later is refused by whatever loads the run), after checking that its ids equal
+    ``AutoTokenizer``'s on a probe text.
 
     GPT-2: ``vocab.json`` + ``merges.txt`` (written from ``tokenizer.json`` when only that exists) ->
     ``gpt2_bpe``. BERT: ``vocab.txt`` -> ``wordpiece`` (lower-casing from ``tokenizer_config.json``'s
@@ -214,6 +224,7 @@ def import_tokenizer(folder: Path, dest: Path, model_type: str):
         want = "vocab.json + merges.txt or tokenizer.json" if model_type == "gpt2" else "vocab.txt or tokenizer.json"
         raise ImportHFError(f"{folder} has no tokenizer ({want}): copy the model's tokenizer files into it")
     tok = load_tokenizer(spec, base_dir=dest.parent)
+    spec = {**tok.spec(), **spec}  # its identity as training records it: vocab_size, eod, the files' sha256
     try:
         theirs = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError):
@@ -260,9 +271,11 @@ def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], t
 
     tp, pp, m = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.model
     padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    # the last guard of every import (HF, Megatron-LM): our model's names and shapes, finite values, before writing
+    check_shapes({k: v.shape for k, v in weights.items()}, model_shapes(m, m.vocab_size), source,
+                 "the imported tensors do not make this model (a mapping or config mismatch)")
+    check_values(weights, source)
     tags = partition_tags(m)
-    if set(tags) != set(weights):
-        raise ImportHFError(f"weight names do not match the model: {sorted(set(tags) ^ set(weights))[:3]}")
     weights = {k: (resize_vocab_rows(v, padded) if is_vocab_sized(k) else v) for k, v in weights.items()}
     folder = out / "checkpoints" / TAG
     folder.mkdir(parents=True)
@@ -326,8 +339,10 @@ def _import(model: str, out: Path, tp: int, pp: int, seq_length: int | None) -> 
 
     try:
         hf_cfg = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ImportHFError(f"{folder}: no readable config.json ({str(e).splitlines()[0][:160]})") from None
+    except Exception as e:  # noqa: BLE001 - unreadable JSON, a value of the wrong type (transformers 5 validates): one line
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ImportHFError(f"{folder}: no readable config.json ({reason}): fix config.json or save the model "
+                            f"again") from None
     model_type = getattr(hf_cfg, "model_type", None)
     if model_type == "gpt2":
         model_cfg = model_config_from_hf(hf_cfg, seq_length)
@@ -347,7 +362,7 @@ def _import(model: str, out: Path, tp: int, pp: int, seq_length: int | None) -> 
     cfg.parallel.tensor, cfg.parallel.pipeline = tp, pp
     cfg.run.dir = str(out)
     validate_static(cfg)  # TP divides heads and MLP width, PP <= layers, PP only for GPT-2 (before reading weights)
-    hf_sd = load_source(folder, model_type)
+    hf_sd = load_source(folder, hf_cfg)
     if model_type == "gpt2":
         weights = from_hf_state_dict(hf_sd, cfg.model.num_layers)
     elif model_type in LLAMA_FAMILY:
