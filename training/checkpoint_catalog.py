@@ -307,12 +307,16 @@ def finish_save(run_dir: str | Path, tag: str, iteration: int) -> None:
     """Rank 0, after every rank's files are durable: the completion record (listing every file with its size), then
     the marker removed, then ``latest``."""
     root = checkpoint_dir(run_dir)
-    folder = root / tag
+    write_record(root / tag, tag, iteration)
+    (root / tag / SAVING).unlink(missing_ok=True)
+    atomic.write_text(root / LATEST, tag)
+
+
+def write_record(folder: Path, tag: str, iteration: int) -> None:
+    """The completion record of a tag folder whose files are all written and durable: every file and its size."""
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())
              if p.is_file() and p.name not in (RECORD, SAVING) and not p.name.startswith(".")}
     atomic.write_json(folder / RECORD, {"tag": tag, "iteration": iteration, "files": files})
-    (folder / SAVING).unlink(missing_ok=True)
-    atomic.write_text(root / LATEST, tag)
 
 
 def prune(run_dir: str | Path, keep_last: int) -> list[str]:

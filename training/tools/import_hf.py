@@ -267,6 +267,7 @@ def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], t
     embedding again and has no file) and one ``mp_rank_{pp*TP+tp:02d}`` metadata file per stage and TP
     rank (DeepSpeed's model-parallel rank with DP = 1).
     """
+    from training import checkpoint_catalog as catalog
     from training.models.gpt2_pipe import pipe_layer_names
 
     tp, pp, m = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.model
@@ -299,6 +300,8 @@ def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], t
         for s in range(pp):
             torch.save({"module": None, **meta, "tp_rank": r, "pp_rank": s},
                        folder / f"mp_rank_{s * tp + r:02d}_model_states.pt")
+    catalog.sync_folder(folder)  # durable, then recorded complete (training.checkpoint_catalog), then `latest`
+    catalog.write_record(folder, TAG, 0)
     (out / "checkpoints" / "latest").write_text(TAG)
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
 
