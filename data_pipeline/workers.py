@@ -10,13 +10,83 @@ forks ``workers`` processes once. Tasks are self-contained (their jobs carry pat
 Ray tasks need), so a worker forked early runs any stage's task; per-process caches such as
 ``filter.cached_tokenizer`` simply last across stages. Outside a build (tests, benchmarks, a single
 stage), :func:`worker_pool` opens a pool of its own and closes it on exit.
+
+Ctrl-C: a terminal sends SIGINT to the whole process group, workers included. A worker that died of it could
+hold the pool's task-queue lock (``Pool.terminate`` then waits for that lock forever) and print its own
+traceback, so workers ignore SIGINT (:func:`new_pool` forks them with SIGINT blocked, and their initializer
+ignores it before unblocking it); only the driver takes the interrupt, and on any exception it stops its
+workers with :func:`stop_pool` (terminate and join within a bound, then kill what is left).
 """
 from __future__ import annotations
 
+import logging
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing import get_context
 from multiprocessing.pool import Pool
+
+log = logging.getLogger(__name__)
+
+STOP_SECONDS = 10.0
+"""How long :func:`stop_pool` waits for ``Pool.terminate`` + ``join`` before it kills the workers."""
+
+
+def ignore_interrupts() -> None:
+    """Pool initializer: a worker ignores SIGINT (the driver handles Ctrl-C and stops the workers)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def open_pool(workers: int) -> Pool:
+    """A pool of ``workers`` forked processes that ignore SIGINT.
+
+    SIGINT is blocked in the calling thread while the pool forks, so a Ctrl-C at that moment cannot reach a
+    worker before :func:`ignore_interrupts` runs (a child inherits the mask, not the pending signal); the
+    driver gets it as ``KeyboardInterrupt`` once the mask is restored. The pool's own threads, started here,
+    keep SIGINT blocked, so the workers they fork to replace dead ones start the same way."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return get_context("fork").Pool(workers, initializer=ignore_interrupts)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def stop_pool(pool: Pool, seconds: float = STOP_SECONDS) -> None:
+    """Stop ``pool`` without waiting for its tasks: ``terminate`` and ``join`` within ``seconds``, then SIGKILL
+    any worker still alive (``terminate`` can wait forever for a queue lock that a killed worker held)."""
+    done = threading.Event()
+
+    def terminate() -> None:
+        pool.terminate()
+        pool.join()
+        done.set()
+
+    threading.Thread(target=terminate, name="stop_pool", daemon=True).start()
+    if done.wait(seconds):
+        return
+    workers = list(getattr(pool, "_pool", []))  # CPython's list of the pool's worker processes
+    log.warning("the worker pool did not stop within %.0f s: killing its %d worker(s)", seconds, len(workers))
+    for w in workers:
+        if w.is_alive():
+            w.kill()
+    for w in workers:
+        w.join(seconds)
+
+
+@contextmanager
+def new_pool(workers: int) -> Iterator[Pool]:
+    """A pool of its own (:func:`open_pool`), closed and joined on exit, stopped (:func:`stop_pool`) on an
+    exception (Ctrl-C included)."""
+    pool = open_pool(workers)
+    try:
+        yield pool
+    except BaseException:
+        stop_pool(pool)
+        raise
+    pool.close()
+    pool.join()
 
 
 class _Shared:
@@ -43,9 +113,8 @@ def build_pool(workers: int) -> Iterator[None]:
         yield
     except BaseException:
         _shared = None
-        if shared.pool is not None:  # a failed stage: its unfinished tasks are not waited for
-            shared.pool.terminate()
-            shared.pool.join()
+        if shared.pool is not None:  # a failed or interrupted stage: its unfinished tasks are not waited for
+            stop_pool(shared.pool)
         raise
     _shared = None
     if shared.pool is not None:
@@ -60,15 +129,8 @@ def worker_pool(workers: int) -> Iterator[Pool]:
     shared = _shared
     if shared is not None and workers <= shared.workers:
         if shared.pool is None:
-            shared.pool = get_context("fork").Pool(workers)
+            shared.pool = open_pool(workers)
         yield shared.pool
         return
-    pool = get_context("fork").Pool(workers)
-    try:
+    with new_pool(workers) as pool:
         yield pool
-    except BaseException:
-        pool.terminate()
-        pool.join()
-        raise
-    pool.close()
-    pool.join()
