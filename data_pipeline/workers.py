@@ -33,9 +33,16 @@ STOP_SECONDS = 10.0
 """How long :func:`stop_pool` waits for ``Pool.terminate`` + ``join`` before it kills the workers."""
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def ignore_interrupts() -> None:
-    """Pool initializer: a worker ignores SIGINT (the driver handles Ctrl-C and stops the workers)."""
+    """Pool initializer: a worker ignores SIGINT (the driver handles Ctrl-C and stops the workers), and leaves on
+    SIGTERM (``Pool.terminate``) through ``SystemExit``, so a task cut short removes its temporary files (the
+    atomic writers' cleanup runs) instead of leaving them in the stage folder."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
