@@ -16,16 +16,30 @@ hold the pool's task-queue lock (``Pool.terminate`` then waits for that lock for
 traceback, so workers ignore SIGINT (:func:`new_pool` forks them with SIGINT blocked, and their initializer
 ignores it before unblocking it); only the driver takes the interrupt, and on any exception it stops its
 workers with :func:`stop_pool` (terminate and join within a bound, then kill what is left).
+
+Damaged work files: a task reads files an earlier stage wrote; one cut or overwritten (a garbled ``.npy`` header, a
+``.txt`` that is no longer UTF-8, offsets past the end) fails in the worker with numpy's, json's or the codec's
+exception, whose traceback the driver used to print. Every task runs through :func:`run_task`, which turns those
+into one :class:`~data_pipeline.store.StoreError` (exit 2) naming the task, its folder and the remedy; a
+``SuiteError`` a task raises crosses to the driver as it is. Other exceptions (bugs) keep their traceback.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import pickle
 import signal
+import struct
 import threading
-from collections.abc import Iterator
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing import get_context
 from multiprocessing.pool import Pool
+from typing import Any
+
+from megatron_ds_suite.core.errors import SuiteError
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +60,47 @@ def ignore_interrupts() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
+DAMAGED_DATA = (ValueError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, zlib.error, struct.error)
+"""What reading a damaged work file raises (UnicodeDecodeError and JSONDecodeError are ValueErrors)."""
+
+
+def run_task(fn: Callable[[Any], Any], job: Any) -> Any:
+    """``fn(job)`` in a worker; a damaged work file read by it becomes one ``StoreError`` line in the driver."""
+    try:
+        return fn(job)
+    except SuiteError:
+        raise
+    except DAMAGED_DATA as e:
+        from data_pipeline.store import StoreError
+
+        log.debug("task %s failed", getattr(fn, "__name__", fn), exc_info=True)  # the traceback with -v
+        folder = next((str(getattr(job, k)) for k in ("folder", "text_folder", "path") if getattr(job, k, None)), "")
+        where = f" in {folder}" if folder else ""
+        detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        raise StoreError(f"a work file{where} is damaged: {getattr(fn, '__name__', 'a task')} could not read it "
+                         f"({detail}); rerun with `build --force` (or delete the output folder's work/ and run "
+                         f"`build`)") from None
+
+
+class TaskPool(Pool):
+    """``multiprocessing`` pool whose ``map``/``imap``/``imap_unordered``/``apply_async`` run each task through
+    :func:`run_task`."""
+
+    def map(self, func, iterable, chunksize=None):  # type: ignore[override]
+        return super().map(functools.partial(run_task, func), iterable, chunksize)
+
+    def imap(self, func, iterable, chunksize=1):  # type: ignore[override]
+        return super().imap(functools.partial(run_task, func), iterable, chunksize)
+
+    def imap_unordered(self, func, iterable, chunksize=1):  # type: ignore[override]
+        return super().imap_unordered(functools.partial(run_task, func), iterable, chunksize)
+
+    def apply_async(self, func, args=(), kwds=None, callback=None, error_callback=None):  # type: ignore[override]
+        if len(args) == 1 and not kwds:
+            return super().apply_async(run_task, (func, args[0]), {}, callback, error_callback)
+        return super().apply_async(func, args, kwds or {}, callback, error_callback)
+
+
 def open_pool(workers: int) -> Pool:
     """A pool of ``workers`` forked processes that ignore SIGINT.
 
@@ -55,7 +110,7 @@ def open_pool(workers: int) -> Pool:
     keep SIGINT blocked, so the workers they fork to replace dead ones start the same way."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        return get_context("fork").Pool(workers, initializer=ignore_interrupts)
+        return TaskPool(workers, initializer=ignore_interrupts, context=get_context("fork"))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
