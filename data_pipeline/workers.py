@@ -64,6 +64,17 @@ DAMAGED_DATA = (ValueError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile
 """What reading a damaged work file raises (UnicodeDecodeError and JSONDecodeError are ValueErrors)."""
 
 
+def damaged_work_file(error: BaseException, reader: str, folder: str = "") -> SuiteError:
+    """The one line for ``error`` (one of :data:`DAMAGED_DATA`) met by ``reader`` reading the work files."""
+    from data_pipeline.store import StoreError
+
+    log.debug("%s failed", reader, exc_info=error)  # the traceback with -v
+    where = f" in {folder}" if folder else ""
+    detail = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+    return StoreError(f"a work file{where} is damaged: {reader} could not read it ({detail}); rerun with `build "
+                      f"--force` (or delete the output folder's work/ and run `build`)")
+
+
 def run_task(fn: Callable[[Any], Any], job: Any) -> Any:
     """``fn(job)`` in a worker; a damaged work file read by it becomes one ``StoreError`` line in the driver."""
     try:
@@ -71,15 +82,20 @@ def run_task(fn: Callable[[Any], Any], job: Any) -> Any:
     except SuiteError:
         raise
     except DAMAGED_DATA as e:
-        from data_pipeline.store import StoreError
-
-        log.debug("task %s failed", getattr(fn, "__name__", fn), exc_info=True)  # the traceback with -v
         folder = next((str(getattr(job, k)) for k in ("folder", "text_folder", "path") if getattr(job, k, None)), "")
-        where = f" in {folder}" if folder else ""
-        detail = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-        raise StoreError(f"a work file{where} is damaged: {getattr(fn, '__name__', 'a task')} could not read it "
-                         f"({detail}); rerun with `build --force` (or delete the output folder's work/ and run "
-                         f"`build`)") from None
+        raise damaged_work_file(e, getattr(fn, "__name__", "a task"), folder) from None
+
+
+@contextmanager
+def reading_work_files(stage: str) -> Iterator[None]:
+    """The driver's side of :func:`run_task`: while a stage runs, a damaged work file that the driver itself reads
+    (a stage with one worker runs its tasks here; the shard indexes opened to plan the tasks) is the same line."""
+    try:
+        yield
+    except SuiteError:
+        raise
+    except DAMAGED_DATA as e:
+        raise damaged_work_file(e, f"stage {stage}") from None
 
 
 class TaskPool(Pool):

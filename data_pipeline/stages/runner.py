@@ -15,7 +15,7 @@ from data_pipeline.stages.filter import run_filter
 from data_pipeline.stages.ingest import run_ingest
 from data_pipeline.stages.tokenizer import run_tokenizer
 from data_pipeline.store import atomic_write_json
-from data_pipeline.workers import build_pool
+from data_pipeline.workers import build_pool, reading_work_files
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,8 @@ def run_stage(cfg: BuildConfig, stage: str) -> dict[str, Any]:
     if stage not in RUNNERS:
         raise ConfigError(f"unknown stage '{stage}' (stages: {', '.join(STAGES)})")
     cfg.out.mkdir(parents=True, exist_ok=True)
-    return RUNNERS[stage](cfg)
+    with reading_work_files(stage):
+        return RUNNERS[stage](cfg)
 
 
 def build(cfg: BuildConfig, force: bool = False) -> tuple[Path, dict[str, Any]]:
@@ -47,7 +48,8 @@ def build(cfg: BuildConfig, force: bool = False) -> tuple[Path, dict[str, Any]]:
                 log.info("stage %s: finished earlier with the same inputs and settings, reused", stage)
                 reused.add(stage)
                 continue
-            RUNNERS[stage](cfg)
+            with reading_work_files(stage):
+                RUNNERS[stage](cfg)
     stats = assemble_stats(cfg, reused)
     stats["total_seconds"] = round(time.perf_counter() - t0, 3)
     stats["peak_rss_now_mib"] = peak_rss_mib()[0]
