@@ -107,6 +107,40 @@ class Probe:
             rc = None
         return Result(rc, out or "", time.monotonic() - t0)
 
+    def interrupt(self, args: list[str], marker: Path, timeout: float | None = None, settle: float = 0.0,
+                  **env: str) -> Result:
+        """``args`` started as a session leader; once ``marker`` exists (a stage has begun) and ``settle`` seconds
+        later, SIGINT to its whole process group, as a terminal's Ctrl-C sends it; then wait for it to end."""
+        if args and args[0] == "python":
+            args = [self.python, *args[1:]]
+        elif args and args[0] == "deepspeed":
+            args = [str(Path(self.python).parent / "deepspeed"), *args[1:]]
+        t0 = time.monotonic()
+        limit = timeout or self.timeout
+        proc = subprocess.Popen(args, cwd=self.root, env=self.env(**env), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, text=True,
+                                errors="replace")
+        chunks: list[str] = []
+        reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
+        reader.start()
+        while not marker.exists() and proc.poll() is None and time.monotonic() - t0 < limit:
+            time.sleep(0.005)
+        if proc.poll() is None and marker.exists():
+            time.sleep(settle)
+            try:
+                os.killpg(proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+        try:
+            proc.wait(timeout=max(1.0, limit - (time.monotonic() - t0)))
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+        _kill_group(proc)  # a launcher's ranks may outlive it; a hung build is stopped here
+        reader.join(10)
+        out = "".join(chunks) + ("" if marker.exists() else f"\n[probe: {marker.name} never appeared]")
+        return Result(rc, out, time.monotonic() - t0)
+
     def configs(self, name: str) -> str:
         return str(self.root / "configs" / name)
 
@@ -272,17 +306,39 @@ class Case:
     check: Callable | None = None
     timeout: float | None = None
     cleanup: Callable | None = None
+    interrupt: str | None = None  # a path under the case folder: Ctrl-C to the command's group once it exists
+    settle: float = 0.0  # seconds between the path appearing and the Ctrl-C
+    foreign: Callable[[str], str] | None = None  # removes output that is not the project's (documented) first
 
 
 CASES: list[Case] = []
 
 
 def case(area: str, name: str, defect: str, expect: str = "error", timeout: float | None = None,
-         check: Callable | None = None):
+         check: Callable | None = None, interrupt: str | None = None, settle: float = 0.0,
+         foreign: Callable[[str], str] | None = None):
     def wrap(setup):
-        CASES.append(Case(area, name, defect, expect, setup, check, timeout))
+        CASES.append(Case(area, name, defect, expect, setup, check, timeout, interrupt=interrupt, settle=settle,
+                          foreign=foreign))
         return setup
     return wrap
+
+
+def deepspeed_runner_traceback(out: str) -> str:
+    """``out`` without the ``deepspeed`` runner's own ``KeyboardInterrupt`` traceback (DeepSpeed's code, waiting in
+    ``result.wait()`` when a terminal's Ctrl-C reaches it; documented in docs/errors.md): a traceback block whose
+    frames are DeepSpeed's runner and the standard library only."""
+    blocks = re.split(r"(?m)^(?=Traceback \(most recent call last\):$)", out)
+    kept = []
+    for b in blocks:
+        body = b.split("\nKeyboardInterrupt", 1)
+        own = re.findall(r'File "([^"]+)"', body[0])
+        if (b.startswith("Traceback") and len(body) == 2 and any("deepspeed/launcher/runner.py" in f for f in own)
+                and not any("/training/" in f or "/megatron_ds_suite/" in f or "/evaluation/" in f for f in own)):
+            kept.append("[the deepspeed runner's KeyboardInterrupt traceback, documented in docs/errors.md]" + body[1])
+        else:
+            kept.append(b)
+    return "".join(kept)
 
 
 def data_build(p: Probe, tmp: Path, sources: list[dict] | None = None, *extra_args: str, cmd: str = "build",
@@ -903,6 +959,72 @@ def _(p, tmp):
     conf = write_yaml(tmp / "c.yaml", corpus_config(tmp / "data" / "runs" / "out",
                                                     [{"type": "jsonl", "path": str(tmp / "data" / "**" / "*.jsonl")}]))
     return _corpus_cmd(conf, "build")
+# Ctrl-C (issue 38): a terminal signals the whole process group, the pool workers too. The build (all of
+# tinyshakespeare, 15 shards, 2 workers, a SentencePiece tokenizer trained on it: every stage runs long enough to
+# be interrupted inside it) gets SIGINT on its group once a stage has begun; then the same command must resume.
+def _ctrl_c_build(p, tmp):
+    cfg = corpus_config(tmp / "out", [{"type": "text", "path": str(SHAKESPEARE), "text_mode": "blocks"}],
+                        workers=2, shard_size=500)
+    cfg["tokenizer"] = {"type": "sentencepiece", "vocab_size": 1000}
+    return ["python", "-m", "data_pipeline", "build", "--config", str(write_yaml(tmp / "c.yaml", cfg))]
+
+
+def _interrupted_then_resumes(p, tmp, res):
+    said = [x for x in error_lines(res.out) if x.startswith("interrupted:")]
+    if len(said) != 1:
+        return f"{len(said)} 'interrupted:' lines (the interrupt never landed?)"
+    if res.rc != 130:
+        return f"exit {res.rc}, not 130"
+    again = p.run(["python", "-m", "data_pipeline", "build", "--config", str(tmp / "c.yaml")], timeout=300)
+    return None if again.rc == 0 else f"the rerun did not resume (exit {again.rc}): {error_lines(again.out)[-1:]}"
+
+
+for _stage, _marker in (("ingest", "out/work/ingest/docs-00000.done.json"), ("tokenizer", "out/work/tokenizer/_stage.json"),
+                        ("filter", "out/work/filter/_stage.json"), ("dedup", "out/work/dedup/_stage.json"),
+                        ("export", "out/work/export/_stage.json")):
+    case("data_pipeline", f"ctrl_c_group_{_stage}", f"Ctrl-C to the build's process group during the {_stage} stage, "
+         "then the same command", check=_interrupted_then_resumes, interrupt=_marker)(_ctrl_c_build)
+
+
+def _damaged_work_file(p, tmp, rel: str, stage: str, damage: Callable[[bytes], bytes]) -> list[str]:
+    out, conf = _built(p, tmp)
+    f = out / rel
+    f.write_bytes(damage(f.read_bytes()))
+    return ["python", "-m", "data_pipeline", "stage", stage, "--config", str(conf)]
+
+
+@case("data_pipeline", "damaged_index_header", "a finished ingest shard's index (.npy) header zeroed, then `stage filter`")
+def _(p, tmp):
+    return _damaged_work_file(p, tmp, "work/ingest/docs-00000.idx.npy", "filter", lambda b: b"\0" * 60 + b[60:])
+
+
+@case("data_pipeline", "damaged_meta_not_utf8", "a finished ingest shard's metadata overwritten with 0xff bytes, "
+      "then `stage export`")
+def _(p, tmp):
+    return _damaged_work_file(p, tmp, "work/ingest/docs-00000.meta.jsonl", "export", lambda b: b"\xff" * len(b))
+
+
+@case("data_pipeline", "damaged_token_offsets", "a finished filter shard's token offsets (.npy) half 0xff, then "
+      "`stage export`")
+def _(p, tmp):
+    return _damaged_work_file(p, tmp, "work/filter/docs-00000.tokoff.npy", "export",
+                              lambda b: b[:len(b) // 2] + b"\xff" * (len(b) - len(b) // 2))
+
+
+@case("data_pipeline", "config_nan", "`dedup.lsh_weights=[.nan, .nan]` (NaN sums pass a range check)")
+def _(p, tmp):
+    return data_build(p, tmp, None, "dedup.lsh_weights=[.nan, .nan]")
+
+
+@case("data_pipeline", "config_negative_cpus", "`ray.num_cpus_per_task=-1`")
+def _(p, tmp):
+    return data_build(p, tmp, None, "ray.num_cpus_per_task=-1")
+
+
+@case("data_pipeline", "config_nested_yaml", "a corpus config nested 20,000 lists deep")
+def _(p, tmp):
+    (tmp / "c.yaml").write_text("workers: " + "[" * 20000 + "]" * 20000 + "\n")
+    return ["python", "-m", "data_pipeline", "build", "--config", str(tmp / "c.yaml")]
 
 
 # ---- training --------------------------------------------------------------------------------------
@@ -1496,6 +1618,47 @@ def _(p, tmp):
             f"finetune.pretrained={tmp / 'none'}", f"run.dir={tmp / 'race'}", "parallel.tensor=1"]
 
 
+@case("training", "lr_nan", "`optimizer.lr=.nan` (passed `lr > 0` checks: NaN compares false)")
+def _(p, tmp):
+    return train_args(p, tmp / "run", fixture(p, "corpus"), **{"optimizer.lr": ".nan"})
+
+
+@case("training", "lr_inf", "`optimizer.lr=.inf`")
+def _(p, tmp):
+    return train_args(p, tmp / "run", fixture(p, "corpus"), **{"optimizer.lr": ".inf"})
+
+
+@case("training", "layernorm_eps_negative", "`model.layernorm_epsilon=-1e-5` (the NaN loss was blamed on the lr)")
+def _(p, tmp):
+    return train_args(p, tmp / "run", fixture(p, "corpus"), **{"model.layernorm_epsilon": "-1e-5"})
+
+
+@case("training", "adam_eps_nan", "`optimizer.eps=.nan`")
+def _(p, tmp):
+    return train_args(p, tmp / "run", fixture(p, "corpus"), **{"optimizer.eps": ".nan"})
+
+
+@case("training", "nested_yaml_override", "`deepspeed.x=` a value nested 20,000 lists deep")
+def _(p, tmp):
+    return train_args(p, tmp / "run", fixture(p, "corpus"), **{"deepspeed.x": "[" * 20000 + "]" * 20000})
+
+
+def _lock_released(p, tmp, res):
+    said = [x for x in res.out.splitlines() if x.startswith("interrupted:")]
+    if len(said) != 1:
+        return f"{len(said)} 'interrupted:' lines"
+    lock = tmp / "run" / ".lock"
+    return None if not lock.exists() or lock.read_text() == "" else "a rank was killed before it released the run's lock"
+
+
+@case("training", "ctrl_c_group_deepspeed", "Ctrl-C to the process group of a TP=2 run under the deepspeed launcher",
+      timeout=300, check=_lock_released, interrupt="run/checkpoints/latest", settle=1.0,
+      foreign=deepspeed_runner_traceback)
+def _(p, tmp):
+    args = train_args(p, tmp / "run", fixture(p, "corpus"), 100000, **{"parallel.tensor": "2"})
+    return ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), "--module", *args[2:]]
+
+
 # ---- evaluation ----------------------------------------------------------------------------------
 def _words(tmp: Path) -> Path:
     f = tmp / "w.tokens"
@@ -1788,6 +1951,96 @@ def _(p, tmp):
       check=lambda p, tmp, res: None if re.search(r"skipped [1-9]", res.out) else "the bad file was not reported")
 def _(p, tmp):
     return ["python", "-c", RACE_READ, str(_race_dir(tmp, '{"article": ' + "9" * 100000 + "}"))]
+
+
+@case("evaluation", "generate_prompt_not_utf8", "`generate --prompt $'\\xff'` (argument bytes that are not UTF-8)")
+def _(p, tmp):
+    return ["python", "-m", "evaluation", "generate", "--checkpoint", str(fixture(p, "run")), "--prompt", "\udcff",
+            "--no-progress", "--json", str(tmp / "r.json")]
+
+
+@case("evaluation", "generate_prompt_cut_utf8", "`generate --prompt` ending in a cut UTF-8 sequence (`caf\\xc3`)")
+def _(p, tmp):
+    return ["python", "-m", "evaluation", "generate", "--checkpoint", str(fixture(p, "run")), "--prompt", "caf\udcc3",
+            "--no-progress", "--json", str(tmp / "r.json")]
+
+
+NAN_WEIGHTS = textwrap.dedent("""
+    import sys, torch
+    f = sys.argv[1]
+    sd = torch.load(f, map_location="cpu", weights_only=False)
+    module = sd["module"]
+    key = next(k for k in module if k.endswith("word_embeddings.weight"))
+    module[key][:, 0] = float(sys.argv[2])
+    torch.save(sd, f)
+""")
+
+
+def _poisoned_run(p, tmp, value: str) -> Path:
+    run = copy_of(p, "run", tmp / "run")
+    res = p.run(["python", "-c", NAN_WEIGHTS, str(latest_tag_dir(run) / "mp_rank_00_model_states.pt"), value],
+                timeout=120)
+    if res.rc != 0:
+        raise RuntimeError(res.out[-2000:])
+    return run
+
+
+@case("evaluation", "generate_nan_weights", "`generate` (sampling) on a checkpoint with NaN embedding weights")
+def _(p, tmp):
+    return ["python", "-m", "evaluation", "generate", "--checkpoint", str(_poisoned_run(p, tmp, "nan")), "--prompt",
+            "hello", "--max-new-tokens", "3", "--no-progress", "--json", str(tmp / "r.json")]
+
+
+@case("evaluation", "generate_inf_weights_greedy", "`generate --greedy` on a checkpoint with infinite weights")
+def _(p, tmp):
+    return ["python", "-m", "evaluation", "generate", "--checkpoint", str(_poisoned_run(p, tmp, "inf")), "--prompt",
+            "hello", "--max-new-tokens", "3", "--greedy", "--no-progress", "--json", str(tmp / "r.json")]
+
+
+@case("evaluation", "generate_tiny_temperature", "`generate --temperature 1e-45` (logits / T overflow)")
+def _(p, tmp):
+    return ["python", "-m", "evaluation", "generate", "--checkpoint", str(fixture(p, "run")), "--prompt", "hello",
+            "--temperature", "1e-45", "--max-new-tokens", "3", "--no-progress", "--json", str(tmp / "r.json")]
+
+
+@case("evaluation", "json_parent_is_file", "`wikitext103 --json FILE/r.json` (found only after scoring)")
+def _(p, tmp):
+    (tmp / "f").write_text("x")
+    return _wikitext(fixture(p, "run"), _words(tmp))[:-2] + ["--json", str(tmp / "f" / "r.json")]
+
+
+@case("evaluation", "json_is_folder", "`generate --json` an existing folder")
+def _(p, tmp):
+    return ["python", "-m", "evaluation", "generate", "--checkpoint", str(fixture(p, "run")), "--prompt", "hello",
+            "--max-new-tokens", "2", "--no-progress", "--json", str(tmp)]
+
+
+@case("evaluation", "lm_eval_hub_task_offline", "`lm-eval --tasks lambada_openai` offline (HF_HUB_OFFLINE=1)")
+def _(p, tmp):
+    return ["python", "-m", "evaluation", "lm-eval", "--checkpoint", str(fixture(p, "run")), "--tasks", "lambada_openai",
+            "--limit", "2", "--json", str(tmp / "r.json")]
+
+
+@case("evaluation", "lm_eval_wikitext_binary", "`lm-eval --wikitext` a binary file")
+def _(p, tmp):
+    (tmp / "w.tokens").write_bytes(BINARY)
+    return ["python", "-m", "evaluation", "lm-eval", "--checkpoint", str(fixture(p, "run")), "--tasks", "wikitext_local",
+            "--wikitext", str(tmp / "w.tokens"), "--json", str(tmp / "r.json")]
+
+
+@case("evaluation", "lm_eval_lambada_not_json", "`lm-eval --lambada` a file whose second line is not JSON")
+def _(p, tmp):
+    (tmp / "l.jsonl").write_text('{"text": "a b c d"}\nnot json\n')
+    return ["python", "-m", "evaluation", "lm-eval", "--checkpoint", str(fixture(p, "run")), "--tasks",
+            "lambada_openai_local", "--lambada", str(tmp / "l.jsonl"), "--json", str(tmp / "r.json")]
+
+
+@case("evaluation", "lm_eval_json_parent_is_file", "`lm-eval --json FILE/r.json` (results lost after scoring)")
+def _(p, tmp):
+    (tmp / "f").write_text("x")
+    (tmp / "w.tokens").write_text(" = T = \n the quick brown fox jumps over the lazy dog \n")
+    return ["python", "-m", "evaluation", "lm-eval", "--checkpoint", str(fixture(p, "run")), "--tasks", "wikitext_local",
+            "--wikitext", str(tmp / "w.tokens"), "--json", str(tmp / "f" / "r.json")]
 
 
 # ---- tools -----------------------------------------------------------------------------------------
@@ -2316,7 +2569,10 @@ def run_case(p: Probe, c: Case) -> dict:
                 "note": f"{type(e).__name__}: {str(e)[-300:]}", "rc": None, "seconds": 0.0}
     env = p.extra_env.pop(str(tmp), {})
     try:
-        res = p.run(cmd, timeout=c.timeout, **env)
+        res = (p.interrupt(cmd, tmp / c.interrupt, timeout=c.timeout, settle=c.settle, **env) if c.interrupt
+               else p.run(cmd, timeout=c.timeout, **env))
+        if c.foreign is not None:
+            res = Result(res.rc, c.foreign(res.out), res.seconds)
     finally:
         for h in p.holders.pop(str(tmp), []):
             h.close()
@@ -2328,7 +2584,8 @@ def run_case(p: Probe, c: Case) -> dict:
         problem = f"check failed: {type(e).__name__}: {e}"
     outcome, note = classify(c, res, problem)
     (p.base / "logs").mkdir(exist_ok=True)
-    (p.base / "logs" / f"{c.area}.{c.name}.log").write_text(f"$ {' '.join(map(str, cmd))}\nrc={res.rc}\n{res.out}")
+    (p.base / "logs" / f"{c.area}.{c.name}.log").write_text(f"$ {' '.join(map(str, cmd))}\nrc={res.rc}\n{res.out}",
+                                                           errors="surrogateescape")  # a non-UTF-8 argument
     return {"area": c.area, "name": c.name, "defect": c.defect, "expect": c.expect, "outcome": outcome,
             "note": note, "rc": res.rc, "seconds": round(time.monotonic() - t0, 1)}
 

@@ -95,6 +95,9 @@ def _overlap(args: argparse.Namespace) -> int:
     except OverlapError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the scan writes nothing until it ends
+        print("interrupted: nothing was written; rerun the same command", file=sys.stderr)
+        return 130
     print(f"\n{rep['n']}-gram overlap with {rep['corpus']} ({rep['documents']:,} documents)")
     print(f"  {'set':<16} {'n-grams':>10} {'found':>10} {'overlap %':>10}")
     for name, r in rep["sets"].items():

@@ -13,9 +13,10 @@ import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from megatron_ds_suite.core.config import apply_overrides, build_dataclass, read_yaml
+from megatron_ds_suite.core.config import (AtLeastOne, Fraction, NonNegative, Positive, apply_overrides, build_dataclass,
+                                            read_yaml)
 from megatron_ds_suite.core.errors import ConfigError
 from megatron_ds_suite.core.program import stderr_is_terminal
 
@@ -57,7 +58,7 @@ class TokenizerConfig:
     model_file: str | None = None
     vocab_file: str | None = None
     merges_file: str | None = None
-    train_max_docs: int = 200_000  # sentencepiece training sample: the first N cleaned documents
+    train_max_docs: Annotated[int, AtLeastOne] = 200_000  # sentencepiece training sample: the first N cleaned documents
     # sentencepiece training threads. A setting, not the machine's core count: the learned pieces do not depend
     # on it, but SentencePiece records it in the .model file, whose bytes (and sha256, in the manifest) would
     # then differ between machines; more threads than cores only costs scheduling (16 on 2 cores: as fast as
@@ -81,8 +82,8 @@ class DedupConfig:
     shingle_unit: str = "word"  # word: lower-cased \w+ words; char: raw characters (Megatron's char 5-grams)
     bands: int | None = None  # None: datasketch _optimal_param(threshold, num_perm, *lsh_weights)
     rows: int | None = None
-    lsh_weights: list[float] = field(default_factory=lambda: [0.1, 0.9])  # (false-positive, false-negative)
-    seed: int = 1
+    lsh_weights: list[Annotated[float, Fraction]] = field(default_factory=lambda: [0.1, 0.9])  # (false-positive, false-negative)
+    seed: Annotated[int, NonNegative] = 1
     chunk_size: int = 1000  # documents per signature chunk (unit of parallelism and of resume)
     verify_block_docs: int = 20000  # max distinct documents loaded at once during exact verification
     # exact dedup first (hash of the cleaned text, counted in stats), then MinHash on the survivors, as NeMo
@@ -99,7 +100,7 @@ class DatasetConfig:
     bert: bool = False  # one item per sentence, end_document() per document
     gpt_prefix: str = "gpt_text_document"
     bert_prefix: str = "bert_text_sentence"
-    tokenize_batch: int = 256  # documents per encode_batch call
+    tokenize_batch: Annotated[int, AtLeastOne] = 256  # documents per encode_batch call
 
 
 @dataclass
@@ -116,9 +117,9 @@ class RayConfig:
     """``executor: ray`` settings (``data_pipeline/ray_executor.py``)."""
 
     address: str = "auto"  # an existing cluster: "auto" (RAY_ADDRESS or the local head) or "host:port"
-    num_cpus_per_task: float = 1.0
-    max_retries: int = 3  # a task whose worker dies is rerun (stage functions are idempotent)
-    lsh_partitions: int = 0  # reduce tasks of the LSH band shuffle; 0 = 2 x the cluster's CPUs
+    num_cpus_per_task: Annotated[float, Positive] = 1.0
+    max_retries: Annotated[int, NonNegative] = 3  # a task whose worker dies is rerun (stage functions are idempotent)
+    lsh_partitions: Annotated[int, NonNegative] = 0  # reduce tasks of the LSH band shuffle; 0 = 2 x the cluster's CPUs
 
 
 @dataclass
@@ -127,7 +128,7 @@ class BuildConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     workers: int = 0  # 0: all cores
     shard_size: int = 2000  # input records per ingest shard (unit of resume)
-    seed: int = 1234
+    seed: Annotated[int, NonNegative] = 1234
     progress: bool | None = None
     """Progress bars on stderr: true/false, or null (the default) = only when stderr is a terminal (a bar
     redrawn with carriage returns is noise in a Slurm, CI or piped log)."""

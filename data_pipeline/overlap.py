@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from data_pipeline.dedup.hashing import ShingleSpec, shingle_fingerprints_batch
+from data_pipeline.workers import open_pool, stop_pool
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.textfile import BadJsonLine, json_line, read_utf8
 
@@ -164,18 +165,17 @@ def scan(texts: Iterable[str], sets: list[EvalSet], workers: int = 1, batch: int
             yield buf, n
 
     bar = tqdm(desc=f"overlap: {n}-grams", unit="doc", disable=not progress)
-    pool = get_context("fork").Pool(workers) if workers > 1 else None
-    try:
+    with ExitStack() as stack:  # a pool of its own, forked now that _SETS holds this scan's sets
+        stack.callback(bar.close)
+        pool = open_pool(workers) if workers > 1 else None
+        if pool is not None:  # stopped at the end, or when the caller stops reading or is interrupted
+            stack.callback(stop_pool, pool)
         results = pool.imap(_match_batch, batches(), chunksize=1) if pool else map(_match_batch, batches())
         for idx, mask in results:
             for f, i in zip(found, idx):
                 f[i] = True
             bar.update(len(mask))
             yield found, mask
-    finally:
-        if pool is not None:
-            pool.terminate()
-        bar.close()
 
 
 def overlap_report(corpus: Path, against: list[tuple[str, Path]], n: int = 8, workers: int = 1,

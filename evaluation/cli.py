@@ -18,7 +18,7 @@ from evaluation.errors import EvalError
 from megatron_ds_suite.core.errors import SuiteError
 from training.metrics import progress_enabled
 from training.runtime.launch import shutdown
-from evaluation.report import format_table
+from evaluation.report import check_output_path, format_table
 from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.program import prog as program
 
@@ -100,10 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def output_path(args) -> Path:
+    """Where a task writes its result: ``--json``, else ``RUN_DIR/eval/<task>.json`` (lm-eval: ``lm_eval.json``)."""
+    name = "lm_eval" if args.task == "lm-eval" else args.task
+    return Path(args.json) if args.json else Path(args.checkpoint) / "eval" / f"{name}.json"
+
+
 def _finish(args, rt, title: str, rows: list, result: dict) -> None:
     if not rt.is_main:
         return
-    out = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / f"{args.task}.json"
+    out = output_path(args)
     result = {"task": args.task, "checkpoint": str(args.checkpoint), "limit": args.limit, **result}
     atomic.write_json(out, result)
     print(format_table(title, rows))
@@ -188,10 +194,10 @@ def run_race(args) -> None:
 
 
 def run_generate(args) -> None:
-    from evaluation.generate import GenerationOptions, generate, load_generator, read_prompts
+    from evaluation.generate import GenerationOptions, generate, load_generator, read_prompts, utf8_prompts
     from evaluation.model import setup_runtime
 
-    prompts = args.prompt if args.prompt else read_prompts(args.prompts)
+    prompts = utf8_prompts(args.prompt) if args.prompt else read_prompts(args.prompts)
     opts = GenerationOptions(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_at_eod=not args.no_stop_at_eod,
                              batch_size=args.batch_size)
@@ -208,7 +214,7 @@ def run_generate(args) -> None:
     result = {"task": "generate", "checkpoint": str(args.checkpoint), "options": opts.__dict__,
               "completions": [{"prompt": p, "text": c.text, "tokens": c.tokens, "stopped_at_eod": c.stopped_at_eod}
                               for p, c in zip(prompts, out)]}
-    dest = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / "generate.json"
+    dest = output_path(args)
     atomic.write_json(dest, result)
     print(f"wrote {dest}")
 
@@ -223,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             raise EvalError("--batch-size must be >= 1")
         if getattr(args, "limit", None) is not None and args.limit < 1:
             raise EvalError(f"--limit must be >= 1 (the number of leading items to score), got {args.limit}")
+        if say:  # the file written at the end, checked before any model is loaded (rank 0 writes it)
+            check_output_path(output_path(args), "--json" if args.json else "the result file")
         {"wikitext103": run_wikitext, "lambada": run_lambada, "race": run_race,
          "generate": run_generate, "heldout": heldout.run_heldout, "lm-eval": lm_eval_run.run_lm_eval}[args.task](args)
     except SuiteError as e:  # bad input from any stage (EvalError, ConfigError, TokenizerError ...): one line

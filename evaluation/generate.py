@@ -29,6 +29,7 @@ document id (not included in the output) unless ``stop_at_eod`` is off.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,8 +63,9 @@ class GenerationOptions:
     def check(self) -> None:
         if self.max_new_tokens < 1:
             raise EvalError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.greedy and not self.temperature > 0:
-            raise EvalError(f"temperature must be > 0 (use greedy decoding for argmax), got {self.temperature}")
+        if not self.greedy and not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise EvalError(f"temperature must be a finite number > 0 (use greedy decoding for argmax), got "
+                            f"{self.temperature}")
         if self.top_k < 0:
             raise EvalError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -100,10 +102,22 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
 
 
 def choose_next(logits: torch.Tensor, opts: GenerationOptions, generator: torch.Generator) -> torch.Tensor:
-    """[b, V] full-vocabulary logits -> [b] next ids (on the logits' device)."""
+    """[b, V] full-vocabulary logits -> [b] next ids (on the logits' device).
+
+    Logits that are not all finite (a NaN or infinite weight: a damaged or diverged checkpoint) or that overflow
+    once divided by the temperature raise :class:`EvalError`: argmax would pick a NaN's position and
+    ``torch.multinomial`` fails on a NaN probability."""
+    if not bool(torch.isfinite(logits).all()):
+        bad = int((~torch.isfinite(logits)).sum())
+        raise EvalError(f"the model's next-token logits hold {bad} non-finite value(s) (NaN or infinity): the "
+                        f"checkpoint's weights are damaged or its training diverged; evaluate an earlier checkpoint")
     if opts.greedy:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(filter_logits(logits, opts.temperature, opts.top_k, opts.top_p), dim=-1)
+    scaled = filter_logits(logits, opts.temperature, opts.top_k, opts.top_p)
+    if not bool(torch.isfinite(scaled.max(dim=-1).values).all()) or bool(torch.isnan(scaled).any()):
+        raise EvalError(f"temperature {opts.temperature} is too small for these logits (divided by it they overflow "
+                        f"float32): use greedy decoding or a larger temperature")
+    probs = torch.softmax(scaled, dim=-1)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(logits.device)
 
 
@@ -210,6 +224,21 @@ def load_generator(run_dir: str | Path, group=None, device: str = "cpu"):
     if cfg.model.arch != "gpt2":
         raise EvalError(f"{p} holds a {cfg.model.arch!r} model; generation needs a GPT (causal LM) checkpoint")
     return model, tokenizer
+
+
+def utf8_prompts(prompts: list[str], what: str = "--prompt") -> list[str]:
+    """Prompts given on the command line, refused in one line when one is not UTF-8 text: Python reads such
+    argument bytes as lone surrogates (``\\udcff`` for byte 0xff), which no tokenizer encodes and no UTF-8 output
+    can print."""
+    for n, text in enumerate(prompts, 1):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            byte = ord(text[e.start]) - 0xDC00 if 0xDC80 <= ord(text[e.start]) <= 0xDCFF else None
+            which = f" (byte 0x{byte:02x} at character {e.start})" if byte is not None else f" (at character {e.start})"
+            raise EvalError(f"{what} number {n} is not UTF-8 text{which}: pass prompts as UTF-8 (check the "
+                            f"terminal's encoding), or write them to a UTF-8 file for --prompts") from None
+    return prompts
 
 
 def read_prompts(path: str | Path) -> list[str]:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from evaluation.errors import EvalError
 from megatron_ds_suite.core import atomic
+from megatron_ds_suite.core.network import hub_offline, network_reachable
+from megatron_ds_suite.core.textfile import read_utf8
 
 HEADING = re.compile(r"^ = [^=].* = $")
 """A WikiText article title line (one '=' on each side; sections have two or more)."""
@@ -71,13 +73,16 @@ def local_tasks(folder: Path, lambada: str | None, wikitext: str | None) -> list
     if lambada:
         if not Path(lambada).is_file():
             raise EvalError(f"--lambada {lambada} does not exist (give lambada_test.jsonl)")
+        from evaluation.lambada import read_lambada_jsonl
+
+        read_lambada_jsonl(lambada)  # every line a {"text": ...} object: else one line now, not a traceback mid-run
         _write_task(folder, "lambada_openai_local", installed / "lambada" / "lambada_openai.yaml", Path(lambada).resolve())
         names.append("lambada_openai_local")
     if wikitext:
         src = Path(wikitext)
         if not src.is_file():
             raise EvalError(f"--wikitext {wikitext} does not exist (give a WikiText .tokens or .raw file)")
-        pages = wikitext_pages(src.read_text(encoding="utf-8"))
+        pages = wikitext_pages(read_utf8(src, "--wikitext", EvalError))
         if not pages:
             raise EvalError(f"--wikitext {wikitext} holds no text")
         data = folder / "wikitext_pages.jsonl"
@@ -95,6 +100,49 @@ def _write_task(folder: Path, name: str, base: Path, data: Path) -> None:
              "dataset_kwargs:", "  data_files:", f"    test: {json.dumps(str(data))}",
              "training_split: null", "validation_split: null", "test_split: test"]
     (folder / f"{name}.yaml").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+LOCAL_LOADERS = {"json", "csv", "text", "parquet", "arrow", "pandas", "imagefolder", "audiofolder"}
+"""``dataset_path`` values of lm-eval task files that read local files (``datasets``' packaged loaders)."""
+
+
+def hub_datasets(manager, tasks: list[str]) -> dict[str, str]:
+    """``{task: hub dataset}`` for the requested tasks (groups and tags expanded) whose data lm-eval fetches from
+    the Hugging Face hub; a task whose file does not say is left out (lm-eval decides when it runs)."""
+    index = getattr(manager, "task_index", {})
+    found: dict[str, str] = {}
+    seen: set[str] = set()
+    todo = list(tasks)
+    while todo:
+        name = todo.pop()
+        entry = index.get(name) if isinstance(name, str) else None
+        if name in seen or entry is None:
+            continue
+        seen.add(name)
+        cfg = getattr(entry, "cfg", None) or {}
+        children = cfg.get("task") if isinstance(cfg.get("task"), list) else []
+        if getattr(entry, "yaml_path", None) is None or children:  # a tag or a group: its tasks
+            todo += [c for c in children if isinstance(c, str)] + sorted(getattr(entry, "tags", None) or ())
+            continue
+        path = cfg.get("dataset_path")
+        if isinstance(path, str) and path not in LOCAL_LOADERS and not Path(path).exists():
+            found[name] = path
+    return found
+
+
+def check_hub_reachable(installed: list[str], remote: dict[str, str], timeout: float = 3.0) -> None:
+    """Refuse, before lm-eval indexes its tasks and the model is loaded, tasks that read their data from the
+    Hugging Face hub when the machine is offline (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` set, or huggingface.co
+    not answering within ``timeout`` s): ``installed`` are lm-eval's own tasks (they read the hub), ``remote`` the
+    local task files' tasks whose ``dataset_path`` is a hub name. ``datasets`` would otherwise retry and end in a
+    traceback after the model was loaded."""
+    if not (installed or remote) or network_reachable(timeout=timeout):
+        return
+    why = "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if hub_offline() else f"huggingface.co did not answer in {timeout:g} s"
+    named = ", ".join(installed + [f"{t} ({d})" for t, d in sorted(remote.items())])
+    raise EvalError(f"task(s) {named} read their data from the Hugging Face hub, which is unreachable ({why}): "
+                    f"run them with network access, or use the local tasks (--lambada FILE: lambada_openai_local, "
+                    f"--wikitext FILE: wikitext_local)")
 
 
 def run_lm_eval(args: argparse.Namespace) -> None:
@@ -115,10 +163,18 @@ def run_lm_eval(args: argparse.Namespace) -> None:
     from evaluation.lm_eval_model import SuiteLM
     from evaluation.model import setup_runtime
 
+    if args.include_path and not Path(args.include_path).is_dir():
+        raise EvalError(f"--include-path {args.include_path} is not a folder (of lm-eval task YAML files)")
     with tempfile.TemporaryDirectory(prefix="lm_eval_tasks_") as tmp:
         local = local_tasks(Path(tmp), args.lambada, args.wikitext)
         include = [tmp] + ([args.include_path] if args.include_path else [])
-        manager = TaskManager(include_path=include)
+        # the local task files alone first (indexing lm-eval's ~14,000 installed task files takes ~20 s): offline,
+        # a task that is not among them is refused before that, in one line
+        manager = TaskManager(include_path=include, include_defaults=False)
+        installed = [t for t in tasks if t not in manager.all_tasks]
+        check_hub_reachable(installed, hub_datasets(manager, [t for t in tasks if t not in installed]))
+        if installed:
+            manager = TaskManager(include_path=include)
         unknown = [t for t in tasks if t not in manager.all_tasks]
         if unknown:
             hint = f" (local tasks here: {', '.join(local)})" if local else " (--lambada/--wikitext add local ones)"
@@ -133,7 +189,7 @@ def run_lm_eval(args: argparse.Namespace) -> None:
                               verbosity="ERROR")
     if not rt.is_main or res is None:
         return
-    out = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / "lm_eval.json"
+    out = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / "lm_eval.json"  # checked before scoring
     keep = {k: res[k] for k in ("results", "versions", "n-shot", "higher_is_better", "n-samples") if k in res}
     atomic.write_json(out, {"task": "lm-eval", "checkpoint": str(args.checkpoint), "tp": args.tp, "limit": args.limit,
                             "tasks": tasks, **keep})

@@ -15,10 +15,10 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from megatron_ds_suite.core.config import (Freezable, apply_overrides, build_dataclass, overrides_to_dict,
-                                            read_yaml)
+from megatron_ds_suite.core.config import (AtLeastOne, Fraction, Freezable, NonNegative, Positive, Range, apply_overrides,
+                                            build_dataclass, check_ranges, overrides_to_dict, read_yaml)
 from megatron_ds_suite.core.errors import ConfigError
 
 
@@ -51,21 +51,21 @@ class ModelConfig(Freezable):
     """Training sequence length (tokens per sample)."""
     max_position_embeddings: int | None = None
     """Learned position table size; defaults to seq_length."""
-    vocab_size: int | None = None
+    vocab_size: Annotated[int, AtLeastOne] | None = None
     """Unpadded vocabulary size; None = take it from the tokenizer."""
     make_vocab_size_divisible_by: int = 128
     """Vocabulary is padded to a multiple of this x TP (Megatron's rule)."""
-    ffn_hidden_size: int | None = None
+    ffn_hidden_size: Annotated[int, NonNegative] | None = None
     """MLP width; defaults to 4 x hidden_size."""
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
+    hidden_dropout: Annotated[float, Range(ge=0, lt=1)] = 0.1
+    attention_dropout: Annotated[float, Range(ge=0, lt=1)] = 0.1
     apply_query_key_layer_scaling: bool = False
     """Megatron's fp16 stabiliser: layer l's Q.K scores are computed divided by l and multiplied back inside
     an fp32 softmax (forces attention_softmax_in_fp32). Same math in fp32; see models/core_attention.py."""
     attention_softmax_in_fp32: bool = False
     """Megatron: compute the attention softmax in fp32 when activations are fp16/bf16."""
-    init_method_std: float = 0.02
-    layernorm_epsilon: float = 1e-5
+    init_method_std: Annotated[float, Positive] = 0.02
+    layernorm_epsilon: Annotated[float, Positive] = 1e-5
     activation: Literal["gelu", "gelu_new", "swiglu"] = "gelu"
     """MLP (and BERT LM-head) non-linearity: 'gelu' = exact erf GeLU (Megatron's default), 'gelu_new' =
     the tanh approximation OpenAI's GPT-2 was trained with (transformers' name; imported GPT-2s use it),
@@ -77,9 +77,9 @@ class ModelConfig(Freezable):
     """'learned' = a trained position table added to the word embeddings (GPT-2, BERT); 'rope' = rotary
     position embeddings applied to each head's queries and keys (Su et al. 2021; Llama, GPT-NeoX), no
     table. GPT only."""
-    rotary_base: float = 10000.0
+    rotary_base: Annotated[float, Positive] = 10000.0
     """RoPE base theta: frequencies base^(-2i/d) (Llama 2: 10,000; Llama 3: 500,000)."""
-    rotary_percent: float = 1.0
+    rotary_percent: Annotated[float, Range(gt=0, le=1)] = 1.0
     """Fraction of each head's dimensions that RoPE rotates (the first ones; the rest pass unchanged):
     1.0 for Llama, 0.25 for GPT-NeoX/Pythia. head size x rotary_percent must be a positive even number."""
     rope_scaling: RopeScalingConfig | None = None
@@ -128,7 +128,7 @@ class ModelConfig(Freezable):
     # BERT only
     layer_order: Literal["pre_ln", "post_ln"] = "pre_ln"
     """BERT: 'pre_ln' = the paper's rearranged order (Figure 7), 'post_ln' = original BERT."""
-    num_tokentypes: int = 2
+    num_tokentypes: Annotated[int, NonNegative] = 2
     binary_head: bool = True
     head: Literal["pretrain", "multiple_choice"] = "pretrain"
     """BERT: which heads the checkpoint holds; 'multiple_choice' is written by training.finetune_race."""
@@ -235,14 +235,14 @@ class PrecisionConfig(Freezable):
     """'auto' = fp16 on a GPU (the paper's default), fp32 on CPU."""
     allow_fp16_on_cpu: bool = False
     """Let DeepSpeed's fp16 engine run on the CPU accelerator (slow; for tests of tiny models)."""
-    loss_scale: float = 0.0
+    loss_scale: Annotated[float, NonNegative] = 0.0
     """0 = dynamic loss scaling; > 0 = static scale."""
-    initial_scale_power: int = 32
+    initial_scale_power: Annotated[int, NonNegative] = 32
     """Initial dynamic scale 2**power (Megatron: 2**32)."""
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
-    max_consecutive_skipped: int = 50
+    loss_scale_window: Annotated[int, AtLeastOne] = 1000
+    hysteresis: Annotated[int, AtLeastOne] = 2
+    min_loss_scale: Annotated[float, Positive] = 1.0
+    max_consecutive_skipped: Annotated[int, NonNegative] = 50
     """Abort when this many consecutive steps were skipped for overflow (0 disables)."""
 
 
@@ -250,15 +250,15 @@ class PrecisionConfig(Freezable):
 class OptimizerConfig(Freezable):
     lr: float = 1.5e-4
     min_lr: float = 1.0e-5
-    weight_decay: float = 0.01
+    weight_decay: Annotated[float, NonNegative] = 0.01
     """Decoupled (AdamW) weight decay; biases and LayerNorm parameters are exempt."""
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1.0e-8
-    clip_grad: float = 1.0
+    beta1: Annotated[float, Range(ge=0, lt=1)] = 0.9
+    beta2: Annotated[float, Range(ge=0, lt=1)] = 0.999
+    eps: Annotated[float, Positive] = 1.0e-8
+    clip_grad: Annotated[float, NonNegative] = 1.0
     """Global grad-norm clipping across TP ranks (0 disables)."""
-    warmup_iters: int = 0
-    decay_iters: int | None = None
+    warmup_iters: Annotated[int, NonNegative] = 0
+    decay_iters: Annotated[int, NonNegative] | None = None
     """Iterations of warmup + decay; None = train.iters."""
     decay_style: Literal["cosine", "linear", "constant"] = "cosine"
 
@@ -270,7 +270,7 @@ class TrainConfig(Freezable):
     global_batch_size: int = 8
     """Samples per optimizer step over all replicas = micro x grad-accum x DP."""
     iters: int = 20
-    seed: int = 1234
+    seed: Annotated[int, NonNegative] = 1234
     log_interval: int = 1
     """A step line every N iterations (and the last; 0 = none). Negative intervals are refused."""
     eval_interval: int = 0
@@ -284,7 +284,7 @@ class TrainConfig(Freezable):
     """Resume from this checkpoint tag (e.g. iter_0000020) instead of the one `checkpoints/latest` names; needed when
     `latest` is lost, or to go back to an older checkpoint on purpose: the newer ones are moved to
     checkpoints/superseded/, never deleted (see training.checkpoint_catalog)."""
-    exit_at: int | None = None
+    exit_at: Annotated[int, AtLeastOne] | None = None
     """Save and stop at this iteration (the schedule still runs to `iters`); rerun to resume."""
     progress_bar: bool | None = None
     """Progress bar on stderr: None = only when stderr is a terminal (not in Slurm logs); true/false force it."""
@@ -312,7 +312,7 @@ class DataConfig(Freezable):
     others; False = Megatron 2020 (all epochs shuffled together); None (default) = False for data.corpus
     and data.text_files, True for data.prefixes (Megatron's blending came with it). See
     training/data/gpt_dataset.py and training/data/blending.py."""
-    num_workers: int = 0
+    num_workers: Annotated[int, NonNegative] = 0
 
 
 @dataclass
@@ -340,7 +340,7 @@ class RunConfig(Freezable):
     """CSV files through DeepSpeed's monitor: RUN_DIR/csv/train/<metric>.csv."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """W&B through DeepSpeed's monitor (project, entity, group, online/offline)."""
-    device_peak_tflops: float | None = None
+    device_peak_tflops: Annotated[float, Positive] | None = None
     """Dense peak TFLOP/s of one device in the training dtype, for MFU; None = built-in table."""
     device_kind: str | None = None
     """Name of the device for the peak table (e.g. 'h100-sxm', 'v100', 'cpu'); None = detect."""
@@ -350,18 +350,18 @@ class RunConfig(Freezable):
 class BertDataConfig(Freezable):
     """BERT pretraining samples (training.data.bert_data); ignored by GPT-2."""
 
-    masked_lm_prob: float = 0.15
+    masked_lm_prob: Annotated[float, Range(gt=0, le=1)] = 0.15
     """Fraction of each sample's tokens to predict (Megatron: round(0.15 x length), at least 1, at most the
     float 0.15 x target length: 18 of 128)."""
-    mask_token_prob: float = 0.8
+    mask_token_prob: Annotated[float, Fraction] = 0.8
     """Of the predicted tokens: replaced by [MASK] ..."""
-    random_token_prob: float = 0.1
+    random_token_prob: Annotated[float, Fraction] = 0.1
     """... by a random vocabulary token (the rest, 1 - 0.8 - 0.1, stay unchanged)."""
-    max_ngram: int = 3
+    max_ngram: Annotated[int, AtLeastOne] = 3
     """Masked spans are n-grams of 1..max_ngram whole words with p(n) proportional to 1/n."""
     whole_word: bool = True
     """Never split a word: a word's pieces are masked together."""
-    short_seq_prob: float = 0.1
+    short_seq_prob: Annotated[float, Fraction] = 0.1
     """Probability that a sample targets a random shorter length (Megatron's short_seq_prob)."""
 
 
@@ -378,13 +378,13 @@ class FinetuneConfig(Freezable):
     test_split: str | None = "test"
     """Also scored every epoch (reported for the best-dev epoch); None = skip."""
     levels: list[str] = field(default_factory=lambda: ["middle", "high"])
-    epochs: int = 3
-    seq_length: int | None = None
+    epochs: Annotated[int, AtLeastOne] = 3
+    seq_length: Annotated[int, AtLeastOne] | None = None
     """RACE sequence length; None = model.seq_length (Megatron: 512)."""
-    max_qa_length: int = 128
-    warmup_fraction: float = 0.06
+    max_qa_length: Annotated[int, AtLeastOne] = 128
+    warmup_fraction: Annotated[float, Fraction] = 0.06
     """Linear warmup over this fraction of all fine-tuning steps, then linear decay (Megatron: 0.06)."""
-    eval_batch_size: int = 8
+    eval_batch_size: Annotated[int, AtLeastOne] = 8
     """Questions per forward when scoring dev/test."""
 
 
@@ -479,7 +479,9 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 
 
 def validate_static(cfg: Config) -> None:
-    """Checks that need no process group: sizes, divisibility, ranges."""
+    """Checks that need no process group: sizes, divisibility, ranges (the ranges declared on the fields,
+    :func:`check_ranges`, first: a config an importer built in Python has not been through the loader)."""
+    check_ranges(cfg)
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
     for name, v in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
                     ("model.num_attention_heads", m.num_attention_heads), ("model.seq_length", m.seq_length),
@@ -520,9 +522,6 @@ def validate_static(cfg: Config) -> None:
         raise ConfigError("parallel.pipeline > 1 is for GPT-2 only (BERT is tensor-parallel only under DeepSpeed)")
     if p.pipeline > m.num_layers:
         raise ConfigError(f"parallel.pipeline={p.pipeline} exceeds model.num_layers={m.num_layers}")
-    for name, v in [("model.hidden_dropout", m.hidden_dropout), ("model.attention_dropout", m.attention_dropout)]:
-        if not 0.0 <= v < 1.0:
-            raise ConfigError(f"{name} must be in [0, 1), got {v}")
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optimizer: need 0 <= min_lr <= lr and lr > 0 (got lr={o.lr}, min_lr={o.min_lr})")
     decay = o.decay_iters if o.decay_iters is not None else t.iters
@@ -579,10 +578,6 @@ def validate_model_options(m: ModelConfig, tp: int) -> None:
         if groups % tp:
             raise ConfigError(f"parallel.tensor={tp} does not divide model.num_query_groups={groups}: each TP rank "
                               f"holds whole key/value groups; choose a TP degree that divides {groups}")
-    if not m.rotary_base > 0:
-        raise ConfigError(f"model.rotary_base must be > 0, got {m.rotary_base}")
-    if not 0.0 < m.rotary_percent <= 1.0:
-        raise ConfigError(f"model.rotary_percent must be in (0, 1], got {m.rotary_percent}")
     if m.position_embedding == "rope":
         head = m.hidden_size // heads
         rot = m.rotary_dim

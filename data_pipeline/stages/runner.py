@@ -19,7 +19,7 @@ from data_pipeline.stages.filter import run_filter
 from data_pipeline.stages.ingest import run_ingest
 from data_pipeline.stages.tokenizer import run_tokenizer
 from data_pipeline.store import atomic_write_json
-from data_pipeline.workers import build_pool
+from data_pipeline.workers import build_pool, reading_work_files
 from megatron_ds_suite.core.folder_lock import folder_lock
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def run_stage(cfg: BuildConfig, stage: str) -> dict[str, Any]:
     """Run one stage now (recomputing it); its upstream stages must be finished for this config."""
     if stage not in RUNNERS:
         raise ConfigError(f"unknown stage '{stage}' (stages: {', '.join(STAGES)})")
-    with output_lock(cfg):
+    with output_lock(cfg), reading_work_files(stage):
         return RUNNERS[stage](cfg)
 
 
@@ -61,7 +61,8 @@ def _build(cfg: BuildConfig, force: bool) -> tuple[Path, dict[str, Any]]:
                 log.info("stage %s: finished earlier with the same inputs and settings, reused", stage)
                 reused.add(stage)
                 continue
-            RUNNERS[stage](cfg)
+            with reading_work_files(stage):
+                RUNNERS[stage](cfg)
     stats = assemble_stats(cfg, reused)
     stats["total_seconds"] = round(time.perf_counter() - t0, 3)
     stats["peak_rss_now_mib"] = peak_rss_mib()[0]

@@ -14,6 +14,12 @@ this module, so they all accept and refuse the same things:
   ``float`` is expected; ``bool`` is never an ``int``; ``None`` (YAML ``null``) only where the
   annotation allows it; ``Literal[...]`` values are checked; nested dataclasses, ``list[T]`` and
   ``dict[str, T]`` are checked item by item.
+* Numbers: NaN and infinities are refused in every ``float`` field (a field that means them opts in with
+  ``Annotated[float, Range(finite=False)]``); a field annotated ``Annotated[float, Range(gt=0)]`` (or
+  :data:`Positive`, :data:`NonNegative`, :data:`AtLeastOne`, :data:`Fraction`) has its range checked here, so
+  every config states its ranges where its keys are declared instead of in a list of ``if``s.
+* Depth: a YAML file or override value nested deeper than :data:`MAX_DEPTH` levels is refused in one line (deeper
+  than Python's stack, PyYAML itself would fail with a ``RecursionError``).
 
 Every problem raises :class:`~megatron_ds_suite.core.errors.ConfigError` with one line; the command
 line tools print it as ``config error: ...`` (or ``error: ...``) and exit with code 2.
@@ -23,11 +29,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 
@@ -65,10 +72,14 @@ class StrictYAMLLoader(yaml.SafeLoader):
 StrictYAMLLoader.add_implicit_resolver("tag:yaml.org,2002:float", FLOAT_EXPONENT, list("-+0123456789."))
 
 
+MAX_DEPTH = 100
+"""Mappings and lists nested deeper than this in a config are refused (a config of this suite nests 4 deep)."""
+
+
 def parse_yaml(text: str, where: str) -> Any:
     """YAML ``text`` -> Python objects (:class:`StrictYAMLLoader`); ``where`` names it in the error."""
     try:
-        return yaml.load(text, Loader=StrictYAMLLoader)  # noqa: S506 -- a SafeLoader subclass
+        data = yaml.load(text, Loader=StrictYAMLLoader)  # noqa: S506 -- a SafeLoader subclass
     except yaml.YAMLError as e:
         if isinstance(e, yaml.MarkedYAMLError) and e.problem:
             mark = e.problem_mark
@@ -76,6 +87,30 @@ def parse_yaml(text: str, where: str) -> Any:
         else:
             detail = str(e).splitlines()[0]
         raise ConfigError(f"{where} is not valid YAML: {detail}") from None
+    except RecursionError:  # PyYAML's composer and constructor recurse once per level
+        raise ConfigError(f"{where} is nested deeper than Python's stack allows (a config nests a few levels; "
+                          f"at most {MAX_DEPTH})") from None
+    if _depth(data) > MAX_DEPTH:
+        raise ConfigError(f"{where} is nested deeper than {MAX_DEPTH} levels of mappings/lists (a config nests a few "
+                          f"levels)")
+    return data
+
+
+def _depth(data: Any) -> int:
+    """Nesting depth of mappings and lists (a scalar is 0), counted without recursion."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            items = list(node.values())
+        elif isinstance(node, list):
+            items = node
+        else:
+            continue
+        deepest = max(deepest, level)
+        if level <= MAX_DEPTH:  # past the limit the answer is known
+            stack.extend((x, level + 1) for x in items)
+    return deepest
 
 
 def read_yaml(path: str | Path, what: str = "config file", hint: str = "") -> dict[str, Any]:
@@ -166,6 +201,83 @@ def merge_dicts(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------
+# Ranges of numbers
+# --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a number field accepts, declared on its annotation: ``eps: Annotated[float, Range(gt=0)] = 1e-8``;
+    :func:`build_dataclass` checks them (one line: ``config error: optimizer.eps must be > 0, got -1.0``).
+    ``finite=False`` lets a float field hold NaN or an infinity (refused everywhere else)."""
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    finite: bool = True
+
+    def describe(self) -> str:
+        """``"> 0"``, ``">= 1"``, ``"in [0, 1]"``, ``"in (0, 1)"``."""
+        low = (self.gt, "(") if self.gt is not None else (self.ge, "[") if self.ge is not None else None
+        high = (self.lt, ")") if self.lt is not None else (self.le, "]") if self.le is not None else None
+        if low and high:
+            return f"in {low[1]}{_num(low[0])}, {_num(high[0])}{high[1]}"
+        if low:
+            return f"{'>' if low[1] == '(' else '>='} {_num(low[0])}"
+        if high:
+            return f"{'<' if high[1] == ')' else '<='} {_num(high[0])}"
+        return "a number"
+
+    def check(self, value: float, where: str) -> None:
+        ok = ((self.gt is None or value > self.gt) and (self.ge is None or value >= self.ge)
+              and (self.lt is None or value < self.lt) and (self.le is None or value <= self.le))
+        if not ok:
+            raise ConfigError(f"{where} must be {self.describe()}, got {value!r}")
+
+
+def check_ranges(obj: Any, where: str = "") -> None:
+    """The finiteness and :class:`Range` checks of :func:`build_dataclass`, on a config dataclass ``obj`` (and the
+    dataclasses inside it) that was built or changed in Python (an importer's mapped model config, a saved run's
+    config): the same one-line ``ConfigError``. Types are not rechecked."""
+    hints = typing.get_type_hints(type(obj), include_extras=True)
+    for f in dataclasses.fields(obj):
+        _check_number(getattr(obj, f.name), hints.get(f.name, Any), f"{where}{f.name}")
+
+
+def _check_number(value: Any, tp: Any, where: str) -> None:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        check_ranges(value, f"{where}.")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if dataclasses.is_dataclass(item) and not isinstance(item, type):
+                check_ranges(item, f"{where}[{i}].")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        arms = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) in (
+            typing.Union, types.UnionType) else [tp]
+        for arm in arms:
+            rng = next((x for x in typing.get_args(arm)[1:] if isinstance(x, Range)), None) if typing.get_origin(
+                arm) is Annotated else None
+            if _bare(arm) is float and (rng is None or rng.finite) and not math.isfinite(value):
+                raise ConfigError(f"{where}: {value} is not a finite number ({where} must be a number, not nan or "
+                                  f"infinity)")
+            if rng is not None:
+                rng.check(value, where)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+Positive = Range(gt=0)
+"""``Annotated[float, Positive]``: > 0 (a learning rate, an epsilon, a timeout)."""
+NonNegative = Range(ge=0)
+"""``Annotated[int, NonNegative]``: >= 0 (a count where 0 means none or off, a weight decay)."""
+AtLeastOne = Range(ge=1)
+"""``Annotated[int, AtLeastOne]``: >= 1 (a size, a batch, a number of steps that must happen)."""
+Fraction = Range(ge=0, le=1)
+"""``Annotated[float, Fraction]``: in [0, 1] (a probability)."""
+
+
+# --------------------------------------------------------------------------------------------------
 # dict -> dataclass
 # --------------------------------------------------------------------------------------------------
 def build_dataclass(cls: type[T], data: Any, where: str = "") -> T:
@@ -176,7 +288,7 @@ def build_dataclass(cls: type[T], data: Any, where: str = "") -> T:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {_kind(data)} {_short(data)}")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)  # Annotated[..., Range(...)] kept
     fields = [f for f in dataclasses.fields(cls) if f.init]
     names = [f.name for f in fields]
     prefix = f"{where}." if where else ""
@@ -193,11 +305,19 @@ def build_dataclass(cls: type[T], data: Any, where: str = "") -> T:
     return cls(**kwargs)
 
 
-def coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; returns it (ints as floats for ``float``)."""
+def coerce(value: Any, tp: Any, where: str, finite: bool = True) -> Any:
+    """Check ``value`` against the annotation ``tp``; returns it (ints as floats for ``float``). A ``float`` must be
+    finite unless ``finite`` is false (``Annotated[float, Range(finite=False)]``)."""
     if tp is Any:
         return value
     origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *extras = typing.get_args(tp)
+        rng = next((x for x in extras if isinstance(x, Range)), None)
+        value = coerce(value, base, where, finite=rng.finite if rng else finite)
+        if rng is not None and value is not None:
+            rng.check(value, where)
+        return value
     if origin in (typing.Union, types.UnionType):
         return _coerce_union(value, tp, where)
     if origin is Literal:
@@ -232,6 +352,9 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             value = float(value.replace("_", ""))  # ``7e-1`` read by a plain YAML 1.1 parser (yaml.safe_load)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _type_error(where, tp, value)
+        if finite and not math.isfinite(value):
+            raise ConfigError(f"{where}: {value} is not a finite number ({where} must be a number, not nan or "
+                              f"infinity)")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -250,12 +373,22 @@ def _coerce_union(value: Any, tp: Any, where: str) -> Any:
         try:
             return coerce(value, arm, where)
         except ConfigError as e:
-            if _same_shape(value, arm):  # the right kind of container with a bad item inside: say which
+            if _same_shape(value, arm):  # the right kind of value with a bad item inside or out of range: say which
                 raise e from None
     raise _type_error(where, tp, value)
 
 
+def _bare(tp: Any) -> Any:
+    """``Annotated[T, ...]`` -> ``T``."""
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
+
+
 def _same_shape(value: Any, tp: Any) -> bool:
+    tp = _bare(tp)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return True  # a number, refused for its value (nan, out of range): not for its type
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return True
     origin = typing.get_origin(tp) or tp
     return (origin is list and isinstance(value, list)) or (
         (origin is dict or dataclasses.is_dataclass(tp)) and isinstance(value, dict))
@@ -269,6 +402,7 @@ _DESCRIBE = {bool: "true/false", int: "an integer", float: "a number", str: "a s
 
 
 def _describe(tp: Any) -> str:
+    tp = _bare(tp)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(tp))
@@ -282,6 +416,7 @@ def _describe(tp: Any) -> str:
 
 
 def _type_name(tp: Any) -> str:
+    tp = _bare(tp)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))

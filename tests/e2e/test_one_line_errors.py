@@ -372,3 +372,19 @@ def test_a_hostile_json_line_is_one_line_or_a_counted_skip_in_every_reader(tmp_p
     (race / "2.txt").write_text(bad)
     qs, rep = read_race_dir(race)
     assert len(qs) == 1 and rep.skipped == 1 and rep.problems == [f"{race / '2.txt'}:1: invalid JSON ({reason})"]
+
+
+@pytest.mark.parametrize("command", [
+    ["python", "-m", "training.pretrain", "--config", "{file}"],
+    ["python", "-m", "data_pipeline", "build", "--config", "{file}"],
+    ["python", "-m", "megatron_ds_suite.app.main_job", "--config", "{file}"],
+])
+def test_each_command_refuses_a_deeply_nested_config_file_in_one_line(tmp_path, command):
+    root = ROOT
+    f = tmp_path / "deep.yaml"
+    f.write_text("title: " + "[" * 20000 + "]" * 20000 + "\n")
+    cmd = [sys.executable if x == "python" else x.format(file=f) for x in command]
+    res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root), "DS_ACCELERATOR": "cpu"})
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "nested deeper than" in lines[0], res.stderr

@@ -1,4 +1,5 @@
-"""Training stopped from outside (issue 14): Ctrl-C mid-run and a full disk while saving a checkpoint.
+"""Training stopped from outside (issue 14): Ctrl-C mid-run and a full disk while saving a checkpoint; Ctrl-C to
+the process group of a run under the ``deepspeed`` launcher (issue 38), as a terminal sends it.
 
 Both must end with one line on stderr and a non-zero exit, leave no half-written checkpoint or temporary
 file behind, keep ``latest`` naming a complete checkpoint, and let the same command resume from it.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.distributed import SHARED_DATA
+from tests.helpers.distributed import SHARED_DATA, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BOTCHAN = Path(SHARED_DATA) / "corpus" / "botchan.txt"
@@ -98,6 +99,74 @@ def test_ctrl_c_mid_training_keeps_the_last_checkpoint_and_resumes(tmp_path):
     assert res.returncode == 0, res.stderr
     assert f"resumed from {latest} at iteration {stopped_at}" in res.stderr + res.stdout
     assert _checkpoints(run)[0] == f"iter_{stopped_at + 2:07d}"
+
+
+def _deepspeed(cmd: list[str]) -> list[str]:
+    """``cmd`` (a ``python -m training.pretrain`` command) under ``deepspeed --num_gpus 2`` at TP=2."""
+    return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+            "--module", *cmd[2:], "parallel.tensor=2"]
+
+
+def _foreign_tracebacks(out: str) -> list[str]:
+    """The tracebacks in ``out`` other than DeepSpeed's runner's own (``deepspeed`` itself, waiting for its launcher
+    when SIGINT arrives: docs/errors.md)."""
+    blocks = out.split("Traceback (most recent call last):")[1:]
+    return [b for b in blocks if "deepspeed/launcher/runner.py" not in b.split("KeyboardInterrupt")[0]
+            or "/training/" in b or "/megatron_ds_suite/" in b]
+
+
+def test_ctrl_c_to_the_deepspeed_launchers_group_stops_every_rank_cleanly_and_resumes(tmp_path):
+    """A terminal's Ctrl-C reaches the runner, ``deepspeed.launcher.launch`` and both ranks; ``launch`` then sends
+    SIGTERM to every rank at once. Each rank must finish its teardown (the run's lock released, not left as a
+    stale claim), one rank says the one line, and the same command resumes."""
+    run = tmp_path / "run"
+    cmd = _deepspeed(_command(tmp_path, run, **{"train.iters": "100000", "train.save_interval": "2"}))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / "latest").exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: runner, launcher and ranks
+        out, _ = proc.communicate(timeout=120)
+        deadline = time.monotonic() + 60
+        while _group_alive(proc.pid):  # the launcher and the ranks finish after the runner
+            assert time.monotonic() < deadline, "ranks still running 60 s after Ctrl-C"
+            time.sleep(0.2)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode in (130, -signal.SIGINT), out  # what the shell shows as 130
+    assert [x for x in out.splitlines() if x.startswith("interrupted:")] == [f"interrupted: {RESUME}"], out
+    assert _foreign_tracebacks(out) == [], out
+    assert (run / ".lock").read_text() == "", "a rank was killed before it released the run's lock"
+    assert _leftovers(run) == []
+    latest, tags = _checkpoints(run)
+    assert latest in tags
+    stopped_at = int(latest.removeprefix("iter_"))
+
+    cmd = _deepspeed(_command(tmp_path, run, **{"train.iters": str(stopped_at + 2), "train.save_interval": "2"}))
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"resumed from {latest} at iteration {stopped_at}" in res.stderr + res.stdout
+    assert "stale lock" not in res.stderr + res.stdout
+    assert _checkpoints(run)[0] == f"iter_{stopped_at + 2:07d}"
+
+
+RESUME = "the newest complete checkpoint is kept; rerun the same command to resume"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _limit_file_size(limit: int):

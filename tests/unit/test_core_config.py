@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pytest
 import yaml
 
-from megatron_ds_suite.core.config import (apply_overrides, build_dataclass, merge_dicts, overrides_to_dict, parse_yaml,
-                                           read_yaml)
+from megatron_ds_suite.core.config import (Fraction, Positive, Range, apply_overrides, build_dataclass, merge_dicts,
+                                           overrides_to_dict, parse_yaml, read_yaml)
 from megatron_ds_suite.core.errors import ConfigError, SuiteError
 
 
@@ -213,3 +213,107 @@ def test_a_frozen_training_config_refuses_writes_and_copies_stay_frozen():
     fresh = config_from_dict(cfg.to_dict())  # the way to change values: a new config
     fresh.optimizer.lr = 0.5
     assert not is_frozen(fresh) and fresh.optimizer.lr == 0.5 and cfg.optimizer.lr != 0.5
+
+
+# ---- numbers: finite everywhere, ranges declared on the fields (issue 38) -----------------------------------------
+def _training(override: str):
+    from training.config import load_config
+
+    return load_config("configs/gpt2_tiny.yaml", ["data.corpus=/nonexistent/corpus", override])
+
+
+def _corpus(override: str):
+    from data_pipeline.config import config_from_dict
+
+    return config_from_dict({"sources": [{"type": "default"}]}, overrides=[override])
+
+
+def _main_job(override: str):
+    from megatron_ds_suite.app.main_job.config import load_main_config
+
+    return load_main_config(None, [override])
+
+
+@pytest.mark.parametrize("load,override,message", [
+    (_training, "optimizer.lr=.nan", "optimizer.lr: nan is not a finite number"),
+    (_training, "optimizer.lr=.inf", "optimizer.lr: inf is not a finite number"),
+    (_training, "optimizer.min_lr=-.inf", "optimizer.min_lr: -inf is not a finite number"),
+    (_training, "model.init_method_std=.nan", "model.init_method_std: nan is not a finite number"),
+    (_training, "model.layernorm_epsilon=-1e-5", "model.layernorm_epsilon must be > 0, got -1e-05"),
+    (_training, "model.layernorm_epsilon=0", "model.layernorm_epsilon must be > 0, got 0.0"),
+    (_training, "optimizer.eps=-1", "optimizer.eps must be > 0, got -1.0"),
+    (_training, "optimizer.weight_decay=-0.1", "optimizer.weight_decay must be >= 0, got -0.1"),
+    (_training, "optimizer.beta2=1", "optimizer.beta2 must be in [0, 1), got 1.0"),
+    (_training, "optimizer.clip_grad=.inf", "optimizer.clip_grad: inf is not a finite number"),
+    (_training, "precision.min_loss_scale=0", "precision.min_loss_scale must be > 0, got 0.0"),
+    (_training, "train.seed=-3", "train.seed must be >= 0, got -3"),
+    (_training, "model.hidden_dropout=1.5", "model.hidden_dropout must be in [0, 1), got 1.5"),
+    (_training, "bert.masked_lm_prob=2", "bert.masked_lm_prob must be in (0, 1], got 2.0"),
+    (_training, "finetune.warmup_fraction=-0.1", "finetune.warmup_fraction must be in [0, 1], got -0.1"),
+    (_training, "run.device_peak_tflops=.nan", "run.device_peak_tflops: nan is not a finite number"),
+    (_training, "run.device_peak_tflops=-1", "run.device_peak_tflops must be > 0, got -1.0"),
+    (_training, "model.rope_scaling={factor: .inf}", "model.rope_scaling.factor: inf is not a finite number"),
+    (_corpus, "dedup.lsh_weights=[.nan, 0.5]", "dedup.lsh_weights[0]: nan is not a finite number"),
+    (_corpus, "dedup.lsh_weights=[-0.5, 1.5]", "dedup.lsh_weights[0] must be in [0, 1], got -0.5"),
+    (_corpus, "ray.num_cpus_per_task=-1", "ray.num_cpus_per_task must be > 0, got -1.0"),
+    (_corpus, "ray.num_cpus_per_task=.inf", "ray.num_cpus_per_task: inf is not a finite number"),
+    (_corpus, "seed=-1", "seed must be >= 0, got -1"),
+    (_corpus, "tokenizer.train_max_docs=0", "tokenizer.train_max_docs must be >= 1, got 0"),
+    (_main_job, "network_timeout=.nan", "network_timeout: nan is not a finite number"),
+    (_main_job, "network_timeout=-1", "network_timeout must be > 0, got -1.0"),
+    (_main_job, "network_timeout=.inf", "network_timeout: inf is not a finite number"),
+])
+def test_non_finite_and_out_of_range_numbers_are_one_config_error(load, override, message):
+    with pytest.raises(ConfigError) as e:
+        load(override)
+    assert message in e.value.one_line() and "\n" not in e.value.one_line()
+
+
+def test_ranges_are_declared_once_and_also_hold_for_configs_built_in_python():
+    """An importer builds a ModelConfig from another program's numbers and runs validate_static: the same ranges."""
+    from training.config import load_config, validate_static
+
+    for field_name, value, message in [("layernorm_epsilon", float("nan"), "not a finite number"),
+                                       ("layernorm_epsilon", -1e-6, "must be > 0"),
+                                       ("rotary_base", float("inf"), "not a finite number")]:
+        cfg = load_config("configs/gpt2_tiny.yaml", ["data.corpus=/nonexistent/corpus"])
+        setattr(cfg.model, field_name, value)
+        with pytest.raises(ConfigError, match=f"model.{field_name}.*{message}"):
+            validate_static(cfg)
+
+
+@dataclass
+class Opt:
+    bound: Annotated[float, Range(finite=False)] = 1.0
+    p: Annotated[float, Fraction] = 0.5
+    timeout: Annotated[float, Positive] | None = None
+
+
+def test_a_field_can_opt_in_to_non_finite_numbers_and_ranges_read_well():
+    assert build_dataclass(Opt, {"bound": float("inf")}).bound == float("inf")
+    assert build_dataclass(Opt, {"timeout": None}).timeout is None
+    with pytest.raises(ConfigError, match=r"^p must be in \[0, 1\], got 1.5$"):
+        build_dataclass(Opt, {"p": 1.5})
+    with pytest.raises(ConfigError, match="timeout: nan is not a finite number"):
+        build_dataclass(Opt, {"timeout": float("nan")})
+    assert [Range(gt=0).describe(), Range(ge=1).describe(), Range(ge=0, lt=1).describe(), Range(le=2.5).describe()] == [
+        "> 0", ">= 1", "in [0, 1)", "<= 2.5"]
+
+
+# ---- nesting deeper than any config (issue 38) ---------------------------------------------------------------------
+@pytest.mark.parametrize("depth", [150, 5000, 100_000])
+@pytest.mark.parametrize("kind", ["list", "mapping"])
+def test_deeply_nested_yaml_is_one_config_error(tmp_path, depth, kind):
+    value = "[" * depth + "]" * depth if kind == "list" else "{a: " * depth + "1" + "}" * depth
+    f = tmp_path / "c.yaml"
+    f.write_text(f"deepspeed: {value}\n")
+    with pytest.raises(ConfigError, match="nested deeper than"):
+        read_yaml(f)
+    with pytest.raises(ConfigError, match="nested deeper than"):
+        apply_overrides({}, [f"deepspeed.x={value}"])
+
+
+def test_nesting_up_to_the_limit_is_read():
+    assert parse_yaml("[" * 100 + "]" * 100, "x") == eval("[" * 100 + "]" * 100)  # noqa: S307 -- a literal
+    with pytest.raises(ConfigError, match="nested deeper than 100 levels"):
+        parse_yaml("[" * 101 + "]" * 101, "x")

@@ -4,8 +4,9 @@
 forwards SIGINT/SIGTERM to the ranks; the runner installs no handler for single-node runs, so a SIGINT
 (or SIGHUP, SIGKILL) sent to the runner alone ends it and leaves ``launch`` and every rank training on,
 orphaned, writing into a run directory a rerun will then also use. Each rank therefore watches the
-runner's pid from a daemon thread and, when it has gone, sends itself SIGTERM (default action: exit;
-the other ranks do the same, so ``launch`` then exits too).
+runner's pid from a daemon thread and, when it has gone, sends itself SIGTERM (default action: exit; a training
+rank's :func:`training.runtime.launch.run_locked` takes it as an interrupt and tears down first; the other ranks
+do the same, so ``launch`` then exits too). A rank still there ``EXIT_SECONDS`` later leaves with ``os._exit``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ import signal
 import sys
 import threading
 from pathlib import Path
+
+
+EXIT_SECONDS = 30.0
+"""How long a rank told to stop may take to tear down before the guard ends it."""
 
 
 def _ppid_of(pid: int) -> int | None:
@@ -61,7 +66,9 @@ def exit_when_gone(pid: int | None, interval: float = 2.0) -> threading.Thread |
             stop.wait(interval)
         print(f"rank {os.environ.get('RANK', '?')}: the deepspeed launcher (pid {pid}) is gone; stopping",
               file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # a training rank takes it as an interrupt (training.runtime.launch)
+        stop.wait(EXIT_SECONDS)  # a rank whose teardown waits on a peer that is gone: leave anyway
+        os._exit(128 + signal.SIGTERM)
 
     t = threading.Thread(target=watch, name="orphan-guard", daemon=True)
     t.start()

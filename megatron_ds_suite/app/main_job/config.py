@@ -16,12 +16,12 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
 # the suite's one strict loader (unknown keys, types, Literals, YAML 1.2 floats, a.b=value overrides)
-from megatron_ds_suite.core.config import (StrictYAMLLoader, apply_overrides, build_dataclass, merge_dicts,
+from megatron_ds_suite.core.config import (Positive, StrictYAMLLoader, apply_overrides, build_dataclass, merge_dicts,
                                             read_yaml)
 from megatron_ds_suite.core.errors import ConfigError
 
@@ -112,7 +112,7 @@ class MainConfig:
     title: str = "Main job"
     progress: bool = True
     """Progress bars on the console (the logs always get the full output)."""
-    network_timeout: float = 3.0
+    network_timeout: Annotated[float, Positive] = 3.0
     """Seconds to wait for huggingface.co before treating the machine as offline."""
     corpus: CorpusSection = field(default_factory=CorpusSection)
     train: TrainSection = field(default_factory=TrainSection)

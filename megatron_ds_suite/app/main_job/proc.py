@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from collections import deque
@@ -58,16 +57,6 @@ class Progress:
                 self.n, self.total = int(m["n"]), int(m["total"])
                 self.label = (m["desc"] or "").strip() or self.label
                 return True
-        return False
-
-
-def network_reachable(host: str = "huggingface.co", port: int = 443, timeout: float = 3.0) -> bool:
-    if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
-        return False
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
         return False
 
 

@@ -13,7 +13,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from megatron_ds_suite.app.main_job.proc import Progress, network_reachable
+from megatron_ds_suite.app.main_job.proc import Progress
+from megatron_ds_suite.core.network import network_reachable
 from megatron_ds_suite.app.main_job.state import (Skipped, StageFailed, atomic_write, digest, file_id, latest_iteration)
 
 log = logging.getLogger("main_job")
