@@ -111,7 +111,8 @@ def test_rmsnorm_equals_the_formula():
 def test_gqa_equals_mha_with_repeated_kv_heads(groups):
     """A grouped-query attention equals multi-head attention whose key/value heads are the group's, repeated
     for each of its query heads (the MHA built from the split GQA weights, RoPE on)."""
-    from training.models.blocks import ParallelSelfAttention, fuse_qkv, split_qkv
+    from training.models.blocks import ParallelSelfAttention
+    from training.models.qkv import fuse_qkv, split_qkv
 
     n, hn = 6, 16
     gqa = ParallelSelfAttention(_cfg(position_embedding="rope", num_query_groups=groups), None, 1, "a.")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from training.config import ModelConfig, RopeScalingConfig
-from training.models.blocks import fuse_qkv, split_qkv
+from training.models.qkv import fuse_qkv, split_qkv
 from megatron_ds_suite.core.errors import SuiteError
 
 
