@@ -133,3 +133,20 @@ def test_build_core_for_a_layer():
     core = build_core(cfg, 7, causal=True)
     assert type(core) is Recomputed and type(core.core) is MegatronCore and core.core.layer_number == 7
     assert "softmax_in_fp32=True" in repr(core)
+
+
+# --- the GPT model's name: GPTModel, model.arch gpt (gpt2 its old name) ------------------------------------------
+@pytest.mark.parametrize("arch", ["gpt", "gpt2"])
+def test_gpt_and_gpt2_are_one_family(arch):
+    from training.config import ConfigError, config_from_dict
+    from training.models.gpt2 import GPT2Model, GPTModel
+
+    assert GPT2Model is GPTModel
+    llama = {"arch": arch, "position_embedding": "rope", "normalization": "rmsnorm", "num_query_groups": 2}
+    cfg = config_from_dict({"model": llama})
+    assert cfg.model.arch == arch and cfg.to_dict()["model"]["arch"] == arch     # saved as written
+    with pytest.raises(ConfigError, match=r"the Llama-family options are for GPT \(model.arch: gpt\)"):
+        config_from_dict({"model": {**llama, "arch": "bert"}})
+    with pytest.raises(ConfigError, match="model.arch: 'gpt3' is not one of 'gpt', 'gpt2', 'bert'"):
+        config_from_dict({"model": {"arch": "gpt3"}})
+    assert ModelConfig().arch == "gpt"
