@@ -158,8 +158,8 @@ class SDPACore(AttentionCore):
 
 
 class CPUDropoutCore(SDPACore):
-    """SDPA, except with dropout on CPU fp32 and no explicit mask: :func:`training.models.ops.causal_attention_with_dropout`
-    (one ``baddbmm`` with the causal bias, softmax, the fast CPU dropout, ``bmm``), since SDPA has no fused CPU
+    """SDPA, except with dropout on CPU fp32 and no explicit mask:
+    :func:`training.models.ops.causal_attention_with_dropout` (one ``baddbmm`` with the causal bias, softmax, the fast CPU dropout, ``bmm``), since SDPA has no fused CPU
     kernel with dropout and falls back to its slower math path. Chosen for causal layers with attention dropout.
     The device is read in forward: models are built on the CPU and moved afterwards (``.to``, DeepSpeed's engine),
     so it is not known when the core is chosen."""
@@ -222,11 +222,13 @@ def recompute_core(core: AttentionCore, q: torch.Tensor, k: torch.Tensor, v: tor
 def build_core(cfg: ModelConfig, layer_number: int, causal: bool) -> nn.Module:
     """The attention core of layer ``layer_number`` (1-based), chosen once from the model config:
 
-    | config                                                                | core             |
-    |-----------------------------------------------------------------------|------------------|
-    | ``apply_query_key_layer_scaling`` or ``attention_softmax_in_fp32``    | :class:`MegatronCore` |
-    | causal (GPT) with ``attention_dropout`` > 0                           | :class:`CPUDropoutCore` |
-    | otherwise (BERT's bidirectional layers, no attention dropout)         | :class:`SDPACore` |
+    ==================================================================  =========================
+    config                                                              core
+    ==================================================================  =========================
+    ``apply_query_key_layer_scaling`` or ``attention_softmax_in_fp32``  :class:`MegatronCore`
+    causal (GPT) with ``attention_dropout`` > 0                         :class:`CPUDropoutCore`
+    otherwise (BERT's bidirectional layers; no attention dropout)       :class:`SDPACore`
+    ==================================================================  =========================
 
     wrapped in :class:`Recomputed` with ``recompute: selective``."""
     core: AttentionCore
