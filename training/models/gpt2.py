@@ -47,10 +47,10 @@ from training.parallel.mappings import (
 
 
 class GPTModel(nn.Module):
-    """The GPT language model (GPT-2, and the Llama family by its options; ``model.arch: gpt``). ``forward(tokens)`` -> vocab-parallel logits [b, s, V/p];
-    ``forward(tokens, labels)`` -> per-token loss [b, s] (vocab-parallel cross-entropy, fp32);
-    ``forward(tokens, positions=..., cache=...)``: the next tokens of a generation (:class:`KVCache`).
-    ``sequence_parallel``: Megatron's sequence parallelism over ``group`` (module docstring)."""
+    """The GPT language model (GPT-2, and the Llama family by its options; ``model.arch: gpt``).
+    ``forward(tokens)`` -> vocab-parallel logits [b, s, V/p]; ``forward(tokens, labels)`` -> per-token loss [b, s]
+    (vocab-parallel cross-entropy, fp32); ``forward(tokens, positions=..., cache=...)``: the next tokens of a
+    generation (:class:`KVCache`). ``sequence_parallel``: Megatron's sequence parallelism over ``group`` (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group: dist.ProcessGroup | None = None,
                  seed: int = 1234, sequence_parallel: bool = False):
