@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     from evaluation.scoring import LMScorer, gpt2_scorer
     from evaluation.wikitext import WindowPlan, read_tokens_file, score_stream
     from training.config import ModelConfig
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     tok = GPT2BPETokenizer(vocab_json, DATA / "tokenizers/gpt2/gpt2-merges.txt")
     ids = tok.encode(wikitext_detokenizer(read_tokens_file(tokens)))
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     assert plan.num_windows == args.windows
     cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                       seq_length=args.seq, vocab_size=tok.vocab_size, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPT2Model(cfg, 50304).eval()
+    model = GPTModel(cfg, 50304).eval()
     heads = {"scored positions": gpt2_scorer(model, tok.vocab_size, args.seq),
              "full logits": LMScorer(model, tok.vocab_size, args.seq)}
     runs = [("scored positions", b) for b in args.batches]

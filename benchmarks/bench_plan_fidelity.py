@@ -1,6 +1,6 @@
 """The planner's step-time model against measured CPU training steps (issue 15 item 5, last part).
 
-A sweep of small GPT-2s (hidden x layers x seq x TP) is trained as training runs it: ``GPT2Model`` under
+A sweep of small GPT-2s (hidden x layers x seq x TP) is trained as training runs it: ``GPTModel`` under
 ``deepspeed.initialize`` with the project's AdamW and schedule, fp32, dropout 0.1, forward to the mean
 token loss, ``engine.backward``, ``engine.step``, in gloo process groups of exactly TP ranks (DP = 1,
 PP = 1, no activation checkpointing), spawned by ``megatron_ds_suite.app.testing.run_distributed``. Every rank

@@ -303,7 +303,7 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from training.config import deepspeed_config
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.runtime import ds_compat, optimizer_step
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
@@ -335,12 +335,12 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
     llama = getattr(args, "model", "gpt2") == "llama"  # ours: the Llama options come with cfg.model
     if args.only in (None, "ours"):
         before = gpu_bytes()
-        ours = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
+        ours = GPTModel(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
         runners["ours"] = Runner("ours", engine(ours, ps), ours, ours_loss, tokens, labels, clip, ps)
         runners["ours"].static_bytes = gpu_bytes() - before
     if args.step_ab:
         before = gpu_bytes()
-        m = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
+        m = GPTModel(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
         runners["ours (DeepSpeed step)"] = Runner("ours (DeepSpeed step)", engine(m, ps, o1_step=False), m, ours_loss,
                                                   tokens, labels, clip, ps)
         runners["ours (DeepSpeed step)"].static_bytes = gpu_bytes() - before
@@ -348,7 +348,7 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
         from training.models.compile_layers import compile_layers
 
         before = gpu_bytes()
-        m = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
+        m = GPTModel(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
         compile_layers(m)
         runners["ours (compiled)"] = Runner("ours (compiled)", engine(m, ps), m, ours_loss, tokens, labels, clip, ps)
         runners["ours (compiled)"].static_bytes = gpu_bytes() - before
@@ -356,7 +356,7 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
         other = "torch" if args.adam == "fused" else "fused"
         name = f"ours ({ADAM_NAMES[other]})"
         before = gpu_bytes()
-        m = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
+        m = GPTModel(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
         runners[name] = Runner(name, engine(m, ps, adam=other), m, ours_loss, tokens, labels, clip, ps)
         runners[name].static_bytes = gpu_bytes() - before
     if getattr(args, "dtype_ab", None):
@@ -364,7 +364,7 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
         cfg_d = project_config(argparse.Namespace(**{**vars(args), "dtype": d}))
         name = f"ours ({d})"
         before = gpu_bytes()
-        m = GPT2Model(cfg_d.model, padded, ps.tp_group, seed=cfg.train.seed).train()
+        m = GPTModel(cfg_d.model, padded, ps.tp_group, seed=cfg.train.seed).train()
         runners[name] = Runner(name, engine(m, ps, ds=deepspeed_config(cfg_d, 1, d),
                                            adam=getattr(args, "dtype_ab_adam", None) or args.adam),
                                m, ours_loss, tokens, labels, clip, ps)
@@ -372,7 +372,7 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
         runners[name].static_bytes = gpu_bytes() - before
     if args.engine_default:
         before = gpu_bytes()
-        m = GPT2Model(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
+        m = GPTModel(cfg.model, padded, ps.tp_group, seed=cfg.train.seed).train()
         runners["ours (engine default)"] = Runner("ours (engine default)", engine(m, ps, backward_allreduce=True), m,
                                                   ours_loss, tokens, labels, clip, ps)
         runners["ours (engine default)"].static_bytes = gpu_bytes() - before
@@ -404,10 +404,10 @@ def hf_llama_same_weights(cfg, padded: int, activation_checkpointing: bool):
     from the same seed, mapped by ``training.tools.hf_llama.to_hf``; strict load), vocabulary ``padded``."""
     from transformers import LlamaForCausalLM
 
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.tools.hf_llama import hf_config, to_hf
 
-    ref = GPT2Model(cfg.model, padded, None, seed=cfg.train.seed)
+    ref = GPTModel(cfg.model, padded, None, seed=cfg.train.seed)
     weights = to_hf(ref.state_dict(), cfg.model, padded)
     del ref
     hf = LlamaForCausalLM._from_config(hf_config(cfg.model, padded), attn_implementation="sdpa")

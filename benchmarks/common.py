@@ -250,7 +250,7 @@ def tp_gpt2_engine(a: dict, world: int) -> tuple[Any, Any, Any]:
     import torch
 
     from training.config import Config, ModelConfig, deepspeed_config
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.optim import build_optimizer
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
@@ -265,7 +265,7 @@ def tp_gpt2_engine(a: dict, world: int) -> tuple[Any, Any, Any]:
     ps = ParallelState(tp=world)
     tp_random.configure(ps, cfg.model.num_layers)
     tp_random.set_seed(cfg.train.seed)
-    model = GPT2Model(cfg.model, a["padded"], ps.tp_group, seed=cfg.train.seed).train()
+    model = GPTModel(cfg.model, a["padded"], ps.tp_group, seed=cfg.train.seed).train()
     opt, sched = build_optimizer(model, cfg.optimizer, 10**6, device_type=device, dtype=dtype)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=ps,
                                       config=deepspeed_config(cfg, 1, dtype), dist_init_required=False)

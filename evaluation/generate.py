@@ -221,7 +221,7 @@ def load_generator(run_dir: str | Path, group=None, device: str = "cpu"):
     if not p.is_dir():
         raise EvalError(f"checkpoint directory {p} does not exist")
     model, cfg, tokenizer = load_model_for_eval(p, group=group, device=device)
-    if cfg.model.arch != "gpt2":
+    if cfg.model.arch == "bert":
         raise EvalError(f"{p} holds a {cfg.model.arch!r} model; generation needs a GPT (causal LM) checkpoint")
     return model, tokenizer
 

@@ -73,7 +73,7 @@ def load_scorer(run_dir: str | Path, rt: Runtime, include_vocab_padding: bool = 
 
     group = rt.pstate.tp_group if rt.pstate is not None else None
     model, cfg, tokenizer = load_model_for_eval(p, group=group, device=str(rt.device))
-    if cfg.model.arch != "gpt2":
+    if cfg.model.arch == "bert":
         raise EvalError(f"{p} holds a {cfg.model.arch!r} model; WikiText/LAMBADA need a GPT (causal LM) checkpoint")
     model.eval()
     padded = int(getattr(model, "padded_vocab_size"))

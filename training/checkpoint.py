@@ -103,7 +103,7 @@ class ModelDescription:
 
     @property
     def pipeline_layers(self) -> int | None:
-        """The layer count that maps pipeline-stage names back to GPT2Model names; None without PP."""
+        """The layer count that maps pipeline-stage names back to GPTModel names; None without PP."""
         return self.cfg.model.num_layers if self.cfg.parallel.pipeline > 1 else None
 
 
@@ -112,7 +112,7 @@ def _tag(p) -> tuple[int, int] | None:
 
 
 def canonical_names(model: torch.nn.Module, pipeline_layers: int | None = None) -> dict[str, str | None]:
-    """This rank's parameter names -> GPT2Model names (both tied embedding copies -> embedding.*);
+    """This rank's parameter names -> GPTModel names (both tied embedding copies -> embedding.*);
     ``pipeline_layers`` is the model's layer count for a pipeline model (None: the names are kept)."""
     if pipeline_layers is None:
         return {n: n for n, _ in model.named_parameters()}
@@ -133,7 +133,7 @@ def optimizer_param_names(engine: DeepSpeedEngine, model: torch.nn.Module,
 
 
 def partition_tags(model: torch.nn.Module, num_layers: int | None = None, pp_group=None) -> dict:
-    """{GPT2Model parameter name: (partition_dim, stride) or None}; for a pipeline model the names
+    """{GPTModel parameter name: (partition_dim, stride) or None}; for a pipeline model the names
     are mapped back and the stages' tags are gathered (collective over ``pp_group``)."""
     if num_layers is None:
         return {n: _tag(p) for n, p in model.named_parameters()}

@@ -24,7 +24,7 @@ def latest_tag(run_dir: str | Path) -> str | None:
 
 
 def canonical_name(pipe_name: str, num_layers: int) -> str | None:
-    """PipelineModule parameter name ('3.attn.qkv.weight') -> GPT2Model name; None for the tied copy."""
+    """PipelineModule parameter name ('3.attn.qkv.weight') -> GPTModel name; None for the tied copy."""
     from training.models.gpt2_pipe import pipe_layer_names
 
     if pipe_name.startswith("tied_modules.embed."):
@@ -97,7 +97,7 @@ def load_model_for_eval(run_dir: str | Path, group=None, device: str = "cpu", ta
     """(model, config, tokenizer) from a checkpoint of any TP degree, re-split for ``group``'s TP degree
     (None = one process). The model is fp32, in eval mode."""
     from megatron_ds_suite.core.tokenizer import load_tokenizer
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.parallel.mappings import group_rank, group_size
     from training.parallel.sharding import shard_tagged
 
@@ -114,7 +114,7 @@ def load_model_for_eval(run_dir: str | Path, group=None, device: str = "cpu", ta
 
         model = build_bert_for_eval(cfg.model, padded, group, cfg.train.seed, cfg.model.head == "multiple_choice")
     else:
-        model = GPT2Model(cfg.model, padded, group, seed=cfg.train.seed)
+        model = GPTModel(cfg.model, padded, group, seed=cfg.train.seed)
     local = {}
     for name, p in model.named_parameters():
         local[name] = shard_tagged(state[name], meta["partition"].get(name), rank, world)

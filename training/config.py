@@ -42,8 +42,10 @@ class RopeScalingConfig(Freezable):
 
 @dataclass
 class ModelConfig(Freezable):
-    arch: Literal["gpt2", "bert"] = "gpt2"
-    """Model family."""
+    arch: Literal["gpt", "gpt2", "bert"] = "gpt"
+    """Model family: 'gpt' (``GPTModel``: GPT-2, and the Llama family by the options below) or 'bert'. 'gpt2' is
+    the old name of 'gpt', still accepted and kept as written (saved configs and checkpoints hold either);
+    code tells the two families apart by ``arch == "bert"``."""
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
@@ -108,7 +110,7 @@ class ModelConfig(Freezable):
     (``apply_query_key_layer_scaling`` / ``attention_softmax_in_fp32``) and the CPU attention-dropout path; SDPA's
     fused kernels (flash, memory-efficient: on GPUs, and on CPU without attention dropout) keep no s x s
     matrix and recompute the scores in their backward kernel already, so there selective is ``none``
-    (``training/models/blocks.py``). ``full``: every transformer layer is recomputed (DeepSpeed's checkpoint,
+    (``training/models/core_attention.py``). ``full``: every transformer layer is recomputed (DeepSpeed's checkpoint,
     RNG states restored). ``auto``: the planner decides when the trainer starts, from the smallest device
     memory over the ranks: none where weights, gradients, optimizer states and activations fit 90 % of it,
     else selective where that fits, else full (``training/plan/recompute.py``; the choice is logged and saved
@@ -518,8 +520,8 @@ def validate_static(cfg: Config) -> None:
     if p.zero_stage not in (0, 1):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: only 0 or 1 (ZeRO-2/3 do not combine with "
                           f"tensor/pipeline parallelism here)")
-    if p.pipeline > 1 and m.arch != "gpt2":
-        raise ConfigError("parallel.pipeline > 1 is for GPT-2 only (BERT is tensor-parallel only under DeepSpeed)")
+    if p.pipeline > 1 and m.arch == "bert":
+        raise ConfigError("parallel.pipeline > 1 is for GPT only (BERT is tensor-parallel only under DeepSpeed)")
     if p.pipeline > m.num_layers:
         raise ConfigError(f"parallel.pipeline={p.pipeline} exceeds model.num_layers={m.num_layers}")
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
@@ -532,8 +534,8 @@ def validate_static(cfg: Config) -> None:
                           f"train.micro_batch_size={t.micro_batch_size}")
     if sum([cfg.data.corpus is not None, bool(cfg.data.text_files), bool(cfg.data.prefixes)]) > 1:
         raise ConfigError("data: set one of data.corpus, data.text_files or data.prefixes, not several")
-    if cfg.data.prefixes and m.arch != "gpt2":
-        raise ConfigError("data.prefixes (blended .bin/.idx datasets) is for GPT-2; BERT needs data.corpus")
+    if cfg.data.prefixes and m.arch == "bert":
+        raise ConfigError("data.prefixes (blended .bin/.idx datasets) is for GPT; BERT needs data.corpus")
     if cfg.run.tensorboard:
         import importlib.util
 
@@ -560,10 +562,10 @@ def validate_static(cfg: Config) -> None:
 def validate_model_options(m: ModelConfig, tp: int) -> None:
     """The Llama-family options (RoPE, RMSNorm, SwiGLU, GQA, untied output, no biases): ranges, their
     combinations and the TP degree, each refused in one line."""
-    if m.arch != "gpt2":
+    if m.arch == "bert":
         bad = m.llama_options() + (["model.activation=swiglu"] if m.activation == "swiglu" else [])
         if bad:
-            raise ConfigError(f"{', '.join(bad)}: the Llama-family options are for GPT (model.arch: gpt2); "
+            raise ConfigError(f"{', '.join(bad)}: the Llama-family options are for GPT (model.arch: gpt); "
                               f"BERT keeps learned positions, LayerNorm, GeLU, multi-head attention, tied "
                               f"embeddings and biases")
     if m.lm_head_activation is not None and m.arch != "bert":

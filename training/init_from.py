@@ -114,6 +114,8 @@ def adopt_model_config(cfg: Config) -> None:
             value = value or theirs["seq_length"]
         if key == "rope_scaling" and isinstance(value, dict):  # a saved config holds it as a mapping
             value = build_dataclass(RopeScalingConfig, value, "model.rope_scaling")
+        if key == "arch" and {value, cfg.model.arch} == {"gpt", "gpt2"}:  # two names of one family
+            continue
         if getattr(cfg.model, key) != value:
             changed.append(f"{key}={value}")
             setattr(cfg.model, key, value)

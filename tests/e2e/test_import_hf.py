@@ -75,7 +75,7 @@ def test_import_reproduces_transformers_logits_and_config(source, imported):
 
 
 def test_the_tp2_shards_are_megatron_slices(source, imported):
-    """TP=2 files hold what a TP=2 GPT2Model's parameters are: QKV by heads (stride 3), MLP columns/rows."""
+    """TP=2 files hold what a TP=2 GPTModel's parameters are: QKV by heads (stride 3), MLP columns/rows."""
     run = imported[(2, 1)]
     folder = run / "checkpoints" / "iter_0000000"
     r0 = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=True)["module"]

@@ -220,14 +220,14 @@ def test_evaluation_on_a_bad_checkpoint_folder_is_one_line(tmp_path, capsys, dam
     """``python -m evaluation`` given a folder that is not a complete training run: one line, exit 2."""
     from evaluation.cli import main
     from training.config import Config, ModelConfig, ParallelConfig, padded_vocab_size
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.tools.import_hf import write_checkpoint
 
     spec = {"kind": "gpt2_bpe", "vocab_file": str((GPT2 / "gpt2-vocab.json").resolve()),
             "merges_file": str((GPT2 / "gpt2-merges.txt").resolve())}
     model_cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=50257)
     weights = {k: v[:50257] if k.endswith("word_embeddings.weight") else v
-               for k, v in GPT2Model(model_cfg, padded_vocab_size(50257, 128, 1)).state_dict().items()}
+               for k, v in GPTModel(model_cfg, padded_vocab_size(50257, 128, 1)).state_dict().items()}
     run = tmp_path / "run"
     write_checkpoint(run, Config(model=model_cfg, parallel=ParallelConfig(tensor=2)), weights, spec, "test")
     folder, expected = run, None

@@ -121,7 +121,7 @@ def _checkpointed_graphs_worker(rank, world, bert):
 @pytest.mark.parametrize("world,bert", [(1, False), (2, True)], ids=["tp1", "bert-tp2"])
 def test_checkpointed_compiled_layers_are_two_graphs(world, bert):
     """Under ``model.recompute: full`` the trainer calls DeepSpeed's checkpoint eagerly around each compiled
-    layer (``GPT2Model.forward``, ``BertModel.encode``): the checkpoint itself is never traced. Without it, two
+    layer (``GPTModel.forward``, ``BertModel.encode``): the checkpoint itself is never traced. Without it, two
     layers are one graph (the second layer reuses the first's). With it, exactly two graphs and no break, with
     and without dropout: the checkpoint's forward runs the layer under ``no_grad``, and the graph is guarded on
     the grad mode (dynamo's recompile log: "GLOBAL_STATE changed: grad_mode"), so dynamo compiles the no-grad
@@ -179,7 +179,7 @@ def _grads_worker(rank, world, runs, extra=None, bert=False):
     from training.config import ModelConfig
     from training.models.bert import BertModel
     from training.models.compile_layers import compile_layers
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
 
@@ -190,7 +190,7 @@ def _grads_worker(rank, world, runs, extra=None, bert=False):
         tp_random.set_seed(1)
         cfg = ModelConfig(hidden_size=64, num_attention_heads=4, num_layers=2, hidden_dropout=p, attention_dropout=p,
                           activation_checkpointing=ckpt, seq_length=32, **(extra or {}))
-        model = (BertModel(cfg, 128, None, seed=3) if bert else GPT2Model(cfg, 128, None, seed=3)).train()
+        model = (BertModel(cfg, 128, None, seed=3) if bert else GPTModel(cfg, 128, None, seed=3)).train()
         n = compile_layers(model) if compiled else 0
         tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
         tp_random.set_seed(5)

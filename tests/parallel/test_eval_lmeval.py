@@ -154,13 +154,13 @@ def exported_sentencepiece(tmp_path_factory):
     from training.config import Config, ModelConfig, padded_vocab_size
     from training.tools.export_hf import export
     from training.tools.import_hf import write_checkpoint
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     root = tmp_path_factory.mktemp("lmeval_spm")
     tok = train_sentencepiece([BOTCHAN.read_text(encoding="utf-8")], root / "spm" / "gpt", 2000, "gpt")
     cfg = Config(model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=96,
                                    vocab_size=tok.vocab_size, init_method_std=0.2))
-    model = GPT2Model(cfg.model, padded_vocab_size(tok.vocab_size, 128, 1), seed=3)
+    model = GPTModel(cfg.model, padded_vocab_size(tok.vocab_size, 128, 1), seed=3)
     weights = {k: v[:tok.vocab_size] if k.endswith("word_embeddings.weight") else v for k, v in model.state_dict().items()}
     run = root / "run"
     (run / "tokenizer").mkdir(parents=True)

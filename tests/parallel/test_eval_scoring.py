@@ -37,7 +37,7 @@ def _score_all(scorer, dp_rank=0, dp_world=1, dp_group=None):
 
 
 def _worker(rank, world):
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
 
@@ -45,7 +45,7 @@ def _worker(rank, world):
     # TP = 2: each rank holds half of the padded vocabulary columns
     ps = ParallelState(tp=2)
     tp_random.configure(ps, num_layers=2)
-    model = GPT2Model(_cfg(), VP, ps.tp_group, seed=9).eval()
+    model = GPTModel(_cfg(), VP, ps.tp_group, seed=9).eval()
     out["tp"] = _score_all(LMScorer(model, V, 32, vocab_start=ps.tp_rank * VP // 2, tp_group=ps.tp_group))
     out["tp_head"] = _score_all(gpt2_scorer(model, V, 32, vocab_start=ps.tp_rank * VP // 2, tp_group=ps.tp_group))
     # raw token_scores with ties across ranks: the first global maximum wins, as torch.argmax
@@ -57,15 +57,15 @@ def _worker(rank, world):
     out["ties"] = token_scores(local, torch.tensor([[5, 0, 0], [0, 0, 250]]), V, ps.tp_rank * VP // 2, ps.tp_group)
     # DP = 2: windows/examples split over the two processes, sums all-reduced
     ps1 = ParallelState(tp=1)
-    model1 = GPT2Model(_cfg(), VP, None, seed=9).eval()
+    model1 = GPTModel(_cfg(), VP, None, seed=9).eval()
     out["dp"] = _score_all(LMScorer(model1, V, 32), ps1.dp_rank, ps1.dims.dp, ps1.dp_group)
     return out
 
 
 def test_tp2_and_dp2_equal_single_process():
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
-    model = GPT2Model(_cfg(), VP, None, seed=9).eval()
+    model = GPTModel(_cfg(), VP, None, seed=9).eval()
     ref = _score_all(LMScorer(model, V, 32))
     head = _score_all(gpt2_scorer(model, V, 32))  # output layer on the scored positions only
     assert head[0] == pytest.approx(ref[0], rel=1e-5) and head[1] == ref[1]

@@ -20,7 +20,7 @@ def _worker(rank, world):
     import torch
 
     from training.config import Config, ModelConfig, deepspeed_config
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.optim import build_optimizer
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
@@ -42,7 +42,7 @@ def _worker(rank, world):
 
     out = {}
     for dtype in ("fp32", "fp16"):
-        model = GPT2Model(cfg.model, 128, ps.tp_group, seed=1).train()
+        model = GPTModel(cfg.model, 128, ps.tp_group, seed=1).train()
         opt, sched = build_optimizer(model, cfg.optimizer, cfg.train.iters)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=ps,
                                           config=deepspeed_config(cfg, 1, dtype), dist_init_required=False)

@@ -71,12 +71,12 @@ def test_model_forward_with_a_cache_equals_the_full_forward(extra):
     """The model's own forward with a KVCache, positions left to the cache (the tokens after the cached ones):
     Megatron's core attention over more keys than queries, and RoPE at the offset, as the full forward."""
     from training.config import ModelConfig
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.models.kv_cache import KVCache
 
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=24, vocab_size=100,
                       hidden_dropout=0.0, attention_dropout=0.0, **extra)
-    model = GPT2Model(cfg, 128, None, seed=5).eval()
+    model = GPTModel(cfg, 128, None, seed=5).eval()
     seq = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         full = model(seq)

@@ -30,7 +30,7 @@ def _run_model(model, tokens, labels):
 
 
 def _tp_worker(rank, world, dropout, ckpt):
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.parallel import random as tp_random
     from training.parallel.mappings import COLLECTIVE_CALLS
     from training.parallel.state import ParallelState
@@ -38,7 +38,7 @@ def _tp_worker(rank, world, dropout, ckpt):
     ps = ParallelState(tp=world)
     tp_random.configure(ps, num_layers=2)
     tp_random.set_seed(1234)
-    model = GPT2Model(_cfg(dropout, ckpt), PADDED_VOCAB, ps.tp_group, seed=1234)
+    model = GPTModel(_cfg(dropout, ckpt), PADDED_VOCAB, ps.tp_group, seed=1234)
     tokens, labels = _batch()
     if dropout == 0.0:
         model.eval()  # dropout off; eval() does not change anything else in this model
@@ -78,9 +78,9 @@ def _merge(name, shards, tags):
 
 
 def test_gpt2_tp2_equals_tp1():
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
-    ref = GPT2Model(_cfg(), PADDED_VOCAB, None, seed=1234).eval()
+    ref = GPTModel(_cfg(), PADDED_VOCAB, None, seed=1234).eval()
     tokens, labels = _batch()
     logits, loss, grads = _run_model(ref, tokens, labels)
     res = run_distributed(_tp_worker, 2, 0.0, False)

@@ -199,14 +199,14 @@ def _our_worker(rank: int, world: int, run: str, tokens, types_, pad):
     """Our model at the run's TP from its own shard files: full logits over the padded vocabulary."""
     from training.config import config_from_dict
     from training.models.bert import BertModel
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training import safe_load
 
     folder = Path(run) / "checkpoints" / "iter_0000000"
     state = safe_load.load(folder / f"mp_rank_{rank:02d}_model_states.pt")
     cfg = config_from_dict(state["config"])
     group = torch.distributed.group.WORLD
-    cls = BertModel if cfg.model.arch == "bert" else GPT2Model
+    cls = BertModel if cfg.model.arch == "bert" else GPTModel
     model = cls(cfg.model, state["padded_vocab_size"], group, seed=0)
     model.load_state_dict(state["module"], strict=True)
     model.eval()

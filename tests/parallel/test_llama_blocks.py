@@ -111,7 +111,8 @@ def test_rmsnorm_equals_the_formula():
 def test_gqa_equals_mha_with_repeated_kv_heads(groups):
     """A grouped-query attention equals multi-head attention whose key/value heads are the group's, repeated
     for each of its query heads (the MHA built from the split GQA weights, RoPE on)."""
-    from training.models.blocks import ParallelSelfAttention, fuse_qkv, split_qkv
+    from training.models.blocks import ParallelSelfAttention
+    from training.models.qkv import fuse_qkv, split_qkv
 
     n, hn = 6, 16
     gqa = ParallelSelfAttention(_cfg(position_embedding="rope", num_query_groups=groups), None, 1, "a.")
@@ -156,9 +157,9 @@ def test_swiglu_mlp_and_width_rule():
 def test_defaults_keep_the_gpt2_block():
     """No option set: the GPT-2 parameters, shapes and partition tags of before (learned positions, LayerNorm,
     [Q; K; V] stride 3, biases, tied output)."""
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
-    model = GPT2Model(_cfg(), PADDED_VOCAB, None, seed=1)
+    model = GPTModel(_cfg(), PADDED_VOCAB, None, seed=1)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert shapes["embedding.position_embeddings.weight"] == (16, 96)
     assert shapes["layers.0.attn.qkv.weight"] == (288, 96) and model.layers[0].attn.qkv.weight.partition_stride == 3
@@ -168,7 +169,7 @@ def test_defaults_keep_the_gpt2_block():
 
 
 def _tp_worker(rank, world, variants):
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.parallel import random as tp_random
     from training.parallel.mappings import COLLECTIVE_CALLS
     from training.parallel.state import ParallelState
@@ -179,7 +180,7 @@ def _tp_worker(rank, world, variants):
     tokens, labels = _batch()
     for name, kw in variants.items():
         tp_random.set_seed(1234)
-        model = GPT2Model(_cfg(**kw), PADDED_VOCAB, ps.tp_group, seed=1234).eval()
+        model = GPTModel(_cfg(**kw), PADDED_VOCAB, ps.tp_group, seed=1234).eval()
         x = torch.randn(2, 16, 96, requires_grad=True)
         COLLECTIVE_CALLS.clear()
         model.layers[0](x).sum().backward()
@@ -192,7 +193,7 @@ def _tp_worker(rank, world, variants):
     # the Llama shape with dropout: activation checkpointing replays the same masks (loss and gradients)
     runs = []
     for ckpt in (False, True):
-        model = GPT2Model(_cfg(0.1, ckpt, **VARIANTS["llama"]), PADDED_VOCAB, ps.tp_group, seed=1234).train()
+        model = GPTModel(_cfg(0.1, ckpt, **VARIANTS["llama"]), PADDED_VOCAB, ps.tp_group, seed=1234).train()
         tp_random.set_seed(99)
         runs.append(_run(model, tokens, labels)[1:])
     out["ckpt"] = runs
@@ -207,12 +208,12 @@ def _merge(name, shards, tags):
 
 
 def test_each_option_tp2_equals_tp1_and_checkpointing_changes_nothing():
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     res = run_distributed(_tp_worker, 2, VARIANTS)
     tokens, labels = _batch()
     for name, kw in VARIANTS.items():
-        ref = GPT2Model(_cfg(**kw), PADDED_VOCAB, None, seed=1234).eval()
+        ref = GPTModel(_cfg(**kw), PADDED_VOCAB, None, seed=1234).eval()
         logits, loss, grads = _run(ref, tokens, labels)
         r0, r1 = res[0][name], res[1][name]
         tags = r0["tags"]
@@ -282,7 +283,7 @@ def test_llama_configs_load_and_plan():
     from pathlib import Path
 
     from training.config import load_config
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.plan import ModelShape, stage_params, total_params
     from training.plan.cli import load_plan_config
 
@@ -290,7 +291,7 @@ def test_llama_configs_load_and_plan():
     tiny = load_config(root / "configs" / "llama_tiny.yaml", ["model.vocab_size=1000"]).model
     assert (tiny.query_groups, tiny.ffn_size, tiny.rotary_dim) == (2, 256, 16)
     shape = ModelShape.from_config(tiny, 1)
-    model = GPT2Model(tiny, shape.vocab, None, seed=1)
+    model = GPTModel(tiny, shape.vocab, None, seed=1)
     assert total_params(shape) == model.num_parameters() == sum(p.numel() for p in model.parameters())
     sizes = {"llama_1b": 1_235_814_400, "llama_8b": 8_030_261_248}  # Llama 3.2 1B, Llama 3 8B (vocabulary 128,256)
     for name, n in sizes.items():
@@ -308,11 +309,11 @@ def _shard_numel(rank, world):
     import torch.distributed as dist
 
     from training.config import load_config
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     root = Path(__file__).resolve().parents[2]
     m = load_config(root / "configs" / "llama_tiny.yaml", ["model.vocab_size=1000"]).model
-    return sum(p.numel() for p in GPT2Model(m, 1024, dist.group.WORLD, seed=1).parameters())
+    return sum(p.numel() for p in GPTModel(m, 1024, dist.group.WORLD, seed=1).parameters())
 
 
 def test_planner_tp2_shard_equals_the_model_shard():
@@ -333,14 +334,14 @@ def test_llama_flops_match_the_flop_counter():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.plan import model_flops_per_iteration
     from training.plan.accounting import flops_per_iteration
     from training.config import Config
 
     cfg = Config(model=_cfg(**VARIANTS["llama"]))
     cfg.train.global_batch_size = 2
-    model = GPT2Model(cfg.model, PADDED_VOCAB, None, seed=1).eval()
+    model = GPTModel(cfg.model, PADDED_VOCAB, None, seed=1).eval()
     tokens, labels = _batch()
     with sdpa_kernel(SDPBackend.MATH):
         with FlopCounterMode(display=False) as fwd:
@@ -362,9 +363,9 @@ def test_llama_flops_match_the_flop_counter():
 # --------------------------------------------------------------------------------------------------
 def test_kv_cached_generation_equals_the_full_forward():
     from evaluation.generate import GenerationOptions, KVCache, forward_cached, generate_ids
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
-    model = GPT2Model(_cfg(**dict(VARIANTS["llama"], seq_length=32)), PADDED_VOCAB, None, seed=3).eval()
+    model = GPTModel(_cfg(**dict(VARIANTS["llama"], seq_length=32)), PADDED_VOCAB, None, seed=3).eval()
     seq = torch.randint(0, 200, (2, 30), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         full = model(seq)
@@ -395,7 +396,7 @@ def test_kv_cached_generation_equals_the_full_forward():
                                                       (500000.0, 1, True, False), (10000.0, 6, False, True)])
 def test_logits_equal_transformers_llama(theta, kv_heads, tied, bias):
     transformers = pytest.importorskip("transformers")
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.parallel.sharding import resize_vocab_rows
     from training.tools.hf_llama import from_hf, hf_config, model_config_from_hf, to_hf
 
@@ -412,7 +413,7 @@ def test_logits_equal_transformers_llama(theta, kv_heads, tied, bias):
     assert (cfg.rotary_base, cfg.query_groups, cfg.untie_embeddings_and_output_weights) == (theta, kv_heads, not tied)
     weights = {k: (resize_vocab_rows(v, PADDED_VOCAB) if k.endswith(("word_embeddings.weight", "output_layer.weight"))
                    else v) for k, v in from_hf(hf.state_dict(), cfg).items()}
-    ours = GPT2Model(cfg, PADDED_VOCAB, None, seed=0).eval()
+    ours = GPTModel(cfg, PADDED_VOCAB, None, seed=0).eval()
     ours.load_state_dict(weights, strict=True)
     tokens = torch.randint(0, 200, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -537,7 +538,7 @@ def test_qwen2_weights_map_both_ways_with_the_qkv_bias(tmp_path):
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
     from training.config import padded_vocab_size
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.tools.hf_llama import build_hf_llama, from_hf, model_config_from_hf
 
     src = save_random_llama(tmp_path / "hf", kv_heads=2, family="qwen2")
@@ -545,7 +546,7 @@ def test_qwen2_weights_map_both_ways_with_the_qkv_bias(tmp_path):
     cfg = model_config_from_hf(hf.config, 64)
     assert cfg.add_qkv_bias and not cfg.add_bias_linear
     padded = padded_vocab_size(50257, cfg.make_vocab_size_divisible_by, 1)
-    model = GPT2Model(cfg, padded).eval()
+    model = GPTModel(cfg, padded).eval()
     weights = from_hf(hf.state_dict(), cfg)
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         weights[name] = torch.cat([weights[name], torch.zeros(padded - 50257, cfg.hidden_size)])

@@ -331,13 +331,13 @@ def test_trainer_trajectory_equals_deepspeeds_step(spm_model, tmp_path, case):
 
 def _fp32_pin_worker(rank, world, spec, tmp, steps):
     """The trainer's fp32 step and a plain PyTorch loop from the same weights on the same batches."""
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     t = _trainer(spec, f"{tmp}/fp32", 2, "fp32", **{"train.global_batch_size": 4, "optimizer.warmup_iters": 0,
                                                     "optimizer.decay_style": "constant", "optimizer.lr": 3e-3,
                                                     "optimizer.clip_grad": 1.0})
     oc = t.cfg.optimizer
-    ref = GPT2Model(t.cfg.model, t.padded_vocab, None, seed=t.cfg.train.seed).train()
+    ref = GPTModel(t.cfg.model, t.padded_vocab, None, seed=t.cfg.train.seed).train()
     ref.load_state_dict(t.model.state_dict())
     # Megatron's groups (biases and norms undecayed) are exactly the 1-D parameters of this model
     params = list(ref.parameters())

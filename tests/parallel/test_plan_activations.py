@@ -1,6 +1,6 @@
 """The planner's activation memory per layer against measurements (issue 15 item 5, second part).
 
-One :class:`training.models.blocks.TransformerLayer` and the whole :class:`training.models.gpt2.GPT2Model`
+One :class:`training.models.blocks.TransformerLayer` and the whole :class:`training.models.gpt2.GPTModel`
 train in fp32 on CPU (the training dtype there: ``precision.dtype: auto``), with dropout on, on 1 gloo rank
 (TP 1) and on 2 (TP 2, each rank measuring its own shard). Two independent measurements (inside the whole
 model at TP 2 only the second: there gloo's collective buffers, allocated and freed on its own threads, make
@@ -97,7 +97,7 @@ def _worker(rank: int, world: int, seq: int, sp: bool) -> dict:
 
     from training.config import ModelConfig
     from training.models.blocks import TransformerLayer
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
 
@@ -153,7 +153,7 @@ def _worker(rank: int, world: int, seq: int, sp: bool) -> dict:
         for layers in (2, 4):
             mcfg = ModelConfig(num_layers=layers, hidden_size=H, num_attention_heads=HEADS, seq_length=seq,
                                activation_checkpointing=ckpt)
-            model = GPT2Model(mcfg, VOCAB, ps.tp_group, seed=1234, sequence_parallel=sp).train()
+            model = GPTModel(mcfg, VOCAB, ps.tp_group, seed=1234, sequence_parallel=sp).train()
             for _ in range(2):
                 model(tokens, labels).sum().backward()
             if not ckpt:  # DeepSpeed's CheckpointFunction keeps its inputs outside autograd's saved tensors

@@ -1,4 +1,4 @@
-"""The planner's per-rank parameter count against the project's own GPT2Model sharded over 2 gloo ranks
+"""The planner's per-rank parameter count against the project's own GPTModel sharded over 2 gloo ranks
 (the single-process planner tests are tests/unit/test_plan.py)."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from training.plan import ModelShape
 def _tp_rank_numel(rank, world):
     import torch.distributed as dist
 
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=64,
                       make_vocab_size_divisible_by=8)
-    model = GPT2Model(cfg, 64, group=dist.group.WORLD, seed=1)
+    model = GPTModel(cfg, 64, group=dist.group.WORLD, seed=1)
     return sum(p.numel() for p in model.parameters())
 
 

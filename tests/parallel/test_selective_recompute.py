@@ -47,7 +47,7 @@ def _loss(model, shape: str) -> torch.Tensor:
 
 def _worker(rank: int, world: int) -> dict:
     from training.models.bert import BertModel
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
 
@@ -57,7 +57,7 @@ def _worker(rank: int, world: int) -> dict:
     for shape in SHAPES:
         for mode in MODES:
             cfg = _cfg(shape, mode)
-            build = BertModel if shape == "bert" else GPT2Model
+            build = BertModel if shape == "bert" else GPTModel
             model = build(cfg, VOCAB, ps.tp_group, seed=1234).train()
             tp_random.set_seed(99)  # same default and tracker streams for every mode
             loss = _loss(model, shape)
@@ -67,7 +67,7 @@ def _worker(rank: int, world: int) -> dict:
             after = (torch.get_rng_state(), tp_random.get_tracker().get_states()[tp_random.MODEL_PARALLEL_RNG])
             out[shape, mode] = (loss.detach(), grads, after)
     tp_random.set_seed(100)
-    out["reseeded"] = _loss(GPT2Model(_cfg("gpt2", "none"), VOCAB, ps.tp_group, seed=1234).train(), "gpt2").detach()
+    out["reseeded"] = _loss(GPTModel(_cfg("gpt2", "none"), VOCAB, ps.tp_group, seed=1234).train(), "gpt2").detach()
     return out
 
 

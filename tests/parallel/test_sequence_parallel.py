@@ -128,7 +128,7 @@ def _layers_worker(rank: int, world: int) -> dict:
     """BERT (both layer orders) SP vs off; one GPT-2 layer's collectives with SP; SP dropout under checkpointing."""
     from training.models.bert import BertModel
     from training.models.blocks import TransformerLayer, dropout_on_shard
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.parallel import random as tp_random
     from training.parallel.mappings import COLLECTIVE_CALLS, gather_sequence
     from training.parallel.state import ParallelState
@@ -173,7 +173,7 @@ def _layers_worker(rank: int, world: int) -> dict:
     for ckpt in (False, True):
         cfg.activation_checkpointing = ckpt
         tp_random.set_seed(11)
-        model = GPT2Model(cfg, VOCAB, ps.tp_group, seed=7, sequence_parallel=True).train()
+        model = GPTModel(cfg, VOCAB, ps.tp_group, seed=7, sequence_parallel=True).train()
         loss = model(tokens, batch[3]).mean()
         loss.backward()
         runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -247,7 +247,7 @@ def _train(model_name: str, tp: int, pp: int, ckpt: bool, gas: int, sp: bool) ->
 
     from training.config import Config, deepspeed_config
     from training.models.blocks import NORMS
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.models.gpt2_pipe import build_gpt2_pipe
     from training.parallel.layers import RowParallelLinear
     from training.optim import build_optimizer
@@ -269,7 +269,7 @@ def _train(model_name: str, tp: int, pp: int, ckpt: bool, gas: int, sp: bool) ->
     if pp > 1:
         model = build_gpt2_pipe(cfg.model, VOCAB, ps, seed=1234, sequence_parallel=sp)
     else:
-        model = GPT2Model(cfg.model, VOCAB, ps.tp_group, seed=1234, sequence_parallel=sp)
+        model = GPTModel(cfg.model, VOCAB, ps.tp_group, seed=1234, sequence_parallel=sp)
     opt, sched = build_optimizer(model, cfg.optimizer, STEPS)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=None if pp > 1 else ps,
                                       config=deepspeed_config(cfg, dp, "fp32"), dist_init_required=False)

@@ -126,7 +126,7 @@ def _check_layers(rank, world):
     keep = l32.clone()
     vocab_parallel_cross_entropy(l32, targets, g)
     out["ce_fp32_unchanged"] = torch.equal(l32, keep)
-    # inplace=True (GPT2Model's use): logits produced by an autograd op, overwritten by the loss;
+    # inplace=True (GPTModel's use): logits produced by an autograd op, overwritten by the loss;
     # same loss and same gradient reaching the op's input
     src = before.clone().requires_grad_()
     produced = src * 1.0                                                    # non-leaf, like a linear's output

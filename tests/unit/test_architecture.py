@@ -461,6 +461,52 @@ def test_the_checker_sees_layer_violations():
         "training.tasks.gpt": (2, ["training.tasks.gpt"])}
 
 
+
+# --- what the models take from the run config ------------------------------------------------------------------
+MODELS = "training.models"
+# Besides their own layer, the parallel layer and the core, the models take these names and nothing else: the
+# model's config. No run, parallel or train section, no training.runtime/layout: a model is built from a
+# ModelConfig, a process group and a seed (docs/architecture.md).
+MODELS_TAKE = {"training.config": ("ModelConfig",)}
+
+
+def model_config_violations(files: dict[str, list[Import]]) -> list[str]:
+    """``module:line: module -> imported (rule)`` for every import of a model module beyond :data:`MODELS_TAKE`."""
+    free = (MODELS, "training.parallel", *CORE)
+    bad = []
+    for me, recs in sorted(files.items()):
+        if not _under(me, MODELS):
+            continue
+        for r in recs:
+            if any(_under(r.module, f) for f in free) or r.name in MODELS_TAKE.get(r.module, ()):
+                continue
+            what = f"{r.module}.{r.name}" if r.name else r.module
+            bad.append(f"{me}:{r.line}: {me} -> {what} (training/models takes ModelConfig and nothing else of the "
+                       f"run config)")
+    return bad
+
+
+def test_models_take_only_the_model_config():
+    bad = model_config_violations({m: r for m, r in project_records().items() if _under(m, MODELS)})
+    if bad:
+        pytest.fail("model modules reaching past ModelConfig (docs/architecture.md):\n" + "\n".join(bad),
+                    pytrace=False)
+
+
+def test_the_checker_sees_models_reaching_into_the_run_config():
+    files = {m: list(r) for m, r in project_records().items() if _under(m, MODELS)}
+    assert "training.models.blocks" in files and model_config_violations(files) == []
+    files["training.models.blocks"] += [Import(900, "training.config", "Config", False),
+                                        Import(901, "training.config", None, True),
+                                        Import(902, "training.runtime.device", None, False),
+                                        Import(903, "training.config", "ModelConfig", False),
+                                        Import(904, "training.parallel.mappings", None, False)]
+    assert [v.split(" (")[0] for v in model_config_violations(files)] == [
+        "training.models.blocks:900: training.models.blocks -> training.config.Config",
+        "training.models.blocks:901: training.models.blocks -> training.config",
+        "training.models.blocks:902: training.models.blocks -> training.runtime.device"]
+
+
 # --- the folders at the top and the test tiers -----------------------------------------------------------------
 def _ignored_folders(root: Path) -> list[str]:
     """The folder patterns of ``root``/.gitignore (``name/`` lines), as fnmatch patterns."""

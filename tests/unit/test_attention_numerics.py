@@ -94,7 +94,7 @@ def test_model_passes_its_layer_number():
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 def test_options_leave_fp32_math_unchanged(arch):
     from training.models.bert import BertModel
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     outs = []
     g = torch.Generator().manual_seed(3)
@@ -106,7 +106,7 @@ def test_options_leave_fp32_math_unchanged(arch):
                           hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2,
                           apply_query_key_layer_scaling=on, attention_softmax_in_fp32=on)
         if arch == "gpt2":
-            outs.append(GPT2Model(cfg, 128, seed=4).eval()(tokens))
+            outs.append(GPTModel(cfg, 128, seed=4).eval()(tokens))
         else:
             outs.append(BertModel(cfg, 128, seed=4).eval()(tokens, None, padding)[0][padding.bool()])
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -23,10 +23,10 @@ def test_hf_model_logits_equal_ours(tmp_path):
     from transformers import GPT2LMHeadModel
 
     from training.tools.export_hf import build_hf_model
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     cfg = _cfg()
-    ours = GPT2Model(cfg, 384, seed=4).eval()
+    ours = GPTModel(cfg, 384, seed=4).eval()
     # make the LayerNorm/bias parameters non-trivial so every mapped tensor matters
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)

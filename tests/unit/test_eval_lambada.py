@@ -96,11 +96,11 @@ def test_strict_vs_last_token_differ(tok):
 
 def test_batched_equals_one_at_a_time(texts, tok):
     from training.config import ModelConfig
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=256, vocab_size=tok.vocab_size,
                       hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.5)
-    model = GPT2Model(cfg, 50304, seed=5).eval()
+    model = GPTModel(cfg, 50304, seed=5).eval()
     sub = texts[:24]
     ex = build_examples(sub, tok, strict=True)
     scorer = LMScorer(model, tok.vocab_size, max_length=256)

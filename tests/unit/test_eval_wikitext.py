@@ -155,11 +155,11 @@ def test_bad_window_options():
 # ------------------------------------------------------------------------------------------------
 def tiny_gpt(vocab=300, padded=384, positions=64, seed=3):
     from training.config import ModelConfig
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=positions, vocab_size=vocab,
                       hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3)
-    return GPT2Model(cfg, padded, seed=seed).eval()
+    return GPTModel(cfg, padded, seed=seed).eval()
 
 
 @pytest.mark.parametrize("L,s,bs", [(16, 4, 3), (16, 16, 2), (12, 5, 1)])

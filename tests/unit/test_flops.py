@@ -94,7 +94,7 @@ def test_bert_flops_match_flop_counter(corpus):
 
 
 def test_gpt2_flops_match_flop_counter(corpus):
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     tok, indexed = corpus
     cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", ["parallel.tensor=1", f"model.vocab_size={tok.vocab_size}"])
@@ -104,7 +104,7 @@ def test_gpt2_flops_match_flop_counter(corpus):
     need = t.global_batch_size * (m.seq_length + 1)
     assert len(stream) >= need
     seqs = torch.from_numpy(stream[:need].astype(np.int64)).view(t.global_batch_size, m.seq_length + 1)
-    model = GPT2Model(m, padded, None, seed=cfg.train.seed).eval()
+    model = GPTModel(m, padded, None, seed=cfg.train.seed).eval()
     fwd, bwd = _count(lambda: model(seqs[:, :-1], seqs[:, 1:]).mean())
     assert bwd == 2 * fwd
     # Narayanan et al. count the full s x s attention matrix; the math backend computes it all (then masks)

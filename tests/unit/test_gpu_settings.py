@@ -88,10 +88,10 @@ def test_backward_path_placement_on_meta():
     """Forward + backward of the GPT task on a meta model (batch through the mover): every gradient and
     the grad norm's reduction operand live on the model's device, not on the host."""
     from training.config import ModelConfig
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.parallel.grad_norm import grad_norm
 
-    model = GPT2Model(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16), 128, None,
+    model = GPTModel(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16), 128, None,
                       seed=1).to("meta")
     gen = torch.Generator().manual_seed(0)
     tokens, labels = tdev.to_device((torch.randint(0, 128, (2, 16), generator=gen),

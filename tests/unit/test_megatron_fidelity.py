@@ -106,9 +106,9 @@ def test_gpt2_init_std_and_scaled_residual_projections():
     layers = 4  # 0.02 / sqrt(8) = 0.00707
     cfg = ModelConfig(num_layers=layers, hidden_size=128, num_attention_heads=4, seq_length=64, vocab_size=1000)
     assert cfg.init_method_std == STD
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
-    model = GPT2Model(cfg, 1024, seed=3)
+    model = GPTModel(cfg, 1024, seed=3)
     # embedding + position + per layer (qkv, attn.proj, fc, mlp.proj)
     assert _check_init(model, layers) == 2 + 4 * layers
     proj = model.layers[2].attn.proj.weight
@@ -139,11 +139,11 @@ def _exempt(model: nn.Module) -> set[str]:
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 def test_weight_decay_exempts_biases_and_layernorm(arch):
     from training.models.bert import BertModel
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     cfg = ModelConfig(arch=arch, num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=100,
                       hidden_dropout=0.0, attention_dropout=0.0)
-    model = (GPT2Model if arch == "gpt2" else BertModel)(cfg, 128, seed=1)
+    model = (GPTModel if arch == "gpt2" else BertModel)(cfg, 128, seed=1)
     names = {id(p): n for n, p in model.named_parameters()}
     groups = {g["name"]: ({names[id(p)] for p in g["params"]}, g["weight_decay"]) for g in param_groups(model, 0.01)}
     exempt = _exempt(model)

@@ -1,7 +1,7 @@
 """Tests for the memory/speed planner (training.plan) and the hardware table (training.runtime.hardware).
 
 Parameter counts are checked against independent torch models (a plain nn.Module re-statement of the
-architecture written here, and the project's own GPT2Model incl. its TP=2 shards) and against the
+architecture written here, and the project's own GPTModel incl. its TP=2 shards) and against the
 Megatron paper's sizes; memory and FLOPs against hand arithmetic; the scaling prediction against the
 paper's measured efficiencies.
 """
@@ -75,13 +75,13 @@ def test_total_params_match_reference_torch_model(shape):
 
 
 def test_total_params_match_project_gpt2_model():
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     cfg = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=50,
                       make_vocab_size_divisible_by=8)
     shape = ModelShape.from_config(cfg, 1)
     assert shape.vocab == 56
-    model = GPT2Model(cfg, shape.vocab, group=None, seed=1)
+    model = GPTModel(cfg, shape.vocab, group=None, seed=1)
     assert plan.total_params(shape) == numel(model) == model.num_parameters()
 
 

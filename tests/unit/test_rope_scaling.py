@@ -54,7 +54,7 @@ def test_llama3_frequencies_follow_the_rule(base):
 @pytest.mark.parametrize("kv_heads,theta", [(2, 500000.0), (6, 10000.0)])
 def test_logits_equal_transformers_llama_with_llama3_scaling(kv_heads, theta):
     transformers = pytest.importorskip("transformers")
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.parallel.sharding import resize_vocab_rows
     from training.tools.hf_llama import from_hf, hf_config, model_config_from_hf
 
@@ -71,14 +71,14 @@ def test_logits_equal_transformers_llama_with_llama3_scaling(kv_heads, theta):
     assert cfg.rope_scaling == RopeScalingConfig(**SCALING) and cfg.rotary_base == theta
     weights = {k: (resize_vocab_rows(v, PADDED_VOCAB) if k.endswith(("word_embeddings.weight", "output_layer.weight"))
                    else v) for k, v in from_hf(hf.state_dict(), cfg).items()}
-    ours = GPT2Model(cfg, PADDED_VOCAB, None, seed=0).eval()
+    ours = GPTModel(cfg, PADDED_VOCAB, None, seed=0).eval()
     ours.load_state_dict(weights, strict=True)
     tokens = torch.randint(0, 200, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got = ours(tokens)[..., :200]
         torch.testing.assert_close(got, hf(tokens).logits, rtol=0, atol=1e-5)
         # the scaling matters: without it the logits differ by more than ten times the tolerance
-        plain = GPT2Model(_without_scaling(cfg), PADDED_VOCAB, None, seed=0).eval()
+        plain = GPTModel(_without_scaling(cfg), PADDED_VOCAB, None, seed=0).eval()
         plain.load_state_dict(weights, strict=True)
         assert (plain(tokens)[..., :200] - got).abs().max() > 1e-4
     back = hf_config(cfg).rope_parameters
@@ -111,13 +111,13 @@ def test_cos_sin_tables_are_computed_once_not_per_layer():
     reciprocal, mul, cat, cos, sin, casts); now the table is made once per (length, device, dtype)."""
     from benchmarks.host_work import HostWork
     from training.config import load_config
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
     from training.models.rotary import rotary_table
 
     def forward_ops(layers: int) -> HostWork:
         cfg = load_config("configs/llama_tiny.yaml", ["parallel.tensor=1", "data.corpus=x",
                                                       f"model.num_layers={layers}"]).model
-        model = GPT2Model(cfg, PADDED_VOCAB, None, seed=1).eval()
+        model = GPTModel(cfg, PADDED_VOCAB, None, seed=1).eval()
         tokens = torch.randint(0, 200, (2, 64))
         with torch.no_grad():
             model(tokens)                                                   # the table for length 64 exists now
@@ -137,11 +137,11 @@ def test_cos_sin_tables_are_computed_once_not_per_layer():
 
 
 def test_a_table_made_in_inference_mode_still_trains():
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     cfg = ModelConfig(num_layers=1, hidden_size=48, num_attention_heads=4, seq_length=29, vocab_size=200,
                       position_embedding="rope", hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPT2Model(cfg, PADDED_VOCAB, None, seed=1)
+    model = GPTModel(cfg, PADDED_VOCAB, None, seed=1)
     tokens = torch.randint(0, 200, (1, 29))
     with torch.inference_mode():                                            # e.g. an evaluation first
         model(tokens)

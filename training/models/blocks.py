@@ -15,15 +15,17 @@ Llama-family options (``training.config.ModelConfig``; the defaults are the GPT-
   projection (positions are global token positions, so every rank rotates its heads as TP=1 does); the cos/sin
   tables (with ``rope_scaling``, Llama 3's frequencies) come from :mod:`training.models.rotary`, computed once
   per sequence length, device and dtype and shared by all layers.
-* ``num_query_groups: g`` (GQA; g < n) -> the fused QKV weight holds, per key/value group, the group's n/g query
-  heads then its key head then its value head (Megatron-Core's layout): global rows
-  ``[q_{0..n/g-1}, k_0, v_0 | q_{n/g..2n/g-1}, k_1, v_1 | ...]``, each ``hn`` rows per head. Split by output rows
-  with stride 1, rank r holds groups r g/p .. (r+1) g/p - 1 whole: its n/p query heads and their g/p key/value
-  heads. Multi-head attention (g = n, the default) keeps the GPT-2 layout ``[Q; K; V]`` with stride 3.
-  Each key/value head is repeated for its n/g query heads before the attention core.
+* ``num_query_groups: g`` (GQA; g < n) -> the fused QKV weight holds whole key/value groups, per group the
+  group's n/g query heads then its key head then its value head (Megatron-Core's layout, stride 1); multi-head
+  attention (g = n, the default) keeps the GPT-2 layout ``[Q; K; V]`` with stride 3 (:mod:`training.models.qkv`).
+  Each key/value head is repeated for its n/g query heads inside the attention core.
 * ``activation: swiglu`` -> the MLP's first linear is [gate; up] (2f rows, stride 2: rank r holds gate_r and
   up_r), ``silu(gate) * up``, then the row-parallel down projection (``proj``).
 * ``add_bias_linear: false`` -> no bias in the four linears (``add_qkv_bias`` puts one back on QKV).
+
+The attention core (scores, softmax, dropout, times V) is chosen once per layer from the config
+(:func:`training.models.core_attention.build_core`: SDPA, the CPU dropout kernel or Megatron's fp32-softmax core,
+wrapped for selective recomputation); :class:`ParallelSelfAttention` only projects, rotates, caches and calls it.
 
 Sequence parallelism (``sequence_parallel=True``, from ``parallel.sequence_parallel``; Korthikanti et al. 2022):
 a layer takes and returns this rank's sequence chunk x [b, s/p, h]. The norms, dropout and residual adds run on
@@ -45,9 +47,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.config import ModelConfig
-from training.models.core_attention import core_attention
+from training.models.core_attention import build_core
 from training.models.kv_cache import KVCache
-from training.models.ops import causal_attention_with_dropout, dropout, dropout_add
+from training.models.ops import dropout, dropout_add
+from training.models.qkv import qkv_stride, split_heads
 from training.models.rotary import apply_rotary, rotary_cos_sin, rotary_table
 from training.parallel import random as tp_random
 from training.parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
@@ -111,65 +114,29 @@ NORMS = (nn.LayerNorm, RMSNorm)
 """Normalisation modules (their parameters are exempt from weight decay, ``training.optim``)."""
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
-    """The full fused QKV weight (or bias) of :class:`ParallelSelfAttention` from separate ones: q [n hn, ...],
-    k and v [g hn, ...] (rows = output features, as ``nn.Linear``). g = n: ``[Q; K; V]``; g < n: per group
-    ``[q heads of the group; k; v]`` (the module docstring's layouts). Inverse: :func:`split_qkv`."""
-    if groups == heads:
-        return torch.cat([q, k, v], dim=0)
-    rest = q.shape[1:]
-    hn = k.size(0) // groups
-    per = heads // groups
-    parts = [q.reshape(groups, per * hn, *rest), k.reshape(groups, hn, *rest), v.reshape(groups, hn, *rest)]
-    return torch.cat(parts, dim=1).reshape((heads + 2 * groups) * hn, *rest)
-
-
-def split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q [n hn, ...], k [g hn, ...], v [g hn, ...]) of a full fused QKV weight or bias (:func:`fuse_qkv`)."""
-    rest = qkv.shape[1:]
-    hn = qkv.size(0) // (heads + 2 * groups)
-    if groups == heads:
-        q, k, v = qkv.split([heads * hn, groups * hn, groups * hn], dim=0)
-        return q, k, v
-    per = heads // groups
-    grouped = qkv.reshape(groups, (per + 2) * hn, *rest)
-    q, k, v = grouped.split([per * hn, hn, hn], dim=1)
-    return q.reshape(heads * hn, *rest), k.reshape(groups * hn, *rest), v.reshape(groups * hn, *rest)
-
-
 class ParallelSelfAttention(nn.Module):
     """Multi-head or grouped-query self-attention (causal or with a key mask) with heads split across TP
-    ranks, optionally with rotary position embeddings on the queries and keys."""
+    ranks, optionally with rotary position embeddings on the queries and keys. The attention core (kernel,
+    dropout stream, selective recomputation) is chosen once here (:func:`~training.models.core_attention.build_core`)."""
 
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None, seed: int, prefix: str, causal: bool = True,
                  layer_number: int = 1, sequence_parallel: bool = False):
         super().__init__()
         h, n, g = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups
         tp = group_size(group)
-        # Megatron's fp16 stabilisers (training/models/core_attention.py); off = SDPA below
-        self.layer_number = layer_number
-        self.qk_layer_scaling = cfg.apply_query_key_layer_scaling
-        self.softmax_in_fp32 = cfg.attention_softmax_in_fp32
+        self.layer_number = layer_number                                   # 1-based; the KV cache's layer + 1
         self.head_dim = divide(h, n)
         self.local_heads = divide(n, tp)
-        self.grouped = g != n
         self.local_kv_heads = divide(g, tp)                                # = local_heads without GQA
         self.rotary_dim = cfg.rotary_dim                                   # 0: no RoPE
         self.rotary_base = cfg.rotary_base
         self.rope_scaling = cfg.llama3_rope_scaling                        # None: plain RoPE
-        self.causal = causal
-        self.dropout = cfg.attention_dropout
-        self.selective = cfg.recompute == "selective"                     # recompute the core in backward
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        qkv_init = normal_init(seed, prefix + "qkv", cfg.init_method_std)
-        if self.grouped:
-            # per group [q heads of the group; k; v] (module docstring): stride 1 keeps groups whole
-            self.qkv = ColumnParallelLinear(h, (n + 2 * g) * self.head_dim, group, bias=cfg.qkv_bias,
-                                            init_method=qkv_init, sequence_parallel=sequence_parallel)
-        else:
-            # Fused QKV: global rows [Q; K; V], stride 3 so rank r holds [Q_r; K_r; V_r].
-            self.qkv = ColumnParallelLinear(h, 3 * h, group, bias=cfg.qkv_bias, init_method=qkv_init, stride=3,
-                                            sequence_parallel=sequence_parallel)
+        # fused QKV in the layout of training/models/qkv.py: [Q; K; V] (stride 3) or whole GQA groups (stride 1)
+        self.qkv = ColumnParallelLinear(h, (n + 2 * g) * self.head_dim, group, bias=cfg.qkv_bias,
+                                        init_method=normal_init(seed, prefix + "qkv", cfg.init_method_std),
+                                        stride=qkv_stride(n, g), sequence_parallel=sequence_parallel)
+        self.core_attention = build_core(cfg, layer_number, causal)
         self.proj = RowParallelLinear(h, h, group, bias=cfg.add_bias_linear,
                                       init_method=normal_init(seed, prefix + "proj", out_std),
                                       sequence_parallel=sequence_parallel)
@@ -181,16 +148,9 @@ class ParallelSelfAttention(nn.Module):
 
         ``positions``: token positions [s] or [b, s] for RoPE (None = 0 .. s-1)."""
         qkv = self.qkv(x)                                                  # [b, s, (n + 2g)/p * hn]
-        b, s = qkv.shape[:2]                                               # the whole sequence, also with SP
-        if self.grouped:
-            per = self.local_heads // self.local_kv_heads
-            qkv = qkv.view(b, s, self.local_kv_heads, per + 2, self.head_dim)
-            q = qkv[:, :, :, :per].reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-            k = qkv[:, :, :, per].transpose(1, 2)                          # [b, g/p, s, hn]
-            v = qkv[:, :, :, per + 1].transpose(1, 2)
-        else:
-            q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [b, n/p, s, hn]
+        q, k, v = split_heads(qkv, self.local_heads, self.local_kv_heads, self.head_dim)
         if self.rotary_dim:
+            s = qkv.size(1)                                                # the whole sequence, also with SP
             if positions is None:  # 0 .. s-1: one cached table for every layer and step (models/rotary.py)
                 cos, sin = rotary_table(s, self.rotary_dim, self.rotary_base, q.dtype, x.device, self.rope_scaling)
             else:
@@ -200,14 +160,6 @@ class ParallelSelfAttention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
 
-    def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
-        """[b, g/p, s, hn] -> [b, n/p, s, hn]: each key/value head repeated for its n/g query heads."""
-        if not self.grouped:
-            return t
-        b, g, s, hn = t.shape
-        rep = self.local_heads // g
-        return t[:, :, None].expand(b, g, rep, s, hn).reshape(b, g * rep, s, hn)
-
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
         """x [b, s, h] -> [b, s, h]. ``positions`` [s] or [b, s] for RoPE (None = 0 .. s-1). With a ``cache`` the s
@@ -216,64 +168,9 @@ class ParallelSelfAttention(nn.Module):
         b, s = q.size(0), q.size(2)                                        # s: the whole sequence under SP
         if cache is not None:
             k, v = cache.update(self.layer_number - 1, k, v)               # [b, g/p, cached + s, hn]
-        p = self.dropout if self.training else 0.0
-        if self.selective and self.training and torch.is_grad_enabled() and self._keeps_scores(q, p):
-            # a compiled layer runs the recomputed core eagerly, with the compiled path's traceable dropout mask
-            y = self._recomputed_attention(q, k, v, attn_mask, p, torch.compiler.is_compiling())
-        else:
-            y = self._attention(q, k, v, attn_mask, p)                      # [b, n/p, s, hn]
+        y = self.core_attention(q, k, v, attn_mask)                        # [b, n/p, s, hn]
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # [b, s, h/p]
         return self.proj(y)                                                # [b, s, h], all-reduced
-
-    def _attention(self, q, k, v, attn_mask, p: float, traced_mask: bool = False) -> torch.Tensor:
-        """The attention core of q [b, n/p, s, hn], k and v [b, g/p, s, hn] -> [b, n/p, s, hn]: key/value
-        heads repeated for their query heads, scores, softmax, dropout p, times V."""
-        k, v = self.expand_kv(k), self.expand_kv(v)
-        if p > 0.0:
-            # Attention-probability dropout acts on TP-local heads: it uses the model-parallel stream (eager:
-            # the tracker's generator fork; compiled: a counter-based mask, no graph break). Without dropout
-            # no number is drawn and no switch made.
-            return self._core_on_model_parallel_stream(q, k, v, attn_mask, p, traced_mask)
-        return self._core(q, k, v, attn_mask, 0.0)
-
-    def _keeps_scores(self, q: torch.Tensor, p: float) -> bool:
-        """Whether :meth:`_core` keeps s x s tensors for backward (what selective recomputation saves):
-        Megatron's core (the fp16 stabilisers) and the CPU dropout path keep the probabilities, their dropout
-        mask and output; SDPA's fused kernels (flash, memory-efficient: on GPUs, and on CPU without dropout)
-        keep only q, k, v, the output and the log-sum-exp, and recompute the scores in their backward kernel."""
-        return self.qk_layer_scaling or self.softmax_in_fp32 or (p > 0.0 and q.device.type != "cuda")
-
-    @torch.compiler.disable
-    def _recomputed_attention(self, q, k, v, attn_mask, p: float, traced_mask: bool = False) -> torch.Tensor:
-        """``model.recompute: selective`` (Korthikanti et al. 2022): :meth:`_attention` keeping only q, k, v
-        (k, v before the GQA repeat); backward runs it again from the same RNG states (same dropout mask)."""
-        return tp_random.recompute(functools.partial(self._attention, attn_mask=attn_mask, p=p, traced_mask=traced_mask),
-                                   q, k, v)
-
-    def _core(self, q, k, v, attn_mask, p: float) -> torch.Tensor:
-        """softmax(Q K^T / sqrt(hn) + mask) with dropout p, times V: [b, n/p, s, hn]."""
-        if self.qk_layer_scaling or self.softmax_in_fp32:
-            return core_attention(q, k, v, layer_number=self.layer_number, query_key_layer_scaling=self.qk_layer_scaling,
-                                  softmax_in_fp32=self.softmax_in_fp32, causal=self.causal, attn_mask=attn_mask,
-                                  dropout_p=p)
-        if (p > 0.0 and self.causal and attn_mask is None and q.device.type == "cpu" and q.dtype == torch.float32
-                and not torch.compiler.is_compiling()):
-            return causal_attention_with_dropout(q, k, v, p)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p,
-                                              is_causal=self.causal and attn_mask is None)
-
-    def _core_on_model_parallel_stream(self, q, k, v, attn_mask, p: float, traced_mask: bool = False) -> torch.Tensor:
-        """The attention core with dropout on the model-parallel stream: the tracker's generator fork (eager), or
-        the counter-based mask under compilation and in a compiled layer's eagerly recomputed core (``traced_mask``),
-        so that a compiled layer draws the same masks with or without selective recomputation."""
-        if traced_mask or torch.compiler.is_compiling():
-            # a generator's state cannot be switched inside a graph: the explicit core with the traceable
-            # model-parallel mask (training/parallel/random.py model_parallel_dropout), fused by the compiler
-            return core_attention(q, k, v, layer_number=self.layer_number, query_key_layer_scaling=self.qk_layer_scaling,
-                                  softmax_in_fp32=self.softmax_in_fp32, causal=self.causal, attn_mask=attn_mask,
-                                  dropout_p=p, dropout_fn=tp_random.model_parallel_dropout)
-        with tp_random.model_parallel_rng():
-            return self._core(q, k, v, attn_mask, p)
 
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

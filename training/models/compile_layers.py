@@ -26,7 +26,7 @@ from training.models.blocks import TransformerLayer
 
 
 def compile_layers(model: nn.Module, backend: str = "inductor", cuda_graph: bool = False, **options) -> int:
-    """Compile every TransformerLayer of ``model`` in place (a GPT2Model, BertModel or a pipeline stage);
+    """Compile every TransformerLayer of ``model`` in place (a GPTModel, BertModel or a pipeline stage);
     returns how many. ``options`` go to ``torch.compile`` (e.g. ``mode="max-autotune-no-cudagraphs"``);
     ``cuda_graph`` captures the layers as CUDA graphs (``mode="reduce-overhead"``; CUDA only)."""
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]

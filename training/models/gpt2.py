@@ -1,7 +1,8 @@
-"""GPT-2 with Megatron tensor parallelism (pre-LayerNorm, learned positions, tied vocab-parallel head), and the
-Llama family on the same core: RoPE instead of the position table, RMSNorm, SwiGLU, grouped-query attention,
-an untied vocab-parallel output layer (``output_layer.weight`` [V/p, h] per rank), no biases (the options of
-``training.config.ModelConfig``; the blocks are in :mod:`training.models.blocks`).
+""":class:`GPTModel` (``model.arch: gpt``; ``gpt2`` is the same): GPT-2 with Megatron tensor parallelism
+(pre-LayerNorm, learned positions, tied vocab-parallel head), and the Llama family on the same core: RoPE instead
+of the position table, RMSNorm, SwiGLU, grouped-query attention, an untied vocab-parallel output layer
+(``output_layer.weight`` [V/p, h] per rank), no biases (the options of ``training.config.ModelConfig``; the blocks
+are in :mod:`training.models.blocks`).
 
 Notation: b batch, s sequence, h hidden, n heads, hn = h/n head size, p = TP degree, V padded vocab.
 The layers are :class:`training.models.blocks.TransformerLayer` (pre-LN, causal), shared with BERT.
@@ -45,11 +46,11 @@ from training.parallel.mappings import (
 )
 
 
-class GPT2Model(nn.Module):
-    """GPT-2 language model. ``forward(tokens)`` -> vocab-parallel logits [b, s, V/p];
-    ``forward(tokens, labels)`` -> per-token loss [b, s] (vocab-parallel cross-entropy, fp32);
-    ``forward(tokens, positions=..., cache=...)``: the next tokens of a generation (:class:`KVCache`).
-    ``sequence_parallel``: Megatron's sequence parallelism over ``group`` (module docstring)."""
+class GPTModel(nn.Module):
+    """The GPT language model (GPT-2, and the Llama family by its options; ``model.arch: gpt``).
+    ``forward(tokens)`` -> vocab-parallel logits [b, s, V/p]; ``forward(tokens, labels)`` -> per-token loss [b, s]
+    (vocab-parallel cross-entropy, fp32); ``forward(tokens, positions=..., cache=...)``: the next tokens of a
+    generation (:class:`KVCache`). ``sequence_parallel``: Megatron's sequence parallelism over ``group`` (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group: dist.ProcessGroup | None = None,
                  seed: int = 1234, sequence_parallel: bool = False):
@@ -145,6 +146,10 @@ class GPT2Model(nn.Module):
             copies = 1 if self.output_layer is None else 2
             n -= copies * (self.padded_vocab_size - self.cfg.vocab_size) * self.cfg.hidden_size
         return n
+
+
+GPT2Model = GPTModel
+"""The class's name before the Llama options made it more than GPT-2; kept for code written against it."""
 
 
 def output_layer(cfg: ModelConfig, padded_vocab_size: int, group: dist.ProcessGroup | None,

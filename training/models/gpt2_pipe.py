@@ -4,7 +4,7 @@ Layer list: tied embedding (stage 0) -> L transformer layers (partitioned evenly
 LayerNorm -> the tied embedding again as the output layer (last stage). ``TiedLayerSpec('embed')``
 keeps one word-embedding weight per end and DeepSpeed all-reduces its gradient between the first and
 last stage. Only hidden states [b, s, h] cross stage boundaries: attention is causal inside each
-layer (no mask is sent). Parameters are drawn from the same per-name generators as ``GPT2Model``,
+layer (no mask is sent). Parameters are drawn from the same per-name generators as ``GPTModel``,
 so a PP=k model holds exactly the PP=1 weights.
 
 With ``model.untie_embeddings_and_output_weights`` the embedding is an ordinary first layer and the output layer
@@ -136,7 +136,7 @@ def build_gpt2_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed
 
 
 def pipe_layer_names(num_layers: int, untied: bool = False) -> dict[int, str]:
-    """PipelineModule layer index -> ``GPT2Model`` parameter-name prefix (for merging checkpoints).
+    """PipelineModule layer index -> ``GPTModel`` parameter-name prefix (for merging checkpoints).
 
     Index num_layers + 2 is the output layer: the tied embedding again (its parameters are DeepSpeed's
     ``tied_modules.embed.*``, no index of its own), or with ``untied`` the separate ``output_layer.``."""

@@ -1,4 +1,4 @@
-"""The key/value cache of incremental decoding: what :class:`~training.models.gpt2.GPT2Model`'s forward takes to
+"""The key/value cache of incremental decoding: what :class:`~training.models.gpt2.GPTModel`'s forward takes to
 feed only the new tokens of a generation step (``evaluation.generate`` is the loop around it).
 
 Notation: b batch, n heads, g key/value heads (= n without grouped-query attention), hn head size, p = TP

@@ -8,7 +8,7 @@ The caller's tensor is not modified unless it passes ``inplace=True``: then fp32
 (shifted, exponentiated, finally turned into their gradient), which saves allocating and first-touching
 one more logits-sized buffer (b*s*V/p floats: 206 MB for the CPU benchmark model, where that fresh
 allocation cost more than the subtraction itself). Only for a caller that owns the logits and never reads
-them again, e.g. ``GPT2Model.forward`` (the output layer's backward needs its input and weight, not its
+them again, e.g. ``GPTModel.forward`` (the output layer's backward needs its input and weight, not its
 output).
 
 :func:`vocab_parallel_token_scores` is the evaluation form (no autograd): per-token negative

@@ -9,7 +9,7 @@ import torch
 
 from training.config import Config
 from training.data.loader import BatchSampler, build_datasets, resolve_sources
-from training.models.gpt2 import GPT2Model
+from training.models.gpt2 import GPTModel
 from training.parallel.state import ParallelState
 from training.tasks.protocol import Task, batch_to_device
 
@@ -40,7 +40,7 @@ class GPTTask(Task):
 
             return build_gpt2_pipe(self.cfg.model, padded_vocab, self.ps, seed=self.cfg.train.seed,
                                    sequence_parallel=self.cfg.parallel.sequence_parallel)
-        return GPT2Model(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed,
+        return GPTModel(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed,
                          sequence_parallel=self.cfg.parallel.sequence_parallel)
 
     def micro_batches(self, consumed_samples: int):
@@ -57,7 +57,7 @@ class GPTTask(Task):
 
 
 def make_task(cfg: Config, ps: ParallelState, dp: int) -> Task:
-    if cfg.model.arch == "gpt2":
+    if cfg.model.arch in ("gpt", "gpt2"):                               # gpt2: the old name of gpt
         return GPTTask(cfg, ps, dp)
     if cfg.model.arch == "bert":
         from training.tasks.bert import BertTask  # noqa: PLC0415 - BERT pulls in its own data code

@@ -100,7 +100,7 @@ def build_hf_model(sd: dict[str, torch.Tensor], model_cfg, vocab_size: int, eod:
     """A ``GPT2LMHeadModel`` holding our weights (strict load: every HF weight must be provided)."""
     from transformers import GPT2LMHeadModel
 
-    if model_cfg.arch != "gpt2":
+    if model_cfg.arch == "bert":
         raise ExportError(f"only GPT-2 checkpoints can be exported to GPT2LMHeadModel, this one is {model_cfg.arch!r}")
     model = GPT2LMHeadModel(hf_config(model_cfg, vocab_size, eod))
     hf_sd = to_hf_state_dict(sd, model_cfg.num_layers, vocab_size)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from training.config import ModelConfig, RopeScalingConfig
-from training.models.blocks import fuse_qkv, split_qkv
+from training.models.qkv import fuse_qkv, split_qkv
 from training.tools.hf_interop import check_config
 from megatron_ds_suite.core.errors import SuiteError
 
@@ -110,7 +110,7 @@ def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
         raise LlamaMappingError(f"--seq-length {seq} exceeds the model's max_position_embeddings {positions}")
     groups = getattr(hf_cfg, "num_key_value_heads", None) or n
     bias = bool(getattr(hf_cfg, "attention_bias", False))
-    return ModelConfig(arch="gpt2", num_layers=hf_cfg.num_hidden_layers, hidden_size=h, num_attention_heads=n,
+    return ModelConfig(arch="gpt", num_layers=hf_cfg.num_hidden_layers, hidden_size=h, num_attention_heads=n,
                        seq_length=seq, max_position_embeddings=positions, vocab_size=hf_cfg.vocab_size,
                        ffn_hidden_size=hf_cfg.intermediate_size, hidden_dropout=0.0,
                        attention_dropout=float(getattr(hf_cfg, "attention_dropout", 0.0) or 0.0),
@@ -149,7 +149,7 @@ def qkv_bias_only(cfg: ModelConfig) -> bool:
 def check_llama_shape(cfg: ModelConfig) -> None:
     """Our config must be a Llama block: RoPE (whole head), RMSNorm, SwiGLU, biases all or none."""
     bad = []
-    if cfg.arch != "gpt2":
+    if cfg.arch == "bert":
         bad.append(f"arch={cfg.arch}")
     if cfg.position_embedding != "rope" or cfg.rotary_percent != 1.0:
         bad.append("position_embedding must be rope with rotary_percent 1.0")

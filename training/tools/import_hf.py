@@ -132,7 +132,7 @@ def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
 
 
 def from_hf_state_dict(hf: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """``GPT2LMHeadModel`` state dict -> our TP=1 GPT2Model names (vocabulary not padded yet)."""
+    """``GPT2LMHeadModel`` state dict -> our TP=1 GPTModel names (vocabulary not padded yet)."""
     def get(name: str) -> torch.Tensor:
         for key in (name, name[len("transformer."):]):  # GPT2Model folders lack the prefix
             if key in hf:
@@ -244,12 +244,12 @@ def partition_tags(model_cfg: ModelConfig) -> dict[str, tuple[int, int] | None]:
     structure (the tags depend on the module types, not on the sizes)."""
     from training.checkpoint import partition_tags as tags_of
     from training.models.bert import BertModel
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     # head size 2 and the whole head rotated keep RoPE valid; no parameter depends on either
     probe = replace(model_cfg, hidden_size=2 * model_cfg.num_attention_heads, ffn_hidden_size=8, seq_length=2,
                     max_position_embeddings=2, vocab_size=8, rotary_percent=1.0)
-    return tags_of((BertModel if model_cfg.arch == "bert" else GPT2Model)(probe, 8, None, seed=0))
+    return tags_of((BertModel if model_cfg.arch == "bert" else GPTModel)(probe, 8, None, seed=0))
 
 
 def shard(full: torch.Tensor, tag: tuple[int, int] | None, rank: int, world: int) -> torch.Tensor:

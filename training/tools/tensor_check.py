@@ -85,8 +85,8 @@ def model_shapes(model_cfg, vocab_rows: int) -> dict[str, tuple[int, ...]]:
     """{parameter name: shape} of our model for ``model_cfg`` at TP=1 with ``vocab_rows`` vocabulary rows, built on
     the meta device (no memory, no initialisation cost)."""
     from training.models.bert import BertModel
-    from training.models.gpt2 import GPT2Model
+    from training.models.gpt2 import GPTModel
 
     with torch.device("meta"):
-        model = (BertModel if model_cfg.arch == "bert" else GPT2Model)(model_cfg, vocab_rows, None, seed=0)
+        model = (BertModel if model_cfg.arch == "bert" else GPTModel)(model_cfg, vocab_rows, None, seed=0)
     return {n: tuple(p.shape) for n, p in model.named_parameters()}

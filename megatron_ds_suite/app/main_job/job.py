@@ -86,8 +86,8 @@ class MainJob(Stages):
             self.train_cfg = load_train_config(c.train.config, self.train_overrides)
         except TrainConfigError as e:
             raise ConfigError(f"train ({c.train.config}): {e}") from None
-        want = "gpt2" if c.flow == "gpt" else "bert"
-        if self.train_cfg.model.arch != want:
+        want = "gpt" if c.flow == "gpt" else "bert"
+        if (self.train_cfg.model.arch == "bert") != (want == "bert"):  # model.arch gpt2: the old name of gpt
             raise ConfigError(f"train.config {c.train.config} is a {self.train_cfg.model.arch} model but flow={c.flow} "
                               f"needs model.arch={want}")
         mp = self.train_cfg.parallel.tensor * self.train_cfg.parallel.pipeline
