@@ -396,6 +396,12 @@ def test_tokenize_benchmark_checks_the_word_cache_against_sentencepiece(capsys):
 
 
 
+_CORPORA = Path(SHARED_DATA) / "corpus"
+needs_corpora = pytest.mark.skipif(not ((_CORPORA / "botchan.txt").is_file() and (_CORPORA / "tinyshakespeare.txt")
+                                        .is_file()), reason="../shared/data/corpus absent")
+
+
+@needs_corpora
 def test_e2e_datatrove_truth_pairs_match_brute_force():
     import itertools
 
@@ -424,6 +430,7 @@ def test_e2e_datatrove_truth_pairs_match_brute_force():
         assert ((n - 4, n - 3) in got) and ((n - 4, n - 2) in got) == (t == 0.5) and ((n - 4, n - 1) in got) == (t == 0.5)
 
 
+@needs_corpora
 def test_e2e_datatrove_benchmark_runs_ours_and_skips_datatrove_cleanly(capsys):
     import sys
 
