@@ -199,6 +199,9 @@ def _validate(cfg: BuildConfig) -> None:
     enum("tokenizer.flavor", cfg.tokenizer.flavor)
     enum("dedup.shingle_unit", cfg.dedup.shingle_unit)
     enum("executor", cfg.executor)
+    if not cfg.dedup.sharded:
+        raise ConfigError("dedup.sharded=false (the single-driver dedup path) was retired: the stage always runs "
+                          "its steps as worker tasks; remove the key (or set it to true)")
     t = cfg.tokenizer
     need = {"sentencepiece_model": ["model_file"], "gpt2": ["vocab_file", "merges_file"], "wordpiece": ["vocab_file"],
             "hf": ["model_file"]}.get(t.type, [])

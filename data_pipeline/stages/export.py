@@ -4,20 +4,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from data_pipeline.config import BuildConfig
+from data_pipeline.executor import Executor
 from data_pipeline.report import StageTimer
 from data_pipeline.stages.bookkeeping import (assemble_stats, begin_stage, finish_stage, open_store, progress_bar,
                                               reconcile, require_stage, stage_tokenizer_spec, work_dir)
 from data_pipeline.stages.tokenizer import load_stage_tokenizer
 from data_pipeline.store import (REBUILD, DocStore, ShardCheck, ShardReader, StoreError, atomic_write_json, done_shards,
                                  load_index, shard_name, write_jsonl_atomic)
-from data_pipeline.workers import worker_pool
 from megatron_ds_suite.core import atomic
 
 
@@ -104,7 +103,7 @@ def _export_shard(job: ExportJob) -> tuple[bytes, np.ndarray, np.ndarray, int]:
     return text, np.insert(ids.astype(dtype, copy=False), np.cumsum(lens), eod), lens + 1, len(keep)
 
 
-def run_export(cfg: BuildConfig) -> dict[str, Any]:
+def run_export(cfg: BuildConfig, executor: Executor) -> dict[str, Any]:
     """Write the kept documents, indexed datasets, rejects, duplicates, ``stats.json`` and the manifest."""
     from megatron_ds_suite.core.corpus import write_manifest
     from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
@@ -135,30 +134,27 @@ def run_export(cfg: BuildConfig) -> dict[str, Any]:
                       spec, cfg.dataset.gpt, tok.eod, np.dtype(dtype).str)
             for n, k in enumerate(store.shards)]
     try:
-        with ExitStack() as stack:
-            pool = (stack.enter_context(worker_pool(min(cfg.num_workers, len(jobs)))) if cfg.num_workers > 1 and len(jobs) > 1
-                    else None)
-            with atomic.atomic_open(out / "documents.jsonl", "wb") as f:  # published only when every shard is written
-                # shards in order (imap keeps it): documents.jsonl and the .bin are the kept documents in input order
-                for rows, ids, sizes, n_in in (pool.imap(_export_shard, jobs) if pool else map(_export_shard, jobs)):
-                    f.write(rows)
-                    kept += len(sizes)
-                    if gpt is not None:
-                        gpt.add_documents(ids, sizes)
-                        tokens += len(ids)
-                    bar.update(n_in)
-                if bert is not None:  # one item per sentence: split and tokenized here
-                    for pos, rec in enumerate(store):
-                        if not drop[pos]:
-                            sents = split_sentences(rec["text"])
-                            items = [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(sents) if ids]
-                            bert.add_document(items)
-                            sentences += len(items)
-                            if gpt is None:
-                                tokens += sum(len(x) for x in items)
-                for b in (gpt, bert):
-                    if b is not None:
-                        b.finalize()
+        with atomic.atomic_open(out / "documents.jsonl", "wb") as f:  # published only when every shard is written
+            # shards in order (imap keeps it): documents.jsonl and the .bin are the kept documents in input order
+            for rows, ids, sizes, n_in in executor.imap(_export_shard, jobs):
+                f.write(rows)
+                kept += len(sizes)
+                if gpt is not None:
+                    gpt.add_documents(ids, sizes)
+                    tokens += len(ids)
+                bar.update(n_in)
+            if bert is not None:  # one item per sentence: split and tokenized here
+                for pos, rec in enumerate(store):
+                    if not drop[pos]:
+                        sents = split_sentences(rec["text"])
+                        items = [np.asarray(ids, dtype=np.int64) for ids in tok.encode_batch(sents) if ids]
+                        bert.add_document(items)
+                        sentences += len(items)
+                        if gpt is None:
+                            tokens += sum(len(x) for x in items)
+            for b in (gpt, bert):
+                if b is not None:
+                    b.finalize()
     finally:
         bar.close()
     # rejects (all of them, in input order) and the duplicates report

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from data_pipeline.config import BuildConfig
+from data_pipeline.executor import Executor
 from data_pipeline.report import StageTimer
 from data_pipeline.words import WordIndex, encode_indexed
-from data_pipeline.workers import worker_pool
 from data_pipeline.stages.bookkeeping import (begin_stage, finish_stage, progress_bar, require_stage, stage_record,
                                               stage_tokenizer_spec, work_dir)
 from data_pipeline.store import (ShardCheck, ShardReader, atomic_save_npy, done_shards, load_index, seal_shard, shard_counts, shard_name, verify_files, write_jsonl_atomic,
@@ -125,7 +125,7 @@ def filter_shard(job: FilterJob) -> dict[str, Any]:
     return info
 
 
-def run_filter(cfg: BuildConfig) -> dict[str, Any]:
+def run_filter(cfg: BuildConfig, executor: Executor) -> dict[str, Any]:
     """Tokenize every document once, keep those of at least ``length.min_tokens`` tokens."""
     timer = StageTimer("filter")
     require_stage(cfg, "ingest")  # checks the ingest store holds the shards its stage wrote
@@ -138,18 +138,8 @@ def run_filter(cfg: BuildConfig) -> dict[str, Any]:
     jobs = [FilterJob(str(src), str(dst), k, spec, cfg.length.min_tokens, cfg.length.count_eod,
                       cfg.dataset.tokenize_batch) for k in todo]
     bar = progress_bar(cfg, desc="filter: count tokens", unit="doc")
-    if cfg.executor == "ray":
-        from data_pipeline.ray_executor import ray_map
-
-        for info in ray_map(cfg, filter_shard, jobs):
-            bar.update(info["in"])
-    elif cfg.num_workers > 1 and len(jobs) > 1:
-        with worker_pool(min(cfg.num_workers, len(jobs))) as pool:
-            for info in pool.imap_unordered(filter_shard, jobs):
-                bar.update(info["in"])
-    else:
-        for j in jobs:
-            bar.update(filter_shard(j)["in"])
+    for info in executor.imap_unordered(filter_shard, jobs):
+        bar.update(info["in"])
     bar.close()
     tot: Counter[str] = Counter()
     examples: list[Any] = []

@@ -5,6 +5,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from data_pipeline.config import BuildConfig
+from data_pipeline.executor import Executor
 from data_pipeline.report import StageTimer
 from data_pipeline.stages.bookkeeping import begin_stage, finish_stage, open_store, record_spec, stage_tokenizer_spec
 from data_pipeline.stages.ingest import WORD_COUNT_FILES, read_word_counts, trains_on_word_counts
@@ -12,8 +13,9 @@ from data_pipeline.store import DocStore, shard_texts, verify_files
 from data_pipeline.tokenizer_train import MAX_SENTENCES, WordCounts, count_training_words
 
 
-def run_tokenizer(cfg: BuildConfig) -> dict[str, Any]:
-    """Train or load the tokenizer; its spec goes in the stage's stats."""
+def run_tokenizer(cfg: BuildConfig, executor: Executor) -> dict[str, Any]:
+    """Train or load the tokenizer (on the driver: one training; ``executor`` unused); its spec goes in the
+    stage's stats."""
     from megatron_ds_suite.core.corpus import copy_tokenizer_files
     from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer
     from data_pipeline.tokenizer_train import train_sentencepiece
