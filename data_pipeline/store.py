@@ -570,6 +570,12 @@ class DocStore:
         self._readers.clear()
         self._rows.clear()
 
+    def __enter__(self) -> DocStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def reset_dir(folder: Path) -> None:
     if folder.exists():

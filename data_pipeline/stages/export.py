@@ -11,9 +11,7 @@ import numpy as np
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.executor import Executor
-from data_pipeline.report import StageTimer
-from data_pipeline.stages.bookkeeping import (assemble_stats, begin_stage, finish_stage, open_store, progress_bar,
-                                              reconcile, require_stage, stage_tokenizer_spec, work_dir)
+from data_pipeline.stages.bookkeeping import (StageRun, assemble_stats, open_store, reconcile, require_stage, stage_tokenizer_spec, work_dir)
 from data_pipeline.stages.tokenizer import load_stage_tokenizer
 from data_pipeline.store import (REBUILD, DocStore, ShardCheck, ShardReader, StoreError, atomic_write_json, done_shards,
                                  load_index, shard_name, write_jsonl_atomic)
@@ -143,80 +141,80 @@ def run_export(cfg: BuildConfig, executor: Executor) -> dict[str, Any]:
     """Write the kept documents, indexed datasets, rejects, duplicates, ``stats.json`` and the manifest."""
     from megatron_ds_suite.core.corpus import write_manifest
     from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
-    timer = StageTimer("export")
-    ing = require_stage(cfg, "ingest")
-    require_stage(cfg, "tokenizer")
-    spec = stage_tokenizer_spec(cfg)
-    flt = require_stage(cfg, "filter")
-    ded = require_stage(cfg, "dedup")
-    open_store(cfg, "filter").close()  # whole, before any work
-    begin_stage(cfg, "export")
-    out = cfg.out
-    tok = load_stage_tokenizer(cfg)
-    store = DocStore(work_dir(cfg, "filter"))
-    drop = np.zeros(len(store), dtype=bool)  # removed by dedup, then also by decontamination
-    drop[np.load(work_dir(cfg, "dedup") / "removed.npy")] = True
-    contaminated = _decontaminate(cfg, store, drop)
-    drop[np.fromiter(contaminated, dtype=np.int64, count=len(contaminated))] = True
-    dtype = best_dtype(tok.vocab_size)
-    gpt = MMapIndexedDatasetBuilder(out / cfg.dataset.gpt_prefix, dtype) if cfg.dataset.gpt else None
-    bert = MMapIndexedDatasetBuilder(out / cfg.dataset.bert_prefix, dtype) if cfg.dataset.bert else None
-    kept = tokens = sentences = 0
-    bar = progress_bar(cfg, total=len(store), desc="export: write", unit="doc")
-    bounds = store.starts
-    jobs = [ExportJob(str(store.folder), str(store.text_folder), k, drop[bounds[n]:bounds[n + 1]],
-                      spec, cfg.dataset.gpt, tok.eod, np.dtype(dtype).str, cfg.dataset.bert)
-            for n, k in enumerate(store.shards)]
-    try:
-        with atomic.atomic_open(out / "documents.jsonl", "wb") as f:  # published only when every shard is written
-            # shards in order (imap keeps it): documents.jsonl and the .bin are the kept documents in input order
-            for piece in executor.imap(_export_shard, jobs):
-                f.write(piece.lines)
-                kept += len(piece.sizes)
-                if gpt is not None:
-                    gpt.add_documents(piece.ids, piece.sizes)
-                    tokens += len(piece.ids)
-                if bert is not None:  # one item per sentence, split and tokenized by the worker
-                    bert.add_item_documents(piece.sentence_ids, piece.sentence_sizes, piece.sentences_per_doc)
-                    sentences += len(piece.sentence_sizes)
-                    if gpt is None:
-                        tokens += len(piece.sentence_ids)
-                bar.update(piece.read)
-            for b in (gpt, bert):
-                if b is not None:
-                    b.finalize()
-    finally:
-        bar.close()
-    # rejects (all of them, in input order) and the duplicates report
-    ingest_dir = work_dir(cfg, "ingest")
-    filter_dir = work_dir(cfg, "filter")
-    with atomic.atomic_open(out / "rejects.jsonl", "wb") as f:
-        for k in done_shards(ingest_dir):
-            short = filter_dir / f"{shard_name(k)}.too_short.jsonl"
-            if short.is_file():
-                ShardCheck().file(filter_dir, k, ".too_short.jsonl")
-            with open(ShardCheck().file(ingest_dir, k, ".rejects.jsonl"), "rb") as r:
-                if not short.is_file():  # a filter stage finished before too-short rows were listed
-                    shutil.copyfileobj(r, f)
-                    continue
-                # malformed (ingest) and too-short (filter) records of one shard, in input order
-                rows = [json.loads(x) for x in r] + [json.loads(x) for x in open(short, "rb")]
-            for row in sorted(rows, key=lambda x: x["i"]):
-                f.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
-    atomic.copy_file(work_dir(cfg, "dedup") / "duplicates.jsonl", out / "duplicates.jsonl")
+    with StageRun(cfg, "export") as stage:
+        ing = require_stage(cfg, "ingest")
+        require_stage(cfg, "tokenizer")
+        spec = stage_tokenizer_spec(cfg)
+        flt = require_stage(cfg, "filter")
+        ded = require_stage(cfg, "dedup")
+        open_store(cfg, "filter").close()  # whole, before any work
+        stage.begin()
+        out = cfg.out
+        tok = load_stage_tokenizer(cfg)
+        store = DocStore(work_dir(cfg, "filter"))
+        drop = np.zeros(len(store), dtype=bool)  # removed by dedup, then also by decontamination
+        drop[np.load(work_dir(cfg, "dedup") / "removed.npy")] = True
+        contaminated = _decontaminate(cfg, store, drop)
+        drop[np.fromiter(contaminated, dtype=np.int64, count=len(contaminated))] = True
+        dtype = best_dtype(tok.vocab_size)
+        gpt = MMapIndexedDatasetBuilder(out / cfg.dataset.gpt_prefix, dtype) if cfg.dataset.gpt else None
+        bert = MMapIndexedDatasetBuilder(out / cfg.dataset.bert_prefix, dtype) if cfg.dataset.bert else None
+        kept = tokens = sentences = 0
+        bar = stage.progress(total=len(store), desc="export: write", unit="doc")
+        bounds = store.starts
+        jobs = [ExportJob(str(store.folder), str(store.text_folder), k, drop[bounds[n]:bounds[n + 1]],
+                          spec, cfg.dataset.gpt, tok.eod, np.dtype(dtype).str, cfg.dataset.bert)
+                for n, k in enumerate(store.shards)]
+        try:
+            with atomic.atomic_open(out / "documents.jsonl", "wb") as f:  # published only when every shard is written
+                # shards in order (imap keeps it): documents.jsonl and the .bin are the kept documents in input order
+                for piece in executor.imap(_export_shard, jobs):
+                    f.write(piece.lines)
+                    kept += len(piece.sizes)
+                    if gpt is not None:
+                        gpt.add_documents(piece.ids, piece.sizes)
+                        tokens += len(piece.ids)
+                    if bert is not None:  # one item per sentence, split and tokenized by the worker
+                        bert.add_item_documents(piece.sentence_ids, piece.sentence_sizes, piece.sentences_per_doc)
+                        sentences += len(piece.sentence_sizes)
+                        if gpt is None:
+                            tokens += len(piece.sentence_ids)
+                    bar.update(piece.read)
+                for b in (gpt, bert):
+                    if b is not None:
+                        b.finalize()
+        finally:
+            bar.close()
+        # rejects (all of them, in input order) and the duplicates report
+        ingest_dir = work_dir(cfg, "ingest")
+        filter_dir = work_dir(cfg, "filter")
+        with atomic.atomic_open(out / "rejects.jsonl", "wb") as f:
+            for k in done_shards(ingest_dir):
+                short = filter_dir / f"{shard_name(k)}.too_short.jsonl"
+                if short.is_file():
+                    ShardCheck().file(filter_dir, k, ".too_short.jsonl")
+                with open(ShardCheck().file(ingest_dir, k, ".rejects.jsonl"), "rb") as r:
+                    if not short.is_file():  # a filter stage finished before too-short rows were listed
+                        shutil.copyfileobj(r, f)
+                        continue
+                    # malformed (ingest) and too-short (filter) records of one shard, in input order
+                    rows = [json.loads(x) for x in r] + [json.loads(x) for x in open(short, "rb")]
+                for row in sorted(rows, key=lambda x: x["i"]):
+                    f.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
+        atomic.copy_file(work_dir(cfg, "dedup") / "duplicates.jsonl", out / "duplicates.jsonl")
 
-    exp = timer.finish(len(store), kept=kept, tokens=tokens, sentences=sentences, contaminated=len(contaminated),
-                       decontaminate={"ngram": cfg.decontaminate.ngram, "against": cfg.decontaminate.against}
-                       if cfg.decontaminate.against else None)
-    reconcile({"read": ing["read"], "malformed": ing["rejected"], "too_short": flt["too_short"],
-               "duplicates": ded["removed"], "contaminated": len(contaminated), "kept": kept})  # before "done"
-    finish_stage(cfg, "export", exp)
-    stats = assemble_stats(cfg)
-    atomic_write_json(out / "stats.json", stats)
-    write_manifest(out, spec, cfg.dataset.gpt_prefix if gpt else None,
-                   cfg.dataset.bert_prefix if bert else None,
-                   extra={"documents": stats["documents"], "tokens": stats["tokens"],
-                          "length_filter": stats["length_filter"], "dedup": stats["dedup"],
-                          "sources": [dataclasses.asdict(s) for s in cfg.sources]})
-    del ing, flt, ded
-    return exp
+        exp = stage.stats(len(store), kept=kept, tokens=tokens, sentences=sentences, contaminated=len(contaminated),
+                           decontaminate={"ngram": cfg.decontaminate.ngram, "against": cfg.decontaminate.against}
+                           if cfg.decontaminate.against else None)
+        reconcile({"read": ing["read"], "malformed": ing["rejected"], "too_short": flt["too_short"],
+                   "duplicates": ded["removed"], "contaminated": len(contaminated), "kept": kept})  # before "done"
+        stage.finish(exp)
+        stats = assemble_stats(cfg)
+        atomic_write_json(out / "stats.json", stats)
+        write_manifest(out, spec, cfg.dataset.gpt_prefix if gpt else None,
+                       cfg.dataset.bert_prefix if bert else None,
+                       extra={"documents": stats["documents"], "tokens": stats["tokens"],
+                              "length_filter": stats["length_filter"], "dedup": stats["dedup"],
+                              "sources": [dataclasses.asdict(s) for s in cfg.sources]})
+        del ing, flt, ded
+        return exp

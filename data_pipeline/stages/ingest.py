@@ -14,9 +14,8 @@ import numpy as np
 from data_pipeline.clean import clean_text
 from data_pipeline.config import BuildConfig
 from data_pipeline.executor import Executor
-from data_pipeline.report import StageTimer
 from data_pipeline.sources import REJECT_REASONS, RawRecord, check_sources, iter_records
-from data_pipeline.stages.bookkeeping import StageError, begin_stage, finish_stage, progress_bar
+from data_pipeline.stages.bookkeeping import StageRun, StageError
 from data_pipeline.dedup.exact import text_key
 from data_pipeline.store import (ShardWriter, atomic_save_npy, done_shards, read_word_list, shard_counts, shard_name, write_jsonl_atomic, write_word_list)
 from megatron_ds_suite.core import atomic
@@ -174,40 +173,40 @@ class _Shards:
 
 def run_ingest(cfg: BuildConfig, executor: Executor) -> dict[str, Any]:
     """Read and clean every source into shards (finished shards are kept on resume)."""
-    timer = StageTimer("ingest")
-    check_sources(cfg)  # an hf source that cannot be loaded: one line before any shard is written
-    folder = begin_stage(cfg, "ingest")
-    done = set(done_shards(folder))
-    if done:
-        log.info("ingest: resuming, %d shard(s) already finished", len(done))
-    split = index_split(cfg)
-    count_words = trains_on_word_counts(cfg)  # shards that may hold training documents count their words
-    bar = progress_bar(cfg, desc="ingest: read+clean", unit="doc")
+    with StageRun(cfg, "ingest") as stage:
+        check_sources(cfg)  # an hf source that cannot be loaded: one line before any shard is written
+        folder = stage.begin()
+        done = set(done_shards(folder))
+        if done:
+            log.info("ingest: resuming, %d shard(s) already finished", len(done))
+        split = index_split(cfg)
+        count_words = trains_on_word_counts(cfg)  # shards that may hold training documents count their words
+        bar = stage.progress(desc="ingest: read+clean", unit="doc")
 
-    def jobs() -> Iterator[IngestJob]:  # read lazily: at most ~2 shards per worker in flight
-        for k, first, recs in shards:
-            if k in done:
-                bar.update(len(recs))
-                continue
-            yield IngestJob(str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace, split,
-                            count_words and first < cfg.tokenizer.train_max_docs)
+        def jobs() -> Iterator[IngestJob]:  # read lazily: at most ~2 shards per worker in flight
+            for k, first, recs in shards:
+                if k in done:
+                    bar.update(len(recs))
+                    continue
+                yield IngestJob(str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace, split,
+                                count_words and first < cfg.tokenizer.train_max_docs)
 
-    shards = _Shards(iter_records(cfg, lazy=True), cfg.shard_size)
-    try:
-        for info in executor.imap_unordered(ingest_shard, jobs()):
-            bar.update(info["read"])
-    finally:
-        bar.close()
-    read = clean = 0
-    by_reason: Counter[str] = Counter()
-    for k in done_shards(folder):
-        c = shard_counts(folder, k)
-        read += c["read"]
-        clean += c["clean"]
-        by_reason.update(c["rejected"])
-    stats = timer.finish(read, read=read, clean=clean, rejected=sum(by_reason.values()),
-                         rejected_by_reason={r: by_reason.get(r, 0) for r in REJECT_REASONS})
-    if clean == 0:
-        raise StageError(f"no usable document in the inputs ({read} records read, all rejected: "
-                         f"{dict(by_reason)}); see {folder}/*.rejects.jsonl")
-    return finish_stage(cfg, "ingest", stats, shards=shards.count, docs=clean)
+        shards = _Shards(iter_records(cfg, lazy=True), cfg.shard_size)
+        try:
+            for info in executor.imap_unordered(ingest_shard, jobs()):
+                bar.update(info["read"])
+        finally:
+            bar.close()
+        read = clean = 0
+        by_reason: Counter[str] = Counter()
+        for k in done_shards(folder):
+            c = shard_counts(folder, k)
+            read += c["read"]
+            clean += c["clean"]
+            by_reason.update(c["rejected"])
+        stats = stage.stats(read, read=read, clean=clean, rejected=sum(by_reason.values()),
+                             rejected_by_reason={r: by_reason.get(r, 0) for r in REJECT_REASONS})
+        if clean == 0:
+            raise StageError(f"no usable document in the inputs ({read} records read, all rejected: "
+                             f"{dict(by_reason)}); see {folder}/*.rejects.jsonl")
+        return stage.finish(stats, shards=shards.count, docs=clean)
