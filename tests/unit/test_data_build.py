@@ -131,3 +131,21 @@ def test_stage_run_is_the_stages_bookkeeping(tmp_path, monkeypatch):
     assert stats["docs_in"] == 7 and stats["spec"] == {"type": "x"} and "seconds" in stats
     rec = stage_record(cfg, "tokenizer")
     assert rec["status"] == "done" and rec["fingerprint"] == stage.fingerprint == fingerprint(cfg, "tokenizer")
+
+
+def test_every_config_field_is_documented():
+    """Each field of ``data_pipeline/config.py``'s dataclasses has a docstring right below it (as
+    ``training/config.py``'s fields do)."""
+    import ast
+
+    tree = ast.parse((ROOT / "data_pipeline" / "config.py").read_text(encoding="utf-8"))
+    fields, missing = 0, []
+    for cls in (c for c in tree.body if isinstance(c, ast.ClassDef)):
+        for i, st in enumerate(cls.body):
+            if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
+                fields += 1
+                nxt = cls.body[i + 1] if i + 1 < len(cls.body) else None
+                if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                        and isinstance(nxt.value.value, str) and nxt.value.value.strip()):
+                    missing.append(f"{cls.name}.{st.target.id}")
+    assert fields >= 61 and not missing, missing
