@@ -42,7 +42,8 @@ from data_pipeline.dedup.lsh import LshSpec
 from data_pipeline.dedup.minhash import sign_chunk, sign_jobs
 from data_pipeline.dedup.verify import DedupResult, pair_blocks
 from data_pipeline.executor import LocalExecutor
-from data_pipeline.store import DocStore, write_text_from
+from data_pipeline.doc_store import DocStore
+from data_pipeline.store import write_text_from
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ import numpy as np
 from data_pipeline.config import BuildConfig
 from data_pipeline.executor import Executor
 from data_pipeline.stages.bookkeeping import StageRun, digest, fingerprint, open_store, work_dir
-from data_pipeline.store import DocStore, atomic_save_npy, write_jsonl_atomic
+from data_pipeline.doc_store import DocStore
+from data_pipeline.files import atomic_save_npy, write_jsonl_atomic
 
 if TYPE_CHECKING:
     from data_pipeline.dedup import LshSpec, ShingleSpec
@@ -32,8 +33,8 @@ def settings_info(cfg: BuildConfig, shingle: ShingleSpec, lsh: LshSpec, executor
     from data_pipeline.dedup import candidate_probability
 
     d = cfg.dedup
-    return {"enabled": d.enabled, "threshold": d.threshold, "num_perm": d.num_perm, "bands": lsh.bands, "rows": lsh.rows,
-            "seed": d.seed,
+    return {"enabled": d.enabled, "threshold": d.threshold, "num_perm": d.num_perm, "bands": lsh.bands,
+            "rows": lsh.rows, "seed": d.seed,
             "shingles": f"{shingle.unit} {shingle.n}-grams" + (
                 " of lower-cased \\w+ words" if shingle.unit == "word" else " of raw characters"),
             "hash": "xxh64 per word / fmix64(code point + 1) per char, n-gram mix + fmix64 → "

@@ -11,10 +11,12 @@ import numpy as np
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.executor import Executor
-from data_pipeline.stages.bookkeeping import (StageRun, assemble_stats, open_store, reconcile, require_stage, stage_tokenizer_spec, work_dir)
+from data_pipeline.stages.bookkeeping import (StageRun, assemble_stats, open_store, reconcile, require_stage,
+                                              stage_tokenizer_spec, work_dir)
 from data_pipeline.stages.tokenizer import load_stage_tokenizer
-from data_pipeline.store import (REBUILD, DocStore, ShardCheck, ShardReader, StoreError, atomic_write_json, done_shards,
-                                 load_index, shard_name, write_jsonl_atomic)
+from data_pipeline.doc_store import DocStore
+from data_pipeline.files import atomic_write_json, write_jsonl_atomic
+from data_pipeline.store import REBUILD, ShardCheck, ShardReader, StoreError, done_shards, load_index, shard_name
 from megatron_ds_suite.core import atomic
 
 

@@ -2,7 +2,7 @@
 
 The filter's store is an index over the ingest shard files (no text is copied): per shard, the kept rows'
 ``idx.npy``, their token ids, exact-dedup keys and the too-short rows; ``_text_from.json`` names the ingest
-folder (see :class:`data_pipeline.store.DocStore`)."""
+folder (see :class:`data_pipeline.doc_store.DocStore`)."""
 from __future__ import annotations
 
 import json
@@ -18,8 +18,9 @@ from data_pipeline.executor import Executor
 from data_pipeline.words import WordIndex, encode_indexed
 from data_pipeline.stages.bookkeeping import (StageRun, require_stage, stage_record,
                                               stage_tokenizer_spec, work_dir)
-from data_pipeline.store import (ShardCheck, ShardReader, atomic_save_npy, done_shards, load_index, seal_shard, shard_counts, shard_name, verify_files, write_jsonl_atomic,
-                                 write_text_from)
+from data_pipeline.files import atomic_save_npy, write_jsonl_atomic
+from data_pipeline.store import (ShardCheck, ShardReader, done_shards, load_index, seal_shard, shard_counts,
+                                 shard_name, verify_files, write_text_from)
 
 
 def save_token_ids(folder: Path, k: int, flat: np.ndarray, lens: np.ndarray) -> dict[str, list[int]]:

@@ -19,7 +19,7 @@ from data_pipeline.stages.export import run_export
 from data_pipeline.stages.filter import run_filter
 from data_pipeline.stages.ingest import run_ingest
 from data_pipeline.stages.tokenizer import run_tokenizer
-from data_pipeline.store import atomic_write_json
+from data_pipeline.files import atomic_write_json
 from data_pipeline.workers import reading_work_files
 from megatron_ds_suite.core.folder_lock import folder_lock
 

@@ -8,7 +8,8 @@ from data_pipeline.config import BuildConfig
 from data_pipeline.executor import Executor
 from data_pipeline.stages.bookkeeping import StageRun, open_store, record_spec, stage_tokenizer_spec
 from data_pipeline.stages.ingest import WORD_COUNT_FILES, read_word_counts, trains_on_word_counts
-from data_pipeline.store import DocStore, shard_texts, verify_files
+from data_pipeline.doc_store import DocStore
+from data_pipeline.store import shard_texts, verify_files
 from data_pipeline.tokenizer_train import MAX_SENTENCES, WordCounts, count_training_words
 
 

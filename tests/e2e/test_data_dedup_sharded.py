@@ -16,7 +16,8 @@ from data_pipeline.dedup.buckets import BucketJob, ReduceJob, bucket_chunk, pair
 from data_pipeline.dedup.sharded import dedup_sharded, layout, local_pmap
 from data_pipeline.planted import planted_corpus, real_words
 from data_pipeline.stages import build
-from data_pipeline.store import DocStore, ShardWriter
+from data_pipeline.doc_store import DocStore
+from data_pipeline.store import ShardWriter
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 GPT2 = DATA / "tokenizers" / "gpt2"
@@ -145,7 +146,7 @@ def test_build_outputs_byte_identical_to_in_memory_dedup(words, tmp_path, exact)
 
     from data_pipeline.stages.bookkeeping import work_dir
     from data_pipeline.stages.dedup import dedup_specs
-    from data_pipeline.store import write_jsonl_atomic
+    from data_pipeline.files import write_jsonl_atomic
     from tests.helpers.dedup_oracle import reference_dedup_files
 
     docs = _corpora(words)["mixed"] + _chains(words, 4, 12, seed=9)
@@ -264,7 +265,8 @@ def test_exact_map_reduce_equals_exact_representatives(words, tmp_path):
     from data_pipeline.dedup import exact as ex
     from data_pipeline.dedup.exact_sharded import (KeyMapJob, KeyReduceJob, SubsetJob, SubsetPositions, key_map,
                                                    key_reduce, read_dups, shard_groups, write_subset_group)
-    from data_pipeline.store import TEXT_FROM, atomic_write_json
+    from data_pipeline.files import atomic_write_json
+    from data_pipeline.store import TEXT_FROM
 
     base = _corpora(words)["mixed"]
     docs = base + base[::3] + [base[5]] * 4  # copies later in the store, some of copies

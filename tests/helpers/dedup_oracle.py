@@ -17,7 +17,7 @@ import numpy as np
 
 from data_pipeline import dedup as dd
 from data_pipeline.dedup import exact as ex
-from data_pipeline.store import DocStore
+from data_pipeline.doc_store import DocStore
 
 
 def reference_dedup_files(store: DocStore, sig_dir: Path, work: Path, shingle: dd.ShingleSpec, lsh: dd.LshSpec,
