@@ -67,7 +67,8 @@ from data_pipeline.planted import planted_corpus, real_words
 from data_pipeline.stages import build
 
 from benchmarks.real_corpus import real_text_corpus
-from data_pipeline.store import DocStore, ShardWriter
+from data_pipeline.doc_store import DocStore
+from data_pipeline.store import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -83,7 +83,7 @@ def _stage_before(store, tmp: Path, shingle, lsh, workers: int, chunk: int) -> d
     from data_pipeline import dedup as dd
     from data_pipeline.dedup import exact as ex
     from data_pipeline.dedup.sharded import dedup_sharded, local_pmap
-    from data_pipeline.store import atomic_save_npy, write_jsonl_atomic
+    from data_pipeline.files import atomic_save_npy, write_jsonl_atomic
 
     n = len(store)
     rep_of = ex.exact_representatives(ex.text_keys(store))
@@ -103,7 +103,7 @@ def run_one(path: str, store_dir: Path, tmp: Path, workers: int, chunk: int) -> 
     from data_pipeline import dedup as dd
     from data_pipeline.dedup.sharded import dedup_sharded, dedup_stage_files, local_pmap
     from data_pipeline.report import peak_rss_mib
-    from data_pipeline.store import DocStore
+    from data_pipeline.doc_store import DocStore
 
     shingle, lsh = dd.ShingleSpec(5, "word"), dd.LshSpec(0.7, 128, 20, 6, 1)
     store = DocStore(store_dir)

@@ -103,7 +103,7 @@ def _overlap(args: argparse.Namespace) -> int:
     for name, r in rep["sets"].items():
         print(f"  {name:<16} {r['ngrams']:>10,} {r['found']:>10,} {r['percent']:>10.2f}")
     if args.output:
-        from data_pipeline.store import atomic_write_json
+        from data_pipeline.files import atomic_write_json
 
         atomic_write_json(Path(args.output), rep)
     else:

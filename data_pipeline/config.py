@@ -30,20 +30,34 @@ class SourceConfig:
     """
 
     type: str = "jsonl"
+    """The reader: jsonl (plain or .gz), text, parquet, hf (a Hugging Face dataset) or default (the Python
+    documentation text shipped with the interpreter)."""
     path: str | None = None
+    """A file, a directory (all matching files, sorted) or a glob; for ``hf`` a dataset name on the Hub or a local
+    path; relative to the config file."""
     text_field: str = "text"
+    """jsonl/parquet/hf: the field that holds a record's text."""
     id_field: str | None = None
-    text_mode: str = "file"  # text sources: "file" = one document per file, "blocks" = per blank-line block
-    hf_name: str | None = None  # hf: configuration name
+    """The field that holds the user's id of a record (kept as ``id`` in ``documents.jsonl``); None: the record's
+    provenance is its id."""
+    text_mode: str = "file"
+    """text sources: ``file`` = one document per file, ``blocks`` = one per blank-line-separated block."""
+    hf_name: str | None = None
+    """hf: the dataset's configuration name."""
     hf_split: str = "train"
-    limit: int | None = None  # read at most this many records from this source
+    """hf: the split read."""
+    limit: int | None = None
+    """Read at most this many records from this source (None: all)."""
 
 
 @dataclass
 class CleanConfig:
     ftfy: bool = True
+    """Repair mojibake and other Unicode damage with ftfy (Megatron's default fixers) before anything else."""
     normalize_whitespace: bool = True
-    max_doc_bytes: int = 8_000_000  # a record larger than this (UTF-8 bytes) is rejected as too_large
+    """Collapse runs of spaces and blank lines, strip each line's ends."""
+    max_doc_bytes: int = 8_000_000
+    """A record larger than this many UTF-8 bytes is rejected as ``too_large``."""
 
 
 @dataclass
@@ -53,54 +67,80 @@ class TokenizerConfig:
     ``lowercase``) | hf (a ``tokenizer.json`` as ``model_file``)."""
 
     type: str = "sentencepiece"
+    """sentencepiece (trained here) | sentencepiece_model | gpt2 | wordpiece | hf (class docstring)."""
     vocab_size: int = 8000
-    flavor: str = "gpt"  # gpt: BPE with <|endoftext|>; bert: vocabulary with [CLS]/[SEP]/[MASK]/[PAD]
+    """sentencepiece: the vocabulary size trained."""
+    flavor: str = "gpt"
+    """gpt: BPE with ``<|endoftext|>``; bert: a vocabulary with [CLS]/[SEP]/[MASK]/[PAD]."""
     model_file: str | None = None
+    """sentencepiece_model: the ``.model``; hf: the ``tokenizer.json``."""
     vocab_file: str | None = None
+    """gpt2: ``vocab.json``; wordpiece: ``vocab.txt``."""
     merges_file: str | None = None
-    train_max_docs: Annotated[int, AtLeastOne] = 200_000  # sentencepiece training sample: the first N cleaned documents
-    # sentencepiece training threads. A setting, not the machine's core count: the learned pieces do not depend
-    # on it, but SentencePiece records it in the .model file, whose bytes (and sha256, in the manifest) would
-    # then differ between machines; more threads than cores only costs scheduling (16 on 2 cores: as fast as
-    # 2, 1.7x faster than 1)
+    """gpt2: ``merges.txt``."""
+    train_max_docs: Annotated[int, AtLeastOne] = 200_000
+    """sentencepiece training sample: the first N cleaned documents."""
     num_threads: int = 16
-    lowercase: bool = True  # wordpiece: lower-case and strip accents (uncased BERT vocabularies)
+    """SentencePiece training threads. A setting, not the machine's core count: the learned pieces do not depend on it,
+    but SentencePiece records it in the .model file, whose bytes (and sha256, in the manifest) would then differ
+    between machines; more threads than cores only costs scheduling (16 on 2 cores: as fast as 2, 1.7x faster than
+    1)."""
+    lowercase: bool = True
+    """wordpiece: lower-case and strip accents (uncased BERT vocabularies)."""
 
 
 @dataclass
 class LengthConfig:
     min_tokens: int = 128
-    count_eod: bool = True  # Megatron appends <|endoftext|> before comparing with 128 (dedup.md §1.1)
+    """Documents with fewer tokens are dropped (counted as ``too_short``)."""
+    count_eod: bool = True
+    """Count the appended ``<|endoftext|>`` too, as Megatron does before comparing with 128 (dedup.md §1.1)."""
 
 
 @dataclass
 class DedupConfig:
     enabled: bool = True
-    threshold: float = 0.7  # exact Jaccard of shingle sets at or above which two documents are duplicates
+    """Remove duplicates (exact, then near-duplicates); false: the stage passes every document on."""
+    threshold: float = 0.7
+    """Exact Jaccard of shingle sets at or above which two documents are duplicates."""
     num_perm: int = 128
+    """MinHash permutations per signature."""
     shingle_size: int = 5
-    shingle_unit: str = "word"  # word: lower-cased \w+ words; char: raw characters (Megatron's char 5-grams)
-    bands: int | None = None  # None: datasketch _optimal_param(threshold, num_perm, *lsh_weights)
+    """Units per shingle (n of the n-grams)."""
+    shingle_unit: str = "word"
+    """word: lower-cased ``\\w+`` words; char: raw characters (Megatron's char 5-grams)."""
+    bands: int | None = None
+    """LSH bands; None: datasketch's ``_optimal_param(threshold, num_perm, *lsh_weights)``."""
     rows: int | None = None
-    lsh_weights: list[Annotated[float, Fraction]] = field(default_factory=lambda: [0.1, 0.9])  # (false-positive, false-negative)
+    """LSH rows per band; None: with ``bands``, from ``lsh_weights``."""
+    lsh_weights: list[Annotated[float, Fraction]] = field(default_factory=lambda: [0.1, 0.9])
+    """(false-positive, false-negative) weights of the band/row choice."""
     seed: Annotated[int, NonNegative] = 1
-    chunk_size: int = 1000  # documents per signature chunk (unit of parallelism and of resume)
-    verify_block_docs: int = 20000  # max distinct documents loaded at once during exact verification
-    # exact dedup first (hash of the cleaned text, counted in stats), then MinHash on the survivors, as NeMo
-    # Curator orders them
+    """Seed of the MinHash permutations."""
+    chunk_size: int = 1000
+    """Documents per signature chunk (unit of parallelism and of resume)."""
+    verify_block_docs: int = 20000
+    """Most distinct documents whose shingle sets a verification task loads at once."""
     exact: bool = True
-    # LSH buckets, verification and the Jaccards to survivors as worker tasks over files, components streamed
-    # from edge files: the driver holds no signature or bucket (same result; false = the in-memory driver path)
+    """Exact dedup first (hash of the cleaned text, counted in stats), then MinHash on the survivors, as NeMo Curator
+    orders them."""
     sharded: bool = True
+    """Retired (issue 39): the stage always runs its steps as worker tasks over files (the driver holds no signature or
+    bucket); only true is accepted."""
 
 
 @dataclass
 class DatasetConfig:
-    gpt: bool = True  # one item per document, EOD appended
-    bert: bool = False  # one item per sentence, end_document() per document
+    gpt: bool = True
+    """Write the GPT indexed dataset: one item per document, EOD appended."""
+    bert: bool = False
+    """Write the BERT indexed dataset: one item per sentence, ``end_document()`` per document."""
     gpt_prefix: str = "gpt_text_document"
+    """File name (inside ``output_dir``) of the GPT dataset's ``.bin``/``.idx``."""
     bert_prefix: str = "bert_text_sentence"
-    tokenize_batch: Annotated[int, AtLeastOne] = 256  # documents per encode_batch call
+    """File name (inside ``output_dir``) of the BERT dataset's ``.bin``/``.idx``."""
+    tokenize_batch: Annotated[int, AtLeastOne] = 256
+    """Documents per ``encode_batch`` call."""
 
 
 @dataclass
@@ -108,40 +148,60 @@ class DecontaminateConfig:
     """Export drops every kept document that shares a word ``ngram``-gram with an evaluation set
     (``data_pipeline/overlap.py``); counted in stats.json, listed in ``contaminated.jsonl``."""
 
-    against: list[str] = field(default_factory=list)  # NAME=FILE items (jsonl with "text", or text lines); [] = off
-    ngram: int = 13  # the GPT-3/Megatron decontamination n-gram
+    against: list[str] = field(default_factory=list)
+    """NAME=FILE items (jsonl with ``text``, or text lines); [] = off."""
+    ngram: int = 13
+    """The n of the shared word n-grams (13: GPT-3's and Megatron's)."""
 
 
 @dataclass
 class RayConfig:
     """``executor: ray`` settings (``data_pipeline/ray_executor.py``)."""
 
-    address: str = "auto"  # an existing cluster: "auto" (RAY_ADDRESS or the local head) or "host:port"
+    address: str = "auto"
+    """An existing cluster: ``auto`` (RAY_ADDRESS or the local head) or ``host:port``."""
     num_cpus_per_task: Annotated[float, Positive] = 1.0
-    max_retries: Annotated[int, NonNegative] = 3  # a task whose worker dies is rerun (stage functions are idempotent)
-    lsh_partitions: Annotated[int, NonNegative] = 0  # reduce tasks of the LSH band shuffle; 0 = 2 x the cluster's CPUs
+    """CPUs Ray reserves per task."""
+    max_retries: Annotated[int, NonNegative] = 3
+    """A task whose worker dies is rerun this many times (stage functions are idempotent)."""
+    lsh_partitions: Annotated[int, NonNegative] = 0
+    """The least number of dedup partitions and verification ranges; 0 = 2 x the cluster's CPUs."""
 
 
 @dataclass
 class BuildConfig:
     output_dir: str = "runs/corpus"
+    """Where the corpus and its ``work/`` folder go (relative to the config file)."""
     sources: list[SourceConfig] = field(default_factory=list)
-    workers: int = 0  # 0: all cores
-    shard_size: int = 2000  # input records per ingest shard (unit of resume)
+    """The inputs, read in order (input indices run across them)."""
+    workers: int = 0
+    """Worker processes of the local executor; 0: all cores."""
+    shard_size: int = 2000
+    """Input records per ingest shard (the unit of parallelism and of resume)."""
     seed: Annotated[int, NonNegative] = 1234
+    """Seed of SentencePiece training."""
     progress: bool | None = None
     """Progress bars on stderr: true/false, or null (the default) = only when stderr is a terminal (a bar
     redrawn with carriage returns is noise in a Slurm, CI or piped log)."""
     clean: CleanConfig = field(default_factory=CleanConfig)
+    """Cleaning (stage ingest)."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """The tokenizer trained or loaded (stage tokenizer)."""
     length: LengthConfig = field(default_factory=LengthConfig)
+    """The length filter (stage filter)."""
     dedup: DedupConfig = field(default_factory=DedupConfig)
+    """Exact and near-duplicate removal (stage dedup)."""
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    """The indexed datasets written (stage export)."""
     decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
-    executor: str = "local"  # local: processes on this machine; ray: tasks on a Ray cluster (ray.address)
+    """Evaluation-set overlap removal (stage export)."""
+    executor: str = "local"
+    """Where tasks run: local (forked processes on this machine) or ray (tasks on a Ray cluster, ``ray.address``);
+    chosen once per build (``data_pipeline/executor.py``)."""
     ray: RayConfig = field(default_factory=RayConfig)
-    #: directory that relative paths in the config are resolved against (set by load_config)
+    """``executor: ray`` settings."""
     base_dir: str = "."
+    """Directory that relative paths in the config are resolved against (set by ``load_config``)."""
 
     @property
     def num_workers(self) -> int:
@@ -199,6 +259,9 @@ def _validate(cfg: BuildConfig) -> None:
     enum("tokenizer.flavor", cfg.tokenizer.flavor)
     enum("dedup.shingle_unit", cfg.dedup.shingle_unit)
     enum("executor", cfg.executor)
+    if not cfg.dedup.sharded:
+        raise ConfigError("dedup.sharded=false (the single-driver dedup path) was retired: the stage always runs "
+                          "its steps as worker tasks; remove the key (or set it to true)")
     t = cfg.tokenizer
     need = {"sentencepiece_model": ["model_file"], "gpt2": ["vocab_file", "merges_file"], "wordpiece": ["vocab_file"],
             "hf": ["model_file"]}.get(t.type, [])

@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.store import read_word_list, shard_name, write_word_list
+from data_pipeline.files import read_word_list, write_word_list
+from data_pipeline.store import shard_name
 from megatron_ds_suite.core import atomic
 from data_pipeline.tokenizer_train import MAX_SENTENCE_LENGTH, WordCounts, count_training_words
 

@@ -27,15 +27,16 @@ from data_pipeline.dedup.minhash import (ShingleCache, Signer, chunk_files, comp
                                          sign_chunk)
 from data_pipeline.dedup.verify import (DedupResult, UnionFind, cluster, duplicate_rows, jaccard_sorted,
                                         verify_and_cluster, verify_block, verify_pairs, visit_measured)
-from data_pipeline.store import DocStore
+from data_pipeline.doc_store import DocStore
 
 
 def dedup_store(store: DocStore, sig_dir: Path, shingle: ShingleSpec, lsh: LshSpec, chunk_size: int,
                 workers: int, max_docs: int = 20000, progress: bool = True,
                 candidates: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None) -> DedupResult:
-    """The whole stage on a document store: signatures + fingerprint sets (parallel chunks, cached in
-    ``sig_dir``) → candidate pairs (:func:`band_pairs`, or ``candidates(sigs, active)``) →
-    :func:`verify_and_cluster`. Times per phase in ``result.seconds``."""
+    """The single-driver reference of the fuzzy steps, used only by tests and benchmarks (the build's stage runs
+    :func:`data_pipeline.dedup.sharded.dedup_stage_files`, whose result equals this one's): signatures +
+    fingerprint sets (parallel chunks, cached in ``sig_dir``) → candidate pairs (:func:`band_pairs`, or
+    ``candidates(sigs, active)``) → :func:`verify_and_cluster`. Times per phase in ``result.seconds``."""
     t0 = time.perf_counter()
     sigs, nsh = compute_signatures(store, sig_dir, lsh.num_perm, lsh.seed, shingle, chunk_size, workers, progress)
     active = nsh > 0

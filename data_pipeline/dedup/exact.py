@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from data_pipeline.dedup.verify import DedupResult
-from data_pipeline.store import (REBUILD, DocStore, ShardCheck, StoreError, atomic_save_npy, reset_dir, seal_shard,
-                                 shard_name, write_text_from)
+from data_pipeline.doc_store import DocStore
+from data_pipeline.files import atomic_save_npy, reset_dir
+from data_pipeline.store import REBUILD, ShardCheck, StoreError, seal_shard, shard_name, write_text_from
 
 KEY = "blake2b-128 of the cleaned text's UTF-8 bytes"
 

@@ -28,7 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from data_pipeline.dedup.exact import text_key
-from data_pipeline.store import REBUILD, DocStore, ShardCheck, StoreError, atomic_save_npy, seal_shard, shard_name
+from data_pipeline.doc_store import DocStore
+from data_pipeline.files import atomic_save_npy
+from data_pipeline.store import REBUILD, ShardCheck, StoreError, seal_shard, shard_name
 
 #: documents per shard group (map and subset tasks)
 DOCS_PER_GROUP = 100_000

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from data_pipeline.dedup.hashing import ShingleSpec, fmix32, shingle_sets_batch
-from data_pipeline.store import DocStore, atomic_save_npy, scan_names
+from data_pipeline.doc_store import DocStore
+from data_pipeline.files import atomic_save_npy
+from data_pipeline.store import scan_names
 from data_pipeline.workers import worker_pool
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@
 
 The result (clusters, links, Jaccards to survivors, candidate / measured / accepted / rejected / skipped
 counts) equals :func:`data_pipeline.dedup.dedup_store`'s, for any number of partitions and ranges (tested).
-``pmap(fn, jobs)`` runs the tasks and returns their results in job order: :func:`local_pmap` (worker
-processes) or ``ray_executor.ray_pmap`` (Ray tasks). Intermediate files live in ``work`` and are removed
+``pmap(fn, jobs)`` runs the tasks and returns their results in job order: the build's executor's ``map``
+(:mod:`data_pipeline.executor`: forked workers or Ray tasks), or :func:`local_pmap` (tests, benchmarks). Intermediate files live in ``work`` and are removed
 as soon as the next step has read them; they are written without ``fsync`` (a plain ``np.save``): ``work`` is
 emptied at the start of every run, so an interrupted run's files are never read (the signature chunks, which
 are reused on resume, are still written atomically).
@@ -41,8 +41,9 @@ from data_pipeline.dedup.hashing import ShingleSpec
 from data_pipeline.dedup.lsh import LshSpec
 from data_pipeline.dedup.minhash import sign_chunk, sign_jobs
 from data_pipeline.dedup.verify import DedupResult, pair_blocks
-from data_pipeline.store import DocStore, write_text_from
-from data_pipeline.workers import worker_pool
+from data_pipeline.executor import LocalExecutor
+from data_pipeline.doc_store import DocStore
+from data_pipeline.store import write_text_from
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +55,9 @@ DOCS_PER_RANGE = 100_000
 
 
 def local_pmap(workers: int) -> PMap:
-    """``pmap`` over ``workers`` forked processes (in this process when 1; the build's shared pool during a
-    build, :mod:`data_pipeline.workers`). A single job runs in a worker too, so a task's memory (the
-    components task's) is never the driver's."""
-    def pmap(fn: Callable[[Any], Any], jobs: Sequence[Any]) -> list[Any]:
-        jobs = list(jobs)
-        if workers > 1 and jobs:
-            with worker_pool(min(workers, len(jobs))) as pool:
-                return list(pool.imap(fn, jobs))
-        return [fn(j) for j in jobs]
-    return pmap
+    """``pmap`` over ``workers`` forked processes: :meth:`data_pipeline.executor.LocalExecutor.map` (in this process
+    when 1; the build's shared pool during a build; a single job runs in a worker too)."""
+    return LocalExecutor(workers).map
 
 
 def layout(n: int, bands: int, min_tasks: int, records_per_part: int = RECORDS_PER_PARTITION,

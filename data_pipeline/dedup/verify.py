@@ -26,7 +26,7 @@ import numpy as np
 
 from data_pipeline.dedup.hashing import ShingleSpec, shingle_sets_batch
 from data_pipeline.dedup.minhash import ShingleCache
-from data_pipeline.store import DocStore
+from data_pipeline.doc_store import DocStore
 from data_pipeline.workers import worker_pool
 
 

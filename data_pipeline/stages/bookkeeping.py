@@ -21,8 +21,9 @@ from typing import Any
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.sources import input_fingerprint
-from data_pipeline.store import (REBUILD, STORE_FORMAT, DocStore, ShardCheck, StoreError, atomic_write_json, done_shards, read_json,
-                                 reset_dir)
+from data_pipeline.doc_store import DocStore
+from data_pipeline.files import atomic_write_json, read_json, reset_dir
+from data_pipeline.store import REBUILD, STORE_FORMAT, ShardCheck, StoreError, done_shards
 from megatron_ds_suite.core.errors import SuiteError
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,61 @@ def finish_stage(cfg: BuildConfig, stage: str, stats: dict[str, Any], shards: in
     atomic_write_json(work_dir(cfg, stage) / "_stage.json", rec)
     log.info("stage %s done in %.2fs", stage, stats.get("seconds", 0.0))
     return stats
+
+
+class StageRun:
+    """One run of a stage's bookkeeping as one context: its timer (started on creation), :meth:`begin` (the folder
+    prepared, ``_stage.json`` "started"), :meth:`progress` (bars, closed when the ``with`` block ends, however it
+    ends), :meth:`stats` (seconds, documents/s, peak memory and the stage's own numbers), :meth:`finish`
+    (``_stage.json`` "done" with its stats and shards) and :attr:`fingerprint`. Every stage runs in one::
+
+        with StageRun(cfg, "filter") as stage:
+            folder = stage.begin()
+            bar = stage.progress(desc="filter", unit="doc")
+            ...
+            return stage.finish(stage.stats(docs_in, kept=kept), shards=shards, docs=kept)
+    """
+
+    def __init__(self, cfg: BuildConfig, name: str) -> None:
+        from data_pipeline.report import StageTimer
+
+        self.cfg, self.name = cfg, name
+        self.timer = StageTimer(name)
+        self.folder = work_dir(cfg, name)
+        self._bars: list[Any] = []
+
+    def __enter__(self) -> StageRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for bar in self._bars:
+            bar.close()
+
+    @property
+    def fingerprint(self) -> str:
+        """:func:`fingerprint` of this stage for this config."""
+        return fingerprint(self.cfg, self.name)
+
+    def begin(self) -> Path:
+        """:func:`begin_stage`: the stage's folder, wiped unless resuming the same fingerprint."""
+        self.folder = begin_stage(self.cfg, self.name)
+        return self.folder
+
+    def progress(self, **kw: Any) -> Any:
+        """A :func:`progress_bar`, closed when the stage's ``with`` block ends."""
+        bar = progress_bar(self.cfg, **kw)
+        self._bars.append(bar)
+        return bar
+
+    def stats(self, docs_in: int, **info: Any) -> dict[str, Any]:
+        """The stage's stats: seconds since the run began, documents in, per second, peak memory, and ``info``."""
+        return self.timer.finish(docs_in, **info)
+
+    def finish(self, stats: dict[str, Any], shards: int | None = None, docs: int | None = None) -> dict[str, Any]:
+        """:func:`finish_stage`: the stage marked done with ``stats`` (its last write); returns ``stats``."""
+        for bar in self._bars:
+            bar.close()
+        return finish_stage(self.cfg, self.name, stats, shards, docs)
 
 
 def require_stage(cfg: BuildConfig, stage: str) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 The filter's store is an index over the ingest shard files (no text is copied): per shard, the kept rows'
 ``idx.npy``, their token ids, exact-dedup keys and the too-short rows; ``_text_from.json`` names the ingest
-folder (see :class:`data_pipeline.store.DocStore`)."""
+folder (see :class:`data_pipeline.doc_store.DocStore`)."""
 from __future__ import annotations
 
 import json
@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 
 from data_pipeline.config import BuildConfig
-from data_pipeline.report import StageTimer
+from data_pipeline.executor import Executor
 from data_pipeline.words import WordIndex, encode_indexed
-from data_pipeline.workers import worker_pool
-from data_pipeline.stages.bookkeeping import (begin_stage, finish_stage, progress_bar, require_stage, stage_record,
+from data_pipeline.stages.bookkeeping import (StageRun, require_stage, stage_record,
                                               stage_tokenizer_spec, work_dir)
-from data_pipeline.store import (ShardCheck, ShardReader, atomic_save_npy, done_shards, load_index, seal_shard, shard_counts, shard_name, verify_files, write_jsonl_atomic,
-                                 write_text_from)
+from data_pipeline.files import atomic_save_npy, write_jsonl_atomic
+from data_pipeline.store import (ShardCheck, ShardReader, done_shards, load_index, seal_shard, shard_counts,
+                                 shard_name, verify_files, write_text_from)
 
 
 def save_token_ids(folder: Path, k: int, flat: np.ndarray, lens: np.ndarray) -> dict[str, list[int]]:
@@ -125,39 +125,29 @@ def filter_shard(job: FilterJob) -> dict[str, Any]:
     return info
 
 
-def run_filter(cfg: BuildConfig) -> dict[str, Any]:
+def run_filter(cfg: BuildConfig, executor: Executor) -> dict[str, Any]:
     """Tokenize every document once, keep those of at least ``length.min_tokens`` tokens."""
-    timer = StageTimer("filter")
-    require_stage(cfg, "ingest")  # checks the ingest store holds the shards its stage wrote
-    shards = stage_record(cfg, "ingest").get("shards", len(done_shards(work_dir(cfg, "ingest"))))  # type: ignore[union-attr]
-    spec = stage_tokenizer_spec(cfg)
-    src = work_dir(cfg, "ingest")
-    dst = begin_stage(cfg, "filter")
-    write_text_from(dst, src)  # the kept texts stay where ingest wrote them
-    todo = [k for k in done_shards(src) if k not in set(done_shards(dst))]
-    jobs = [FilterJob(str(src), str(dst), k, spec, cfg.length.min_tokens, cfg.length.count_eod,
-                      cfg.dataset.tokenize_batch) for k in todo]
-    bar = progress_bar(cfg, desc="filter: count tokens", unit="doc")
-    if cfg.executor == "ray":
-        from data_pipeline.ray_executor import ray_map
-
-        for info in ray_map(cfg, filter_shard, jobs):
+    with StageRun(cfg, "filter") as stage:
+        require_stage(cfg, "ingest")  # checks the ingest store holds the shards its stage wrote
+        shards = stage_record(cfg, "ingest").get("shards", len(done_shards(work_dir(cfg, "ingest"))))  # type: ignore[union-attr]
+        spec = stage_tokenizer_spec(cfg)
+        src = work_dir(cfg, "ingest")
+        dst = stage.begin()
+        write_text_from(dst, src)  # the kept texts stay where ingest wrote them
+        todo = [k for k in done_shards(src) if k not in set(done_shards(dst))]
+        jobs = [FilterJob(str(src), str(dst), k, spec, cfg.length.min_tokens, cfg.length.count_eod,
+                          cfg.dataset.tokenize_batch) for k in todo]
+        bar = stage.progress(desc="filter: count tokens", unit="doc")
+        for info in executor.imap_unordered(filter_shard, jobs):
             bar.update(info["in"])
-    elif cfg.num_workers > 1 and len(jobs) > 1:
-        with worker_pool(min(cfg.num_workers, len(jobs))) as pool:
-            for info in pool.imap_unordered(filter_shard, jobs):
-                bar.update(info["in"])
-    else:
-        for j in jobs:
-            bar.update(filter_shard(j)["in"])
-    bar.close()
-    tot: Counter[str] = Counter()
-    examples: list[Any] = []
-    for k in done_shards(dst):
-        c = shard_counts(dst, k)
-        tot.update({x: c[x] for x in ("in", "kept", "too_short", "tokens")})
-        examples += c["examples"][: max(0, 5 - len(examples))]
-    stats = timer.finish(tot["in"], kept=tot["kept"], too_short=tot["too_short"], tokens=tot["tokens"],
-                         min_tokens=cfg.length.min_tokens, count_eod=cfg.length.count_eod,
-                         tokenizer=require_stage(cfg, "tokenizer")["spec"], too_short_examples=examples)
-    return finish_stage(cfg, "filter", stats, shards=shards, docs=tot["kept"])
+        bar.close()
+        tot: Counter[str] = Counter()
+        examples: list[Any] = []
+        for k in done_shards(dst):
+            c = shard_counts(dst, k)
+            tot.update({x: c[x] for x in ("in", "kept", "too_short", "tokens")})
+            examples += c["examples"][: max(0, 5 - len(examples))]
+        stats = stage.stats(tot["in"], kept=tot["kept"], too_short=tot["too_short"], tokens=tot["tokens"],
+                             min_tokens=cfg.length.min_tokens, count_eod=cfg.length.count_eod,
+                             tokenizer=require_stage(cfg, "tokenizer")["spec"], too_short_examples=examples)
+        return stage.finish(stats, shards=shards, docs=tot["kept"])

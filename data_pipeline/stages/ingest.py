@@ -6,7 +6,6 @@ import logging
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +13,15 @@ import numpy as np
 
 from data_pipeline.clean import clean_text
 from data_pipeline.config import BuildConfig
-from data_pipeline.report import StageTimer
+from data_pipeline.executor import Executor
 from data_pipeline.sources import REJECT_REASONS, RawRecord, check_sources, iter_records
-from data_pipeline.stages.bookkeeping import StageError, begin_stage, finish_stage, progress_bar
+from data_pipeline.stages.bookkeeping import StageRun, StageError
 from data_pipeline.dedup.exact import text_key
-from data_pipeline.store import (ShardWriter, atomic_save_npy, done_shards, read_word_list, shard_counts, shard_name, write_jsonl_atomic, write_word_list)
+from data_pipeline.files import atomic_save_npy, read_word_list, write_jsonl_atomic, write_word_list
+from data_pipeline.store import ShardWriter, done_shards, shard_counts, shard_name
 from megatron_ds_suite.core import atomic
 from data_pipeline.tokenizer_train import WordCounts
 from data_pipeline.words import GPT2_WHITESPACE, SPM_IDENTITY, WordIndex, training_counts
-from data_pipeline.workers import worker_pool
 
 log = logging.getLogger(__name__)
 
@@ -173,69 +172,42 @@ class _Shards:
         return k, k * self.size, buf
 
 
-def run_ingest(cfg: BuildConfig) -> dict[str, Any]:
+def run_ingest(cfg: BuildConfig, executor: Executor) -> dict[str, Any]:
     """Read and clean every source into shards (finished shards are kept on resume)."""
-    timer = StageTimer("ingest")
-    check_sources(cfg)  # an hf source that cannot be loaded: one line before any shard is written
-    folder = begin_stage(cfg, "ingest")
-    done = set(done_shards(folder))
-    if done:
-        log.info("ingest: resuming, %d shard(s) already finished", len(done))
-    workers = cfg.num_workers
-    split = index_split(cfg)
-    count_words = trains_on_word_counts(cfg)  # shards that may hold training documents count their words
-    bar = progress_bar(cfg, desc="ingest: read+clean", unit="doc")
-    pending: list[Any] = []
+    with StageRun(cfg, "ingest") as stage:
+        check_sources(cfg)  # an hf source that cannot be loaded: one line before any shard is written
+        folder = stage.begin()
+        done = set(done_shards(folder))
+        if done:
+            log.info("ingest: resuming, %d shard(s) already finished", len(done))
+        split = index_split(cfg)
+        count_words = trains_on_word_counts(cfg)  # shards that may hold training documents count their words
+        bar = stage.progress(desc="ingest: read+clean", unit="doc")
 
-    def drain(limit: int) -> None:
-        while len(pending) > limit:
-            bar.update(pending.pop(0).get()["read"])
-
-    def job(k: int, first: int, recs: list[RawRecord]) -> IngestJob:
-        return IngestJob(str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace, split,
-                         count_words and first < cfg.tokenizer.train_max_docs)
-
-    shards = _Shards(iter_records(cfg, lazy=True), cfg.shard_size)
-    if cfg.executor == "ray":  # one Ray task per shard; same shard function, same files
-        from data_pipeline.ray_executor import ray_map
-
-        def ray_jobs() -> Iterator[IngestJob]:
+        def jobs() -> Iterator[IngestJob]:  # read lazily: at most ~2 shards per worker in flight
             for k, first, recs in shards:
                 if k in done:
                     bar.update(len(recs))
                     continue
-                yield job(k, first, recs)
+                yield IngestJob(str(folder), k, recs, first, cfg.clean.ftfy, cfg.clean.normalize_whitespace, split,
+                                count_words and first < cfg.tokenizer.train_max_docs)
 
+        shards = _Shards(iter_records(cfg, lazy=True), cfg.shard_size)
         try:
-            for info in ray_map(cfg, ingest_shard, ray_jobs()):
+            for info in executor.imap_unordered(ingest_shard, jobs()):
                 bar.update(info["read"])
         finally:
             bar.close()
-    try:
-        with ExitStack() as stack:
-            pool = stack.enter_context(worker_pool(workers)) if workers > 1 and cfg.executor == "local" else None
-            for k, first, recs in (shards if cfg.executor == "local" else ()):
-                if k in done:
-                    bar.update(len(recs))
-                    continue
-                if pool is None:
-                    bar.update(ingest_shard(job(k, first, recs))["read"])
-                else:
-                    pending.append(pool.apply_async(ingest_shard, (job(k, first, recs),)))
-                    drain(2 * workers)  # bounded: at most ~2 shards per worker in flight
-            drain(0)
-    finally:
-        bar.close()
-    read = clean = 0
-    by_reason: Counter[str] = Counter()
-    for k in done_shards(folder):
-        c = shard_counts(folder, k)
-        read += c["read"]
-        clean += c["clean"]
-        by_reason.update(c["rejected"])
-    stats = timer.finish(read, read=read, clean=clean, rejected=sum(by_reason.values()),
-                         rejected_by_reason={r: by_reason.get(r, 0) for r in REJECT_REASONS})
-    if clean == 0:
-        raise StageError(f"no usable document in the inputs ({read} records read, all rejected: "
-                         f"{dict(by_reason)}); see {folder}/*.rejects.jsonl")
-    return finish_stage(cfg, "ingest", stats, shards=shards.count, docs=clean)
+        read = clean = 0
+        by_reason: Counter[str] = Counter()
+        for k in done_shards(folder):
+            c = shard_counts(folder, k)
+            read += c["read"]
+            clean += c["clean"]
+            by_reason.update(c["rejected"])
+        stats = stage.stats(read, read=read, clean=clean, rejected=sum(by_reason.values()),
+                             rejected_by_reason={r: by_reason.get(r, 0) for r in REJECT_REASONS})
+        if clean == 0:
+            raise StageError(f"no usable document in the inputs ({read} records read, all rejected: "
+                             f"{dict(by_reason)}); see {folder}/*.rejects.jsonl")
+        return stage.finish(stats, shards=shards.count, docs=clean)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from data_pipeline.config import BuildConfig, ConfigError
+from data_pipeline.executor import executor_for
 from data_pipeline.report import peak_rss_mib
 from data_pipeline.stages.bookkeeping import STAGES, assemble_stats, is_done
 from data_pipeline.stages.dedup import run_dedup
@@ -18,8 +19,8 @@ from data_pipeline.stages.export import run_export
 from data_pipeline.stages.filter import run_filter
 from data_pipeline.stages.ingest import run_ingest
 from data_pipeline.stages.tokenizer import run_tokenizer
-from data_pipeline.store import atomic_write_json
-from data_pipeline.workers import build_pool, reading_work_files
+from data_pipeline.files import atomic_write_json
+from data_pipeline.workers import reading_work_files
 from megatron_ds_suite.core.folder_lock import folder_lock
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ def run_stage(cfg: BuildConfig, stage: str) -> dict[str, Any]:
     """Run one stage now (recomputing it); its upstream stages must be finished for this config."""
     if stage not in RUNNERS:
         raise ConfigError(f"unknown stage '{stage}' (stages: {', '.join(STAGES)})")
-    with output_lock(cfg), reading_work_files(stage):
-        return RUNNERS[stage](cfg)
+    with executor_for(cfg) as executor, output_lock(cfg), reading_work_files(stage):
+        return RUNNERS[stage](cfg, executor)
 
 
 def output_lock(cfg: BuildConfig) -> Any:
@@ -44,27 +45,20 @@ def output_lock(cfg: BuildConfig) -> Any:
 
 def build(cfg: BuildConfig, force: bool = False) -> tuple[Path, dict[str, Any]]:
     """Run every stage that is not finished for this config (all of them with ``force``)."""
-    if cfg.executor == "ray":  # reach the cluster before any work
-        from data_pipeline.ray_executor import connect
-
-        connect(cfg)
-    with output_lock(cfg):
-        return _build(cfg, force)
-
-
-def _build(cfg: BuildConfig, force: bool) -> tuple[Path, dict[str, Any]]:
-    reused: set[str] = set()
-    t0 = time.perf_counter()
-    with build_pool(cfg.num_workers):  # one set of forked workers for every stage (data_pipeline.workers)
+    # the executor, chosen here once and handed to every stage: a Ray cluster is reached before any work, the
+    # local fork pool is forked once for every stage (data_pipeline.workers)
+    with executor_for(cfg) as executor, output_lock(cfg):
+        reused: set[str] = set()
+        t0 = time.perf_counter()
         for stage in STAGES:
             if not force and is_done(cfg, stage) and not (stage == "export" and not (cfg.out / "stats.json").exists()):
                 log.info("stage %s: finished earlier with the same inputs and settings, reused", stage)
                 reused.add(stage)
                 continue
             with reading_work_files(stage):
-                RUNNERS[stage](cfg)
-    stats = assemble_stats(cfg, reused)
-    stats["total_seconds"] = round(time.perf_counter() - t0, 3)
-    stats["peak_rss_now_mib"] = peak_rss_mib()[0]
-    atomic_write_json(cfg.out / "stats.json", stats)
-    return cfg.out, stats
+                RUNNERS[stage](cfg, executor)
+        stats = assemble_stats(cfg, reused)
+        stats["total_seconds"] = round(time.perf_counter() - t0, 3)
+        stats["peak_rss_now_mib"] = peak_rss_mib()[0]
+        atomic_write_json(cfg.out / "stats.json", stats)
+        return cfg.out, stats

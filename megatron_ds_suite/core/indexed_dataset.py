@@ -194,6 +194,28 @@ class MMapIndexedDatasetBuilder:
         self._doc_idx.extend(np.arange(first + 1, first + len(sizes) + 1, dtype=np.int64))
         self._num_tokens += tokens.size
 
+    def add_item_documents(self, tokens: np.ndarray, sizes: np.ndarray, items_per_document: np.ndarray) -> None:
+        """Many documents of many items at once: ``tokens`` is every item's ids concatenated, ``sizes`` each
+        item's length, ``items_per_document`` each document's number of items (the same files as
+        :meth:`add_document` per document, in one write)."""
+        per_doc = np.asarray(items_per_document, dtype=np.int64)
+        if (per_doc < 0).any() or int(per_doc.sum()) != len(sizes):
+            raise IndexedDatasetError(f"add_item_documents: {len(sizes)} items do not split into documents of "
+                                      f"{int(per_doc.sum())} items")
+        if self._done:
+            raise IndexedDatasetError(f"builder for {self.prefix} is already finalized")
+        sizes = np.asarray(sizes, dtype=np.int64)
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or int(sizes.sum()) != tokens.size or (sizes < 0).any() or (sizes >= 2**31).any():
+            raise IndexedDatasetError(f"add_item_documents: {tokens.size} tokens do not split into sizes summing "
+                                      f"to {int(sizes.sum())} (each in [0, 2^31))")
+        self._check_ids(tokens)
+        self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes(order="C"))
+        first = len(self._sizes)
+        self._sizes.extend(sizes)
+        self._doc_idx.extend(first + np.cumsum(per_doc))
+        self._num_tokens += tokens.size
+
     def add_document(self, items: list[npt.ArrayLike]) -> None:
         """``add_item`` for each item, then ``end_document``."""
         for it in items:

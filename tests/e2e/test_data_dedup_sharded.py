@@ -16,7 +16,8 @@ from data_pipeline.dedup.buckets import BucketJob, ReduceJob, bucket_chunk, pair
 from data_pipeline.dedup.sharded import dedup_sharded, layout, local_pmap
 from data_pipeline.planted import planted_corpus, real_words
 from data_pipeline.stages import build
-from data_pipeline.store import DocStore, ShardWriter
+from data_pipeline.doc_store import DocStore
+from data_pipeline.store import ShardWriter
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 GPT2 = DATA / "tokenizers" / "gpt2"
@@ -136,34 +137,49 @@ def test_bucket_files_give_band_pairs(tmp_path):
 
 @pytest.mark.parametrize("exact", [True, False])
 def test_build_outputs_byte_identical_to_in_memory_dedup(words, tmp_path, exact):
-    """A whole local build with ``dedup.sharded`` (default) and with the in-memory driver path: the same
-    bytes in every output file and the same dedup counts."""
+    """A whole local build (the dedup stage's steps as worker tasks) against the retired single-driver path,
+    now the oracle (``tests/helpers/dedup_oracle.py``) run on the build's filter store: the same bytes in
+    ``removed.npy`` and ``duplicates.jsonl`` and the same dedup counts."""
     if not (GPT2 / "gpt2-vocab.json").exists():
         pytest.skip(f"GPT-2 tokenizer files not found under {GPT2}")
     import json
 
+    from data_pipeline.stages.bookkeeping import work_dir
+    from data_pipeline.stages.dedup import dedup_specs
+    from data_pipeline.files import write_jsonl_atomic
+    from tests.helpers.dedup_oracle import reference_dedup_files
+
     docs = _corpora(words)["mixed"] + _chains(words, 4, 12, seed=9)
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    outs, stats = [], []
-    for sharded in (True, False):
-        cfg = config_from_dict({
-            "output_dir": str(tmp_path / f"out-{sharded}"), "sources": [{"type": "jsonl", "path": str(src)}],
-            "workers": 2, "shard_size": 40, "progress": False,
-            "tokenizer": {"type": "gpt2", "vocab_file": str(GPT2 / "gpt2-vocab.json"),
-                          "merges_file": str(GPT2 / "gpt2-merges.txt")},
-            "length": {"min_tokens": 16}, "dedup": {"chunk_size": 32, "exact": exact, "sharded": sharded}})
-        out, st = build(cfg)
-        outs.append(out)
-        stats.append(st["dedup"])
-    for name in ("documents.jsonl", "duplicates.jsonl", "rejects.jsonl", "gpt_text_document.bin",
-                 "gpt_text_document.idx"):
-        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
-    assert stats[0]["removed"] >= 40 and stats[0]["clusters"] >= 10
-    for k in ("candidate_pairs", "measured_pairs", "verified_pairs", "rejected_candidates", "skipped_candidates",
-              "clusters", "removed", "exact_duplicates", "unsignatured"):
-        assert stats[0][k] == stats[1][k], k
-    assert not (outs[0] / "work" / "dedup" / "lsh").exists()  # intermediate bucket / pair / edge files removed
+    cfg = config_from_dict({
+        "output_dir": str(tmp_path / "out"), "sources": [{"type": "jsonl", "path": str(src)}],
+        "workers": 2, "shard_size": 40, "progress": False,
+        "tokenizer": {"type": "gpt2", "vocab_file": str(GPT2 / "gpt2-vocab.json"),
+                      "merges_file": str(GPT2 / "gpt2-merges.txt")},
+        "length": {"min_tokens": 16}, "dedup": {"chunk_size": 32, "exact": exact}})
+    out, st = build(cfg)
+    stats = st["dedup"]
+    shingle, lsh = dedup_specs(cfg)
+    store = DocStore(work_dir(cfg, "filter"))
+    removed, rows, counts = reference_dedup_files(store, tmp_path / "sig-ref", tmp_path / "ref", shingle, lsh, 32,
+                                                  cfg.dedup.verify_block_docs, exact)
+    store.close()
+    np.testing.assert_array_equal(np.load(work_dir(cfg, "dedup") / "removed.npy"), removed)
+    write_jsonl_atomic(tmp_path / "ref-duplicates.jsonl", rows)
+    assert (out / "duplicates.jsonl").read_bytes() == (tmp_path / "ref-duplicates.jsonl").read_bytes()
+    assert stats["removed"] >= 40 and stats["clusters"] >= 10
+    for k, v in counts.items():
+        assert stats[k] == v, k
+    assert not (out / "work" / "dedup" / "lsh").exists()  # intermediate bucket / pair / edge files removed
+
+
+def test_single_driver_dedup_is_retired(tmp_path):
+    from data_pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="dedup.sharded=false .* was retired"):
+        config_from_dict({"output_dir": str(tmp_path / "o"), "sources": [{"type": "default"}],
+                          "dedup": {"sharded": False}})
 
 
 def test_equal_key_pairs_survives_hash_collisions(monkeypatch):
@@ -249,7 +265,8 @@ def test_exact_map_reduce_equals_exact_representatives(words, tmp_path):
     from data_pipeline.dedup import exact as ex
     from data_pipeline.dedup.exact_sharded import (KeyMapJob, KeyReduceJob, SubsetJob, SubsetPositions, key_map,
                                                    key_reduce, read_dups, shard_groups, write_subset_group)
-    from data_pipeline.store import TEXT_FROM, atomic_write_json
+    from data_pipeline.files import atomic_write_json
+    from data_pipeline.store import TEXT_FROM
 
     base = _corpora(words)["mixed"]
     docs = base + base[::3] + [base[5]] * 4  # copies later in the store, some of copies

@@ -13,13 +13,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from data_pipeline import dedup as dd
 from data_pipeline.config import config_from_dict
 from data_pipeline.planted import planted_corpus, real_words
-from data_pipeline.ray_executor import band_map, band_reduce
 from data_pipeline.stages import build
 from tests.helpers.distributed import SHARED_DATA
 
@@ -27,25 +24,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(SHARED_DATA)
 GPT2 = DATA / "tokenizers" / "gpt2"
 CORPUS = DATA / "corpus"
-
-
-def test_band_shuffle_equals_band_pairs(tmp_path):
-    rng = np.random.default_rng(0)
-    n, bands, rows, chunk = 700, 8, 3, 128
-    sigs = rng.integers(0, 4, size=(n, bands * rows), dtype=np.uint32)  # tiny alphabet: many shared bands
-    sigs[rng.choice(n, 200, replace=False)] = sigs[rng.choice(n, 200)]  # plus exact copies
-    nsh = rng.integers(0, 5, size=n)  # some documents without a signature (nsh == 0)
-    for s in range(0, n, chunk):
-        f = dd.chunk_files(tmp_path, s)
-        np.save(f["sig"], sigs[s:s + chunk])
-        np.save(f["nsh"], nsh[s:s + chunk])
-    want = dd.band_pairs(sigs, nsh > 0, bands, rows)
-    assert len(want) > 1000
-    for parts in (1, 3, 7):
-        maps = [band_map((str(tmp_path), s, bands, rows, parts, n)) for s in range(0, n, chunk)]
-        keys = np.unique(np.concatenate([band_reduce(([m[p] for m in maps], n)) for p in range(parts)]))
-        got = np.stack([keys // n, keys % n], axis=1)
-        np.testing.assert_array_equal(got, want)
 
 
 def _free_port() -> int:
@@ -123,14 +101,14 @@ def ray_cluster():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _cfg(tmp: Path, src: Path, name: str, executor: str, address: str = "auto", sharded: bool = True) -> object:
+def _cfg(tmp: Path, src: Path, name: str, executor: str, address: str = "auto") -> object:
     return config_from_dict({
         "output_dir": str(tmp / name), "sources": [{"type": "jsonl", "path": str(src)}],
         "workers": 2, "shard_size": 40, "progress": False, "executor": executor,
         "ray": {"address": address, "lsh_partitions": 3},
         "tokenizer": {"type": "gpt2", "vocab_file": str(GPT2 / "gpt2-vocab.json"),
                       "merges_file": str(GPT2 / "gpt2-merges.txt")},
-        "length": {"min_tokens": 16}, "dedup": {"chunk_size": 32, "exact": True, "sharded": sharded}})
+        "length": {"min_tokens": 16}, "dedup": {"chunk_size": 32, "exact": True}})
 
 
 def test_ray_build_equals_local_build(tmp_path, ray_cluster):
@@ -146,17 +124,14 @@ def test_ray_build_equals_local_build(tmp_path, ray_cluster):
     out_l, st_l = build(_cfg(tmp_path, src, "local", "local"))
     out_r, st_r = build(_cfg(tmp_path, src, "ray", "ray", ray_cluster))
     assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 2  # the build ran on the 2-node cluster
-    # and the Ray build with the in-memory driver dedup (dedup.sharded=false: signatures loaded, band shuffle)
-    out_m, st_m = build(_cfg(tmp_path, src, "ray-memory", "ray", ray_cluster, sharded=False))
-    for out in (out_r, out_m):
-        for name in ("documents.jsonl", "duplicates.jsonl", "rejects.jsonl", "contaminated.jsonl",
-                     "gpt_text_document.bin", "gpt_text_document.idx"):
-            assert (out / name).read_bytes() == (out_l / name).read_bytes(), name
+    for name in ("documents.jsonl", "duplicates.jsonl", "rejects.jsonl", "contaminated.jsonl",
+                 "gpt_text_document.bin", "gpt_text_document.idx"):
+        assert (out_r / name).read_bytes() == (out_l / name).read_bytes(), name
     assert st_r["documents"] == st_l["documents"] and st_l["documents"]["duplicates"] >= 30
     assert st_r["dedup"]["executor"] == "ray" and st_l["dedup"]["executor"] == "local"
     for k in ("candidate_pairs", "measured_pairs", "verified_pairs", "clusters", "removed", "exact_duplicates",
               "skipped_candidates", "rejected_candidates", "unsignatured"):
-        assert st_r["dedup"][k] == st_l["dedup"][k] == st_m["dedup"][k], k
+        assert st_r["dedup"][k] == st_l["dedup"][k], k
 
 
 def test_unreachable_cluster_fails_fast_before_any_work(tmp_path):

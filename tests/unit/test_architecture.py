@@ -625,3 +625,41 @@ if __name__ == "__main__":  # python -m tests.unit.test_architecture: the counts
 
     for key, value in counts().items():
         print(f"{key}: {value}")
+
+
+# Where a build's tasks run is decided once (issue 39): ``cfg.executor`` is read by the executor module, which
+# builds the executor from it, and the runner that hands that executor to every stage (here only through
+# ``executor_for``); Ray itself is reached only through the executor module's ``RayExecutor``.
+EXECUTOR_READERS = ("data_pipeline/executor.py", "data_pipeline/config.py")
+RAY_CALLERS = ("data_pipeline/executor.py", "data_pipeline/ray_executor.py")
+
+
+def executor_branches(path: Path, source: str | None = None) -> list[str]:
+    """``file:line`` of every read of an ``executor`` config attribute (``cfg.executor``, ``x.executor == ...``)
+    and of every import of ``data_pipeline.ray_executor`` in ``path``."""
+    text = path.read_text(encoding="utf-8") if source is None else source
+    rel = path.relative_to(ROOT).as_posix() if path.is_absolute() and ROOT in path.parents else str(path)
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Attribute) and node.attr == "executor" and rel not in EXECUTOR_READERS:
+            found.append(f"{rel}:{node.lineno}: reads .executor (the executor is chosen once, in "
+                         "data_pipeline/executor.py, and handed to the stages)")
+        if rel not in RAY_CALLERS and (
+                (isinstance(node, ast.ImportFrom) and node.module == "data_pipeline.ray_executor")
+                or (isinstance(node, ast.Import) and any(a.name == "data_pipeline.ray_executor" for a in node.names))):
+            found.append(f"{rel}:{node.lineno}: imports data_pipeline.ray_executor (use the executor handed in)")
+    return sorted(found, key=lambda x: int(x.split(":")[1]))
+
+
+def test_no_executor_branch_outside_the_executor_module():
+    bad = [b for p in sorted((ROOT / "data_pipeline").rglob("*.py")) for b in executor_branches(p)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checker_sees_executor_branches():
+    src = ("def run(cfg):\n    if cfg.executor == 'ray':\n        from data_pipeline.ray_executor import ray_map\n"
+           "    return cfg.num_workers\n")
+    got = executor_branches(Path("data_pipeline/stages/filter.py"), src)
+    assert len(got) == 2 and got[0].startswith("data_pipeline/stages/filter.py:2") and "ray_executor" in got[1]
+    assert executor_branches(Path("data_pipeline/executor.py"), src) == []
+    assert executor_branches(Path("data_pipeline/stages/filter.py"), "def run(ex):\n    return ex.map\n") == []

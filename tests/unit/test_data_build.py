@@ -103,3 +103,49 @@ def test_bert_sentences(tmp_path):
     assert len(ds) == stats["tokens"]["sentences"] > stats["documents"]["kept"]
     assert corpus.tokenizer.cls is not None and corpus.tokenizer.eod == corpus.tokenizer.sep
     assert not os.path.exists(out / "gpt_text_document.bin")
+
+
+def test_stage_run_is_the_stages_bookkeeping(tmp_path, monkeypatch):
+    """``StageRun``: begin marks the stage started, its bars close when the block ends (also on an error, which
+    leaves the stage unfinished), finish marks it done with the stats and the config's fingerprint."""
+    from data_pipeline.stages import bookkeeping
+    from data_pipeline.stages.bookkeeping import StageRun, is_done, stage_record
+
+    class Bar:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(bookkeeping, "progress_bar", lambda cfg, **kw: Bar())
+    cfg = load_config(ROOT / "configs" / "data" / "tiny.yaml", [f"output_dir={tmp_path / 's'}"])
+    with pytest.raises(RuntimeError), StageRun(cfg, "tokenizer") as stage:
+        assert stage.begin() == work_dir(cfg, "tokenizer")
+        bar = stage.progress(desc="x", total=3)
+        raise RuntimeError("cut")
+    assert bar.closed
+    assert stage_record(cfg, "tokenizer")["status"] == "started" and not is_done(cfg, "tokenizer")
+    with StageRun(cfg, "tokenizer") as stage:
+        stage.begin()
+        stats = stage.finish(stage.stats(7, spec={"type": "x"}))
+    assert stats["docs_in"] == 7 and stats["spec"] == {"type": "x"} and "seconds" in stats
+    rec = stage_record(cfg, "tokenizer")
+    assert rec["status"] == "done" and rec["fingerprint"] == stage.fingerprint == fingerprint(cfg, "tokenizer")
+
+
+def test_every_config_field_is_documented():
+    """Each field of ``data_pipeline/config.py``'s dataclasses has a docstring right below it (as
+    ``training/config.py``'s fields do)."""
+    import ast
+
+    tree = ast.parse((ROOT / "data_pipeline" / "config.py").read_text(encoding="utf-8"))
+    fields, missing = 0, []
+    for cls in (c for c in tree.body if isinstance(c, ast.ClassDef)):
+        for i, st in enumerate(cls.body):
+            if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
+                fields += 1
+                nxt = cls.body[i + 1] if i + 1 < len(cls.body) else None
+                if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                        and isinstance(nxt.value.value, str) and nxt.value.value.strip()):
+                    missing.append(f"{cls.name}.{st.target.id}")
+    assert fields >= 61 and not missing, missing

@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_pipeline.store import (DocStore, ShardWriter, StoreError, done_shards, iter_shard, meta_path, shard_texts,
-                                 text_path)
+from data_pipeline.doc_store import DocStore
+from data_pipeline.store import ShardWriter, StoreError, done_shards, iter_shard, meta_path, shard_texts, text_path
 
 TEXTS = ["plain ascii", "naïve café — “quotes”\nsecond line", "emoji 🙂 and CJK 漢字", "\x00nul and \\ backslash \"",
          "tab\there", "x" * 5000]

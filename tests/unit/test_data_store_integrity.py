@@ -16,7 +16,8 @@ import pytest
 
 from data_pipeline.config import ConfigError, config_from_dict, load_config
 from data_pipeline.stages import StageError, build, run_stage, work_dir
-from data_pipeline.store import DocStore, ShardWriter, StoreError, index_path, meta_path, shard_name, text_path
+from data_pipeline.doc_store import DocStore
+from data_pipeline.store import ShardWriter, StoreError, index_path, meta_path, shard_name, text_path
 from megatron_ds_suite.core.errors import SuiteError
 
 ROOT = Path(__file__).resolve().parents[2]

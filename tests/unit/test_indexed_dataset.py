@@ -292,3 +292,28 @@ def test_add_documents_equals_one_item_per_document(tmp_path: Path) -> None:
     with pytest.raises(IndexedDatasetError, match="out of range"):
         b.add_documents(np.asarray([70000], dtype=np.int64), np.asarray([1]))
     b.abort()
+
+
+def test_add_item_documents_equals_add_document(tmp_path: Path) -> None:
+    """The bulk path of the BERT export (sentences as items, documents of several, some of none) writes the same
+    bytes as add_document per document, and refuses item counts that do not add up."""
+    rng = np.random.default_rng(1)
+    docs = [[rng.integers(1, 60000, int(n)).astype(np.int64) for n in rng.integers(1, 9, int(k))]
+            for k in rng.integers(0, 5, 40)]
+    ref = MMapIndexedDatasetBuilder(tmp_path / "ref", np.uint16)
+    for d in docs:
+        ref.add_document(d)
+    ref.finalize()
+    bulk = MMapIndexedDatasetBuilder(tmp_path / "bulk", np.uint16)
+    bulk.add_document(docs[0])
+    for part in (docs[1:25], docs[25:]):
+        items = [it for d in part for it in d]
+        bulk.add_item_documents(np.concatenate(items), np.asarray([len(it) for it in items]),
+                                np.asarray([len(d) for d in part]))
+    bulk.finalize()
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"bulk{ext}").read_bytes() == (tmp_path / f"ref{ext}").read_bytes()
+    b = MMapIndexedDatasetBuilder(tmp_path / "bad", np.uint16)
+    with pytest.raises(IndexedDatasetError, match="do not split into documents"):
+        b.add_item_documents(np.arange(4, dtype=np.int64), np.asarray([2, 2]), np.asarray([1]))
+    b.abort()

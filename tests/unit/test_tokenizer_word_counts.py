@@ -81,7 +81,7 @@ def test_build_tokenizer_from_ingest_counts(tmp_path: Path) -> None:
     from data_pipeline.config import config_from_dict
     from data_pipeline.stages import run_stage, work_dir
     from data_pipeline.stages.ingest import word_counts_path
-    from data_pipeline.store import DocStore
+    from data_pipeline.doc_store import DocStore
 
     words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
              "upsilon phi chi psi omega").split()
