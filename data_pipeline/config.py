@@ -249,9 +249,12 @@ def _validate(cfg: BuildConfig) -> None:
                     raise ConfigError(f"sources[{i}].path: input not found: {p}")
         if s.limit is not None and s.limit < 0:
             raise ConfigError(f"sources[{i}].limit must be >= 0, got {s.limit}")
-        folder = _source_folder(cfg, s)
+        folder, depth = _source_folder(cfg, s)
         out = cfg.out.resolve()
-        if folder is not None and (out == folder or folder in out.parents):
+        inside = folder is not None and (out == folder or folder in out.parents)
+        # a glob without `**` matches files exactly `depth` folders below its fixed part: an output folder at that
+        # depth or deeper holds no file it can match (`data/*.jsonl` with output_dir data/out is fine)
+        if inside and (depth is None or len(out.relative_to(folder).parts) < depth):
             raise ConfigError(f"output_dir {cfg.out} lies inside sources[{i}].path {s.path}, whose folders are read "
                               f"whole: a later build would read this build's own files (documents.jsonl, work/...) as "
                               f"input; choose an output_dir outside the source folders")
@@ -315,18 +318,22 @@ def _validate(cfg: BuildConfig) -> None:
             raise ConfigError(f"decontaminate.against {name}: file not found: {cfg.resolve(path)}")
 
 
-def _source_folder(cfg: BuildConfig, s: SourceConfig) -> Path | None:
-    """The folder a local source reads every file under (a directory, or a glob's fixed leading part), resolved;
-    None for a single file, the built-in corpus or a Hub name."""
+def _source_folder(cfg: BuildConfig, s: SourceConfig) -> tuple[Path | None, int | None]:
+    """(the folder a local source reads files under, resolved; how many levels below it a glob without ``**``
+    reaches, None for any depth): a directory is read whole, a glob from its fixed leading part. (None, None) for a
+    single file, the built-in corpus or a Hub name."""
     if not s.path or s.type == "default" or (s.type == "hf" and not _looks_local(s.path)):
-        return None
+        return None, None
     p = cfg.resolve(s.path)
     if p.is_dir():
-        return p.resolve()
+        return p.resolve(), None
     if p.exists():
-        return None
+        return None, None
     fixed = list(itertools.takewhile(lambda x: not glob.has_magic(x), p.parts))
-    return Path(*fixed).resolve() if fixed and len(fixed) < len(p.parts) else None
+    if not fixed or len(fixed) == len(p.parts):
+        return None, None
+    rest = p.parts[len(fixed):]
+    return Path(*fixed).resolve(), (None if "**" in rest else len(rest))
 
 
 def _looks_local(p: str) -> bool:

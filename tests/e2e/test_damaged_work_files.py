@@ -1,5 +1,7 @@
-"""A finished stage's work file damaged in place (same size, so the driver's size check passes) and then read by a pool
-worker of a later stage: one ``error:`` line naming the remedy, exit code 2, no worker traceback (issue 38)."""
+"""A finished stage's work file damaged in place (same size, so a size check passes) and then read by a later stage: one
+``error:`` line naming the file and the remedy, exit code 2, no worker traceback (issue 38). The shard checksums
+(``data_pipeline/shard_sums.py``) find the changed bytes when the stage opens the shard; what a pool worker still meets
+(a file damaged between the check and the read) is the same one line through ``data_pipeline.workers.run_task``."""
 from __future__ import annotations
 
 import shutil
@@ -69,4 +71,5 @@ def test_a_damaged_work_file_read_in_a_worker_is_one_line(built, tmp_path, capsy
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.strip() and " INFO " not in x and " WARNING " not in x]
     assert "Traceback" not in err and len(lines) == 1, err
-    assert lines[0].startswith("error: a work file") and "is damaged" in lines[0] and "build --force" in lines[0], lines
+    assert lines[0].startswith("error: ") and target.name in lines[0] and "build --force" in lines[0], lines
+    assert "is changed" in lines[0] or "is damaged" in lines[0], lines

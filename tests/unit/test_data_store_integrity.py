@@ -273,14 +273,19 @@ def test_a_stale_lock_of_a_killed_build_is_taken_over(corpus, caplog):
 
 
 # ------------------------------------------------------------------------------ output inside a source folder
-@pytest.mark.parametrize("layout", ["inside", "same", "deep", "glob", "hf_local"])
+@pytest.mark.parametrize("layout", ["inside", "same", "deep", "glob_recursive", "glob_same", "glob_two_levels",
+                                    "hf_local"])
 def test_an_output_folder_inside_a_source_folder_is_refused(tmp_path, layout):
     src = tmp_path / "data"
     (src / "sub").mkdir(parents=True)
     (src / "a.jsonl").write_text('{"text": "x"}\n')
+    (src / "sub" / "b.jsonl").write_text('{"text": "z"}\n')
     (tmp_path / "other.jsonl").write_text('{"text": "y"}\n')
     path, out = {"inside": (src, src / "out"), "same": (src, src), "deep": (src, src / "sub" / "x" / "out"),
-                 "glob": (src / "*.jsonl", src / "out"), "hf_local": (src, src / "out")}[layout]
+                 "glob_recursive": (src / "**" / "*.jsonl", src / "sub" / "out"),
+                 "glob_same": (src / "*.jsonl", src),  # documents.jsonl would match
+                 "glob_two_levels": (src / "*" / "*.jsonl", src / "out"),  # out/documents.jsonl would match
+                 "hf_local": (src, src / "out")}[layout]
     kind = "hf" if layout == "hf_local" else "jsonl"
     with pytest.raises(ConfigError) as e:
         config_from_dict({"output_dir": str(out), "sources": [{"type": "jsonl", "path": str(tmp_path / "other.jsonl")},
@@ -289,13 +294,15 @@ def test_an_output_folder_inside_a_source_folder_is_refused(tmp_path, layout):
     assert msg.startswith(f"output_dir {out} lies inside sources[1].path {path}") and isinstance(e.value, SuiteError)
 
 
-@pytest.mark.parametrize("layout", ["sibling", "file_source_beside", "source_inside_output"])
+@pytest.mark.parametrize("layout", ["sibling", "file_source_beside", "source_inside_output", "glob_one_level"])
 def test_an_output_folder_beside_its_sources_is_accepted(tmp_path, layout):
     src = tmp_path / "data"
     src.mkdir()
     (src / "a.jsonl").write_text('{"text": "x"}\n')
     path, out = {"sibling": (src, tmp_path / "out"), "file_source_beside": (src / "a.jsonl", src / "out"),
-                 "source_inside_output": (src, tmp_path)}[layout]
+                 "source_inside_output": (src, tmp_path),
+                 # `data/*.jsonl` reads only data/'s own files: data/out/documents.jsonl is never one of them
+                 "glob_one_level": (src / "*.jsonl", src / "out")}[layout]
     cfg = config_from_dict({"output_dir": str(out), "sources": [{"type": "jsonl", "path": str(path)}]})
     assert cfg.out == out
 
