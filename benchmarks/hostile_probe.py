@@ -2490,7 +2490,7 @@ def _(p, tmp):
     return _reshard(run, tmp / "out", "--tp", "1")
 
 
-CONFIGS = "from megatron_ds_suite.console import configs; configs()"
+CONFIGS = "from megatron_ds_suite.app.console import configs; configs()"
 
 
 @case("tools", "configs_copy_onto_edited", "`megatron-ds-configs copy` onto an existing (edited) file",
