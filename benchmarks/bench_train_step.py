@@ -160,7 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def project_config(args):
-    from training.config import Config, ModelConfig
+    from training.config import Config
+    from training.models.config import ModelConfig
 
     cfg = Config()
     if getattr(args, "model", "gpt2") == "llama":
@@ -302,7 +303,7 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
     import deepspeed
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from training.config import deepspeed_config
+    from training.ds_json import deepspeed_config
     from training.models.gpt2 import GPT2Model
     from training.runtime import ds_compat, optimizer_step
     from training.parallel import random as tp_random
@@ -514,7 +515,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    from training.config import padded_vocab_size
+    from training.models.config import padded_vocab_size
     from training.runtime.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
     from training.metrics import flops_per_iteration
 

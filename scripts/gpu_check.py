@@ -393,7 +393,8 @@ def hf_1p2b_command(out: Path) -> list[str]:
     :data:`HF_MICRO_1P2B` (fp16, the config's dropout, its padded vocabulary as the unpadded one so both count
     the same FLOPs) under the same engine as ours (the trainer's DeepSpeed config, its AdamW choice, the O(1)
     step); medians to ``out`` (JSON). A separate process: scripts do not import benchmarks."""
-    from training.config import load_config, padded_vocab_size
+    from training.config import load_config
+    from training.models.config import padded_vocab_size
 
     m = load_config(ROOT / "configs" / "gpt2_1.2b.yaml").model
     padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)

@@ -36,7 +36,8 @@ from training import safe_load
 from training.checkpoint_reader import (  # noqa: F401 - re-exported: callers import them from here
     LATEST, canonical_name, check_tag, checkpoint_dir, latest_tag, load_merged_state_dict,
     load_model_for_eval, read_client_state)
-from training.config import Config, ConfigError
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config
 from training.safe_load import CheckpointError
 from megatron_ds_suite.core import atomic
 

@@ -29,7 +29,8 @@ import sys
 from pathlib import Path
 
 from training.cli import exit_process, launcher_parser, report_error, setup_rank_logging
-from training.config import Config, ConfigError, config_from_dict
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config, config_from_dict
 from training.layout import derive_layout
 from training.runtime.launch import run_locked
 

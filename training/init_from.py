@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_ds_suite.core.config import build_dataclass
-from training.config import Config, ConfigError, ModelConfig, RopeScalingConfig, validate_static
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config, validate_static
+from training.models.config import ModelConfig, RopeScalingConfig
 
 if TYPE_CHECKING:
     from training.checkpoint import ModelDescription

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.config import Config, ConfigError, grad_accumulation, padded_vocab_size
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config, grad_accumulation
+from training.models.config import padded_vocab_size
 
 
 @dataclass(frozen=True)

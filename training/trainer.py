@@ -36,7 +36,9 @@ from training.runtime import run_lock
 from training.runtime import device as tdev
 from training import tracking
 from training.runtime import ds_compat, optimizer_step
-from training.config import Config, ConfigError, deepspeed_config, resolve_dtype
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config, resolve_dtype
+from training.ds_json import deepspeed_config
 from training.layout import Layout, derive_layout
 from training.runtime.cpu_peak import measure_cpu_peak_together
 from training.runtime.distributed import agreed

@@ -52,7 +52,7 @@ def test_real_race_files_encode_for_bert(bert_corpus):
 
 def test_finetuning_a_tiny_model_lowers_the_loss(bert_corpus):
     from megatron_ds_suite.core.race import collate, encode_questions, read_race_split
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
     from training.models.bert import BertMultipleChoice
 
     _, tok = bert_corpus

@@ -151,7 +151,8 @@ def exported_sentencepiece(tmp_path_factory):
     import shutil
 
     from data_pipeline.tokenizer_train import train_sentencepiece
-    from training.config import Config, ModelConfig, padded_vocab_size
+    from training.config import Config
+    from training.models.config import ModelConfig, padded_vocab_size
     from training.tools.export_hf import export
     from training.tools.import_hf import write_checkpoint
     from training.models.gpt2 import GPT2Model

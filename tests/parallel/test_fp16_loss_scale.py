@@ -19,7 +19,9 @@ def _worker(rank, world):
     import deepspeed
     import torch
 
-    from training.config import Config, ModelConfig, deepspeed_config
+    from training.config import Config
+    from training.ds_json import deepspeed_config
+    from training.models.config import ModelConfig
     from training.models.gpt2 import GPT2Model
     from training.optim import build_optimizer
     from training.parallel import random as tp_random

@@ -12,7 +12,8 @@ import torch
 
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training_runs import needs_corpus, tiny_overrides
-from training.config import ConfigError, ModelConfig
+from training.config import ConfigError
+from training.models.config import ModelConfig
 
 PADDED_VOCAB = 256  # 200 real ids padded to 256 at TP=1 and TP=2 (128 x 2): identical weights
 LLAMA = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu", num_query_groups=2,
@@ -139,7 +140,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads(groups):
 
 
 def test_swiglu_mlp_and_width_rule():
-    from training.config import swiglu_ffn_size
+    from training.models.config import swiglu_ffn_size
     from training.models.blocks import ParallelMLP
 
     assert swiglu_ffn_size(4096) == 11008  # Llama 2 7B's width
@@ -536,7 +537,7 @@ def test_qwen2_weights_map_both_ways_with_the_qkv_bias(tmp_path):
 
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
-    from training.config import padded_vocab_size
+    from training.models.config import padded_vocab_size
     from training.models.gpt2 import GPT2Model
     from training.tools.hf_llama import build_hf_llama, from_hf, model_config_from_hf
 

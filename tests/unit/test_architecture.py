@@ -38,6 +38,9 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...], str]] = [
     ("megatron_ds_suite.configs_lookup", CORE, (), "the core imports none of the stages"),
     ("training.parallel", ("training.parallel", *CORE), (),
      "training/parallel imports only torch, the standard library, the core and other parallel modules"),
+    ("training.models", ("training.models", "training.parallel", *CORE), (),
+     "training/models reads its shape from training.models.config: it imports no run config (training.config, "
+     "training.ds_json, training.resolve), only other model modules, training/parallel and the core"),
     ("data_pipeline", ("data_pipeline", *CORE), (), "data_pipeline imports only the core"),
     ("training", ("training", *CORE), (), "training imports the core (not data_pipeline, not evaluation)"),
     ("evaluation", ("evaluation", "training", *CORE), (), "evaluation imports the core and training"),
@@ -298,6 +301,8 @@ def test_the_checker_sees_wrong_way_imports():
     assert [t for _, t in got if wrong_way("training.parallel.probe", t)] == [
         "training.config", "data_pipeline.stages", "training.runtime.device"]
     assert wrong_way("megatron_ds_suite.core.corpus", "training.config")
+    assert wrong_way("training.models.gpt2", "training.config")  # the model's shape is training.models.config
+    assert not wrong_way("training.models.gpt2", "training.models.config")
     assert wrong_way("data_pipeline.stages", "training.data.gpt_dataset")
     assert not wrong_way("data_pipeline.stages", "megatron_ds_suite.core.indexed_dataset")
     assert wrong_way("training.trainer", "evaluation.race")

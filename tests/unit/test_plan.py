@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from training import plan
-from training.config import ConfigError, ModelConfig
+from training.config import ConfigError
+from training.models.config import ModelConfig
 from training.runtime.hardware import (HARDWARE, detect_device_kind, device_kind_from_name, get_hardware,
                                measure_cpu_peak_tflops, peak_tflops)
 from training.plan import Layout, ModelShape

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from training.config import ConfigError, ModelConfig, RopeScalingConfig, config_from_dict
+from training.config import ConfigError, config_from_dict
+from training.models.config import ModelConfig, RopeScalingConfig
 
 PADDED_VOCAB = 256
 # a small original context so that, at head size 16, every branch of the rule is taken

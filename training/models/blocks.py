@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from training.config import ModelConfig
+from training.models.config import ModelConfig
 from training.models.core_attention import core_attention
 from training.models.kv_cache import KVCache
 from training.models.ops import causal_attention_with_dropout, dropout, dropout_add

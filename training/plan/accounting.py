@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.config import BertDataConfig, Config, ConfigError, ModelConfig, padded_vocab_size
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import BertDataConfig, Config
+from training.models.config import ModelConfig, padded_vocab_size
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ layers by PP, positions covering the sequence.
 """
 from __future__ import annotations
 
-from training.config import ConfigError
+from megatron_ds_suite.core.errors import ConfigError
 from training.layout import Layout
 from training.plan.accounting import ModelShape
 

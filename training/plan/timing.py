@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from training.config import ConfigError
+from megatron_ds_suite.core.errors import ConfigError
 from training.plan.accounting import ModelShape, stage_params, step_flops
 from training.layout import Layout
 from training.plan.memory import state_bytes_per_param

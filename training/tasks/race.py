@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from megatron_ds_suite.core.race import collate, encode_questions, read_race_split
 from megatron_ds_suite.core.tokenizer import load_tokenizer
-from training.config import Config, ConfigError
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config
 from training.data.sample_order import micro_batch_positions
 from training.runtime import device as tdev
 from training.tasks.protocol import Task, batch_to_device

@@ -39,7 +39,8 @@ import torch
 from training.checkpoint import checkpoint_dir, load_merged_state_dict
 from training.checkpoint_reader import model_files
 from training import safe_load
-from training.config import ConfigError, config_from_dict, grad_accumulation, validate_static
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import config_from_dict, grad_accumulation, validate_static
 from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_vocab_rows, shard_tagged
 from training.tools import reshard_optim
 from training.tools.spawn import spawn_gloo
