@@ -21,7 +21,7 @@ from megatron_ds_suite.core.config import (AtLeastOne, Fraction, Freezable, NonN
 from megatron_ds_suite.core.errors import ConfigError
 # the model section's types: Config's annotations name them, and build_dataclass resolves those names in this
 # module's namespace (a genuine use, not a re-export for callers: they import from training.models.config)
-from training.models.config import OLD_RECOMPUTE_KEY, ModelConfig, validate_model_options
+from training.models.config import OLD_RECOMPUTE_KEY, ModelConfig, validate_model_options, validate_shape
 
 
 # --------------------------------------------------------------------------------------------------
@@ -309,30 +309,11 @@ def validate_static(cfg: Config) -> None:
             raise ConfigError(f"train.{name} must be >= 0 (0 = {zero}), got {getattr(t, name)}")
     if t.keep_last < 1:
         raise ConfigError(f"train.keep_last must be >= 1 (the newest checkpoint is always kept), got {t.keep_last}")
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
-                          f"model.num_attention_heads={m.num_attention_heads}")
-    if m.num_attention_heads % p.tensor:
-        raise ConfigError(f"parallel.tensor={p.tensor} does not divide model.num_attention_heads="
-                          f"{m.num_attention_heads}: choose a TP degree that divides the head count")
-    if m.ffn_size % p.tensor:
-        raise ConfigError(f"parallel.tensor={p.tensor} does not divide the MLP width {m.ffn_size}")
-    validate_model_options(m, p.tensor)
-    if p.sequence_parallel and p.tensor == 1:
-        raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor > 1 (it splits the sequence "
-                          "across the tensor-parallel ranks)")
-    if p.sequence_parallel and m.seq_length % p.tensor:
-        raise ConfigError(f"parallel.sequence_parallel=true: model.seq_length={m.seq_length} is not a multiple of "
-                          f"parallel.tensor={p.tensor}")
-    if m.positions < m.seq_length:
-        raise ConfigError(f"model.max_position_embeddings={m.positions} < model.seq_length={m.seq_length}")
+    validate_shape(m.shape(), p.tensor, p.pipeline, p.sequence_parallel)  # the planner's rules too
+    validate_model_options(m)
     if p.zero_stage not in (0, 1):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: only 0 or 1 (ZeRO-2/3 do not combine with "
                           f"tensor/pipeline parallelism here)")
-    if p.pipeline > 1 and m.arch != "gpt2":
-        raise ConfigError("parallel.pipeline > 1 is for GPT-2 only (BERT is tensor-parallel only under DeepSpeed)")
-    if p.pipeline > m.num_layers:
-        raise ConfigError(f"parallel.pipeline={p.pipeline} exceeds model.num_layers={m.num_layers}")
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optimizer: need 0 <= min_lr <= lr and lr > 0 (got lr={o.lr}, min_lr={o.min_lr})")
     decay = o.decay_iters if o.decay_iters is not None else t.iters

@@ -331,8 +331,8 @@ def test_cli_preset_and_config(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--model", "gpt2-8.3b", "--tp", "5"], "does not divide the 32 attention heads"),
-    (["--model", "gpt2-8.3b", "--pp", "5"], "does not divide the 72 layers"),
+    (["--model", "gpt2-8.3b", "--tp", "5"], "--tp 5 does not divide model.num_attention_heads=32"),
+    (["--model", "gpt2-8.3b", "--pp", "5"], "--pp 5 does not divide model.num_layers=72"),
     (["--model", "bert-336m", "--pp", "2"], "pipeline parallelism is GPT-only"),
     (["--model", "gpt2-9b"], "unknown --model"),
     (["--model", "gpt2-1.2b", "--gpu", "tpu"], "unknown --gpu"),
@@ -414,3 +414,42 @@ def test_validate_raises_config_error():
         plan.validate(shape, Layout(tp=6, micro_batch=1, global_batch=1))
     with pytest.raises(ConfigError, match="model.vocab_size must be set"):
         ModelShape.from_config(ModelConfig(), 1)
+
+
+@pytest.mark.parametrize("layers, pp, ok", [(4, 2, True), (3, 2, False), (2, 4, False), (6, 3, True)])
+def test_trainer_and_planner_share_the_pipeline_rule(layers, pp, ok):
+    """One shape validator (training.models.config.validate_shape) for the trainer's validate_static and the
+    planner: PP must divide the layers in both (uneven partitions need explicit stage layer counts, which the
+    project has not), refused in one line naming the fix."""
+    from training.config import config_from_dict
+
+    data = {"model": {"num_layers": layers, "vocab_size": 64}, "parallel": {"pipeline": pp}}
+    shape = ModelShape.from_config(ModelConfig(num_layers=layers, vocab_size=64), 1)
+    lay = Layout(pp=pp, micro_batch=1, global_batch=1)
+    if ok:
+        config_from_dict(data)
+        plan.validate(shape, lay)
+        return
+    for check, name in ((lambda: config_from_dict(data), f"parallel.pipeline={pp}"),
+                        (lambda: plan.validate(shape, lay), f"--pp {pp}")):
+        with pytest.raises(ConfigError) as e:
+            check()
+        msg = str(e.value)
+        assert msg.startswith(f"{name} does not divide model.num_layers={layers}") and "\n" not in msg
+        assert "choose a pipeline degree that divides it" in msg
+
+
+def test_trainer_and_planner_share_the_width_rules():
+    """The same shape and layout are refused alike by both callers (heads, query groups, MLP width)."""
+    from training.config import config_from_dict
+
+    for model, tp, fragment in (({"num_attention_heads": 4}, 8, "does not divide model.num_attention_heads=4"),
+                                ({"num_attention_heads": 4, "num_query_groups": 2}, 4,
+                                 "does not divide model.num_query_groups=2"),
+                                ({"ffn_hidden_size": 90, "num_attention_heads": 4}, 4,
+                                 "does not divide the MLP width 90")):
+        m = {"vocab_size": 64, **model}
+        with pytest.raises(ConfigError, match=fragment):
+            config_from_dict({"model": m, "parallel": {"tensor": tp}})
+        with pytest.raises(ConfigError, match=fragment):
+            plan.validate(ModelShape.from_config(ModelConfig(**m), tp), Layout(tp=tp, micro_batch=1, global_batch=1))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from megatron_ds_suite.core.config import AtLeastOne, Freezable, NonNegative, Positive, Range
 from megatron_ds_suite.core.errors import ConfigError
@@ -170,6 +170,12 @@ class ModelConfig(Freezable):
             return None
         return r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings
 
+    def shape(self) -> WidthShape:
+        """The widths :func:`validate_shape` checks (the vocabulary left out: its padding is a multiple of TP)."""
+        return WidthShape(arch=self.arch, num_layers=self.num_layers, hidden=self.hidden_size,
+                          heads=self.num_attention_heads, kv_heads=self.num_query_groups, ffn=self.ffn_size,
+                          seq=self.seq_length, positions=self.positions)
+
     @property
     def qkv_bias(self) -> bool:
         return self.add_bias_linear or self.add_qkv_bias
@@ -213,9 +219,9 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def validate_model_options(m: ModelConfig, tp: int) -> None:
-    """The Llama-family options (RoPE, RMSNorm, SwiGLU, GQA, untied output, no biases): ranges, their
-    combinations and the TP degree, each refused in one line."""
+def validate_model_options(m: ModelConfig) -> None:
+    """The Llama-family options (RoPE, RMSNorm, SwiGLU, GQA, untied output, no biases): ranges and their
+    combinations, each refused in one line (their fit to the parallel layout is :func:`validate_shape`'s)."""
     if m.arch != "gpt2":
         bad = m.llama_options() + (["model.activation=swiglu"] if m.activation == "swiglu" else [])
         if bad:
@@ -224,16 +230,7 @@ def validate_model_options(m: ModelConfig, tp: int) -> None:
                               f"embeddings and biases")
     if m.lm_head_activation is not None and m.arch != "bert":
         raise ConfigError(f"model.lm_head_activation={m.lm_head_activation} is for BERT's MLM head; GPT has none")
-    heads, groups = m.num_attention_heads, m.query_groups
-    if m.num_query_groups is not None:
-        if groups < 1:
-            raise ConfigError(f"model.num_query_groups must be >= 1 (or null for multi-head attention), got {groups}")
-        if heads % groups:
-            raise ConfigError(f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}: "
-                              f"each key/value head serves the same number of query heads")
-        if groups % tp:
-            raise ConfigError(f"parallel.tensor={tp} does not divide model.num_query_groups={groups}: each TP rank "
-                              f"holds whole key/value groups; choose a TP degree that divides {groups}")
+    heads = m.num_attention_heads
     if m.position_embedding == "rope":
         head = m.hidden_size // heads
         rot = m.rotary_dim
@@ -250,3 +247,86 @@ def validate_model_options(m: ModelConfig, tp: int) -> None:
                           f"original_max_position_embeddings >= 1 (got factor={r.factor}, low_freq_factor="
                           f"{r.low_freq_factor}, high_freq_factor={r.high_freq_factor}, "
                           f"original_max_position_embeddings={r.original_max_position_embeddings})")
+
+
+# --------------------------------------------------------------------------------------------------
+# The one shape validator: a model's widths against a TP x PP layout (the trainer's validate_static and the
+# planner's training.plan.layout.validate both call it)
+# --------------------------------------------------------------------------------------------------
+class Shape(Protocol):
+    """What :func:`validate_shape` reads: :class:`WidthShape`, or the planner's ``ModelShape``."""
+
+    arch: str
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int | None
+    ffn: int
+    seq: int
+    positions: int
+    vocab: int | None
+
+
+@dataclass(frozen=True)
+class WidthShape:
+    """A :class:`ModelConfig`'s widths, in the planner's names (:meth:`ModelConfig.shape`)."""
+
+    arch: str
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int | None
+    ffn: int
+    seq: int
+    positions: int
+    vocab: int | None = None  # padded vocabulary; None = not checked
+
+
+#: how the messages name a value: the run config's keys, or the planner's flags (``flags=True``)
+CONFIG_NAMES = {"tp": "parallel.tensor={}", "pp": "parallel.pipeline={}", "tp_key": "parallel.tensor",
+                "sp": "parallel.sequence_parallel=true", "vocab": "the padded vocabulary {}"}
+FLAG_NAMES = {"tp": "--tp {}", "pp": "--pp {}", "tp_key": "--tp", "sp": "sequence parallelism",
+              "vocab": "the padded vocabulary {}"}
+
+
+def validate_shape(shape: Shape, tp: int, pp: int, sequence_parallel: bool = False, flags: bool = False) -> None:
+    """One-line ConfigError when a model's widths do not fit TP x PP: heads divide the hidden size, TP divides
+    the heads, the key/value groups, the MLP width and the padded vocabulary; PP divides the layers (DeepSpeed
+    would otherwise partition them unevenly, which Megatron allows only with explicit first/last-stage layer
+    counts, which this project has not); pipelines are GPT-only; sequence parallelism needs TP > 1 and a
+    sequence that splits over it; the positions cover the sequence. ``flags``: name TP/PP as the planner's
+    ``--tp``/``--pp``."""
+    n = FLAG_NAMES if flags else CONFIG_NAMES
+    tp_s, pp_s = n["tp"].format(tp), n["pp"].format(pp)
+    heads, groups = f"model.num_attention_heads={shape.heads}", f"model.num_query_groups={shape.kv_heads}"
+    if shape.hidden % shape.heads:
+        raise ConfigError(f"model.hidden_size={shape.hidden} is not divisible by {heads}")
+    if shape.heads % tp:
+        raise ConfigError(f"{tp_s} does not divide {heads}: choose a TP degree that divides the head count")
+    if shape.kv_heads is not None:
+        if shape.kv_heads < 1:
+            raise ConfigError(f"model.num_query_groups must be >= 1 (or null for multi-head attention), got "
+                              f"{shape.kv_heads}")
+        if shape.heads % shape.kv_heads:
+            raise ConfigError(f"{groups} does not divide {heads}: each key/value head serves the same number of "
+                              f"query heads")
+        if shape.kv_heads % tp:
+            raise ConfigError(f"{tp_s} does not divide {groups}: each TP rank holds whole key/value groups; choose "
+                              f"a TP degree that divides {shape.kv_heads}")
+    if shape.ffn % tp:
+        raise ConfigError(f"{tp_s} does not divide the MLP width {shape.ffn}")
+    if shape.vocab is not None and shape.vocab % tp:
+        raise ConfigError(f"{tp_s} does not divide {n['vocab'].format(shape.vocab)}")
+    if pp > 1 and shape.arch != "gpt2":
+        raise ConfigError(f"{pp_s} with BERT: pipeline parallelism is GPT-only (BERT is tensor-parallel only "
+                          f"under DeepSpeed)")
+    if shape.num_layers % pp:
+        raise ConfigError(f"{pp_s} does not divide model.num_layers={shape.num_layers}: every stage holds the same "
+                          f"number of layers (no uneven partitions); choose a pipeline degree that divides it")
+    if sequence_parallel and tp == 1:
+        raise ConfigError(f"{n['sp']} needs {n['tp_key']} > 1 (it splits the sequence across the tensor-parallel "
+                          f"ranks)")
+    if sequence_parallel and shape.seq % tp:
+        raise ConfigError(f"{n['sp']}: model.seq_length={shape.seq} is not a multiple of {tp_s}")
+    if shape.positions < shape.seq:
+        raise ConfigError(f"model.max_position_embeddings={shape.positions} < model.seq_length={shape.seq}")
