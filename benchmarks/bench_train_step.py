@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
     from training.metrics import flops_per_iteration
 
     if args.device == "cpu" and "fp16" in (args.dtype, args.dtype_ab):
-        from training.trainer import allow_fp16_on_cpu
+        from training.resolve import allow_fp16_on_cpu
 
         allow_fp16_on_cpu()  # slow (no fp16 matmul units here); exercises the fp16 engine path
     if args.adam == "fused" and args.device != "cuda":

@@ -446,6 +446,7 @@ def bench_trainer(config: Path, variants: list[tuple[dict, Callable[[str], dict[
 
     from training.config import load_config
     from training.runtime.distributed import init_distributed
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
@@ -456,7 +457,7 @@ def bench_trainer(config: Path, variants: list[tuple[dict, Callable[[str], dict[
             ov = overrides(tmp)
             torch.cuda.reset_peak_memory_stats()
             try:
-                trainer = Trainer(load_config(config, [f"{k}={v}" for k, v in ov.items()]))
+                trainer = Trainer(resolve_run(load_config(config, [f"{k}={v}" for k, v in ov.items()])))
                 rows = [trainer.train_step() for _ in range(steps)]
             except torch.cuda.OutOfMemoryError:
                 rows, trainer = None, None

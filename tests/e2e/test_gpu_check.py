@@ -115,7 +115,7 @@ def test_the_shell_wrapper_dry_run():
 
 
 def _first_update_worker(rank, world):
-    from training.trainer import allow_fp16_on_cpu
+    from training.resolve import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     return gpu_check.first_update("cpu", "torch")

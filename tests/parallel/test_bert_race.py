@@ -90,9 +90,10 @@ def _e2e_worker(rank, world, corpus, pre_dir, ft_dir):
     import torch.distributed as dist
 
     from training.finetune_race import load_finetune_config, train_race
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
-    out = Trainer(bert_cfg(corpus, pre_dir)).train()
+    out = Trainer(resolve_run(bert_cfg(corpus, pre_dir))).train()
     dist.barrier()
     cfg, meta = load_finetune_config(ROOT / "configs" / "race.yaml", [
         f"finetune.pretrained={pre_dir}", f"finetune.race_dir={RACE}", f"run.dir={ft_dir}", "finetune.epochs=2",
@@ -179,14 +180,15 @@ def test_bad_bert_data_fails_at_once_with_a_clear_message(tmp_path):
 
 
 def _init_from_worker(rank, world, corpus, pre_dir, new_dir):
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
-    Trainer(bert_cfg(corpus, pre_dir, {"parallel": {"tensor": 1}, "train": {"iters": 1}})).train()
+    Trainer(resolve_run(bert_cfg(corpus, pre_dir, {"parallel": {"tensor": 1}, "train": {"iters": 1}}))).train()
     # another run of another configured shape, started from the first one's weights: 0 steps, then saved
     cfg = bert_cfg(corpus, new_dir, {"parallel": {"tensor": 1}, "model": {"num_layers": 1, "hidden_size": 64},
                                       "optimizer": {"warmup_iters": 0},
                                       "train": {"iters": 0, "init_from": str(pre_dir)}})
-    Trainer(cfg).train()
+    Trainer(resolve_run(cfg)).train()
     return cfg.model.num_layers, cfg.model.hidden_size
 
 

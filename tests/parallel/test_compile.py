@@ -232,10 +232,11 @@ def train_worker(rank, world, overrides):
     from pathlib import Path
 
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     cfg = load_config(Path(ROOT_CONFIG).resolve(), overrides)
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     trainer.train()
     compiled = sum(1 for m in trainer.model.modules() if getattr(m, "_compiled_call_impl", None) is not None)
     lines = (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()

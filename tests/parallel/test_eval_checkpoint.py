@@ -19,9 +19,10 @@ WT = Path(SHARED_DATA) / "eval" / "wikitext-103" / "wiki.test.tokens"
 
 def _train(rank, world, overrides):
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
-    Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides)).train()
+    Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides))).train()
     return True
 
 

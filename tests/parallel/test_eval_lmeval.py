@@ -41,9 +41,10 @@ NEWLINE_LAST_WORD = frozenset({426, 1053, 2881, 3047, 3977, 4351, 4462})
 
 def _train(rank, world, overrides):
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
-    Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides)).train()
+    Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides))).train()
     return True
 
 

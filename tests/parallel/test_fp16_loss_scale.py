@@ -26,7 +26,7 @@ def _worker(rank, world):
     from training.optim import build_optimizer
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
-    from training.trainer import allow_fp16_on_cpu
+    from training.resolve import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     cfg = Config()

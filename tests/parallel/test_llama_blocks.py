@@ -445,12 +445,13 @@ def _train(rank, world, overrides, stages):
     from pathlib import Path
 
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     root = Path(__file__).resolve().parents[2]
     for extra in stages:
         cfg = load_config(root / "configs" / "llama_tiny.yaml", overrides + extra)
-        Trainer(cfg).train()
+        Trainer(resolve_run(cfg)).train()
     rows = [json.loads(line) for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "event" not in r]
 

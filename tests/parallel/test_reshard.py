@@ -41,10 +41,11 @@ def test_reshard_tp2pp2_to_tp1_to_tp4(spm_model, tmp_path):
 
 def _bert_stages(rank, world, corpus, run_dir, tp, stages):
     from tests.helpers.corpora import bert_cfg
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     for extra in stages:
-        Trainer(bert_cfg(corpus, run_dir, {"parallel": {"tensor": tp}, **extra})).train()
+        Trainer(resolve_run(bert_cfg(corpus, run_dir, {"parallel": {"tensor": tp}, **extra}))).train()
     return None
 
 

@@ -361,9 +361,10 @@ def _trainer_worker(rank: int, world: int, work: str) -> dict:
     from tests.helpers.device_guard import emulated_cuda_run
     from tests.helpers.distributed import SHARED_DATA
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
-    from training.trainer import allow_fp16_on_cpu
+    from training.resolve import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()  # before the accelerator is made to report cuda: DeepSpeed's CPU one then runs fp16
     gpt2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
@@ -379,7 +380,7 @@ def _trainer_worker(rank: int, world: int, work: str) -> dict:
               "parallel.sequence_parallel": str(sp).lower(), "optimizer.warmup_iters": "0",
               "run.device_peak_tflops": "1.0"}
         with emulated_cuda_run(rank) as (guard, _):
-            trainer = Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", [f"{k}={v}" for k, v in ov.items()]))
+            trainer = Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", [f"{k}={v}" for k, v in ov.items()])))
             losses = [trainer.train_step()["loss"] for _ in range(3)]
             out[sp] = {"losses": losses, "o1_step": trainer.o1_step, "violations": list(guard.violations),
                        "seen": sum(guard.seen.values()),

@@ -584,3 +584,95 @@ if __name__ == "__main__":  # python -m tests.unit.test_architecture: the counts
 
     for key, value in counts().items():
         print(f"{key}: {value}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Config writes: a run config changes only while it is built or resolved (training.resolve), never after the freeze
+# --------------------------------------------------------------------------------------------------
+CONFIG_SECTIONS = ("model", "parallel", "precision", "optimizer", "train", "data", "run", "bert", "finetune")
+# the modules that may set a config's fields: the resolution (the one writer of a loaded config) and those that
+# build a new config from a saved one (a reader's TP=1 view, the importers' and reshard tools' output configs)
+CONFIG_WRITERS = ("training.resolve", "training.checkpoint_reader", "training.tools.import_hf",
+                  "training.tools.import_megatron", "training.tools.reshard", "training.tools.reshard_optim")
+
+
+def _is_cfg_name(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and (node.id in ("cfg", "config") or node.id.endswith("_cfg"))
+
+
+def _section_of(node: ast.AST, aliases: set[str]) -> bool:
+    """``node`` is a config section: ``cfg.<section>`` (any depth below, e.g. ``cfg.run.wandb``) or a name bound to one."""
+    if isinstance(node, ast.Name):
+        return node.id in aliases
+    if isinstance(node, ast.Attribute):
+        if node.attr in CONFIG_SECTIONS and _is_cfg_name(node.value):
+            return True
+        return _section_of(node.value, aliases)
+    return False
+
+
+def config_writes(path: Path, source: str | None = None) -> list[str]:
+    """``file:line`` of every assignment to a config section's field (``cfg.model.x = ...``, ``t.iters = ...``
+    with ``t = cfg.train``, ``setattr(cfg.model, ...)``) in ``path`` (or ``source``)."""
+    tree = ast.parse(source if source is not None else path.read_text(encoding="utf-8"))
+    aliases: set[str] = set()
+    for node in ast.walk(tree):  # names bound to a section: t = cfg.train; m, p = cfg.model, cfg.parallel
+        if isinstance(node, ast.Assign):
+            pairs = []
+            for target in node.targets:
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    pairs += list(zip(target.elts, node.value.elts))
+                else:
+                    pairs.append((target, node.value))
+            for target, value in pairs:
+                if isinstance(target, ast.Name) and isinstance(value, ast.Attribute) and _section_of(value, set()):
+                    aliases.add(target.id)
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                targets += t.elts if isinstance(t, ast.Tuple) else [t]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+              and node.args and (_section_of(node.args[0], aliases) or _is_cfg_name(node.args[0]))):
+            found.append(f"{path}:{node.lineno}")
+        for t in targets:
+            if isinstance(t, ast.Attribute) and _section_of(t.value, aliases):
+                found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_the_checker_sees_config_writes():
+    probe = ROOT / "training" / "probe.py"
+    src = ("def f(cfg, other):\n    cfg.model.vocab_size = 3\n    t = cfg.train\n    t.iters = 4\n"
+           "    setattr(cfg.model, 'x', 1)\n    cfg.run.wandb.mode = 'offline'\n    m, p = cfg.model, cfg.parallel\n"
+           "    p.tensor += 1\n    other.x = 1\n    self_state = 2\n")
+    assert sorted(int(w.rsplit(":", 1)[1]) for w in config_writes(probe, src)) == [2, 4, 5, 6, 8]
+
+
+def test_no_config_writes_outside_the_resolution():
+    """Only training.resolve (and the modules that build a new config) set a config's fields: the trainer, the
+    tasks (RACE's schedule is a Task.config_changes), init_from (adopted_shape returns the shape) and the
+    planner read it. A write after resolve_run's freeze would raise at run time; this finds it in the source."""
+    bad = [w for top in ("training", "evaluation", "megatron_ds_suite") for p in sorted((ROOT / top).rglob("*.py"))
+           if _module_name(p) not in CONFIG_WRITERS for w in config_writes(p)]
+    assert not bad, "config fields set outside training.resolve (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_a_frozen_config_refuses_writes():
+    """After resolve_run's freeze every section, nested ones included, refuses a write, also through
+    training.resolve.apply."""
+    from megatron_ds_suite.core.config import FrozenConfigError, freeze
+    from training.config import config_from_dict
+    from training.resolve import apply
+
+    cfg = config_from_dict({"model": {"position_embedding": "rope", "rope_scaling": {"factor": 8.0}}})
+    assert apply(cfg, {"train": {"iters": 7}}) == ["train.iters=7"] and cfg.train.iters == 7
+    freeze(cfg)
+    for write in (lambda: apply(cfg, {"train": {"iters": 8}}), lambda: setattr(cfg.model.rope_scaling, "factor", 2.0),
+                  lambda: setattr(cfg.run.wandb, "mode", "offline"), lambda: setattr(cfg, "model", None)):
+        with pytest.raises(FrozenConfigError):
+            write()
+    assert cfg.train.iters == 7

@@ -161,7 +161,7 @@ def test_llama3_folder_imports_exports_and_is_adopted_by_init_from(tmp_path):
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
     from training.checkpoint import load_model_for_eval
     from training.config import load_config
-    from training.init_from import adopt_model_config
+    from training.resolve import adopt_model_config
     from training.tools.export_hf import export
     from training.tools.import_hf import import_hf
 

@@ -81,7 +81,8 @@ def _worker(rank, world, payload_path: str, out_dir: str):
     """Runs in each of the K x M target processes (gloo initialised by the spawner)."""
     from training import checkpoint as ckpt
     from training.parallel import random as tp_random
-    from training.trainer import Trainer, resolve_run
+    from training.resolve import resolve_run
+    from training.trainer import Trainer
 
     payload = safe_load.load(payload_path)
     cfg = config_from_dict(payload["config"])

@@ -176,7 +176,8 @@ def extract(run_dir: Path, tag: str, meta: dict, work_dir: Path) -> dict[str, di
 
 def _extract_worker(run_dir: str, tag: str, work_dir: str) -> None:
     from training.checkpoint import read_client_state
-    from training.trainer import Trainer, resolve_run
+    from training.resolve import resolve_run
+    from training.trainer import Trainer
 
     meta = read_client_state(run_dir, tag)
     cfg = config_from_dict(meta["config"])
