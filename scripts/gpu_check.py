@@ -342,7 +342,7 @@ def compare_hf(run_dir: Path, hf_dir: Path, data: Path) -> None:
     import torch
     from transformers import GPT2LMHeadModel
 
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

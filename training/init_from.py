@@ -71,7 +71,7 @@ def local_weights(named_params: Iterable[tuple[str, torch.nn.Parameter]], state:
 
 
 def _source_meta(run_dir: str, tag: str | None = None) -> dict:
-    from training.checkpoint import read_client_state
+    from training.checkpoint_reader import read_client_state
 
     try:
         return read_client_state(run_dir, tag)
@@ -127,14 +127,14 @@ def adopted_shape(cfg: Config) -> dict[str, Any]:
 def load_weights(model: torch.nn.Module, desc: ModelDescription, ps: ParallelState) -> bool:
     """Load ``train.init_from``'s weights into ``model`` (this rank's TP shards, before the DeepSpeed engine
     exists). Skipped when the run resumes from its own checkpoint. Returns True if weights were loaded."""
-    from training import checkpoint as ckpt
+    from training.checkpoint_reader import canonical_name, load_merged_state_dict
     from training import checkpoint_catalog as catalog
 
     cfg = desc.cfg
     src = cfg.train.init_from
     if not src or catalog.plan_resume(desc.run_dir, cfg.train.resume_tag).tag is not None:
         return False
-    state, src_cfg, meta = ckpt.load_merged_state_dict(src)
+    state, src_cfg, meta = load_merged_state_dict(src)
     tok = desc.tokenizer
     if src_cfg.model.vocab_size is not None and src_cfg.model.vocab_size != tok.vocab_size:
         raise ConfigError(f"train.init_from={src} was trained with a {src_cfg.model.vocab_size}-id tokenizer but this "
@@ -142,7 +142,7 @@ def load_weights(model: torch.nn.Module, desc: ModelDescription, ps: ParallelSta
                           f"checkpoint's tokenizer ({meta['tokenizer'].get('kind')})")
     layers = desc.pipeline_layers
     if layers is not None:
-        canonical = lambda n: ckpt.canonical_name(n, layers)  # noqa: E731
+        canonical = lambda n: canonical_name(n, layers)  # noqa: E731
     else:
         canonical = lambda n: n  # noqa: E731
     params = list(model.named_parameters())

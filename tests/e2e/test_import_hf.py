@@ -42,7 +42,7 @@ def _tokens(n=2, s=40, seed=0):
 def test_import_reproduces_transformers_logits_and_config(source, imported):
     from transformers import GPT2LMHeadModel
 
-    from training.checkpoint import load_merged_state_dict, load_model_for_eval, read_client_state
+    from training.checkpoint_reader import load_merged_state_dict, load_model_for_eval, read_client_state
 
     hf = GPT2LMHeadModel.from_pretrained(str(source)).eval()
     x = _tokens()
@@ -230,7 +230,8 @@ def test_init_from_starts_a_tp2_run_from_imported_weights(source, imported, tmp_
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 50432), labels.reshape(-1)).item()
     assert res["loss"] == pytest.approx(ref, abs=1e-5)
 
-    from training.checkpoint import ConfigError, read_client_state
+    from megatron_ds_suite.core.errors import ConfigError
+    from training.checkpoint_reader import read_client_state
     from training.config import load_config, validate_static
     from training.resolve import adopt_model_config
 

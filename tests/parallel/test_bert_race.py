@@ -105,7 +105,7 @@ def _e2e_worker(rank, world, corpus, pre_dir, ft_dir):
 def test_pretrain_tp2_then_finetune_tp2_then_score_tp1(bert_corpus, tmp_path):
     from evaluation.race import race_accuracy
     from megatron_ds_suite.core.race import encode_questions, read_race_split
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     corpus, _ = bert_corpus
     pre_dir, ft_dir = tmp_path / "pre", tmp_path / "ft"
@@ -195,7 +195,7 @@ def _init_from_worker(rank, world, corpus, pre_dir, new_dir):
 def test_bert_run_starts_from_another_runs_weights(bert_corpus, tmp_path):
     """train.init_from for BERT: the new run adopts the source's shape and holds exactly its weights
     (encoder, MLM head with its vocabulary bias, pooler, SOP head) before its first step."""
-    from training.checkpoint import load_merged_state_dict, read_client_state
+    from training.checkpoint_reader import load_merged_state_dict, read_client_state
 
     corpus, _ = bert_corpus
     shape = run_distributed(_init_from_worker, 1, corpus, tmp_path / "pre", tmp_path / "new", timeout=240)[0]

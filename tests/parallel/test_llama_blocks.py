@@ -457,7 +457,7 @@ def _train(rank, world, overrides, stages):
 
 
 def _logits(rank, world, dirs):
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     tokens = (torch.arange(32).view(1, 32) * 7) % 1000
     return [load_model_for_eval(d)[0](tokens)[..., :1000].detach() for d in dirs]
@@ -501,7 +501,7 @@ def test_import_and_export_llama_folders(tmp_path, kv_heads, theta, tied, tp, pp
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
     from evaluation.generate import GenerationOptions, generate
     from safetensors.torch import load_file
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
     from training.tools.export_hf import export
     from training.tools.import_hf import import_hf
 
@@ -574,7 +574,7 @@ def test_mistral_and_qwen2_folders_import_and_export(tmp_path, family, tp):
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
     from safetensors.torch import load_file
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
     from training.tools.export_hf import export
     from training.tools.hf_llama import LlamaMappingError
     from training.tools.import_hf import import_hf

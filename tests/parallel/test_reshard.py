@@ -10,7 +10,7 @@ from tests.helpers.training_runs import metric_steps, needs_corpus, tiny_overrid
 
 
 def _logits(rank, world, dirs_and_tags):
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     tokens = (torch.arange(32).view(1, 32) * 7) % 1000
     return [load_model_for_eval(d, tag=t)[0](tokens)[..., :1000].detach() for d, t in dirs_and_tags]

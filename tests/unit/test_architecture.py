@@ -676,3 +676,15 @@ def test_a_frozen_config_refuses_writes():
         with pytest.raises(FrozenConfigError):
             write()
     assert cfg.train.iters == 7
+
+
+def test_checkpoint_reader_names_come_from_their_module():
+    """``training.checkpoint`` re-exports nothing of ``training.checkpoint_reader``: its names are imported from
+    there (and the catalog's from ``training.checkpoint_catalog``), in the project and in the tests."""
+    tree = ast.parse((ROOT / "training" / "checkpoint_reader.py").read_text(encoding="utf-8"))
+    reader = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    reader |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    files = project_files() + sorted((ROOT / "tests").rglob("*.py"))
+    bad = [f"{p}:{r.line}: {r.name}" for p in files for r in import_records(p)
+           if r.module == "training.checkpoint" and r.name in reader]
+    assert not bad, "import these from training.checkpoint_reader:\n" + "\n".join(bad)

@@ -159,7 +159,7 @@ def test_llama3_folder_imports_exports_and_is_adopted_by_init_from(tmp_path):
 
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
     from training.config import load_config
     from training.resolve import adopt_model_config
     from training.tools.export_hf import export

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from training.checkpoint import checkpoint_dir, load_merged_state_dict
+from training.checkpoint_reader import checkpoint_dir, load_merged_state_dict
 from training.checkpoint_reader import model_files
 from training import safe_load
 from megatron_ds_suite.core.errors import ConfigError
