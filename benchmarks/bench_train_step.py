@@ -10,7 +10,7 @@ step's losses must agree (checked before timing; the run stops if they differ). 
 Both models have the same dimensions, dtype, batch, sequence, dropout and activation (exact erf
 GELU), and the same padded vocabulary (HF's ``vocab_size`` is set to our padded size so both do the
 same FLOPs). Both run under ``deepspeed.initialize`` with the same DeepSpeed config
-(``training.config.deepspeed_config``: fp32, bf16, or fp16 with dynamic loss scaling), the same
+(``training.ds_json.deepspeed_config``: fp32, bf16, or fp16 with dynamic loss scaling), the same
 fused AdamW and schedule (``training.optim``), and the same engine setting the trainer uses at one
 data-parallel replica (no gradient all-reduce of a replica with itself): only the model differs.
 One step = forward (mean token loss), ``engine.backward``, ``engine.step``. HF runs with

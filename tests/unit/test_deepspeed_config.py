@@ -1,4 +1,4 @@
-"""The DeepSpeed JSON the trainer derives (training.config.deepspeed_config): what it turns off by default."""
+"""The DeepSpeed JSON the trainer derives (training.ds_json.deepspeed_config): what it turns off by default."""
 from deepspeed.utils.config import get_timers_config
 
 from training.config import config_from_dict

@@ -13,7 +13,7 @@ count with these functions, so the two can not drift apart.
 Notation: l layers, h hidden, a heads, s sequence, f MLP width (4h), V padded vocabulary, P positions,
 B sequences per step, t/p = TP/PP degrees, m = BERT's masked (predicted) positions per sequence.
 
-Llama-family blocks (``training.config.ModelConfig``): grouped-query attention with g key/value heads shrinks
+Llama-family blocks (``training.models.config.ModelConfig``): grouped-query attention with g key/value heads shrinks
 the K and V projections to ``k = g h / a`` rows each (QKV [h + 2k, h]); SwiGLU has three h x f matrices
 (gate, up, down) instead of two; an untied output layer adds V x h; RoPE has no position table; RMSNorm has
 a weight and no bias (h instead of 2h); ``add_bias_linear: false`` drops the four linears' biases.
