@@ -291,9 +291,9 @@ FLAG_NAMES = {"tp": "--tp {}", "pp": "--pp {}", "tp_key": "--tp", "sp": "sequenc
 
 def validate_shape(shape: Shape, tp: int, pp: int, sequence_parallel: bool = False, flags: bool = False) -> None:
     """One-line ConfigError when a model's widths do not fit TP x PP: heads divide the hidden size, TP divides
-    the heads, the key/value groups, the MLP width and the padded vocabulary; PP divides the layers (DeepSpeed
-    would otherwise partition them unevenly, which Megatron allows only with explicit first/last-stage layer
-    counts, which this project has not); pipelines are GPT-only; sequence parallelism needs TP > 1 and a
+    the heads, the key/value groups, the MLP width and the padded vocabulary; every pipeline stage holds at least
+    one layer (an uneven split is legal: DeepSpeed's balanced partition, :func:`stage_layers`, which trainer and
+    planner both use); pipelines are GPT-only; sequence parallelism needs TP > 1 and a
     sequence that splits over it; the positions cover the sequence. ``flags``: name TP/PP as the planner's
     ``--tp``/``--pp``."""
     n = FLAG_NAMES if flags else CONFIG_NAMES
@@ -320,9 +320,9 @@ def validate_shape(shape: Shape, tp: int, pp: int, sequence_parallel: bool = Fal
     if pp > 1 and shape.arch != "gpt2":
         raise ConfigError(f"{pp_s} with BERT: pipeline parallelism is GPT-only (BERT is tensor-parallel only "
                           f"under DeepSpeed)")
-    if shape.num_layers % pp:
-        raise ConfigError(f"{pp_s} does not divide model.num_layers={shape.num_layers}: every stage holds the same "
-                          f"number of layers (no uneven partitions); choose a pipeline degree that divides it")
+    if pp > shape.num_layers:
+        raise ConfigError(f"{pp_s} exceeds model.num_layers={shape.num_layers}: every pipeline stage needs at least "
+                          f"one layer; choose a pipeline degree of at most {shape.num_layers}")
     if sequence_parallel and tp == 1:
         raise ConfigError(f"{n['sp']} needs {n['tp_key']} > 1 (it splits the sequence across the tensor-parallel "
                           f"ranks)")
@@ -330,3 +330,13 @@ def validate_shape(shape: Shape, tp: int, pp: int, sequence_parallel: bool = Fal
         raise ConfigError(f"{n['sp']}: model.seq_length={shape.seq} is not a multiple of {tp_s}")
     if shape.positions < shape.seq:
         raise ConfigError(f"model.max_position_embeddings={shape.positions} < model.seq_length={shape.seq}")
+
+
+def stage_layers(num_layers: int, pp: int) -> list[int]:
+    """Transformer layers of each pipeline stage, first to last: DeepSpeed's balanced partition of the pipeline
+    model (``PipelineModule(partition_method="type:TransformerLayer")``, ``training.models.gpt2_pipe``), which
+    gives the first ``num_layers % pp`` stages one layer more (3 layers over 2 stages: [2, 1]; 10 over 4:
+    [3, 3, 2, 2]). Megatron-LM splits only evenly unless told the first/last stage's counts; the planner
+    (``training.plan``) counts each stage with these numbers, the slowest being the first."""
+    base, extra = divmod(num_layers, pp)
+    return [base + (1 if i < extra else 0) for i in range(pp)]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from megatron_ds_suite.core.errors import ConfigError
 from training.config import BertDataConfig, Config
-from training.models.config import ModelConfig, padded_vocab_size
+from training.models.config import ModelConfig, padded_vocab_size, stage_layers
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,10 +166,9 @@ def stage_params(shape: ModelShape, tp: int, pp: int) -> list[int]:
     Checked against the engine's tensors in ``tests/parallel/test_plan_measured.py``. With an untied output layer
     nothing is tied: the last stage holds the output layer (in :func:`head_params`) and no embedding.
     """
-    per_stage_layers = shape.num_layers // pp
     out = []
-    for i in range(pp):
-        n = per_stage_layers * layer_params(shape, tp)
+    for i, layers in enumerate(stage_layers(shape.num_layers, pp)):
+        n = layers * layer_params(shape, tp)
         if i == 0:
             n += embedding_params(shape, tp)
         if i == pp - 1:
