@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     from evaluation.detokenizer import wikitext_detokenizer
     from evaluation.scoring import LMScorer, gpt2_scorer
     from evaluation.wikitext import WindowPlan, read_tokens_file, score_stream
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
     from training.models.gpt2 import GPTModel
 
     tok = GPT2BPETokenizer(vocab_json, DATA / "tokenizers/gpt2/gpt2-merges.txt")

@@ -329,7 +329,7 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
 
     from megatron_ds_suite.app.testing import run_distributed
-    from training.config import padded_vocab_size
+    from training.models.config import padded_vocab_size
     from training.runtime.hardware import get_hardware, measure_cpu_peak_tflops
 
     cuda = args.device == "cuda"

@@ -119,7 +119,7 @@ def step_gemms(b: int, s: int, h: int, n: int, layers: int, vocab: int) -> list[
 
 def bench_gemm_bound(args) -> None:
     """Seconds per step spent in GEMMs alone, shape by shape; MFU bound = step FLOPs / that / peak."""
-    from training.config import padded_vocab_size
+    from training.models.config import padded_vocab_size
     from training.runtime.hardware import measure_cpu_peak_tflops
     from training.metrics import model_flops_per_iteration
 

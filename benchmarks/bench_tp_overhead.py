@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
     from megatron_ds_suite.app.testing import run_distributed
-    from training.config import padded_vocab_size
+    from training.models.config import padded_vocab_size
 
     info = common.machine_info()
     padded = padded_vocab_size(args.vocab, 128, max(args.tp))

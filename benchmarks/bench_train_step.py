@@ -10,7 +10,7 @@ step's losses must agree (checked before timing; the run stops if they differ). 
 Both models have the same dimensions, dtype, batch, sequence, dropout and activation (exact erf
 GELU), and the same padded vocabulary (HF's ``vocab_size`` is set to our padded size so both do the
 same FLOPs). Both run under ``deepspeed.initialize`` with the same DeepSpeed config
-(``training.config.deepspeed_config``: fp32, bf16, or fp16 with dynamic loss scaling), the same
+(``training.ds_json.deepspeed_config``: fp32, bf16, or fp16 with dynamic loss scaling), the same
 fused AdamW and schedule (``training.optim``), and the same engine setting the trainer uses at one
 data-parallel replica (no gradient all-reduce of a replica with itself): only the model differs.
 One step = forward (mean token loss), ``engine.backward``, ``engine.step``. HF runs with
@@ -160,7 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def project_config(args):
-    from training.config import Config, ModelConfig
+    from training.config import Config
+    from training.models.config import ModelConfig
 
     cfg = Config()
     if getattr(args, "model", "gpt2") == "llama":
@@ -302,7 +303,7 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
     import deepspeed
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from training.config import deepspeed_config
+    from training.ds_json import deepspeed_config
     from training.models.gpt2 import GPTModel
     from training.runtime import ds_compat, optimizer_step
     from training.parallel import random as tp_random
@@ -514,12 +515,12 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    from training.config import padded_vocab_size
+    from training.models.config import padded_vocab_size
     from training.runtime.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
     from training.metrics import flops_per_iteration
 
     if args.device == "cpu" and "fp16" in (args.dtype, args.dtype_ab):
-        from training.trainer import allow_fp16_on_cpu
+        from training.resolve import allow_fp16_on_cpu
 
         allow_fp16_on_cpu()  # slow (no fp16 matmul units here); exercises the fp16 engine path
     if args.adam == "fused" and args.device != "cuda":

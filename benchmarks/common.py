@@ -249,7 +249,9 @@ def tp_gpt2_engine(a: dict, world: int) -> tuple[Any, Any, Any]:
     import deepspeed
     import torch
 
-    from training.config import Config, ModelConfig, deepspeed_config
+    from training.config import Config
+    from training.ds_json import deepspeed_config
+    from training.models.config import ModelConfig
     from training.models.gpt2 import GPTModel
     from training.optim import build_optimizer
     from training.parallel import random as tp_random

@@ -177,7 +177,7 @@ def run_race(args) -> None:
     from evaluation.race_model import load_multiple_choice
 
     score_fn, tok = load_multiple_choice(args.checkpoint, rt)
-    from training.checkpoint import read_client_state
+    from training.checkpoint_reader import read_client_state
 
     model_cfg = read_client_state(args.checkpoint)["config"]["model"]
     positions = model_cfg.get("max_position_embeddings") or model_cfg["seq_length"]

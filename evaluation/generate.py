@@ -215,7 +215,7 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], opts: Gener
 
 def load_generator(run_dir: str | Path, group=None, device: str = "cpu"):
     """(GPT2Model, tokenizer) of a checkpoint, split for ``group``'s TP degree (None = one process)."""
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     p = Path(run_dir)
     if not p.is_dir():

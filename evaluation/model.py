@@ -69,7 +69,7 @@ def load_scorer(run_dir: str | Path, rt: Runtime, include_vocab_padding: bool = 
     p = Path(run_dir)
     if not p.is_dir():
         raise EvalError(f"checkpoint directory {p} does not exist")
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     group = rt.pstate.tp_group if rt.pstate is not None else None
     model, cfg, tokenizer = load_model_for_eval(p, group=group, device=str(rt.device))

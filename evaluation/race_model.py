@@ -19,7 +19,7 @@ def load_multiple_choice(run_dir: str | Path, rt):
     p = Path(run_dir)
     if not p.is_dir():
         raise EvalError(f"checkpoint directory {p} does not exist")
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     model, cfg, tokenizer = load_model_for_eval(p, group=rt.pstate.tp_group if rt.pstate is not None else None,
                                                 device=str(rt.device))

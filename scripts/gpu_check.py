@@ -342,7 +342,7 @@ def compare_hf(run_dir: Path, hf_dir: Path, data: Path) -> None:
     import torch
     from transformers import GPT2LMHeadModel
 
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -393,7 +393,8 @@ def hf_1p2b_command(out: Path) -> list[str]:
     :data:`HF_MICRO_1P2B` (fp16, the config's dropout, its padded vocabulary as the unpadded one so both count
     the same FLOPs) under the same engine as ours (the trainer's DeepSpeed config, its AdamW choice, the O(1)
     step); medians to ``out`` (JSON). A separate process: scripts do not import benchmarks."""
-    from training.config import load_config, padded_vocab_size
+    from training.config import load_config
+    from training.models.config import padded_vocab_size
 
     m = load_config(ROOT / "configs" / "gpt2_1.2b.yaml").model
     padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
@@ -445,6 +446,7 @@ def bench_trainer(config: Path, variants: list[tuple[dict, Callable[[str], dict[
 
     from training.config import load_config
     from training.runtime.distributed import init_distributed
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
@@ -455,7 +457,7 @@ def bench_trainer(config: Path, variants: list[tuple[dict, Callable[[str], dict[
             ov = overrides(tmp)
             torch.cuda.reset_peak_memory_stats()
             try:
-                trainer = Trainer(load_config(config, [f"{k}={v}" for k, v in ov.items()]))
+                trainer = Trainer(resolve_run(load_config(config, [f"{k}={v}" for k, v in ov.items()])))
                 rows = [trainer.train_step() for _ in range(steps)]
             except torch.cuda.OutOfMemoryError:
                 rows, trainer = None, None

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training.config import ModelConfig, OptimizerConfig, padded_vocab_size
+from training.config import OptimizerConfig
+from training.models.config import ModelConfig, padded_vocab_size
 from training.data.bert_data import BertDataset, BertVocab, MaskingConfig, collate
 from training.models.bert import BertModel, bert_loss
 from training.optim import lr_at, param_groups

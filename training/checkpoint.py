@@ -8,7 +8,8 @@ shards merge) and every RNG state (DP replicas share RNG streams, so DP rank 0's
 
 What a resume restores is one object, :class:`TrainState` (counters and RNG streams); the rest of the
 client state describes the model (config, padded vocabulary, tokenizer, partition tags, layout) so that
-:mod:`training.checkpoint_reader` (evaluation, export; re-exported here) can read it without an engine.
+:mod:`training.checkpoint_reader` (evaluation, export; import its names from there) can read it without
+an engine.
 
 :func:`save` and :func:`load` take their parts explicitly (as torchtitan's checkpointer does): the
 DeepSpeed engine, the model, the :class:`TrainState`, the :class:`~training.parallel.state.ParallelState`
@@ -33,10 +34,9 @@ import torch.distributed as dist
 
 from training import checkpoint_catalog as catalog
 from training import safe_load
-from training.checkpoint_reader import (  # noqa: F401 - re-exported: callers import them from here
-    LATEST, canonical_name, check_tag, checkpoint_dir, latest_tag, load_merged_state_dict,
-    load_model_for_eval, read_client_state)
-from training.config import Config, ConfigError
+from training.checkpoint_reader import canonical_name, checkpoint_dir, read_client_state
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config
 from training.safe_load import CheckpointError
 from megatron_ds_suite.core import atomic
 

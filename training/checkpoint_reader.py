@@ -14,7 +14,8 @@ from pathlib import Path
 from training import checkpoint_catalog as catalog
 from training import safe_load
 from training.checkpoint_catalog import LATEST, check_tag, checkpoint_dir  # noqa: F401 - re-exported
-from training.config import Config, ConfigError, config_from_dict
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config, config_from_dict
 from training.safe_load import CheckpointError, CheckpointMissing  # noqa: F401 - CheckpointError re-exported
 
 

@@ -4,15 +4,14 @@ Precedence: command-line overrides (``section.key=value``) > YAML file > datacla
 Unknown keys, wrong types and inconsistent sizes fail at once with one line that says what is wrong
 and how to fix it (:class:`ConfigError`), before any process group or model exists.
 
-The DeepSpeed JSON is *derived* from this config (:func:`deepspeed_config`), never kept by hand; options the
-config does not model go in its ``deepspeed:`` section, merged in (keys the config owns are refused:
-:mod:`training.tracking`).
+The model's shape, its ``model:`` section, is :class:`training.models.config.ModelConfig` (beside the models);
+the DeepSpeed JSON is derived in :mod:`training.ds_json`; resolving the loaded config for a process group
+(init_from's shape, vocabulary, the task's schedule, ``recompute: auto``) and freezing it is
+:mod:`training.resolve`'s.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,201 +19,14 @@ from typing import Annotated, Any, Literal
 from megatron_ds_suite.core.config import (AtLeastOne, Fraction, Freezable, NonNegative, Positive, Range, apply_overrides,
                                             build_dataclass, check_ranges, overrides_to_dict, read_yaml)
 from megatron_ds_suite.core.errors import ConfigError
+# the model section's types: Config's annotations name them, and build_dataclass resolves those names in this
+# module's namespace (a genuine use, not a re-export for callers: they import from training.models.config)
+from training.models.config import OLD_RECOMPUTE_KEY, ModelConfig, validate_model_options, validate_shape
 
 
 # --------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------
-@dataclass
-class RopeScalingConfig(Freezable):
-    """Llama 3's RoPE frequency scaling (Llama 3.1+; ``transformers``' ``rope_scaling`` / ``rope_parameters`` with
-    ``rope_type: llama3``, the same names): frequencies that turn fewer than ``low_freq_factor`` times over the
-    original context are divided by ``factor``, those turning more than ``high_freq_factor`` times kept, those in
-    between blended (``training/models/rotary.py``). Llama 3.1's values are the defaults."""
-
-    rope_type: Literal["llama3"] = "llama3"
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    """The context length the model was pretrained at before the scaling (L)."""
-
-
-@dataclass
-class ModelConfig(Freezable):
-    arch: Literal["gpt", "gpt2", "bert"] = "gpt"
-    """Model family: 'gpt' (``GPTModel``: GPT-2, and the Llama family by the options below) or 'bert'. 'gpt2' is
-    the old name of 'gpt', still accepted and kept as written (saved configs and checkpoints hold either);
-    code tells the two families apart by ``arch == "bert"``."""
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    seq_length: int = 128
-    """Training sequence length (tokens per sample)."""
-    max_position_embeddings: int | None = None
-    """Learned position table size; defaults to seq_length."""
-    vocab_size: Annotated[int, AtLeastOne] | None = None
-    """Unpadded vocabulary size; None = take it from the tokenizer."""
-    make_vocab_size_divisible_by: int = 128
-    """Vocabulary is padded to a multiple of this x TP (Megatron's rule)."""
-    ffn_hidden_size: Annotated[int, NonNegative] | None = None
-    """MLP width; defaults to 4 x hidden_size."""
-    hidden_dropout: Annotated[float, Range(ge=0, lt=1)] = 0.1
-    attention_dropout: Annotated[float, Range(ge=0, lt=1)] = 0.1
-    apply_query_key_layer_scaling: bool = False
-    """Megatron's fp16 stabiliser: layer l's Q.K scores are computed divided by l and multiplied back inside
-    an fp32 softmax (forces attention_softmax_in_fp32). Same math in fp32; see models/core_attention.py."""
-    attention_softmax_in_fp32: bool = False
-    """Megatron: compute the attention softmax in fp32 when activations are fp16/bf16."""
-    init_method_std: Annotated[float, Positive] = 0.02
-    layernorm_epsilon: Annotated[float, Positive] = 1e-5
-    activation: Literal["gelu", "gelu_new", "swiglu"] = "gelu"
-    """MLP (and BERT LM-head) non-linearity: 'gelu' = exact erf GeLU (Megatron's default), 'gelu_new' =
-    the tanh approximation OpenAI's GPT-2 was trained with (transformers' name; imported GPT-2s use it),
-    'swiglu' = Llama's gated MLP ``down(silu(gate(x)) * up(x))`` (GPT only): gate and up are one
-    column-parallel weight [gate; up] (stride 2, so each rank holds its own gate and up columns), three
-    matrices of h x f; unset ``ffn_hidden_size`` follows Llama's rule (:attr:`ffn_size`)."""
-    # Llama-family shapes (Megatron-Core's names); the defaults are GPT-2/BERT as before
-    position_embedding: Literal["learned", "rope"] = "learned"
-    """'learned' = a trained position table added to the word embeddings (GPT-2, BERT); 'rope' = rotary
-    position embeddings applied to each head's queries and keys (Su et al. 2021; Llama, GPT-NeoX), no
-    table. GPT only."""
-    rotary_base: Annotated[float, Positive] = 10000.0
-    """RoPE base theta: frequencies base^(-2i/d) (Llama 2: 10,000; Llama 3: 500,000)."""
-    rotary_percent: Annotated[float, Range(gt=0, le=1)] = 1.0
-    """Fraction of each head's dimensions that RoPE rotates (the first ones; the rest pass unchanged):
-    1.0 for Llama, 0.25 for GPT-NeoX/Pythia. head size x rotary_percent must be a positive even number."""
-    rope_scaling: RopeScalingConfig | None = None
-    """RoPE frequency scaling: None = plain RoPE; ``{rope_type: llama3, factor: 8, low_freq_factor: 1,
-    high_freq_factor: 4, original_max_position_embeddings: 8192}`` = Llama 3.1's (:class:`RopeScalingConfig`)."""
-    normalization: Literal["layernorm", "rmsnorm"] = "layernorm"
-    """'layernorm' (weight and bias, GPT-2/BERT) or 'rmsnorm' (x / sqrt(mean(x^2) + eps) * weight, no bias
-    or centring; computed in fp32; Llama). Same ``layernorm_epsilon``. GPT only."""
-    num_query_groups: int | None = None
-    """Grouped-query attention: the number of key/value heads, each shared by num_attention_heads /
-    num_query_groups query heads (1 = multi-query attention). None (or equal to the head count) =
-    multi-head attention. At TP=t each rank holds num_query_groups / t whole groups: t must divide it.
-    GPT only."""
-    untie_embeddings_and_output_weights: bool = False
-    """False: the output layer is the word embedding (GPT-2). True: a separate vocab-parallel output
-    weight [V, h] ``output_layer.weight`` (Llama). GPT only."""
-    add_bias_linear: bool = True
-    """Biases in the attention (QKV, output projection) and MLP linears; false = none (Llama). The
-    LayerNorm bias is not a linear's: ``normalization: rmsnorm`` has none."""
-    add_qkv_bias: bool = False
-    """A bias in the QKV linear even when add_bias_linear is false (Megatron-Core's key; Qwen2's shape)."""
-    recompute: Literal["none", "selective", "full", "auto"] = "none"
-    """Activation recomputation in backward (Korthikanti et al. 2022). ``none``: every layer keeps its
-    activations. ``selective``: only the attention core (scores, softmax, dropout, probabilities x V) is
-    recomputed, where the core keeps its s x s matrices for backward: Megatron's fp16 core
-    (``apply_query_key_layer_scaling`` / ``attention_softmax_in_fp32``) and the CPU attention-dropout path; SDPA's
-    fused kernels (flash, memory-efficient: on GPUs, and on CPU without attention dropout) keep no s x s
-    matrix and recompute the scores in their backward kernel already, so there selective is ``none``
-    (``training/models/core_attention.py``). ``full``: every transformer layer is recomputed (DeepSpeed's checkpoint,
-    RNG states restored). ``auto``: the planner decides when the trainer starts, from the smallest device
-    memory over the ranks: none where weights, gradients, optimizer states and activations fit 90 % of it,
-    else selective where that fits, else full (``training/plan/recompute.py``; the choice is logged and saved
-    in RUN_DIR/config.json)."""
-    activation_checkpointing: bool | Literal["auto"] | None = None
-    """Deprecated spelling of ``recompute``, still accepted: true = ``full``, false = ``none``, auto = ``auto``
-    (set only one of the two; read into ``recompute`` when the config is built, then None)."""
-    compile: bool = False
-    """``torch.compile`` every transformer layer (torchtitan-style, one compiled graph shared by all layers;
-    element-wise work fused): one graph per layer at any TP degree, with or without dropout (attention dropout's
-    model-parallel stream becomes a traced counter-based mask, ``training/parallel/random.py``). Numerics equal
-    eager in fp32 without dropout (dropout masks are drawn by the compiled code: other numbers, same distribution)."""
-    cuda_graph: bool = False
-    """Replay every compiled layer as CUDA graphs (implies ``compile``; torch's CUDA-graph trees, ``torch.compile``
-    mode ``reduce-overhead``: one capture per layer call site, Megatron's per-layer graphs). CUDA only; not yet run
-    on a GPU (``scripts/gpu_check.sh --only cuda_graph``). What blocks a whole-step capture: docs/gpu_step.md."""
-    # BERT only
-    layer_order: Literal["pre_ln", "post_ln"] = "pre_ln"
-    """BERT: 'pre_ln' = the paper's rearranged order (Figure 7), 'post_ln' = original BERT."""
-    num_tokentypes: Annotated[int, NonNegative] = 2
-    binary_head: bool = True
-    head: Literal["pretrain", "multiple_choice"] = "pretrain"
-    """BERT: which heads the checkpoint holds; 'multiple_choice' is written by training.finetune_race."""
-    lm_head_activation: Literal["gelu", "gelu_new"] | None = None
-    """BERT: the MLM head's GeLU when it is not ``activation``'s (None = the same). Megatron-LM's BERT runs its
-    MLP through the fused bias-GeLU kernel (tanh form, ``--bias-gelu-fusion``, its default) but its LM head
-    through the exact erf GeLU: its imports (``training.tools.import_megatron``) set 'gelu' here."""
-
-    def __post_init__(self) -> None:  # ModelConfig(activation_checkpointing=...) from Python (files: read_old_keys)
-        old = self.activation_checkpointing
-        if old is None:
-            return
-        mapped = OLD_RECOMPUTE_KEY[old]
-        if self.recompute not in ("none", mapped):
-            raise ConfigError(f"model.activation_checkpointing={str(old).lower()} (the old key) disagrees with "
-                              f"model.recompute={self.recompute}: set only model.recompute (none | selective | "
-                              f"full | auto)")
-        self.recompute, self.activation_checkpointing = mapped, None
-
-    @property
-    def positions(self) -> int:
-        return self.max_position_embeddings or self.seq_length
-
-    @property
-    def ffn_size(self) -> int:
-        """MLP width f: ``ffn_hidden_size``; unset, 4 h, or with swiglu Llama's rule
-        :func:`swiglu_ffn_size` (2/3 of 4 h, rounded up to a multiple of 256: 11,008 at h = 4096)."""
-        if self.ffn_hidden_size:
-            return self.ffn_hidden_size
-        return swiglu_ffn_size(self.hidden_size) if self.activation == "swiglu" else 4 * self.hidden_size
-
-    @property
-    def query_groups(self) -> int:
-        """Key/value heads: ``num_query_groups``, or the head count (multi-head attention)."""
-        return self.num_attention_heads if self.num_query_groups is None else self.num_query_groups
-
-    @property
-    def rotary_dim(self) -> int:
-        """Dimensions of each head that RoPE rotates: head size x rotary_percent (0 without RoPE)."""
-        if self.position_embedding != "rope":
-            return 0
-        return int(self.hidden_size // self.num_attention_heads * self.rotary_percent)
-
-    @property
-    def llama3_rope_scaling(self) -> tuple[float, float, float, int] | None:
-        """``rope_scaling`` as (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)."""
-        r = self.rope_scaling
-        if r is None:
-            return None
-        return r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings
-
-    @property
-    def qkv_bias(self) -> bool:
-        return self.add_bias_linear or self.add_qkv_bias
-
-    def llama_options(self) -> list[str]:
-        """The GPT-only options this config sets away from their GPT-2/BERT defaults, as ``key=value``."""
-        out = []
-        for key, default in GPT_ONLY_DEFAULTS.items():
-            value = getattr(self, key)
-            if value != default:
-                out.append(f"model.{key}={value}")
-        return out
-
-
-SWIGLU_MULTIPLE_OF = 256
-"""Llama's ``multiple_of``: the SwiGLU MLP width is rounded up to a multiple of it."""
-
-GPT_ONLY_DEFAULTS: dict[str, Any] = {"position_embedding": "learned", "rope_scaling": None, "normalization": "layernorm",
-                                     "num_query_groups": None, "untie_embeddings_and_output_weights": False,
-                                     "add_bias_linear": True, "add_qkv_bias": False}
-"""ModelConfig keys (and their defaults) that only the GPT model computes; BERT refuses other values
-(and ``activation: swiglu``)."""
-
-
-def swiglu_ffn_size(hidden: int, multiple_of: int = SWIGLU_MULTIPLE_OF) -> int:
-    """Llama's SwiGLU width for ``ffn_hidden_size`` unset (Meta's reference ``FeedForward``): the 4 h of a
-    GeLU MLP times 2/3, so that three h x f matrices hold as many weights as two h x 4h ones, rounded
-    up to a multiple of ``multiple_of``: ``multiple_of * ceil(int(2 * 4h / 3) / multiple_of)``
-    (h = 4096 -> 11,008, Llama 2 7B's; h = 96 -> 256)."""
-    f = int(2 * 4 * hidden / 3)
-    return multiple_of * ((f + multiple_of - 1) // multiple_of)
-
-
 @dataclass
 class ParallelConfig(Freezable):
     tensor: int = 1
@@ -432,9 +244,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return cfg
 
 
-OLD_RECOMPUTE_KEY = {True: "full", False: "none", "auto": "auto"}
-"""``model.activation_checkpointing`` (the key before ``model.recompute``) -> the ``model.recompute`` it means."""
-
 
 def read_old_keys(data: dict[str, Any], newest: bool = False) -> dict[str, Any]:
     """``data`` with the old ``model.activation_checkpointing`` read into ``model.recompute``. In one source
@@ -500,30 +309,11 @@ def validate_static(cfg: Config) -> None:
             raise ConfigError(f"train.{name} must be >= 0 (0 = {zero}), got {getattr(t, name)}")
     if t.keep_last < 1:
         raise ConfigError(f"train.keep_last must be >= 1 (the newest checkpoint is always kept), got {t.keep_last}")
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
-                          f"model.num_attention_heads={m.num_attention_heads}")
-    if m.num_attention_heads % p.tensor:
-        raise ConfigError(f"parallel.tensor={p.tensor} does not divide model.num_attention_heads="
-                          f"{m.num_attention_heads}: choose a TP degree that divides the head count")
-    if m.ffn_size % p.tensor:
-        raise ConfigError(f"parallel.tensor={p.tensor} does not divide the MLP width {m.ffn_size}")
-    validate_model_options(m, p.tensor)
-    if p.sequence_parallel and p.tensor == 1:
-        raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor > 1 (it splits the sequence "
-                          "across the tensor-parallel ranks)")
-    if p.sequence_parallel and m.seq_length % p.tensor:
-        raise ConfigError(f"parallel.sequence_parallel=true: model.seq_length={m.seq_length} is not a multiple of "
-                          f"parallel.tensor={p.tensor}")
-    if m.positions < m.seq_length:
-        raise ConfigError(f"model.max_position_embeddings={m.positions} < model.seq_length={m.seq_length}")
+    validate_shape(m.shape(), p.tensor, p.pipeline, p.sequence_parallel)  # the planner's rules too
+    validate_model_options(m)
     if p.zero_stage not in (0, 1):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: only 0 or 1 (ZeRO-2/3 do not combine with "
                           f"tensor/pipeline parallelism here)")
-    if p.pipeline > 1 and m.arch == "bert":
-        raise ConfigError("parallel.pipeline > 1 is for GPT only (BERT is tensor-parallel only under DeepSpeed)")
-    if p.pipeline > m.num_layers:
-        raise ConfigError(f"parallel.pipeline={p.pipeline} exceeds model.num_layers={m.num_layers}")
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optimizer: need 0 <= min_lr <= lr and lr > 0 (got lr={o.lr}, min_lr={o.min_lr})")
     decay = o.decay_iters if o.decay_iters is not None else t.iters
@@ -546,6 +336,7 @@ def validate_static(cfg: Config) -> None:
 
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError("run.wandb.enabled=true needs the wandb package: pip install 'megatron-ds-suite[tracking]'")
+    from training.ds_schema import DS_FIXED
     from training.tracking import check_passthrough
 
     check_passthrough(cfg.deepspeed, DS_FIXED)
@@ -559,45 +350,6 @@ def validate_static(cfg: Config) -> None:
                           f"number positive, e.g. '969,30,1'")
 
 
-def validate_model_options(m: ModelConfig, tp: int) -> None:
-    """The Llama-family options (RoPE, RMSNorm, SwiGLU, GQA, untied output, no biases): ranges, their
-    combinations and the TP degree, each refused in one line."""
-    if m.arch == "bert":
-        bad = m.llama_options() + (["model.activation=swiglu"] if m.activation == "swiglu" else [])
-        if bad:
-            raise ConfigError(f"{', '.join(bad)}: the Llama-family options are for GPT (model.arch: gpt); "
-                              f"BERT keeps learned positions, LayerNorm, GeLU, multi-head attention, tied "
-                              f"embeddings and biases")
-    if m.lm_head_activation is not None and m.arch != "bert":
-        raise ConfigError(f"model.lm_head_activation={m.lm_head_activation} is for BERT's MLM head; GPT has none")
-    heads, groups = m.num_attention_heads, m.query_groups
-    if m.num_query_groups is not None:
-        if groups < 1:
-            raise ConfigError(f"model.num_query_groups must be >= 1 (or null for multi-head attention), got {groups}")
-        if heads % groups:
-            raise ConfigError(f"model.num_query_groups={groups} does not divide model.num_attention_heads={heads}: "
-                              f"each key/value head serves the same number of query heads")
-        if groups % tp:
-            raise ConfigError(f"parallel.tensor={tp} does not divide model.num_query_groups={groups}: each TP rank "
-                              f"holds whole key/value groups; choose a TP degree that divides {groups}")
-    if m.position_embedding == "rope":
-        head = m.hidden_size // heads
-        rot = m.rotary_dim
-        if rot < 2 or rot % 2:
-            raise ConfigError(f"model.rotary_percent={m.rotary_percent} rotates {rot} of the {head} dimensions of "
-                              f"a head: RoPE needs a positive even number (head size x rotary_percent)")
-    elif m.rotary_percent != 1.0 or m.rotary_base != 10000.0 or m.rope_scaling is not None:
-        raise ConfigError("model.rotary_base / model.rotary_percent / model.rope_scaling are set but "
-                          "model.position_embedding is 'learned': set model.position_embedding=rope")
-    r = m.rope_scaling
-    if r is not None and not (r.factor >= 1.0 and 0.0 < r.low_freq_factor < r.high_freq_factor
-                              and r.original_max_position_embeddings >= 1):
-        raise ConfigError(f"model.rope_scaling: need factor >= 1, 0 < low_freq_factor < high_freq_factor and "
-                          f"original_max_position_embeddings >= 1 (got factor={r.factor}, low_freq_factor="
-                          f"{r.low_freq_factor}, high_freq_factor={r.high_freq_factor}, "
-                          f"original_max_position_embeddings={r.original_max_position_embeddings})")
-
-
 # --------------------------------------------------------------------------------------------------
 # Derived values
 # --------------------------------------------------------------------------------------------------
@@ -609,12 +361,6 @@ def grad_accumulation(global_batch: int, micro_batch: int, dp: int) -> int:
     return global_batch // (micro_batch * dp)
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Smallest multiple of ``divisible_by * tp`` that is >= vocab_size (Megatron's padding)."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
 def resolve_dtype(cfg: Config, on_gpu: bool) -> str:
     d = cfg.precision.dtype
     if d == "auto":
@@ -623,47 +369,3 @@ def resolve_dtype(cfg: Config, on_gpu: bool) -> str:
         raise ConfigError("precision.dtype=fp16 on CPU needs precision.allow_fp16_on_cpu=true "
                           "(slow; meant for tests) or use bf16/fp32")
     return d
-
-
-#: DeepSpeed keys every run writes with the same value (the ``deepspeed:`` section may replace them); also the
-#: reference type of a key DeepSpeed reads with a default of None (``training.ds_schema.check_schema``)
-DS_FIXED: dict[str, Any] = {
-    "steps_per_print": 10**9,  # we log ourselves, one line per step
-    "zero_allow_untested_optimizer": True,  # our client optimizer is torch.optim.AdamW
-    # DeepSpeed's throughput timer synchronises the device twice per micro-batch; we time steps ourselves
-    # (re-enable with deepspeed: {timers: {throughput: {enabled: true}}})
-    "timers": {"throughput": {"enabled": False}},
-}
-
-
-def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
-    """The DeepSpeed JSON, derived from the run config (saved as RUN_DIR/ds_config.json)."""
-    t, pr = cfg.train, cfg.precision
-    gas = grad_accumulation(t.global_batch_size, t.micro_batch_size, dp)
-    ds: dict[str, Any] = {
-        "train_batch_size": t.global_batch_size,
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": gas,
-        "gradient_clipping": cfg.optimizer.clip_grad,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
-        "fp16": {"enabled": dtype == "fp16"},
-        "bf16": {"enabled": dtype == "bf16"},
-        **copy.deepcopy(DS_FIXED),
-    }
-    if cfg.parallel.sequence_parallel and cfg.parallel.pipeline > 1:
-        # DeepSpeed's pipeline sends 1/tensor of each activation per TP rank and all-gathers it on arrival,
-        # which assumes activations alike on every TP rank; with sequence parallelism each rank sends its own
-        # sequence chunk whole (already 1/tensor of the activation)
-        ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
-    if dtype == "fp16":
-        ds["fp16"].update({
-            "loss_scale": pr.loss_scale,
-            "initial_scale_power": pr.initial_scale_power,
-            "loss_scale_window": pr.loss_scale_window,
-            "hysteresis": pr.hysteresis,
-            "min_loss_scale": pr.min_loss_scale,
-        })
-    from training.tracking import merge_passthrough, monitor_config
-
-    ds.update(monitor_config(cfg))  # TensorBoard, CSV, W&B
-    return merge_passthrough(ds, cfg.deepspeed)  # the deepspeed: section (owned keys refused)

@@ -197,3 +197,14 @@ def check_schema(section: dict[str, Any], reference: dict[str, Any] | None = Non
                 where = "at the top level" if depth == 0 else "in deepspeed." + ".".join(map(str, leaf[:depth]))
                 raise ConfigError(f"{key} is not a DeepSpeed option (DeepSpeed reads no such key {where}): "
                                   f"{_closest(leaf[depth], seen)}")
+
+
+#: DeepSpeed keys every run writes with the same value (the ``deepspeed:`` section may replace them); also the
+#: reference type of a key DeepSpeed reads with a default of None (``training.ds_schema.check_schema``)
+DS_FIXED: dict[str, Any] = {
+    "steps_per_print": 10**9,  # we log ourselves, one line per step
+    "zero_allow_untested_optimizer": True,  # our client optimizer is torch.optim.AdamW
+    # DeepSpeed's throughput timer synchronises the device twice per micro-batch; we time steps ourselves
+    # (re-enable with deepspeed: {timers: {throughput: {enabled: true}}})
+    "timers": {"throughput": {"enabled": False}},
+}

@@ -29,7 +29,8 @@ import sys
 from pathlib import Path
 
 from training.cli import exit_process, launcher_parser, report_error, setup_rank_logging
-from training.config import Config, ConfigError, config_from_dict
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config, config_from_dict
 from training.layout import derive_layout
 from training.runtime.launch import run_locked
 
@@ -120,10 +121,11 @@ def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -
 # Fine-tuning run: the trainer with the RACE task
 # --------------------------------------------------------------------------------------------------
 def train_race(cfg: Config, meta: dict, run_dir_locked: bool = False) -> dict:
-    """Fine-tune: :func:`training.trainer.resolve_run` with the RACE task, then the trainer. Returns the RACE
+    """Fine-tune: :func:`training.resolve.resolve_run` with the RACE task, then the trainer. Returns the RACE
     results (also in RUN_DIR/race_results.json); ``run_dir_locked`` as in :meth:`Trainer.train`."""
     from training.tasks.race import RaceTask
-    from training.trainer import Trainer, resolve_run
+    from training.resolve import resolve_run
+    from training.trainer import Trainer
 
     run = resolve_run(cfg, lambda c, ps, dp: RaceTask(c, meta, ps, dp))
     return Trainer(run).train(run_dir_locked=run_dir_locked)["task"]

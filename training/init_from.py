@@ -9,8 +9,8 @@ run's config. Once this run has saved a checkpoint of its own, resuming from it 
 ``init_from`` is no longer read.
 
 Both halves run before the engine exists and take explicit parts, never the trainer:
-:func:`adopt_model_config` is part of resolving the config (:func:`training.trainer.resolve_run`, before
-the config is frozen) and :func:`load_weights` fills a built model (its parallel state and a
+:func:`adopted_shape` reads the source's shape for resolving the config (:func:`training.resolve.resolve_run`
+sets it before the one validation and the freeze) and :func:`load_weights` fills a built model (its parallel state and a
 :class:`~training.checkpoint.ModelDescription` say which shards and vocabulary padding).
 RACE fine-tuning (:mod:`training.finetune_race`) loads its pretrained encoder through the same
 :func:`local_weights`.
@@ -20,12 +20,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_ds_suite.core.config import build_dataclass
-from training.config import Config, ConfigError, ModelConfig, RopeScalingConfig, validate_static
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config
+from training.models.config import ModelConfig, RopeScalingConfig
 
 if TYPE_CHECKING:
     from training.checkpoint import ModelDescription
@@ -69,7 +71,7 @@ def local_weights(named_params: Iterable[tuple[str, torch.nn.Parameter]], state:
 
 
 def _source_meta(run_dir: str, tag: str | None = None) -> dict:
-    from training.checkpoint import read_client_state
+    from training.checkpoint_reader import read_client_state
 
     try:
         return read_client_state(run_dir, tag)
@@ -89,12 +91,13 @@ def apart_from_source(run_dir: str | Path, key: str, src: str | Path) -> None:
                           f"from; choose a run.dir outside {src} that does not hold it")
 
 
-def adopt_model_config(cfg: Config) -> None:
-    """Copy the source checkpoint's model shape into ``cfg.model`` (no-op without ``train.init_from``).
-    One step of :func:`training.trainer.resolve_run`, before the config is frozen."""
+def adopted_shape(cfg: Config) -> dict[str, Any]:
+    """The source checkpoint's model shape (:data:`SHAPE_KEYS` -> value) for ``cfg.model``; empty without
+    ``train.init_from``. Reads, never writes: :func:`training.resolve.resolve_run` sets it, before the one
+    validation and the freeze."""
     src = cfg.train.init_from
     if not src:
-        return
+        return {}
     if Path(src).resolve() == Path(cfg.run.dir).resolve():
         raise ConfigError(f"train.init_from={src} is this run's own directory: to resume a run just rerun it; "
                           "init_from starts a new run.dir from another run's weights")
@@ -106,7 +109,7 @@ def adopt_model_config(cfg: Config) -> None:
     theirs = (_source_meta(cfg.run.dir, own) if own else _source_meta(src))["config"]["model"]
     if theirs.get("head", "pretrain") == "multiple_choice":
         raise ConfigError(f"train.init_from={src} is a RACE multiple-choice fine-tune; start from a pretrained model")
-    changed = []
+    shape: dict[str, Any] = {}
     defaults = ModelConfig()  # a checkpoint older than a key has that key's default
     for key in SHAPE_KEYS:
         value = theirs.get(key, getattr(defaults, key))
@@ -116,28 +119,24 @@ def adopt_model_config(cfg: Config) -> None:
             value = build_dataclass(RopeScalingConfig, value, "model.rope_scaling")
         if key == "arch" and {value, cfg.model.arch} == {"gpt", "gpt2"}:  # two names of one family
             continue
-        if getattr(cfg.model, key) != value:
-            changed.append(f"{key}={value}")
-            setattr(cfg.model, key, value)
-    if cfg.model.seq_length > cfg.model.positions:
-        raise ConfigError(f"model.seq_length={cfg.model.seq_length} exceeds the {cfg.model.positions} positions of "
-                          f"train.init_from={src}: lower model.seq_length")
-    validate_static(cfg)  # e.g. TP must divide the source's head count
-    if changed:
-        logger.info("train.init_from=%s: model shape from the checkpoint (%s)", src, ", ".join(changed))
+        shape[key] = value
+    if cfg.model.seq_length > shape["max_position_embeddings"]:
+        raise ConfigError(f"model.seq_length={cfg.model.seq_length} exceeds the {shape['max_position_embeddings']} "
+                          f"positions of train.init_from={src}: lower model.seq_length")
+    return shape
 
 
 def load_weights(model: torch.nn.Module, desc: ModelDescription, ps: ParallelState) -> bool:
     """Load ``train.init_from``'s weights into ``model`` (this rank's TP shards, before the DeepSpeed engine
     exists). Skipped when the run resumes from its own checkpoint. Returns True if weights were loaded."""
-    from training import checkpoint as ckpt
+    from training.checkpoint_reader import canonical_name, load_merged_state_dict
     from training import checkpoint_catalog as catalog
 
     cfg = desc.cfg
     src = cfg.train.init_from
     if not src or catalog.plan_resume(desc.run_dir, cfg.train.resume_tag).tag is not None:
         return False
-    state, src_cfg, meta = ckpt.load_merged_state_dict(src)
+    state, src_cfg, meta = load_merged_state_dict(src)
     tok = desc.tokenizer
     if src_cfg.model.vocab_size is not None and src_cfg.model.vocab_size != tok.vocab_size:
         raise ConfigError(f"train.init_from={src} was trained with a {src_cfg.model.vocab_size}-id tokenizer but this "
@@ -145,7 +144,7 @@ def load_weights(model: torch.nn.Module, desc: ModelDescription, ps: ParallelSta
                           f"checkpoint's tokenizer ({meta['tokenizer'].get('kind')})")
     layers = desc.pipeline_layers
     if layers is not None:
-        canonical = lambda n: ckpt.canonical_name(n, layers)  # noqa: E731
+        canonical = lambda n: canonical_name(n, layers)  # noqa: E731
     else:
         canonical = lambda n: n  # noqa: E731
     params = list(model.named_parameters())

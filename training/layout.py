@@ -4,7 +4,7 @@
 (degrees >= 1, the global batch split into micro-batches over DP) live in :meth:`Layout.check`, the only
 validator of them. ``derive_layout(cfg, world_size)`` runs before any process group exists (the launchers
 call it with ``WORLD_SIZE`` to fail fast with a one-line config error) and once more when the run is
-resolved (:func:`training.trainer.resolve_run`, with the tokenizer's vocabulary); nothing else recomputes the
+resolved (:func:`training.resolve.resolve_run`, with the tokenizer's vocabulary); nothing else recomputes the
 data-parallel size, the gradient accumulation or the padded vocabulary.
 
     DP  = world / (TP x PP)
@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.config import Config, ConfigError, grad_accumulation, padded_vocab_size
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config, grad_accumulation
+from training.models.config import padded_vocab_size
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg: Config) -> int:
     """The run itself, on every rank, inside the launch skeleton (process group up, run directory claimed):
-    the config resolved and frozen (:func:`training.trainer.resolve_run`), then the trainer built from it."""
-    from training.trainer import Trainer, TrainingAborted, resolve_run
+    the config resolved and frozen (:func:`training.resolve.resolve_run`), then the trainer built from it."""
+    from training.resolve import resolve_run
+    from training.trainer import Trainer, TrainingAborted
 
     try:
         Trainer(resolve_run(cfg)).train(run_dir_locked=True)  # the same on every rank: train() takes no lock of its own

@@ -10,7 +10,7 @@ config keys, next to TensorBoard:
   ``wandb.init`` without a mode or directory, so those travel as WANDB_MODE / WANDB_DIR (:func:`wandb_env`):
   ``mode: offline`` writes the run under RUN_DIR/wandb with no network (``wandb sync`` uploads it later).
 
-The ``deepspeed:`` section of the YAML is merged into the derived JSON (``training.config.deepspeed_config``)
+The ``deepspeed:`` section of the YAML is merged into the derived JSON (``training.ds_json.deepspeed_config``)
 for options the run config does not model (``zero_optimization.overlap_comm``, ``communication_data_type``,
 ``flops_profiler``, ``wall_clock_breakdown``, ...). A key the run config owns is refused in one line naming
 the config field to set instead (:func:`check_passthrough`), so the YAML stays the single source of truth; a key the

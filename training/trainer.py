@@ -1,13 +1,10 @@
 """The training loop under DeepSpeed: engine set-up, steps, overflow handling, validation, checkpoints.
 
-Two steps, both expecting torch.distributed initialised through ``deepspeed.init_distributed``:
-
-1. :func:`resolve_run` is the one place the loaded config still changes: the parallel groups and RNG
-   streams are set up, ``train.init_from``'s model shape adopted, the task (:class:`training.tasks.protocol.Task`:
-   GPT-2, BERT, RACE) built, the vocabulary size taken from its tokenizer, ``recompute: auto``
-   decided and the layout derived (once, :func:`training.layout.derive_layout`); then the config is frozen.
-2. ``Trainer(run)`` builds data, model and engine from that :class:`ResolvedRun` and never writes the
-   config. ``Trainer(cfg)`` is short for ``Trainer(resolve_run(cfg))``.
+``Trainer(run)`` takes a :class:`~training.resolve.ResolvedRun`: the config resolved for this process group
+and frozen by :func:`training.resolve.resolve_run` (the one place a loaded config changes), with its layout,
+parallel state, dtype and task. The trainer builds data, model and engine from it and never writes the config;
+its attributes are declared on the class. Expects torch.distributed initialised through
+``deepspeed.init_distributed``.
 
 The resumable counters live in ``trainer.state`` (:class:`training.checkpoint.TrainState`); checkpoints,
 ``init_from`` and the task's hooks get explicit parts (engine, model, state, parallel state, a
@@ -17,40 +14,34 @@ Tests drive the same object directly (e.g. to inject an fp16 overflow with a gra
 from __future__ import annotations
 
 import json
-import os
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeAlias
+from typing import Any
 
 import deepspeed
 import torch
 import torch.distributed as dist
-from training.parallel.grad_norm import clip_grad_norm
 
 from training import checkpoint as ckpt
-from training import init_from
-from training.runtime import run_lock
-from training.runtime import device as tdev
-from training import tracking
-from training.runtime import ds_compat, optimizer_step
-from training.config import Config, ConfigError, deepspeed_config, resolve_dtype
-from training.layout import Layout, derive_layout
-from training.runtime.cpu_peak import measure_cpu_peak_together
-from training.runtime.distributed import agreed
-from training.runtime.hardware import canonical_kind, detect_device_kind, device_memory_gib, peak_tflops
+from training import init_from, tracking
+from training.config import Config
+from training.ds_json import deepspeed_config
+from training.layout import Layout
 from training.metrics import MetricsWriter, flops_per_iteration, progress_enabled
 from training.models.compile_layers import compile_layers
 from training.optim import build_optimizer
-from training.parallel import random as tp_random
+from training.parallel.grad_norm import clip_grad_norm
 from training.parallel.state import ParallelState
-from training.plan import recompute
 from training.plan.recompute import RecomputeChoice
-from training.tasks.gpt import make_task
+from training.resolve import ResolvedRun
+from training.runtime import device as tdev
+from training.runtime import ds_compat, optimizer_step, run_lock
+from training.runtime.cpu_peak import CpuPeak, measure_cpu_peak_together
+from training.runtime.distributed import agreed
+from training.runtime.hardware import canonical_kind, detect_device_kind, peak_tflops
 from training.tasks.protocol import Task, batch_to_device
-from megatron_ds_suite.core.config import freeze
 
 logger = logging.getLogger("training")
 
@@ -66,107 +57,48 @@ def count_parameters(model: torch.nn.Module, ps: ParallelState) -> int:
     return int(t)
 
 
-def start_process(cfg: Config) -> tuple[str, ParallelState]:
-    """Per-process start-up shared by every training entry point: dtype, CPU threads, process groups
-    (which check the world size against TP x PP), then the RNG streams (DeepSpeed's tracker configured
-    before any seeding). Returns (dtype, ParallelState)."""
-    on_gpu = tdev.local_device().type == "cuda"  # the accelerator DeepSpeed will use, not just torch's view
-    dtype = resolve_dtype(cfg, on_gpu)
-    if dtype == "fp16" and not on_gpu:
-        allow_fp16_on_cpu()
-    if not on_gpu:
-        # one process per core share: avoid oversubscribing the CPU with intra-op threads
-        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
-    ps = ParallelState(tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline)
-    tp_random.configure(ps, cfg.model.num_layers)  # before any seeding
-    tp_random.set_seed(cfg.train.seed)
-    return dtype, ps
-
-
-TaskFactory: TypeAlias = Callable[[Config, ParallelState, int], Task]
-"""``(cfg, parallel state, DP size) -> Task``; the default picks GPT-2 or BERT by ``model.arch``."""
-
-
-@dataclass(frozen=True)
-class ResolvedRun:
-    """A config resolved for this process group and frozen, with what resolving it needed to build."""
-
-    cfg: Config  # frozen: model shape adopted, vocabulary set, recomputation decided
-    layout: Layout  # derived once, with the padded vocabulary
-    ps: ParallelState
-    dtype: str  # fp32 / fp16 / bf16
-    task: Task  # its tokenizer set the vocabulary; RACE's data set train.iters
-    recompute_choice: RecomputeChoice | None  # the planner's decision for model.recompute: auto
-
-    @property
-    def is_rank0(self) -> bool:
-        return self.ps.rank == 0
-
-
-def resolve_run(cfg: Config, task_factory: TaskFactory | None = None) -> ResolvedRun:
-    """Resolve ``cfg`` in place and freeze it: every change the config gets after loading happens here, in
-    this order (a collective: every rank calls it).
-
-    ``train.init_from``'s model shape is adopted (:func:`training.init_from.adopt_model_config`); the process
-    groups and RNG streams are set up; the task is built (a RACE task sets ``train.iters`` and the warmup from
-    its data); ``model.vocab_size`` is set from the task's tokenizer when unset (it may be larger, never
-    smaller); ``model.recompute: auto`` is decided for the smallest device memory over all
-    ranks; the layout is derived once."""
-    init_from.adopt_model_config(cfg)  # train.init_from: the source's model shape (no-op when unset)
-    dtype, ps = start_process(cfg)
-    task = (task_factory or make_task)(cfg, ps, ps.dims.dp)
-    tok_vocab = task.tokenizer.vocab_size
-    vocab = cfg.model.vocab_size or tok_vocab
-    if vocab < tok_vocab:
-        raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {tok_vocab}")
-    cfg.model.vocab_size = vocab
-    choice = _resolve_recompute(cfg, ps.dims.dp, dtype, ps.rank == 0)  # model.recompute: auto
-    layout = derive_layout(cfg, ps.dims.world_size, vocab)
-    freeze(cfg)  # everything derived from the config is in the layout (or the task) from here on
-    return ResolvedRun(cfg=cfg, layout=layout, ps=ps, dtype=dtype, task=task, recompute_choice=choice)
-
-
-def _resolve_recompute(cfg: Config, dp: int, dtype: str, is_rank0: bool) -> RecomputeChoice | None:
-    """``model.recompute: auto`` resolved by the planner (none, selective or full) for the smallest device memory
-    over all ranks (a collective: every rank must decide alike, or TP ranks would recompute differently)."""
-    if cfg.model.recompute != "auto":
-        return None
-    dev = tdev.local_device()
-    gib = torch.tensor(device_memory_gib(dev), dtype=torch.float64, device=dev)
-    dist.all_reduce(gib, op=dist.ReduceOp.MIN)
-    choice = recompute.resolve(cfg, dp, dtype, float(gib), dev.type == "cuda")
-    cfg.model.recompute = choice.recompute
-    if is_rank0:
-        logger.info("model.recompute=auto -> %s: %s", choice.recompute, choice.describe())
-    return choice
-
-
 class TrainingAborted(RuntimeError):
     """Training stopped on purpose (e.g. too many consecutive overflow-skipped steps)."""
 
 
-def allow_fp16_on_cpu() -> None:
-    """DeepSpeed refuses fp16 unless the accelerator claims support; the CPU accelerator claims it
-    only on CPUs with native fp16 (AVX512-FP16/AMX). torch still runs fp16 on any CPU, slowly."""
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
-    if acc.device_name() == "cpu":
-        acc.is_fp16_supported = lambda: True
-        acc.supported_dtypes = lambda: [torch.float, torch.half, torch.bfloat16]
-
-
 class Trainer:
-    """The one training loop over a :class:`ResolvedRun` (its config frozen). ``Trainer(cfg, task_factory)``
-    resolves ``cfg`` first (:func:`resolve_run`); RACE fine-tuning passes its own task factory
-    (``training.finetune_race``)."""
+    """The one training loop over a :class:`~training.resolve.ResolvedRun` (its config frozen; build one with
+    :func:`training.resolve.resolve_run`, RACE fine-tuning with its own task factory: ``training.finetune_race``).
+    Its attributes, declared here, are set once in ``__init__``; the counters that change live in ``state``."""
 
-    def __init__(self, run: ResolvedRun | Config, task_factory: TaskFactory | None = None):
-        if isinstance(run, Config):
-            run = resolve_run(run, task_factory)
-        elif task_factory is not None:
-            raise TypeError("task_factory is for Trainer(cfg); a ResolvedRun has its task already")
+    # from the resolved run
+    cfg: Config  # frozen
+    run_dir: Path
+    ps: ParallelState
+    dtype: str  # fp32 / fp16 / bf16
+    task: Task
+    layout: Layout
+    world: int
+    dp: int
+    is_rank0: bool
+    recompute_choice: RecomputeChoice | None
+    padded_vocab: int
+    desc: ckpt.ModelDescription
+    # built from it
+    model: torch.nn.Module
+    ds_config: dict[str, Any]  # the DeepSpeed JSON (training.ds_json), saved as RUN_DIR/ds_config.json
+    pipe: bool  # pipeline-parallel: DeepSpeed's PipelineModule and train_batch
+    engine: deepspeed.DeepSpeedEngine
+    o1_step: bool  # the O(1) fp16/bf16 optimizer step is installed (training.runtime.optimizer_step)
+    fp32_clip_override: bool  # fp32 without ZeRO: our gradient clip instead of DeepSpeed's
+    gas: int  # micro-batches per step on each DP rank
+    state: ckpt.TrainState  # iteration, consumed samples, skips: what a resume restores
+    flops_per_step: float
+    tokens_per_step: int
+    cpu_peak: CpuPeak | None  # the measured CPU matmul rate (CPU runs)
+    peak: float | None  # the device's dense peak TFLOP/s in the training dtype (MFU)
+    # per step
+    _fp32_norm: torch.Tensor | None = None
+    _clock: tuple[float, int] | None = None  # (start, steps) of the steps since the last read
+
+    def __init__(self, run: ResolvedRun):
+        if not isinstance(run, ResolvedRun):
+            raise TypeError(f"Trainer takes a ResolvedRun (training.resolve.resolve_run(cfg)), got {type(run).__name__}")
         cfg = self.cfg = run.cfg
         self.run_dir = Path(cfg.run.dir)
         self.ps, self.dtype, self.task, self.layout = run.ps, run.dtype, run.task, run.layout
@@ -268,7 +200,7 @@ class Trainer:
         step's own (the metrics ride on the skip decision), so a log step reads once in every dtype. Every
         rank must pass the same ``read``: it is collective. Step time is the mean over the steps since the
         last read (or :meth:`restart_step_clock`)."""
-        start, steps = getattr(self, "_clock", None) or (time.perf_counter(), 0)
+        start, steps = self._clock or (time.perf_counter(), 0)
         self._clock = (start, steps + 1)
         lr = self.engine.get_lr()[0]  # the rate this step uses
         self._fp32_norm = None
@@ -373,7 +305,7 @@ class Trainer:
             if not m["step_applied"]:
                 m["grad_norm"] = None
             self._count_skips(m["step_applied"], consecutive)
-        start, steps = getattr(self, "_clock", None) or (time.perf_counter(), 1)
+        start, steps = self._clock or (time.perf_counter(), 1)
         elapsed = (time.perf_counter() - start) / max(steps, 1)
         self.restart_step_clock()
         tflops = self.flops_per_step / elapsed / self.world / 1e12

@@ -220,7 +220,7 @@ def _timed_applied_worker(rank, world, steps):
     import torch
 
     from benchmarks import bench_train_step
-    from training.trainer import allow_fp16_on_cpu
+    from training.resolve import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     args = bench_train_step.parse_args(["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2",

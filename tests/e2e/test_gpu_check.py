@@ -80,7 +80,7 @@ def test_a_planned_evaluation_command_must_parse(tmp_path):
 def test_the_llama_1b_row_plans_the_1b_config_with_llama_flops(tmp_path):
     """The Llama-style 1B row trains configs/llama_1b.yaml itself (GQA 32/8, SwiGLU 8192, vocabulary 128,256 kept
     under the GPT-2 BPE data, seq 4096, bf16, recompute auto); its MFU is the trainer's, by the Llama FLOP count."""
-    from training.config import padded_vocab_size
+    from training.models.config import padded_vocab_size
     from training.metrics import flops_per_iteration
     from training.plan.accounting import model_flops_per_iteration
 
@@ -115,7 +115,7 @@ def test_the_shell_wrapper_dry_run():
 
 
 def _first_update_worker(rank, world):
-    from training.trainer import allow_fp16_on_cpu
+    from training.resolve import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     return gpu_check.first_update("cpu", "torch")

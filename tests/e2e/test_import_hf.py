@@ -42,7 +42,7 @@ def _tokens(n=2, s=40, seed=0):
 def test_import_reproduces_transformers_logits_and_config(source, imported):
     from transformers import GPT2LMHeadModel
 
-    from training.checkpoint import load_merged_state_dict, load_model_for_eval, read_client_state
+    from training.checkpoint_reader import load_merged_state_dict, load_model_for_eval, read_client_state
 
     hf = GPT2LMHeadModel.from_pretrained(str(source)).eval()
     x = _tokens()
@@ -188,10 +188,11 @@ def test_gpt2_folder_with_only_tokenizer_json_imports(source, imported, tmp_path
 # --------------------------------------------------------------------------------------------------
 def _init_from_run(rank, world, overrides):
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides)
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     batch = [b for b in trainer.task.micro_batches(0)]
     lr0 = trainer.engine.get_lr()[0]
     out = trainer.train()
@@ -229,11 +230,13 @@ def test_init_from_starts_a_tp2_run_from_imported_weights(source, imported, tmp_
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 50432), labels.reshape(-1)).item()
     assert res["loss"] == pytest.approx(ref, abs=1e-5)
 
-    from training.checkpoint import ConfigError, read_client_state
-    from training.config import load_config
-    from training.init_from import adopt_model_config
+    from megatron_ds_suite.core.errors import ConfigError
+    from training.checkpoint_reader import read_client_state
+    from training.config import load_config, validate_static
+    from training.resolve import adopt_model_config
 
     assert read_client_state(tmp_path / "run")["iteration"] == 1
     bad = load_config(ROOT / "configs" / "gpt2_tiny.yaml", [f"{k}={v}" for k, v in {**ov, "parallel.tensor": "4"}.items()])
+    adopt_model_config(bad)  # the source's 6 heads; the one validation of resolve_run then refuses TP=4
     with pytest.raises(ConfigError, match="parallel.tensor=4 does not divide model.num_attention_heads=6"):
-        adopt_model_config(bad)
+        validate_static(bad)

@@ -231,7 +231,7 @@ def test_heldout_perplexity_matches_plain_torch(job):
 
     from training.data.gpt_dataset import split_boundaries
     from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     run = job["run"]
     h = json.loads((run / "eval" / "heldout.json").read_text())

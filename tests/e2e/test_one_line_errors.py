@@ -219,7 +219,8 @@ def test_latest_and_run_files_are_world_readable(tmp_path):
 def test_evaluation_on_a_bad_checkpoint_folder_is_one_line(tmp_path, capsys, damage):
     """``python -m evaluation`` given a folder that is not a complete training run: one line, exit 2."""
     from evaluation.cli import main
-    from training.config import Config, ModelConfig, ParallelConfig, padded_vocab_size
+    from training.config import Config, ParallelConfig
+    from training.models.config import ModelConfig, padded_vocab_size
     from training.models.gpt2 import GPTModel
     from training.tools.import_hf import write_checkpoint
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from training.config import ConfigError, deepspeed_config, load_config
+from training.config import ConfigError, load_config
+from training.ds_json import deepspeed_config
 from training.metrics import format_line, progress_enabled
 from training.tracking import OWNERS, monitor_config, owner_of, wandb_env
 

@@ -36,7 +36,7 @@ def test_tp2_dp2_and_zero1_match_tp1_dp1_and_loss_decreases(spm_model, tmp_path)
 
 
 def _logits_worker(rank, world, run_dirs):
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     tokens = torch.arange(32).view(1, 32) * 7 % 1000
     return [load_model_for_eval(d)[0](tokens).detach() for d in run_dirs]

@@ -193,7 +193,7 @@ class Setup:
     """Host-side objects built once, outside the fake mode (data, tokenizers, parallel state)."""
 
     def __init__(self, work: Path):
-        from training.config import padded_vocab_size
+        from training.models.config import padded_vocab_size
         from training.parallel.state import ParallelState
         from training.tasks.gpt import GPTTask
 
@@ -207,7 +207,7 @@ class Setup:
 
     @staticmethod
     def bert_padded(tok) -> int:
-        from training.config import padded_vocab_size
+        from training.models.config import padded_vocab_size
 
         return padded_vocab_size(tok.vocab_size, 128, 1)
 

@@ -49,10 +49,11 @@ def train_worker(rank, world, overrides, inject=None):
     """Rank worker: train configs/gpt2_tiny.yaml with ``overrides``; rank 0 returns the losses. With ``inject``
     ({steps, overflow_at}) it steps by hand and makes one gradient inf on the chosen steps."""
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer, TrainingAborted
 
     cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides)
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     if inject is None:
         out = trainer.train()
         return {"losses": [json.loads(line)["loss"] for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()
@@ -79,10 +80,11 @@ def train_worker(rank, world, overrides, inject=None):
 def train_stages(rank, world, overrides, stages):
     """Rank worker: one Trainer run per entry of ``stages`` (extra overrides), one after the other."""
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     for extra in stages:
-        Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides + extra)).train()
+        Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides + extra))).train()
     return None
 
 
@@ -96,6 +98,7 @@ def resume_worker(rank, world, overrides, base):
     """Train gpt2_tiny to the end (base/full), and again stopping at iteration 2 and resuming in a fresh
     trainer (base/part); returns both runs' metrics rows."""
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     def rows(cfg):
@@ -103,9 +106,9 @@ def resume_worker(rank, world, overrides, base):
 
     config = ROOT / "configs" / "gpt2_tiny.yaml"
     full = load_config(config, overrides + [f"run.dir={base}/full"])
-    Trainer(full).train()
+    Trainer(resolve_run(full)).train()
     part = load_config(config, overrides + [f"run.dir={base}/part", "train.exit_at=2"])
-    Trainer(part).train()                     # stops (and saves) at iteration 2
+    Trainer(resolve_run(part)).train()                     # stops (and saves) at iteration 2
     part = load_config(config, overrides + [f"run.dir={base}/part"])
-    Trainer(part).train()                     # a fresh trainer resumes from the checkpoint
+    Trainer(resolve_run(part)).train()                     # a fresh trainer resumes from the checkpoint
     return rows(full), rows(part)

@@ -52,7 +52,7 @@ def test_real_race_files_encode_for_bert(bert_corpus):
 
 def test_finetuning_a_tiny_model_lowers_the_loss(bert_corpus):
     from megatron_ds_suite.core.race import collate, encode_questions, read_race_split
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
     from training.models.bert import BertMultipleChoice
 
     _, tok = bert_corpus
@@ -90,9 +90,10 @@ def _e2e_worker(rank, world, corpus, pre_dir, ft_dir):
     import torch.distributed as dist
 
     from training.finetune_race import load_finetune_config, train_race
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
-    out = Trainer(bert_cfg(corpus, pre_dir)).train()
+    out = Trainer(resolve_run(bert_cfg(corpus, pre_dir))).train()
     dist.barrier()
     cfg, meta = load_finetune_config(ROOT / "configs" / "race.yaml", [
         f"finetune.pretrained={pre_dir}", f"finetune.race_dir={RACE}", f"run.dir={ft_dir}", "finetune.epochs=2",
@@ -104,7 +105,7 @@ def _e2e_worker(rank, world, corpus, pre_dir, ft_dir):
 def test_pretrain_tp2_then_finetune_tp2_then_score_tp1(bert_corpus, tmp_path):
     from evaluation.race import race_accuracy
     from megatron_ds_suite.core.race import encode_questions, read_race_split
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     corpus, _ = bert_corpus
     pre_dir, ft_dir = tmp_path / "pre", tmp_path / "ft"
@@ -179,21 +180,22 @@ def test_bad_bert_data_fails_at_once_with_a_clear_message(tmp_path):
 
 
 def _init_from_worker(rank, world, corpus, pre_dir, new_dir):
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
-    Trainer(bert_cfg(corpus, pre_dir, {"parallel": {"tensor": 1}, "train": {"iters": 1}})).train()
+    Trainer(resolve_run(bert_cfg(corpus, pre_dir, {"parallel": {"tensor": 1}, "train": {"iters": 1}}))).train()
     # another run of another configured shape, started from the first one's weights: 0 steps, then saved
     cfg = bert_cfg(corpus, new_dir, {"parallel": {"tensor": 1}, "model": {"num_layers": 1, "hidden_size": 64},
                                       "optimizer": {"warmup_iters": 0},
                                       "train": {"iters": 0, "init_from": str(pre_dir)}})
-    Trainer(cfg).train()
+    Trainer(resolve_run(cfg)).train()
     return cfg.model.num_layers, cfg.model.hidden_size
 
 
 def test_bert_run_starts_from_another_runs_weights(bert_corpus, tmp_path):
     """train.init_from for BERT: the new run adopts the source's shape and holds exactly its weights
     (encoder, MLM head with its vocabulary bias, pooler, SOP head) before its first step."""
-    from training.checkpoint import load_merged_state_dict, read_client_state
+    from training.checkpoint_reader import load_merged_state_dict, read_client_state
 
     corpus, _ = bert_corpus
     shape = run_distributed(_init_from_worker, 1, corpus, tmp_path / "pre", tmp_path / "new", timeout=240)[0]

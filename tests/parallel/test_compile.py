@@ -35,7 +35,7 @@ def _layer(cfg, group, bert: bool):
 def _explain_worker(rank, world, dropout, extra=None, bert=False):
     import torch._dynamo as dynamo
 
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
     from training.models.bert import attention_mask
     from training.parallel import random as tp_random
     from training.parallel.mappings import COLLECTIVE_CALLS
@@ -88,7 +88,7 @@ def _checkpointed_graphs_worker(rank, world, bert):
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters
 
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
     from training.models.bert import attention_mask
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
@@ -176,7 +176,7 @@ def test_compiled_model_parallel_stream_differs_across_tp_ranks_and_repeats_per_
 
 
 def _grads_worker(rank, world, runs, extra=None, bert=False):
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
     from training.models.bert import BertModel
     from training.models.compile_layers import compile_layers
     from training.models.gpt2 import GPTModel
@@ -232,10 +232,11 @@ def train_worker(rank, world, overrides):
     from pathlib import Path
 
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     cfg = load_config(Path(ROOT_CONFIG).resolve(), overrides)
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     trainer.train()
     compiled = sum(1 for m in trainer.model.modules() if getattr(m, "_compiled_call_impl", None) is not None)
     lines = (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()
@@ -273,7 +274,7 @@ def test_cuda_graph_needs_a_gpu():
     """``model.cuda_graph=true`` is refused in one line where there is no CUDA GPU (scripts/gpu_check.sh
     ``--only cuda_graph`` exercises it on one)."""
     from megatron_ds_suite.core.errors import ConfigError
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
     from training.models.blocks import TransformerLayer
     from training.models.compile_layers import compile_layers
 

@@ -98,10 +98,11 @@ def _guarded_run(rank, world, run_dir, race_tok):
     import torch.distributed as dist
 
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     with emulated_cuda_run(rank) as (guard, _):
-        trainer = Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", _gpt_overrides(run_dir)))
+        trainer = Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", _gpt_overrides(run_dir))))
         out = trainer.train()
         train = {"seen": dict(guard.seen), "violations": list(guard.violations), "valid": out["valid_loss"],
                  "device": str(next(trainer.model.parameters()).device)}

@@ -19,9 +19,10 @@ WT = Path(SHARED_DATA) / "eval" / "wikitext-103" / "wiki.test.tokens"
 
 def _train(rank, world, overrides):
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
-    Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides)).train()
+    Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides))).train()
     return True
 
 
@@ -47,7 +48,7 @@ def runs(tmp_path_factory):
 def test_export_loads_in_transformers_with_equal_logits(runs, tp, tmp_path):
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
     from training.tools.export_hf import main
 
     assert main(["--checkpoint", str(runs[tp]), "--out", str(tmp_path / "hf")]) == 0

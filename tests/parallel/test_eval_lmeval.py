@@ -41,9 +41,10 @@ NEWLINE_LAST_WORD = frozenset({426, 1053, 2881, 3047, 3977, 4351, 4462})
 
 def _train(rank, world, overrides):
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
-    Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides)).train()
+    Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides))).train()
     return True
 
 
@@ -151,7 +152,8 @@ def exported_sentencepiece(tmp_path_factory):
     import shutil
 
     from data_pipeline.tokenizer_train import train_sentencepiece
-    from training.config import Config, ModelConfig, padded_vocab_size
+    from training.config import Config
+    from training.models.config import ModelConfig, padded_vocab_size
     from training.tools.export_hf import export
     from training.tools.import_hf import write_checkpoint
     from training.models.gpt2 import GPTModel

@@ -14,7 +14,7 @@ V, VP = 300, 384
 
 
 def _cfg():
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
 
     return ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=V,
                        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.3)

@@ -19,12 +19,14 @@ def _worker(rank, world):
     import deepspeed
     import torch
 
-    from training.config import Config, ModelConfig, deepspeed_config
+    from training.config import Config
+    from training.ds_json import deepspeed_config
+    from training.models.config import ModelConfig
     from training.models.gpt2 import GPTModel
     from training.optim import build_optimizer
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
-    from training.trainer import allow_fp16_on_cpu
+    from training.resolve import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     cfg = Config()

@@ -70,7 +70,7 @@ def test_kv_cached_steps_equal_the_full_forward(loaded):
 def test_model_forward_with_a_cache_equals_the_full_forward(extra):
     """The model's own forward with a KVCache, positions left to the cache (the tokens after the cached ones):
     Megatron's core attention over more keys than queries, and RoPE at the offset, as the full forward."""
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
     from training.models.gpt2 import GPTModel
     from training.models.kv_cache import KVCache
 

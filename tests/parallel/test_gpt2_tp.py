@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from training.config import ModelConfig
+from training.models.config import ModelConfig
 
 PADDED_VOCAB = 256  # same padded vocabulary at TP=1 and TP=2 (128 x 2), so weights agree exactly
 

@@ -262,7 +262,7 @@ def _import(src: Path, out: Path, tp: int, arch: str, bert_vocab: Path, pp: int 
 def test_megatron_tp2_checkpoint_imports_at_tp1_and_tp2_with_megatrons_logits(arch, bert_vocab, tmp_path):
     pytest.importorskip("megatron.core", reason="the test extra's megatron-core (Megatron's own modules)")
     from megatron_ds_suite.core.tokenizer import load_tokenizer
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     if arch == "gpt2" and not GPT2_DIR.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
@@ -305,7 +305,7 @@ def test_megatron_tp2_checkpoint_imports_at_tp1_and_tp2_with_megatrons_logits(ar
     if arch == "gpt2":  # a source at TP=2 x PP=2 (stage folders mp_rank_XX_YYY) to ours at TP=1 x PP=2
         src_pp = write_megatron_checkpoint(tmp_path / "meg_pp2", shards, arch, vocab, None, pp=2)
         run_pp = _import(src_pp, tmp_path / "ours_pp2", 1, arch, bert_vocab, pp=2)
-        from training.checkpoint import load_merged_state_dict
+        from training.checkpoint_reader import load_merged_state_dict
 
         merged_pp, cfg_pp, _ = load_merged_state_dict(run_pp)
         merged_1, _, _ = load_merged_state_dict(tmp_path / "ours_vNone_tp1")
@@ -431,7 +431,7 @@ def test_checkpoint_written_by_megatron_lm_legacy_code_imports_with_its_logits(a
     one) write a TP=2 checkpoint (checkpoint_version 3.0); ours imported at TP=1 and TP=2 gives its logits."""
     import os
 
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     source = os.environ.get(MEGATRON_LM_SOURCE)
     if not source or not (Path(source) / "megatron" / "legacy" / "model" / "gpt_model.py").is_file():

@@ -12,7 +12,8 @@ import torch
 
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training_runs import needs_corpus, tiny_overrides
-from training.config import ConfigError, ModelConfig
+from training.config import ConfigError
+from training.models.config import ModelConfig
 
 PADDED_VOCAB = 256  # 200 real ids padded to 256 at TP=1 and TP=2 (128 x 2): identical weights
 LLAMA = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu", num_query_groups=2,
@@ -140,7 +141,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads(groups):
 
 
 def test_swiglu_mlp_and_width_rule():
-    from training.config import swiglu_ffn_size
+    from training.models.config import swiglu_ffn_size
     from training.models.blocks import ParallelMLP
 
     assert swiglu_ffn_size(4096) == 11008  # Llama 2 7B's width
@@ -445,18 +446,19 @@ def _train(rank, world, overrides, stages):
     from pathlib import Path
 
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     root = Path(__file__).resolve().parents[2]
     for extra in stages:
         cfg = load_config(root / "configs" / "llama_tiny.yaml", overrides + extra)
-        Trainer(cfg).train()
+        Trainer(resolve_run(cfg)).train()
     rows = [json.loads(line) for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "event" not in r]
 
 
 def _logits(rank, world, dirs):
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     tokens = (torch.arange(32).view(1, 32) * 7) % 1000
     return [load_model_for_eval(d)[0](tokens)[..., :1000].detach() for d in dirs]
@@ -500,7 +502,7 @@ def test_import_and_export_llama_folders(tmp_path, kv_heads, theta, tied, tp, pp
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
     from evaluation.generate import GenerationOptions, generate
     from safetensors.torch import load_file
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
     from training.tools.export_hf import export
     from training.tools.import_hf import import_hf
 
@@ -537,7 +539,7 @@ def test_qwen2_weights_map_both_ways_with_the_qkv_bias(tmp_path):
 
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
-    from training.config import padded_vocab_size
+    from training.models.config import padded_vocab_size
     from training.models.gpt2 import GPTModel
     from training.tools.hf_llama import build_hf_llama, from_hf, model_config_from_hf
 
@@ -573,7 +575,7 @@ def test_mistral_and_qwen2_folders_import_and_export(tmp_path, family, tp):
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
     from safetensors.torch import load_file
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
     from training.tools.export_hf import export
     from training.tools.hf_llama import LlamaMappingError
     from training.tools.import_hf import import_hf

@@ -42,7 +42,7 @@ def _masters(kind, opt) -> list[torch.Tensor]:
 
 def _ab_worker(rank, world, kind):
     from training.runtime import ds_compat, optimizer_step
-    from training.trainer import allow_fp16_on_cpu
+    from training.resolve import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     (ma, oa), (mb, ob) = _wrapper(kind), _wrapper(kind)
@@ -94,7 +94,7 @@ def test_o1_step_equals_deepspeeds_step(kind):
 
 def _first_update_worker(rank, world, undo):
     from training.runtime import ds_compat
-    from training.trainer import allow_fp16_on_cpu
+    from training.resolve import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     model, opt = _wrapper("fused", clip=0.0)
@@ -133,12 +133,13 @@ def test_fused_wrapper_first_update_is_megatrons(undo):
 # the trainer's own step: operators and host syncs at 2 and 8 layers, ours and DeepSpeed's
 def _trainer(spec, run_dir, layers: int, dtype: str, **extra):
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     ov = tiny_overrides(spec, run_dir, **{"parallel.tensor": 1, "model.num_layers": layers, "precision.dtype": dtype,
                                       "precision.allow_fp16_on_cpu": "true", "train.global_batch_size": 2,
                                       "precision.initial_scale_power": 8, **extra})
-    return Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", ov))
+    return Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", ov)))
 
 
 def _counts_worker(rank, world, spec, tmp, dtype):

@@ -128,7 +128,7 @@ def test_init_from_refuses_a_run_dir_around_or_inside_its_source(tmp_path, where
     """``train.init_from`` refused only ``run.dir`` equal to the source: a run.dir inside the source wrote the new
     run's checkpoints into it, and one holding it put the source inside the new run. Checked before any read."""
     from training.config import ConfigError, load_config
-    from training.init_from import adopt_model_config
+    from training.resolve import adopt_model_config
 
     src = tmp_path / "runs" / "src"
     src.mkdir(parents=True)

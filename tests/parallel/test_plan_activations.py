@@ -95,7 +95,7 @@ def _nbytes(t) -> int:
 def _worker(rank: int, world: int, seq: int, sp: bool) -> dict:
     import torch
 
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
     from training.models.blocks import TransformerLayer
     from training.models.gpt2 import GPTModel
     from training.parallel import random as tp_random

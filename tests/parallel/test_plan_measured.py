@@ -48,10 +48,11 @@ def _storage_bytes(tensors: list) -> int:
 def _measure_worker(rank: int, world: int, overrides: list[str]) -> dict:
     import torch
 
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides)
-    trainer = Trainer(cfg)
+    trainer = Trainer(resolve_run(cfg))
     params = list(trainer.model.parameters())
     base = trainer.engine.optimizer  # DeepSpeed's fp16 wrapper holds the torch optimizer as .optimizer
     while not isinstance(base, torch.optim.Optimizer):

@@ -72,13 +72,14 @@ def test_planner_report_names_the_choice():
 
 
 def _auto_worker(rank, world, overrides, fake_gib):
-    import training.trainer as trainer_mod
+    import training.resolve as resolve_mod
     from training.config import load_config
+    from training.trainer import Trainer
 
     # this rank's device memory as a given number (the planner's input): rank r reads fake_gib[r]
-    trainer_mod.device_memory_gib = lambda device: fake_gib[rank]
+    resolve_mod.device_memory_gib = lambda device: fake_gib[rank]
     cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides)
-    t = trainer_mod.Trainer(cfg)
+    t = Trainer(resolve_mod.resolve_run(cfg))
     t.train()
     saved = json.loads((Path(cfg.run.dir) / "config.json").read_text())["model"]["recompute"]
     return t.cfg.model.recompute, saved

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from training import plan
-from training.config import ModelConfig
+from training.models.config import ModelConfig
 from training.plan import ModelShape
 
 

@@ -10,7 +10,7 @@ from tests.helpers.training_runs import metric_steps, needs_corpus, tiny_overrid
 
 
 def _logits(rank, world, dirs_and_tags):
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
 
     tokens = (torch.arange(32).view(1, 32) * 7) % 1000
     return [load_model_for_eval(d, tag=t)[0](tokens)[..., :1000].detach() for d, t in dirs_and_tags]
@@ -41,10 +41,11 @@ def test_reshard_tp2pp2_to_tp1_to_tp4(spm_model, tmp_path):
 
 def _bert_stages(rank, world, corpus, run_dir, tp, stages):
     from tests.helpers.corpora import bert_cfg
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
     for extra in stages:
-        Trainer(bert_cfg(corpus, run_dir, {"parallel": {"tensor": tp}, **extra})).train()
+        Trainer(resolve_run(bert_cfg(corpus, run_dir, {"parallel": {"tensor": tp}, **extra}))).train()
     return None
 
 

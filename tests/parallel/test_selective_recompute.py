@@ -13,7 +13,8 @@ import torch
 
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training_runs import needs_corpus, tiny_overrides, train_worker
-from training.config import ConfigError, ModelConfig, config_from_dict
+from training.config import ConfigError, config_from_dict
+from training.models.config import ModelConfig
 
 VOCAB = 256
 MODES = ("none", "selective", "full")

@@ -108,7 +108,7 @@ def test_sequence_parallel_maps_and_linears_equal_the_serial_reference():
 
 
 def _bert_cfg(layer_order: str):
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
 
     return ModelConfig(arch="bert", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                        vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0, layer_order=layer_order)
@@ -210,7 +210,8 @@ def test_config_refusals_are_one_line(overrides, message):
 
 
 def test_pipeline_sends_whole_chunks():
-    from training.config import deepspeed_config, load_config
+    from training.config import load_config
+    from training.ds_json import deepspeed_config
 
     cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", ["parallel.sequence_parallel=true",
                                                              "parallel.pipeline=2"])
@@ -232,7 +233,7 @@ LAYOUTS = [  # (tp, pp, activation checkpointing, gradient accumulation)
 
 
 def _model_cfg(name: str):
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
 
     if name == "gpt2":
         return ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,
@@ -245,7 +246,8 @@ def _model_cfg(name: str):
 def _train(model_name: str, tp: int, pp: int, ckpt: bool, gas: int, sp: bool) -> dict:
     import deepspeed
 
-    from training.config import Config, deepspeed_config
+    from training.config import Config
+    from training.ds_json import deepspeed_config
     from training.models.blocks import NORMS
     from training.models.gpt2 import GPTModel
     from training.models.gpt2_pipe import build_gpt2_pipe
@@ -359,9 +361,10 @@ def _trainer_worker(rank: int, world: int, work: str) -> dict:
     from tests.helpers.device_guard import emulated_cuda_run
     from tests.helpers.distributed import SHARED_DATA
     from training.config import load_config
+    from training.resolve import resolve_run
     from training.trainer import Trainer
 
-    from training.trainer import allow_fp16_on_cpu
+    from training.resolve import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()  # before the accelerator is made to report cuda: DeepSpeed's CPU one then runs fp16
     gpt2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
@@ -377,7 +380,7 @@ def _trainer_worker(rank: int, world: int, work: str) -> dict:
               "parallel.sequence_parallel": str(sp).lower(), "optimizer.warmup_iters": "0",
               "run.device_peak_tflops": "1.0"}
         with emulated_cuda_run(rank) as (guard, _):
-            trainer = Trainer(load_config(ROOT / "configs" / "gpt2_tiny.yaml", [f"{k}={v}" for k, v in ov.items()]))
+            trainer = Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", [f"{k}={v}" for k, v in ov.items()])))
             losses = [trainer.train_step()["loss"] for _ in range(3)]
             out[sp] = {"losses": losses, "o1_step": trainer.o1_step, "violations": list(guard.violations),
                        "seen": sum(guard.seen.values()),

@@ -38,6 +38,9 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...], str]] = [
     ("megatron_ds_suite.configs_lookup", CORE, (), "the core imports none of the stages"),
     ("training.parallel", ("training.parallel", *CORE), (),
      "training/parallel imports only torch, the standard library, the core and other parallel modules"),
+    ("training.models", ("training.models", "training.parallel", *CORE), (),
+     "training/models reads its shape from training.models.config: it imports no run config (training.config, "
+     "training.ds_json, training.resolve), only other model modules, training/parallel and the core"),
     ("data_pipeline", ("data_pipeline", *CORE), (), "data_pipeline imports only the core"),
     ("training", ("training", *CORE), (), "training imports the core (not data_pipeline, not evaluation)"),
     ("evaluation", ("evaluation", "training", *CORE), (), "evaluation imports the core and training"),
@@ -298,6 +301,8 @@ def test_the_checker_sees_wrong_way_imports():
     assert [t for _, t in got if wrong_way("training.parallel.probe", t)] == [
         "training.config", "data_pipeline.stages", "training.runtime.device"]
     assert wrong_way("megatron_ds_suite.core.corpus", "training.config")
+    assert wrong_way("training.models.gpt2", "training.config")  # the model's shape is training.models.config
+    assert not wrong_way("training.models.gpt2", "training.models.config")
     assert wrong_way("data_pipeline.stages", "training.data.gpt_dataset")
     assert not wrong_way("data_pipeline.stages", "megatron_ds_suite.core.indexed_dataset")
     assert wrong_way("training.trainer", "evaluation.race")
@@ -462,51 +467,6 @@ def test_the_checker_sees_layer_violations():
 
 
 
-# --- what the models take from the run config ------------------------------------------------------------------
-MODELS = "training.models"
-# Besides their own layer, the parallel layer and the core, the models take these names and nothing else: the
-# model's config. No run, parallel or train section, no training.runtime/layout: a model is built from a
-# ModelConfig, a process group and a seed (docs/architecture.md).
-MODELS_TAKE = {"training.config": ("ModelConfig",)}
-
-
-def model_config_violations(files: dict[str, list[Import]]) -> list[str]:
-    """``module:line: module -> imported (rule)`` for every import of a model module beyond :data:`MODELS_TAKE`."""
-    free = (MODELS, "training.parallel", *CORE)
-    bad = []
-    for me, recs in sorted(files.items()):
-        if not _under(me, MODELS):
-            continue
-        for r in recs:
-            if any(_under(r.module, f) for f in free) or r.name in MODELS_TAKE.get(r.module, ()):
-                continue
-            what = f"{r.module}.{r.name}" if r.name else r.module
-            bad.append(f"{me}:{r.line}: {me} -> {what} (training/models takes ModelConfig and nothing else of the "
-                       f"run config)")
-    return bad
-
-
-def test_models_take_only_the_model_config():
-    bad = model_config_violations({m: r for m, r in project_records().items() if _under(m, MODELS)})
-    if bad:
-        pytest.fail("model modules reaching past ModelConfig (docs/architecture.md):\n" + "\n".join(bad),
-                    pytrace=False)
-
-
-def test_the_checker_sees_models_reaching_into_the_run_config():
-    files = {m: list(r) for m, r in project_records().items() if _under(m, MODELS)}
-    assert "training.models.blocks" in files and model_config_violations(files) == []
-    files["training.models.blocks"] += [Import(900, "training.config", "Config", False),
-                                        Import(901, "training.config", None, True),
-                                        Import(902, "training.runtime.device", None, False),
-                                        Import(903, "training.config", "ModelConfig", False),
-                                        Import(904, "training.parallel.mappings", None, False)]
-    assert [v.split(" (")[0] for v in model_config_violations(files)] == [
-        "training.models.blocks:900: training.models.blocks -> training.config.Config",
-        "training.models.blocks:901: training.models.blocks -> training.config",
-        "training.models.blocks:902: training.models.blocks -> training.runtime.device"]
-
-
 # --- the folders at the top and the test tiers -----------------------------------------------------------------
 def _ignored_folders(root: Path) -> list[str]:
     """The folder patterns of ``root``/.gitignore (``name/`` lines), as fnmatch patterns."""
@@ -663,3 +623,107 @@ def test_the_checker_sees_executor_branches():
     assert len(got) == 2 and got[0].startswith("data_pipeline/stages/filter.py:2") and "ray_executor" in got[1]
     assert executor_branches(Path("data_pipeline/executor.py"), src) == []
     assert executor_branches(Path("data_pipeline/stages/filter.py"), "def run(ex):\n    return ex.map\n") == []
+
+
+# --------------------------------------------------------------------------------------------------
+# Config writes: a run config changes only while it is built or resolved (training.resolve), never after the freeze
+# --------------------------------------------------------------------------------------------------
+CONFIG_SECTIONS = ("model", "parallel", "precision", "optimizer", "train", "data", "run", "bert", "finetune")
+# the modules that may set a config's fields: the resolution (the one writer of a loaded config) and those that
+# build a new config from a saved one (a reader's TP=1 view, the importers' and reshard tools' output configs)
+CONFIG_WRITERS = ("training.resolve", "training.checkpoint_reader", "training.tools.import_hf",
+                  "training.tools.import_megatron", "training.tools.reshard", "training.tools.reshard_optim")
+
+
+def _is_cfg_name(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and (node.id in ("cfg", "config") or node.id.endswith("_cfg"))
+
+
+def _section_of(node: ast.AST, aliases: set[str]) -> bool:
+    """``node`` is a config section: ``cfg.<section>`` (any depth below, e.g. ``cfg.run.wandb``) or a name bound to one."""
+    if isinstance(node, ast.Name):
+        return node.id in aliases
+    if isinstance(node, ast.Attribute):
+        if node.attr in CONFIG_SECTIONS and _is_cfg_name(node.value):
+            return True
+        return _section_of(node.value, aliases)
+    return False
+
+
+def config_writes(path: Path, source: str | None = None) -> list[str]:
+    """``file:line`` of every assignment to a config section's field (``cfg.model.x = ...``, ``t.iters = ...``
+    with ``t = cfg.train``, ``setattr(cfg.model, ...)``) in ``path`` (or ``source``)."""
+    tree = ast.parse(source if source is not None else path.read_text(encoding="utf-8"))
+    aliases: set[str] = set()
+    for node in ast.walk(tree):  # names bound to a section: t = cfg.train; m, p = cfg.model, cfg.parallel
+        if isinstance(node, ast.Assign):
+            pairs = []
+            for target in node.targets:
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    pairs += list(zip(target.elts, node.value.elts))
+                else:
+                    pairs.append((target, node.value))
+            for target, value in pairs:
+                if isinstance(target, ast.Name) and isinstance(value, ast.Attribute) and _section_of(value, set()):
+                    aliases.add(target.id)
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                targets += t.elts if isinstance(t, ast.Tuple) else [t]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+              and node.args and (_section_of(node.args[0], aliases) or _is_cfg_name(node.args[0]))):
+            found.append(f"{path}:{node.lineno}")
+        for t in targets:
+            if isinstance(t, ast.Attribute) and _section_of(t.value, aliases):
+                found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_the_checker_sees_config_writes():
+    probe = ROOT / "training" / "probe.py"
+    src = ("def f(cfg, other):\n    cfg.model.vocab_size = 3\n    t = cfg.train\n    t.iters = 4\n"
+           "    setattr(cfg.model, 'x', 1)\n    cfg.run.wandb.mode = 'offline'\n    m, p = cfg.model, cfg.parallel\n"
+           "    p.tensor += 1\n    other.x = 1\n    self_state = 2\n")
+    assert sorted(int(w.rsplit(":", 1)[1]) for w in config_writes(probe, src)) == [2, 4, 5, 6, 8]
+
+
+def test_no_config_writes_outside_the_resolution():
+    """Only training.resolve (and the modules that build a new config) set a config's fields: the trainer, the
+    tasks (RACE's schedule is a Task.config_changes), init_from (adopted_shape returns the shape) and the
+    planner read it. A write after resolve_run's freeze would raise at run time; this finds it in the source."""
+    bad = [w for top in ("training", "evaluation", "megatron_ds_suite") for p in sorted((ROOT / top).rglob("*.py"))
+           if _module_name(p) not in CONFIG_WRITERS for w in config_writes(p)]
+    assert not bad, "config fields set outside training.resolve (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_a_frozen_config_refuses_writes():
+    """After resolve_run's freeze every section, nested ones included, refuses a write, also through
+    training.resolve.apply."""
+    from megatron_ds_suite.core.config import FrozenConfigError, freeze
+    from training.config import config_from_dict
+    from training.resolve import apply
+
+    cfg = config_from_dict({"model": {"position_embedding": "rope", "rope_scaling": {"factor": 8.0}}})
+    assert apply(cfg, {"train": {"iters": 7}}) == ["train.iters=7"] and cfg.train.iters == 7
+    freeze(cfg)
+    for write in (lambda: apply(cfg, {"train": {"iters": 8}}), lambda: setattr(cfg.model.rope_scaling, "factor", 2.0),
+                  lambda: setattr(cfg.run.wandb, "mode", "offline"), lambda: setattr(cfg, "model", None)):
+        with pytest.raises(FrozenConfigError):
+            write()
+    assert cfg.train.iters == 7
+
+
+def test_checkpoint_reader_names_come_from_their_module():
+    """``training.checkpoint`` re-exports nothing of ``training.checkpoint_reader``: its names are imported from
+    there (and the catalog's from ``training.checkpoint_catalog``), in the project and in the tests."""
+    tree = ast.parse((ROOT / "training" / "checkpoint_reader.py").read_text(encoding="utf-8"))
+    reader = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    reader |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    files = project_files() + sorted((ROOT / "tests").rglob("*.py"))
+    bad = [f"{p}:{r.line}: {r.name}" for p in files for r in import_records(p)
+           if r.module == "training.checkpoint" and r.name in reader]
+    assert not bad, "import these from training.checkpoint_reader:\n" + "\n".join(bad)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from training.config import ModelConfig
+from training.models.config import ModelConfig
 from training.models.core_attention import core_attention
 
 

@@ -1,7 +1,8 @@
-"""The DeepSpeed JSON the trainer derives (training.config.deepspeed_config): what it turns off by default."""
+"""The DeepSpeed JSON the trainer derives (training.ds_json.deepspeed_config): what it turns off by default."""
 from deepspeed.utils.config import get_timers_config
 
-from training.config import config_from_dict, deepspeed_config
+from training.config import config_from_dict
+from training.ds_json import deepspeed_config
 
 
 def test_throughput_timer_is_off_unless_asked_for():

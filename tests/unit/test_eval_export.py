@@ -13,7 +13,7 @@ GPT2 = DATA / "tokenizers" / "gpt2"
 
 
 def _cfg(vocab=300):
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
 
     return ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=24, vocab_size=vocab,
                        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2)

@@ -95,7 +95,7 @@ def test_strict_vs_last_token_differ(tok):
 
 
 def test_batched_equals_one_at_a_time(texts, tok):
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
     from training.models.gpt2 import GPTModel
 
     cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=256, vocab_size=tok.vocab_size,

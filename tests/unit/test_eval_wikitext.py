@@ -154,7 +154,7 @@ def test_bad_window_options():
 # perplexity vs brute force with a real (tiny, random) GPT-2
 # ------------------------------------------------------------------------------------------------
 def tiny_gpt(vocab=300, padded=384, positions=64, seed=3):
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
     from training.models.gpt2 import GPTModel
 
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=positions, vocab_size=vocab,

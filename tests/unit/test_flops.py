@@ -17,7 +17,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from training.config import load_config, padded_vocab_size
+from training.config import load_config
+from training.models.config import padded_vocab_size
 from training.metrics import (bert_expected_masked_positions, bert_flops_per_iteration, flops_per_iteration,
                               model_flops_per_iteration)
 

@@ -87,7 +87,7 @@ def test_to_device_moves_every_tensor_of_any_nesting():
 def test_backward_path_placement_on_meta():
     """Forward + backward of the GPT task on a meta model (batch through the mover): every gradient and
     the grad norm's reduction operand live on the model's device, not on the host."""
-    from training.config import ModelConfig
+    from training.models.config import ModelConfig
     from training.models.gpt2 import GPTModel
     from training.parallel.grad_norm import grad_norm
 

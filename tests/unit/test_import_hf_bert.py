@@ -55,7 +55,7 @@ def test_bert_import_equals_transformers_and_exports_back(vocab_dir, tmp_path, c
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from training.checkpoint import load_merged_state_dict, load_model_for_eval
+    from training.checkpoint_reader import load_merged_state_dict, load_model_for_eval
     from training.tools.export_hf import export
     from training.tools.import_hf import import_hf
 

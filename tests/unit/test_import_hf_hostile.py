@@ -146,7 +146,7 @@ def test_nan_or_inf_weights_are_refused(source, tmp_path, name, value):
 
 # --- shard indexes -----------------------------------------------------------------------------------------------
 def test_a_complete_shard_index_imports_the_same_weights(source, imported, tmp_path):
-    from training.checkpoint import load_merged_state_dict
+    from training.checkpoint_reader import load_merged_state_dict
     from training.tools.import_hf import import_hf
 
     folder = _copy(source, tmp_path)
@@ -221,7 +221,7 @@ def _swap_vocab_ids(path: Path) -> None:
 
 def test_the_imported_run_records_the_tokenizers_identity(imported):
     from megatron_ds_suite.core.tokenizer_base import sha256_file
-    from training.checkpoint import read_client_state
+    from training.checkpoint_reader import read_client_state
 
     spec = read_client_state(imported)["tokenizer"]
     assert (spec["kind"], spec["vocab_size"], spec["eod"]) == ("gpt2_bpe", V, 50256)
@@ -233,7 +233,7 @@ def test_the_imported_run_records_the_tokenizers_identity(imported):
 @pytest.mark.parametrize("damage", ["merges", "vocab"])
 def test_a_tokenizer_swapped_in_an_imported_run_is_refused_downstream(imported, tmp_path, damage):
     from megatron_ds_suite.core.errors import SuiteError
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
     from training.tools.export_hf import export
 
     run = Path(shutil.copytree(imported, tmp_path / "run"))
@@ -252,7 +252,7 @@ def test_a_tokenizer_swapped_in_an_imported_run_is_refused_downstream(imported, 
 def test_a_tokenizer_json_swapped_in_an_imported_llama_is_refused(tmp_path):
     from megatron_ds_suite.core.errors import SuiteError
     from tests.helpers.hf_models import save_random_llama
-    from training.checkpoint import load_model_for_eval, read_client_state
+    from training.checkpoint_reader import load_model_for_eval, read_client_state
     from training.tools.import_hf import import_hf
 
     run = import_hf(str(save_random_llama(tmp_path / "llama")), tmp_path / "run")

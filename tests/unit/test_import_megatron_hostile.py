@@ -69,7 +69,7 @@ def _refused(src: Path, tmp_path: Path, *patterns: str, seconds: float = 30.0) -
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2), (4, 1)])
 def test_intact_files_import_with_their_exact_tensors(pristine, tmp_path, tp, pp):
-    from training.checkpoint import load_merged_state_dict
+    from training.checkpoint_reader import load_merged_state_dict
 
     src, full = pristine[(tp, pp)]
     sd, cfg, meta = load_merged_state_dict(_import(src, tmp_path / "out"))
@@ -101,7 +101,7 @@ def test_shared_subdicts_are_walked_once(pristine, tmp_path, where):
 
 def test_shared_subdicts_outside_the_model_do_not_stop_an_import(pristine, tmp_path):
     """The same structure in a part the importer does not read (optimizer) is walked once: the weights import."""
-    from training.checkpoint import load_merged_state_dict
+    from training.checkpoint_reader import load_merged_state_dict
 
     src = _copy(pristine, tmp_path)
     for name in ("mp_rank_00", "mp_rank_01"):

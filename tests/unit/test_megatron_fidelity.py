@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from training.config import ModelConfig, OptimizerConfig, padded_vocab_size
+from training.config import OptimizerConfig
+from training.models.config import ModelConfig, padded_vocab_size
 from tests.helpers.megatron_reference import megatron_lrs
 from training.optim import build_optimizer, lr_at, param_groups
 

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from training import plan
-from training.config import ConfigError, ModelConfig
+from training.config import ConfigError
+from training.models.config import ModelConfig
 from training.runtime.hardware import (HARDWARE, detect_device_kind, device_kind_from_name, get_hardware,
                                measure_cpu_peak_tflops, peak_tflops)
 from training.plan import Layout, ModelShape
@@ -330,8 +331,8 @@ def test_cli_preset_and_config(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--model", "gpt2-8.3b", "--tp", "5"], "does not divide the 32 attention heads"),
-    (["--model", "gpt2-8.3b", "--pp", "5"], "does not divide the 72 layers"),
+    (["--model", "gpt2-8.3b", "--tp", "5"], "--tp 5 does not divide model.num_attention_heads=32"),
+    (["--model", "gpt2-8.3b", "--pp", "80"], "--pp 80 exceeds model.num_layers=72"),
     (["--model", "bert-336m", "--pp", "2"], "pipeline parallelism is GPT-only"),
     (["--model", "gpt2-9b"], "unknown --model"),
     (["--model", "gpt2-1.2b", "--gpu", "tpu"], "unknown --gpu"),
@@ -413,3 +414,59 @@ def test_validate_raises_config_error():
         plan.validate(shape, Layout(tp=6, micro_batch=1, global_batch=1))
     with pytest.raises(ConfigError, match="model.vocab_size must be set"):
         ModelShape.from_config(ModelConfig(), 1)
+
+
+@pytest.mark.parametrize("layers, pp, ok", [(4, 2, True), (3, 2, True), (2, 4, False), (6, 3, True), (1, 2, False)])
+def test_trainer_and_planner_share_the_pipeline_rule(layers, pp, ok):
+    """One shape validator (training.models.config.validate_shape) for the trainer's validate_static and the
+    planner: uneven splits are legal in both (DeepSpeed's balanced partition, which llama_tiny's 3 layers at PP=2
+    and imported checkpoints rely on); a stage without a layer is refused in one line naming the fix."""
+    from training.config import config_from_dict
+
+    data = {"model": {"num_layers": layers, "vocab_size": 64}, "parallel": {"pipeline": pp}}
+    shape = ModelShape.from_config(ModelConfig(num_layers=layers, vocab_size=64), 1)
+    lay = Layout(pp=pp, micro_batch=1, global_batch=1)
+    if ok:
+        config_from_dict(data)
+        plan.validate(shape, lay)
+        return
+    for check, name in ((lambda: config_from_dict(data), f"parallel.pipeline={pp}"),
+                        (lambda: plan.validate(shape, lay), f"--pp {pp}")):
+        with pytest.raises(ConfigError) as e:
+            check()
+        msg = str(e.value)
+        assert msg.startswith(f"{name} exceeds model.num_layers={layers}") and "\n" not in msg
+        assert f"choose a pipeline degree of at most {layers}" in msg
+
+
+@pytest.mark.parametrize("layers, pp", [(3, 2), (5, 3), (10, 4), (7, 4), (72, 8), (3, 3)])
+def test_stage_layers_are_deepspeeds_balanced_partition(layers, pp):
+    """The planner's per-stage layer counts are the ones DeepSpeed's PipelineModule builds (type-based balanced
+    partition), so an uneven split is planned as it runs: parameters per stage and the slowest stage's layers."""
+    from deepspeed.runtime.utils import partition_balanced
+
+    from training.models.config import stage_layers
+
+    bounds = [int(x) for x in partition_balanced([1] * layers, pp)]
+    assert stage_layers(layers, pp) == [bounds[i + 1] - bounds[i] for i in range(pp)]
+    shape = ModelShape("gpt2", num_layers=layers, hidden=8, heads=2, seq=4, vocab=16, positions=4, ffn=32)
+    one = plan.layer_params(shape, 1)
+    stages = plan.stage_params(shape, 1, pp)
+    assert sum(stages) - plan.total_params(shape) == (plan.embedding_params(shape, 1) if pp > 1 else 0)  # tied copy
+    assert stages[0] - plan.embedding_params(shape, 1) == stage_layers(layers, pp)[0] * one
+
+
+def test_trainer_and_planner_share_the_width_rules():
+    """The same shape and layout are refused alike by both callers (heads, query groups, MLP width)."""
+    from training.config import config_from_dict
+
+    for model, tp, fragment in (({"num_attention_heads": 4}, 8, "does not divide model.num_attention_heads=4"),
+                                ({"num_attention_heads": 4, "num_query_groups": 2}, 4,
+                                 "does not divide model.num_query_groups=2"),
+                                ({"ffn_hidden_size": 90, "num_attention_heads": 4}, 4,
+                                 "does not divide the MLP width 90")):
+        m = {"vocab_size": 64, **model}
+        with pytest.raises(ConfigError, match=fragment):
+            config_from_dict({"model": m, "parallel": {"tensor": tp}})
+        with pytest.raises(ConfigError, match=fragment):
+            plan.validate(ModelShape.from_config(ModelConfig(**m), tp), Layout(tp=tp, micro_batch=1, global_batch=1))

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from training.config import ConfigError, ModelConfig, RopeScalingConfig, config_from_dict
+from training.config import ConfigError, config_from_dict
+from training.models.config import ModelConfig, RopeScalingConfig
 
 PADDED_VOCAB = 256
 # a small original context so that, at head size 16, every branch of the rule is taken
@@ -158,9 +159,9 @@ def test_llama3_folder_imports_exports_and_is_adopted_by_init_from(tmp_path):
 
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
-    from training.checkpoint import load_model_for_eval
+    from training.checkpoint_reader import load_model_for_eval
     from training.config import load_config
-    from training.init_from import adopt_model_config
+    from training.resolve import adopt_model_config
     from training.tools.export_hf import export
     from training.tools.import_hf import import_hf
 

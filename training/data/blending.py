@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.config import ConfigError
+from megatron_ds_suite.core.errors import ConfigError
 from training.data.token_range import check_token_ids
 
 MARGIN = 1.005  # Megatron's get_datasets_weights_and_num_samples over-asks each dataset by 0.5%

@@ -30,7 +30,8 @@ from megatron_ds_suite.core.tokenizer import Tokenizer, load_tokenizer
 from training.data.sample_order import micro_batch_positions
 from training.data.token_range import check_token_ids
 from training.runtime.distributed import rank0_first
-from training.config import Config, ConfigError
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config
 
 logger = logging.getLogger(__name__)
 LINES_PER_DOC = 50

@@ -22,7 +22,7 @@ import numpy as np
 
 from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
-from training.config import ConfigError
+from megatron_ds_suite.core.errors import ConfigError
 
 CHUNK = 1 << 24  # tokens per vectorised min/max (32 MiB of uint16)
 

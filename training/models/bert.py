@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from training.config import ModelConfig
+from training.models.config import ModelConfig
 from training.models.blocks import (
     TransformerLayer,
     activation,

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from training.config import ModelConfig
+from training.models.config import ModelConfig
 from training.models.core_attention import build_core
 from training.models.kv_cache import KVCache
 from training.models.ops import dropout, dropout_add

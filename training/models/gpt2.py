@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.config import ModelConfig
+from training.models.config import ModelConfig
 from training.models.blocks import (
     TransformerLayer,
     dropout_on_shard,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
-from training.config import ModelConfig
+from training.models.config import ModelConfig
 from training.models.blocks import (
     RMSNorm,
     TransformerLayer,

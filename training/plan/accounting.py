@@ -13,7 +13,7 @@ count with these functions, so the two can not drift apart.
 Notation: l layers, h hidden, a heads, s sequence, f MLP width (4h), V padded vocabulary, P positions,
 B sequences per step, t/p = TP/PP degrees, m = BERT's masked (predicted) positions per sequence.
 
-Llama-family blocks (``training.config.ModelConfig``): grouped-query attention with g key/value heads shrinks
+Llama-family blocks (``training.models.config.ModelConfig``): grouped-query attention with g key/value heads shrinks
 the K and V projections to ``k = g h / a`` rows each (QKV [h + 2k, h]); SwiGLU has three h x f matrices
 (gate, up, down) instead of two; an untied output layer adds V x h; RoPE has no position table; RMSNorm has
 a weight and no bias (h instead of 2h); ``add_bias_linear: false`` drops the four linears' biases.
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.config import BertDataConfig, Config, ConfigError, ModelConfig, padded_vocab_size
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import BertDataConfig, Config
+from training.models.config import ModelConfig, padded_vocab_size, stage_layers
 
 
 # --------------------------------------------------------------------------------------------------
@@ -164,10 +166,9 @@ def stage_params(shape: ModelShape, tp: int, pp: int) -> list[int]:
     Checked against the engine's tensors in ``tests/parallel/test_plan_measured.py``. With an untied output layer
     nothing is tied: the last stage holds the output layer (in :func:`head_params`) and no embedding.
     """
-    per_stage_layers = shape.num_layers // pp
     out = []
-    for i in range(pp):
-        n = per_stage_layers * layer_params(shape, tp)
+    for i, layers in enumerate(stage_layers(shape.num_layers, pp)):
+        n = layers * layer_params(shape, tp)
         if i == 0:
             n += embedding_params(shape, tp)
         if i == pp - 1:

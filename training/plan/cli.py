@@ -10,7 +10,8 @@ import sys
 from typing import Any
 
 from megatron_ds_suite.core.config import build_dataclass, merge_dicts, read_yaml
-from training.config import Config, ConfigError, with_overrides
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config, with_overrides
 from training.plan.accounting import ModelShape
 from training.plan.layout import Layout, validate
 from training.plan.presets import PRESETS

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from training.plan.accounting import ModelShape, stage_params
+from training.models.config import stage_layers
 from training.plan.layout import Layout
 
 GIB = 1024**3
@@ -121,7 +122,7 @@ def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: boo
     sp = lay.sequence_parallel
     per_layer = activation_bytes_per_layer(shape, b, lay.tp, scores_stored and not selective, e, k, sequence_parallel=sp)
     sbh = s * b * h / (lay.tp if sp else 1)
-    layers = shape.num_layers // lay.pp
+    layers = stage_layers(shape.num_layers, lay.pp)[stage]  # DeepSpeed's balanced split
     in_flight = min(lay.pp - stage, lay.num_micro)
     if ckpt:
         act = in_flight * layers * e * sbh + per_layer

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from training.config import ConfigError, ModelConfig
+from megatron_ds_suite.core.errors import ConfigError
+from training.models.config import ModelConfig
 from training.plan.accounting import ModelShape
 
 # GPT-2: vocabulary 51,200 = GPT-2's 50,257 padded to a multiple of 1024 (the paper's padding for all

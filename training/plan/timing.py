@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from training.config import ConfigError
+from megatron_ds_suite.core.errors import ConfigError
+from training.models.config import stage_layers
 from training.plan.accounting import ModelShape, stage_params, step_flops
 from training.layout import Layout
 from training.plan.memory import state_bytes_per_param
@@ -45,7 +46,7 @@ def tp_allreduces_per_micro(shape: ModelShape, lay: Layout, ckpt: bool) -> int:
         return 0
     per_layer = 4 + (2 if ckpt else 0)
     ends = 2 if lay.pp == 1 else 1
-    return (shape.num_layers // lay.pp) * per_layer + ends
+    return max(stage_layers(shape.num_layers, lay.pp)) * per_layer + ends
 
 
 def comm(shape: ModelShape, lay: Layout, ckpt: bool, dtype: str = "fp16") -> Comm:
@@ -162,7 +163,7 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
 
     sbh = shape.seq * lay.micro_batch * shape.hidden
     passes = 3 if ckpt else 2
-    repl_bytes = tm.replicated_bytes_per_sbh * passes * sbh * (act_bytes / 2) * (shape.num_layers // p) * m
+    repl_bytes = tm.replicated_bytes_per_sbh * passes * sbh * (act_bytes / 2) * max(stage_layers(shape.num_layers, p)) * m
     replicated = (1 - 1 / t) * repl_bytes / _bw(hw.hbm_gbs, tm.memory_efficiency)
 
     if t <= G:
@@ -180,7 +181,7 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
         else:
             pp_bw, pp_alpha = _bw(hw.inter_node_gbs, tm.link_efficiency) / G, tm.alpha_inter_s
         pp = 0.0 if math.isinf(pp_bw) else 2 * m * (pp_alpha + sbh * act_bytes / pp_bw)
-    layer_overhead = tm.overhead_layer_s * (shape.num_layers // p) * m
+    layer_overhead = tm.overhead_layer_s * max(stage_layers(shape.num_layers, p)) * m
     bubble = (p - 1) / m * (layer_overhead + compute + replicated + tp)
 
     grad_bytes = max(stage_params(shape, t, p)) * state_bytes_per_param(dtype)[1]

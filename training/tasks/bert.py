@@ -22,7 +22,8 @@ from training.data.sample_order import micro_batch_positions
 from training.data.token_range import check_token_ids
 from training.runtime.distributed import rank0_first
 from training.data.bert_data import BertDataError, BertDataset, BertVocab, MaskingConfig, collate, usable_documents
-from training.config import Config, ConfigError
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config
 from training.models.bert import BertModel, bert_loss
 from training.parallel.state import ParallelState
 from training.tasks.protocol import Task, batch_to_device

@@ -63,6 +63,12 @@ class Task(Protocol):
         ...
 
     # ---- optional hooks (defaults) ------------------------------------------------------------------
+    def config_changes(self) -> dict[str, dict[str, Any]]:
+        """``{section: {key: value}}`` the task needs set in the run config (e.g. RACE's ``train.iters`` and
+        warmup, from its data); :func:`training.resolve.resolve_run` sets them before it validates and freezes
+        the config. A task never writes the config itself. Default: nothing."""
+        return {}
+
     def padded_vocab(self, layout: Layout) -> int:
         """The padded vocabulary of the model (default: the layout's, Megatron's padding)."""
         assert layout.padded_vocab is not None

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from megatron_ds_suite.core.race import collate, encode_questions, read_race_split
 from megatron_ds_suite.core.tokenizer import load_tokenizer
-from training.config import Config, ConfigError
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config
 from training.data.sample_order import micro_batch_positions
 from training.runtime import device as tdev
 from training.tasks.protocol import Task, batch_to_device
@@ -39,17 +40,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("training")
 
 
-def schedule(cfg: Config, n_train: int) -> tuple[int, int]:
-    """(steps per epoch, total steps); sets train.iters and optimizer.warmup_iters in ``cfg``."""
+def schedule(cfg: Config, n_train: int) -> tuple[int, int, int]:
+    """(steps per epoch, total steps, warmup steps) of ``finetune.epochs`` over ``n_train`` questions: the
+    task's ``train.iters`` and ``optimizer.warmup_iters`` (:meth:`RaceTask.config_changes`)."""
     t = cfg.train
     steps = n_train // t.global_batch_size
     if steps < 1:
         raise ConfigError(f"{n_train} training questions do not fill one batch of train.global_batch_size="
                           f"{t.global_batch_size}")
     total = steps * cfg.finetune.epochs
-    t.iters = total
-    cfg.optimizer.warmup_iters = int(round(cfg.finetune.warmup_fraction * total))
-    return steps, total
+    return steps, total, int(round(cfg.finetune.warmup_fraction * total))
 
 
 def build_model(cfg: Config, pretrained: str, padded: int, group):
@@ -135,14 +135,18 @@ class RaceTask(Task):
             if self.is_rank0:
                 logger.info("RACE %s: %d questions from %d files (%d skipped)", split, len(qs), report.files,
                             report.skipped)
-        self.steps_per_epoch, _ = schedule(cfg, len(self.data[f.train_split]))
+        self.steps_per_epoch, total, warmup = schedule(cfg, len(self.data[f.train_split]))
+        self.schedule = {"train": {"iters": total}, "optimizer": {"warmup_iters": warmup}}
         if self.is_rank0:
-            logger.info("RACE: %d steps/epoch x %d epochs | warmup %d", self.steps_per_epoch, f.epochs,
-                        cfg.optimizer.warmup_iters)
+            logger.info("RACE: %d steps/epoch x %d epochs | warmup %d", self.steps_per_epoch, f.epochs, warmup)
         self._orders: dict[int, np.ndarray] = {}
         self.results: dict[str, Any] = {}
         self._losses: list[float] = []
         self._best = -1.0
+
+    def config_changes(self) -> dict[str, dict[str, Any]]:
+        """The schedule from the data: ``train.iters`` (epochs x steps per epoch) and the warmup."""
+        return self.schedule
 
     # ---- data and model ----------------------------------------------------------------------------
     def build_data(self) -> None:

@@ -8,7 +8,7 @@ untied output and biases either way) to ``LlamaForCausalLM``, see :mod:`training
 only some of them has no ``transformers`` class and is refused. The rest of this docstring is about GPT-2.
 
 Writes ``config.json`` (``GPT2Config``), ``model.safetensors`` (TP shards merged by
-``training.checkpoint.load_merged_state_dict``, vocabulary padding rows removed) and the tokenizer
+``training.checkpoint_reader.load_merged_state_dict``, vocabulary padding rows removed) and the tokenizer
 (``tokenizer.json`` + configs, see :mod:`training.tools.hf_tokenizer`; GPT-2 BPE also ``vocab.json`` /
 ``merges.txt``; SentencePiece BPE, the main job's tokenizer, converted with identical ids), so that
 ``GPT2LMHeadModel.from_pretrained(DIR)`` gives logits equal to ours on the real vocabulary and
@@ -153,7 +153,7 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False, with_t
 def _export(run_dir: Path, out: Path, with_tokenizer: bool) -> Path:
     require_transformers()  # one line naming the `hf` extra when transformers is missing
     from megatron_ds_suite.core.tokenizer import load_tokenizer
-    from training.checkpoint import load_merged_state_dict
+    from training.checkpoint_reader import load_merged_state_dict
 
     sd, cfg, meta = load_merged_state_dict(run_dir)
     tokenizer = load_tokenizer(meta["tokenizer"], base_dir=Path(run_dir))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from training.config import ModelConfig
+from training.models.config import ModelConfig
 from training.parallel.sharding import is_vocab_sized, resize_vocab_rows
 from training.tools.hf_interop import check_config
 from megatron_ds_suite.core.errors import SuiteError

@@ -53,7 +53,8 @@ from pathlib import Path
 
 import torch
 
-from training.config import Config, ModelConfig, padded_vocab_size, validate_static
+from training.config import Config, validate_static
+from training.models.config import ModelConfig, padded_vocab_size
 from training.parallel.sharding import is_vocab_sized, resize_vocab_rows, shard_tagged
 from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.program import prog as program

@@ -80,7 +80,8 @@ from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.program import prog as program
 from training import safe_load
-from training.config import Config, ModelConfig, padded_vocab_size, validate_static
+from training.config import Config, validate_static
+from training.models.config import ModelConfig, padded_vocab_size
 from training.runtime.run_lock import lock_existing_output, overlapping_input
 from training.tools.import_hf import write_checkpoint
 from training.tools.tensor_check import few

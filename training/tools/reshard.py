@@ -36,10 +36,11 @@ from pathlib import Path
 
 import torch
 
-from training.checkpoint import checkpoint_dir, load_merged_state_dict
+from training.checkpoint_reader import checkpoint_dir, load_merged_state_dict
 from training.checkpoint_reader import model_files
 from training import safe_load
-from training.config import ConfigError, config_from_dict, grad_accumulation, validate_static
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import config_from_dict, grad_accumulation, validate_static
 from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_vocab_rows, shard_tagged
 from training.tools import reshard_optim
 from training.tools.spawn import spawn_gloo
@@ -80,7 +81,8 @@ def _worker(rank, world, payload_path: str, out_dir: str):
     """Runs in each of the K x M target processes (gloo initialised by the spawner)."""
     from training import checkpoint as ckpt
     from training.parallel import random as tp_random
-    from training.trainer import Trainer, resolve_run
+    from training.resolve import resolve_run
+    from training.trainer import Trainer
 
     payload = safe_load.load(payload_path)
     cfg = config_from_dict(payload["config"])

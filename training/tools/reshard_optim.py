@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from training.checkpoint import checkpoint_dir
+from training.checkpoint_reader import checkpoint_dir
 from training.config import Config, config_from_dict
 from training.parallel.sharding import merge_tagged
 from training.tools.spawn import spawn_gloo
@@ -175,8 +175,9 @@ def extract(run_dir: Path, tag: str, meta: dict, work_dir: Path) -> dict[str, di
 
 
 def _extract_worker(run_dir: str, tag: str, work_dir: str) -> None:
-    from training.checkpoint import read_client_state
-    from training.trainer import Trainer, resolve_run
+    from training.checkpoint_reader import read_client_state
+    from training.resolve import resolve_run
+    from training.trainer import Trainer
 
     meta = read_client_state(run_dir, tag)
     cfg = config_from_dict(meta["config"])

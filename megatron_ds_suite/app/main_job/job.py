@@ -63,7 +63,7 @@ class MainJob(Stages):
         from data_pipeline.config import ConfigError as DataConfigError
         from data_pipeline.config import load_config as load_data_config
         from data_pipeline.stages import fingerprint as data_fingerprint
-        from training.config import ConfigError as TrainConfigError
+        from megatron_ds_suite.core.errors import ConfigError as TrainConfigError
         from training.config import load_config as load_train_config
 
         c = self.cfg
