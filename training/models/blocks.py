@@ -8,7 +8,7 @@ Weights: every parameter is drawn from its own CPU generator seeded by (seed, pa
 :func:`normal_init`, as a full master weight that is then sliced. So with the same seed a TP=k block is
 exactly the TP=1 block split k ways, independent of construction order.
 
-Llama-family options (``training.config.ModelConfig``; the defaults are the GPT-2 block):
+Llama-family options (``training.models.config.ModelConfig``; the defaults are the GPT-2 block):
 
 * ``normalization: rmsnorm`` -> :class:`RMSNorm` in place of both LayerNorms (same attribute names ``ln1``/``ln2``).
 * ``position_embedding: rope`` -> :func:`apply_rotary` on each TP-local head's queries and keys after the QKV

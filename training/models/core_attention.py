@@ -1,5 +1,5 @@
 """The attention cores: softmax(Q K^T / sqrt(hn) + mask) with dropout, times V, on a rank's heads; one chosen per
-layer when the model is built (:func:`build_core`, from ``training.config.ModelConfig``), as Megatron-Core builds
+layer when the model is built (:func:`build_core`, from ``training.models.config.ModelConfig``), as Megatron-Core builds
 its ``core_attention`` from a layer spec. The attention module (:class:`training.models.blocks.ParallelSelfAttention`)
 calls ``self.core_attention(q, k, v, mask)`` and chooses no kernel.
 
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.config import ModelConfig
+from training.models.config import ModelConfig
 from training.models.ops import causal_attention_with_dropout, dropout
 from training.models.qkv import repeat_kv
 from training.parallel import random as tp_random

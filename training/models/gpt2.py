@@ -1,7 +1,7 @@
 """:class:`GPTModel` (``model.arch: gpt``; ``gpt2`` is the same): GPT-2 with Megatron tensor parallelism
 (pre-LayerNorm, learned positions, tied vocab-parallel head), and the Llama family on the same core: RoPE instead
 of the position table, RMSNorm, SwiGLU, grouped-query attention, an untied vocab-parallel output layer
-(``output_layer.weight`` [V/p, h] per rank), no biases (the options of ``training.config.ModelConfig``; the blocks
+(``output_layer.weight`` [V/p, h] per rank), no biases (the options of ``training.models.config.ModelConfig``; the blocks
 are in :mod:`training.models.blocks`).
 
 Notation: b batch, s sequence, h hidden, n heads, hn = h/n head size, p = TP degree, V padded vocab.
