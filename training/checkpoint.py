@@ -187,18 +187,21 @@ def save(engine: DeepSpeedEngine, model: torch.nn.Module, state: TrainState, ps:
         if is_rank0:
             logger.info("checkpoint %s is complete already; not saving it again", root / tag)
         return root / tag
-    if is_rank0:
-        catalog.begin_save(run_dir, tag)  # the .saving marker, before any rank writes a byte
-    dist.barrier()
     try:
+        if is_rank0:
+            catalog.begin_save(run_dir, tag)  # the .saving marker, before any rank writes a byte
+        dist.barrier()
         engine.save_checkpoint(str(root), tag=tag, client_state=client, save_latest=False)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per host: its page cache holds what its ranks wrote
             catalog.sync_folder(root / tag)
-    except (OSError, RuntimeError) as e:  # a full disk surfaces from torch.save as RuntimeError (zip writer)
-        shutil.rmtree(root / tag, ignore_errors=True)  # no half-written checkpoint; `latest` still names a whole one
+        dist.barrier()  # every rank's files are written and durable
+    except BaseException as e:  # a full disk (OSError, or RuntimeError from torch.save's zip writer), Ctrl-C, ...
+        # the save's own partial folder, removed by the process that wrote it: `latest` still names a whole one
+        shutil.rmtree(root / tag, ignore_errors=True)
+        if not isinstance(e, (OSError, RuntimeError)):
+            raise
         cause = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip().splitlines()[-1]
         raise OSError(getattr(e, "errno", None), f"could not write checkpoint {tag} ({cause})", str(root / tag)) from e
-    dist.barrier()  # every rank's files are written and durable
     if is_rank0:
         catalog.finish_save(run_dir, tag, state.iteration)  # the completion record, then `latest`
         catalog.prune(run_dir, desc.cfg.train.keep_last)

@@ -250,3 +250,19 @@ def test_a_new_save_over_an_unfinished_folder_of_its_tag_moves_that_aside(tmp_pa
     moved = catalog.checkpoint_dir(tmp_path) / catalog.INCOMPLETE / "iter_0000002" / "mp_rank_00_model_states.pt"
     assert moved.read_bytes() == b"old"
     assert catalog.plan_resume(tmp_path) == catalog.ResumePlan("iter_0000002")
+
+
+def test_a_tag_without_a_record_is_still_counted_against_its_tp_x_pp(tmp_path):
+    """Checkpoints written before completion records: a missing TP shard is found by counting the model files
+    against the parallel sizes the checkpoint itself records."""
+    import torch
+
+    from training.checkpoint_reader import load_merged_state_dict
+
+    folder = _unmarked(tmp_path, 2)
+    for f in folder.iterdir():
+        f.unlink()
+    torch.save({"module": {}, "parallel": {"tp": 2, "pp": 1, "dp": 1}}, folder / "mp_rank_00_model_states.pt")
+    (catalog.checkpoint_dir(tmp_path) / catalog.LATEST).write_text("iter_0000002")
+    with pytest.raises(CheckpointMissing, match=r"has 1 model file\(s\) but was saved with TP=2 PP=1 \(2 files\)"):
+        load_merged_state_dict(tmp_path)
