@@ -86,7 +86,7 @@ def test_bad_prefixes_fail_with_one_clear_line(prefixes, tmp_path):
         resolve_sources(_cfg(tmp_path, [prefixes[0], str(tmp_path / "nope")]))
     with pytest.raises(ConfigError, match="not several"):
         _cfg(tmp_path, prefixes, ["data.text_files=[x.txt]"])
-    with pytest.raises(ConfigError, match="for GPT-2"):
+    with pytest.raises(ConfigError, match="is for GPT; BERT needs data.corpus"):
         _cfg(tmp_path, prefixes, ["model.arch=bert"])
     bad = _cfg(tmp_path, prefixes)
     bad.data.prefixes = [[0, prefixes[0]]]
