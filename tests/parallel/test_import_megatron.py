@@ -292,7 +292,8 @@ def test_megatron_tp2_checkpoint_imports_at_tp1_and_tp2_with_megatrons_logits(ar
     for ours, sop in run_distributed(_our_worker, 2, str(run2), tokens, types_, pad):
         _agree(f"{arch} Megatron-Core TP=2 -> ours TP=2", ours[..., :vocab][keep], ref[keep], sop, ref_sop)
     if arch == "bert":  # refused in one line each: a vocabulary of another size, a shape our BERT does not compute
-        from training.tools.import_megatron import ImportMegatronError, import_megatron
+        from training.tools.import_megatron import import_megatron
+        from training.tools.megatron_reader import ImportMegatronError
 
         bigger = tmp_path / "vocab400.txt"
         bigger.write_text(bert_vocab.read_text() + "".join(f"x{i}\n" for i in range(100)))
@@ -463,7 +464,7 @@ def test_old_qkv_orders_read_as_megatrons_own_fix_query_key_value_ordering(monke
     import os
     import sys
 
-    from training.tools.import_megatron import qkv_to_ours
+    from training.tools.megatron_weights import qkv_to_ours
 
     source = os.environ.get(MEGATRON_LM_SOURCE)
     if not source or not (Path(source) / "megatron" / "training" / "checkpointing.py").is_file():
