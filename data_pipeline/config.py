@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from megatron_ds_suite.core.config import (AtLeastOne, Fraction, NonNegative, Positive, apply_overrides, build_dataclass,
-                                            read_yaml)
+from megatron_ds_suite.core.config import AtLeastOne, Fraction, NonNegative, Positive, build_dataclass
+from megatron_ds_suite.core.config_yaml import apply_overrides, read_yaml
 from megatron_ds_suite.core.errors import ConfigError
 from megatron_ds_suite.core.program import stderr_is_terminal
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from megatron_ds_suite.core.config import (AtLeastOne, Fraction, Freezable, NonNegative, Positive, Range, apply_overrides,
-                                            build_dataclass, check_ranges, overrides_to_dict, read_yaml)
+from megatron_ds_suite.core.config import (AtLeastOne, Fraction, Freezable, NonNegative, Positive, Range, build_dataclass,
+                                            check_ranges)
+from megatron_ds_suite.core.config_yaml import apply_overrides, overrides_to_dict, read_yaml
 from megatron_ds_suite.core.errors import ConfigError
 # the model section's types: Config's annotations name them, and build_dataclass resolves those names in this
 # module's namespace (a genuine use, not a re-export for callers: they import from training.models.config)

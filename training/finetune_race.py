@@ -46,7 +46,7 @@ TUNABLE_MODEL_KEYS = {"hidden_dropout", "attention_dropout", "recompute", "activ
 def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -> tuple[Config, dict]:
     """The fine-tuning Config and the pretrained checkpoint's metadata. Raises ConfigError."""
     from megatron_ds_suite.configs_lookup import find_config
-    from megatron_ds_suite.core.config import apply_overrides, merge_dicts, read_yaml
+    from megatron_ds_suite.core.config_yaml import apply_overrides, merge_dicts, read_yaml
     from training.checkpoint_reader import read_client_state
     from training.init_from import apart_from_source
 

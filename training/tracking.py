@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from megatron_ds_suite.core.config import merge_dicts
+from megatron_ds_suite.core.config_yaml import merge_dicts
 from megatron_ds_suite.core.errors import ConfigError
 from training.ds_schema import check_schema
 

@@ -1,14 +1,9 @@
-"""The one strict config loader: YAML file -> ``a.b=value`` overrides -> typed dataclass.
+"""The strict config loader's typed side: plain dicts (YAML and overrides, read by
+:mod:`megatron_ds_suite.core.config_yaml`) -> typed dataclasses, with ranges of numbers and freezing.
 
 Every config of the suite (corpus builder, training run, main job) is a tree of dataclasses read by
 this module, so they all accept and refuse the same things:
 
-* YAML with YAML 1.2 numbers: ``1e-4`` and ``7e-1`` are floats (PyYAML implements YAML 1.1, where a
-  float needs a dot and a signed exponent, so ``safe_load`` returns ``'7e-1'`` as a string). A key
-  written twice in one mapping is refused instead of silently keeping the last value.
-* Overrides ``a.b=value``: the value is a YAML scalar or flow collection (``x=[1, 2]``,
-  ``x={a: 1}``); a number in the path indexes a list (``sources.0.limit=5``); a mapping value merges
-  into the mapping already there. Precedence: overrides > file > dataclass defaults.
 * Strict checks: an unknown key names the valid keys at that level (and the closest one); a value of
   the wrong type names the key, the expected type and the value. ``int`` is accepted where a
   ``float`` is expected; ``bool`` is never an ``int``; ``None`` (YAML ``null``) only where the
@@ -18,187 +13,25 @@ this module, so they all accept and refuse the same things:
   ``Annotated[float, Range(finite=False)]``); a field annotated ``Annotated[float, Range(gt=0)]`` (or
   :data:`Positive`, :data:`NonNegative`, :data:`AtLeastOne`, :data:`Fraction`) has its range checked here, so
   every config states its ranges where its keys are declared instead of in a list of ``if``s.
-* Depth: a YAML file or override value nested deeper than :data:`MAX_DEPTH` levels is refused in one line (deeper
-  than Python's stack, PyYAML itself would fail with a ``RecursionError``).
+* Freezing: :func:`freeze` settles a config once its derived values are known; a later write raises
+  :class:`FrozenConfigError`.
 
 Every problem raises :class:`~megatron_ds_suite.core.errors.ConfigError` with one line; the command
 line tools print it as ``config error: ...`` (or ``error: ...``) and exit with code 2.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import math
-import re
 import types
 import typing
-from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-import yaml
-
+from megatron_ds_suite.core.config_yaml import FLOAT_EXPONENT, kind_of, shorten
 from megatron_ds_suite.core.errors import ConfigError
 
 T = TypeVar("T")
-
-# --------------------------------------------------------------------------------------------------
-# YAML with YAML 1.2 floats
-# --------------------------------------------------------------------------------------------------
-#: floats with an exponent as YAML 1.2 writes them (no dot needed, optional exponent sign); the forms
-#: without exponent are already floats for PyYAML's YAML 1.1 resolver
-FLOAT_EXPONENT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
-
-
-class StrictYAMLLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that reads YAML 1.2 exponent floats and refuses duplicate keys."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try:
-                duplicate = key in seen
-            except TypeError:  # an unhashable key: SafeLoader reports it below
-                continue
-            if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in one mapping",
-                    key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-StrictYAMLLoader.add_implicit_resolver("tag:yaml.org,2002:float", FLOAT_EXPONENT, list("-+0123456789."))
-
-
-MAX_DEPTH = 100
-"""Mappings and lists nested deeper than this in a config are refused (a config of this suite nests 4 deep)."""
-
-
-def parse_yaml(text: str, where: str) -> Any:
-    """YAML ``text`` -> Python objects (:class:`StrictYAMLLoader`); ``where`` names it in the error."""
-    try:
-        data = yaml.load(text, Loader=StrictYAMLLoader)  # noqa: S506 -- a SafeLoader subclass
-    except yaml.YAMLError as e:
-        if isinstance(e, yaml.MarkedYAMLError) and e.problem:
-            mark = e.problem_mark
-            detail = e.problem + (f" (line {mark.line + 1}, column {mark.column + 1})" if mark else "")
-        else:
-            detail = str(e).splitlines()[0]
-        raise ConfigError(f"{where} is not valid YAML: {detail}") from None
-    except RecursionError:  # PyYAML's composer and constructor recurse once per level
-        raise ConfigError(f"{where} is nested deeper than Python's stack allows (a config nests a few levels; "
-                          f"at most {MAX_DEPTH})") from None
-    if _depth(data) > MAX_DEPTH:
-        raise ConfigError(f"{where} is nested deeper than {MAX_DEPTH} levels of mappings/lists (a config nests a few "
-                          f"levels)")
-    return data
-
-
-def _depth(data: Any) -> int:
-    """Nesting depth of mappings and lists (a scalar is 0), counted without recursion."""
-    deepest, stack = 0, [(data, 1)]
-    while stack:
-        node, level = stack.pop()
-        if isinstance(node, dict):
-            items = list(node.values())
-        elif isinstance(node, list):
-            items = node
-        else:
-            continue
-        deepest = max(deepest, level)
-        if level <= MAX_DEPTH:  # past the limit the answer is known
-            stack.extend((x, level + 1) for x in items)
-    return deepest
-
-
-def read_yaml(path: str | Path, what: str = "config file", hint: str = "") -> dict[str, Any]:
-    """Read a YAML file that holds a mapping (an empty file is ``{}``).
-
-    ``what`` names the file in errors (``"config file"``, ``"main-job config"``); ``hint`` is added to
-    the "does not exist" message (e.g. where the examples are)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{what} {p} does not exist{hint}")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{what} {p} cannot be read: {e}") from None
-    data = parse_yaml(text, f"{what} {p}")
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{what} {p} must be a mapping of keys at top level, got {_kind(data)}")
-    return data
-
-
-# --------------------------------------------------------------------------------------------------
-# Overrides
-# --------------------------------------------------------------------------------------------------
-def parse_value(raw: str, item: str = "") -> Any:
-    """An override's value: a YAML scalar or flow collection; the empty string stays ``""``."""
-    if raw == "":
-        return ""
-    return parse_yaml(raw, f"override {item!r}: the value")
-
-
-def parse_override(item: str, example: str = "section.key=value") -> tuple[list[str], Any]:
-    """``"a.b.0=1e-4"`` -> (``["a", "b", "0"]``, ``0.0001``)."""
-    if "=" not in item or item.startswith("="):
-        raise ConfigError(f"override {item!r} must look like key.subkey=value (e.g. {example})")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ConfigError(f"override {item!r}: empty key part (write key.subkey=value)")
-    return parts, parse_value(raw, item)
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str] | None,
-                    example: str = "section.key=value") -> dict[str, Any]:
-    """A copy of ``data`` with each ``a.b=value`` override applied in order.
-
-    Missing (or null) sections on the way are created; a number indexes an existing list item; a
-    mapping value merges into an existing mapping, anything else replaces the value. Whether the
-    keys exist is checked later, by :func:`build_dataclass`, with the full list of valid keys."""
-    out = copy.deepcopy(data) if data else {}
-    for item in overrides or []:
-        parts, value = parse_override(item, example)
-        node: Any = out
-        for i, p in enumerate(parts):
-            last = i == len(parts) - 1
-            if isinstance(node, list):
-                if not p.isdigit() or int(p) >= len(node):
-                    raise ConfigError(f"override {item!r}: {p!r} is not an index of {'.'.join(parts[:i])}, "
-                                      f"a list of {len(node)} item(s)")
-                key: Any = int(p)
-            elif isinstance(node, dict):
-                key = p
-                if not last and node.get(p) is None:
-                    node[p] = {}
-            else:
-                raise ConfigError(f"override {item!r}: {'.'.join(parts[:i])} is {_kind(node)} {_short(node)}, "
-                                  f"not a section with keys")
-            if last:
-                old = node[key] if isinstance(node, list) else node.get(key)
-                node[key] = merge_dicts(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
-            else:
-                node = node[key]
-    return out
-
-
-def overrides_to_dict(overrides: list[str] | None, example: str = "section.key=value") -> dict[str, Any]:
-    """``["train.iters=50", "parallel.tensor=2"]`` -> ``{"train": {"iters": 50}, "parallel": {"tensor": 2}}``."""
-    return apply_overrides({}, overrides, example)
-
-
-def merge_dicts(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """``over`` on top of ``base``, mappings merged recursively (neither argument is modified)."""
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = merge_dicts(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
 
 # --------------------------------------------------------------------------------------------------
 # Ranges of numbers
@@ -287,7 +120,7 @@ def build_dataclass(cls: type[T], data: Any, where: str = "") -> T:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {_kind(data)} {_short(data)}")
+        raise ConfigError(f"{where or 'config'}: expected a mapping of keys, got {kind_of(data)} {shorten(data)}")
     hints = typing.get_type_hints(cls, include_extras=True)  # Annotated[..., Range(...)] kept
     fields = [f for f in dataclasses.fields(cls) if f.init]
     names = [f.name for f in fields]
@@ -395,7 +228,7 @@ def _same_shape(value: Any, tp: Any) -> bool:
 
 
 def _type_error(where: str, tp: Any, value: Any) -> ConfigError:
-    return ConfigError(f"{where}: expected {_describe(tp)}, got {_short(value)} ({where} must be {_type_name(tp)})")
+    return ConfigError(f"{where}: expected {_describe(tp)}, got {shorten(value)} ({where} must be {_type_name(tp)})")
 
 
 _DESCRIBE = {bool: "true/false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
@@ -431,14 +264,6 @@ def _type_name(tp: Any) -> str:
         return "a section"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
-
-def _kind(value: Any) -> str:
-    return {dict: "a mapping", list: "a list", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    r = repr(value)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 import pytest
 import yaml
 
-from megatron_ds_suite.core.config import (Fraction, Positive, Range, apply_overrides, build_dataclass, merge_dicts,
-                                           overrides_to_dict, parse_yaml, read_yaml)
+from megatron_ds_suite.core.config import Fraction, Positive, Range, build_dataclass
+from megatron_ds_suite.core.config_yaml import apply_overrides, merge_dicts, overrides_to_dict, parse_yaml, read_yaml
 from megatron_ds_suite.core.errors import ConfigError, SuiteError
 
 

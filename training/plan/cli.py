@@ -9,7 +9,8 @@ import logging
 import sys
 from typing import Any
 
-from megatron_ds_suite.core.config import build_dataclass, merge_dicts, read_yaml
+from megatron_ds_suite.core.config import build_dataclass
+from megatron_ds_suite.core.config_yaml import merge_dicts, read_yaml
 from megatron_ds_suite.core.errors import ConfigError
 from training.config import Config, with_overrides
 from training.plan.accounting import ModelShape

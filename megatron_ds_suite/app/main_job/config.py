@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal
 import yaml
 
 # the suite's one strict loader (unknown keys, types, Literals, YAML 1.2 floats, a.b=value overrides)
-from megatron_ds_suite.core.config import (Positive, StrictYAMLLoader, apply_overrides, build_dataclass, merge_dicts,
-                                            read_yaml)
+from megatron_ds_suite.core.config import Positive, build_dataclass
+from megatron_ds_suite.core.config_yaml import StrictYAMLLoader, apply_overrides, merge_dicts, read_yaml
 from megatron_ds_suite.core.errors import ConfigError
 
 @dataclass
@@ -177,7 +177,7 @@ def yaml_scalar(v: Any) -> str:
     """A value written so that ``yaml.safe_load`` on the other side gives it back unchanged."""
     if isinstance(v, str):
         try:
-            if yaml.load(v, Loader=StrictYAMLLoader) == v:  # read back by the stage's loader (core.config)
+            if yaml.load(v, Loader=StrictYAMLLoader) == v:  # read back by the stage's loader (core.config_yaml)
                 return v
         except yaml.YAMLError:
             pass
