@@ -320,7 +320,7 @@ def prepare_bert_corpus(root: Path, data: Path) -> None:
     import numpy as np
 
     from megatron_ds_suite.core.corpus import write_manifest
-    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
+    from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
     from data_pipeline.sentences import split_sentences
     from data_pipeline.tokenizer_train import train_sentencepiece
 

@@ -142,7 +142,7 @@ def _export_shard(job: ExportJob) -> ExportPiece:
 def run_export(cfg: BuildConfig, executor: Executor) -> dict[str, Any]:
     """Write the kept documents, indexed datasets, rejects, duplicates, ``stats.json`` and the manifest."""
     from megatron_ds_suite.core.corpus import write_manifest
-    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
+    from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
     with StageRun(cfg, "export") as stage:
         ing = require_stage(cfg, "ingest")
         require_stage(cfg, "tokenizer")

@@ -77,7 +77,7 @@ def filter_shard(job: FilterJob) -> dict[str, Any]:
     src_s, dst_s, k, spec = job.src, job.dst, job.shard, job.spec
     min_tokens, count_eod, batch = job.min_tokens, job.count_eod, job.batch
     from data_pipeline.dedup.exact import text_key
-    from megatron_ds_suite.core.indexed_dataset import best_dtype
+    from megatron_ds_suite.core.indexed_dataset_builder import best_dtype
 
     src, dst = Path(src_s), Path(dst_s)
     tok = cached_tokenizer(spec)

@@ -24,7 +24,7 @@ needs_data = pytest.mark.skipif(not (BOTCHAN.is_file() and GPT2.is_dir()), reaso
 
 
 def _write(prefix: Path, docs: list[np.ndarray], dtype=np.uint16) -> Path:
-    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder
+    from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder
 
     prefix.parent.mkdir(parents=True, exist_ok=True)
     with MMapIndexedDatasetBuilder(prefix, dtype) as b:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder
+from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder
 from tests.helpers.distributed import SHARED_DATA
 
 DATA = Path(SHARED_DATA)
@@ -47,7 +47,7 @@ def need(p: Path) -> Path:
 def write_bert_corpus(root: Path, docs: list[list[str]], flavor: str = "bert", bert: bool = True):
     """A corpus directory (manifest + tokenizer + sentence-level dataset) like `python -m data_pipeline build`."""
     from megatron_ds_suite.core.corpus import write_manifest
-    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype
+    from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
     from data_pipeline.tokenizer_train import train_sentencepiece
 
     texts = [" ".join(d) for d in docs]

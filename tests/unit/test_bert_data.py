@@ -34,7 +34,8 @@ def _documents() -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder, best_dtype
+    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
+    from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
     from data_pipeline.tokenizer_train import train_sentencepiece
 
     docs = _documents()

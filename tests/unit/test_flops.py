@@ -29,7 +29,8 @@ BOTCHAN = ROOT / ".." / "shared" / "data" / "corpus" / "botchan.txt"
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Sentence-level BERT corpus of Botchan's first 1,500 lines (documents of 30 lines), spm vocab 1000."""
-    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder, best_dtype
+    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
+    from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
     from data_pipeline.sentences import split_sentences
     from data_pipeline.tokenizer_train import train_sentencepiece
 

@@ -17,7 +17,8 @@ from training.data.gpt_dataset import (
     num_epochs_for,
     split_boundaries,
 )
-from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
+from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
+from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder
 from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer
 from data_pipeline.tokenizer_train import train_sentencepiece
 from tests.helpers.corpora import EOD, make_gpt_corpus

@@ -13,10 +13,9 @@ from megatron_ds_suite.core.indexed_dataset import (
     HEADER_SIZE,
     IndexedDatasetError,
     MMapIndexedDataset,
-    MMapIndexedDatasetBuilder,
-    best_dtype,
     read_index_header,
 )
+from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
 
 
 def reference_write(prefix: Path, docs: list[list[np.ndarray]], dtype: np.dtype, code: int) -> None:

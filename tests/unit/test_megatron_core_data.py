@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
+from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
+from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder
 from tests.helpers.corpora import EOD, make_gpt_corpus
 from tests.helpers.megatron_reference import megatron_core_datasets_dir, megatron_core_gpt_dataset
 from training.data.gpt_dataset import build_gpt_datasets

@@ -46,7 +46,7 @@ def test_corpus_manifest_records_and_checkssha256_file(files, tmp_path):
     import numpy as np
 
     from megatron_ds_suite.core.corpus import CorpusError, load_corpus, write_manifest
-    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder
+    from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder
     from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
 
     root = tmp_path / "corpus"

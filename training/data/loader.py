@@ -25,7 +25,8 @@ import torch
 
 from megatron_ds_suite.core.corpus import load_corpus
 from training.data.gpt_dataset import build_gpt_datasets
-from megatron_ds_suite.core.indexed_dataset import MMapIndexedDatasetBuilder, best_dtype, dataset_exists
+from megatron_ds_suite.core.indexed_dataset import dataset_exists
+from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
 from megatron_ds_suite.core.tokenizer import Tokenizer, load_tokenizer
 from training.data.sample_order import micro_batch_positions
 from training.data.token_range import check_token_ids
