@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the device-to-host syncs of each candidate (benchmarks.host_work; on CUDA also "
                         "torch.profiler's kernel launches and synchronisations), over STEPS steps")
     p.add_argument("--json", type=str, default=None, metavar="PATH",
-                   help="also write each candidate's median s/step, TFLOP/s and MFU to PATH (JSON; scripts/gpu_check.py's "
+                   help="also write each candidate's median s/step, TFLOP/s and MFU to PATH (JSON; scripts/gpu_check's "
                         "1.2B row reads HF's from it)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="instead of timing, profile STEPS steps of each model and print the top operators")

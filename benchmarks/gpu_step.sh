@@ -4,7 +4,7 @@
 #                 optimizer step, ours with DeepSpeed's own step, HF GPT2LMHeadModel, interleaved in one process;
 #                 then kernel launches and host syncs per step (torch.profiler and benchmarks.host_work);
 #   trainer_1p2b  the trainer itself on configs/gpt2_1.2b.yaml: micro-batch 4 with full recompute, 8 and 16
-#                 without (scripts/gpu_check.py --bench-1p2b; GPU only; HF at micro-batch 8 is fp16_ab's row);
+#                 without (python -m scripts.gpu_check --bench-1p2b; GPU only; HF at micro-batch 8 is fp16_ab's row);
 #   bf16_ab       bf16 vs fp16 (ours, torch's fused AdamW in both) and bf16's O(1) vs DeepSpeed step, one process;
 #   adam_ab       FusedAdam vs torch's fused AdamW (ours, fp16, O(1) step), one process (GPU only: FusedAdam is a
 #                 CUDA kernel);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU smoke suite (see scripts/gpu_check.py, run as python -m scripts.gpu_check): on a machine with NVIDIA GPUs, installs what is missing,
+# GPU smoke suite (see scripts/gpu_check/, run as python -m scripts.gpu_check): on a machine with NVIDIA GPUs, installs what is missing,
 # then runs TP=1/2 GPT-2 fp16+bf16, PP=2, BERT, RACE, WikiText-103, LAMBADA, stop-and-resume, HF export
 # and the 1.2B config, the Llama-style 1B config (configs/llama_1b.yaml, bf16, MFU), and prints one table.
 #   bash scripts/gpu_check.sh [--gpus N] [--only NAME ...] [--steps 30] [--data ../shared/data]

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py's CPU-safe parts: argument parsing, the plan (configs validated), the table."""
+"""scripts/gpu_check/'s CPU-safe parts: argument parsing, the plan (configs validated), the table."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from scripts import gpu_check
+from scripts.gpu_check.bench import describe_1p2b, describe_hf, llama_1b_overrides, load_llama_1b
+from scripts.gpu_check.checks import NAMES
+from scripts.gpu_check.cli import main, parse_args, render
+from scripts.gpu_check.context import Context, Row
+from scripts.gpu_check.first_update import FIRST_UPDATE_TOL, first_update
 from tests.helpers.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,11 +24,11 @@ def _rows(out: str) -> dict[str, list[str]]:
 
 
 def test_dry_run_plans_every_check_and_renders_the_table(capsys, tmp_path):
-    assert gpu_check.main(["--cpu-dry-run", "--out", str(tmp_path)]) == 0
+    assert main(["--cpu-dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("GPU check: dry run (plan for 2 GPUs, nothing executed)")
     rows = _rows(out)
-    assert list(rows) == gpu_check.NAMES
+    assert list(rows) == NAMES
     assert all(r[0] == "DRY-RUN" for r in rows.values())
     assert "--nproc_per_node=2 -m training.pretrain" in rows["gpt2_tp2_bf16"][1]
     assert "parallel.pipeline=2" in rows["gpt2_pp2"][1] and "precision.dtype=fp16" in rows["gpt2_pp2"][1]
@@ -40,7 +44,7 @@ def test_dry_run_plans_every_check_and_renders_the_table(capsys, tmp_path):
 
 
 def test_dry_run_on_one_gpu_skips_the_two_gpu_checks(capsys):
-    assert gpu_check.main(["--cpu-dry-run", "--gpus", "1", "--only", "gpt2_tp1_fp16", "gpt2_tp2_fp16", "gpt2_pp2",
+    assert main(["--cpu-dry-run", "--gpus", "1", "--only", "gpt2_tp1_fp16", "gpt2_tp2_fp16", "gpt2_pp2",
                            "resume_equal"]) == 0
     rows = _rows(capsys.readouterr().out)
     assert [rows[k][0] for k in rows] == ["DRY-RUN", "SKIP", "SKIP", "DRY-RUN"]
@@ -55,14 +59,14 @@ def test_dry_run_on_one_gpu_skips_the_two_gpu_checks(capsys):
 ])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        gpu_check.main(["--cpu-dry-run", *argv])
+        main(["--cpu-dry-run", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_a_bad_plan_fails_on_cpu(tmp_path):
     from training.config import ConfigError
 
-    ctx = gpu_check.Context(gpu_check.parse_args(["--cpu-dry-run"]), 2, True, tmp_path, tmp_path)
+    ctx = Context(parse_args(["--cpu-dry-run"]), 2, True, tmp_path, tmp_path)
     with pytest.raises(ConfigError, match="parallel.tensor=3"):
         ctx.run("x", ["-m", "training.pretrain", "--config", str(ROOT / "configs" / "gpt2_tiny.yaml"),
                       "parallel.tensor=3"], nproc=3)
@@ -71,7 +75,7 @@ def test_a_bad_plan_fails_on_cpu(tmp_path):
 def test_a_planned_evaluation_command_must_parse(tmp_path):
     # the GPU run of 2026-11-26 found the plan calling `evaluation wikitext` (the task is `wikitext103`):
     # the dry run now parses every evaluation command with evaluation's own parser
-    ctx = gpu_check.Context(gpu_check.parse_args(["--cpu-dry-run"]), 1, True, tmp_path, tmp_path)
+    ctx = Context(parse_args(["--cpu-dry-run"]), 1, True, tmp_path, tmp_path)
     with pytest.raises(ValueError, match="does not parse: -m evaluation wikitext --checkpoint"):
         ctx.run("x", ["-m", "evaluation", "wikitext", "--checkpoint", "c", "--data", "d"], nproc=1)
     ctx.run("x", ["-m", "evaluation", "wikitext103", "--checkpoint", "c", "--data", "d"], nproc=1)
@@ -84,9 +88,9 @@ def test_the_llama_1b_row_plans_the_1b_config_with_llama_flops(tmp_path):
     from training.metrics import flops_per_iteration
     from training.plan.accounting import model_flops_per_iteration
 
-    plans = gpu_check.llama_1b_overrides(tmp_path, str(tmp_path / "run"))
+    plans = llama_1b_overrides(tmp_path, str(tmp_path / "run"))
     assert [(p["train.micro_batch_size"], p["model.recompute"]) for p in plans] == [("2", "auto"), ("4", "auto")]
-    cfg = gpu_check.load_llama_1b(plans[0])
+    cfg = load_llama_1b(plans[0])
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.query_groups, m.ffn_size, m.seq_length, m.vocab_size, cfg.precision.dtype) \
         == (16, 2048, 8, 8192, 4096, 128256, "bf16")
@@ -94,14 +98,14 @@ def test_the_llama_1b_row_plans_the_1b_config_with_llama_flops(tmp_path):
     flops = flops_per_iteration(cfg, v)
     assert flops == model_flops_per_iteration(2, 4096, 16, 2048, v, ffn=8192, kv_hidden=512, gated=True)
     assert flops > 1.1 * model_flops_per_iteration(2, 4096, 16, 2048, v, ffn=8192)  # gated MLP, not GPT-2's count
-    assert gpu_check.describe_1p2b({"micro_batch": 2, "recompute": "auto", "recompute_chosen": "selective",
+    assert describe_1p2b({"micro_batch": 2, "recompute": "auto", "recompute_chosen": "selective",
                                     "step_time_s": 0.2, "tflops_per_device": 370.0, "mfu": 0.374,
                                     "peak_memory_gib": 40.0}) == \
         "micro-batch 2, recompute auto -> selective: step 0.200 s, 370.0 TFLOP/s, MFU 37.4%, peak 40.0 GiB"
 
 
 def test_render_escapes_pipes():
-    table = gpu_check.render([gpu_check.Row("a", "PASS", "x | y", 1.4)], "head")
+    table = render([Row("a", "PASS", "x | y", 1.4)], "head")
     assert table.splitlines() == ["head", "", "| check | status | detail | s |", "|---|---|---|---|",
                                   "| a | PASS | x / y | 1 |"]
 
@@ -118,7 +122,7 @@ def _first_update_worker(rank, world):
     from training.resolve import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
-    return gpu_check.first_update("cpu", "torch")
+    return first_update("cpu", "torch")
 
 
 def test_first_update_check_measures_megatrons_step_one():
@@ -130,14 +134,14 @@ def test_first_update_check_measures_megatrons_step_one():
     assert r["params"] == 64 * 128 + 128 + 2 * 128 + 128 * 32 + 32
     assert r["undo"]["o1_step"] and r["no_undo"]["o1_step"] and not r["undo"]["overflow"]
     assert (r["undo"]["adam_step"], r["no_undo"]["adam_step"]) == (1, 2)
-    assert r["undo"]["max_abs_diff"] <= gpu_check.FIRST_UPDATE_TOL / 100
-    assert r["no_undo"]["max_abs_diff"] > 100 * gpu_check.FIRST_UPDATE_TOL
+    assert r["undo"]["max_abs_diff"] <= FIRST_UPDATE_TOL / 100
+    assert r["no_undo"]["max_abs_diff"] > 100 * FIRST_UPDATE_TOL
 
 
 def test_the_1p2b_row_reports_ours_against_hf():
     r = {"variants": [{"micro_batch": 4, "step_time_s": 0.133}, {"micro_batch": 8, "step_time_s": 0.172}],
          "hf": {"micro_batch": 8, "step_time_s": 0.170, "tflops": 386.7, "mfu": 0.391}}
-    assert gpu_check.describe_hf(r) == ("; HF GPT2LMHeadModel micro-batch 8 (same engine): step 0.170 s, 386.7 TFLOP/s, "
+    assert describe_hf(r) == ("; HF GPT2LMHeadModel micro-batch 8 (same engine): step 0.170 s, 386.7 TFLOP/s, "
                                         "MFU 39.1%; ours/HF 0.988x (HF step time / ours)")
-    assert gpu_check.describe_hf({"variants": [], "hf": {"micro_batch": 8, "error": "OutOfMemoryError: x"}}) == \
+    assert describe_hf({"variants": [], "hf": {"micro_batch": 8, "error": "OutOfMemoryError: x"}}) == \
         "; HF GPT2LMHeadModel micro-batch 8: OutOfMemoryError: x"
