@@ -10,8 +10,9 @@ private name (``_x``, not a dunder) from another module, by ``from m import _x``
 Inside ``training/`` the layers of the drawing hold (``TRAINING_LAYERS``: parallel < models < data/tasks <
 trainer < tools/entry points): no module imports a layer above its own, directly or through a module of no
 layer. Every folder at the top of the repository is one this file knows (``TOP_LEVEL``), and the tests sit
-in their tiers (``tests/unit``, ``tests/parallel``, ``tests/e2e``; helpers in ``tests/helpers``), none
-importing another test module.
+in their tiers (``tests/unit``, ``tests/parallel``, ``tests/e2e``; helpers in ``tests/helpers``, tools pytest
+does not collect in ``TEST_TOOLS``), none importing another test module. No production module (``PRODUCTION``) is
+longer than ``MAX_MODULE_LINES`` lines.
 
 ``python -m tests.unit.test_architecture`` prints the counts: circles, private cross-module imports and the
 imports of project modules made inside functions.
@@ -85,6 +86,8 @@ TEST_TIERS = {
     "e2e": "commands run end to end: python -m entry points, the deepspeed launcher, the main job, scripts",
 }
 TEST_HELPERS = "helpers"  # tests/helpers: shared helper modules (fixtures: tests/conftest.py)
+# Tools under tests/ that pytest does not collect (no test_*.py in them), each run as a module.
+TEST_TOOLS = {"hostile": "the hostile-user probe, python -m tests.hostile (docs/errors.md)"}
 # What a unit-tier test file may not contain: each starts a process (README's test section).
 UNIT_FORBIDDEN = ("run_distributed", "free_port", "sys.executable", "multiprocessing", "Popen")
 
@@ -283,6 +286,40 @@ def counts() -> dict[str, int]:
             "private cross-module imports": sum(len(private_imports(p)) for p in project_files()),
             "function-local imports of project modules": sum(len({(r.line, r.module) for r in rs if r.local})
                                                              for rs in recs.values())}
+
+
+# No production module grows past this many lines (issue 39): a module that does is split by concern, each new
+# module one job with a docstring saying what it owns. benchmarks/ and tests/ are not production.
+MAX_MODULE_LINES = 450
+PRODUCTION = ("data_pipeline", "training", "evaluation", "megatron_ds_suite", "scripts")
+
+
+def oversized_modules(root: Path = ROOT, limit: int = MAX_MODULE_LINES) -> list[str]:
+    """``path: N lines`` for every ``.py`` under the production folders of ``root`` longer than ``limit`` lines."""
+    found = []
+    for top in PRODUCTION:
+        for p in sorted((root / top).rglob("*.py")):
+            if "__pycache__" in p.parts:
+                continue
+            n = len(p.read_text(encoding="utf-8").splitlines())
+            if n > limit:
+                found.append(f"{p.relative_to(root).as_posix()}: {n} lines")
+    return found
+
+
+def test_no_production_module_over_the_line_limit():
+    bad = oversized_modules()
+    assert not bad, (f"modules over {MAX_MODULE_LINES} lines (split them by concern, docs/architecture.md):\n"
+                     + "\n".join(bad))
+
+
+def test_the_checker_sees_oversized_modules(tmp_path):
+    (tmp_path / "training" / "tools").mkdir(parents=True)
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "training" / "tools" / "big.py").write_text("x = 1\n" * 451)
+    (tmp_path / "training" / "small.py").write_text("x = 1\n" * 450)
+    (tmp_path / "benchmarks" / "big.py").write_text("x = 1\n" * 900)
+    assert oversized_modules(tmp_path) == ["training/tools/big.py: 451 lines"]
 
 
 def test_rules_cover_every_module():
@@ -493,10 +530,12 @@ def misplaced_tests(tests: Path) -> list[str]:
         if p.is_file() and p.suffix == ".py" and p.name not in ("conftest.py", "__init__.py"):
             where = f"one of {tiers}" if p.name.startswith("test_") else f"tests/{TEST_HELPERS}/ (shared helpers)"
             bad.append(f"tests/{p.name}: move it to {where}")
-        elif p.is_dir() and p.name not in (*TEST_TIERS, TEST_HELPERS, "__pycache__") and not p.name.startswith("."):
+        elif (p.is_dir() and p.name not in (*TEST_TIERS, TEST_HELPERS, *TEST_TOOLS, "__pycache__")
+              and not p.name.startswith(".")):
             bad.append(f"tests/{p.name}/: not a tier; test modules go to one of {tiers}")
-    for p in sorted((tests / TEST_HELPERS).glob("test_*.py")):
-        bad.append(f"tests/{TEST_HELPERS}/{p.name}: a test module; move it to one of {tiers}")
+    for folder in (TEST_HELPERS, *TEST_TOOLS):
+        for p in sorted((tests / folder).rglob("test_*.py")):
+            bad.append(f"tests/{p.relative_to(tests).as_posix()}: a test module; move it to one of {tiers}")
     return bad
 
 
@@ -557,17 +596,17 @@ def test_the_checker_sees_misplaced_folders_and_tests(tmp_path):
     (tmp_path / "tools").mkdir()
     assert unknown_top_level(tmp_path) == ["tools"]
     tests = tmp_path / "tests"
-    for d in (*TEST_TIERS, TEST_HELPERS):
+    for d in (*TEST_TIERS, TEST_HELPERS, *TEST_TOOLS, "hostile/cases"):
         (tests / d).mkdir()
-    for f in ("conftest.py", "__init__.py", "unit/test_a.py", "helpers/training_runs.py"):
+    for f in ("conftest.py", "__init__.py", "unit/test_a.py", "helpers/training_runs.py", "hostile/cases/store.py"):
         (tests / f).write_text("")
     assert misplaced_tests(tests) == []
-    for f in ("test_new.py", "support.py", "helpers/test_b.py"):
+    for f in ("test_new.py", "support.py", "helpers/test_b.py", "hostile/cases/test_c.py"):
         (tests / f).write_text("")
     (tests / "integration").mkdir()
     got = misplaced_tests(tests)
     assert [g.split(":")[0] for g in got] == ["tests/integration/", "tests/support.py", "tests/test_new.py",
-                                              "tests/helpers/test_b.py"]
+                                              "tests/helpers/test_b.py", "tests/hostile/cases/test_c.py"]
     assert "tests/unit/ (starts no process" in got[2] and "tests/e2e/" in got[2] and "tests/helpers/" in got[1]
     probe = ROOT / "tests" / "parallel" / "test_probe.py"
     recs = import_records(probe, "from tests.unit.test_gpt_dataset import x\nfrom tests.helpers import corpora\n"
