@@ -45,7 +45,6 @@ from scripts.gpu_check.first_update import first_update
 from scripts.gpu_check.steps import compare_hf, prepare_bert_corpus
 
 
-# --------------------------------------------------------------------------------------------------
 def render(rows: list[Row], header: str) -> str:
     """A Markdown table (readable as plain text too)."""
     lines = [header, "", "| check | status | detail | s |", "|---|---|---|---|"]

@@ -13,7 +13,6 @@ from tests.hostile.damage import binary_file, malformed_counted, rejects_counted
 from tests.hostile.fixtures import BINARY, fixture
 
 
-# ---- data_pipeline -------------------------------------------------------------------------------
 @case("data_pipeline", "build_ok", "a correct tiny build (control)", "ok")
 def _(p, tmp):
     return data_build(p, tmp)

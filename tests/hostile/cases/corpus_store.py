@@ -16,7 +16,6 @@ from tests.hostile.outcome import error_lines
 from tests.hostile.probe import Probe
 
 
-# ---- data_pipeline: the corpus store (issue 38, class 3) -----------------------------------------------
 # A 4-shard corpus (shard_size=40 of the 149 blocks), built once; each case damages a private copy (copy_of: the
 # absolute paths an older checkout's work files hold are rewritten, so only the planted damage differs).
 SHARDS = {"shard_size": 40}

@@ -15,7 +15,6 @@ from tests.hostile.damage import binary_file, plant_evil, pwned, swap_merges, tr
 from tests.hostile.fixtures import copy_of, fixture, latest_tag_dir
 
 
-# ---- evaluation ----------------------------------------------------------------------------------
 def _words(tmp: Path) -> Path:
     f = tmp / "w.tokens"
     f.write_text(" = Title = \n the cat sat on the mat and the dog sat on the log . \n" * 4, encoding="utf-8")

@@ -12,7 +12,6 @@ from tests.hostile.damage import binary_file, nothing_written, plant_evil, pwned
 from tests.hostile.fixtures import BINARY, copy_of, fixture, latest_tag_dir
 
 
-# ---- tools -----------------------------------------------------------------------------------------
 def _export(ckpt: Path, out: Path, *extra: str) -> list[str]:
     return ["python", "-m", "training.tools.export_hf", "--checkpoint", str(ckpt), "--out", str(out), *extra]
 

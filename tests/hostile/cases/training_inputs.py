@@ -13,9 +13,6 @@ from tests.hostile.fixtures import copy_of, fixture, gpt2_spec
 from tests.hostile.probe import Probe
 
 
-# ---- training --------------------------------------------------------------------------------------
-
-
 @case("training", "train_ok", "a correct two-step run (control)", "ok")
 def _(p, tmp):
     return train_cmd(p, tmp)
