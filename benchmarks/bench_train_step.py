@@ -9,9 +9,9 @@ step's losses must agree (checked before timing; the run stops if they differ). 
 
 Both models have the same dimensions, dtype, batch, sequence, dropout and activation (exact erf
 GELU), and the same padded vocabulary (HF's ``vocab_size`` is set to our padded size so both do the
-same FLOPs). Both run under ``deepspeed.initialize`` with the same DeepSpeed config
+same FLOPs). Both run under the project's engine (``training.optim.engine.build_engine``) with the same DeepSpeed config
 (``training.ds_json.deepspeed_config``: fp32, bf16, or fp16 with dynamic loss scaling), the same
-fused AdamW and schedule (``training.optim``), and the same engine setting the trainer uses at one
+fused AdamW and schedule (``training.optim.adamw``), and the same engine setting the trainer uses at one
 data-parallel replica (no gradient all-reduce of a replica with itself): only the model differs.
 One step = forward (mean token loss), ``engine.backward``, ``engine.step``. HF runs with
 ``attn_implementation="sdpa"`` and computes its own shifted loss from ``labels=tokens``.
@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "gradient all-reduce at DP=1 left on, to show what the trainer's setting saves")
     p.add_argument("--step-ab", action="store_true",
                    help="add a candidate 'ours (DeepSpeed step)': our model with DeepSpeed's own fp16/bf16 optimizer "
-                        "step (a loop over tensors, a host sync each) instead of training.runtime.optimizer_step's")
+                        "step (a loop over tensors, a host sync each) instead of training.optim.mixed_precision's")
     p.add_argument("--compile", action="store_true",
                    help="add a candidate 'ours (compiled)': our model with every transformer layer compiled "
                         "(model.compile, training/models/compile_layers.py; inductor)")
@@ -259,13 +259,13 @@ class Runner:
 
 
 def tied_safe_optimizer(model, ocfg, iters: int, fused: bool = False, adam: str = "torch"):
-    """``training.optim.build_optimizer``'s AdamW and schedule, with each parameter listed once.
+    """``training.optim.adamw.build_optimizer``'s AdamW and schedule, with each parameter listed once.
 
-    ``training.optim.param_groups`` walks modules, so a weight tied across two modules (HF's
+    ``training.optim.adamw.param_groups`` walks modules, so a weight tied across two modules (HF's
     ``lm_head.weight is transformer.wte.weight``) would be listed twice and DeepSpeed rejects that.
     ``adam="fused"``: DeepSpeed's FusedAdam (AdamW mode) instead of torch's AdamW.
     """
-    from training.optim import lr_at, param_groups
+    from training.optim.adamw import lr_at, param_groups
 
     seen: set[int] = set()
     groups = []
@@ -300,12 +300,11 @@ def adam_for(device: str, dtype: str, adam: str) -> str:
 
 
 def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
-    import deepspeed
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from training.ds_json import deepspeed_config
     from training.models.gpt2 import GPTModel
-    from training.runtime import ds_compat, optimizer_step
+    from training.optim.engine import build_engine
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
 
@@ -319,14 +318,10 @@ def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
     def engine(model, mpu: ParallelState | None = None, backward_allreduce=False, o1_step=True, ds=ds,
                adam=args.adam):
         opt, sched = tied_safe_optimizer(model, cfg.optimizer, cfg.train.iters, fused=True, adam=adam)
-        eng, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=mpu, config=dict(ds),
-                                       dist_init_required=False)
-        # DP = 1: the trainer switches the bucketed all-reduce of a replica with itself off (Trainer.__init__)
+        # as the trainer (training.optim.engine): no zero-gradient Adam step from construction, the project's
+        # optimizer step (o1_step=False: DeepSpeed's own), the all-reduce of one replica with itself off
+        eng = build_engine(model, opt, sched, dict(ds), mpu, own_step=o1_step)
         eng.enable_backward_allreduce = backward_allreduce
-        # as the trainer: no zero-gradient Adam step from construction, and the O(1) fp16/bf16 step
-        ds_compat.undo_initial_zero_step(eng)
-        if o1_step:
-            optimizer_step.install(eng)
         return eng
 
     def gpu_bytes() -> int:

@@ -243,17 +243,17 @@ def init_single_process(device: str) -> None:
 def tp_gpt2_engine(a: dict, world: int) -> tuple[Any, Any, Any]:
     """(engine, tokens, labels): a TP = ``world`` GPT-2 (``a``: layers, hidden, heads, seq, vocab, padded,
     batch, optional dropout, optional device 'cpu'/'cuda' and dtype, default cpu fp32) under
-    ``deepspeed.initialize`` with the project's optimizer and schedule as training picks them for that device
-    and dtype (``training.optim.build_optimizer``: DeepSpeed's FusedAdam for fp16 on CUDA), DP = 1, and one
+    the project's engine (``training.optim.engine.build_engine``) with its optimizer and schedule as training picks them for that device
+    and dtype (``training.optim.adamw.build_optimizer``: DeepSpeed's FusedAdam for fp16 on CUDA), DP = 1, and one
     fixed random batch on the engine's device. Called inside a process with a default process group."""
-    import deepspeed
     import torch
 
     from training.config import Config
     from training.ds_json import deepspeed_config
     from training.models.config import ModelConfig
     from training.models.gpt2 import GPTModel
-    from training.optim import build_optimizer
+    from training.optim.adamw import build_optimizer
+    from training.optim.engine import build_engine
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
 
@@ -269,8 +269,7 @@ def tp_gpt2_engine(a: dict, world: int) -> tuple[Any, Any, Any]:
     tp_random.set_seed(cfg.train.seed)
     model = GPTModel(cfg.model, a["padded"], ps.tp_group, seed=cfg.train.seed).train()
     opt, sched = build_optimizer(model, cfg.optimizer, 10**6, device_type=device, dtype=dtype)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=ps,
-                                      config=deepspeed_config(cfg, 1, dtype), dist_init_required=False)
+    engine = build_engine(model, opt, sched, deepspeed_config(cfg, 1, dtype), ps)
     gen = torch.Generator().manual_seed(0)
     seq = torch.randint(0, a["vocab"], (a["batch"], a["seq"] + 1), generator=gen).to(engine.device)
     return engine, seq[:, :-1].contiguous(), seq[:, 1:].contiguous()

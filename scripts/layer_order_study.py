@@ -35,7 +35,7 @@ from training.config import OptimizerConfig
 from training.models.config import ModelConfig, padded_vocab_size
 from training.data.bert_data import BertDataset, BertVocab, MaskingConfig, collate
 from training.models.bert import BertModel, bert_loss
-from training.optim import lr_at, param_groups
+from training.optim.adamw import lr_at, param_groups
 from megatron_ds_suite.core import atomic
 
 ROOT = Path(__file__).resolve().parents[1]

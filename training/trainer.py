@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import deepspeed
 import torch
 import torch.distributed as dist
 
@@ -31,13 +30,14 @@ from training.ds_json import deepspeed_config
 from training.layout import Layout
 from training.metrics import MetricsWriter, flops_per_iteration, progress_enabled
 from training.models.compile_layers import compile_layers
-from training.optim import build_optimizer
-from training.parallel.grad_norm import clip_grad_norm
+from training.optim.adamw import build_optimizer
+from training.optim.engine import Engine, build_engine
+from training.optim.outcome import StepOutcome, loss_scale_of
 from training.parallel.state import ParallelState
 from training.plan.recompute import RecomputeChoice
 from training.resolve import ResolvedRun
 from training.runtime import device as tdev
-from training.runtime import ds_compat, optimizer_step, run_lock
+from training.runtime import run_lock
 from training.runtime.cpu_peak import CpuPeak, measure_cpu_peak_together
 from training.runtime.distributed import agreed
 from training.runtime.hardware import canonical_kind, detect_device_kind, peak_tflops
@@ -83,9 +83,7 @@ class Trainer:
     model: torch.nn.Module
     ds_config: dict[str, Any]  # the DeepSpeed JSON (training.ds_json), saved as RUN_DIR/ds_config.json
     pipe: bool  # pipeline-parallel: DeepSpeed's PipelineModule and train_batch
-    engine: deepspeed.DeepSpeedEngine
-    o1_step: bool  # the O(1) fp16/bf16 optimizer step is installed (training.runtime.optimizer_step)
-    fp32_clip_override: bool  # fp32 without ZeRO: our gradient clip instead of DeepSpeed's
+    engine: Engine  # DeepSpeed's engine with the project's optimizer step (training.optim.engine)
     gas: int  # micro-batches per step on each DP rank
     state: ckpt.TrainState  # iteration, consumed samples, skips: what a resume restores
     flops_per_step: float
@@ -93,7 +91,6 @@ class Trainer:
     cpu_peak: CpuPeak | None  # the measured CPU matmul rate (CPU runs)
     peak: float | None  # the device's dense peak TFLOP/s in the training dtype (MFU)
     # per step
-    _fp32_norm: torch.Tensor | None = None
     _clock: tuple[float, int] | None = None  # (start, steps) of the steps since the last read
 
     def __init__(self, run: ResolvedRun):
@@ -116,21 +113,8 @@ class Trainer:
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
         tracking.start(cfg)  # W&B mode/dir before DeepSpeed's monitor calls wandb.init
         self.pipe = cfg.parallel.pipeline > 1
-        # a PipelineModule brings its own grid (same topology as self.ps); DeepSpeed refuses an mpu then
-        self.engine, _, _, _ = deepspeed.initialize(model=self.model, optimizer=optimizer, lr_scheduler=scheduler,
-                                                    mpu=None if self.pipe else self.ps, config=self.ds_config,
-                                                    dist_init_required=False)
-        ds_compat.undo_initial_zero_step(self.engine)  # fp16 at ZeRO-0: Adam starts at step 0, as in fp32
-        # fp16/bf16 at ZeRO-0: the optimizer step in O(1) kernels and one host read (fp16) or none (bf16)
-        self.o1_step = optimizer_step.install(self.engine)
-        if self.dp == 1 and not self.pipe and cfg.parallel.zero_stage == 0:
-            # one replica: DeepSpeed would still flatten every gradient, all-reduce it with itself and
-            # copy it back (~10% of a CPU step in benchmarks/bench_train_step.py)
-            self.engine.enable_backward_allreduce = False
-        # fp32 without ZeRO: DeepSpeed's clip discards the norm (and miscounts under PP); use ours
-        self.fp32_clip_override = self.dtype == "fp32" and cfg.parallel.zero_stage == 0
-        if self.fp32_clip_override:
-            self.engine.clip_fp32_gradients = self._clip_fp32_gradients
+        # the engine with the project's optimizer step and every DeepSpeed adaptation (training/optim/engine.py)
+        self.engine = build_engine(self.model, optimizer, scheduler, self.ds_config, self.ps)
         self.gas = self.layout.grad_accumulation
         self.state = ckpt.TrainState()
         self.flops_per_step = flops_per_iteration(cfg, self.padded_vocab)  # GPT-2 or BERT count (model.arch)
@@ -167,23 +151,17 @@ class Trainer:
             return self.cpu_peak.tflops
         return peak_tflops(kind, self.dtype)
 
-    # ----------------------------------------------------------------------------------------------
-    def _clip_fp32_gradients(self) -> None:
-        # the norm stays on the device (read with the step's other metrics, on log steps)
-        self._fp32_norm = clip_grad_norm(self.engine.module.parameters(), self.cfg.optimizer.clip_grad,
-                                         self.ps.tp_rank, self.ps.tp_group,
-                                         self.ps.pp_group if self.pipe else None)
+    @property
+    def o1_step(self) -> bool:
+        """Whether the project's own optimizer step runs (ZeRO-0), not DeepSpeed's."""
+        return self.engine.owned_step is not None
 
     def loss_scale(self) -> float:
-        """Current loss scale (1 without fp16). DeepSpeed keeps it in ``cur_scale`` (fused optimizer,
-        older releases) or ``loss_scale_config.cur_scale`` (unfused optimizer, 0.19)."""
+        """The current loss scale (1 without fp16)."""
         if self.dtype != "fp16":
             return 1.0
-        opt = self.engine.optimizer
-        for holder in (opt, getattr(opt, "loss_scale_config", None), getattr(opt, "loss_scaler", None)):
-            if holder is not None and getattr(holder, "cur_scale", None) is not None:
-                return float(holder.cur_scale)
-        raise RuntimeError(f"cannot find the loss scale of {type(opt).__name__}")
+        last = self.engine.last_outcome
+        return last.loss_scale if last is not None else loss_scale_of(self.engine.optimizer)
 
     def restart_step_clock(self) -> None:
         """Time steps from now (after work that is not a training step: evaluation, checkpoints)."""
@@ -193,7 +171,7 @@ class Trainer:
         """One optimizer step (gradient accumulation inside); returns the step's metrics.
 
         The step itself reads nothing back from the device except, in fp16, the one value that decides
-        whether the update is applied (training.runtime.optimizer_step; bf16 decides it on the device). With
+        whether the update is applied (training.optim.mixed_precision; bf16 decides it on the device). With
         ``read=False`` the loss, its parts and the gradient norm stay device tensors and are not all-reduced
         over data parallelism (the host can run ahead of the GPU); ``read=True`` (what log steps and direct
         callers use) makes them Python numbers in one read, and checks the loss: in fp16 that read is the
@@ -202,60 +180,56 @@ class Trainer:
         last read (or :meth:`restart_step_clock`)."""
         start, steps = self._clock or (time.perf_counter(), 0)
         self._clock = (start, steps + 1)
-        lr = self.engine.get_lr()[0]  # the rate this step uses
-        self._fp32_norm = None
-        losses, parts = [], {}
         st = self.state
+        lr = self.engine.get_lr()[0]  # the rate this step uses
         extra_metrics = self.task.step_metrics(st.consumed_samples)
+        loss, parts, riders = self._run_micro_batches(read)
+        outcome: StepOutcome = self.engine.last_outcome
+        st.iteration += 1
+        st.consumed_samples += self.cfg.train.global_batch_size
+        pending = outcome.pending_skips  # bf16: skips the host has not read yet
+        m = {
+            "iteration": st.iteration,
+            "lr": lr,
+            "loss": loss,  # mean over micro-batches (and DP replicas once read)
+            "loss_scale": outcome.loss_scale,
+            "grad_norm": outcome.grad_norm,
+            "skipped": self.engine.skipped_steps + (pending if pending is not None else 0),
+            "step_applied": outcome.applied,
+            "consumed_samples": st.consumed_samples,
+            **parts,
+            **extra_metrics,
+        }
+        if outcome.read is not None:
+            m.update(zip(riders, outcome.read))
+        if not outcome.decided_on_device:
+            self._count_skips(bool(outcome.applied), 0 if outcome.applied else st.consecutive_skipped + 1)
+        return self.read_metrics(m) if read else m
+
+    def _run_micro_batches(self, read: bool) -> tuple[torch.Tensor, dict, list[str]]:
+        """Forward and backward over the step's micro-batches, then the optimizer step (the pipeline engine runs
+        all of it in ``train_batch``). Returns the mean loss, the task's loss parts and, when the step's one host
+        read carries them (fp16 on a read step), the names of the values that rode along."""
+        consumed = self.state.consumed_samples
         if self.pipe:
-            batches = [batch_to_device(b, self.engine) for b in self.task.micro_batches(st.consumed_samples)]
-            losses.append(self.engine.train_batch(data_iter=iter(batches)).detach().float().sum())
-            batches = []  # the pipeline engine ran them
-        else:
-            batches = self.task.micro_batches(st.consumed_samples)
-        riders: list[str] = []
-        for batch in batches:
+            batches = [batch_to_device(b, self.engine) for b in self.task.micro_batches(consumed)]
+            return self.engine.train_batch(data_iter=iter(batches)).detach().float().sum(), {}, []
+        step = self.engine.owned_step
+        ride = read and step is not None and step.reads_on_host
+        losses, parts, riders = [], {}, []
+        for batch in self.task.micro_batches(consumed):
             loss, extra = self.task.loss(self.engine, batch)
             for k, v in extra.items():
                 parts[k] = parts.get(k, 0.0) + torch.as_tensor(v).detach().float() / self.gas
             self.engine.backward(loss)
             losses.append(loss.detach().float())
-            if read and self.engine.is_gradient_accumulation_boundary() and optimizer_step.reads_on_host(self.engine):
+            if ride and self.engine.is_gradient_accumulation_boundary():
                 # fp16: the step reads the host anyway (the skip decision); the metrics ride on that read
                 on_device = {"loss": torch.stack(losses).mean(), **parts}
-                optimizer_step.ride_along(self.engine, self._stack(on_device))
+                step.ride_along(self._stack(on_device))
                 riders = list(on_device)
             self.engine.step()
-        ridden = optimizer_step.take_ridden(self.engine) if riders else None
-        applied = self.engine.was_step_applied()  # host state: fp16's one read already happened in the step
-        skips = optimizer_step.device_skips(self.engine)  # bf16: skipped or not is known on the device only
-        st.iteration += 1
-        st.consumed_samples += self.cfg.train.global_batch_size
-        scale = self.loss_scale()
-        if self.fp32_clip_override:
-            gnorm = self._fp32_norm
-        else:
-            gnorm = self.engine.get_global_grad_norm() if applied else None
-        m = {
-            "iteration": self.iteration,
-            "lr": lr,
-            "loss": torch.stack(losses).mean(),  # mean over micro-batches (and DP replicas once read)
-            "loss_scale": float(scale) if scale is not None else None,
-            "grad_norm": gnorm,
-            "skipped": int(self.engine.skipped_steps),
-            "step_applied": bool(applied),
-            "consumed_samples": st.consumed_samples,
-            **parts,
-            **extra_metrics,
-        }
-        if ridden is not None:
-            m.update(zip(riders, ridden))
-        if skips is not None:  # device values, made host values by read_metrics
-            m["step_applied"] = 1 - skips[0]
-            m["skipped"] = skips[1] + self.engine.skipped_steps
-        else:
-            self._count_skips(bool(applied), 0 if applied else st.consecutive_skipped + 1)
-        return self.read_metrics(m) if read else m
+        return torch.stack(losses).mean(), parts, riders
 
     def _count_skips(self, applied: bool, consecutive: int) -> None:
         """Note the latest step's skip (an fp16 overflow, a non-finite bf16 gradient); abort past
@@ -294,14 +268,14 @@ class Trainer:
         on_device = {k: v for k, v in m.items() if isinstance(v, torch.Tensor)}
         device_skip = isinstance(m["step_applied"], torch.Tensor)
         if device_skip:  # the longest run of skipped steps since the last read
-            on_device["consecutive_skipped"] = optimizer_step.device_skips(self.engine)[2]
+            on_device["consecutive_skipped"] = self.engine.last_outcome.longest_skip_run
         if on_device:
             read = dict(zip(on_device, self._stack(on_device).tolist()))
             consecutive = int(read.pop("consecutive_skipped", 0))
             m = {**m, **read}
         if device_skip:
             m["step_applied"], m["skipped"] = m["step_applied"] == 1.0, int(m["skipped"])
-            optimizer_step.settle_skips(self.engine, m["skipped"] - self.engine.skipped_steps)
+            self.engine.settle_device_skips(m["skipped"] - self.engine.skipped_steps)
             if not m["step_applied"]:
                 m["grad_norm"] = None
             self._count_skips(m["step_applied"], consecutive)

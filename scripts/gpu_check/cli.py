@@ -17,7 +17,7 @@ Checks (each a real run through the project's own entry points, ``torchrun`` for
     cuda_graph       ``model.cuda_graph=true`` (TP=2 with 2 GPUs): fp32 losses equal eager's without dropout;
         fp16 with dropout and activation checkpointing, the loss falls
     fused_adam_step1 DeepSpeed's FusedAdam under the trainer's fp16 wrapper (``FP16_Optimizer``,
-        ``ds_compat.undo_initial_zero_step``, the O(1) step): the first update equals Megatron's step-1 update
+        ``training.optim.engine.undo_initial_zero_step``, the O(1) step): the first update equals Megatron's step-1 update
         ``p (1 - lr wd) - lr g / (|g| + eps)``; without the undo it does not
     gpt2_1.2b        the paper's 1.2B config (fp16): the trainer's step time, TFLOP/s, MFU, memory at micro-batch 4
         (full recompute), 8 and 16 (none), and HF ``GPT2LMHeadModel`` at micro-batch 8 under the same engine

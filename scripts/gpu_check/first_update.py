@@ -9,18 +9,17 @@ FIRST_UPDATE_TOL = 1e-5  # fp32 masters, |update| ~ lr = 1e-2: Adam's sqrt and d
 
 def first_update(device: str = "cuda", adam: str = "fused") -> dict:
     """The first update of the trainer's fp16 optimizer against Megatron's step 1, with and without
-    ``ds_compat.undo_initial_zero_step``: DeepSpeed's ``FP16_Optimizer`` (the wrapper it gives FusedAdam) around
+    ``training.optim.engine.undo_initial_zero_step``: DeepSpeed's ``FP16_Optimizer`` (the wrapper it gives FusedAdam) around
     ``adam`` ('fused': DeepSpeed's FusedAdam, CUDA; 'torch': torch's AdamW, for a CPU test of this function), the
     O(1) step installed, lr 1e-2, weight decay 0.1, one step of random gradients (scaled by the loss scale, as
     backward leaves them). Megatron's step 1: bias corrections 1 - beta^1 give m = g, v = g^2, so the update is
     ``p (1 - lr wd) - lr g / (|g| + eps)``. FusedAdam seeds each new state's step from its group's ``step``:
     the undo must set it to 0, or the first real step is Adam's step 2 (the bug of issue 27)."""
-    import types
-
     import torch
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 
-    from training.runtime import ds_compat, optimizer_step
+    from training.optim.engine import undo_initial_zero_step
+    from training.optim.mixed_precision import MixedPrecisionStep
 
     lr, wd, eps = 1e-2, 0.1, 1e-8
     res: dict = {"optimizer": "DeepSpeed FusedAdam" if adam == "fused" else "torch AdamW", "device": device}
@@ -40,16 +39,15 @@ def first_update(device: str = "cuda", adam: str = "fused") -> dict:
         opt = FP16_Optimizer(inner, dynamic_loss_scale=True, verbose=False, clip_grad=0.0,
                              dynamic_loss_args={"init_scale": 2.0**8, "scale_window": 1000, "delayed_shift": 1,
                                                 "consecutive_hysteresis": False, "min_scale": 1})
-        engine = types.SimpleNamespace(optimizer=opt)
         if undo:
-            ds_compat.undo_initial_zero_step(engine)
-        installed = optimizer_step.install(engine)
+            undo_initial_zero_step(opt)
+        step = MixedPrecisionStep.create(opt)
         before = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
         gen = torch.Generator().manual_seed(3)
         grads = [torch.randn(p.shape, generator=gen).half().to(device) for p in model.parameters()]
         for p, g in zip(model.parameters(), grads):
             p.grad = g * opt.loss_scale_config.cur_scale
-        opt.step()
+        outcome = step.step()
         g = torch.cat([x.float().reshape(-1) for x in grads])
         expected = before * (1 - lr * wd) - lr * g / (g.abs() + eps)
         after = opt.fp32_groups_flat[0].detach().float()
@@ -57,6 +55,6 @@ def first_update(device: str = "cuda", adam: str = "fused") -> dict:
         step = state.get("step", inner.param_groups[0].get("step"))
         res["undo" if undo else "no_undo"] = {"max_abs_diff": (after - expected).abs().max().item(),
                                               "adam_step": int(step) if step is not None else None,
-                                              "o1_step": installed, "overflow": bool(opt.overflow)}
+                                              "o1_step": step is not None, "overflow": not outcome.applied}
         res["params"] = before.numel()
     return res

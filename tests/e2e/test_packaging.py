@@ -133,7 +133,7 @@ def test_every_third_party_import_is_declared():
 def test_deepspeed_version_check():
     import deepspeed
 
-    from training.runtime.ds_compat import untested_deepspeed
+    from training.optim.engine import untested_deepspeed
 
     assert untested_deepspeed("0.19.8") is None and untested_deepspeed("0.19.0") is None
     for bad in ("0.18.9", "0.20.0", "1.0.0"):

@@ -70,14 +70,14 @@ def test_safe_load_refuses_code_and_reads_plain_data(tmp_path):
 
 def test_deepspeed_checkpoint_engine_loads_weights_only(tmp_path):
     """engine.load_checkpoint reads every file through TorchCheckpointEngine.load (model states, ZeRO
-    partitions, pipeline layers): after ds_compat.apply() it refuses the malicious file too."""
+    partitions, pipeline layers): after training.optim.engine.install_process_wide() it refuses the malicious file too."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.state_dict_factory import SDLoaderFactory
 
-    from training.runtime import ds_compat
+    from training.optim.engine import install_process_wide
     from training.safe_load import CheckpointError
 
-    ds_compat.apply()
+    install_process_wide()
     run, marker = _evil_run(tmp_path)
     path = str(run / "checkpoints" / "iter_0000001" / "mp_rank_00_model_states.pt")
     engine = TorchCheckpointEngine()

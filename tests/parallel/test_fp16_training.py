@@ -92,7 +92,7 @@ def test_fp16_zero1_and_pp2_track_fp32(spm_model, tmp_path):
     assert len(ref) == len(zero1) == len(pp2) == 6
     assert ref[0] - ref[-1] > 0.3, ref
     # measured: up to 4.5e-3 (fp16 gradients at scales 2^10-2^12); PP=2 was 0.035 off while DeepSpeed's
-    # FP16_UnfusedOptimizer kept its zero-gradient Adam step from construction (ds_compat.undo_initial_zero_step)
+    # FP16_UnfusedOptimizer kept its zero-gradient Adam step from construction (training.optim.engine.undo_initial_zero_step)
     assert (zero1 - ref).abs().max() < 1e-2, (zero1 - ref)
     assert (pp2 - ref).abs().max() < 1e-2, (pp2 - ref)
     # the CPU peak behind MFU: measured by both pipeline ranks together, in the log's metrics.jsonl

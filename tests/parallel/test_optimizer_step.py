@@ -1,5 +1,5 @@
 """The GPU step's host work, proved on CPU (issue 27): the O(1) fp16/bf16 optimizer step
-(training.runtime.optimizer_step) against DeepSpeed's own step, FusedAdam's wrapper starting Adam at step 0,
+(training.optim.mixed_precision) against DeepSpeed's own step, FusedAdam's wrapper starting Adam at step 0,
 the fp32 clip on the device, and no host syncs in the trainer's step outside the one that decides an fp16 skip.
 
 Counts are made with benchmarks.host_work (a TorchDispatchMode): on CUDA every kernel operator is a launch and
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import types
 from pathlib import Path
 
 import pytest
@@ -41,14 +40,16 @@ def _masters(kind, opt) -> list[torch.Tensor]:
 
 
 def _ab_worker(rank, world, kind):
-    from training.runtime import ds_compat, optimizer_step
+    from training.optim.engine import undo_initial_zero_step
+    from training.optim.mixed_precision import MixedPrecisionStep
     from training.resolve import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     (ma, oa), (mb, ob) = _wrapper(kind), _wrapper(kind)
     for o in (oa, ob):
-        ds_compat.undo_initial_zero_step(types.SimpleNamespace(optimizer=o))
-    assert optimizer_step.install(types.SimpleNamespace(optimizer=oa))
+        undo_initial_zero_step(o)
+    ours = MixedPrecisionStep.create(oa)
+    assert ours is not None and ours.flat_masters == (kind == "fused")
     g = torch.Generator().manual_seed(1)
     rows = []
     for it in range(8):
@@ -61,9 +62,15 @@ def _ab_worker(rank, world, kind):
                 p.grad = (x * scale).half()
                 if it == 5 and p.dim() == 1:
                     p.grad[0] = float("inf")  # an overflow in a LayerNorm/bias gradient
-            opt.step()
-            row[name] = {"overflow": bool(opt.overflow), "scale": opt.loss_scale_config.cur_scale,
-                         "norm": float(opt._global_grad_norm), "weights": [p.detach().clone() for p in model.parameters()],
+            if name == "ours":
+                outcome = ours.step()
+                opt.zero_grad()  # as the engine does after a step
+                overflow, norm = not outcome.applied, outcome.grad_norm
+            else:
+                opt.step()
+                overflow, norm = bool(opt.overflow), float(opt._global_grad_norm)
+            row[name] = {"overflow": overflow, "scale": opt.loss_scale_config.cur_scale,
+                         "norm": norm, "weights": [p.detach().clone() for p in model.parameters()],
                          "masters": _masters(kind, opt)}
         row["true_norm"] = true_norm
         rows.append(row)
@@ -90,16 +97,18 @@ def test_o1_step_equals_deepspeeds_step(kind):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         if not r["ours"]["overflow"]:
             assert r["ours"]["norm"] == pytest.approx(r["true_norm"], rel=1e-5)
+        else:
+            assert r["ours"]["norm"] is None
 
 
 def _first_update_worker(rank, world, undo):
-    from training.runtime import ds_compat
+    from training.optim.engine import undo_initial_zero_step
     from training.resolve import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()
     model, opt = _wrapper("fused", clip=0.0)
     if undo:
-        assert ds_compat.undo_initial_zero_step(types.SimpleNamespace(optimizer=opt))
+        assert undo_initial_zero_step(opt)
     before = [p.detach().float().clone() for p in model.parameters()]
     masters_before = opt.fp32_groups_flat[0].detach().clone()
     g = torch.Generator().manual_seed(3)
@@ -115,7 +124,7 @@ def _first_update_worker(rank, world, undo):
 def test_fused_wrapper_first_update_is_megatrons(undo):
     """FusedAdam's wrapper (FP16_Optimizer) steps its optimizer once with zero gradients at construction, so
     Adam's first real update was bias-corrected as step 2 (0.744 lr) and one weight decay had already been
-    applied. After ds_compat.undo_initial_zero_step the masters equal the fp16 weights and the first update is
+    applied. After training.optim.engine.undo_initial_zero_step the masters equal the fp16 weights and the first update is
     Megatron's: p (1 - lr wd) - lr g / (|g| + eps)."""
     before, masters_before, grads, after = run_distributed(_first_update_worker, 1, undo)[0]
     flat_before = torch.cat([b.reshape(-1) for b in before])
@@ -146,18 +155,19 @@ def _counts_worker(rank, world, spec, tmp, dtype):
     """Operators and host reads of the trainer's step (and of its optimizer step alone) at 2 and 8 layers, with
     the O(1) step and with DeepSpeed's, on a step that does not read its metrics and on one that does."""
     from benchmarks.host_work import HostWork
-    from training.runtime import optimizer_step
+    from training.optim.mixed_precision import MixedPrecisionStep
 
     out = {}
     for layers in (2, 8):
         for mode in ("o1", "deepspeed"):
             t = _trainer(spec, f"{tmp}/{dtype}-{mode}-{layers}", layers, dtype)
             if mode == "deepspeed":
-                optimizer_step.uninstall(t.engine)
+                t.engine.owned_step = None  # DeepSpeed's own step (its wrapper's step)
             for _ in range(3):  # past construction-time effects
                 t.train_step()
             opt_counts = []
-            inner = t.engine.optimizer.step
+            stepper = t.engine.owned_step if t.engine.owned_step is not None else t.engine.optimizer
+            inner = stepper.step
 
             def counted_step(*a, _inner=inner, **k):
                 with HostWork() as w:
@@ -165,14 +175,14 @@ def _counts_worker(rank, world, spec, tmp, dtype):
                 opt_counts.append((w.kernels, w.syncs))
                 return r
 
-            t.engine.optimizer.step = counted_step
+            stepper.step = counted_step
             with HostWork() as lazy:
                 m = t.train_step(read=False)
             with HostWork() as read:
                 t.train_step(read=True)
             out[(layers, mode)] = {"step_kernels": lazy.kernels, "step_syncs": lazy.syncs, "read_syncs": read.syncs,
                                    "opt": opt_counts[0] if opt_counts else None,
-                                   "o1": optimizer_step.installed(t.engine),
+                                   "o1": isinstance(t.engine.owned_step, MixedPrecisionStep),
                                    "loss_on_device": isinstance(m["loss"], torch.Tensor)}
     return out
 
@@ -244,15 +254,13 @@ def test_train_reads_the_host_on_log_steps_only(spm_model, tmp_path, dtype):
 def _trajectory_worker(rank, world, spec, tmp, dtype, overflow_at, steps, extra):
     from deepspeed.runtime.fp16.loss_scaler import DELAYED_SHIFT
 
-    from training.runtime import optimizer_step
-
     out = {}
     for mode in ("o1", "deepspeed"):
         t = _trainer(spec, f"{tmp}/{dtype}-{mode}", 2, dtype, **{"optimizer.warmup_iters": 0,
                                                                   "precision.max_consecutive_skipped": 0,
                                                                   "train.iters": steps, **extra})
         if mode == "deepspeed":
-            optimizer_step.uninstall(t.engine)
+            t.engine.owned_step = None  # DeepSpeed's own step
         param = t.model.layers[0].mlp.fc.weight
         state = {"on": False}
         param.register_hook(lambda g: g * float("inf") if state["on"] else g)
@@ -297,7 +305,7 @@ def test_trainer_trajectory_equals_deepspeeds_step(spm_model, tmp_path, case):
     injected overflows (fp16: the same loss scales; bf16 skips a non-finite step too), losses and gradient norms
     equal to their precision. With ``precision.hysteresis: 2`` both halve the scale on *every* overflow, the
     first of a run included: DeepSpeed's ZeRO-0 wrappers ignore hysteresis (#697; ZeRO-1's scaler honours it,
-    tests/parallel/test_fp16_training.py), and ours keeps DeepSpeed's behaviour (its ``_update_scale``)."""
+    tests/parallel/test_fp16_training.py), and ours keeps DeepSpeed's behaviour (its rule, training/optim/loss_scale.py)."""
     dtype, overflow_at, extra = TRAJECTORIES[case]
     r = run_distributed(_trajectory_worker, 1, spm_model, str(tmp_path), dtype, overflow_at, STEPS, extra)[0]
     ours, ds = r["o1"], r["deepspeed"]
@@ -312,7 +320,7 @@ def test_trainer_trajectory_equals_deepspeeds_step(spm_model, tmp_path, case):
         assert scales[:13] == [256, 256, 256, 128, 64, 64, 64, 64, 64, 128, 128, 64, 64]
         assert max(scales) == 2048 and scales[-1] == 2048
     # Where the scale grows (the hysteresis case only: window 4, not 1000) the updates differ on purpose
-    # (training/runtime/optimizer_step.py): DeepSpeed doubles the scale before unscaling, so Adam gets half the
+    # (training/optim/mixed_precision.py): DeepSpeed doubles the scale before unscaling, so Adam gets half the
     # gradient (norm 0.64 at step 9, under the clip) where ours unscales by the scale the gradients carry and
     # clips (norm 1.29 -> 1), Megatron's rule. Up to the first growth step the two runs are the same training.
     grown = [k for k in range(STEPS) if ds[k][2] > (ds[k - 1][2] if k else 2.0**8)]
@@ -386,7 +394,6 @@ def test_fp32_trainer_trajectory_equals_a_plain_pytorch_loop(spm_model, tmp_path
 
 def _bf16_skip_worker(rank, world, spec, tmp):
     from benchmarks.host_work import HostWork
-    from training.runtime import optimizer_step
     from training.trainer import TrainingAborted
 
     out = {}
@@ -394,7 +401,7 @@ def _bf16_skip_worker(rank, world, spec, tmp):
         t = _trainer(spec, f"{tmp}/{mode}", 2, "bf16", **{"optimizer.warmup_iters": 0,
                                                            "precision.max_consecutive_skipped": 2})
         if mode == "deepspeed":
-            optimizer_step.uninstall(t.engine)
+            t.engine.owned_step = None  # DeepSpeed's own step
         param = t.model.layers[0].mlp.fc.weight
         state = {"on": False}
         param.register_hook(lambda g: g * float("inf") if state["on"] else g)

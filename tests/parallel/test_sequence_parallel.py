@@ -244,7 +244,6 @@ def _model_cfg(name: str):
 
 
 def _train(model_name: str, tp: int, pp: int, ckpt: bool, gas: int, sp: bool) -> dict:
-    import deepspeed
 
     from training.config import Config
     from training.ds_json import deepspeed_config
@@ -252,7 +251,8 @@ def _train(model_name: str, tp: int, pp: int, ckpt: bool, gas: int, sp: bool) ->
     from training.models.gpt2 import GPTModel
     from training.models.gpt2_pipe import build_gpt2_pipe
     from training.parallel.layers import RowParallelLinear
-    from training.optim import build_optimizer
+    from training.optim.adamw import build_optimizer
+    from training.optim.engine import build_engine
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
 
@@ -273,8 +273,7 @@ def _train(model_name: str, tp: int, pp: int, ckpt: bool, gas: int, sp: bool) ->
     else:
         model = GPTModel(cfg.model, VOCAB, ps.tp_group, seed=1234, sequence_parallel=sp)
     opt, sched = build_optimizer(model, cfg.optimizer, STEPS)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, mpu=None if pp > 1 else ps,
-                                      config=deepspeed_config(cfg, dp, "fp32"), dist_init_required=False)
+    engine = build_engine(model, opt, sched, deepspeed_config(cfg, dp, "fp32"), ps)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     seen: list[dict] = []
     engine.optimizer.register_step_pre_hook(lambda o, *_: seen.append(

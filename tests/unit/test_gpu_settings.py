@@ -54,7 +54,7 @@ def test_deepspeed_uses_its_fused_fp16_optimizer_only_for_fused_adam():
 
 def test_build_optimizer_on_this_machine_is_torch_fused_adamw():
     from training.config import OptimizerConfig
-    from training.optim import build_optimizer
+    from training.optim.adamw import build_optimizer
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     for device_type, dtype in (("cpu", "fp32"), ("cpu", "bf16"), ("cuda", "fp16")):  # no CUDA here: no FusedAdam

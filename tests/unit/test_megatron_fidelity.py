@@ -17,7 +17,7 @@ from torch import nn
 from training.config import OptimizerConfig
 from training.models.config import ModelConfig, padded_vocab_size
 from tests.helpers.megatron_reference import megatron_lrs
-from training.optim import build_optimizer, lr_at, param_groups
+from training.optim.adamw import build_optimizer, lr_at, param_groups
 
 
 # --------------------------------------------------------------------------------------------------

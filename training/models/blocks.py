@@ -111,7 +111,7 @@ def dropout_on_shard(x: torch.Tensor, residual: torch.Tensor | None, p: float, t
 
 
 NORMS = (nn.LayerNorm, RMSNorm)
-"""Normalisation modules (their parameters are exempt from weight decay, ``training.optim``)."""
+"""Normalisation modules (their parameters are exempt from weight decay, ``training.optim.adamw``)."""
 
 
 class ParallelSelfAttention(nn.Module):

@@ -5,9 +5,9 @@ DeepSpeed's CPU backend builds a shared-memory all-reduce kernel (``deepspeed_sh
 port, that is never unlinked: every run leaves ~64 MB per rank behind, and a test suite of short
 runs fills /dev/shm (RAM) until the OOM killer stops it. That kernel only serves DeepSpeed's
 inference all-reduce, which this project does not use (all collectives go through
-torch.distributed), so it is switched off before DeepSpeed's backend starts. DeepSpeed's fp16 loss
-scaling at ZeRO-0 is repaired here too (``training.runtime.ds_compat``), since every entry point passes here
-before ``deepspeed.initialize``.
+torch.distributed), so it is switched off before DeepSpeed's backend starts. The process-wide DeepSpeed
+adaptations (weights-only checkpoint reads; ``training.optim.engine.install_process_wide``) are installed here too,
+since every entry point passes here before it reads a checkpoint or builds an engine.
 """
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ def init_distributed(backend: str | None = None) -> None:
 
     from deepspeed.accelerator import get_accelerator
 
-    from training.runtime import ds_compat
+    from training.optim.engine import install_process_wide
 
     if get_accelerator().device_name() == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    ds_compat.apply()  # fp16 loss scaling at ZeRO-0 (see training/runtime/ds_compat.py)
+    install_process_wide()  # DeepSpeed's checkpoint reads weights-only (training/optim/engine.py)
     # each process on its own GPU before the first group: NCCL (the accelerator's backend on CUDA) and
     # all_gather_object otherwise all use GPU 0 (training/runtime/device.py)
     from training.runtime.device import set_local_device

@@ -1,0 +1,238 @@
+"""The DeepSpeed engine the project trains with, and every adaptation it makes to DeepSpeed, in one place.
+
+:func:`build_engine` builds an :class:`Engine` (or :class:`PipeEngine` for a ``PipelineModule``): DeepSpeed's own
+engine classes, subclassed the way DeepSpeed's ``DualPipeVEngine`` subclasses its pipeline engine, so DeepSpeed's
+objects are never patched per instance. ``PipeEngine(PipelineEngine, Engine)`` puts :class:`Engine` between
+DeepSpeed's pipeline engine and ``DeepSpeedEngine`` in the method order, so the pipeline schedule's own calls
+(``super().backward``, ``_take_model_step``) reach the overrides below.
+
+============================  =====================================================  ===============================
+adaptation                    what it repairs                                         DeepSpeed releases
+============================  =====================================================  ===============================
+``Engine.backward``           fp16 loss scaling at ZeRO-0: the engine's ``backward``  0.18-0.19 (PR #8393, open);
+                              multiplies the loss by the scale only for ZeRO          detected from the source, so a
+                              optimizers, so the gradients were never scaled up,      fixed release is left alone
+                              Adam saw them divided by 2^16 and overflow could
+                              never trigger
+``undo_initial_zero_step``    the ZeRO-0 fp16/bf16 wrappers step the client           0.19 (all wrappers that call
+                              optimizer once with zero gradients at construction:     ``initialize_optimizer_states``)
+                              Adam's bias correction one step late, one weight
+                              decay applied (Megatron and ZeRO take no such step)
+``Engine._take_model_step``   the optimizer step: the project's own                   0.19: ~490 host syncs and
+                              (:class:`~training.optim.mixed_precision.               ~7,300-9,700 launches per step
+                              MixedPrecisionStep` for fp16/bf16,                      (1.2B), the norm discarded in
+                              :class:`~training.optim.fp32.Fp32Step` for fp32) at     fp32, replicated parameters
+                              ZeRO-0, one typed outcome for every step                miscounted under PP
+                              (:class:`~training.optim.outcome.StepOutcome`)
+``enable_backward_allreduce`` off at one data-parallel replica: DeepSpeed would       all (a public switch)
+                              flatten every gradient and all-reduce it with itself
+``safe_load.install``         ``TorchCheckpointEngine.load`` unpickles with           0.19 (process-wide, at start-up:
+                              ``weights_only=False``; routed through                  :func:`install_process_wide`)
+                              :func:`training.safe_load.load`
+============================  =====================================================  ===============================
+
+:data:`TESTED_DEEPSPEED` names the releases these were written and tested for; another release logs one line at
+start-up.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from typing import TYPE_CHECKING, Protocol
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime import zero
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from training.optim.fp32 import Fp32Step
+from training.optim.mixed_precision import MixedPrecisionStep
+from training.optim.outcome import StepOutcome, deepspeeds_outcome
+
+if TYPE_CHECKING:
+    from training.parallel.state import ParallelState
+
+log = logging.getLogger(__name__)
+
+# The DeepSpeed releases the adaptations above were written and tested for; pyproject.toml requires the same
+# range and constraints.txt pins the release CI runs.
+TESTED_DEEPSPEED = ((0, 19), (0, 20))  # [low, high)
+
+
+def untested_deepspeed(version: str) -> str | None:
+    """One-line warning when ``version`` is outside :data:`TESTED_DEEPSPEED`, else None."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    lo, hi = TESTED_DEEPSPEED
+    if m and lo <= (int(m.group(1)), int(m.group(2))) < hi:
+        return None
+    return (f"DeepSpeed {version} is untested here (tested: {lo[0]}.{lo[1]}.x): training/optim/engine.py's fp16 "
+            f"loss-scaling repair detects the need by reading DeepSpeed's source; check it with "
+            f"tests/parallel/test_fp16_loss_scale.py or install the pinned release (pip install -c constraints.txt deepspeed)")
+
+
+def _engine_scales_fp16(backward) -> bool:
+    """Whether this DeepSpeed's ``DeepSpeedEngine.backward`` handles the fp16 (non-ZeRO) loss itself."""
+    try:
+        return "fp16_enabled" in inspect.getsource(backward)
+    except (OSError, TypeError):  # no source available: assume a fixed, compiled DeepSpeed
+        return True
+
+
+REPAIRS_FP16_BACKWARD = not _engine_scales_fp16(DeepSpeedEngine.backward)
+_warned = False
+
+
+def install_process_wide() -> None:
+    """What cannot be done per engine, once per process before any engine or checkpoint read: DeepSpeed's
+    checkpoint reads made weights-only, and one warning line on an untested DeepSpeed."""
+    global _warned
+    from training import safe_load
+
+    safe_load.install()
+    warning = untested_deepspeed(deepspeed.__version__)
+    if warning and not _warned:
+        _warned = True
+        log.warning(warning)
+
+
+class OwnedStep(Protocol):
+    reads_on_host: bool
+
+    def step(self) -> StepOutcome: ...
+
+
+class Engine(DeepSpeedEngine):
+    """DeepSpeed's engine with the project's optimizer step and fp16 backward (the table in the module docstring).
+
+    ``owned_step`` is the step :func:`build_engine` chose (None: DeepSpeed's own, e.g. ZeRO); ``last_outcome`` is
+    what the latest optimizer step did, whoever took it."""
+
+    owned_step: OwnedStep | None = None
+    last_outcome: StepOutcome | None = None
+
+    def backward(self, loss, *args, **kwargs):
+        opt = self.optimizer
+        if (REPAIRS_FP16_BACKWARD and isinstance(opt, (FP16_Optimizer, FP16_UnfusedOptimizer))
+                and opt.loss_scale_config.use_grad_scaling):
+            scale = opt.loss_scale_config.cur_scale
+            # the engine returns the (accumulation-scaled) loss it ran backward on: hand back the unscaled one
+            return super().backward(loss.float() * scale, *args, **kwargs) / scale
+        return super().backward(loss, *args, **kwargs)
+
+    def _take_model_step(self, lr_kwargs):
+        step = self.owned_step
+        if step is None:
+            super()._take_model_step(lr_kwargs)
+            self.last_outcome = deepspeeds_outcome(self.optimizer, self._step_applied, self._global_grad_norm,
+                                                   self.fp16_enabled())
+            return
+        outcome = step.step()
+        if self.fp16_enabled() or self.bfloat16_enabled():
+            self.optimizer.zero_grad()  # the wrapper's: the half-precision gradients
+        else:
+            self.zero_grad()
+        self._global_grad_norm = outcome.grad_norm
+        # a skip decided on the device is settled when the host reads it (Trainer.read_metrics)
+        applied = outcome.decided_on_device or bool(outcome.applied)
+        self._step_applied = applied
+        if applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        else:
+            self.skipped_steps += 1
+        self.losses = None
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()  # the engine owns the accumulation boundary
+        self.last_outcome = outcome
+
+    def settle_device_skips(self, skipped: int) -> None:
+        """After a read of a device-decided outcome: the ``skipped`` steps the device skipped since the last
+        settle are counted as DeepSpeed counts a skip (``skipped_steps``, checkpointed), and the LR schedule, which
+        stepped on them unknowingly, is set back by as many steps, so it is DeepSpeed's again from the next step."""
+        self.owned_step.settle()
+        if not skipped:
+            return
+        self.skipped_steps += skipped
+        sched = self.lr_scheduler
+        if isinstance(sched, torch.optim.lr_scheduler.LRScheduler):
+            sched.last_epoch -= skipped + 1
+            sched.step()  # sets the groups' rates for the rewound epoch
+
+
+class PipeEngine(PipelineEngine, Engine):
+    """DeepSpeed's pipeline engine over :class:`Engine` (its schedule calls reach Engine's overrides)."""
+
+
+def undo_initial_zero_step(optimizer) -> bool:
+    """Undo the zero-gradient optimizer step DeepSpeed's ZeRO-0 fp16/bf16 wrappers take at construction.
+
+    ``initialize_optimizer_states`` of ``FP16_UnfusedOptimizer`` (torch AdamW) and of ``FP16_Optimizer``
+    (DeepSpeed's FusedAdam) runs the client optimizer once with all-zero gradients to create its state. For AdamW
+    that step changes no moment but counts as step 1 (so every later bias correction is one step late: the first
+    real update is 0.744 lr instead of lr) and applies one weight decay to the fp32 masters. Here the optimizer
+    state is dropped (FusedAdam's per-group ``step`` back to 0) and the masters copied back from the half-precision
+    weights they were cloned from. Returns whether anything was undone (call before any step)."""
+    if isinstance(optimizer, FP16_UnfusedOptimizer):
+        with torch.no_grad():
+            for masters, params in zip(optimizer.fp32_groups, optimizer.fp16_groups):
+                torch._foreach_copy_(masters, [p.detach() for p in params])
+    elif isinstance(optimizer, FP16_Optimizer):
+        with torch.no_grad():
+            for master, flat16 in zip(optimizer.fp32_groups_flat, optimizer.fp16_groups_flat):
+                master.copy_(flat16)
+        for group in optimizer.optimizer.param_groups:
+            if "step" in group:  # FusedAdam seeds a new state's step from its group's
+                group["step"] = 0
+    else:
+        return False
+    optimizer.optimizer.state.clear()
+    return True
+
+
+def owned_step_for(engine: Engine, ps: ParallelState | None, pipe: bool) -> OwnedStep | None:
+    """The project's step for this engine's optimizer, or None where DeepSpeed's own runs (ZeRO, ``BF16_Optimizer``
+    under pipeline parallelism, the legacy fused paths)."""
+    if engine.zero_optimization():
+        return None
+    if engine.fp16_enabled() or engine.bfloat16_enabled():
+        return MixedPrecisionStep.create(engine.optimizer)
+    tp_rank = ps.tp_rank if ps is not None else 0
+    return Fp32Step(engine.optimizer, list(engine.module.parameters()), float(engine.gradient_clipping()), tp_rank,
+                    ps.tp_group if ps is not None else None, ps.pp_group if ps is not None and pipe else None)
+
+
+def build_engine(model: torch.nn.Module, optimizer, scheduler, ds_config: dict, ps: ParallelState | None = None, *,
+                 own_step: bool = True) -> Engine:
+    """The engine for ``model`` (a ``PipelineModule``: :class:`PipeEngine`, its grid from the module; otherwise
+    :class:`Engine` with ``ps`` as DeepSpeed's mpu), with every adaptation of the module docstring applied.
+    ``own_step=False`` keeps DeepSpeed's own optimizer step (the A/B baseline of the benchmarks and tests).
+
+    This is what ``deepspeed.initialize`` does for these two engine classes (the hybrid engine, mesh devices and
+    automatic TP are not used here): its comm layer started (a no-op once torch.distributed runs), any
+    ``zero.Init`` context paused around the construction."""
+    install_process_wide()
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), auto_mpi_discovery=False,
+                               verbose=False, dist_init_required=False)
+    pipe = isinstance(model, PipelineModule)
+    mpu = model.mpu() if pipe else ps
+    config_class = DeepSpeedConfig(ds_config, mpu)
+    deepspeed.set_optimizer_flags(config_class, model)
+    zero.partition_parameters.shutdown_init_context()
+    engine = (PipeEngine if pipe else Engine)(
+        args=None, model=model, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu, dist_init_required=False,
+        config=ds_config, config_class=config_class)
+    zero.partition_parameters.restore_init_context()
+    undo_initial_zero_step(engine.optimizer)  # fp16/bf16 at ZeRO-0: Adam starts at step 0, as in fp32
+    if own_step:
+        engine.owned_step = owned_step_for(engine, ps, pipe)
+    dp = ps.dims.dp if ps is not None else 1
+    if dp == 1 and not pipe and not engine.zero_optimization():
+        engine.enable_backward_allreduce = False
+    return engine
