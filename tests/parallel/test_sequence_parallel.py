@@ -393,7 +393,7 @@ def test_trainer_fp16_engine_with_sequence_parallelism(tmp_path):
         pytest.skip("../shared/data (GPT-2 tokenizer, botchan.txt) not present")
     for r in run_distributed(_trainer_worker, 2, str(tmp_path)):
         off, on = r[False], r[True]
-        assert off["o1_step"] and on["o1_step"]  # fp16 at ZeRO-0: training/runtime/optimizer_step.py
+        assert off["o1_step"] and on["o1_step"]  # fp16 at ZeRO-0: training/optim/mixed_precision.py
         assert not on["violations"] and on["seen"] > 0, on["violations"]
         # 2 layers x (2 LayerNorms x 2 + 2 projection biases) + the final LayerNorm's 2
         assert off["marked"] == 0 and on["marked"] == 14
