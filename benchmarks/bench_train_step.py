@@ -290,12 +290,12 @@ ADAM_NAMES = {"fused": "FusedAdam", "torch": "torch AdamW"}
 
 def adam_for(device: str, dtype: str, adam: str) -> str:
     """'fused' or 'torch': ``adam`` itself, or for 'auto' what the trainer picks for ``dtype`` on ``device``
-    (FusedAdam for fp16 on CUDA, torch's fused AdamW otherwise)."""
+    (torch's fused AdamW everywhere since issue 40)."""
     if adam != "auto":
         return adam
-    from training.runtime.gpu_settings import fused_adam_available, settings_for
+    from training.runtime.gpu_settings import settings_for
 
-    kind = settings_for(device, dtype, device == "cuda" and fused_adam_available()).optimizer
+    kind = settings_for(device, dtype).optimizer
     return "fused" if kind == "deepspeed_fused_adam" else "torch"
 
 

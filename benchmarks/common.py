@@ -244,7 +244,7 @@ def tp_gpt2_engine(a: dict, world: int) -> tuple[Any, Any, Any]:
     """(engine, tokens, labels): a TP = ``world`` GPT-2 (``a``: layers, hidden, heads, seq, vocab, padded,
     batch, optional dropout, optional device 'cpu'/'cuda' and dtype, default cpu fp32) under
     the project's engine (``training.optim.engine.build_engine``) with its optimizer and schedule as training picks them for that device
-    and dtype (``training.optim.adamw.build_optimizer``: DeepSpeed's FusedAdam for fp16 on CUDA), DP = 1, and one
+    and dtype (``training.optim.adamw.build_optimizer``: torch's fused AdamW), DP = 1, and one
     fixed random batch on the engine's device. Called inside a process with a default process group."""
     import torch
 
@@ -262,13 +262,13 @@ def tp_gpt2_engine(a: dict, world: int) -> tuple[Any, Any, Any]:
     cfg.model = ModelConfig(num_layers=a["layers"], hidden_size=a["hidden"], num_attention_heads=a["heads"],
                             seq_length=a["seq"], vocab_size=a["vocab"], **dropout)
     cfg.train.micro_batch_size = cfg.train.global_batch_size = a["batch"]
-    device, dtype = a.get("device", "cpu"), a.get("dtype", "fp32")
+    dtype = a.get("dtype", "fp32")
     cfg.precision.dtype = dtype
     ps = ParallelState(tp=world)
     tp_random.configure(ps, cfg.model.num_layers)
     tp_random.set_seed(cfg.train.seed)
     model = GPTModel(cfg.model, a["padded"], ps.tp_group, seed=cfg.train.seed).train()
-    opt, sched = build_optimizer(model, cfg.optimizer, 10**6, device_type=device, dtype=dtype)
+    opt, sched = build_optimizer(model, cfg.optimizer, 10**6)
     engine = build_engine(model, opt, sched, deepspeed_config(cfg, 1, dtype), ps)
     gen = torch.Generator().manual_seed(0)
     seq = torch.randint(0, a["vocab"], (a["batch"], a["seq"] + 1), generator=gen).to(engine.device)

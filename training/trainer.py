@@ -32,7 +32,7 @@ from training.metrics import MetricsWriter, flops_per_iteration, progress_enable
 from training.models.compile_layers import compile_layers
 from training.optim.adamw import build_optimizer
 from training.optim.engine import Engine, build_engine
-from training.optim.outcome import StepOutcome, loss_scale_of
+from training.optim.outcome import StepOutcome
 from training.parallel.state import ParallelState
 from training.plan.recompute import RecomputeChoice
 from training.resolve import ResolvedRun
@@ -91,6 +91,7 @@ class Trainer:
     cpu_peak: CpuPeak | None  # the measured CPU matmul rate (CPU runs)
     peak: float | None  # the device's dense peak TFLOP/s in the training dtype (MFU)
     # per step
+    _unread: bool = False  # the latest step's device-decided skip has not been read yet
     _clock: tuple[float, int] | None = None  # (start, steps) of the steps since the last read
 
     def __init__(self, run: ResolvedRun):
@@ -109,7 +110,7 @@ class Trainer:
         if cfg.model.compile or cfg.model.cuda_graph:  # every transformer layer through torch.compile
             compile_layers(self.model, cuda_graph=cfg.model.cuda_graph)  # (training/models/compile_layers.py)
         init_from.load_weights(self.model, self.desc, self.ps)  # train.init_from's weights, before the engine copies them
-        optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters, tdev.local_device().type, self.dtype)
+        optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters)
         self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
         tracking.start(cfg)  # W&B mode/dir before DeepSpeed's monitor calls wandb.init
         self.pipe = cfg.parallel.pipeline > 1
@@ -127,8 +128,20 @@ class Trainer:
                         self.ps, self.dtype, self.padded_vocab, f"{n_params:,}", self.gas, t.iters)
 
     def save_checkpoint(self, config: dict | None = None) -> Path:
-        """:func:`training.checkpoint.save` of this trainer's parts (collective)."""
+        """:func:`training.checkpoint.save` of this trainer's parts (collective). Skips the device decided since
+        the last read are settled first (one read), so the checkpoint's counters and LR schedule are exact."""
+        self._settle_unread()
         return ckpt.save(self.engine, self.model, self.state, self.ps, self.desc, config)
+
+    def _settle_unread(self) -> None:
+        outcome = self.engine.last_outcome
+        if not self._unread or outcome is None or not outcome.decided_on_device:
+            return
+        applied, pending, longest = torch.stack([outcome.applied.double(), outcome.pending_skips.double(),
+                                                 outcome.longest_skip_run.double()]).tolist()
+        self.engine.settle_device_skips(int(pending))
+        self._count_skips(applied == 1.0, int(longest), outcome.loss_scale)
+        self._unread = False
 
     # the train state's counters, read-only (the state itself is ``self.state``)
     @property
@@ -155,13 +168,6 @@ class Trainer:
     def o1_step(self) -> bool:
         """Whether the project's own optimizer step runs (ZeRO-0), not DeepSpeed's."""
         return self.engine.owned_step is not None
-
-    def loss_scale(self) -> float:
-        """The current loss scale (1 without fp16)."""
-        if self.dtype != "fp16":
-            return 1.0
-        last = self.engine.last_outcome
-        return last.loss_scale if last is not None else loss_scale_of(self.engine.optimizer)
 
     def restart_step_clock(self) -> None:
         """Time steps from now (after work that is not a training step: evaluation, checkpoints)."""
@@ -203,7 +209,9 @@ class Trainer:
         if outcome.read is not None:
             m.update(zip(riders, outcome.read))
         if not outcome.decided_on_device:
-            self._count_skips(bool(outcome.applied), 0 if outcome.applied else st.consecutive_skipped + 1)
+            self._count_skips(bool(outcome.applied), 0 if outcome.applied else st.consecutive_skipped + 1,
+                              outcome.loss_scale)
+        self._unread = outcome.decided_on_device
         return self.read_metrics(m) if read else m
 
     def _run_micro_batches(self, read: bool) -> tuple[torch.Tensor, dict, list[str]]:
@@ -231,13 +239,14 @@ class Trainer:
             self.engine.step()
         return torch.stack(losses).mean(), parts, riders
 
-    def _count_skips(self, applied: bool, consecutive: int) -> None:
+    def _count_skips(self, applied: bool, consecutive: int, scale) -> None:
         """Note the latest step's skip (an fp16 overflow, a non-finite bf16 gradient); abort past
-        ``precision.max_consecutive_skipped`` in a row (bf16: ``consecutive`` is the longest run since the last
-        read, known only then)."""
+        ``precision.max_consecutive_skipped`` in a row (decided on the device: ``consecutive`` is the longest run
+        since the last read, known only then)."""
         st = self.state
         st.consecutive_skipped = consecutive
-        scale = self.loss_scale()
+        if isinstance(scale, torch.Tensor):
+            scale = float(scale)  # a read: only where the skip was just read anyway
         if not applied and self.is_rank0:
             logger.warning("iteration %d: %s overflow, step skipped; loss scale now %s", st.iteration, self.dtype, scale)
         limit = self.cfg.precision.max_consecutive_skipped
@@ -278,7 +287,8 @@ class Trainer:
             self.engine.settle_device_skips(m["skipped"] - self.engine.skipped_steps)
             if not m["step_applied"]:
                 m["grad_norm"] = None
-            self._count_skips(m["step_applied"], consecutive)
+            self._count_skips(m["step_applied"], consecutive, m["loss_scale"])
+            self._unread = False
         start, steps = self._clock or (time.perf_counter(), 1)
         elapsed = (time.perf_counter() - start) / max(steps, 1)
         self.restart_step_clock()
@@ -357,7 +367,11 @@ class Trainer:
                 it = self.iteration + 1
                 log = bool(cfg.train.log_interval) and (it % cfg.train.log_interval == 0 or it == cfg.train.iters)
                 # device values are read (one sync) on log steps and the last step only
-                last = self.train_step(read=log or it == stop or getattr(self.task, "reads_every_step", False))
+                # and before a checkpoint or evaluation, which record or depend on the settled counters
+                save_due = saves and bool(cfg.train.save_interval) and it % cfg.train.save_interval == 0
+                eval_due = bool(cfg.train.eval_interval) and it % cfg.train.eval_interval == 0
+                last = self.train_step(read=log or it == stop or save_due or eval_due
+                                       or getattr(self.task, "reads_every_step", False))
                 if log:
                     writer.step(last)
                 bar.update(1)

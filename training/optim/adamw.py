@@ -14,7 +14,6 @@ fit: it rejects a warmup of 0 steps and its decay is one step ahead of Megatron'
 """
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -53,27 +52,11 @@ def lr_at(it: int, cfg: OptimizerConfig, train_iters: int) -> float:
     return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, train_iters: int, device_type: str = "cpu",
-                    dtype: str = "fp32"):
-    """AdamW + schedule. ``device_type``/``dtype`` pick the implementation (training.runtime.gpu_settings):
-    DeepSpeed's FusedAdam for fp16 on CUDA (so the engine uses its fused FP16_Optimizer), torch's
-    fused AdamW otherwise."""
-    from training.runtime.gpu_settings import deepspeed_buildable_arch_list, fused_adam_available, settings_for
-
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, train_iters: int):
+    """AdamW + schedule: torch's fused AdamW on every device and dtype (``training.runtime.gpu_settings`` says
+    why: its ``found_inf`` lets the fp16/bf16 step decide a skip on the device)."""
     groups = param_groups(model, cfg.weight_decay)
-    kind = settings_for(device_type, dtype, fused_adam_available() if device_type == "cuda" else False).optimizer
-    opt = None
-    if kind == "deepspeed_fused_adam":
-        try:
-            from deepspeed.ops.adam import FusedAdam
-
-            with deepspeed_buildable_arch_list():  # e.g. TORCH_CUDA_ARCH_LIST=9.0a would fail the JIT build
-                opt = FusedAdam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, adam_w_mode=True)
-        except Exception as e:  # noqa: BLE001 - the JIT build can fail late (compiler, headers)
-            logging.getLogger("training").warning("DeepSpeed FusedAdam failed to build (%s); using torch's fused "
-                                                  "AdamW (DeepSpeed then takes its unfused fp16 path)", e)
-    if opt is None:
-        # fused=True: one multi-tensor kernel instead of a Python loop over parameters (CPU and CUDA)
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
+    # fused=True: one multi-tensor kernel instead of a Python loop over parameters (CPU and CUDA)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: lr_at(it, cfg, train_iters) / cfg.lr)
     return opt, sched

@@ -24,6 +24,9 @@ adaptation                    what it repairs                                   
                               :class:`~training.optim.fp32.Fp32Step` for fp32) at     fp32, replicated parameters
                               ZeRO-0, one typed outcome for every step                miscounted under PP
                               (:class:`~training.optim.outcome.StepOutcome`)
+``Engine.save_checkpoint``,   fp16 decided on the device: its loss scale written     all (DeepSpeed's checkpoint
+``Engine.load_checkpoint``    into DeepSpeed's ``loss_scale_config`` before a save,  holds the wrapper's host state)
+                              read back after a load
 ``enable_backward_allreduce`` off at one data-parallel replica: DeepSpeed would       all (a public switch)
                               flatten every gradient and all-reduce it with itself
 ``safe_load.install``         ``TorchCheckpointEngine.load`` unpickles with           0.19 (process-wide, at start-up:
@@ -121,10 +124,23 @@ class Engine(DeepSpeedEngine):
         opt = self.optimizer
         if (REPAIRS_FP16_BACKWARD and isinstance(opt, (FP16_Optimizer, FP16_UnfusedOptimizer))
                 and opt.loss_scale_config.use_grad_scaling):
-            scale = opt.loss_scale_config.cur_scale
+            step = self.owned_step
+            # the device scale when the step decides fp16 on the device (no host read), DeepSpeed's otherwise
+            scale = step.backward_scale() if isinstance(step, MixedPrecisionStep) else opt.loss_scale_config.cur_scale
             # the engine returns the (accumulation-scaled) loss it ran backward on: hand back the unscaled one
             return super().backward(loss.float() * scale, *args, **kwargs) / scale
         return super().backward(loss, *args, **kwargs)
+
+    def save_checkpoint(self, *args, **kwargs):
+        if isinstance(self.owned_step, MixedPrecisionStep):
+            self.owned_step.sync_host_state()  # the device loss scale into the state DeepSpeed saves
+        return super().save_checkpoint(*args, **kwargs)
+
+    def load_checkpoint(self, *args, **kwargs):
+        out = super().load_checkpoint(*args, **kwargs)
+        if isinstance(self.owned_step, MixedPrecisionStep):
+            self.owned_step.load_host_state()  # the loaded loss scale onto the device
+        return out
 
     def _take_model_step(self, lr_kwargs):
         step = self.owned_step
@@ -202,7 +218,7 @@ def owned_step_for(engine: Engine, ps: ParallelState | None, pipe: bool) -> Owne
     if engine.zero_optimization():
         return None
     if engine.fp16_enabled() or engine.bfloat16_enabled():
-        return MixedPrecisionStep.create(engine.optimizer)
+        return MixedPrecisionStep.create(engine.optimizer, scale_on_device=REPAIRS_FP16_BACKWARD)
     tp_rank = ps.tp_rank if ps is not None else 0
     return Fp32Step(engine.optimizer, list(engine.module.parameters()), float(engine.gradient_clipping()), tp_rank,
                     ps.tp_group if ps is not None else None, ps.pp_group if ps is not None and pipe else None)

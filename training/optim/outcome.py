@@ -16,7 +16,8 @@ import torch
 class StepOutcome:
     applied: bool | torch.Tensor  # the update was applied (a device 1.0/0.0 when the device decided it)
     grad_norm: float | torch.Tensor | None  # the unscaled global norm before clipping (None: skipped, or not taken)
-    loss_scale: float  # the loss scale for the next step (1.0 without fp16 loss scaling)
+    loss_scale: float | torch.Tensor  # the loss scale for the next step (1.0 without fp16; a device scalar when
+    # fp16 is decided on the device)
     read: tuple[float, ...] | None = None  # values staged with ride_along, read with the step's one host read
     # device-side skips not yet known to the host (bf16): skipped steps since the last settle, and the longest
     # run of consecutive skipped steps since then; None when the host decides every skip

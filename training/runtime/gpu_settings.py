@@ -1,15 +1,16 @@
 """GPU-grade settings, chosen by the device type and kept off the CPU path.
 
 One pure function, :func:`settings_for`, decides from ``(device type, training dtype, whether
-DeepSpeed's FusedAdam kernel can be built)``; the trainer, the RACE fine-tuner and the optimizer
-builder read its answer, and ``tests/unit/test_gpu_settings.py`` checks it on CPU for every case.
+the dtype)``; the trainer, the RACE fine-tuner and the optimizer builder read its answer, and ``tests/unit/test_gpu_settings.py`` checks it on CPU for every case.
 
 On CUDA:
 
-* **optimizer** -- fp16 uses DeepSpeed's ``FusedAdam`` (AdamW mode): DeepSpeed wraps *that* class in
-  its fused ``FP16_Optimizer`` (flat fp32 master buffer, one multi-tensor kernel), and any other class
-  in ``FP16_UnfusedOptimizer`` (a Python loop over parameters). bf16/fp32 use torch's fused AdamW (one
-  CUDA kernel for all parameters); so does fp16 when the FusedAdam kernel cannot be built (no nvcc).
+* **optimizer** -- torch's fused AdamW (one CUDA kernel for all parameters) in every dtype. In fp16 DeepSpeed
+  wraps it in ``FP16_UnfusedOptimizer`` (one fp32 master per parameter), whose step the project replaces by its
+  own multi-tensor one (``training.optim.mixed_precision``), and torch's kernel takes the skip decision as a
+  device flag (``found_inf``): the step reads nothing back. DeepSpeed's ``FusedAdam`` (which DeepSpeed wraps in
+  its flat ``FP16_Optimizer``; the trainer's fp16 choice before issue 40) has no such flag, so its skip decision
+  costs one host read per step; ``benchmarks.bench_train_step --adam fused`` still measures it.
 * **process group** -- ``torch.cuda.set_device(LOCAL_RANK)`` before any group
   (:func:`training.runtime.device.set_local_device`), then NCCL (DeepSpeed's accelerator backend).
 * **attention** -- ``F.scaled_dot_product_attention`` with ``is_causal=True`` and no explicit mask
@@ -50,11 +51,10 @@ class DeviceSettings:
     """What ``precision.dtype: auto`` resolves to."""
 
 
-def settings_for(device_type: str, dtype: str = "fp16", fused_adam_available: bool = True) -> DeviceSettings:
+def settings_for(device_type: str, dtype: str = "fp16") -> DeviceSettings:
     """The settings for a process computing on ``device_type`` ('cuda' or 'cpu') in ``dtype``."""
     if device_type == "cuda":
-        opt: OptimizerKind = "deepspeed_fused_adam" if dtype == "fp16" and fused_adam_available else "torch_fused_adamw"
-        return DeviceSettings(opt, "nccl", True, "sdpa_is_causal", "fp16")
+        return DeviceSettings("torch_fused_adamw", "nccl", True, "sdpa_is_causal", "fp16")
     if device_type == "cpu":
         return DeviceSettings("torch_fused_adamw", "gloo", False, "cpu_fused", "fp32")
     raise ValueError(f"unsupported device type {device_type!r}: this project trains on 'cuda' (NVIDIA) or 'cpu'")
