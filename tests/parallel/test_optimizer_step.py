@@ -26,7 +26,8 @@ def _wrapper(kind: str, seed: int = 0, clip: float = 1.0, window: int = 2):
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)).half()
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    # "device": torch's fused AdamW, whose found_inf lets the step decide on the device (no host read)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=kind == "device")
     args = {"init_scale": 2.0**8, "scale_window": window, "delayed_shift": 1, "consecutive_hysteresis": False,
             "min_scale": 1}
     cls = FP16_Optimizer if kind == "fused" else FP16_UnfusedOptimizer
@@ -49,7 +50,7 @@ def _ab_worker(rank, world, kind):
     for o in (oa, ob):
         undo_initial_zero_step(o)
     ours = MixedPrecisionStep.create(oa)
-    assert ours is not None and ours.flat_masters == (kind == "fused")
+    assert ours is not None and ours.flat_masters == (kind == "fused") and ours.reads_on_host == (kind != "device")
     g = torch.Generator().manual_seed(1)
     rows = []
     for it in range(8):
@@ -65,7 +66,10 @@ def _ab_worker(rank, world, kind):
             if name == "ours":
                 outcome = ours.step()
                 opt.zero_grad()  # as the engine does after a step
-                overflow, norm = not outcome.applied, outcome.grad_norm
+                overflow = not bool(outcome.applied)
+                norm = None if overflow else float(outcome.grad_norm)
+                if kind == "device":
+                    ours.sync_host_state()  # the device loss scale into DeepSpeed's state, compared below
             else:
                 opt.step()
                 overflow, norm = bool(opt.overflow), float(opt._global_grad_norm)
@@ -77,7 +81,7 @@ def _ab_worker(rank, world, kind):
     return rows
 
 
-@pytest.mark.parametrize("kind", ["fused", "unfused"])
+@pytest.mark.parametrize("kind", ["fused", "unfused", "device"])
 def test_o1_step_equals_deepspeeds_step(kind):
     """Eight steps of DeepSpeed's FP16_Optimizer (flat masters; the class it uses for FusedAdam, here around
     torch's AdamW, which it does not care about) and FP16_UnfusedOptimizer, ours vs DeepSpeed's step on the same
@@ -191,13 +195,12 @@ def _counts_worker(rank, world, spec, tmp, dtype):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_step_host_work_is_constant_in_layers(spm_model, tmp_path, dtype):
     """fp16/bf16: the optimizer step costs the same kernels at 2 and 8 layers (DeepSpeed's: a chain of kernels
-    and a read per tensor). Host reads per step: fp16 1 (the skip decision), bf16 0 (skip and clip on the
-    device), fp32 0 on a step whose metrics are not read; exactly 1 in every dtype on a step that reads them
-    (fp16: the metrics ride on the skip decision's read)."""
+    and a read per tensor). Host reads per step: 0 in every dtype on a step whose metrics are not read (fp16 and
+    bf16: the skip, the clip and fp16's loss scale decided on the device), exactly 1 on a step that reads them."""
     c = run_distributed(_counts_worker, 1, spm_model, str(tmp_path), dtype)[0]
     ours2, ours8, ds2, ds8 = c[(2, "o1")], c[(8, "o1")], c[(2, "deepspeed")], c[(8, "deepspeed")]
     assert ours2["loss_on_device"] and ours8["loss_on_device"]
-    lazy_reads = {"fp16": 1, "bf16": 0, "fp32": 0}[dtype]
+    lazy_reads = 0  # fp16 too: the skip and the loss scale decided on the device (issue 40)
     assert ours2["step_syncs"] == ours8["step_syncs"] == lazy_reads
     assert ours2["read_syncs"] == ours8["read_syncs"] == 1
     if dtype == "fp32":
@@ -242,10 +245,10 @@ def _loop_worker(rank, world, spec, tmp, dtype):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_train_reads_the_host_on_log_steps_only(spm_model, tmp_path, dtype):
     """Trainer.train() with log_interval=3 over 7 steps: steps 3, 6 (log) and 7 (the last) read their metrics in
-    one host read; the others read nothing (fp16: only the skip decision). The logged loss and gradient norm are
+    one host read; the others read nothing. The logged loss and gradient norm are
     exactly those of the same run read on every step."""
     reads, logged, every = run_distributed(_loop_worker, 1, spm_model, str(tmp_path), dtype)[0]
-    lazy = 1 if dtype == "fp16" else 0
+    lazy = 0
     assert reads == [(False, lazy), (False, lazy), (True, 1), (False, lazy), (False, lazy), (True, 1), (True, 1)]
     assert logged == [every[i] for i in (2, 5, 6)]
     assert all(math.isfinite(loss) for _, loss, _ in logged)
