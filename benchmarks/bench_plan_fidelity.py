@@ -10,7 +10,7 @@ order and the figure is the best launch's median step (the slowest rank's), next
 the CPU seconds the busiest rank's process used per step (below the wall time when it waited: for the other
 rank at a collective, or for a core that another job holds).
 
-The planner (``training.plan.step_time``, ``Hardware`` "cpu" with this process's measured one-thread
+The planner (``training.plan.timing.step_time``, ``Hardware`` "cpu" with this process's measured one-thread
 fp32 matmul peak) is calibrated on ONE configuration (``--calibrate``, default the single-rank one of median
 FLOPs, a representative run): its ``compute_fraction`` is set so that the prediction equals that
 measurement. It then predicts the others;
@@ -231,7 +231,9 @@ def measure_overheads(run_distributed, heads: int, steps: int, warmup: int, tp: 
 def predict(hidden: int, layers: int, seq: int, tp: int, a: dict, hw, fraction: float, tm=None,
             dtype: str = "fp32") -> float:
     """The planner's seconds per step for one configuration."""
-    from training.plan import Layout, ModelShape, TimeModel, step_time
+    from training.layout import Layout
+    from training.plan.accounting import ModelShape
+    from training.plan.timing import TimeModel, step_time
 
     shape = ModelShape(arch="gpt2", num_layers=layers, hidden=hidden, heads=a["heads"], seq=seq, vocab=a["padded"],
                        positions=seq, ffn=4 * hidden)
@@ -253,7 +255,7 @@ def in_step_alpha(overheads: dict[int, tuple[float, float]], tp: int) -> float:
 def time_models(d: dict) -> dict[str, tuple]:
     """The compared models, each (hardware, TimeModel or {tp: TimeModel} or None), from the measurements
     ``d`` (the --json document)."""
-    from training.plan import TimeModel
+    from training.plan.timing import TimeModel
     from training.runtime.hardware import get_hardware
 
     overheads = {int(tp): tuple(ov) for tp, ov in d["overheads"].items()}

@@ -298,7 +298,9 @@ def test_plan_fidelity_in_step_latency_and_replay_of_a_sweep_the_planner_made(tm
     import dataclasses
 
     from benchmarks import bench_plan_fidelity
-    from training.plan import Layout, ModelShape, TimeModel, step_time
+    from training.layout import Layout
+    from training.plan.accounting import ModelShape
+    from training.plan.timing import TimeModel, step_time
     from training.runtime.hardware import get_hardware
 
     overheads = {1: (1.3e-3, 0.5e-3), 2: (2.0e-3, 8.5e-3)}

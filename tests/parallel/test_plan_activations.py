@@ -16,8 +16,8 @@ Selective recomputation (``model.recompute: selective``, issue 28 item 4): the s
 scores, only the core's q, k, v (the QKV output), so it matches the formula without its a s^2 b term (the
 planner's selective count); what it saves matches that term.
 
-Planner: :func:`training.plan.activation_bytes_per_layer` with the element sizes our fp32 CPU model stores
-(:func:`training.plan.activation_element_bytes`): 4 bytes per activation element, and 4 per dropout-mask
+Planner: :func:`training.plan.memory.activation_bytes_per_layer` with the element sizes our fp32 CPU model stores
+(:func:`training.plan.memory.activation_element_bytes`): 4 bytes per activation element, and 4 per dropout-mask
 element, not Korthikanti's 1, because ``training.models.ops`` keeps the scaled fp32 mask {0, 1/(1-p)} of
 its fast CPU dropout (three masks per layer: after attention, after the MLP, on the attention
 probabilities). The 16-bit formula simply doubled (fp32 masks counted as 2 bytes) undercounts by 2 sbh + 2 a s^2 b
@@ -40,7 +40,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_ds_suite.app.testing import run_distributed
-from training.plan import ModelShape, activation_bytes_per_layer, activation_element_bytes
+from training.plan.accounting import ModelShape
+from training.plan.memory import activation_bytes_per_layer, activation_element_bytes
 
 B, H, HEADS, VOCAB = 2, 64, 4, 256
 TOLERANCE = 0.10
