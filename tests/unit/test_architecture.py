@@ -727,3 +727,40 @@ def test_checkpoint_reader_names_come_from_their_module():
     bad = [f"{p}:{r.line}: {r.name}" for p in files for r in import_records(p)
            if r.module == "training.checkpoint" and r.name in reader]
     assert not bad, "import these from training.checkpoint_reader:\n" + "\n".join(bad)
+
+
+def lazy_module_tricks(path: Path, source: str | None = None) -> list[str]:
+    """``file:line`` of each module-level ``__getattr__`` or ``__dir__`` (a lazy loader) and of each assignment
+    to an ``__class__`` attribute outside a class (``sys.modules[__name__].__class__ = ...``, a module-class
+    swap) in ``path`` (or ``source``)."""
+    tree = ast.parse(source if source is not None else path.read_text(encoding="utf-8"))
+    found = [f"{path}:{n.lineno}" for n in tree.body
+             if isinstance(n, ast.FunctionDef) and n.name in ("__getattr__", "__dir__")]
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                continue
+            if isinstance(child, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                if any(isinstance(t, ast.Attribute) and t.attr == "__class__" for t in targets):
+                    found.append(f"{path}:{child.lineno}")
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def test_the_checker_sees_lazy_module_tricks():
+    probe = ROOT / "training" / "probe.py"
+    src = ("import sys\ndef __getattr__(name):\n    return name\ndef __dir__():\n    return []\n"
+           "class P:\n    def __getattr__(self, name):\n        self.__class__ = P\n"
+           "sys.modules[__name__].__class__ = P\n")
+    assert sorted(int(w.rsplit(":", 1)[1]) for w in lazy_module_tricks(probe, src)) == [2, 4, 9]
+
+
+def test_packages_import_plainly():
+    """No module (a package ``__init__`` included) loads its names lazily through a module ``__getattr__`` or swaps
+    its module class: a name is imported from the module that defines it, with a plain import (issue 39)."""
+    bad = [w for p in project_files() for w in lazy_module_tricks(p)]
+    assert not bad, "lazy loaders or module-class swaps (import plainly instead):\n" + "\n".join(bad)
