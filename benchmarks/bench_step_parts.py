@@ -121,7 +121,7 @@ def bench_gemm_bound(args) -> None:
     """Seconds per step spent in GEMMs alone, shape by shape; MFU bound = step FLOPs / that / peak."""
     from training.models.config import padded_vocab_size
     from training.runtime.hardware import measure_cpu_peak_tflops
-    from training.metrics import model_flops_per_iteration
+    from training.plan.accounting import model_flops_per_iteration
 
     padded = padded_vocab_size(args.vocab, 128, 1)
     gen = torch.Generator().manual_seed(0)

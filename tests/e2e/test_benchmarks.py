@@ -13,7 +13,7 @@ from tests.helpers.distributed import SHARED_DATA, run_distributed
                                                   (8, 1024, 1536, 16, 40, 50304)])
 def test_gemm_bound_counts_exactly_the_model_flops(b, s, h, n, layers, vocab):
     from benchmarks.bench_step_parts import step_gemms
-    from training.metrics import model_flops_per_iteration
+    from training.plan.accounting import model_flops_per_iteration
 
     total = 0
     for _, count, sa, sb in step_gemms(b, s, h, n, layers, vocab):

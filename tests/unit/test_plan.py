@@ -190,7 +190,7 @@ def test_flops_match_narayanan_eq3():
 
 
 def test_bert_flops_count_the_lm_head_at_masked_positions_only():
-    from training.metrics import bert_expected_masked_positions, bert_flops_per_iteration
+    from training.plan.accounting import bert_expected_masked_positions, bert_flops_per_iteration
 
     s = preset_shape("bert-336m")
     m = bert_expected_masked_positions(0.15, 0.1, 512)  # BertDataConfig defaults
