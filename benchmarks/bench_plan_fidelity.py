@@ -3,7 +3,7 @@
 A sweep of small GPT-2s (hidden x layers x seq x TP) is trained as training runs it: ``GPTModel`` under
 ``deepspeed.initialize`` with the project's AdamW and schedule, fp32, dropout 0.1, forward to the mean
 token loss, ``engine.backward``, ``engine.step``, in gloo process groups of exactly TP ranks (DP = 1,
-PP = 1, no activation checkpointing), spawned by ``megatron_ds_suite.app.testing.run_distributed``. Every rank
+PP = 1, no activation checkpointing), spawned by ``training.runtime.spawn.run_distributed``. Every rank
 runs one intra-op thread: a "device" is one core, so TP = 2 uses both cores of the machine. Each launch
 times ``--steps`` steps after ``--warmup``; every configuration is launched ``--reps`` times in rotating
 order and the figure is the best launch's median step (the slowest rank's), next to
@@ -330,7 +330,7 @@ def measure(args: argparse.Namespace) -> dict:
     times in rotating order. Returns the --json document (everything ``evaluate`` needs)."""
     import torch
 
-    from megatron_ds_suite.app.testing import run_distributed
+    from training.runtime.spawn import run_distributed
     from training.models.config import padded_vocab_size
     from training.runtime.hardware import get_hardware, measure_cpu_peak_tflops
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ds_suite.app.testing import run_distributed
+from training.runtime.spawn import run_distributed
 from training.plan.accounting import ModelShape
 from training.plan.memory import activation_bytes_per_layer, activation_element_bytes
 

@@ -44,10 +44,10 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...], str]] = [
     ("data_pipeline", ("data_pipeline", *CORE), (), "data_pipeline imports only the core"),
     ("training", ("training", *CORE), (), "training imports the core (not data_pipeline, not evaluation)"),
     ("evaluation", ("evaluation", "training", *CORE), (), "evaluation imports the core and training"),
-    ("benchmarks", (), ("tests",), "benchmarks must not import tests (shared helpers: megatron_ds_suite.app.testing)"),
+    ("benchmarks", (), ("tests",), "benchmarks must not import tests (the shared spawner: training.runtime.spawn)"),
     ("scripts", (), ("tests", "benchmarks"), "scripts may import the stages, not tests or benchmarks"),
     ("megatron_ds_suite.app", (), ("tests", "benchmarks", "scripts"),
-     "the application floor (main job, console, test helpers) may import every stage, not tests, benchmarks or "
+     "the application floor (main job, console) may import every stage, not tests, benchmarks or "
      "scripts"),
     ("megatron_ds_suite", CORE, (), "the package root holds the core and the application floor, and imports only "
      "the core"),
@@ -68,7 +68,7 @@ TRAINING_LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # Every folder at the top of the repository and what it holds; a new one is added here, to SCANNED and RULES
 # when it holds Python, and to docs/architecture.md's table. Hidden folders and .gitignore'd ones are not looked at.
 TOP_LEVEL = {
-    "megatron_ds_suite": "the shared core, the main job, the console commands, the test helpers",
+    "megatron_ds_suite": "the shared core, the main job, the console commands",
     "data_pipeline": "the corpus-building stage",
     "training": "the training stage",
     "evaluation": "the evaluation stage",
@@ -310,7 +310,7 @@ def test_the_checker_sees_wrong_way_imports():
     assert not wrong_way("evaluation.cli", "training.metrics")
     assert wrong_way("benchmarks.bench_eval", "tests.helpers.distributed")
     assert not wrong_way("megatron_ds_suite.app.main_job.job", "data_pipeline.stages")
-    assert wrong_way("megatron_ds_suite.core.config", "megatron_ds_suite.app.testing")
+    assert wrong_way("megatron_ds_suite.core.config", "megatron_ds_suite.app.console")
 
 
 def test_imports_follow_the_allowed_directions():
@@ -802,3 +802,39 @@ def test_packages_import_plainly():
     its module class: a name is imported from the module that defines it, with a plain import (issue 39)."""
     bad = [w for p in project_files() for w in lazy_module_tricks(p)]
     assert not bad, "lazy loaders or module-class swaps (import plainly instead):\n" + "\n".join(bad)
+
+
+# --------------------------------------------------------------------------------------------------
+# One process spawner (issue 39): gloo ranks are started by training.runtime.spawn.run_distributed alone
+# --------------------------------------------------------------------------------------------------
+SPAWNER = "training/runtime/spawn.py"
+
+
+def spawner_uses(path: Path, source: str | None = None) -> list[str]:
+    """``file:line`` of each import of ``torch.multiprocessing`` and each call of ``start_processes`` or
+    ``spawn(...)`` on a module (``mp.spawn``) in ``path`` (or ``source``): a second spawner."""
+    text = path.read_text(encoding="utf-8") if source is None else source
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import) and any(a.name == "torch.multiprocessing" for a in node.names):
+            found.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and (node.module == "torch.multiprocessing" or (
+                node.module == "torch" and any(a.name == "multiprocessing" for a in node.names))):
+            found.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("start_processes", "spawn") and isinstance(node.func.value, ast.Name)):
+            found.append(node.lineno)
+    return [f"{path}:{line}" for line in sorted(found)]
+
+
+def test_one_process_spawner():
+    """Tools, tests and benchmarks start gloo ranks through ``training.runtime.spawn.run_distributed``."""
+    files = project_files() + sorted((ROOT / "tests").rglob("*.py"))
+    bad = [w for p in files if p.relative_to(ROOT).as_posix() != SPAWNER for w in spawner_uses(p)]
+    assert not bad, "process spawners besides training/runtime/spawn.py (call run_distributed):\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_spawners():
+    src = ("import torch.multiprocessing as mp\nfrom torch import multiprocessing\nimport subprocess\n"
+           "def f():\n    mp.start_processes(g, nprocs=2)\n    mp.spawn(g, nprocs=2)\n    subprocess.run(['x'])\n")
+    assert [int(w.rsplit(":", 1)[1]) for w in spawner_uses(Path("x.py"), src)] == [1, 2, 5, 6]

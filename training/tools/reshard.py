@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -43,7 +42,7 @@ from megatron_ds_suite.core.errors import ConfigError
 from training.config import config_from_dict, grad_accumulation, validate_static
 from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_vocab_rows, shard_tagged
 from training.tools import reshard_optim
-from training.tools.spawn import spawn_gloo
+from training.runtime.spawn import run_distributed
 from megatron_ds_suite.core.program import prog as program
 from training.runtime.run_lock import lock_existing_output, overlapping_input
 
@@ -199,11 +198,7 @@ def _convert(run_dir: Path, out: Path, tag: str, weights: dict, cfg, meta: dict,
 
 
 def _spawn(world: int, payload_path: str, out_dir: str) -> None:
-    spawn_gloo(_worker_entry, world, (payload_path, out_dir))
-
-
-def _worker_entry(payload_path: str, out_dir: str) -> None:
-    _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), payload_path, out_dir)
+    run_distributed(_worker, world, payload_path, out_dir, timeout=None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,35 +1,43 @@
-"""Helpers shared by tests and benchmarks: one spawn utility for multi-process gloo runs on CPU, a free port.
+"""The one process spawner: run a function on N local gloo ranks on CPU.
 
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, each initialising a gloo
-process group on a free loopback port, runs ``fn(rank, world_size, *args)`` and returns the list of
-per-rank return values (must be picklable). A child exception fails the test with its traceback;
-a hung child is killed after ``timeout`` seconds.
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, each initialising a gloo process
+group through :func:`training.runtime.distributed.init_distributed` on a free loopback port, runs
+``fn(rank, world_size, *args)`` and returns the list of per-rank return values (must be picklable). A child
+exception raises in the parent with the child's traceback; a hung child is killed after ``timeout`` seconds;
+a failed rendezvous (another process took the free port between probe and bind) is retried on a new port.
+
+Its users: the offline tools that build a layout (:mod:`training.tools.reshard` the target one,
+:mod:`training.tools.reshard_optim` the source one), the multi-rank tests (``tests/parallel``) and the
+benchmarks.
 """
 from __future__ import annotations
 
 import io
+import logging
 import os
 import traceback
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_ds_suite.core.network import free_port
+from training.runtime.distributed import init_distributed
 
-__all__ = ["free_port", "run_distributed"]
+__all__ = ["run_distributed"]
+
+# what a rendezvous that lost its port race says (worth a retry on a new port); anything else is the function's
+_TRANSIENT = ("Address already in use", "EADDRINUSE", "connectFullMesh failed", "Connection reset by peer")
 
 
 def _worker(rank, world_size, port, fn, args, queue):
-    import torch
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size),
                       DS_ACCELERATOR="cpu")
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # world_size ranks share the machine's cores
+    logging.basicConfig(level=logging.WARNING)
     try:
         # DeepSpeed's comm layer wraps torch.distributed (its checkpointing RNG and engine need it)
-        from training.runtime.distributed import init_distributed
-
         init_distributed("gloo")
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()
@@ -42,12 +50,11 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-_TRANSIENT = ("Address already in use", "EADDRINUSE", "connectFullMesh failed", "Connection reset by peer")
-
-
-def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, retries: int = 2):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; retried (on a new port) when
-    the rendezvous itself fails, e.g. another process took the free port between probe and bind."""
+def run_distributed(fn, world_size: int, *args, timeout: float | None = 300.0, retries: int = 2) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks and return their results in rank order.
+    Raises AssertionError (``distributed worker failed``, with the child's traceback) when a rank raised;
+    retried (on a new port) when the rendezvous itself failed. ``timeout=None`` waits as long as the ranks
+    run (the offline tools, whose time grows with the checkpoint)."""
     for attempt in range(retries + 1):
         try:
             return _run_once(fn, world_size, args, timeout)
@@ -56,7 +63,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, retries:
                 raise
 
 
-def _run_once(fn, world_size: int, args, timeout: float):
+def _run_once(fn, world_size: int, args, timeout: float | None) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -71,8 +78,6 @@ def _run_once(fn, world_size: int, args, timeout: float):
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
                 break
-            import torch
-
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
     finally:
         for p in procs:
