@@ -838,3 +838,58 @@ def test_the_checker_sees_spawners():
     src = ("import torch.multiprocessing as mp\nfrom torch import multiprocessing\nimport subprocess\n"
            "def f():\n    mp.start_processes(g, nprocs=2)\n    mp.spawn(g, nprocs=2)\n    subprocess.run(['x'])\n")
     assert [int(w.rsplit(":", 1)[1]) for w in spawner_uses(Path("x.py"), src)] == [1, 2, 5, 6]
+
+
+# --------------------------------------------------------------------------------------------------
+# The launched world size (issue 39): read in one place for the layout check, process groups started in one place
+# --------------------------------------------------------------------------------------------------
+# training.layout.launched_world_size is the one reader for a layout; init_distributed reads it only to choose a
+# free port for one plain process (a rendezvous default, no layout)
+WORLD_SIZE_READERS = ("training/layout.py", "training/runtime/distributed.py")
+# every process group is started by training.runtime.distributed.init_distributed (evaluation included)
+GROUP_STARTERS = ("training/runtime/distributed.py",)
+
+
+def _is_environ(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+
+def world_size_uses(path: Path, source: str | None = None) -> list[str]:
+    """``file:line: what`` for each read of ``WORLD_SIZE`` from the environment (``os.environ.get("WORLD_SIZE")``,
+    ``os.environ["WORLD_SIZE"]``, ``os.getenv("WORLD_SIZE")``) and each ``init_process_group`` call in ``path``."""
+    text = path.read_text(encoding="utf-8") if source is None else source
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        key = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+            if (node.func.attr == "get" and _is_environ(node.func.value)) or node.func.attr == "getenv":
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and _is_environ(node.value) and isinstance(node.ctx, ast.Load):
+            key = node.slice
+        if isinstance(key, ast.Constant) and key.value == "WORLD_SIZE":
+            found.append((node.lineno, "reads WORLD_SIZE"))
+        if (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) == "init_process_group"):
+            found.append((node.lineno, "calls init_process_group"))
+    return [f"{path}:{line}: {what}" for line, what in sorted(found)]
+
+
+def test_world_size_is_read_and_groups_started_in_one_place():
+    """The launched processes are compared with the layout by ``training.layout`` alone (``launch_layout``, evaluation's
+    ``data_parallel_size``), and process groups are started by ``init_distributed`` alone."""
+    bad = []
+    for p in project_files():
+        rel = p.relative_to(ROOT).as_posix()
+        bad += [w for w in world_size_uses(p)
+                if not (("reads WORLD_SIZE" in w and rel in WORLD_SIZE_READERS)
+                        or ("init_process_group" in w and rel in GROUP_STARTERS))]
+    assert not bad, ("read WORLD_SIZE through training.layout.launched_world_size, start process groups with "
+                     "training.runtime.distributed.init_distributed:\n" + "\n".join(bad))
+
+
+def test_the_checker_sees_world_size_reads():
+    src = ("import os\nimport torch.distributed as dist\nw = int(os.environ.get('WORLD_SIZE', '1'))\n"
+           "v = os.environ['WORLD_SIZE']\nu = os.getenv('WORLD_SIZE')\nos.environ.update(WORLD_SIZE='2')\n"
+           "os.environ['WORLD_SIZE'] = '1'\nr = os.environ.get('RANK')\ndist.init_process_group('gloo')\n")
+    assert [w.split(":", 1)[1] for w in world_size_uses(Path("x.py"), src)] == [
+        "3: reads WORLD_SIZE", "4: reads WORLD_SIZE", "5: reads WORLD_SIZE", "9: calls init_process_group"]
