@@ -3,8 +3,9 @@
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, each initialising a gloo process
 group through :func:`training.runtime.distributed.init_distributed` on a free loopback port, runs
 ``fn(rank, world_size, *args)`` and returns the list of per-rank return values (must be picklable). A child
-exception raises in the parent with the child's traceback; a hung child is killed after ``timeout`` seconds;
-a failed rendezvous (another process took the free port between probe and bind) is retried on a new port.
+exception raises in the parent with the child's traceback, a child that dies without a word (killed, a crash in
+native code) with its exit code; a hung child is killed after ``timeout`` seconds; a failed rendezvous (another
+process took the free port between probe and bind) is retried on a new port.
 
 Its users: the offline tools that build a layout (:mod:`training.tools.reshard` the target one,
 :mod:`training.tools.reshard_optim` the source one), the multi-rank tests (``tests/parallel``) and the
@@ -15,7 +16,9 @@ from __future__ import annotations
 import io
 import logging
 import os
+import time
 import traceback
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -71,14 +74,35 @@ def _run_once(fn, world_size: int, args, timeout: float | None) -> list:
     for p in procs:
         p.start()
     results: dict[int, object] = {}
-    errors = []
-    try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
-            if status == "error":
-                errors.append(f"rank {rank}:\n{payload}")
-                break
+    errors: list[str] = []
+
+    def take(message) -> None:
+        rank, status, payload = message
+        if status == "error":
+            errors.append(f"rank {rank}:\n{payload}")
+        else:
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while len(results) < world_size and not errors:
+            try:
+                take(queue.get(timeout=1.0))
+                continue
+            except Empty:
+                pass
+            # a rank that left without a word (killed by the OOM killer, a crash in native code, an error before
+            # its function ran) would otherwise be waited for until the timeout, or forever without one
+            gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+            if gone:
+                try:  # its last words may have arrived just now
+                    take(queue.get(timeout=1.0))
+                    continue
+                except Empty:
+                    errors.append(f"rank {gone[0]}: exited with code {procs[gone[0]].exitcode} without a result")
+            elif deadline is not None and time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if r not in results]
+                errors.append(f"rank(s) {missing}: no result within {timeout:g} s")
     finally:
         for p in procs:
             p.join(timeout=5 if errors else timeout)
