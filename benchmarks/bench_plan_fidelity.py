@@ -58,8 +58,12 @@ import statistics
 import time
 import warnings
 from pathlib import Path
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 from benchmarks import common
+from megatron_ds_suite.core import atomic
+from training.runtime.hardware import detect_device_kind, get_hardware, measure_cpu_peak_tflops
 
 
 log = logging.getLogger("bench_plan_fidelity")
@@ -161,9 +165,6 @@ def _gpu_entry(fn, a: dict):
 
 def run_on_gpu(fn, world: int, a: dict, timeout: float = 1800.0) -> list:
     """``run_distributed``'s contract for one GPU: ``fn`` in its own process (fresh GPU memory), one rank."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     assert world == 1, "one GPU: TP = 1"
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
         return [ex.submit(_gpu_entry, fn, a).result(timeout=timeout)]
@@ -256,8 +257,6 @@ def time_models(d: dict) -> dict[str, tuple]:
     """The compared models, each (hardware, TimeModel or {tp: TimeModel} or None), from the measurements
     ``d`` (the --json document)."""
     from training.plan.timing import TimeModel
-    from training.runtime.hardware import get_hardware
-
     overheads = {int(tp): tuple(ov) for tp, ov in d["overheads"].items()}
     tps = sorted({int(r["tp"]) for r in d["launches"]})
     if d["args"]["device"] == "cuda":  # the data-sheet entry; no links at TP = 1 (and no replicated work)
@@ -332,15 +331,11 @@ def measure(args: argparse.Namespace) -> dict:
 
     from training.runtime.spawn import run_distributed
     from training.models.config import padded_vocab_size
-    from training.runtime.hardware import get_hardware, measure_cpu_peak_tflops
-
     cuda = args.device == "cuda"
     run = run_on_gpu if cuda else run_distributed
     extra = {"device": args.device, "dtype": args.dtype}
     d = {"args": vars(args), "cpu_count": os.cpu_count()}
     if cuda:
-        from training.runtime.hardware import detect_device_kind
-
         d["hardware"] = args.gpu or detect_device_kind()
         d["peak_tflops"] = get_hardware(d["hardware"]).peak_tflops[args.dtype]
     else:
@@ -439,8 +434,6 @@ def main(argv: list[str] | None = None) -> None:
     d = measure(args)
     d["machine"], d["load_after"] = info, common.load_average()
     if args.json:
-        from megatron_ds_suite.core import atomic
-
         atomic.write_json(args.json, d)
     report(d, common.markdown_header(info, d["load_after"]))
 

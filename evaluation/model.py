@@ -20,6 +20,7 @@ from training.layout import data_parallel_size, launched_world_size
 from training.parallel.utils import vocab_range
 from training.runtime import device as tdev
 from training.runtime.distributed import init_distributed
+from training.checkpoint_reader import load_model_for_eval
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,6 @@ def load_scorer(run_dir: str | Path, rt: Runtime, include_vocab_padding: bool = 
     p = Path(run_dir)
     if not p.is_dir():
         raise EvalError(f"checkpoint directory {p} does not exist")
-    from training.checkpoint_reader import load_model_for_eval
-
     group = rt.pstate.tp_group if rt.pstate is not None else None
     model, cfg, tokenizer = load_model_for_eval(p, group=group, device=str(rt.device))
     if cfg.model.arch == "bert":

@@ -9,6 +9,7 @@ import sys
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.program import prog as program
 from training.layout import launched_world_size
+from training.runtime import orphan_guard
 
 
 def launcher_parser(prog: str, description: str | None, config_help: str) -> argparse.ArgumentParser:
@@ -28,8 +29,6 @@ def setup_rank_logging() -> int:
                         format="%(asctime)s [%(name)s] %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     for noisy in ("DeepSpeed", "deepspeed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from training.runtime import orphan_guard
-
     orphan_guard.exit_when_gone(orphan_guard.launcher_runner_pid())  # never train on after `deepspeed` is gone
     return rank
 

@@ -893,3 +893,51 @@ def test_the_checker_sees_world_size_reads():
            "os.environ['WORLD_SIZE'] = '1'\nr = os.environ.get('RANK')\ndist.init_process_group('gloo')\n")
     assert [w.split(":", 1)[1] for w in world_size_uses(Path("x.py"), src)] == [
         "3: reads WORLD_SIZE", "4: reads WORLD_SIZE", "5: reads WORLD_SIZE", "9: calls init_process_group"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Function-local imports defer something (issue 39): never a plain standard-library module
+# --------------------------------------------------------------------------------------------------
+# standard-library modules a Python build or platform may lack, or that are large: importing them inside the
+# function that needs them defers or isolates something real
+OPTIONAL_STDLIB = ("bz2", "lzma", "resource", "pydoc_data", "readline", "curses", "tkinter", "sqlite3")
+# files being rewritten elsewhere while this rule came in (issue 39): the list only shrinks
+LOCAL_STDLIB_ALLOWANCE = ("training/config.py", "training/runtime/distributed.py", "training/runtime/ds_compat.py",
+                          "scripts/gpu_check.py", "benchmarks/bench_train_step.py", "benchmarks/common.py",
+                          "benchmarks/hostile_probe.py")
+
+
+def local_stdlib_imports(path: Path, source: str | None = None) -> list[str]:
+    """``file:line: module`` for each standard-library import inside a function of ``path`` (or ``source``),
+    OPTIONAL_STDLIB left out: it defers nothing, so it belongs at the top of the module."""
+    text = path.read_text(encoding="utf-8") if source is None else source
+    std = set(sys.stdlib_module_names) - {"__future__"}
+    found = []
+
+    def visit(node: ast.AST, local: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if local and isinstance(child, (ast.Import, ast.ImportFrom)):
+                names = ([a.name for a in child.names] if isinstance(child, ast.Import)
+                         else [child.module or ""] if not child.level else [])
+                for name in names:
+                    top = name.split(".")[0]
+                    if top in std and top not in OPTIONAL_STDLIB:
+                        found.append(f"{path}:{child.lineno}: {name}")
+            visit(child, local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(text), False)
+    return found
+
+
+def test_no_function_local_standard_library_imports():
+    """A standard-library import inside a function defers nothing (move it to the top); third-party and project
+    imports inside functions stay where they defer a heavy or optional package (torch, deepspeed, ray, ...)."""
+    bad = [w for p in project_files() if p.relative_to(ROOT).as_posix() not in LOCAL_STDLIB_ALLOWANCE
+           for w in local_stdlib_imports(p)]
+    assert not bad, "standard-library imports inside functions (move them to the top of the module):\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_local_standard_library_imports():
+    src = ("import os\ndef f():\n    import json\n    from pathlib import Path\n    import lzma\n    import torch\n"
+           "    from . import sibling\n    return lambda: __import__('x')\n")
+    assert [int(w.split(":")[1]) for w in local_stdlib_imports(Path("x.py"), src)] == [3, 4]

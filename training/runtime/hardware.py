@@ -26,6 +26,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
+import os
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +197,6 @@ def detect_device_kind() -> str:
 def device_memory_gib(device) -> float:
     """Memory of ``device`` in GiB: a GPU's total memory, or on CPU this process's share of the host's RAM
     (total / LOCAL_WORLD_SIZE processes)."""
-    import os
-
     import torch
 
     device = torch.device(device)

@@ -31,6 +31,10 @@ from training.data.sample_order import micro_batch_positions
 from training.runtime import device as tdev
 from training.runtime.distributed import agreed
 from training.tasks.protocol import Task, batch_to_device
+from training import checkpoint as ckpt
+from training.checkpoint_reader import load_merged_state_dict
+from training.init_from import local_weights
+from training.parallel.mappings import group_rank, group_size
 
 if TYPE_CHECKING:
     from training.checkpoint import TrainState
@@ -71,11 +75,7 @@ def read_data(cfg: Config, meta: dict, seq: int) -> tuple[Any, dict[str, list[di
 
 def build_model(cfg: Config, pretrained: str, padded: int, group):
     """BertMultipleChoice at this TP degree with the pretrained encoder loaded into this rank's shards."""
-    from training.checkpoint_reader import load_merged_state_dict
-    from training.init_from import local_weights
     from training.models.bert import BertMultipleChoice, load_pretrained_encoder
-    from training.parallel.mappings import group_rank, group_size
-
     world, rank = group_size(group), group_rank(group)
     model = BertMultipleChoice(cfg.model, padded, group, seed=cfg.train.seed)
     state, _, _ = load_merged_state_dict(pretrained)
@@ -246,8 +246,6 @@ class RaceTask(Task):
                         " | saved (best)" if improved else "")
 
     def on_train_end(self, state: TrainState) -> dict:
-        from training import checkpoint as ckpt
-
         res = self.results
         best_row = res["epochs"][res["best_epoch"] - 1]
         res["best"] = {s: best_row[s] for s in self._eval_splits()}

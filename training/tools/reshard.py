@@ -37,7 +37,7 @@ import torch
 
 from training.checkpoint_reader import checkpoint_dir, load_merged_state_dict
 from training.checkpoint_reader import model_files
-from training import safe_load
+from training import checkpoint as ckpt, safe_load
 from megatron_ds_suite.core.errors import ConfigError
 from training.config import config_from_dict, grad_accumulation, validate_static
 from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_vocab_rows, shard_tagged
@@ -78,7 +78,6 @@ def merge_optimizer_state(run_dir: Path, tag: str | None, meta: dict) -> dict[st
 
 def _worker(rank, world, payload_path: str, out_dir: str):
     """Runs in each of the K x M target processes (gloo initialised by the spawner)."""
-    from training import checkpoint as ckpt
     from training.parallel import random as tp_random
     from training.resolve import resolve_run
     from training.trainer import Trainer

@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from training.checkpoint_reader import checkpoint_dir
+from training.checkpoint_reader import checkpoint_dir, read_client_state
 from training.config import Config, config_from_dict
 from training.parallel.sharding import merge_tagged
 from training.runtime.spawn import run_distributed
 from megatron_ds_suite.core import atomic
+from training import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -53,8 +54,6 @@ def force_precision(cfg: Config, dtype: str) -> None:
 # --------------------------------------------------------------------------------------------------
 def _named(model: torch.nn.Module, pipeline_layers: int | None) -> list[tuple[str, torch.nn.Parameter]]:
     """(canonical name, parameter) in a fixed order, pipeline-tied copies left out."""
-    from training import checkpoint as ckpt
-
     names = ckpt.canonical_names(model, pipeline_layers)
     return [(names[n], p) for n, p in model.named_parameters()
             if names[n] is not None and not getattr(p, "ds_pipe_replicated", False)]
@@ -175,7 +174,6 @@ def extract(run_dir: Path, tag: str, meta: dict, work_dir: Path) -> dict[str, di
 
 
 def _extract_worker(rank: int, world: int, run_dir: str, tag: str, work_dir: str) -> None:
-    from training.checkpoint_reader import read_client_state
     from training.resolve import resolve_run
     from training.trainer import Trainer
 
