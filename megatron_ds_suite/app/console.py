@@ -58,7 +58,7 @@ def reshard() -> None:
 
 def plan() -> None:
     """``megatron-ds-plan`` = ``python -m training.plan``."""
-    _run("training.plan", prepare=False)
+    _run("training.plan.cli", prepare=False)  # the package re-exports nothing: main lives in its cli module
 
 
 def configs(argv: list[str] | None = None) -> None:
