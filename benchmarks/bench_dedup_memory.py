@@ -35,6 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from data_pipeline.planted import real_words
+from data_pipeline.report import peak_rss_mib
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / ".." / "shared" / "data" / "corpus"
 BATCH = 50_000
@@ -46,7 +49,6 @@ def write_store(folder: Path, n: int, shard: int, corpus: str = "generated") -> 
 
     from benchmarks.bench_corpus import markov_corpus
     from benchmarks.real_corpus import real_sentences, real_text_corpus
-    from data_pipeline.planted import real_words
     from data_pipeline.store import ShardWriter
 
     if corpus == "real":
@@ -102,7 +104,6 @@ def run_one(path: str, store_dir: Path, tmp: Path, workers: int, chunk: int) -> 
     """In this (fresh) process: one dedup of the store; the measurements as a dict."""
     from data_pipeline import dedup as dd
     from data_pipeline.dedup.sharded import dedup_sharded, dedup_stage_files, local_pmap
-    from data_pipeline.report import peak_rss_mib
     from data_pipeline.doc_store import DocStore
 
     shingle, lsh = dd.ShingleSpec(5, "word"), dd.LshSpec(0.7, 128, 20, 6, 1)

@@ -20,6 +20,9 @@ import numpy as np
 import torch
 
 from benchmarks import common
+from evaluation.detokenizer import wikitext_detokenizer
+from evaluation.scoring import LMScorer, gpt2_scorer
+from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,9 +59,6 @@ def main(argv: list[str] | None = None) -> None:
     if not (vocab_json.is_file() and tokens.is_file()):
         raise SystemExit(f"error: needs {vocab_json} and {tokens} (../shared/data beside the repository)")
 
-    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
-    from evaluation.detokenizer import wikitext_detokenizer
-    from evaluation.scoring import LMScorer, gpt2_scorer
     from evaluation.wikitext import WindowPlan, read_tokens_file, score_stream
     from training.models.config import ModelConfig
     from training.models.gpt2 import GPTModel

@@ -3,14 +3,14 @@
 A sweep of small GPT-2s (hidden x layers x seq x TP) is trained as training runs it: ``GPTModel`` under
 ``deepspeed.initialize`` with the project's AdamW and schedule, fp32, dropout 0.1, forward to the mean
 token loss, ``engine.backward``, ``engine.step``, in gloo process groups of exactly TP ranks (DP = 1,
-PP = 1, no activation checkpointing), spawned by ``megatron_ds_suite.app.testing.run_distributed``. Every rank
+PP = 1, no activation checkpointing), spawned by ``training.runtime.spawn.run_distributed``. Every rank
 runs one intra-op thread: a "device" is one core, so TP = 2 uses both cores of the machine. Each launch
 times ``--steps`` steps after ``--warmup``; every configuration is launched ``--reps`` times in rotating
 order and the figure is the best launch's median step (the slowest rank's), next to
 the CPU seconds the busiest rank's process used per step (below the wall time when it waited: for the other
 rank at a collective, or for a core that another job holds).
 
-The planner (``training.plan.step_time``, ``Hardware`` "cpu" with this process's measured one-thread
+The planner (``training.plan.timing.step_time``, ``Hardware`` "cpu" with this process's measured one-thread
 fp32 matmul peak) is calibrated on ONE configuration (``--calibrate``, default the single-rank one of median
 FLOPs, a representative run): its ``compute_fraction`` is set so that the prediction equals that
 measurement. It then predicts the others;
@@ -58,8 +58,12 @@ import statistics
 import time
 import warnings
 from pathlib import Path
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 from benchmarks import common
+from megatron_ds_suite.core import atomic
+from training.runtime.hardware import detect_device_kind, get_hardware, measure_cpu_peak_tflops
 
 
 log = logging.getLogger("bench_plan_fidelity")
@@ -161,9 +165,6 @@ def _gpu_entry(fn, a: dict):
 
 def run_on_gpu(fn, world: int, a: dict, timeout: float = 1800.0) -> list:
     """``run_distributed``'s contract for one GPU: ``fn`` in its own process (fresh GPU memory), one rank."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     assert world == 1, "one GPU: TP = 1"
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
         return [ex.submit(_gpu_entry, fn, a).result(timeout=timeout)]
@@ -231,7 +232,9 @@ def measure_overheads(run_distributed, heads: int, steps: int, warmup: int, tp: 
 def predict(hidden: int, layers: int, seq: int, tp: int, a: dict, hw, fraction: float, tm=None,
             dtype: str = "fp32") -> float:
     """The planner's seconds per step for one configuration."""
-    from training.plan import Layout, ModelShape, TimeModel, step_time
+    from training.layout import Layout
+    from training.plan.accounting import ModelShape
+    from training.plan.timing import TimeModel, step_time
 
     shape = ModelShape(arch="gpt2", num_layers=layers, hidden=hidden, heads=a["heads"], seq=seq, vocab=a["padded"],
                        positions=seq, ffn=4 * hidden)
@@ -253,9 +256,7 @@ def in_step_alpha(overheads: dict[int, tuple[float, float]], tp: int) -> float:
 def time_models(d: dict) -> dict[str, tuple]:
     """The compared models, each (hardware, TimeModel or {tp: TimeModel} or None), from the measurements
     ``d`` (the --json document)."""
-    from training.plan import TimeModel
-    from training.runtime.hardware import get_hardware
-
+    from training.plan.timing import TimeModel
     overheads = {int(tp): tuple(ov) for tp, ov in d["overheads"].items()}
     tps = sorted({int(r["tp"]) for r in d["launches"]})
     if d["args"]["device"] == "cuda":  # the data-sheet entry; no links at TP = 1 (and no replicated work)
@@ -328,17 +329,13 @@ def measure(args: argparse.Namespace) -> dict:
     times in rotating order. Returns the --json document (everything ``evaluate`` needs)."""
     import torch
 
-    from megatron_ds_suite.app.testing import run_distributed
+    from training.runtime.spawn import run_distributed
     from training.models.config import padded_vocab_size
-    from training.runtime.hardware import get_hardware, measure_cpu_peak_tflops
-
     cuda = args.device == "cuda"
     run = run_on_gpu if cuda else run_distributed
     extra = {"device": args.device, "dtype": args.dtype}
     d = {"args": vars(args), "cpu_count": os.cpu_count()}
     if cuda:
-        from training.runtime.hardware import detect_device_kind
-
         d["hardware"] = args.gpu or detect_device_kind()
         d["peak_tflops"] = get_hardware(d["hardware"]).peak_tflops[args.dtype]
     else:
@@ -437,8 +434,6 @@ def main(argv: list[str] | None = None) -> None:
     d = measure(args)
     d["machine"], d["load_after"] = info, common.load_average()
     if args.json:
-        from megatron_ds_suite.core import atomic
-
         atomic.write_json(args.json, d)
     report(d, common.markdown_header(info, d["load_after"]))
 

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import common
+from training.models.ops import causal_attention_with_dropout, dropout, dropout_add
+from training.runtime.hardware import measure_cpu_peak_tflops
 
 
 def warm_then_interleave(cands: dict, reps: int) -> tuple[dict, dict]:
@@ -64,8 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def bench_attention(args) -> None:
     """Attention block alone, [b, n, s, hn] from a fused QKV activation, forward + backward."""
-    from training.models.ops import causal_attention_with_dropout
-
     b, n, s, hn = args.batch, args.heads, args.seq, args.hidden // args.heads
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(b, s, 3 * n * hn, generator=gen, requires_grad=True)
@@ -120,8 +120,7 @@ def step_gemms(b: int, s: int, h: int, n: int, layers: int, vocab: int) -> list[
 def bench_gemm_bound(args) -> None:
     """Seconds per step spent in GEMMs alone, shape by shape; MFU bound = step FLOPs / that / peak."""
     from training.models.config import padded_vocab_size
-    from training.runtime.hardware import measure_cpu_peak_tflops
-    from training.metrics import model_flops_per_iteration
+    from training.plan.accounting import model_flops_per_iteration
 
     padded = padded_vocab_size(args.vocab, 128, 1)
     gen = torch.Generator().manual_seed(0)
@@ -161,8 +160,6 @@ def bench_gemm_bound(args) -> None:
 
 def bench_dropout_ops(args) -> None:
     """Dropout forward + backward: torch's ``F.dropout`` (+ residual add) against ``training.models.ops``."""
-    from training.models.ops import dropout, dropout_add
-
     b, n, s, h, p = args.batch, args.heads, args.seq, args.hidden, args.dropout
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(b, s, h, generator=gen, requires_grad=True)

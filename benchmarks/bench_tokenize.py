@@ -26,6 +26,9 @@ from pathlib import Path
 
 from benchmarks import common
 from benchmarks.bench_corpus import DATA, markov_corpus, real_words
+from data_pipeline.tokenizer_train import train_sentencepiece
+from megatron_ds_suite.core.spm_words import WordCachedEncoder
+from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
 
 
 def cpu() -> float:
@@ -40,10 +43,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
-    from megatron_ds_suite.core.spm_words import WordCachedEncoder
-    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
-    from data_pipeline.tokenizer_train import train_sentencepiece
-
     info = common.machine_info()
     texts = markov_corpus(real_words([DATA / "botchan.txt", DATA / "tinyshakespeare.txt"]), args.docs)
     mb = sum(len(t.encode()) for t in texts) / 1e6

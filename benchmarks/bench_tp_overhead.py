@@ -152,7 +152,7 @@ def _worker(rank: int, world: int, a: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
-    from megatron_ds_suite.app.testing import run_distributed
+    from training.runtime.spawn import run_distributed
     from training.models.config import padded_vocab_size
 
     info = common.machine_info()

@@ -229,7 +229,7 @@ def init_single_process(device: str) -> None:
     need torch.distributed."""
     import torch
 
-    from megatron_ds_suite.app.testing import free_port
+    from megatron_ds_suite.core.network import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_SIZE="1")

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data_pipeline.default_corpus import iter_default_corpus
+
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 
 _WIKI_FIXES = [(re.compile(r" @(.)@ "), r"\1"), (re.compile(r" ([,.;:!?)'])"), r"\1"),
@@ -71,8 +73,6 @@ def real_sentences(data: Path = SHARED) -> dict[str, list[str]] | None:
     books = [data / "corpus" / "botchan.txt", data / "corpus" / "tinyshakespeare.txt"]
     if not all(p.exists() for p in [*wiki, lambada, *books]):
         return None
-    from data_pipeline.default_corpus import iter_default_corpus
-
     src = {
         "wikitext-103": _sentences([p for w in wiki for p in _wikitext(w)]),
         "lambada": _sentences([json.loads(x)["text"] for x in lambada.read_text(encoding="utf-8").splitlines()

@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import json
+import os
+from pathlib import Path
 
 from data_pipeline.config import ConfigError, load_config
 from megatron_ds_suite.core.corpus import CorpusError
@@ -17,7 +20,9 @@ from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.indexed_dataset import IndexedDatasetError
 from megatron_ds_suite.core.tokenizer import TokenizerError
 from data_pipeline.stages import STAGES, StageError, build, fingerprint, is_done, run_stage, summary_table
-from megatron_ds_suite.core.program import prog as program
+from megatron_ds_suite.core.program import prog as program, stderr_is_terminal
+from data_pipeline.files import atomic_write_json
+from data_pipeline.overlap import OverlapError, overlap_report, parse_against
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,13 +85,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _overlap(args: argparse.Namespace) -> int:
-    import json
-    import os
-    from pathlib import Path
-
-    from data_pipeline.overlap import OverlapError, overlap_report, parse_against
-    from megatron_ds_suite.core.program import stderr_is_terminal
-
     try:
         if args.n < 1:
             raise OverlapError(f"--n must be >= 1, got {args.n}")
@@ -103,8 +101,6 @@ def _overlap(args: argparse.Namespace) -> int:
     for name, r in rep["sets"].items():
         print(f"  {name:<16} {r['ngrams']:>10,} {r['found']:>10,} {r['percent']:>10.2f}")
     if args.output:
-        from data_pipeline.files import atomic_write_json
-
         atomic_write_json(Path(args.output), rep)
     else:
         print(json.dumps(rep))

@@ -23,6 +23,7 @@ from typing import Any
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.workers import build_pool, worker_pool
+from data_pipeline.ray_executor import connect, ray_map, ray_pmap, shuffle_tasks
 
 Task = Callable[[Any], Any]
 
@@ -115,28 +116,20 @@ class RayExecutor(Executor):
         self.cfg = cfg
 
     def __enter__(self) -> RayExecutor:
-        from data_pipeline.ray_executor import connect
-
         connect(self.cfg)  # reach the cluster before any work
         return self
 
     @property
     def min_tasks(self) -> int:
-        from data_pipeline.ray_executor import shuffle_tasks
-
         return shuffle_tasks(self.cfg)
 
     def map(self, fn: Task, jobs: Sequence[Any]) -> list[Any]:
-        from data_pipeline.ray_executor import ray_pmap
-
         return ray_pmap(self.cfg)(fn, jobs)
 
     def imap(self, fn: Task, jobs: Sequence[Any]) -> Iterator[Any]:
         return iter(self.map(fn, jobs))
 
     def imap_unordered(self, fn: Task, jobs: Iterable[Any], max_in_flight: int = 0) -> Iterator[Any]:
-        from data_pipeline.ray_executor import ray_map
-
         return ray_map(self.cfg, fn, jobs, max_in_flight)
 
 

@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
+import socket
 
 from data_pipeline.config import BuildConfig, ConfigError
 
@@ -51,8 +52,6 @@ def connect(cfg: BuildConfig) -> Any:
 
 def _check_reachable(address: str) -> None:
     """Fail in seconds on a ``host:port`` nobody listens on (``ray.init`` would retry for minutes)."""
-    import socket
-
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit():
         return  # "auto" / "local": Ray resolves it and fails fast itself

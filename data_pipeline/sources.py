@@ -22,8 +22,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+import itertools
+import sys
 
 from data_pipeline.config import BuildConfig, ConfigError, SourceConfig
+from data_pipeline.default_corpus import iter_default_corpus
+from megatron_ds_suite.core.hf_datasets import check_no_script, load_hf_dataset
 
 log = logging.getLogger(__name__)
 
@@ -315,11 +319,7 @@ def open_hf(cfg: BuildConfig, src: SourceConfig) -> tuple[Iterator[dict], str]:
     counted record. A local ``save_to_disk`` folder is memory-mapped (``load_from_disk``); anything else
     goes to ``load_dataset(..., streaming=True)`` (Hub name or local data folder; a loading script is
     refused, never run: megatron_ds_suite.core.hf_datasets)."""
-    import itertools
-
     import datasets
-
-    from megatron_ds_suite.core.hf_datasets import check_no_script, load_hf_dataset
 
     path = src.path or ""
     local = cfg.resolve(path)
@@ -373,8 +373,6 @@ def read_hf(cfg: BuildConfig, src: SourceConfig, max_bytes: int) -> Iterator[Raw
 
 
 def read_default(max_bytes: int) -> Iterator[RawRecord]:
-    from data_pipeline.default_corpus import iter_default_corpus
-
     for sid, text in iter_default_corpus():
         yield _check_text(sid, text, "text", max_bytes)
 
@@ -415,7 +413,6 @@ def input_fingerprint(cfg: BuildConfig) -> list[Any]:
     out: list[Any] = []
     for s in cfg.sources:
         if s.type == "default":
-            import sys
             out.append(["default", sys.version])
             continue
         if s.type == "hf" and not cfg.resolve(s.path or "").exists():

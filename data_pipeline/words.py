@@ -38,6 +38,8 @@ from data_pipeline.files import read_word_list, write_word_list
 from data_pipeline.store import shard_name
 from megatron_ds_suite.core import atomic
 from data_pipeline.tokenizer_train import MAX_SENTENCE_LENGTH, WordCounts, count_training_words
+from megatron_ds_suite.core.spm_words import spm_split
+from megatron_ds_suite.core.word_cache import whitespace_split
 
 SPM_IDENTITY, GPT2_WHITESPACE = "sentencepiece-identity", "gpt2-whitespace"  # word splits an index can use
 
@@ -45,12 +47,8 @@ SPM_IDENTITY, GPT2_WHITESPACE = "sentencepiece-identity", "gpt2-whitespace"  # w
 def _split(name: str) -> Callable[[str], tuple[list[str], list[str]] | None]:
     """The word cache's split called ``name`` (``WordCache.split_name``)."""
     if name == SPM_IDENTITY:
-        from megatron_ds_suite.core.spm_words import spm_split
-
         return spm_split("identity")
     if name == GPT2_WHITESPACE:
-        from megatron_ds_suite.core.word_cache import whitespace_split
-
         return whitespace_split
     raise ValueError(f"no word split named {name!r}")
 

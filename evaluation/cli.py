@@ -21,6 +21,7 @@ from training.runtime.launch import shutdown
 from evaluation.report import check_output_path, format_table
 from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.program import prog as program
+from megatron_ds_suite.core.race import encode_questions, read_race_split
 
 logger = logging.getLogger("evaluation")
 def _common(p: argparse.ArgumentParser) -> None:
@@ -167,8 +168,6 @@ def run_lambada(args) -> None:
 def run_race(args) -> None:
     from evaluation.model import setup_runtime
     from evaluation.race import race_accuracy
-    from megatron_ds_suite.core.race import encode_questions, read_race_split
-
     questions, report = read_race_split(args.data, args.split)
     if not questions:
         raise EvalError(f"no valid RACE questions under {args.data}/{args.split} ({report.skipped} skipped)")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from evaluation.errors import EvalError
+
 _PAREN = re.compile(r"\(\s*([^\)]*?)\s*\)")
 _BRACKET = re.compile(r"\[\s*([^\]]*?)\s*\]")
 _BRACE = re.compile(r"{\s*([^}]*?)\s*}")
@@ -84,8 +86,6 @@ DETOKENIZERS: dict[str, Callable[[str], str]] = {
 
 
 def get_detokenizer(name: str) -> Callable[[str], str]:
-    from evaluation.errors import EvalError
-
     try:
         return DETOKENIZERS[name]
     except KeyError:

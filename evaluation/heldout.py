@@ -28,6 +28,7 @@ import numpy as np
 from evaluation.errors import EvalError
 from evaluation.report import format_table
 from megatron_ds_suite.core import atomic
+from megatron_ds_suite.core.corpus import load_corpus
 
 logger = logging.getLogger("heldout")
 PARTS = {"train": 0, "valid": 1, "test": 2}
@@ -35,7 +36,6 @@ PARTS = {"train": 0, "valid": 1, "test": 2}
 
 def heldout_tokens(corpus_dir: str | Path, split: str, part: str, max_documents: int = 0) -> tuple[np.ndarray, int, int]:
     """(token stream int64 [N], documents used, documents in the part) of one split part."""
-    from megatron_ds_suite.core.corpus import load_corpus
     from training.data.gpt_dataset import split_documents
 
     corpus = load_corpus(corpus_dir)
@@ -70,8 +70,6 @@ def run_heldout(args: argparse.Namespace) -> None:
     """Score the part; bad input raises :class:`EvalError` (one line, exit code 2 in the CLI)."""
     from evaluation.model import load_scorer, setup_runtime
     from evaluation.wikitext import WindowPlan, perplexity_numbers, score_stream
-    from megatron_ds_suite.core.corpus import load_corpus
-
     if args.batch_size < 1 or args.stride < 0 or args.max_documents < 0:
         raise EvalError("--batch-size must be >= 1, --stride and --max-documents >= 0")
     if not Path(args.corpus, "corpus.json").is_file():

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from evaluation.errors import EvalError
 from evaluation.scoring import LMScorer
 from megatron_ds_suite.core.textfile import BadJsonLine, json_line
+from megatron_ds_suite.core.hf_datasets import check_no_script, load_hf_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,6 @@ def read_lambada_jsonl(path: str | Path, key: str = "text") -> list[str]:
 
 def read_hf_lambada(name: str, split: str = "test", column: str = "text") -> list[str]:
     """``NAME[:CONFIG]`` via ``datasets.load_dataset`` (e.g. ``EleutherAI/lambada_openai:en``)."""
-    from megatron_ds_suite.core.hf_datasets import check_no_script, load_hf_dataset
-
     ds_name, _, config = name.partition(":")
     check_no_script(ds_name)  # a loading script is refused (one line), never run
     try:

@@ -7,7 +7,6 @@ logits stay vocabulary-parallel (see :mod:`evaluation.scoring`).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +16,11 @@ import torch.distributed as dist
 from evaluation.errors import EvalError
 from evaluation.scoring import gpt2_scorer
 from evaluation.tasks import DataParallel
+from training.layout import data_parallel_size, launched_world_size
 from training.parallel.utils import vocab_range
 from training.runtime import device as tdev
+from training.runtime.distributed import init_distributed
+from training.checkpoint_reader import load_model_for_eval
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +34,11 @@ class Runtime:
 
 
 def setup_runtime(tp: int = 1, device: str | None = None) -> Runtime:
-    """Initialise torch.distributed when launched with several processes (env ``WORLD_SIZE``)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    """Initialise torch.distributed, through the training runtime, when launched with several processes."""
+    world = launched_world_size()
     if tp < 1:
         raise EvalError(f"--tp must be >= 1, got {tp}")
-    if world % tp:
-        raise EvalError(f"{world} processes are not divisible by --tp {tp}: launch a multiple of {tp} processes")
+    data_parallel_size(world, tp, flags=True)  # before any process group exists
     # the accelerator's device for LOCAL_RANK unless --device says otherwise; bound before any group
     dev = torch.device(device) if device else tdev.local_device()
     tdev.set_local_device(dev)
@@ -46,7 +47,8 @@ def setup_runtime(tp: int = 1, device: str | None = None) -> Runtime:
     if world == 1:
         raise EvalError(f"--tp {tp} needs {tp} processes: run under `deepspeed --num_gpus {tp} --module evaluation ...`")
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+        init_distributed("nccl" if dev.type == "cuda" else "gloo")
+        tdev.set_local_device(dev)  # init_distributed binds the launcher's device; --device wins
     from training.parallel.state import ParallelState
 
     ps = ParallelState(tp=tp)
@@ -69,8 +71,6 @@ def load_scorer(run_dir: str | Path, rt: Runtime, include_vocab_padding: bool = 
     p = Path(run_dir)
     if not p.is_dir():
         raise EvalError(f"checkpoint directory {p} does not exist")
-    from training.checkpoint_reader import load_model_for_eval
-
     group = rt.pstate.tp_group if rt.pstate is not None else None
     model, cfg, tokenizer = load_model_for_eval(p, group=group, device=str(rt.device))
     if cfg.model.arch == "bert":

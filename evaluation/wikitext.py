@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from evaluation.errors import EvalError
 from evaluation.scoring import LMScorer
+from megatron_ds_suite.core.hf_datasets import check_no_script, load_hf_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +86,6 @@ def lines_to_tokens_text(lines: list[str]) -> str:
 
 def read_hf_wikitext(name: str, split: str = "test", column: str = "text") -> str:
     """``NAME[:CONFIG]`` through ``datasets.load_dataset`` (a hub name or a local data folder; loading scripts are refused)."""
-    from megatron_ds_suite.core.hf_datasets import check_no_script, load_hf_dataset
-
     ds_name, _, config = name.partition(":")
     check_no_script(ds_name)  # a loading script is refused (one line), never run
     try:

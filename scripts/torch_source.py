@@ -31,6 +31,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
+from importlib import metadata
 
 CPU_INDEX_URL = "https://download.pytorch.org/whl/cpu"
 # The project's lower bound on torch (pyproject.toml: "torch>=2.4"; tests/e2e/test_setup_env.py keeps the two equal).
@@ -96,8 +97,6 @@ def decide(installed: Optional[str], has_nvidia_gpu: bool, override: Optional[st
 # --------------------------------------------------------------------------------------------------
 def installed_torch() -> Optional[str]:
     """Version of the torch distribution visible to this interpreter, without importing torch (fast)."""
-    from importlib import metadata
-
     try:
         return metadata.version("torch")
     except metadata.PackageNotFoundError:

@@ -17,6 +17,8 @@ from training.checkpoint_catalog import LATEST, check_tag, checkpoint_dir  # noq
 from megatron_ds_suite.core.errors import ConfigError
 from training.config import Config, config_from_dict
 from training.safe_load import CheckpointError, CheckpointMissing  # noqa: F401 - CheckpointError re-exported
+from training.parallel.mappings import group_rank, group_size
+from training.parallel.sharding import merge_tagged, shard_tagged
 
 
 def latest_tag(run_dir: str | Path) -> str | None:
@@ -85,8 +87,6 @@ def load_merged_state_dict(run_dir: str | Path, tag: str | None = None) -> tuple
                 name = canonical_name(f"{idx}.{k}", num_layers)
                 if name is not None:
                     shard_dicts[rank][name] = v
-    from training.parallel.sharding import merge_tagged
-
     merged = {name: merge_tagged([s[name].float() for s in shard_dicts], meta["partition"].get(name))
               for name in shard_dicts[0]}
     cfg = config_from_dict(meta["config"])
@@ -99,9 +99,6 @@ def load_model_for_eval(run_dir: str | Path, group=None, device: str = "cpu", ta
     (None = one process). The model is fp32, in eval mode."""
     from megatron_ds_suite.core.tokenizer import load_tokenizer
     from training.models.gpt2 import GPTModel
-    from training.parallel.mappings import group_rank, group_size
-    from training.parallel.sharding import shard_tagged
-
     state, cfg, meta = load_merged_state_dict(run_dir, tag)
     tokenizer = load_tokenizer(meta["tokenizer"], base_dir=Path(run_dir))
     world, rank = group_size(group), group_rank(group)

@@ -8,6 +8,8 @@ import sys
 
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.program import prog as program
+from training.layout import launched_world_size
+from training.runtime import orphan_guard
 
 
 def launcher_parser(prog: str, description: str | None, config_help: str) -> argparse.ArgumentParser:
@@ -27,8 +29,6 @@ def setup_rank_logging() -> int:
                         format="%(asctime)s [%(name)s] %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     for noisy in ("DeepSpeed", "deepspeed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from training.runtime import orphan_guard
-
     orphan_guard.exit_when_gone(orphan_guard.launcher_runner_pid())  # never train on after `deepspeed` is gone
     return rank
 
@@ -52,7 +52,7 @@ def exit_process(code: int) -> None:
     destruction there can abort the process ("terminate called without an active exception"), which turns the
     launcher's exit code into 250 (seen on a rank stopped by a truncated checkpoint shard, under load). Every
     file a failed run writes is written atomically before this point; a successful run exits normally."""
-    if code and os.environ.get("WORLD_SIZE", "1") != "1":
+    if code and launched_world_size() != 1:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

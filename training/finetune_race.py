@@ -24,14 +24,12 @@ if __name__ == "__main__":  # run as `python -m`: process settings before torch 
     configure()
 
 import logging
-import os
-import sys
 from pathlib import Path
 
 from training.cli import exit_process, launcher_parser, report_error, setup_rank_logging
-from megatron_ds_suite.core.errors import ConfigError
+from megatron_ds_suite.core.errors import ConfigError, SuiteError
 from training.config import Config, config_from_dict
-from training.layout import derive_layout
+from training.layout import launch_layout
 from training.runtime.launch import run_locked
 
 logger = logging.getLogger("training")
@@ -134,22 +132,18 @@ def train_race(cfg: Config, meta: dict, run_dir_locked: bool = False) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = launcher_parser("python -m training.finetune_race", __doc__, "fine-tuning config YAML (see configs/race.yaml)").parse_args(argv)
     rank = setup_rank_logging()
-    from megatron_ds_suite.core.errors import RaceDataError, SuiteError
-
     try:
         cfg, meta = load_finetune_config(args.config, args.overrides)
-        derive_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group exists
-    except RaceDataError as e:  # the RACE folder, read while checking the config
-        if rank == 0:
-            print(f"config error: {e}", file=sys.stderr)
-        return 2
+        launch_layout(cfg)  # before any process group exists
     except SuiteError as e:
-        return report_error(e, rank)
+        return report_error(e, rank)  # every rank checks; one says it
     return run_locked(cfg.run.dir, lambda: finetune(cfg, meta, rank))
 
 
 def finetune(cfg: Config, meta: dict, rank: int) -> int:
-    """The fine-tuning run on every rank, inside the launch skeleton (process group up, run directory claimed)."""
+    """The fine-tuning run on every rank, inside the launch skeleton (process group up, run directory claimed),
+    whose one table maps what it raises to an exit code as for pretraining (:func:`training.runtime.launch.run_locked`):
+    a bad RACE folder or tokenizer is one line from rank 0 and exit 2, an aborted run (``TrainingAborted``) exit 3."""
     res = train_race(cfg, meta, run_dir_locked=True)
     if rank == 0:
         b = res["best"]

@@ -28,6 +28,11 @@ from megatron_ds_suite.core.config import build_dataclass
 from megatron_ds_suite.core.errors import ConfigError
 from training.config import Config
 from training.models.config import ModelConfig, RopeScalingConfig
+from training import checkpoint_catalog as catalog
+from training.checkpoint_catalog import plan_resume
+from training.checkpoint_reader import canonical_name, load_merged_state_dict, read_client_state
+from training.parallel.sharding import is_vocab_sized, resize_vocab_rows, shard
+from training.runtime.run_lock import overlapping_input
 
 if TYPE_CHECKING:
     from training.checkpoint import ModelDescription
@@ -51,8 +56,6 @@ def local_weights(named_params: Iterable[tuple[str, torch.nn.Parameter]], state:
     state lacks are left out (the caller keeps their fresh initialisation). Raises ConfigError on a
     shape mismatch.
     """
-    from training.parallel.sharding import is_vocab_sized, resize_vocab_rows, shard
-
     local = {}
     for name, p in named_params:
         key = canonical(name)
@@ -71,8 +74,6 @@ def local_weights(named_params: Iterable[tuple[str, torch.nn.Parameter]], state:
 
 
 def _source_meta(run_dir: str, tag: str | None = None) -> dict:
-    from training.checkpoint_reader import read_client_state
-
     try:
         return read_client_state(run_dir, tag)
     except (FileNotFoundError, OSError) as e:
@@ -83,8 +84,6 @@ def apart_from_source(run_dir: str | Path, key: str, src: str | Path) -> None:
     """Refuse a ``run.dir`` that holds the source run ``src`` or lies inside it (symlinks resolved): the new run
     would write its checkpoints, ``latest`` and metrics into the run it reads, or a later ``--overwrite`` of one
     would destroy the other. The same folder has its own message at the caller."""
-    from training.runtime.run_lock import overlapping_input
-
     reason = overlapping_input(run_dir, {key: src})
     if reason is not None and not reason.startswith("is "):
         raise ConfigError(f"run.dir={run_dir} {reason}: the new run would write into or around the run it starts "
@@ -102,8 +101,6 @@ def adopted_shape(cfg: Config) -> dict[str, Any]:
         raise ConfigError(f"train.init_from={src} is this run's own directory: to resume a run just rerun it; "
                           "init_from starts a new run.dir from another run's weights")
     apart_from_source(cfg.run.dir, "train.init_from", src)
-    from training.checkpoint_catalog import plan_resume
-
     # resuming: the run's own checkpoint has the adopted shape (and the source may be gone by now)
     own = plan_resume(cfg.run.dir, cfg.train.resume_tag).tag
     theirs = (_source_meta(cfg.run.dir, own) if own else _source_meta(src))["config"]["model"]
@@ -129,9 +126,6 @@ def adopted_shape(cfg: Config) -> dict[str, Any]:
 def load_weights(model: torch.nn.Module, desc: ModelDescription, ps: ParallelState) -> bool:
     """Load ``train.init_from``'s weights into ``model`` (this rank's TP shards, before the DeepSpeed engine
     exists). Skipped when the run resumes from its own checkpoint. Returns True if weights were loaded."""
-    from training.checkpoint_reader import canonical_name, load_merged_state_dict
-    from training import checkpoint_catalog as catalog
-
     cfg = desc.cfg
     src = cfg.train.init_from
     if not src or catalog.plan_resume(desc.run_dir, cfg.train.resume_tag).tag is not None:

@@ -3,7 +3,7 @@
 :class:`Layout` is what both the trainer and the planner (:mod:`training.plan`) reason about; its own rules
 (degrees >= 1, the global batch split into micro-batches over DP) live in :meth:`Layout.check`, the only
 validator of them. ``derive_layout(cfg, world_size)`` runs before any process group exists (the launchers
-call it with ``WORLD_SIZE`` to fail fast with a one-line config error) and once more when the run is
+call :func:`launch_layout`, on the launched processes, to fail fast with a one-line config error) and once more when the run is
 resolved (:func:`training.resolve.resolve_run`, with the tokenizer's vocabulary); nothing else recomputes the
 data-parallel size, the gradient accumulation or the padded vocabulary.
 
@@ -16,6 +16,7 @@ DeepSpeed JSON needs the first; this module builds on the config and the config 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from megatron_ds_suite.core.errors import ConfigError
@@ -80,21 +81,45 @@ class Layout:
             grad_accumulation(self.global_batch, self.micro_batch, self.dp)  # raises the config keys' error
 
 
+def launched_world_size() -> int:
+    """The number of processes the launcher started (``WORLD_SIZE``; 1 for one plain process), known before any
+    process group exists: the one place that reads it for a layout."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def data_parallel_size(world_size: int, tp: int, pp: int = 1, flags: bool = False) -> int:
+    """DP = world / (TP x PP): the one check that ``world_size`` processes split into model-parallel groups (the
+    run config's in :func:`derive_layout`, evaluation's ``--tp``). One-line ConfigError otherwise, naming the config
+    keys or, with ``flags``, the command-line flags."""
+    mp = tp * pp
+    if world_size % mp:
+        if flags:
+            degrees = f"--tp {tp}" + (f" x --pp {pp}" if pp > 1 else "")
+            raise ConfigError(f"{world_size} processes are not divisible by {degrees}: launch a multiple of {mp} "
+                              "processes")
+        raise ConfigError(f"world size {world_size} is not divisible by TP x PP = {tp} x "
+                          f"{pp}: launch a multiple of {mp} processes or change parallel.*")
+    return world_size // mp
+
+
 def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -> Layout:
     """The layout of ``cfg`` on ``world_size`` ranks. ``vocab_size`` (else ``model.vocab_size``) gives the
     padded vocabulary; without either it is None. Raises ConfigError when the layout does not fit."""
     tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-    mp = tp * pp
-    if world_size % mp:
-        raise ConfigError(f"world size {world_size} is not divisible by TP x PP = {tp} x "
-                          f"{pp}: launch a multiple of {mp} processes or change parallel.*")
+    dp = data_parallel_size(world_size, tp, pp)
     t = cfg.train
     vocab = vocab_size or cfg.model.vocab_size
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp) if vocab else None
-    lay = Layout(tp=tp, pp=pp, dp=world_size // mp, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
+    lay = Layout(tp=tp, pp=pp, dp=dp, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
                  padded_vocab=padded, sequence_parallel=cfg.parallel.sequence_parallel)
     lay.check()
     return lay
+
+
+def launch_layout(cfg: Config) -> Layout:
+    """The layout of ``cfg`` on the processes the launcher started: what every training entry point checks
+    before any process group exists (a one-line ConfigError when they do not fit)."""
+    return derive_layout(cfg, launched_world_size())
 
 
 def check_world(cfg: Config, world_size: int) -> int:

@@ -1,12 +1,12 @@
 """Per-step metrics: one rank-0 log line with a fixed key order, RUN_DIR/metrics.jsonl, TensorBoard.
 
 The FLOPs behind tokens/s, TFLOP/s and MFU are counted by :mod:`training.plan.accounting`, the formulas
-the planner uses too (re-exported here): model FLOPs (what MFU counts, no recomputation) =
+the planner uses too (import them from there): model FLOPs (what MFU counts, no recomputation) =
 72 B s l h^2 (1 + s/(6h)) + 6 B s h V (Narayanan et al. 2021, eq. 3); activation checkpointing adds one
 more forward of the transformer layers (hardware FLOPs, 96 instead of 72), which MFU does not credit.
-BERT (:func:`bert_flops_per_iteration`) has the same transformer layers but projects to the
+BERT (:func:`~training.plan.accounting.bert_flops_per_iteration`) has the same transformer layers but projects to the
 vocabulary only at its masked positions, plus a pooler and the sentence-order head;
-:func:`flops_per_iteration` picks the count for ``cfg.model.arch``.
+:func:`~training.plan.accounting.flops_per_iteration` picks the count for ``cfg.model.arch``.
 """
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from megatron_ds_suite.core.program import stderr_is_terminal
-from training.plan.accounting import (bert_expected_masked_positions, bert_flops_per_iteration, flops_per_iteration,
-                                      model_flops_per_iteration)
+# NOTE: a re-export kept only for training/trainer.py, benchmarks/bench_train_step.py and scripts/gpu_check.py, which
+# are being rewritten elsewhere (issue 39); every other caller imports it from training.plan.accounting, and
+# tests/unit/test_architecture.py refuses new ones. TODO: drop it once those three import it from its owner.
+from training.plan.accounting import flops_per_iteration
 
-__all__ = ["KEYS", "MetricsWriter", "bert_expected_masked_positions", "bert_flops_per_iteration",
-           "flops_per_iteration", "format_line", "kept_metric_lines", "model_flops_per_iteration", "progress_enabled"]
+__all__ = ["KEYS", "MetricsWriter", "flops_per_iteration", "format_line", "kept_metric_lines", "progress_enabled"]
 
 logger = logging.getLogger("training")
 

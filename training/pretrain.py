@@ -13,13 +13,10 @@ if __name__ == "__main__":  # run as `python -m`: process settings before torch 
 
     configure()
 
-import os
-import sys
-
 from training.cli import exit_process, launcher_parser, report_error, setup_rank_logging
 from megatron_ds_suite.core.errors import SuiteError
 from training.config import Config, load_config
-from training.layout import derive_layout
+from training.layout import launch_layout
 from training.runtime.launch import run_locked
 
 
@@ -28,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = setup_rank_logging()
     try:
         cfg = load_config(args.config, args.overrides)
-        derive_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group exists
+        launch_layout(cfg)  # before any process group exists
     except SuiteError as e:
         return report_error(e, rank)  # every rank checks; one says it
 
@@ -37,15 +34,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg: Config) -> int:
     """The run itself, on every rank, inside the launch skeleton (process group up, run directory claimed):
-    the config resolved and frozen (:func:`training.resolve.resolve_run`), then the trainer built from it."""
+    the config resolved and frozen (:func:`training.resolve.resolve_run`), then the trainer built from it. An aborted
+run (``TrainingAborted``) is exit 3 by the skeleton's table (:func:`training.runtime.launch.run_locked`)."""
     from training.resolve import resolve_run
-    from training.trainer import Trainer, TrainingAborted
+    from training.trainer import Trainer
 
-    try:
-        Trainer(resolve_run(cfg)).train(run_dir_locked=True)  # the same on every rank: train() takes no lock of its own
-    except TrainingAborted as e:
-        print(f"training aborted: {e}", file=sys.stderr)
-        return 3
+    Trainer(resolve_run(cfg)).train(run_dir_locked=True)  # the same on every rank: train() takes no lock of its own
     return 0
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, TypeAlias
 
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from megatron_ds_suite.core.config import freeze
 from megatron_ds_suite.core.errors import ConfigError
@@ -89,8 +90,6 @@ def adopt_model_config(cfg: Config) -> None:
 def allow_fp16_on_cpu() -> None:
     """DeepSpeed refuses fp16 unless the accelerator claims support; the CPU accelerator claims it
     only on CPUs with native fp16 (AVX512-FP16/AMX). torch still runs fp16 on any CPU, slowly."""
-    from deepspeed.accelerator import get_accelerator
-
     acc = get_accelerator()
     if acc.device_name() == "cpu":
         acc.is_fp16_supported = lambda: True

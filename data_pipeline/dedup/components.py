@@ -24,6 +24,8 @@ from data_pipeline.dedup.verify import (AcceptedEdges, DedupResult, UnionFind, d
                                         pair_blocks, visit_measured)
 from data_pipeline.doc_store import DocStore
 from data_pipeline.files import atomic_save_npy, write_jsonl_atomic
+from data_pipeline.dedup.exact import merge_copies
+from data_pipeline.dedup.exact_sharded import SubsetPositions, read_dups
 
 
 def replay_edges(edge_dir: Path, ranges: int, n: int, threshold: float) -> tuple[DedupResult, AcceptedEdges]:
@@ -84,9 +86,6 @@ def components_task(job: ComponentsJob) -> dict[str, int]:
     (atomically) into ``out_dir``; returns the counts. The driver holds none of it: this task's memory is
     the union-find, links and rows of the documents in clusters (the report's own size), and one range's
     edges."""
-    from data_pipeline.dedup.exact import merge_copies
-    from data_pipeline.dedup.exact_sharded import SubsetPositions, read_dups
-
     res, accepted = replay_edges(Path(job.edge_dir), job.ranges, job.n, job.threshold)
     survivor_jaccards(res, accepted, Path(job.sig_dir), job.n, job.chunk_size, job.max_docs)
     del accepted

@@ -25,6 +25,7 @@ from data_pipeline.doc_store import DocStore
 from data_pipeline.files import atomic_write_json, read_json, reset_dir
 from data_pipeline.store import REBUILD, STORE_FORMAT, ShardCheck, StoreError, done_shards
 from megatron_ds_suite.core.errors import SuiteError
+from data_pipeline.report import StageTimer
 
 log = logging.getLogger(__name__)
 
@@ -189,8 +190,6 @@ class StageRun:
     """
 
     def __init__(self, cfg: BuildConfig, name: str) -> None:
-        from data_pipeline.report import StageTimer
-
         self.cfg, self.name = cfg, name
         self.timer = StageTimer(name)
         self.folder = work_dir(cfg, name)

@@ -18,6 +18,9 @@ from data_pipeline.doc_store import DocStore
 from data_pipeline.files import atomic_write_json, write_jsonl_atomic
 from data_pipeline.store import REBUILD, ShardCheck, ShardReader, StoreError, done_shards, load_index, shard_name
 from megatron_ds_suite.core import atomic
+from data_pipeline.overlap import contaminated_positions, load_eval_set
+from data_pipeline.sentences import split_sentences
+from data_pipeline.stages.filter import cached_tokenizer, token_ids_of_shard
 
 
 def document_row(rec: dict[str, Any]) -> dict[str, Any]:
@@ -34,8 +37,6 @@ def _decontaminate(cfg: BuildConfig, store: DocStore, removed: np.ndarray) -> di
     """Store positions of documents kept by dedup (``removed``: bool per position) that share a
     ``decontaminate.ngram``-gram with an evaluation set → the sets' names; written to ``contaminated.jsonl``
     (always, empty when off)."""
-    from data_pipeline.overlap import contaminated_positions, load_eval_set
-
     found: dict[int, list[str]] = {}
     if cfg.decontaminate.against:
         sets = [load_eval_set(name, cfg.resolve(p), cfg.decontaminate.ngram)
@@ -86,8 +87,6 @@ def bert_sentences(tok: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray, 
     """The BERT items of ``texts``: (ids of every sentence that has any, concatenated; each one's size; each
     text's number of such sentences). Sentences by :func:`data_pipeline.sentences.split_sentences`, ids by
     ``tok.encode_batch`` (one call for the whole shard)."""
-    from data_pipeline.sentences import split_sentences
-
     sents = [split_sentences(t) for t in texts]
     ids = tok.encode_batch([x for ss in sents for x in ss])
     sizes = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
@@ -105,8 +104,6 @@ def _export_shard(job: ExportJob) -> ExportPiece:
     ``documents.jsonl`` lines, with ``gpt`` their ids with EOD appended, concatenated, and each one's size
     (the filter's ids: each document is tokenized once per build; tokenized here only for a filter output
     older than its token files), with ``bert`` their sentences' ids (:func:`bert_sentences`)."""
-    from data_pipeline.stages.filter import cached_tokenizer, token_ids_of_shard
-
     folder_s, text_folder, k, drop = job.folder, job.text_folder, job.shard, job.drop
     spec, gpt, eod, dtype = job.spec, job.gpt, job.eod, job.dtype
     folder = Path(folder_s)

@@ -21,6 +21,7 @@ from data_pipeline.stages.bookkeeping import (StageRun, require_stage, stage_rec
 from data_pipeline.files import atomic_save_npy, write_jsonl_atomic
 from data_pipeline.store import (ShardCheck, ShardReader, done_shards, load_index, seal_shard, shard_counts,
                                  shard_name, verify_files, write_text_from)
+from megatron_ds_suite.core.tokenizer import load_tokenizer
 
 
 def save_token_ids(folder: Path, k: int, flat: np.ndarray, lens: np.ndarray) -> dict[str, list[int]]:
@@ -48,8 +49,6 @@ _TOKENIZERS: dict[str, Any] = {}  # one per spec per worker process: its word ca
 
 def cached_tokenizer(spec: dict[str, Any]) -> Any:
     """The tokenizer of ``spec``, loaded once per worker process (the filter's and the export's workers)."""
-    from megatron_ds_suite.core.tokenizer import load_tokenizer
-
     key = json.dumps(spec, sort_keys=True)  # the spec holds the files' sha256: new files, new tokenizer
     if key not in _TOKENIZERS:
         _TOKENIZERS.clear()

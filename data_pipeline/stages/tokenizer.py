@@ -10,16 +10,15 @@ from data_pipeline.stages.bookkeeping import StageRun, open_store, record_spec, 
 from data_pipeline.stages.ingest import WORD_COUNT_FILES, read_word_counts, trains_on_word_counts
 from data_pipeline.doc_store import DocStore
 from data_pipeline.store import shard_texts, verify_files
-from data_pipeline.tokenizer_train import MAX_SENTENCES, WordCounts, count_training_words
+from data_pipeline.tokenizer_train import MAX_SENTENCES, WordCounts, count_training_words, train_sentencepiece
+from megatron_ds_suite.core.corpus import copy_tokenizer_files
+from megatron_ds_suite.core.hf_tokenizers import HFTokenizer, WordPieceTokenizer
+from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer, load_tokenizer
 
 
 def run_tokenizer(cfg: BuildConfig, executor: Executor) -> dict[str, Any]:
     """Train or load the tokenizer (on the driver: one training; ``executor`` unused); its spec goes in the
     stage's stats."""
-    from megatron_ds_suite.core.corpus import copy_tokenizer_files
-    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer
-    from data_pipeline.tokenizer_train import train_sentencepiece
-
     with StageRun(cfg, "tokenizer") as stage:
         t = cfg.tokenizer
         stage.begin()
@@ -46,8 +45,6 @@ def run_tokenizer(cfg: BuildConfig, executor: Executor) -> dict[str, Any]:
         elif t.type == "sentencepiece_model":
             spec = copy_tokenizer_files(SentencePieceTokenizer(cfg.resolve(t.model_file or "")).spec(), cfg.out)
         elif t.type in ("wordpiece", "hf"):  # a BERT vocab.txt / a tokenizer.json users already have
-            from megatron_ds_suite.core.hf_tokenizers import HFTokenizer, WordPieceTokenizer
-
             tok = (WordPieceTokenizer(cfg.resolve(t.vocab_file or ""), t.lowercase) if t.type == "wordpiece"
                    else HFTokenizer(cfg.resolve(t.model_file or "")))
             spec = copy_tokenizer_files(tok.spec(), cfg.out)
@@ -82,6 +79,4 @@ def training_word_counts(cfg: BuildConfig, store: DocStore) -> WordCounts | None
 
 
 def load_stage_tokenizer(cfg: BuildConfig) -> Any:
-    from megatron_ds_suite.core.tokenizer import load_tokenizer
-
     return load_tokenizer(stage_tokenizer_spec(cfg))

@@ -1,7 +1,6 @@
 """The application floor: what runs the stages rather than what they are built from.
 
-:mod:`~megatron_ds_suite.app.main_job` (the end-to-end orchestrator, ``python -m megatron_ds_suite.app.main_job``),
-:mod:`~megatron_ds_suite.app.console` (the installed ``megatron-ds-*`` commands) and
-:mod:`~megatron_ds_suite.app.testing` (the gloo multi-process helpers tests and benchmarks share). It may import
+:mod:`~megatron_ds_suite.app.main_job` (the end-to-end orchestrator, ``python -m megatron_ds_suite.app.main_job``)
+and :mod:`~megatron_ds_suite.app.console` (the installed ``megatron-ds-*`` commands). It may import
 every stage; nothing below it (the core, the stages) imports it (``tests/unit/test_architecture.py`` checks both).
 """

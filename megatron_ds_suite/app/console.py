@@ -9,17 +9,18 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
+import argparse
+import os
+import shutil
+
+from megatron_ds_suite.configs_lookup import bundled_config, list_configs
+from megatron_ds_suite.core.program import set_command
+from training.runtime.process_env import configure
 
 
 def _run(module: str, func: str = "main", prepare: bool = True) -> None:
-    import os
-
-    from megatron_ds_suite.core.program import set_command
-
     set_command(os.path.basename(sys.argv[0]) or None)  # usage lines name the command that was typed
     if prepare:
-        from training.runtime.process_env import configure
-
         configure()
     main = getattr(importlib.import_module(module), func)
     sys.exit(main())
@@ -57,16 +58,11 @@ def reshard() -> None:
 
 def plan() -> None:
     """``megatron-ds-plan`` = ``python -m training.plan``."""
-    _run("training.plan", prepare=False)
+    _run("training.plan.cli", prepare=False)  # the package re-exports nothing: main lives in its cli module
 
 
 def configs(argv: list[str] | None = None) -> None:
     """``megatron-ds-configs list | show NAME | copy NAME DEST``: the bundled default configs."""
-    import argparse
-    import shutil
-
-    from megatron_ds_suite.configs_lookup import bundled_config, list_configs
-
     p = argparse.ArgumentParser(prog="megatron-ds-configs", description=configs.__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="names of the bundled configs")

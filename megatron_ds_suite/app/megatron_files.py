@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+import sys
+import threading
 
 import torch
 
@@ -132,9 +134,6 @@ def nested_dicts(levels: int, leaf) -> dict:
 def torch_save_deep(obj, path: Path) -> None:
     """``torch.save`` of a structure nested deeper than the default recursion limit (the pickler recurses, the
     weights-only unpickler does not), from a thread with a large stack."""
-    import sys
-    import threading
-
     limit, size = sys.getrecursionlimit(), threading.stack_size(512 << 20)
     try:
         sys.setrecursionlimit(100_000)

@@ -4,6 +4,8 @@ evaluation``; console scripts set it in ``megatron_ds_suite.app.console``, parse
 stderr is a terminal (progress bars: :func:`stderr_is_terminal`)."""
 from __future__ import annotations
 
+import sys
+
 _command: str | None = None
 
 
@@ -22,8 +24,6 @@ def prog(module_form: str) -> str:
 def stderr_is_terminal(stream=None) -> bool:
     """Whether ``stream`` (default: stderr) is a terminal: progress bars are drawn only there (a bar redrawn with
     carriage returns is noise in a Slurm, CI or piped log)."""
-    import sys
-
     stream = sys.stderr if stream is None else stream
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty())

@@ -3,6 +3,7 @@ replacement characters)."""
 from __future__ import annotations
 
 from pathlib import Path
+import json
 
 from megatron_ds_suite.core.errors import SuiteError
 
@@ -27,8 +28,6 @@ def json_line(line: str | bytes):
     malformed JSON, nesting past Python's stack (2 KB of ``[`` raise RecursionError) and a number past
     Python's 4,300-digit int limit (a ValueError that is not a JSONDecodeError). Callers turn it into their
     own one-line error or a counted skip."""
-    import json
-
     try:
         return json.loads(line)
     except json.JSONDecodeError as e:

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from megatron_ds_suite.core.hf_tokenizers import HFTokenizer, WordPieceTokenizer
 from megatron_ds_suite.core.spm_words import WordCachedEncoder
 from megatron_ds_suite.core.tokenizer_base import Tokenizer, TokenizerError, need_file, sha256_file
@@ -224,8 +226,6 @@ class SentencePieceTokenizer(Tokenizer):
 
     def word_start_mask(self) -> Any:
         """``np.ndarray[bool]`` of length ``vocab_size``: :meth:`is_word_start` for every id (vectorised lookups)."""
-        import numpy as np
-
         return np.array([self.is_word_start(i) for i in range(self.vocab_size)], dtype=bool)
 
     def spec(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from tests.helpers.distributed import SHARED_DATA, run_distributed
                                                   (8, 1024, 1536, 16, 40, 50304)])
 def test_gemm_bound_counts_exactly_the_model_flops(b, s, h, n, layers, vocab):
     from benchmarks.bench_step_parts import step_gemms
-    from training.metrics import model_flops_per_iteration
+    from training.plan.accounting import model_flops_per_iteration
 
     total = 0
     for _, count, sa, sb in step_gemms(b, s, h, n, layers, vocab):
@@ -298,7 +298,9 @@ def test_plan_fidelity_in_step_latency_and_replay_of_a_sweep_the_planner_made(tm
     import dataclasses
 
     from benchmarks import bench_plan_fidelity
-    from training.plan import Layout, ModelShape, TimeModel, step_time
+    from training.layout import Layout
+    from training.plan.accounting import ModelShape
+    from training.plan.timing import TimeModel, step_time
     from training.runtime.hardware import get_hardware
 
     overheads = {1: (1.3e-3, 0.5e-3), 2: (2.0e-3, 8.5e-3)}

@@ -85,8 +85,7 @@ def test_the_llama_1b_row_plans_the_1b_config_with_llama_flops(tmp_path):
     """The Llama-style 1B row trains configs/llama_1b.yaml itself (GQA 32/8, SwiGLU 8192, vocabulary 128,256 kept
     under the GPT-2 BPE data, seq 4096, bf16, recompute auto); its MFU is the trainer's, by the Llama FLOP count."""
     from training.models.config import padded_vocab_size
-    from training.metrics import flops_per_iteration
-    from training.plan.accounting import model_flops_per_iteration
+    from training.plan.accounting import flops_per_iteration, model_flops_per_iteration
 
     plans = llama_1b_overrides(tmp_path, str(tmp_path / "run"))
     assert [(p["train.micro_batch_size"], p["model.recompute"]) for p in plans] == [("2", "auto"), ("4", "auto")]

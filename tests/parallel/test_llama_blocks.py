@@ -285,7 +285,7 @@ def test_llama_configs_load_and_plan():
 
     from training.config import load_config
     from training.models.gpt2 import GPTModel
-    from training.plan import ModelShape, stage_params, total_params
+    from training.plan.accounting import ModelShape, stage_params, total_params
     from training.plan.cli import load_plan_config
 
     root = Path(__file__).resolve().parents[2]
@@ -321,7 +321,7 @@ def test_planner_tp2_shard_equals_the_model_shard():
     from pathlib import Path
 
     from training.config import load_config
-    from training.plan import ModelShape, stage_params
+    from training.plan.accounting import ModelShape, stage_params
 
     root = Path(__file__).resolve().parents[2]
     m = load_config(root / "configs" / "llama_tiny.yaml", ["model.vocab_size=1000"]).model
@@ -336,8 +336,7 @@ def test_llama_flops_match_the_flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
 
     from training.models.gpt2 import GPTModel
-    from training.plan import model_flops_per_iteration
-    from training.plan.accounting import flops_per_iteration
+    from training.plan.accounting import flops_per_iteration, model_flops_per_iteration
     from training.config import Config
 
     cfg = Config(model=_cfg(**VARIANTS["llama"]))

@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_mfu_metric_loads_only_the_planners_accounting():
     """``training.metrics`` (the trainer's MFU) imports ``training.plan.accounting``, not the planner's CLI,
-    report or time model: the ``training.plan`` package loads its submodules on first use."""
+    report or time model: the ``training.plan`` package re-exports nothing, so it loads no submodule of its own."""
     code = ("import sys, training.metrics; "
             "print(sorted(m for m in sys.modules if m.startswith('training.plan')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout

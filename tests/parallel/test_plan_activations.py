@@ -2,22 +2,24 @@
 
 One :class:`training.models.blocks.TransformerLayer` and the whole :class:`training.models.gpt2.GPTModel`
 train in fp32 on CPU (the training dtype there: ``precision.dtype: auto``), with dropout on, on 1 gloo rank
-(TP 1) and on 2 (TP 2, each rank measuring its own shard). Two independent measurements (inside the whole
-model at TP 2 only the second: there gloo's collective buffers, allocated and freed on its own threads, make
-the profiler's net count vary by a few s b h between runs):
+(TP 1) and on 2 (TP 2, each rank measuring its own shard). Two independent measurements, both deterministic:
 
-* ``torch.profiler`` with ``profile_memory=True``: the net bytes the CPU allocator holds after the forward
-  (the sum of every op's self allocations minus frees), i.e. what the forward leaves alive for backward,
-  plus its output;
 * ``torch.autograd.graph.saved_tensors_hooks``: the distinct storages autograd saves for backward,
-  parameters excluded.
+  parameters excluded, deduplicated by storage: what autograd holds, whatever the machine's load; on every
+  number of ranks;
+* ``torch.profiler`` with ``profile_memory=True``, in one process (TP 1) only: the net bytes the CPU allocator
+  holds after the forward (the sum of every op's self allocations minus frees), i.e. what the forward leaves
+  alive for backward, plus its output. With TP > 1 gloo's collective buffers are allocated and freed on its own
+  threads, and whether one is still alive when the profiled window closes depends on the machine's load (a
+  loaded CI machine measured 866,176 B, +10.1 %, against the planned 786,432 of the selective TP 2 layer: one
+  64 KiB all-reduce buffer), so there the saved tensors alone are measured.
 
 Selective recomputation (``model.recompute: selective``, issue 28 item 4): the same layer keeps no attention
 scores, only the core's q, k, v (the QKV output), so it matches the formula without its a s^2 b term (the
 planner's selective count); what it saves matches that term.
 
-Planner: :func:`training.plan.activation_bytes_per_layer` with the element sizes our fp32 CPU model stores
-(:func:`training.plan.activation_element_bytes`): 4 bytes per activation element, and 4 per dropout-mask
+Planner: :func:`training.plan.memory.activation_bytes_per_layer` with the element sizes our fp32 CPU model stores
+(:func:`training.plan.memory.activation_element_bytes`): 4 bytes per activation element, and 4 per dropout-mask
 element, not Korthikanti's 1, because ``training.models.ops`` keeps the scaled fp32 mask {0, 1/(1-p)} of
 its fast CPU dropout (three masks per layer: after attention, after the MLP, on the attention
 probabilities). The 16-bit formula simply doubled (fp32 masks counted as 2 bytes) undercounts by 2 sbh + 2 a s^2 b
@@ -39,11 +41,16 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ds_suite.app.testing import run_distributed
-from training.plan import ModelShape, activation_bytes_per_layer, activation_element_bytes
+from training.runtime.spawn import run_distributed
+from training.plan.accounting import ModelShape
+from training.plan.memory import activation_bytes_per_layer, activation_element_bytes
 
 B, H, HEADS, VOCAB = 2, 64, 4, 256
-TOLERANCE = 0.10
+# The saved tensors are the plan up to the LayerNorms' mean and 1/std (+0.15 to +0.52 % at these shapes, the same on
+# every run): 2 % leaves room for nothing else. The profiler (one process) also counts an RNG state the tracker's
+# fork leaves behind and the selective core's scratch (up to +2.1 %); the 16-bit formula doubled is 10.6-13 % off.
+TOLERANCE = 0.02
+PROFILER_TOLERANCE = 0.10
 
 
 def _shape(seq: int, layers: int = 1) -> ModelShape:
@@ -52,21 +59,15 @@ def _shape(seq: int, layers: int = 1) -> ModelShape:
 
 
 def _profiled_net_bytes(fn):
-    """(fn(), net CPU bytes allocated and not freed while fn ran), from torch.profiler's memory events.
-
-    With TP > 1 the forward's all-reduces run on gloo's threads, which free their buffers a little after
-    the call returns: a barrier and a short pause inside the profiled region let them finish, so that
-    only what the forward leaves for backward (and its output) is counted."""
-    import time
-
+    """(fn(), net CPU bytes allocated and not freed while fn ran), from torch.profiler's memory events. In one
+    process only: with TP > 1 gloo's threads allocate and free collective buffers while the window is open, and
+    what they still hold when it closes depends on the machine's load."""
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
+    assert not (dist.is_initialized() and dist.get_world_size() > 1), "the profiler's count is exact on one rank only"
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
-            time.sleep(0.2)
     return out, sum(e.self_cpu_memory_usage for e in prof.events())
 
 
@@ -102,6 +103,7 @@ def _worker(rank: int, world: int, seq: int, sp: bool) -> dict:
     from training.parallel.state import ParallelState
 
     ps = ParallelState(tp=world)
+    profile = world == 1  # the profiler's net count is deterministic in one process only (module docstring)
     tp_random.configure(ps, num_layers=4)
     tp_random.set_seed(1234)
     out: dict = {"rng_state": torch.get_rng_state().numel() * 3}
@@ -113,24 +115,11 @@ def _worker(rank: int, world: int, seq: int, sp: bool) -> dict:
     for _ in range(2):  # warm-up: one-time allocations (the cached causal bias) before measuring
         layer(x).sum().backward()
     # the forward leaves its output and the saved tensors alive; the layer input is saved (LN1's input)
-    # but was allocated before the forward. Smallest of three: at TP 2 a gloo buffer of the forward's
-    # all-reduces is sometimes still alive when the window closes (only ever adds bytes)
-    # With SP the forward's two all-gathers hand gloo world x [b, s/2, h] output buffers each; gloo's worker thread
-    # drops the last reference to them after the collective, a free the profiler (recording this thread) does not
-    # see: measured alone, one all-gather's net bytes are its result plus exactly those buffers. They are not
-    # kept for backward, so they are taken off (``gloo_outputs``: world x the bytes each rank handed in).
-    from training.parallel.mappings import COLLECTIVE_BYTES
-
-    COLLECTIVE_BYTES.clear()
-    layer(x)
-    gloo_outputs = world * COLLECTIVE_BYTES["all_gather"]
-    out["gloo_outputs"] = gloo_outputs
-    nets = []
-    for _ in range(5 if sp else 3):
+    # but was allocated before the forward
+    if profile:
         y, net = _profiled_net_bytes(lambda: layer(x))
-        nets.append(net - _nbytes(y) + _nbytes(x) - gloo_outputs)
+        out["layer_profiler"] = net - _nbytes(y) + _nbytes(x)
         del y
-    out["layer_profiler"] = min(nets)
     _, out["layer_saved"] = _saved_bytes(lambda: layer(x), layer.parameters())
 
     # the same layer with selective recomputation: the attention core keeps only q, k, v
@@ -138,12 +127,10 @@ def _worker(rank: int, world: int, seq: int, sp: bool) -> dict:
                                        recompute="selective"), ps.tp_group, 1234, 0, sequence_parallel=sp).train()
     for _ in range(2):
         sel(x).sum().backward()
-    nets = []
-    for _ in range(5 if sp else 3):
+    if profile:
         y, net = _profiled_net_bytes(lambda: sel(x))
-        nets.append(net - _nbytes(y) + _nbytes(x) - gloo_outputs)
+        out["selective_profiler"] = net - _nbytes(y) + _nbytes(x)
         del y
-    out["selective_profiler"] = min(nets)
     _, out["selective_saved"] = _saved_bytes(lambda: sel(x), sel.parameters())
 
     # the whole GPT-2 at 2 and 4 layers: the difference / 2 is one layer inside the model
@@ -158,8 +145,10 @@ def _worker(rank: int, world: int, seq: int, sp: bool) -> dict:
                 model(tokens, labels).sum().backward()
             if not ckpt:  # DeepSpeed's CheckpointFunction keeps its inputs outside autograd's saved tensors
                 _, out[f"saved_{layers}"] = _saved_bytes(lambda m=model: m(tokens, labels).sum(), model.parameters())
-            loss, net = _profiled_net_bytes(lambda m=model: m(tokens, labels).sum())
-            out[f"model_{layers}_{ckpt}"] = net
+            if profile:
+                loss, out[f"model_{layers}_{ckpt}"] = _profiled_net_bytes(lambda m=model: m(tokens, labels).sum())
+            else:
+                loss = model(tokens, labels).sum()
             if ckpt:  # backward recomputes one layer at a time: what each recomputation saves
                 per_recompute: list[int] = []
                 skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -199,27 +188,29 @@ def test_activation_memory_per_layer_matches_measurement(tp, seq, sp):
     planned_selective = activation_bytes_per_layer(shape, B, tp, False, e, k, sequence_parallel=sp)
     sbh = seq * B * H
     for r in ranks:
-        # no checkpointing: one layer alone, two independent measurements, and one layer inside the model
-        # (at TP 2 the layer's own all-reduce may leave a gloo buffer, e.g. 64 KiB, in the profiler's window)
-        assert r["layer_profiler"] == pytest.approx(r["layer_saved"], rel=0.01 if tp == 1 else TOLERANCE), r
-        assert r["layer_profiler"] == pytest.approx(planned, rel=TOLERANCE), (r, planned)
+        # no checkpointing: one layer alone by the saved tensors and, in one process, by the profiler too (the two
+        # agree within 1 %), and one layer inside the model
+        assert r["layer_saved"] == pytest.approx(planned, rel=TOLERANCE), (r, planned)
         saved_in_model = (r["saved_4"] - r["saved_2"]) / 2
         assert saved_in_model == pytest.approx(planned, rel=TOLERANCE), (saved_in_model, planned)
-        if tp == 1:  # at TP 2 gloo's collective buffers come and go in the profiler's window (docs/plan.md)
+        if tp == 1:  # the profiler: one process only (module docstring)
+            assert r["layer_profiler"] == pytest.approx(r["layer_saved"], rel=0.01), r
+            assert r["layer_profiler"] == pytest.approx(planned, rel=PROFILER_TOLERANCE), (r, planned)
             in_model = (r["model_4_False"] - r["model_2_False"]) / 2
-            assert in_model == pytest.approx(planned, rel=TOLERANCE), (in_model, planned)
+            assert in_model == pytest.approx(planned, rel=PROFILER_TOLERANCE), (in_model, planned)
         # selective recomputation: the per-layer set without the a s^2 b (2e + k) / t of the attention core,
         # by both measurements; what it saves is (nearly) all of that term
-        for key in ("selective_profiler", "selective_saved"):
-            assert r[key] == pytest.approx(planned_selective, rel=TOLERANCE), (key, r[key], planned_selective)
+        assert r["selective_saved"] == pytest.approx(planned_selective, rel=TOLERANCE), (r, planned_selective)
+        if tp == 1:
+            assert r["selective_profiler"] == pytest.approx(planned_selective, rel=PROFILER_TOLERANCE), (r, planned_selective)
         saved_by_selective = r["layer_saved"] - r["selective_saved"]
         assert saved_by_selective == pytest.approx(planned - planned_selective, rel=TOLERANCE), saved_by_selective
         # the doubled 16-bit formula misses the fp32 masks' extra bytes by more than the tolerance
-        assert abs(doubled_16bit - r["layer_profiler"]) > TOLERANCE * r["layer_profiler"]
+        assert abs(doubled_16bit - r["layer_saved"]) > PROFILER_TOLERANCE * r["layer_saved"]
         # full checkpointing: each layer keeps its input (e s b h) ...
         if tp == 1:  # (profiler only: see above)
             kept = (r["model_4_True"] - r["model_2_True"]) / 2 - r["rng_state"]
-            assert kept == pytest.approx(e * sbh, rel=TOLERANCE), (kept, e * sbh)
+            assert kept == pytest.approx(e * sbh, rel=PROFILER_TOLERANCE), (kept, e * sbh)
         # ... and backward recomputes one layer at a time, saving the per-layer set again
         assert len(r["recompute_4"]) == 4
         for recomputed in r["recompute_4"]:

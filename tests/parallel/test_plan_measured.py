@@ -25,8 +25,9 @@ import pytest
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training_runs import ROOT, needs_corpus, tiny_overrides
 from training.config import load_config
-from training.plan import (ZERO_OPTIMIZER_BYTES_PER_PARAM, Layout, ModelShape, memory, stage_params,
-                           state_bytes_per_param)
+from training.layout import Layout
+from training.plan.accounting import ModelShape, stage_params
+from training.plan.memory import ZERO_OPTIMIZER_BYTES_PER_PARAM, memory, state_bytes_per_param
 
 VOCAB = 1000  # test_training's sentencepiece model; padded to 1024 at TP 1, 2 and 4
 

@@ -2,9 +2,8 @@
 (the single-process planner tests are tests/unit/test_plan.py)."""
 from __future__ import annotations
 
-from training import plan
 from training.models.config import ModelConfig
-from training.plan import ModelShape
+from training.plan.accounting import ModelShape, stage_params
 
 
 def _tp_rank_numel(rank, world):
@@ -22,6 +21,6 @@ def test_tp_shard_params_match_project_gpt2_shards():
 
     counts = run_distributed(_tp_rank_numel, 2, timeout=120)
     shape = ModelShape("gpt2", num_layers=2, hidden=16, heads=4, seq=8, vocab=64, positions=8, ffn=64)
-    assert counts == [plan.stage_params(shape, 2, 1)[0]] * 2
+    assert counts == [stage_params(shape, 2, 1)[0]] * 2
 
 

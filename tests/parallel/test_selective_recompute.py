@@ -192,9 +192,10 @@ def test_planner_selective_memory_and_flops_for_the_8p3b_model_at_tp8():
     the s^2 term 5 a s / (h t) gone; for the 8.3B config at TP 8 (micro-batch 8, fp16, attention scores kept) that
     is 33.50 -> 22.25 GiB of activations per device, for 4 B s^2 h l recomputed FLOPs: +1.72 % of the step
     (full recomputation: +32.7 %)."""
-    from training.plan import (Layout, activation_bytes_per_layer, memory, preset_shape, recomputed_flops,
-                               step_flops)
-    from training.plan.memory import GIB
+    from training.layout import Layout
+    from training.plan.accounting import recomputed_flops, step_flops
+    from training.plan.memory import GIB, activation_bytes_per_layer, memory
+    from training.plan.presets import preset_shape
 
     s = preset_shape("gpt2-8.3b", 8)
     sbh = 1024 * 8 * 3072

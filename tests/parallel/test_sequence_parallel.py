@@ -334,7 +334,12 @@ def test_planner_sequence_parallel_terms():
     """The planner's activation memory with SP is the paper's sbh/t (34 + 5as/h) (16-bit, eq. 4) where without
     it is sbh (10 + 24/t + 5as/(ht)); the report shows both; SP at TP 1 is refused in one line."""
     from megatron_ds_suite.core.errors import ConfigError
-    from training.plan import Layout, ModelShape, activation_bytes_per_layer, preset_shape, render_plan, validate
+    from training.layout import Layout
+    from training.plan.accounting import ModelShape
+    from training.plan.layout import validate
+    from training.plan.memory import activation_bytes_per_layer
+    from training.plan.presets import preset_shape
+    from training.plan.report import render_plan
     from training.plan.timing import TimeModel
     from training.runtime.hardware import get_hardware
 

@@ -19,8 +19,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from training.config import load_config
 from training.models.config import padded_vocab_size
-from training.metrics import (bert_expected_masked_positions, bert_flops_per_iteration, flops_per_iteration,
-                              model_flops_per_iteration)
+from training.plan.accounting import (bert_expected_masked_positions, bert_flops_per_iteration, flops_per_iteration,
+                                     model_flops_per_iteration)
 
 ROOT = Path(__file__).resolve().parents[2]
 BOTCHAN = ROOT / ".." / "shared" / "data" / "corpus" / "botchan.txt"

@@ -3,6 +3,6 @@ from __future__ import annotations
 
 import sys
 
-from training.plan import main
+from training.plan.cli import main
 
 sys.exit(main())

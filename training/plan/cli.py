@@ -13,8 +13,9 @@ from megatron_ds_suite.core.config import build_dataclass
 from megatron_ds_suite.core.config_yaml import merge_dicts, read_yaml
 from megatron_ds_suite.core.errors import ConfigError
 from training.config import Config, with_overrides
+from training.layout import Layout
 from training.plan.accounting import ModelShape
-from training.plan.layout import Layout, validate
+from training.plan.layout import validate
 from training.plan.presets import PRESETS
 from training.plan.report import render_paper_comparison, render_plan
 from training.plan.timing import TimeModel

@@ -1,18 +1,15 @@
 """Whether a model shape fits a parallel layout: the planner's checks before any arithmetic.
 
-The layout itself is :class:`training.layout.Layout`, the trainer's too (re-exported here for the planner's
-modules); its own rules (degrees, batch split) are :meth:`~training.layout.Layout.check`. The rules that
-need the model (heads, query groups, MLP width and padded vocabulary divisible by TP, layers by PP, positions
-covering the sequence) are :func:`training.models.config.validate_shape`, the same the trainer's
-``validate_static`` runs.
+The layout itself is :class:`training.layout.Layout`, the trainer's too; its own rules (degrees, batch split)
+are :meth:`~training.layout.Layout.check`. The rules that need the model (heads, query groups, MLP width and
+padded vocabulary divisible by TP, layers by PP, positions covering the sequence) are
+:func:`training.models.config.validate_shape`, the same the trainer's ``validate_static`` runs.
 """
 from __future__ import annotations
 
 from training.layout import Layout
 from training.models.config import validate_shape
 from training.plan.accounting import ModelShape
-
-__all__ = ["Layout", "validate"]
 
 
 def validate(shape: ModelShape, lay: Layout) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.plan.accounting import ModelShape, stage_params
+from training.layout import Layout
 from training.models.config import stage_layers
-from training.plan.layout import Layout
+from training.plan.accounting import ModelShape, stage_params
 
 GIB = 1024**3
 ZERO_OPTIMIZER_BYTES_PER_PARAM = 12

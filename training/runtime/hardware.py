@@ -14,7 +14,7 @@ hardware constant lives. Conventions:
   work in the step-time model).
 * ``achievable_fraction``: fraction of the fp16/bf16 peak that a well-tuned dense transformer step
   reaches on one device (model FLOPs incl. recomputation / wall time). The planner recalibrates it
-  for V100 from the Megatron paper's own baseline (see training.plan.calibrate_compute_fraction); the
+  for V100 from the Megatron paper's own baseline (see training.plan.paper.calibrate_compute_fraction); the
   table values are the fallbacks with their source in ``note``.
 
 The 'cpu' entry has no fixed peak: :func:`peak_tflops` measures a matmul once per process.
@@ -26,6 +26,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
+import os
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +197,6 @@ def detect_device_kind() -> str:
 def device_memory_gib(device) -> float:
     """Memory of ``device`` in GiB: a GPU's total memory, or on CPU this process's share of the host's RAM
     (total / LOCAL_WORLD_SIZE processes)."""
-    import os
-
     import torch
 
     device = torch.device(device)

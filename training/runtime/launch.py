@@ -5,7 +5,7 @@ One skeleton, one table of exit codes (docs/errors.md):
     0    done
     1    the operating system refused (disk full, permissions): one line; checkpoints are atomic, ``latest`` kept
     2    bad input or config (:class:`~megatron_ds_suite.core.errors.SuiteError`): one line, from one rank
-    3    a run that went wrong on purpose-checked grounds (the trainer's ``TrainingAborted``; the body maps it)
+    3    a run that went wrong on purpose-checked grounds (the trainer's ``TrainingAborted``): ``training aborted: ...``
     130  interrupted (Ctrl-C, SIGINT or SIGTERM from the launcher): one line, from rank 0
 
 :func:`run_locked` is the whole life of a training command: process group, the run directory's lock (rank 0
@@ -64,6 +64,8 @@ def run_locked(run_dir: str | Path, body: Callable[[], int | None], *, hint: str
     a refused launch never gets there, so it exits 2 instead of aborting."""
     import torch.distributed as dist
 
+    from training.trainer import TrainingAborted  # here: evaluation imports this module for shutdown() alone
+
     with interrupt_signals() as hold_off:
         init_distributed()
         lock = None
@@ -74,6 +76,9 @@ def run_locked(run_dir: str | Path, body: Callable[[], int | None], *, hint: str
             return report_error(e, dist.get_rank())
         except SuiteError as e:  # bad config, unsafe/truncated/missing checkpoint files, a bad `latest`, bad data
             return report_error(e)  # from whichever rank met it
+        except TrainingAborted as e:  # loss NaN, an fp16 overflow streak: pretraining and RACE fine-tuning alike
+            print(f"training aborted: {e}", file=sys.stderr)
+            return 3
         except KeyboardInterrupt:  # Ctrl-C, SIGINT/SIGTERM from the launcher: checkpoints are atomic, latest intact
             hold_off()  # the launcher's SIGTERM follows its SIGINT at once: let the teardown below finish
             if int(os.environ.get("RANK", "0")) == 0:  # every rank got it; one says it

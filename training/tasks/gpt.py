@@ -12,6 +12,7 @@ from training.data.loader import BatchSampler, build_datasets, resolve_sources
 from training.models.gpt2 import GPTModel
 from training.parallel.state import ParallelState
 from training.tasks.protocol import Task, batch_to_device
+from training.models.gpt2_pipe import build_gpt2_pipe
 
 
 class GPTTask(Task):
@@ -36,8 +37,6 @@ class GPTTask(Task):
 
     def build_model(self, padded_vocab: int):
         if self.cfg.parallel.pipeline > 1:
-            from training.models.gpt2_pipe import build_gpt2_pipe
-
             return build_gpt2_pipe(self.cfg.model, padded_vocab, self.ps, seed=self.cfg.train.seed,
                                    sequence_parallel=self.cfg.parallel.sequence_parallel)
         return GPTModel(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed,

@@ -29,7 +29,12 @@ from megatron_ds_suite.core.errors import ConfigError
 from training.config import Config
 from training.data.sample_order import micro_batch_positions
 from training.runtime import device as tdev
+from training.runtime.distributed import agreed
 from training.tasks.protocol import Task, batch_to_device
+from training import checkpoint as ckpt
+from training.checkpoint_reader import load_merged_state_dict
+from training.init_from import local_weights
+from training.parallel.mappings import group_rank, group_size
 
 if TYPE_CHECKING:
     from training.checkpoint import TrainState
@@ -52,13 +57,25 @@ def schedule(cfg: Config, n_train: int) -> tuple[int, int, int]:
     return steps, total, int(round(cfg.finetune.warmup_fraction * total))
 
 
+def read_data(cfg: Config, meta: dict, seq: int) -> tuple[Any, dict[str, list[dict]], dict[str, Any]]:
+    """(tokenizer, encoded questions per split, read report per split) of ``finetune.race_dir``, with the
+    pretrained checkpoint's tokenizer (``meta``); raises RaceDataError / ConfigError in one line."""
+    f = cfg.finetune
+    tokenizer = load_tokenizer(meta["tokenizer"], base_dir=Path(f.pretrained))
+    missing = [k for k in ("cls", "sep", "pad") if getattr(tokenizer, k, None) is None]
+    if missing:
+        raise ConfigError(f"the tokenizer of {Path(f.pretrained)} lacks {missing}: RACE needs a BERT vocabulary")
+    data: dict[str, list[dict]] = {}
+    reports: dict[str, Any] = {}
+    for split in filter(None, (f.train_split, f.valid_split, f.test_split)):
+        qs, reports[split] = read_race_split(f.race_dir, split, f.levels)
+        data[split] = encode_questions(qs, tokenizer, seq, f.max_qa_length)
+    return tokenizer, data, reports
+
+
 def build_model(cfg: Config, pretrained: str, padded: int, group):
     """BertMultipleChoice at this TP degree with the pretrained encoder loaded into this rank's shards."""
-    from training.checkpoint_reader import load_merged_state_dict
-    from training.init_from import local_weights
     from training.models.bert import BertMultipleChoice, load_pretrained_encoder
-    from training.parallel.mappings import group_rank, group_size
-
     world, rank = group_size(group), group_rank(group)
     model = BertMultipleChoice(cfg.model, padded, group, seed=cfg.train.seed)
     state, _, _ = load_merged_state_dict(pretrained)
@@ -120,22 +137,16 @@ class RaceTask(Task):
         f = cfg.finetune
         self.is_rank0 = ps.rank == 0
         self.pretrained = Path(f.pretrained)
-        self.tokenizer = load_tokenizer(meta["tokenizer"], base_dir=self.pretrained)
-        missing = [k for k in ("cls", "sep", "pad") if getattr(self.tokenizer, k, None) is None]
-        if missing:
-            raise ConfigError(f"the tokenizer of {self.pretrained} lacks {missing}: RACE needs a BERT vocabulary")
         self.seq = f.seq_length or cfg.model.seq_length
         self.tokens_per_sample = 4 * self.seq  # one question = 4 sequences
-        self.data: dict[str, list[dict]] = {}
-        self.read_reports: dict[str, Any] = {}
-        for split in filter(None, (f.train_split, f.valid_split, f.test_split)):
-            qs, report = read_race_split(f.race_dir, split, f.levels)
-            self.read_reports[split] = report
-            self.data[split] = encode_questions(qs, self.tokenizer, self.seq, f.max_qa_length)
-            if self.is_rank0:
-                logger.info("RACE %s: %d questions from %d files (%d skipped)", split, len(qs), report.files,
-                            report.skipped)
-        self.steps_per_epoch, total, warmup = schedule(cfg, len(self.data[f.train_split]))
+        # every rank reads the same files; a bad RACE folder or tokenizer stops every rank with one line from
+        # rank 0, as pretraining's data errors do (training.runtime.distributed.agreed)
+        self.tokenizer, self.data, self.read_reports = agreed(lambda: read_data(cfg, meta, self.seq))
+        if self.is_rank0:
+            for split, report in self.read_reports.items():
+                logger.info("RACE %s: %d questions from %d files (%d skipped)", split, len(self.data[split]),
+                            report.files, report.skipped)
+        self.steps_per_epoch, total, warmup = agreed(lambda: schedule(cfg, len(self.data[f.train_split])))
         self.schedule = {"train": {"iters": total}, "optimizer": {"warmup_iters": warmup}}
         if self.is_rank0:
             logger.info("RACE: %d steps/epoch x %d epochs | warmup %d", self.steps_per_epoch, f.epochs, warmup)
@@ -235,8 +246,6 @@ class RaceTask(Task):
                         " | saved (best)" if improved else "")
 
     def on_train_end(self, state: TrainState) -> dict:
-        from training import checkpoint as ckpt
-
         res = self.results
         best_row = res["epochs"][res["best_epoch"] - 1]
         res["best"] = {s: best_row[s] for s in self._eval_splits()}

@@ -49,6 +49,7 @@ from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.program import prog as program
 from training.runtime.run_lock import lock_existing_output, overlapping_input
 from training.tools.hf_interop import gpt2_layer_names, require_transformers
+from training.tools.hf_tokenizer import TokenizerExportError, save_hf_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,6 @@ def build_hf_model(sd: dict[str, torch.Tensor], model_cfg, vocab_size: int, eod:
 
 def _save_tokenizer(tokenizer, out: Path, max_len: int) -> None:
     """tokenizer.json + configs for AutoTokenizer (GPT-2 BPE or SentencePiece BPE, ids checked equal to ours)."""
-    from training.tools.hf_tokenizer import TokenizerExportError, save_hf_tokenizer
-
     try:
         save_hf_tokenizer(tokenizer, out, max_len)
     except TokenizerExportError as e:

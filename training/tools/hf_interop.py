@@ -5,6 +5,8 @@ name map is :mod:`training.tools.hf_bert`); it imports neither.
 """
 from __future__ import annotations
 
+import math
+
 from megatron_ds_suite.core.errors import SuiteError
 
 HF_EXTRA = "pip install 'megatron-ds-suite[hf]' (or pip install transformers)"
@@ -49,8 +51,6 @@ def check_config(hf_cfg, counts: tuple[str, ...] = (), optional_counts: tuple[st
     """The ``config.json`` values an import reads, checked before any is used: ``counts`` integers >= 1
     (``optional_counts`` may also be null), ``probabilities`` numbers in [0, 1), ``positives`` finite numbers > 0
     (absent keys keep transformers' defaults). The first bad one is one ImportHFError line naming the key."""
-    import math
-
     def bad(key: str, want: str) -> ImportHFError:
         return ImportHFError(f"config.json: {key}={_shown(getattr(hf_cfg, key, None))} is not {want}: fix config.json "
                              f"(or save the model again)")

@@ -24,6 +24,8 @@ different (e.g. a BERT-flavour model: NFKC, dummy prefix). Unigram models are re
 from __future__ import annotations
 
 from pathlib import Path
+import shutil
+import tempfile
 from megatron_ds_suite.core.errors import SuiteError
 
 WORD = "\u2581"
@@ -108,9 +110,6 @@ def save_hf_tokenizer(tokenizer, out: Path, max_len: int) -> None:
         hf_tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eod, bos_token=eod,
                                          model_max_length=max_len, clean_up_tokenization_spaces=False)
     elif kind == "wordpiece":
-        import shutil
-        import tempfile
-
         from transformers import BertTokenizerFast
 
         with tempfile.TemporaryDirectory() as d:  # from_pretrained builds the fast tokenizer from vocab.txt

@@ -31,6 +31,7 @@ import torch
 
 from training.tools.hf_interop import ImportHFError
 from training.tools.tensor_check import WeightsError, check_shapes, check_values, few
+from training import safe_load
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -104,8 +105,6 @@ class _Source:
                     return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
             except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, ...: a damaged file, one line
                 raise damaged(path, e) from None
-        from training import safe_load
-
         try:
             state = safe_load.load(path)
         except safe_load.CheckpointError:

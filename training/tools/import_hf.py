@@ -61,8 +61,12 @@ from megatron_ds_suite.core.program import prog as program
 from training.runtime.run_lock import lock_existing_output, overlapping_input
 from megatron_ds_suite.core.program import stderr_is_terminal
 from training.tools.hf_interop import ImportHFError, check_config, gpt2_layer_names, require_transformers
-from training.tools.hf_llama import LLAMA_FAMILY
+from training.tools.hf_llama import LLAMA_FAMILY, from_hf as llama_from_hf, model_config_from_hf as llama_config_from_hf
 from training.tools.tensor_check import check_shapes, check_values, model_shapes
+from training import checkpoint_catalog as catalog
+from training.checkpoint import partition_tags as tags_of
+from training.tools.hf_bert import from_hf as bert_from_hf, model_config_from_hf as bert_config_from_hf
+from training.tools.hf_weights import read_checked
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +165,6 @@ def load_source(folder: Path, hf_cfg) -> dict[str, torch.Tensor]:
     """The source's tensors {transformers name: tensor}, read from its files and checked against the model its
     config builds (:mod:`training.tools.hf_weights`: nothing missing, unexpected or of another shape, all finite)."""
     transformers = require_transformers()
-    from training.tools.hf_weights import read_checked
-
     return read_checked(folder, getattr(transformers, HF_CLASSES[hf_cfg.model_type]), hf_cfg)
 
 
@@ -243,7 +245,6 @@ def import_tokenizer(folder: Path, dest: Path, model_type: str):
 def partition_tags(model_cfg: ModelConfig) -> dict[str, tuple[int, int] | None]:
     """{parameter name: (partition_dim, stride) or None}, read from a small model of the same
     structure (the tags depend on the module types, not on the sizes)."""
-    from training.checkpoint import partition_tags as tags_of
     from training.models.bert import BertModel
     from training.models.gpt2 import GPTModel
 
@@ -268,7 +269,6 @@ def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], t
     embedding again and has no file) and one ``mp_rank_{pp*TP+tp:02d}`` metadata file per stage and TP
     rank (DeepSpeed's model-parallel rank with DP = 1).
     """
-    from training import checkpoint_catalog as catalog
     from training.models.gpt2_pipe import pipe_layer_names
 
     tp, pp, m = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.model
@@ -351,12 +351,8 @@ def _import(model: str, out: Path, tp: int, pp: int, seq_length: int | None) -> 
     if model_type == "gpt2":
         model_cfg = model_config_from_hf(hf_cfg, seq_length)
     elif model_type in ("megatron-bert", "bert"):
-        from training.tools.hf_bert import model_config_from_hf as bert_config_from_hf
-
         model_cfg = bert_config_from_hf(hf_cfg, seq_length)
     elif model_type in LLAMA_FAMILY:
-        from training.tools.hf_llama import model_config_from_hf as llama_config_from_hf
-
         model_cfg = llama_config_from_hf(hf_cfg, seq_length)
     else:
         raise ImportHFError(f"model_type {model_type!r} is not supported: GPT-2 (GPT2LMHeadModel), Llama "
@@ -370,12 +366,8 @@ def _import(model: str, out: Path, tp: int, pp: int, seq_length: int | None) -> 
     if model_type == "gpt2":
         weights = from_hf_state_dict(hf_sd, cfg.model.num_layers)
     elif model_type in LLAMA_FAMILY:
-        from training.tools.hf_llama import from_hf as llama_from_hf
-
         weights = llama_from_hf(hf_sd, cfg.model)
     else:
-        from training.tools.hf_bert import from_hf as bert_from_hf
-
         weights = bert_from_hf(hf_sd, cfg.model)
     with atomic.atomic_dir(out) as tmp:  # a failed import leaves the previous folder (or none)
         tok, spec = import_tokenizer(folder, tmp / "tokenizer", model_type)

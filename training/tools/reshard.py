@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -38,12 +37,12 @@ import torch
 
 from training.checkpoint_reader import checkpoint_dir, load_merged_state_dict
 from training.checkpoint_reader import model_files
-from training import safe_load
+from training import checkpoint as ckpt, safe_load
 from megatron_ds_suite.core.errors import ConfigError
 from training.config import config_from_dict, grad_accumulation, validate_static
 from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_vocab_rows, shard_tagged
 from training.tools import reshard_optim
-from training.tools.spawn import spawn_gloo
+from training.runtime.spawn import run_distributed
 from megatron_ds_suite.core.program import prog as program
 from training.runtime.run_lock import lock_existing_output, overlapping_input
 
@@ -79,7 +78,6 @@ def merge_optimizer_state(run_dir: Path, tag: str | None, meta: dict) -> dict[st
 
 def _worker(rank, world, payload_path: str, out_dir: str):
     """Runs in each of the K x M target processes (gloo initialised by the spawner)."""
-    from training import checkpoint as ckpt
     from training.parallel import random as tp_random
     from training.resolve import resolve_run
     from training.trainer import Trainer
@@ -199,11 +197,7 @@ def _convert(run_dir: Path, out: Path, tag: str, weights: dict, cfg, meta: dict,
 
 
 def _spawn(world: int, payload_path: str, out_dir: str) -> None:
-    spawn_gloo(_worker_entry, world, (payload_path, out_dir))
-
-
-def _worker_entry(payload_path: str, out_dir: str) -> None:
-    _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), payload_path, out_dir)
+    run_distributed(_worker, world, payload_path, out_dir, timeout=None)
 
 
 def main(argv: list[str] | None = None) -> int:

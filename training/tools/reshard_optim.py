@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from training.checkpoint_reader import checkpoint_dir
+from training.checkpoint_reader import checkpoint_dir, read_client_state
 from training.config import Config, config_from_dict
 from training.parallel.sharding import merge_tagged
-from training.tools.spawn import spawn_gloo
+from training.runtime.spawn import run_distributed
 from megatron_ds_suite.core import atomic
+from training import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -53,8 +54,6 @@ def force_precision(cfg: Config, dtype: str) -> None:
 # --------------------------------------------------------------------------------------------------
 def _named(model: torch.nn.Module, pipeline_layers: int | None) -> list[tuple[str, torch.nn.Parameter]]:
     """(canonical name, parameter) in a fixed order, pipeline-tied copies left out."""
-    from training import checkpoint as ckpt
-
     names = ckpt.canonical_names(model, pipeline_layers)
     return [(names[n], p) for n, p in model.named_parameters()
             if names[n] is not None and not getattr(p, "ds_pipe_replicated", False)]
@@ -156,7 +155,7 @@ def extract(run_dir: Path, tag: str, meta: dict, work_dir: Path) -> dict[str, di
     world = par["tp"] * par["pp"] * par["dp"]
     work_dir.mkdir(parents=True, exist_ok=True)
     try:
-        spawn_gloo(_extract_worker, world, (str(run_dir), tag, str(work_dir)))
+        run_distributed(_extract_worker, world, str(run_dir), tag, str(work_dir), timeout=None)
         shards = [torch.load(work_dir / f"tp_{r}_pp_{s}.pt", map_location="cpu", weights_only=True)
                   for r in range(par["tp"]) for s in range(par["pp"])]
     finally:
@@ -174,8 +173,7 @@ def extract(run_dir: Path, tag: str, meta: dict, work_dir: Path) -> dict[str, di
     return merged
 
 
-def _extract_worker(run_dir: str, tag: str, work_dir: str) -> None:
-    from training.checkpoint_reader import read_client_state
+def _extract_worker(rank: int, world: int, run_dir: str, tag: str, work_dir: str) -> None:
     from training.resolve import resolve_run
     from training.trainer import Trainer
 

@@ -35,6 +35,10 @@ from megatron_ds_suite.app.main_job.proc import Progress, run_logged
 from megatron_ds_suite.app.main_job.stages import Stages
 from megatron_ds_suite.app.main_job.state import (Outcome, Skipped, StageFailed, State, atomic_write, digest,
                                               read_if_file, tree_id)
+from data_pipeline.config import ConfigError as DataConfigError, load_config as load_data_config
+from megatron_ds_suite.app.main_job.report import ReportInputs, write_report
+from megatron_ds_suite.core.errors import ConfigError as TrainConfigError
+from training.config import load_config as load_train_config
 
 ROOT = Path(__file__).resolve().parents[3]
 log = logging.getLogger("main_job")
@@ -60,12 +64,7 @@ class MainJob(Stages):
     # -------------------------------------------------------------------------------- resolution
     def _prepare(self) -> None:
         """Load and check every stage config now (clear errors before any expensive work)."""
-        from data_pipeline.config import ConfigError as DataConfigError
-        from data_pipeline.config import load_config as load_data_config
         from data_pipeline.stages import fingerprint as data_fingerprint
-        from megatron_ds_suite.core.errors import ConfigError as TrainConfigError
-        from training.config import load_config as load_train_config
-
         c = self.cfg
         data_over = flatten(c.corpus.set)
         if not any(o.startswith("output_dir=") for o in data_over):
@@ -231,8 +230,6 @@ class MainJob(Stages):
 
     # ------------------------------------------------------------------------------------- report
     def stage_report(self) -> Path:
-        from megatron_ds_suite.app.main_job.report import ReportInputs, write_report
-
         cmd = "bash scripts/run_main.sh" + (f" --config {self.config_path}" if self.config_path else "") + \
               "".join(f" {o}" for o in self.overrides)
         inputs = ReportInputs(run_dir=self.run, flow=self.cfg.flow, title=self.cfg.title, command=cmd,

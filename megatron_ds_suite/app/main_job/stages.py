@@ -16,6 +16,7 @@ from typing import Any
 from megatron_ds_suite.app.main_job.proc import Progress
 from megatron_ds_suite.core.network import network_reachable
 from megatron_ds_suite.app.main_job.state import (Skipped, StageFailed, atomic_write, digest, file_id, latest_iteration)
+from megatron_ds_suite.app.main_job.report import read_metrics
 
 log = logging.getLogger("main_job")
 
@@ -72,8 +73,6 @@ class Stages:
         return self.train_fp, {"outputs_ok": ok}, run
 
     def _train_summary(self) -> str:
-        from megatron_ds_suite.app.main_job.report import read_metrics
-
         steps, events = read_metrics(self.train_dir / "metrics.jsonl")
         s = f"{len(steps)} iterations, final loss {steps[-1]['loss']:.4f}" if steps else "no steps"
         valid = [e for e in events if e.get("event") == "valid"]
