@@ -18,7 +18,7 @@ One step = forward (mean token loss), ``engine.backward``, ``engine.step``. HF r
 
 Repetitions are interleaved (ours, HF, matmul peak; rotated each repetition); each repetition
 times ``--steps`` steps after ``--warmup`` untimed ones. MFU = model FLOPs per step
-(``training.metrics.flops_per_iteration``: GPT-2, or Llama with GQA and SwiGLU; no recomputation counted) / step time / peak. On
+(``training.plan.accounting.flops_per_iteration``: GPT-2, or Llama with GQA and SwiGLU; no recomputation counted) / step time / peak. On
 CPU the peak is the dense matmul FLOP/s measured in the same repetition
 (``training.runtime.hardware.measure_cpu_peak_tflops``); on a GPU it is the data-sheet dense peak of the
 dtype (``training.runtime.hardware``), and the measured large-matmul rate is reported beside it.
@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from training.models.config import padded_vocab_size
     from training.runtime.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
-    from training.metrics import flops_per_iteration
+    from training.plan.accounting import flops_per_iteration
 
     if args.device == "cpu" and "fp16" in (args.dtype, args.dtype_ab):
         from training.resolve import allow_fp16_on_cpu

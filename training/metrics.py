@@ -17,12 +17,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from megatron_ds_suite.core.program import stderr_is_terminal
-# NOTE: a re-export kept only for training/trainer.py, benchmarks/bench_train_step.py and scripts/gpu_check.py, which
-# are being rewritten elsewhere (issue 39); every other caller imports it from training.plan.accounting, and
-# tests/unit/test_architecture.py refuses new ones. TODO: drop it once those three import it from its owner.
-from training.plan.accounting import flops_per_iteration
 
-__all__ = ["KEYS", "MetricsWriter", "flops_per_iteration", "format_line", "kept_metric_lines", "progress_enabled"]
+__all__ = ["KEYS", "MetricsWriter", "format_line", "kept_metric_lines", "progress_enabled"]
 
 logger = logging.getLogger("training")
 

@@ -28,12 +28,13 @@ from training import init_from, tracking
 from training.config import Config
 from training.ds_json import deepspeed_config
 from training.layout import Layout
-from training.metrics import MetricsWriter, flops_per_iteration, progress_enabled
+from training.metrics import MetricsWriter, progress_enabled
 from training.models.compile_layers import compile_layers
 from training.optim.adamw import build_optimizer
 from training.optim.engine import Engine, build_engine
 from training.optim.outcome import StepOutcome
 from training.parallel.state import ParallelState
+from training.plan.accounting import flops_per_iteration
 from training.plan.recompute import RecomputeChoice
 from training.resolve import ResolvedRun
 from training.runtime import device as tdev

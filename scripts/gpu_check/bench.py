@@ -3,8 +3,10 @@ and memory per variant of a config, HF ``GPT2LMHeadModel`` beside the 1.2B one, 
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -80,7 +82,7 @@ def load_llama_1b(overrides: dict[str, str]):
 
 def bench_llama_1b(out: Path, data: Path, steps: int = LLAMA_1B_STEPS) -> None:
     """configs/llama_1b.yaml on one GPU (bf16, seq 4096), as :func:`bench_1p2b`: the trainer's own step time,
-    TFLOP/s and MFU (``training.metrics.flops_per_iteration``: Llama's gated MLP and grouped key/values) over the
+    TFLOP/s and MFU (``training.plan.accounting.flops_per_iteration``: Llama's gated MLP and grouped key/values) over the
     last half of ``steps`` steps of each of :data:`VARIANTS_LLAMA_1B`, and the recompute mode ``auto`` chose."""
     variants = []
     for i, (micro, recompute) in enumerate(VARIANTS_LLAMA_1B):
@@ -93,9 +95,6 @@ def bench_trainer(config: Path, variants: list[tuple[dict, Callable[[str], dict[
                   steps: int) -> None:
     """Train ``config`` for ``steps`` steps per variant (its description, and its overrides for a run folder),
     one after another in this process; write the device and each variant's figures to ``out`` (JSON)."""
-    import gc
-    import tempfile
-
     import torch
 
     from training.config import load_config

@@ -765,10 +765,8 @@ def defined_names(module: str) -> set[str]:
 
 # Owners whose names are imported from them only: (owner, the modules that once re-exported its names).
 OWNED_NAMES = (("training.checkpoint_reader", None), ("training.plan.accounting", "training.metrics"))
-# Files still importing a re-exported name while they are rewritten elsewhere (issue 39): the list only shrinks.
-REEXPORT_ALLOWANCE = {("training.metrics", "flops_per_iteration"): ("training/trainer.py",
-                                                                    "benchmarks/bench_train_step.py",
-                                                                    "scripts/gpu_check.py")}
+# Files still importing a re-exported name (none left): the list only shrinks.
+REEXPORT_ALLOWANCE: dict[tuple[str, str], tuple[str, ...]] = {}
 
 
 def reexport_imports(files: list[Path], source: str | None = None) -> list[str]:
