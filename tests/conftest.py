@@ -15,6 +15,17 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """Every test starts with one torch intra-op thread. The tests' tensors are tiny: a second thread only adds a
+    barrier per op, and on a busy 2-core machine (the suite's ranks and child processes, other jobs) that barrier
+    waits for a descheduled thread: a 2-layer toy GPT's forward took ~100 ms with 2 threads against ~1 ms with one.
+    An in-process Trainer still picks its own count (training/resolve.py); the next test starts at one again."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def random_gpt2(tmp_path_factory):
     """(folder, run dir): a random transformers GPT-2 saved locally (tests/helpers/hf_models.py) and its TP=1
