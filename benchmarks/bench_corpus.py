@@ -61,13 +61,12 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.real_corpus import real_text_corpus
 from data_pipeline import dedup as dd
 from data_pipeline.config import config_from_dict
+from data_pipeline.doc_store import DocStore
 from data_pipeline.planted import planted_corpus, real_words
 from data_pipeline.stages import build
-
-from benchmarks.real_corpus import real_text_corpus
-from data_pipeline.doc_store import DocStore
 from data_pipeline.store import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,7 +324,7 @@ def e2e(n: int, workers: int, code_root: Path, tmp: Path, keep: Path | None, ove
         shutil.copytree(out, keep, dirs_exist_ok=True)
 
 
-def main() -> None:
+def main() -> None:  # noqa: C901
     ap = argparse.ArgumentParser()
     ap.add_argument("--families", type=int, default=600)
     ap.add_argument("--variants", type=int, default=4)

@@ -53,18 +53,17 @@ import itertools
 import json
 import logging
 import math
+import multiprocessing
 import os
 import statistics
 import time
 import warnings
-from pathlib import Path
-import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 from benchmarks import common
 from megatron_ds_suite.core import atomic
 from training.runtime.hardware import detect_device_kind, get_hardware, measure_cpu_peak_tflops
-
 
 log = logging.getLogger("bench_plan_fidelity")
 
@@ -329,8 +328,8 @@ def measure(args: argparse.Namespace) -> dict:
     times in rotating order. Returns the --json document (everything ``evaluate`` needs)."""
     import torch
 
-    from training.runtime.spawn import run_distributed
     from training.models.config import padded_vocab_size
+    from training.runtime.spawn import run_distributed
     cuda = args.device == "cuda"
     run = run_on_gpu if cuda else run_distributed
     extra = {"device": args.device, "dtype": args.dtype}

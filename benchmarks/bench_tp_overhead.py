@@ -152,8 +152,8 @@ def _worker(rank: int, world: int, a: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
-    from training.runtime.spawn import run_distributed
     from training.models.config import padded_vocab_size
+    from training.runtime.spawn import run_distributed
 
     info = common.machine_info()
     padded = padded_vocab_size(args.vocab, 128, max(args.tp))

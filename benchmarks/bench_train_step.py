@@ -62,7 +62,7 @@ LLAMA_DEFAULTS = dict(layers=3, hidden=96, heads=6, kv_groups=2, seq=64, batch=4
 LLAMA_CONFIGS = {None: "configs/llama_tiny.yaml", "llama-1b": "configs/llama_1b.yaml"}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:  # noqa: C901
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["gpt2", "llama"], default=None,
                    help="gpt2 (default): ours vs GPT2LMHeadModel; llama: our Llama-style GPT vs LlamaForCausalLM "
@@ -182,7 +182,6 @@ def llama_model_config(args):
     with the benchmark's dimensions: RoPE base, RMSNorm epsilon, tying and biases from the file; the SwiGLU width
     from the file for its own hidden size, else Llama's rule (2/3 x 4h rounded up to 256)."""
     import dataclasses
-
     from pathlib import Path
 
     from training.config import load_config
@@ -299,7 +298,7 @@ def adam_for(device: str, dtype: str, adam: str) -> str:
     return "fused" if kind == "deepspeed_fused_adam" else "torch"
 
 
-def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:
+def build_runners(args, cfg, padded: int, tokens, labels) -> dict[str, Runner]:  # noqa: C901
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from training.ds_json import deepspeed_config
@@ -449,7 +448,8 @@ def count(runners: dict[str, Runner], steps: int, device: str = "cpu") -> list[l
         if name == "ours (compiled)":  # dynamo runs no compiled frame under a TorchDispatchMode: these are eager's
             row[1:4] = ["n/a"] * 3
         if device == "cuda":
-            from torch.profiler import ProfilerActivity, profile as tprofile
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as tprofile
 
             torch.cuda.synchronize()
             with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -466,7 +466,8 @@ def count(runners: dict[str, Runner], steps: int, device: str = "cpu") -> list[l
 
 
 def profile(runners: dict[str, Runner], steps: int, rows: int, device: str = "cpu") -> None:
-    from torch.profiler import ProfilerActivity, profile as tprofile, record_function
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as tprofile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
@@ -500,7 +501,7 @@ def profile(runners: dict[str, Runner], steps: int, rows: int, device: str = "cp
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> None:  # noqa: C901
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     warnings.filterwarnings("ignore")
     args = parse_args(argv)
@@ -511,8 +512,8 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
     from training.models.config import padded_vocab_size
-    from training.runtime.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
     from training.plan.accounting import flops_per_iteration
+    from training.runtime.hardware import detect_device_kind, measure_cpu_peak_tflops, peak_tflops
 
     if args.device == "cpu" and "fp16" in (args.dtype, args.dtype_ab):
         from training.resolve import allow_fp16_on_cpu

@@ -88,7 +88,7 @@ def _mojibake(word: str, codec: str) -> str:
     return word.encode("utf-8").decode(codec, errors="replace")
 
 
-def real_text_corpus(n: int, seed: int = 31, near_frac: float = 0.10, exact_frac: float = 0.02,
+def real_text_corpus(n: int, seed: int = 31, near_frac: float = 0.10, exact_frac: float = 0.02,  # noqa: C901
                      nonascii_frac: float = 0.2, mojibake_frac: float = 0.03,
                      data: Path = SHARED, sources: dict[str, list[str]] | None = None) -> list[str] | None:
     """``n`` documents of resampled real sentences (module docstring); ``None`` without the data.

@@ -8,24 +8,25 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 import json
+import logging
 import os
+import sys
 from pathlib import Path
 
 from data_pipeline.config import ConfigError, load_config
+from data_pipeline.files import atomic_write_json
+from data_pipeline.overlap import OverlapError, overlap_report, parse_against
+from data_pipeline.stages import STAGES, StageError, build, fingerprint, is_done, run_stage, summary_table
 from megatron_ds_suite.core.corpus import CorpusError
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.indexed_dataset import IndexedDatasetError
+from megatron_ds_suite.core.program import prog as program
+from megatron_ds_suite.core.program import stderr_is_terminal
 from megatron_ds_suite.core.tokenizer import TokenizerError
-from data_pipeline.stages import STAGES, StageError, build, fingerprint, is_done, run_stage, summary_table
-from megatron_ds_suite.core.program import prog as program, stderr_is_terminal
-from data_pipeline.files import atomic_write_json
-from data_pipeline.overlap import OverlapError, overlap_report, parse_against
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: C901
     p = argparse.ArgumentParser(prog=program("python -m data_pipeline"), description="Build a training corpus.")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="run every unfinished stage")

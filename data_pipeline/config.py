@@ -229,7 +229,7 @@ _ENUMS = {
 }
 
 
-def _validate(cfg: BuildConfig) -> None:
+def _validate(cfg: BuildConfig) -> None:  # noqa: C901
     def enum(key: str, value: str) -> None:
         allowed = _ENUMS[key]
         if value not in allowed:

@@ -64,7 +64,7 @@ STDLIB_MODULES: tuple[str, ...] = (
 MIN_DOC_CHARS = 400
 
 
-def _docstring_documents(modname: str) -> Iterator[tuple[str, str]]:
+def _docstring_documents(modname: str) -> Iterator[tuple[str, str]]:  # noqa: C901
     try:
         mod = importlib.import_module(modname)
     except Exception as exc:  # a build without the module: skipped, deterministically per build

@@ -9,8 +9,23 @@ from typing import Any
 
 import numpy as np
 
-from data_pipeline.store import (COL_I, COL_LEN, COL_MLEN, COL_MOFF, COL_OFF, REBUILD, ShardCheck, ShardReader,
-                                 StoreError, done_shards, index_path, load_index, meta_path, text_folder_of, text_path)
+from data_pipeline.store import (
+    COL_I,
+    COL_LEN,
+    COL_MLEN,
+    COL_MOFF,
+    COL_OFF,
+    REBUILD,
+    ShardCheck,
+    ShardReader,
+    StoreError,
+    done_shards,
+    index_path,
+    load_index,
+    meta_path,
+    text_folder_of,
+    text_path,
+)
 
 
 class DocStore:

@@ -22,8 +22,8 @@ from contextlib import ExitStack
 from typing import Any
 
 from data_pipeline.config import BuildConfig
-from data_pipeline.workers import build_pool, worker_pool
 from data_pipeline.ray_executor import connect, ray_map, ray_pmap, shuffle_tasks
+from data_pipeline.workers import build_pool, worker_pool
 
 Task = Callable[[Any], Any]
 

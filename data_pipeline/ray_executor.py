@@ -23,12 +23,13 @@ was retired in its favour).
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
-import socket
 
 from data_pipeline.config import BuildConfig, ConfigError
+
 
 def connect(cfg: BuildConfig) -> Any:
     """``ray.init`` on the configured cluster (once per process); one-line error when it cannot."""

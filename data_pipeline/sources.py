@@ -15,15 +15,15 @@ from __future__ import annotations
 import functools
 import glob as globmod
 import gzip
+import itertools
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
-import itertools
-import sys
 
 from data_pipeline.config import BuildConfig, ConfigError, SourceConfig
 from data_pipeline.default_corpus import iter_default_corpus
@@ -240,7 +240,7 @@ def _decode(sid: str, data: bytes, max_bytes: int) -> RawRecord:
                          + _snippet(data[max(0, e.start - 40):e.start + 40]))
 
 
-def read_text(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawRecord]:
+def read_text(path: Path, src: SourceConfig, max_bytes: int) -> Iterator[RawRecord]:  # noqa: C901
     try:
         if src.text_mode == "file":
             size = path.stat().st_size

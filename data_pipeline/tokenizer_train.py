@@ -118,7 +118,7 @@ def count_training_words(texts: Iterable[str], max_sentence_length: int = MAX_SE
     return out
 
 
-def train_sentencepiece(
+def train_sentencepiece(  # noqa: C901
     texts: Iterable[str],
     out_prefix: str | Path,
     vocab_size: int,

@@ -36,8 +36,8 @@ import numpy as np
 
 from data_pipeline.files import read_word_list, write_word_list
 from data_pipeline.store import shard_name
-from megatron_ds_suite.core import atomic
 from data_pipeline.tokenizer_train import MAX_SENTENCE_LENGTH, WordCounts, count_training_words
+from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.spm_words import spm_split
 from megatron_ds_suite.core.word_cache import whitespace_split
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 from evaluation import heldout, lm_eval_run
 from evaluation.errors import EvalError
-from megatron_ds_suite.core.errors import SuiteError
-from training.metrics import progress_enabled
-from training.runtime.launch import shutdown
 from evaluation.report import check_output_path, format_table
 from megatron_ds_suite.core import atomic
+from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.program import prog as program
 from megatron_ds_suite.core.race import encode_questions, read_race_split
+from training.metrics import progress_enabled
+from training.runtime.launch import shutdown
 
 logger = logging.getLogger("evaluation")
 def _common(p: argparse.ArgumentParser) -> None:

@@ -25,8 +25,8 @@ from tqdm import tqdm
 
 from evaluation.errors import EvalError
 from evaluation.scoring import LMScorer
-from megatron_ds_suite.core.textfile import BadJsonLine, json_line
 from megatron_ds_suite.core.hf_datasets import check_no_script, load_hf_dataset
+from megatron_ds_suite.core.textfile import BadJsonLine, json_line
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,11 @@ import torch.distributed as dist
 from evaluation.errors import EvalError
 from evaluation.scoring import gpt2_scorer
 from evaluation.tasks import DataParallel
+from training.checkpoint_reader import load_model_for_eval
 from training.layout import data_parallel_size, launched_world_size
 from training.parallel.utils import vocab_range
 from training.runtime import device as tdev
 from training.runtime.distributed import init_distributed
-from training.checkpoint_reader import load_model_for_eval
 
 logger = logging.getLogger(__name__)
 

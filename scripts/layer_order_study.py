@@ -31,12 +31,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_ds_suite.core import atomic
 from training.config import OptimizerConfig
-from training.models.config import ModelConfig, padded_vocab_size
 from training.data.bert_data import BertDataset, BertVocab, MaskingConfig, collate
 from training.models.bert import BertModel, bert_loss
+from training.models.config import ModelConfig, padded_vocab_size
 from training.optim.adamw import lr_at, param_groups
-from megatron_ds_suite.core import atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     depths = [int(x) for x in args.depths.split(",")]
     if any(d < 1 for d in depths) or args.hidden % args.heads:
         ap.error("depths must be >= 1 and --hidden divisible by --heads")
-    from megatron_ds_suite.core.corpus import load_corpus
     from tqdm import tqdm
+
+    from megatron_ds_suite.core.corpus import load_corpus
 
     corpus_dir = (ROOT / args.corpus) if not Path(args.corpus).is_absolute() else Path(args.corpus)
     ensure_corpus(corpus_dir)

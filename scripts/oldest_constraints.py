@@ -22,9 +22,10 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import tomllib
 from pathlib import Path
 from typing import Optional
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

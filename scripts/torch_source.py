@@ -29,9 +29,9 @@ import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Callable, Optional
-from importlib import metadata
 
 CPU_INDEX_URL = "https://download.pytorch.org/whl/cpu"
 # The project's lower bound on torch (pyproject.toml: "torch>=2.4"; tests/e2e/test_setup_env.py keeps the two equal).

@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from megatron_ds_suite.core import atomic
+from megatron_ds_suite.core.errors import ConfigError
 from training import checkpoint_catalog as catalog
 from training import safe_load
 from training.checkpoint_reader import canonical_name, checkpoint_dir, read_client_state
-from megatron_ds_suite.core.errors import ConfigError
 from training.config import Config
 from training.safe_load import CheckpointError
-from megatron_ds_suite.core import atomic
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -210,7 +210,7 @@ def save(engine: DeepSpeedEngine, model: torch.nn.Module, state: TrainState, ps:
     return root / tag
 
 
-def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: ModelDescription) -> bool:
+def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: ModelDescription) -> bool:  # noqa: C901
     """Resume ``state`` (and the engine) from the checkpoint :func:`training.checkpoint_catalog.plan_resume` picks
     (``latest``, or ``train.resume_tag``), if any; folders of saves that never finished (and, with an older
     ``train.resume_tag``, the newer checkpoints) are moved aside by rank 0, never deleted. Returns True when it

@@ -173,7 +173,7 @@ class ResumePlan:
     explicit: bool = False  # ``tag`` is the user's train.resume_tag
 
 
-def plan_resume(run_dir: str | Path, resume_tag: str | None = None) -> ResumePlan:
+def plan_resume(run_dir: str | Path, resume_tag: str | None = None) -> ResumePlan:  # noqa: C901
     """Where a run in ``run_dir`` resumes from (see the module docstring); reads only. Raises CheckpointError for
     every state in which going on could lose a checkpoint or train from the wrong one."""
     root = checkpoint_dir(run_dir)

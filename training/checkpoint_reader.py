@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_ds_suite.core.errors import ConfigError
 from training import checkpoint_catalog as catalog
 from training import safe_load
 from training.checkpoint_catalog import LATEST, check_tag, checkpoint_dir  # noqa: F401 - re-exported
-from megatron_ds_suite.core.errors import ConfigError
 from training.config import Config, config_from_dict
-from training.safe_load import CheckpointError, CheckpointMissing  # noqa: F401 - CheckpointError re-exported
 from training.parallel.mappings import group_rank, group_size
 from training.parallel.sharding import merge_tagged, shard_tagged
+from training.safe_load import CheckpointError, CheckpointMissing  # noqa: F401 - CheckpointError re-exported
 
 
 def latest_tag(run_dir: str | Path) -> str | None:

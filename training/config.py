@@ -16,10 +16,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from megatron_ds_suite.core.config import (AtLeastOne, Fraction, Freezable, NonNegative, Positive, Range, build_dataclass,
-                                            check_ranges)
+from megatron_ds_suite.core.config import (
+    AtLeastOne,
+    Fraction,
+    Freezable,
+    NonNegative,
+    Positive,
+    Range,
+    build_dataclass,
+    check_ranges,
+)
 from megatron_ds_suite.core.config_yaml import apply_overrides, overrides_to_dict, read_yaml
 from megatron_ds_suite.core.errors import ConfigError
+
 # the model section's types: Config's annotations name them, and build_dataclass resolves those names in this
 # module's namespace (a genuine use, not a re-export for callers: they import from training.models.config)
 from training.models.config import OLD_RECOMPUTE_KEY, ModelConfig, validate_model_options, validate_shape
@@ -290,7 +299,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
-def validate_static(cfg: Config) -> None:
+def validate_static(cfg: Config) -> None:  # noqa: C901
     """Checks that need no process group: sizes, divisibility, ranges (the ranges declared on the fields,
     :func:`check_ranges`, first: a config an importer built in Python has not been through the loader)."""
     check_ranges(cfg)

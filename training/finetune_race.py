@@ -26,8 +26,8 @@ if __name__ == "__main__":  # run as `python -m`: process settings before torch 
 import logging
 from pathlib import Path
 
-from training.cli import exit_process, launcher_parser, report_error, setup_rank_logging
 from megatron_ds_suite.core.errors import ConfigError, SuiteError
+from training.cli import exit_process, launcher_parser, report_error, setup_rank_logging
 from training.config import Config, config_from_dict
 from training.layout import launch_layout
 from training.runtime.launch import run_locked
@@ -41,7 +41,7 @@ TUNABLE_MODEL_KEYS = {"hidden_dropout", "attention_dropout", "recompute", "activ
 # --------------------------------------------------------------------------------------------------
 # Config: pretrained checkpoint's config <- race.yaml <- overrides
 # --------------------------------------------------------------------------------------------------
-def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -> tuple[Config, dict]:
+def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -> tuple[Config, dict]:  # noqa: C901
     """The fine-tuning Config and the pretrained checkpoint's metadata. Raises ConfigError."""
     from megatron_ds_suite.configs_lookup import find_config
     from megatron_ds_suite.core.config_yaml import apply_overrides, merge_dicts, read_yaml
@@ -121,8 +121,8 @@ def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -
 def train_race(cfg: Config, meta: dict, run_dir_locked: bool = False) -> dict:
     """Fine-tune: :func:`training.resolve.resolve_run` with the RACE task, then the trainer. Returns the RACE
     results (also in RUN_DIR/race_results.json); ``run_dir_locked`` as in :meth:`Trainer.train`."""
-    from training.tasks.race import RaceTask
     from training.resolve import resolve_run
+    from training.tasks.race import RaceTask
     from training.trainer import Trainer
 
     run = resolve_run(cfg, lambda c, ps, dp: RaceTask(c, meta, ps, dp))

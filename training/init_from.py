@@ -26,11 +26,11 @@ import torch
 
 from megatron_ds_suite.core.config import build_dataclass
 from megatron_ds_suite.core.errors import ConfigError
-from training.config import Config
-from training.models.config import ModelConfig, RopeScalingConfig
 from training import checkpoint_catalog as catalog
 from training.checkpoint_catalog import plan_resume
 from training.checkpoint_reader import canonical_name, load_merged_state_dict, read_client_state
+from training.config import Config
+from training.models.config import ModelConfig, RopeScalingConfig
 from training.parallel.sharding import is_vocab_sized, resize_vocab_rows, shard
 from training.runtime.run_lock import overlapping_input
 

@@ -13,8 +13,8 @@ if __name__ == "__main__":  # run as `python -m`: process settings before torch 
 
     configure()
 
-from training.cli import exit_process, launcher_parser, report_error, setup_rank_logging
 from megatron_ds_suite.core.errors import SuiteError
+from training.cli import exit_process, launcher_parser, report_error, setup_rank_logging
 from training.config import Config, load_config
 from training.layout import launch_layout
 from training.runtime.launch import run_locked

@@ -324,7 +324,7 @@ class Trainer:
         dist.all_reduce(total, group=self.ps.dp_group)
         return total.item() / (n * self.dp)
 
-    def train(self, run_dir_locked: bool = False) -> dict:
+    def train(self, run_dir_locked: bool = False) -> dict:  # noqa: C901
         """Train to ``train.iters``, resuming from the newest checkpoint in RUN_DIR if there is one.
 
         One run per run directory: train() takes RUN_DIR's lock (:func:`run_lock.acquire_for_rank0`, a

@@ -18,15 +18,47 @@ from pathlib import Path
 
 import numpy as np
 
-from data_pipeline.dedup.hashing import (FINGERPRINT_VERSION, ShingleSpec, jaccard, shingle_fingerprints_batch,
-                                         shingle_hashes, shingle_hashes_batch, shingle_set, shingle_sets_batch, units,
-                                         word_unit_hashes, xxh64_short)
-from data_pipeline.dedup.lsh import (LshSpec, band_pairs, bucket_pairs, candidate_probability, candidates_in_memory,
-                                     lsh_params, make_lsh)
-from data_pipeline.dedup.minhash import (ShingleCache, Signer, chunk_files, compute_signatures, remove_stale_tmp,
-                                         sign_chunk)
-from data_pipeline.dedup.verify import (DedupResult, UnionFind, cluster, duplicate_rows, jaccard_sorted,
-                                        verify_and_cluster, verify_block, verify_pairs, visit_measured)
+from data_pipeline.dedup.hashing import (
+    FINGERPRINT_VERSION,
+    ShingleSpec,
+    jaccard,
+    shingle_fingerprints_batch,
+    shingle_hashes,
+    shingle_hashes_batch,
+    shingle_set,
+    shingle_sets_batch,
+    units,
+    word_unit_hashes,
+    xxh64_short,
+)
+from data_pipeline.dedup.lsh import (
+    LshSpec,
+    band_pairs,
+    bucket_pairs,
+    candidate_probability,
+    candidates_in_memory,
+    lsh_params,
+    make_lsh,
+)
+from data_pipeline.dedup.minhash import (
+    ShingleCache,
+    Signer,
+    chunk_files,
+    compute_signatures,
+    remove_stale_tmp,
+    sign_chunk,
+)
+from data_pipeline.dedup.verify import (
+    DedupResult,
+    UnionFind,
+    cluster,
+    duplicate_rows,
+    jaccard_sorted,
+    verify_and_cluster,
+    verify_block,
+    verify_pairs,
+    visit_measured,
+)
 from data_pipeline.doc_store import DocStore
 
 

@@ -19,13 +19,20 @@ from pathlib import Path
 import numpy as np
 
 from data_pipeline.dedup.edges import edge_files
-from data_pipeline.dedup.minhash import ShingleCache
-from data_pipeline.dedup.verify import (AcceptedEdges, DedupResult, UnionFind, duplicate_rows, jaccard_sorted,
-                                        pair_blocks, visit_measured)
-from data_pipeline.doc_store import DocStore
-from data_pipeline.files import atomic_save_npy, write_jsonl_atomic
 from data_pipeline.dedup.exact import merge_copies
 from data_pipeline.dedup.exact_sharded import SubsetPositions, read_dups
+from data_pipeline.dedup.minhash import ShingleCache
+from data_pipeline.dedup.verify import (
+    AcceptedEdges,
+    DedupResult,
+    UnionFind,
+    duplicate_rows,
+    jaccard_sorted,
+    pair_blocks,
+    visit_measured,
+)
+from data_pipeline.doc_store import DocStore
+from data_pipeline.files import atomic_save_npy, write_jsonl_atomic
 
 
 def replay_edges(edge_dir: Path, ranges: int, n: int, threshold: float) -> tuple[DedupResult, AcceptedEdges]:

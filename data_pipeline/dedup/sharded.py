@@ -35,14 +35,22 @@ from typing import Any
 from data_pipeline.dedup.buckets import BucketJob, ReduceJob, bucket_chunk, reduce_partition
 from data_pipeline.dedup.components import ComponentsJob, components_task, replay_edges
 from data_pipeline.dedup.edges import MeasureJob, RangeJob, measure_pairs, verify_range
-from data_pipeline.dedup.exact_sharded import (DOCS_PER_GROUP, KeyMapJob, KeyReduceJob, SubsetJob, key_map, key_reduce,
-                                               shard_groups, write_subset_group)
+from data_pipeline.dedup.exact_sharded import (
+    DOCS_PER_GROUP,
+    KeyMapJob,
+    KeyReduceJob,
+    SubsetJob,
+    key_map,
+    key_reduce,
+    shard_groups,
+    write_subset_group,
+)
 from data_pipeline.dedup.hashing import ShingleSpec
 from data_pipeline.dedup.lsh import LshSpec
 from data_pipeline.dedup.minhash import sign_chunk, sign_jobs
 from data_pipeline.dedup.verify import DedupResult, pair_blocks
-from data_pipeline.executor import LocalExecutor
 from data_pipeline.doc_store import DocStore
+from data_pipeline.executor import LocalExecutor
 from data_pipeline.store import write_text_from
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,20 @@ chunk with its own completion marker, so a crashed run resumes without recomputi
 from __future__ import annotations
 
 from data_pipeline.report import summary_table
-from data_pipeline.stages.bookkeeping import (STAGES, StageError, assemble_stats, begin_stage, digest, finish_stage,
-                                              fingerprint, is_done, progress_bar, require_stage, stage_record,
-                                              work_dir)
+from data_pipeline.stages.bookkeeping import (
+                                              STAGES,
+                                              StageError,
+                                              assemble_stats,
+                                              begin_stage,
+                                              digest,
+                                              fingerprint,
+                                              finish_stage,
+                                              is_done,
+                                              progress_bar,
+                                              require_stage,
+                                              stage_record,
+                                              work_dir,
+)
 from data_pipeline.stages.dedup import dedup_specs, run_dedup
 from data_pipeline.stages.export import document_row, run_export
 from data_pipeline.stages.filter import run_filter, save_token_ids

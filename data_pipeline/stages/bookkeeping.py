@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from data_pipeline.config import BuildConfig
-from data_pipeline.sources import input_fingerprint
 from data_pipeline.doc_store import DocStore
 from data_pipeline.files import atomic_write_json, read_json, reset_dir
+from data_pipeline.report import StageTimer
+from data_pipeline.sources import input_fingerprint
 from data_pipeline.store import REBUILD, STORE_FORMAT, ShardCheck, StoreError, done_shards
 from megatron_ds_suite.core.errors import SuiteError
-from data_pipeline.report import StageTimer
 
 log = logging.getLogger(__name__)
 

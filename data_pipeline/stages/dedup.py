@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from data_pipeline.config import BuildConfig
-from data_pipeline.executor import Executor
-from data_pipeline.stages.bookkeeping import StageRun, digest, fingerprint, open_store, work_dir
 from data_pipeline.doc_store import DocStore
+from data_pipeline.executor import Executor
 from data_pipeline.files import atomic_save_npy, write_jsonl_atomic
+from data_pipeline.stages.bookkeeping import StageRun, digest, fingerprint, open_store, work_dir
 
 if TYPE_CHECKING:
     from data_pipeline.dedup import LshSpec, ShingleSpec

@@ -10,17 +10,24 @@ from typing import Any
 import numpy as np
 
 from data_pipeline.config import BuildConfig
-from data_pipeline.executor import Executor
-from data_pipeline.stages.bookkeeping import (StageRun, assemble_stats, open_store, reconcile, require_stage,
-                                              stage_tokenizer_spec, work_dir)
-from data_pipeline.stages.tokenizer import load_stage_tokenizer
 from data_pipeline.doc_store import DocStore
+from data_pipeline.executor import Executor
 from data_pipeline.files import atomic_write_json, write_jsonl_atomic
-from data_pipeline.store import REBUILD, ShardCheck, ShardReader, StoreError, done_shards, load_index, shard_name
-from megatron_ds_suite.core import atomic
 from data_pipeline.overlap import contaminated_positions, load_eval_set
 from data_pipeline.sentences import split_sentences
+from data_pipeline.stages.bookkeeping import (
+    StageRun,
+    assemble_stats,
+    open_store,
+    reconcile,
+    require_stage,
+    stage_tokenizer_spec,
+    work_dir,
+)
 from data_pipeline.stages.filter import cached_tokenizer, token_ids_of_shard
+from data_pipeline.stages.tokenizer import load_stage_tokenizer
+from data_pipeline.store import REBUILD, ShardCheck, ShardReader, StoreError, done_shards, load_index, shard_name
+from megatron_ds_suite.core import atomic
 
 
 def document_row(rec: dict[str, Any]) -> dict[str, Any]:
@@ -136,7 +143,7 @@ def _export_shard(job: ExportJob) -> ExportPiece:
                        *bert)
 
 
-def run_export(cfg: BuildConfig, executor: Executor) -> dict[str, Any]:
+def run_export(cfg: BuildConfig, executor: Executor) -> dict[str, Any]:  # noqa: C901
     """Write the kept documents, indexed datasets, rejects, duplicates, ``stats.json`` and the manifest."""
     from megatron_ds_suite.core.corpus import write_manifest
     from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype

@@ -15,12 +15,20 @@ import numpy as np
 
 from data_pipeline.config import BuildConfig
 from data_pipeline.executor import Executor
-from data_pipeline.words import WordIndex, encode_indexed
-from data_pipeline.stages.bookkeeping import (StageRun, require_stage, stage_record,
-                                              stage_tokenizer_spec, work_dir)
 from data_pipeline.files import atomic_save_npy, write_jsonl_atomic
-from data_pipeline.store import (ShardCheck, ShardReader, done_shards, load_index, seal_shard, shard_counts,
-                                 shard_name, verify_files, write_text_from)
+from data_pipeline.stages.bookkeeping import StageRun, require_stage, stage_record, stage_tokenizer_spec, work_dir
+from data_pipeline.store import (
+    ShardCheck,
+    ShardReader,
+    done_shards,
+    load_index,
+    seal_shard,
+    shard_counts,
+    shard_name,
+    verify_files,
+    write_text_from,
+)
+from data_pipeline.words import WordIndex, encode_indexed
 from megatron_ds_suite.core.tokenizer import load_tokenizer
 
 

@@ -13,15 +13,15 @@ import numpy as np
 
 from data_pipeline.clean import clean_text
 from data_pipeline.config import BuildConfig
-from data_pipeline.executor import Executor
-from data_pipeline.sources import REJECT_REASONS, RawRecord, check_sources, iter_records
-from data_pipeline.stages.bookkeeping import StageRun, StageError
 from data_pipeline.dedup.exact import text_key
+from data_pipeline.executor import Executor
 from data_pipeline.files import atomic_save_npy, read_word_list, write_jsonl_atomic, write_word_list
+from data_pipeline.sources import REJECT_REASONS, RawRecord, check_sources, iter_records
+from data_pipeline.stages.bookkeeping import StageError, StageRun
 from data_pipeline.store import ShardWriter, done_shards, shard_counts, shard_name
-from megatron_ds_suite.core import atomic
 from data_pipeline.tokenizer_train import WordCounts
 from data_pipeline.words import GPT2_WHITESPACE, SPM_IDENTITY, WordIndex, training_counts
+from megatron_ds_suite.core import atomic
 
 log = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from data_pipeline.config import BuildConfig, ConfigError
 from data_pipeline.executor import executor_for
+from data_pipeline.files import atomic_write_json
 from data_pipeline.report import peak_rss_mib
 from data_pipeline.stages.bookkeeping import STAGES, assemble_stats, is_done
 from data_pipeline.stages.dedup import run_dedup
@@ -19,7 +20,6 @@ from data_pipeline.stages.export import run_export
 from data_pipeline.stages.filter import run_filter
 from data_pipeline.stages.ingest import run_ingest
 from data_pipeline.stages.tokenizer import run_tokenizer
-from data_pipeline.files import atomic_write_json
 from data_pipeline.workers import reading_work_files
 from megatron_ds_suite.core.folder_lock import folder_lock
 

@@ -5,10 +5,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from data_pipeline.config import BuildConfig
+from data_pipeline.doc_store import DocStore
 from data_pipeline.executor import Executor
 from data_pipeline.stages.bookkeeping import StageRun, open_store, record_spec, stage_tokenizer_spec
 from data_pipeline.stages.ingest import WORD_COUNT_FILES, read_word_counts, trains_on_word_counts
-from data_pipeline.doc_store import DocStore
 from data_pipeline.store import shard_texts, verify_files
 from data_pipeline.tokenizer_train import MAX_SENTENCES, WordCounts, count_training_words, train_sentencepiece
 from megatron_ds_suite.core.corpus import copy_tokenizer_files

@@ -6,12 +6,12 @@ why these are functions here and not the modules' own ``main``: importing the st
 """
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
 import argparse
+import importlib
 import os
 import shutil
+import sys
+from pathlib import Path
 
 from megatron_ds_suite.configs_lookup import bundled_config, list_configs
 from megatron_ds_suite.core.program import set_command

@@ -13,9 +13,9 @@ reads, and their hostile variants are made from them.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import sys
 import threading
+from pathlib import Path
 
 import torch
 
@@ -68,7 +68,7 @@ def _megatron_layer(ours: str) -> str:
             "attn.proj": "self_attention.dense", "mlp.fc": "mlp.dense_h_to_4h", "mlp.proj": "mlp.dense_4h_to_h"}[ours]
 
 
-def write_megatron_gpt2(save: Path, tp: int = 2, pp: int = 1, layers: int = 2, hidden: int = 16, heads: int = 4,
+def write_megatron_gpt2(save: Path, tp: int = 2, pp: int = 1, layers: int = 2, hidden: int = 16, heads: int = 4,  # noqa: C901
                         positions: int = 32, vocab: int = 50257, divisible_by: int = 128, iteration: int = 7,
                         seed: int = 0) -> dict[str, torch.Tensor]:
     """Write the checkpoint (module docstring) under ``save``; returns its full tensors in our names (the word

@@ -138,7 +138,7 @@ def build_dataclass(cls: type[T], data: Any, where: str = "") -> T:
     return cls(**kwargs)
 
 
-def coerce(value: Any, tp: Any, where: str, finite: bool = True) -> Any:
+def coerce(value: Any, tp: Any, where: str, finite: bool = True) -> Any:  # noqa: C901
     """Check ``value`` against the annotation ``tp``; returns it (ints as floats for ``float``). A ``float`` must be
     finite unless ``finite`` is false (``Annotated[float, Range(finite=False)]``)."""
     if tp is Any:

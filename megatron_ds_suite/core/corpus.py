@@ -119,7 +119,7 @@ class Corpus:
         return self.manifest.get("extra", {})
 
 
-def load_corpus(root: str | Path) -> Corpus:
+def load_corpus(root: str | Path) -> Corpus:  # noqa: C901
     """Read ``root/corpus.json``, load the tokenizer and check that the named datasets exist."""
     root = Path(root)
     path = root / MANIFEST_NAME

@@ -34,7 +34,6 @@ import numpy as np
 
 from megatron_ds_suite.core.errors import SuiteError
 
-
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_SIZE = 34  # 9 + 8 + 1 + 8 + 8
@@ -137,7 +136,7 @@ class MMapIndexedDataset:
     def __init__(self, prefix: str | Path, verify: bool = False) -> None:
         self._open(Path(prefix), verify)
 
-    def _open(self, prefix: Path, verify: bool) -> None:
+    def _open(self, prefix: Path, verify: bool) -> None:  # noqa: C901
         self.prefix = prefix
         self._verify = verify
         idx_path, bin_path = index_file_path(prefix), data_file_path(prefix)

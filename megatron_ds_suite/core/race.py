@@ -137,7 +137,7 @@ class RaceReadReport:
         self.skipped += n
 
 
-def read_race_dir(path: str | Path, level: str | None = None, report: RaceReadReport | None = None) -> tuple[list[RaceQuestion], RaceReadReport]:
+def read_race_dir(path: str | Path, level: str | None = None, report: RaceReadReport | None = None) -> tuple[list[RaceQuestion], RaceReadReport]:  # noqa: C901
     """Questions of every ``*.txt`` in one directory (sorted by name, so the order is deterministic)."""
     d = Path(path)
     report = report if report is not None else RaceReadReport()

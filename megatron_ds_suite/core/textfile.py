@@ -2,8 +2,8 @@
 replacement characters)."""
 from __future__ import annotations
 
-from pathlib import Path
 import json
+from pathlib import Path
 
 from megatron_ds_suite.core.errors import SuiteError
 

@@ -239,7 +239,7 @@ class SentencePieceTokenizer(Tokenizer):
         }
 
 
-def load_tokenizer(spec: dict[str, Any], base_dir: str | Path | None = None) -> Tokenizer:
+def load_tokenizer(spec: dict[str, Any], base_dir: str | Path | None = None) -> Tokenizer:  # noqa: C901
     """Rebuild a tokenizer from :meth:`Tokenizer.spec`.  Relative file paths resolve against ``base_dir``.
 
     If the spec records ``vocab_size``/``eod`` and the files' ``sha256`` (every spec written since issue

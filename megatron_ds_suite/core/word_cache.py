@@ -141,7 +141,7 @@ class WordCache:
         first = np.cumsum(lens) - lens
         return self._ids[np.repeat(self._start[rows] - first, lens) + np.arange(int(lens.sum()))], lens
 
-    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:  # noqa: C901
         """(ids of all texts concatenated, int64; tokens per text, int64)."""
         parts = [self.split(t) for t in texts]
         if self._n_words > self.cache_limit:

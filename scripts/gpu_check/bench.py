@@ -12,7 +12,6 @@ from pathlib import Path
 
 from scripts.gpu_check.context import ROOT
 
-
 # (micro-batch, activation recompute): full recompute at micro-batch 4 (what the config held before its
 # recompute became `auto`, and the first GPU run's 17.5 % MFU), then none at 8 and 16 (auto's choice on 80 GB)
 VARIANTS_1P2B = ((4, True), (8, False), (16, False))
@@ -98,8 +97,8 @@ def bench_trainer(config: Path, variants: list[tuple[dict, Callable[[str], dict[
     import torch
 
     from training.config import load_config
-    from training.runtime.distributed import init_distributed
     from training.resolve import resolve_run
+    from training.runtime.distributed import init_distributed
     from training.trainer import Trainer
 
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")

@@ -7,9 +7,15 @@ import json
 import math
 from collections.abc import Callable
 
-from scripts.gpu_check.bench import (HF_MICRO_1P2B, describe_1p2b, describe_hf, hf_1p2b_command, llama_1b_overrides,
-                                     load_llama_1b)
-from scripts.gpu_check.context import Context, ROOT, loss_falls, metrics
+from scripts.gpu_check.bench import (
+    HF_MICRO_1P2B,
+    describe_1p2b,
+    describe_hf,
+    hf_1p2b_command,
+    llama_1b_overrides,
+    load_llama_1b,
+)
+from scripts.gpu_check.context import ROOT, Context, loss_falls, metrics
 from scripts.gpu_check.first_update import FIRST_UPDATE_TOL
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from scripts.gpu_check.bench import bench_1p2b, bench_llama_1b
 from scripts.gpu_check.checks import CHECKS, NAMES, NEEDS, RUN_DIRS
-from scripts.gpu_check.context import Context, DEFAULT_DATA, ROOT, Row
+from scripts.gpu_check.context import DEFAULT_DATA, ROOT, Context, Row
 from scripts.gpu_check.first_update import first_update
 from scripts.gpu_check.steps import compare_hf, prepare_bert_corpus
 
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: C901
     args = parse_args(argv)
     if args.prepare_bert_corpus:
         prepare_bert_corpus(args.prepare_bert_corpus, args.data)

@@ -3,7 +3,6 @@ fp16 wrapper against Megatron's step-1 update.
 """
 from __future__ import annotations
 
-
 FIRST_UPDATE_TOL = 1e-5  # fp32 masters, |update| ~ lr = 1e-2: Adam's sqrt and division round at ~1e-7 relative
 
 

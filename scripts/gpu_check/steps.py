@@ -16,10 +16,10 @@ def prepare_bert_corpus(root: Path, data: Path) -> None:
     Botchan and Tiny Shakespeare, with an 8,000-piece BERT-flavoured sentencepiece vocabulary."""
     import numpy as np
 
-    from megatron_ds_suite.core.corpus import write_manifest
-    from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
     from data_pipeline.sentences import split_sentences
     from data_pipeline.tokenizer_train import train_sentencepiece
+    from megatron_ds_suite.core.corpus import write_manifest
+    from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
 
     docs = []
     for name in ("botchan.txt", "tinyshakespeare.txt"):

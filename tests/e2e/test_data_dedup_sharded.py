@@ -14,9 +14,9 @@ from data_pipeline import dedup as dd
 from data_pipeline.config import config_from_dict
 from data_pipeline.dedup.buckets import BucketJob, ReduceJob, bucket_chunk, pair_file, reduce_partition
 from data_pipeline.dedup.sharded import dedup_sharded, layout, local_pmap
+from data_pipeline.doc_store import DocStore
 from data_pipeline.planted import planted_corpus, real_words
 from data_pipeline.stages import build
-from data_pipeline.doc_store import DocStore
 from data_pipeline.store import ShardWriter
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
@@ -144,9 +144,9 @@ def test_build_outputs_byte_identical_to_in_memory_dedup(words, tmp_path, exact)
         pytest.skip(f"GPT-2 tokenizer files not found under {GPT2}")
     import json
 
+    from data_pipeline.files import write_jsonl_atomic
     from data_pipeline.stages.bookkeeping import work_dir
     from data_pipeline.stages.dedup import dedup_specs
-    from data_pipeline.files import write_jsonl_atomic
     from tests.helpers.dedup_oracle import reference_dedup_files
 
     docs = _corpora(words)["mixed"] + _chains(words, 4, 12, seed=9)
@@ -263,8 +263,17 @@ def test_memory_benchmark_runs_and_both_paths_agree(words, tmp_path):
 
 def test_exact_map_reduce_equals_exact_representatives(words, tmp_path):
     from data_pipeline.dedup import exact as ex
-    from data_pipeline.dedup.exact_sharded import (KeyMapJob, KeyReduceJob, SubsetJob, SubsetPositions, key_map,
-                                                   key_reduce, read_dups, shard_groups, write_subset_group)
+    from data_pipeline.dedup.exact_sharded import (
+        KeyMapJob,
+        KeyReduceJob,
+        SubsetJob,
+        SubsetPositions,
+        key_map,
+        key_reduce,
+        read_dups,
+        shard_groups,
+        write_subset_group,
+    )
     from data_pipeline.files import atomic_write_json
     from data_pipeline.store import TEXT_FROM
 

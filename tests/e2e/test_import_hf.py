@@ -121,9 +121,8 @@ def test_bad_inputs_fail_with_one_line(source, tmp_path):
     assert err[0].startswith("error: --model gpt2 is not a local folder") and "--local-dir" in err[0]
     assert not (tmp_path / "x").exists()
 
-    from training.tools.import_hf import ImportHFError, import_hf
-
     from training.config import ConfigError
+    from training.tools.import_hf import ImportHFError, import_hf
 
     with pytest.raises(ConfigError, match="parallel.tensor=4 does not divide model.num_attention_heads=6"):
         import_hf(str(source), tmp_path / "y", tp=4)

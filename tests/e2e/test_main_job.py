@@ -229,9 +229,9 @@ def test_heldout_perplexity_matches_plain_torch(job):
     import torch
     import torch.nn.functional as F
 
-    from training.data.gpt_dataset import split_boundaries
     from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
     from training.checkpoint_reader import load_model_for_eval
+    from training.data.gpt_dataset import split_boundaries
 
     run = job["run"]
     h = json.loads((run / "eval" / "heldout.json").read_text())

@@ -121,8 +121,8 @@ def test_padding_range_id_at_tp2_is_one_line_from_the_launcher(tmp_path):
     to rank 0's store as rank 0 exits 2, is aborted by c10d (SIGABRT) or killed by the launcher (SIGKILL, SIGTERM),
     and the launcher then exits 256 - signal; that race is the launcher's, and a rank waiting at a barrier would
     instead hang until the timeout."""
-    from megatron_ds_suite.core.corpus import copy_tokenizer_files, write_manifest
     from data_pipeline.tokenizer_train import train_sentencepiece
+    from megatron_ds_suite.core.corpus import copy_tokenizer_files, write_manifest
 
     lines = [x for x in BOTCHAN.read_text(encoding="utf-8").splitlines() if x.strip()]
     tok = train_sentencepiece(lines, tmp_path / "spm" / "botchan", vocab_size=1000, flavor="gpt", seed=1)

@@ -14,6 +14,7 @@ import torch
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training_runs import ROOT, needs_corpus, resume_worker, tiny_overrides, train_worker
 
+
 @needs_corpus
 def test_tp2_dp2_and_zero1_match_tp1_dp1_and_loss_decreases(spm_model, tmp_path):
     # vocab 1000 pads to 1024 at TP=1 (x128) and at TP=2 (x256): identical initial weights

@@ -124,8 +124,7 @@ def test_latest_must_name_a_tag_inside_the_run(tmp_path, tag, message):
 
 def test_a_symlinked_tag_folder_is_refused(tmp_path):
     """checkpoints/iter_0000002 -> a folder elsewhere was followed (its files read as the run's checkpoint)."""
-    from training.checkpoint_reader import latest_tag, read_client_state
-    from training.checkpoint_reader import model_files
+    from training.checkpoint_reader import latest_tag, model_files, read_client_state
     from training.safe_load import CheckpointError
 
     run, _ = _evil_run(tmp_path)

@@ -46,9 +46,9 @@ def need(p: Path) -> Path:
 
 def write_bert_corpus(root: Path, docs: list[list[str]], flavor: str = "bert", bert: bool = True):
     """A corpus directory (manifest + tokenizer + sentence-level dataset) like `python -m data_pipeline build`."""
+    from data_pipeline.tokenizer_train import train_sentencepiece
     from megatron_ds_suite.core.corpus import write_manifest
     from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
-    from data_pipeline.tokenizer_train import train_sentencepiece
 
     texts = [" ".join(d) for d in docs]
     race_text = [json.loads(line)["article"] for f in sorted(need(RACE).glob("*/*/*.txt"))

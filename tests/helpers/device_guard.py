@@ -129,7 +129,7 @@ class EmulatedCuda(TorchFunctionMode):
         return out
 
     # -- the mode -----------------------------------------------------------------------------------
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: C901
         kwargs = dict(kwargs or {})
         self.ops += 1
         if func == torch.Tensor.device.__get__:

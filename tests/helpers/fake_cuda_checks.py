@@ -216,8 +216,8 @@ class Setup:
         if self._bert is None:
             from megatron_ds_suite.core.race import encode_questions, read_race_split
             from tests.helpers.corpora import botchan_docs, write_bert_corpus
-            from training.tasks.bert import BertTask
             from training.config import config_from_dict
+            from training.tasks.bert import BertTask
 
             root = self.work / "bert_corpus"
             tok = write_bert_corpus(root, botchan_docs())
@@ -244,8 +244,8 @@ def check_gpt_task_loss(s: Setup) -> None:
 
 def check_gpt_pipe_forward(s: Setup) -> None:
     """The pipeline's layers on batches moved as the trainer moves them for ``train_batch``."""
-    from training.runtime import device as tdev
     from training.models.gpt2_pipe import build_gpt2_pipe
+    from training.runtime import device as tdev
 
     pipe = fake_cuda(lambda: build_gpt2_pipe(s.gpt_cfg.model, s.padded, s.ps, seed=1))
     for batch in s.gpt.micro_batches(0):
@@ -331,8 +331,8 @@ def check_race_finetune_forward_and_accuracy_reduction(s: Setup) -> None:
 
 
 def check_race_scorer(s: Setup) -> None:
-    from megatron_ds_suite.core.race import collate
     from evaluation.race_model import multiple_choice_logits
+    from megatron_ds_suite.core.race import collate
     from training.models.bert import BertMultipleChoice
 
     task, cfg, tok, samples = s.bert()

@@ -3,5 +3,4 @@ import sys
 
 from tests.hostile.cli import main
 
-
 sys.exit(main())

@@ -51,7 +51,7 @@ def run_case(p: Probe, c: Case) -> dict:
             "note": note, "rc": res.rc, "seconds": round(time.monotonic() - t0, 1)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: C901
     ap = argparse.ArgumentParser(description=tests.hostile.__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--root", default=str(HERE), help="checkout whose commands are probed (default: this one)")
     ap.add_argument("--only", action="append", default=[],

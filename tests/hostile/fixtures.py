@@ -12,7 +12,6 @@ from pathlib import Path
 from tests.hostile.outcome import error_lines
 from tests.hostile.probe import Probe
 
-
 HERE = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("SHARED_DATA", HERE.parent / "shared" / "data"))
 if not SHARED.is_dir():

@@ -8,7 +8,6 @@ import re
 from tests.hostile.case import Case
 from tests.hostile.probe import Result
 
-
 OUTCOMES = ("clean", "traceback", "silent", "hang")
 AREAS = ("data_pipeline", "training", "evaluation", "tools")
 

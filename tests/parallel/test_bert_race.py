@@ -52,8 +52,8 @@ def test_real_race_files_encode_for_bert(bert_corpus):
 
 def test_finetuning_a_tiny_model_lowers_the_loss(bert_corpus):
     from megatron_ds_suite.core.race import collate, encode_questions, read_race_split
-    from training.models.config import ModelConfig
     from training.models.bert import BertMultipleChoice
+    from training.models.config import ModelConfig
 
     _, tok = bert_corpus
     qs, _ = read_race_split(need(RACE), "train")
@@ -159,8 +159,8 @@ def test_pretrain_tp2_then_finetune_tp2_then_score_tp1(bert_corpus, tmp_path):
 
 # --------------------------------------------------------------------------------------------------
 def test_bad_bert_data_fails_at_once_with_a_clear_message(tmp_path):
-    from training.tasks.bert import BertTask
     from training.config import ConfigError
+    from training.tasks.bert import BertTask
 
     docs = botchan_docs()[:20]
     gpt_vocab = tmp_path / "gptvocab"

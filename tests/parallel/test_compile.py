@@ -35,8 +35,8 @@ def _layer(cfg, group, bert: bool):
 def _explain_worker(rank, world, dropout, extra=None, bert=False):
     import torch._dynamo as dynamo
 
-    from training.models.config import ModelConfig
     from training.models.bert import attention_mask
+    from training.models.config import ModelConfig
     from training.parallel import random as tp_random
     from training.parallel.mappings import COLLECTIVE_CALLS
     from training.parallel.state import ParallelState
@@ -88,8 +88,8 @@ def _checkpointed_graphs_worker(rank, world, bert):
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters
 
-    from training.models.config import ModelConfig
     from training.models.bert import attention_mask
+    from training.models.config import ModelConfig
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
 
@@ -176,9 +176,9 @@ def test_compiled_model_parallel_stream_differs_across_tp_ranks_and_repeats_per_
 
 
 def _grads_worker(rank, world, runs, extra=None, bert=False):
-    from training.models.config import ModelConfig
     from training.models.bert import BertModel
     from training.models.compile_layers import compile_layers
+    from training.models.config import ModelConfig
     from training.models.gpt2 import GPTModel
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
@@ -274,9 +274,9 @@ def test_cuda_graph_needs_a_gpu():
     """``model.cuda_graph=true`` is refused in one line where there is no CUDA GPU (scripts/gpu_check.sh
     ``--only cuda_graph`` exercises it on one)."""
     from megatron_ds_suite.core.errors import ConfigError
-    from training.models.config import ModelConfig
     from training.models.blocks import TransformerLayer
     from training.models.compile_layers import compile_layers
+    from training.models.config import ModelConfig
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is present")

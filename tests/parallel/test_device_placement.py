@@ -76,8 +76,8 @@ def _gpt_overrides(run_dir: Path) -> list[str]:
 
 
 def _race_samples(tok_spec: dict):
-    from megatron_ds_suite.core.tokenizer import load_tokenizer
     from megatron_ds_suite.core.race import encode_questions, read_race_split
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
 
     qs, _ = read_race_split(RACE, "dev")
     return encode_questions(qs, load_tokenizer(tok_spec), 48)
@@ -115,8 +115,8 @@ def _guarded_eval(rank, run_dir, race_tok):
     from evaluation.model import load_scorer, setup_runtime
     from evaluation.tasks import lambada_eval, wikitext_eval
     from evaluation.wikitext import first_lines
-    from training.runtime import device as tdev
     from training.models.bert import BertMultipleChoice
+    from training.runtime import device as tdev
     from training.tasks.race import dp_accuracy
 
     text = first_lines(WIKITEXT.read_text(encoding="utf-8"), 12)

@@ -103,7 +103,6 @@ def _json_targets(tmp_path: Path) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("task", ["generate", "wikitext103", "lambada", "lm-eval"])
 def test_an_unwritable_json_path_is_refused_before_anything_is_scored(random_gpt2, tmp_path, capsys, monkeypatch, task):
     import evaluation.model as model
-
     from evaluation.cli import main
 
     def never(*a, **k):  # noqa: ARG001

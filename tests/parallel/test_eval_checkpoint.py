@@ -80,8 +80,8 @@ def test_cli_wikitext_and_lambada(runs, tmp_path, capsys):
     # brute force with the exported HF model: every target once, window of L=32 ending at it, stride 8
     export(runs[2], tmp_path / "hf")
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
-    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
     from evaluation.detokenizer import wikitext_detokenizer
+    from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer
 
     tok = GPT2BPETokenizer(GPT2 / "gpt2-vocab.json", GPT2 / "gpt2-merges.txt")
     ids = tok.encode(wikitext_detokenizer(raw))

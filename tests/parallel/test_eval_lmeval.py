@@ -154,9 +154,9 @@ def exported_sentencepiece(tmp_path_factory):
     from data_pipeline.tokenizer_train import train_sentencepiece
     from training.config import Config
     from training.models.config import ModelConfig, padded_vocab_size
+    from training.models.gpt2 import GPTModel
     from training.tools.export_hf import export
     from training.tools.import_hf import write_checkpoint
-    from training.models.gpt2 import GPTModel
 
     root = tmp_path_factory.mktemp("lmeval_spm")
     tok = train_sentencepiece([BOTCHAN.read_text(encoding="utf-8")], root / "spm" / "gpt", 2000, "gpt")

@@ -13,8 +13,8 @@ def _own_groups(rank, world, port):
     import os
 
     import torch.distributed as dist
-
     from deepspeed import comm as ds_comm
+
     from evaluation.model import setup_runtime
 
     dist.destroy_process_group()

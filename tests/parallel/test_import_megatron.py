@@ -132,7 +132,7 @@ def _nest(flat: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-def write_megatron_checkpoint(save: Path, shards: list[dict], arch: str, vocab: int, version: float | None,
+def write_megatron_checkpoint(save: Path, shards: list[dict], arch: str, vocab: int, version: float | None,  # noqa: C901
                               pp: int = 1, iteration: int = 7, **arg_overrides) -> Path:
     """Legacy Megatron-LM files from Megatron-Core shards (module docstring, step 2); ``version`` None = 3.0;
     ``pp`` = 2 splits the layers over two stages as Megatron's pipeline does (embedding on the first, the final
@@ -197,10 +197,10 @@ def write_megatron_checkpoint(save: Path, shards: list[dict], arch: str, vocab: 
 
 def _our_worker(rank: int, world: int, run: str, tokens, types_, pad):
     """Our model at the run's TP from its own shard files: full logits over the padded vocabulary."""
+    from training import safe_load
     from training.config import config_from_dict
     from training.models.bert import BertModel
     from training.models.gpt2 import GPTModel
-    from training import safe_load
 
     folder = Path(run) / "checkpoints" / "iter_0000000"
     state = safe_load.load(folder / f"mp_rank_{rank:02d}_model_states.pt")

@@ -141,8 +141,8 @@ def test_gqa_equals_mha_with_repeated_kv_heads(groups):
 
 
 def test_swiglu_mlp_and_width_rule():
-    from training.models.config import swiglu_ffn_size
     from training.models.blocks import ParallelMLP
+    from training.models.config import swiglu_ffn_size
 
     assert swiglu_ffn_size(4096) == 11008  # Llama 2 7B's width
     assert swiglu_ffn_size(96) == 256 and _cfg(activation="swiglu").ffn_size == 256
@@ -335,9 +335,9 @@ def test_llama_flops_match_the_flop_counter():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
+    from training.config import Config
     from training.models.gpt2 import GPTModel
     from training.plan.accounting import flops_per_iteration, model_flops_per_iteration
-    from training.config import Config
 
     cfg = Config(model=_cfg(**VARIANTS["llama"]))
     cfg.train.global_batch_size = 2
@@ -499,8 +499,9 @@ def test_import_and_export_llama_folders(tmp_path, kv_heads, theta, tied, tp, pp
 
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
-    from evaluation.generate import GenerationOptions, generate
     from safetensors.torch import load_file
+
+    from evaluation.generate import GenerationOptions, generate
     from training.checkpoint_reader import load_model_for_eval
     from training.tools.export_hf import export
     from training.tools.import_hf import import_hf
@@ -574,6 +575,7 @@ def test_mistral_and_qwen2_folders_import_and_export(tmp_path, family, tp):
     if not GPT2_TOKENIZER.is_dir():
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
     from safetensors.torch import load_file
+
     from training.checkpoint_reader import load_model_for_eval
     from training.tools.export_hf import export
     from training.tools.hf_llama import LlamaMappingError

@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import pytest
 
-from training.runtime.spawn import run_distributed
 from training.plan.accounting import ModelShape
 from training.plan.memory import activation_bytes_per_layer, activation_element_bytes
+from training.runtime.spawn import run_distributed
 
 B, H, HEADS, VOCAB = 2, 64, 4, 256
 # The saved tensors are the plan up to the LayerNorms' mean and 1/std (+0.15 to +0.52 % at these shapes, the same on
@@ -93,11 +93,11 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def _worker(rank: int, world: int, seq: int, sp: bool) -> dict:
+def _worker(rank: int, world: int, seq: int, sp: bool) -> dict:  # noqa: C901
     import torch
 
-    from training.models.config import ModelConfig
     from training.models.blocks import TransformerLayer
+    from training.models.config import ModelConfig
     from training.models.gpt2 import GPTModel
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState

@@ -60,10 +60,10 @@ def test_auto_counts_attention_scores_where_they_are_kept():
 
 
 def test_planner_report_names_the_choice():
-    from training.plan.cli import main
-
     import contextlib
     import io
+
+    from training.plan.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -2,7 +2,6 @@
 checkpoint continues with the original losses."""
 from __future__ import annotations
 
-
 import torch
 
 from tests.helpers.distributed import run_distributed

@@ -14,8 +14,8 @@ from tests.helpers.training_runs import metric_steps, needs_corpus, tiny_overrid
 
 def _state(run_dir: Path, tag: str) -> tuple[dict, dict]:
     """(merged fp32 masters and moments read by DeepSpeed in the run's own layout, checkpoint metadata)."""
-    from training.tools import reshard_optim
     from training.checkpoint_reader import load_merged_state_dict
+    from training.tools import reshard_optim
 
     _, _, meta = load_merged_state_dict(run_dir, tag)
     return reshard_optim.extract(run_dir, tag, meta, run_dir.parent / f".extract_{run_dir.name}"), meta

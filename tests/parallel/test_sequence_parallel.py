@@ -250,10 +250,10 @@ def _train(model_name: str, tp: int, pp: int, ckpt: bool, gas: int, sp: bool) ->
     from training.models.blocks import NORMS
     from training.models.gpt2 import GPTModel
     from training.models.gpt2_pipe import build_gpt2_pipe
-    from training.parallel.layers import RowParallelLinear
     from training.optim.adamw import build_optimizer
     from training.optim.engine import build_engine
     from training.parallel import random as tp_random
+    from training.parallel.layers import RowParallelLinear
     from training.parallel.state import ParallelState
 
     cfg = Config()
@@ -365,10 +365,8 @@ def _trainer_worker(rank: int, world: int, work: str) -> dict:
     from tests.helpers.device_guard import emulated_cuda_run
     from tests.helpers.distributed import SHARED_DATA
     from training.config import load_config
-    from training.resolve import resolve_run
+    from training.resolve import allow_fp16_on_cpu, resolve_run
     from training.trainer import Trainer
-
-    from training.resolve import allow_fp16_on_cpu
 
     allow_fp16_on_cpu()  # before the accelerator is made to report cuda: DeepSpeed's CPU one then runs fp16
     gpt2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"

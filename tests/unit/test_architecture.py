@@ -689,7 +689,7 @@ def _section_of(node: ast.AST, aliases: set[str]) -> bool:
     return False
 
 
-def config_writes(path: Path, source: str | None = None) -> list[str]:
+def config_writes(path: Path, source: str | None = None) -> list[str]:  # noqa: C901
     """``file:line`` of every assignment to a config section's field (``cfg.model.x = ...``, ``t.iters = ...``
     with ``t = cfg.train``, ``setattr(cfg.model, ...)``) in ``path`` (or ``source``)."""
     tree = ast.parse(source if source is not None else path.read_text(encoding="utf-8"))

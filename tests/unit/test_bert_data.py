@@ -7,8 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.data.bert_data import (BertDataError, BertDataset, BertVocab, MaskingConfig, build_samples_mapping,
-                                word_units)
+from training.data.bert_data import (
+    BertDataError,
+    BertDataset,
+    BertVocab,
+    MaskingConfig,
+    build_samples_mapping,
+    word_units,
+)
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 BOTCHAN = DATA / "corpus" / "botchan.txt"
@@ -34,9 +40,9 @@ def _documents() -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
+    from data_pipeline.tokenizer_train import train_sentencepiece
     from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
     from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
-    from data_pipeline.tokenizer_train import train_sentencepiece
 
     docs = _documents()
     root = tmp_path_factory.mktemp("bert_corpus")

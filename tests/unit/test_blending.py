@@ -134,6 +134,7 @@ def test_megatrons_own_blended_dataset_reads_our_prefixes_and_draws_our_sequence
     import sys
 
     import torch
+
     from tests.helpers.megatron_reference import compile_megatron_blend, megatron_source
     from training.data.loader import build_datasets, resolve_sources
 

@@ -10,10 +10,10 @@ import pytest
 
 import data_pipeline
 from data_pipeline.config import load_config
-from megatron_ds_suite.core.corpus import load_corpus
 from data_pipeline.default_corpus import iter_default_corpus
 from data_pipeline.stages import build, fingerprint, run_stage, work_dir
 from data_pipeline.store import done_shards, shard_name
+from megatron_ds_suite.core.corpus import load_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 

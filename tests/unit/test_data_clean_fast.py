@@ -5,16 +5,14 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from pathlib import Path
 
 import ftfy
 import pytest
 
 from data_pipeline.clean import clean_text, needs_ftfy, normalize_whitespace
 from data_pipeline.default_corpus import iter_default_corpus
-from pathlib import Path
-
 from tests.helpers.distributed import SHARED_DATA as _SHARED
-
 
 SHARED_DATA = Path(_SHARED)
 

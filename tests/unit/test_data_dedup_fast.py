@@ -13,8 +13,8 @@ import pytest
 import xxhash
 
 from data_pipeline import dedup as dd
-from data_pipeline.planted import planted_corpus, real_words
 from data_pipeline.doc_store import DocStore
+from data_pipeline.planted import planted_corpus, real_words
 from data_pipeline.store import ShardWriter
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"

@@ -9,9 +9,9 @@ import pytest
 
 from data_pipeline.config import config_from_dict
 from data_pipeline.dedup.exact import exact_representatives, text_keys
+from data_pipeline.doc_store import DocStore
 from data_pipeline.planted import planted_corpus, real_words
 from data_pipeline.stages import build, run_stage, work_dir
-from data_pipeline.doc_store import DocStore
 from tests.helpers.distributed import SHARED_DATA
 
 DATA = Path(SHARED_DATA)

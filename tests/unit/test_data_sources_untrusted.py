@@ -72,6 +72,7 @@ def test_chunk_size_change_keeps_dedup_exact_and_stale_tmp_is_removed(tmp_path):
     """Signatures cached with one dedup.chunk_size must not be reused with another (issue 14 #8)."""
     import os
     import time
+    from pathlib import Path
 
     import numpy as np
     import yaml
@@ -80,8 +81,6 @@ def test_chunk_size_change_keeps_dedup_exact_and_stale_tmp_is_removed(tmp_path):
     from data_pipeline.planted import planted_corpus, real_words
     from data_pipeline.stages import build, run_stage, work_dir
     from tests.helpers.distributed import SHARED_DATA
-
-    from pathlib import Path
     corpus, gpt2 = Path(SHARED_DATA) / "corpus", Path(SHARED_DATA) / "tokenizers" / "gpt2"
     if not (corpus / "botchan.txt").exists() or not (gpt2 / "gpt2-vocab.json").exists():
         pytest.skip("shared data absent")

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from data_pipeline.config import ConfigError, config_from_dict, load_config
-from data_pipeline.stages import StageError, build, run_stage, work_dir
 from data_pipeline.doc_store import DocStore
+from data_pipeline.stages import StageError, build, run_stage, work_dir
 from data_pipeline.store import ShardWriter, StoreError, index_path, meta_path, shard_name, text_path
 from megatron_ds_suite.core.errors import SuiteError
 
@@ -122,8 +122,8 @@ def test_a_cut_or_short_index_is_one_line(corpus, damage, stage, then):
 def test_every_index_row_is_checked_against_the_file_sizes(tmp_path):
     """A row past the end of the text or metadata file is refused even when the index is otherwise consistent
     (its checksum rewritten): not only the last row, every row."""
-    from data_pipeline.store import seal_shard
     from data_pipeline.shard_sums import file_sum
+    from data_pipeline.store import seal_shard
 
     texts = [f"document {i} " * (i + 1) for i in range(8)]
     for col, name in ((1, "txt"), (3, "meta.jsonl")):

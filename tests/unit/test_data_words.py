@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data_pipeline.tokenizer_train import count_training_words, train_sentencepiece
 from data_pipeline.words import GPT2_WHITESPACE, SPM_IDENTITY, WordIndex, encode_indexed, training_counts
 from megatron_ds_suite.core.tokenizer import GPT2BPETokenizer, SentencePieceTokenizer
-from data_pipeline.tokenizer_train import count_training_words, train_sentencepiece
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "corpus"
 GPT2 = DATA.parent / "tokenizers" / "gpt2"

@@ -22,8 +22,8 @@ def _cfg(vocab=300):
 def test_hf_model_logits_equal_ours(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    from training.tools.export_hf import build_hf_model
     from training.models.gpt2 import GPTModel
+    from training.tools.export_hf import build_hf_model
 
     cfg = _cfg()
     ours = GPTModel(cfg, 384, seed=4).eval()

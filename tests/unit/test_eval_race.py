@@ -9,10 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ds_suite.core.errors import RaceDataError
 from evaluation.race import race_accuracy
-from megatron_ds_suite.core.race import (SPLITS, clean_text, encode_question, encode_questions, read_race_dir,
-                                  read_race_split)
+from megatron_ds_suite.core.errors import RaceDataError
+from megatron_ds_suite.core.race import (
+    SPLITS,
+    clean_text,
+    encode_question,
+    encode_questions,
+    read_race_dir,
+    read_race_split,
+)
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 RACE = DATA / "eval" / "RACE"

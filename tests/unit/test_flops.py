@@ -19,8 +19,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from training.config import load_config
 from training.models.config import padded_vocab_size
-from training.plan.accounting import (bert_expected_masked_positions, bert_flops_per_iteration, flops_per_iteration,
-                                     model_flops_per_iteration)
+from training.plan.accounting import (
+    bert_expected_masked_positions,
+    bert_flops_per_iteration,
+    flops_per_iteration,
+    model_flops_per_iteration,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 BOTCHAN = ROOT / ".." / "shared" / "data" / "corpus" / "botchan.txt"
@@ -29,10 +33,10 @@ BOTCHAN = ROOT / ".." / "shared" / "data" / "corpus" / "botchan.txt"
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Sentence-level BERT corpus of Botchan's first 1,500 lines (documents of 30 lines), spm vocab 1000."""
-    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
-    from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
     from data_pipeline.sentences import split_sentences
     from data_pipeline.tokenizer_train import train_sentencepiece
+    from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
+    from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
 
     if not BOTCHAN.is_file():
         pytest.skip(f"shared data {BOTCHAN} is absent")
@@ -58,8 +62,8 @@ def _count(run) -> tuple[int, int]:
 
 def test_bert_flops_match_flop_counter(corpus):
     from training.data.bert_data import BertDataset, BertVocab, collate
-    from training.tasks.bert import masking_config
     from training.models.bert import BertModel, bert_loss
+    from training.tasks.bert import masking_config
 
     tok, indexed = corpus
     cfg = load_config(ROOT / "configs" / "bert_tiny.yaml", ["parallel.tensor=1", f"model.vocab_size={tok.vocab_size}"])

@@ -9,7 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data_pipeline.tokenizer_train import train_sentencepiece
 from megatron_ds_suite.core.corpus import CorpusError, copy_tokenizer_files, load_corpus, write_manifest
+from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
+from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder
+from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer
+from tests.helpers.corpora import EOD, make_gpt_corpus
+from tests.helpers.megatron_reference import cpp_build_sample_idx, megatron_epochs
 from training.data.gpt_dataset import (
     GPTDataset,
     GPTDatasetError,
@@ -17,12 +23,7 @@ from training.data.gpt_dataset import (
     num_epochs_for,
     split_boundaries,
 )
-from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
-from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder
-from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer
-from data_pipeline.tokenizer_train import train_sentencepiece
-from tests.helpers.corpora import EOD, make_gpt_corpus
-from tests.helpers.megatron_reference import cpp_build_sample_idx, megatron_epochs
+
 
 def brute_force_samples(docs: list[np.ndarray], documents: np.ndarray, num_samples: int, seq_length: int,
                         seed: int) -> tuple[np.ndarray, np.ndarray]:

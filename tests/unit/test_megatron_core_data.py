@@ -72,9 +72,10 @@ def test_megatron_core_indexed_dataset_reads_a_corpus_built_by_the_data_pipeline
     Megatron-Core's reader gives every GPT document as our tokenizer's ids of the kept text plus EOD, and the
     BERT sentence dataset item for item and document for document as our reader does."""
     megatron_core_datasets_dir()
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
     import data_pipeline
     from data_pipeline.config import load_config
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron_ds_suite.core.corpus import load_corpus
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "data" / "tiny.yaml",

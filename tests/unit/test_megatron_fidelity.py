@@ -14,11 +14,10 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers.megatron_reference import megatron_lrs
 from training.config import OptimizerConfig
 from training.models.config import ModelConfig, padded_vocab_size
-from tests.helpers.megatron_reference import megatron_lrs
 from training.optim.adamw import build_optimizer, lr_at, param_groups
-
 
 # --------------------------------------------------------------------------------------------------
 # Learning-rate schedule
@@ -300,9 +299,9 @@ def test_gpt_separate_last_epoch_matches_megatron_2021(tmp_path, extra_fraction,
     with one epoch) the order is Megatron 2020's, the default."""
     import numpy as np
 
-    from training.data.gpt_dataset import GPTDataset
     from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
     from tests.helpers.corpora import make_gpt_corpus
+    from training.data.gpt_dataset import GPTDataset
 
     make_gpt_corpus(tmp_path / "c", 40, seed=3)
     indexed = MMapIndexedDataset(tmp_path / "c")

@@ -2,10 +2,10 @@
 of pyproject.toml, one per runtime dependency, torch kept at the tested version."""
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from scripts.oldest_constraints import lower_bound, normalize, oldest_constraints, pinned_version
 

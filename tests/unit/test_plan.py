@@ -16,16 +16,29 @@ from torch import nn
 from training.config import ConfigError
 from training.layout import Layout
 from training.models.config import ModelConfig
-from training.plan.accounting import (ModelShape, embedding_params, layer_forward_flops, layer_params, stage_params,
-                                      step_flops, total_params)
+from training.plan.accounting import (
+    ModelShape,
+    embedding_params,
+    layer_forward_flops,
+    layer_params,
+    stage_params,
+    step_flops,
+    total_params,
+)
 from training.plan.cli import main
 from training.plan.layout import validate
 from training.plan.memory import activation_bytes_per_layer, activation_element_bytes, memory, stage_activation_bytes
 from training.plan.paper import PAPER_WEAK_SCALING, paper_weak_scaling
 from training.plan.presets import PRESETS, preset_shape
 from training.plan.timing import TimeModel, comm, step_time
-from training.runtime.hardware import (HARDWARE, detect_device_kind, device_kind_from_name, get_hardware,
-                               measure_cpu_peak_tflops, peak_tflops)
+from training.runtime.hardware import (
+    HARDWARE,
+    detect_device_kind,
+    device_kind_from_name,
+    get_hardware,
+    measure_cpu_peak_tflops,
+    peak_tflops,
+)
 
 
 # --------------------------------------------------------------------------------------------------

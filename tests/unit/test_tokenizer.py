@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from data_pipeline.tokenizer_train import train_sentencepiece
 from megatron_ds_suite.core.tokenizer import (
     GPT2BPETokenizer,
     SentencePieceTokenizer,
     TokenizerError,
     load_tokenizer,
 )
-from data_pipeline.tokenizer_train import train_sentencepiece
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 VOCAB = DATA / "tokenizers" / "gpt2" / "gpt2-vocab.json"

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from data_pipeline.tokenizer_train import _SPM_WORD, _training_sentences, count_training_words, train_sentencepiece
 from megatron_ds_suite.core.tokenizer import TokenizerError
-from data_pipeline.tokenizer_train import (_SPM_WORD, _training_sentences, count_training_words,
-                                                    train_sentencepiece)
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "corpus"
 
@@ -79,9 +78,9 @@ def test_build_tokenizer_from_ingest_counts(tmp_path: Path) -> None:
     whether the cut falls inside a shard, a shard's counts file is missing (counted again from its text)
     or the documents hold tabs (no whitespace normalisation: trained on the sentences)."""
     from data_pipeline.config import config_from_dict
+    from data_pipeline.doc_store import DocStore
     from data_pipeline.stages import run_stage, work_dir
     from data_pipeline.stages.ingest import word_counts_path
-    from data_pipeline.doc_store import DocStore
 
     words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
              "upsilon phi chi psi omega").split()

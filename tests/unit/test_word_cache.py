@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
-from megatron_ds_suite.core.spm_words import WordCachedEncoder, proto_fields, spm_split, word_mode
-from megatron_ds_suite.core.word_cache import WordCache
-from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer
 from data_pipeline.tokenizer_train import train_sentencepiece
+from megatron_ds_suite.core.spm_words import WordCachedEncoder, proto_fields, spm_split, word_mode
+from megatron_ds_suite.core.tokenizer import SentencePieceTokenizer
+from megatron_ds_suite.core.word_cache import WordCache
 
 DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"
 BOTCHAN = DATA / "corpus" / "botchan.txt"

@@ -95,8 +95,8 @@ def test_race_and_bert_samples_encode_with_wordpiece(vocab_txt):
     race = DATA / "eval" / "RACE"
     if not race.is_dir():
         pytest.skip("RACE sample absent")
-    from megatron_ds_suite.core.tokenizer import load_tokenizer
     from megatron_ds_suite.core.race import encode_questions, read_race_split
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
 
     tok = load_tokenizer({"kind": "wordpiece", "vocab_file": str(vocab_txt)})
     qs, _ = read_race_split(race, "dev")

@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from megatron_ds_suite.core.errors import SuiteError
+
 from megatron_ds_suite.core import atomic
+from megatron_ds_suite.core.errors import SuiteError
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ def word_units(tokens: np.ndarray, segments: np.ndarray, special: np.ndarray, wo
     return units
 
 
-def mask_tokens(tokens: np.ndarray, segments: np.ndarray, vocab: BertVocab, cfg: MaskingConfig,
+def mask_tokens(tokens: np.ndarray, segments: np.ndarray, vocab: BertVocab, cfg: MaskingConfig,  # noqa: C901
                 rng: np.random.RandomState, draws: list[int] | None = None,
                 max_predictions: float | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """Whole-word n-gram masking. Returns (masked tokens, labels (-1 = not predicted), lengths in words of the

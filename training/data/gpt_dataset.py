@@ -46,9 +46,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
-from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core import atomic
+from megatron_ds_suite.core.errors import SuiteError
+from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
 
 logger = logging.getLogger(__name__)
 

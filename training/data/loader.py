@@ -24,15 +24,15 @@ import numpy as np
 import torch
 
 from megatron_ds_suite.core.corpus import load_corpus
-from training.data.gpt_dataset import build_gpt_datasets
+from megatron_ds_suite.core.errors import ConfigError
 from megatron_ds_suite.core.indexed_dataset import dataset_exists
 from megatron_ds_suite.core.indexed_dataset_builder import MMapIndexedDatasetBuilder, best_dtype
 from megatron_ds_suite.core.tokenizer import Tokenizer, load_tokenizer
+from training.config import Config
+from training.data.gpt_dataset import build_gpt_datasets
 from training.data.sample_order import micro_batch_positions
 from training.data.token_range import check_token_ids
 from training.runtime.distributed import rank0_first
-from megatron_ds_suite.core.errors import ConfigError
-from training.config import Config
 
 logger = logging.getLogger(__name__)
 LINES_PER_DOC = 50

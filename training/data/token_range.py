@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ds_suite.core import atomic
-from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
 from megatron_ds_suite.core.errors import ConfigError
+from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset, data_file_path, index_file_path
 
 CHUNK = 1 << 24  # tokens per vectorised min/max (32 MiB of uint16)
 

@@ -39,7 +39,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from training.models.config import ModelConfig
 from training.models.blocks import (
     TransformerLayer,
     activation,
@@ -47,6 +46,7 @@ from training.models.blocks import (
     mark_norm_sequence_parallel,
     normal_init,
 )
+from training.models.config import ModelConfig
 from training.models.ops import dropout
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from megatron_ds_suite.core.errors import ConfigError
-
 from training.models.blocks import TransformerLayer
 
 

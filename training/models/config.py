@@ -291,7 +291,7 @@ FLAG_NAMES = {"tp": "--tp {}", "pp": "--pp {}", "tp_key": "--tp", "sp": "sequenc
               "vocab": "the padded vocabulary {}"}
 
 
-def validate_shape(shape: Shape, tp: int, pp: int, sequence_parallel: bool = False, flags: bool = False) -> None:
+def validate_shape(shape: Shape, tp: int, pp: int, sequence_parallel: bool = False, flags: bool = False) -> None:  # noqa: C901
     """One-line ConfigError when a model's widths do not fit TP x PP: heads divide the hidden size, TP divides
     the heads, the key/value groups, the MLP width and the padded vocabulary; every pipeline stage holds at least
     one layer (an uneven split is legal: DeepSpeed's balanced partition, :func:`stage_layers`, which trainer and

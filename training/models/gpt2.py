@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.models.config import ModelConfig
 from training.models.blocks import (
     TransformerLayer,
     dropout_on_shard,
@@ -34,6 +33,7 @@ from training.models.blocks import (
     norm,
     normal_init,
 )
+from training.models.config import ModelConfig
 from training.models.kv_cache import KVCache
 from training.models.ops import dropout
 from training.parallel import random as tp_random

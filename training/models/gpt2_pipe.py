@@ -22,7 +22,6 @@ import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
-from training.models.config import ModelConfig
 from training.models.blocks import (
     RMSNorm,
     TransformerLayer,
@@ -30,6 +29,7 @@ from training.models.blocks import (
     mark_norm_sequence_parallel,
     normal_init,
 )
+from training.models.config import ModelConfig
 from training.models.gpt2 import output_layer
 from training.models.ops import dropout
 from training.parallel import random as tp_random

@@ -18,9 +18,8 @@ the models) sees only its shard's tokens: :func:`mark_sequence_parallel` all-red
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import functools
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,8 +30,8 @@ from training.parallel.mappings import (
     all_reduce,
     copy_to_parallel_region,
     gather_from_parallel_region,
-    group_rank,
     gather_sequence,
+    group_rank,
     group_size,
     reduce_from_parallel_region,
     reduce_scatter_sequence,

@@ -12,6 +12,7 @@ from typing import Any
 from megatron_ds_suite.core.config import build_dataclass
 from megatron_ds_suite.core.config_yaml import merge_dicts, read_yaml
 from megatron_ds_suite.core.errors import ConfigError
+from megatron_ds_suite.core.program import prog as program
 from training.config import Config, with_overrides
 from training.layout import Layout
 from training.plan.accounting import ModelShape
@@ -20,7 +21,6 @@ from training.plan.presets import PRESETS
 from training.plan.report import render_paper_comparison, render_plan
 from training.plan.timing import TimeModel
 from training.runtime.hardware import canonical_kind, get_hardware
-from megatron_ds_suite.core.program import prog as program
 
 DESCRIPTION = "Memory and speed planner for TP x PP x DP runs of our GPT-2 / BERT (``python -m training.plan``)."
 
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: C901
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:

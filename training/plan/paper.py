@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.plan.accounting import total_params
 from training.layout import Layout
+from training.plan.accounting import total_params
 from training.plan.layout import validate
 from training.plan.presets import preset_shape
 from training.plan.timing import StepTime, TimeModel, step_time

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from training.plan.accounting import ModelShape
 from training.layout import Layout
+from training.plan.accounting import ModelShape
 from training.plan.memory import GIB, memory
 
 #: the share of a device's memory a plan may fill (the rest: the allocator's fragmentation, the CUDA

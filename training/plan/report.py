@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from training.plan.accounting import ModelShape, recomputed_flops, stage_params, step_flops, total_params
 from training.layout import Layout
+from training.plan.accounting import ModelShape, recomputed_flops, stage_params, step_flops, total_params
 from training.plan.memory import GIB, Memory, memory, state_bytes_per_param
 from training.plan.paper import PAPER_BASELINE_TFLOPS, default_compute_fraction, paper_weak_scaling
 from training.plan.recompute import choose_recompute

@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 
 from megatron_ds_suite.core.errors import ConfigError
+from training.layout import Layout
 from training.models.config import stage_layers
 from training.plan.accounting import ModelShape, stage_params, step_flops
-from training.layout import Layout
 from training.plan.memory import state_bytes_per_param
 from training.runtime.hardware import Hardware
 

@@ -27,7 +27,6 @@ def init_distributed(backend: str | None = None) -> None:
         os.environ.setdefault(key, value)
     import deepspeed
     import deepspeed.ops
-
     from deepspeed.accelerator import get_accelerator
 
     from training.optim.engine import install_process_wide

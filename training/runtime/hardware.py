@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass
-import os
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ import sys
 import threading
 from pathlib import Path
 
-
 EXIT_SECONDS = 30.0
 """How long a rank told to stop may take to tear down before the guard ends it."""
 

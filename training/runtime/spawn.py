@@ -66,7 +66,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float | None = 300.0, r
                 raise
 
 
-def _run_once(fn, world_size: int, args, timeout: float | None) -> list:
+def _run_once(fn, world_size: int, args, timeout: float | None) -> list:  # noqa: C901
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -17,15 +17,15 @@ import numpy as np
 import torch
 
 from megatron_ds_suite.core.corpus import load_corpus
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config
+from training.data.bert_data import BertDataError, BertDataset, BertVocab, MaskingConfig, collate, usable_documents
 from training.data.gpt_dataset import split_boundaries
 from training.data.sample_order import micro_batch_positions
 from training.data.token_range import check_token_ids
-from training.runtime.distributed import rank0_first
-from training.data.bert_data import BertDataError, BertDataset, BertVocab, MaskingConfig, collate, usable_documents
-from megatron_ds_suite.core.errors import ConfigError
-from training.config import Config
 from training.models.bert import BertModel, bert_loss
 from training.parallel.state import ParallelState
+from training.runtime.distributed import rank0_first
 from training.tasks.protocol import Task, batch_to_device
 
 logger = logging.getLogger("training")

@@ -10,9 +10,9 @@ import torch
 from training.config import Config
 from training.data.loader import BatchSampler, build_datasets, resolve_sources
 from training.models.gpt2 import GPTModel
+from training.models.gpt2_pipe import build_gpt2_pipe
 from training.parallel.state import ParallelState
 from training.tasks.protocol import Task, batch_to_device
-from training.models.gpt2_pipe import build_gpt2_pipe
 
 
 class GPTTask(Task):

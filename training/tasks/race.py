@@ -23,18 +23,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_ds_suite.core.errors import ConfigError
 from megatron_ds_suite.core.race import collate, encode_questions, read_race_split
 from megatron_ds_suite.core.tokenizer import load_tokenizer
-from megatron_ds_suite.core.errors import ConfigError
+from training import checkpoint as ckpt
+from training.checkpoint_reader import load_merged_state_dict
 from training.config import Config
 from training.data.sample_order import micro_batch_positions
+from training.init_from import local_weights
+from training.parallel.mappings import group_rank, group_size
 from training.runtime import device as tdev
 from training.runtime.distributed import agreed
 from training.tasks.protocol import Task, batch_to_device
-from training import checkpoint as ckpt
-from training.checkpoint_reader import load_merged_state_dict
-from training.init_from import local_weights
-from training.parallel.mappings import group_rank, group_size
 
 if TYPE_CHECKING:
     from training.checkpoint import TrainState

@@ -43,10 +43,10 @@ from pathlib import Path
 
 import torch
 
-from training.parallel.sharding import resize_vocab_rows
-from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core import atomic
+from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.program import prog as program
+from training.parallel.sharding import resize_vocab_rows
 from training.runtime.run_lock import lock_existing_output, overlapping_input
 from training.tools.hf_interop import gpt2_layer_names, require_transformers
 from training.tools.hf_tokenizer import TokenizerExportError, save_hf_tokenizer

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ds_suite.core.errors import SuiteError
 from training.models.config import ModelConfig
 from training.parallel.sharding import is_vocab_sized, resize_vocab_rows
 from training.tools.hf_interop import check_config
-from megatron_ds_suite.core.errors import SuiteError
 
 ACTS = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new"}
 

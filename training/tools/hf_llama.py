@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ds_suite.core.errors import SuiteError
 from training.models.config import ModelConfig, RopeScalingConfig
 from training.models.qkv import fuse_qkv, split_qkv
 from training.tools.hf_interop import check_config
-from megatron_ds_suite.core.errors import SuiteError
 
 
 class LlamaMappingError(SuiteError):

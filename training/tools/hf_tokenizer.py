@@ -23,9 +23,10 @@ different (e.g. a BERT-flavour model: NFKC, dummy prefix). Unigram models are re
 """
 from __future__ import annotations
 
-from pathlib import Path
 import shutil
 import tempfile
+from pathlib import Path
+
 from megatron_ds_suite.core.errors import SuiteError
 
 WORD = "\u2581"

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
+from training import safe_load
 from training.tools.hf_interop import ImportHFError
 from training.tools.tensor_check import WeightsError, check_shapes, check_values, few
-from training import safe_load
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"

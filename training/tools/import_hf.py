@@ -53,20 +53,23 @@ from pathlib import Path
 
 import torch
 
+from megatron_ds_suite.core import atomic
+from megatron_ds_suite.core.program import prog as program
+from megatron_ds_suite.core.program import stderr_is_terminal
+from training import checkpoint_catalog as catalog
+from training.checkpoint import partition_tags as tags_of
 from training.config import Config, validate_static
 from training.models.config import ModelConfig, padded_vocab_size
 from training.parallel.sharding import is_vocab_sized, resize_vocab_rows, shard_tagged
-from megatron_ds_suite.core import atomic
-from megatron_ds_suite.core.program import prog as program
 from training.runtime.run_lock import lock_existing_output, overlapping_input
-from megatron_ds_suite.core.program import stderr_is_terminal
+from training.tools.hf_bert import from_hf as bert_from_hf
+from training.tools.hf_bert import model_config_from_hf as bert_config_from_hf
 from training.tools.hf_interop import ImportHFError, check_config, gpt2_layer_names, require_transformers
-from training.tools.hf_llama import LLAMA_FAMILY, from_hf as llama_from_hf, model_config_from_hf as llama_config_from_hf
-from training.tools.tensor_check import check_shapes, check_values, model_shapes
-from training import checkpoint_catalog as catalog
-from training.checkpoint import partition_tags as tags_of
-from training.tools.hf_bert import from_hf as bert_from_hf, model_config_from_hf as bert_config_from_hf
+from training.tools.hf_llama import LLAMA_FAMILY
+from training.tools.hf_llama import from_hf as llama_from_hf
+from training.tools.hf_llama import model_config_from_hf as llama_config_from_hf
 from training.tools.hf_weights import read_checked
+from training.tools.tensor_check import check_shapes, check_values, model_shapes
 
 logger = logging.getLogger(__name__)
 

@@ -205,7 +205,7 @@ def check_rank_files(args: argparse.Namespace | None, files: dict[tuple[int, int
                                   f"checkpoint mixed in? remove them")
 
 
-def find_checkpoint(folder: Path) -> tuple[Path, dict[tuple[int, int], Path]]:
+def find_checkpoint(folder: Path) -> tuple[Path, dict[tuple[int, int], Path]]:  # noqa: C901
     """(iteration folder, {(tp_rank, pp_rank): file}) of a ``--save`` folder (through its tracker file) or
     of one ``iter_*``/``release`` folder."""
     if not folder.is_dir():

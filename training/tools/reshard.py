@@ -35,16 +35,16 @@ from pathlib import Path
 
 import torch
 
-from training.checkpoint_reader import checkpoint_dir, load_merged_state_dict
-from training.checkpoint_reader import model_files
-from training import checkpoint as ckpt, safe_load
 from megatron_ds_suite.core.errors import ConfigError
+from megatron_ds_suite.core.program import prog as program
+from training import checkpoint as ckpt
+from training import safe_load
+from training.checkpoint_reader import checkpoint_dir, load_merged_state_dict, model_files
 from training.config import config_from_dict, grad_accumulation, validate_static
 from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_vocab_rows, shard_tagged
-from training.tools import reshard_optim
-from training.runtime.spawn import run_distributed
-from megatron_ds_suite.core.program import prog as program
 from training.runtime.run_lock import lock_existing_output, overlapping_input
+from training.runtime.spawn import run_distributed
+from training.tools import reshard_optim
 
 logger = logging.getLogger("training.tools.reshard")
 
@@ -76,7 +76,7 @@ def merge_optimizer_state(run_dir: Path, tag: str | None, meta: dict) -> dict[st
     return merged
 
 
-def _worker(rank, world, payload_path: str, out_dir: str):
+def _worker(rank, world, payload_path: str, out_dir: str):  # noqa: C901
     """Runs in each of the K x M target processes (gloo initialised by the spawner)."""
     from training.parallel import random as tp_random
     from training.resolve import resolve_run

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_ds_suite.core import atomic
+from training import checkpoint as ckpt
 from training.checkpoint_reader import checkpoint_dir, read_client_state
 from training.config import Config, config_from_dict
 from training.parallel.sharding import merge_tagged
 from training.runtime.spawn import run_distributed
-from megatron_ds_suite.core import atomic
-from training import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine

@@ -25,6 +25,7 @@ from megatron_ds_suite.core.config import Positive, build_dataclass
 from megatron_ds_suite.core.config_yaml import StrictYAMLLoader, apply_overrides, merge_dicts, read_yaml
 from megatron_ds_suite.core.errors import ConfigError
 
+
 @dataclass
 class CorpusSection:
     config: str = "configs/data/default.yaml"

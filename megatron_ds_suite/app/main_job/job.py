@@ -29,15 +29,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from data_pipeline.config import ConfigError as DataConfigError
+from data_pipeline.config import load_config as load_data_config
 from megatron_ds_suite.app.main_job.config import ConfigError, MainConfig, flatten
-from megatron_ds_suite.core.network import free_port
 from megatron_ds_suite.app.main_job.proc import Progress, run_logged
-from megatron_ds_suite.app.main_job.stages import Stages
-from megatron_ds_suite.app.main_job.state import (Outcome, Skipped, StageFailed, State, atomic_write, digest,
-                                              read_if_file, tree_id)
-from data_pipeline.config import ConfigError as DataConfigError, load_config as load_data_config
 from megatron_ds_suite.app.main_job.report import ReportInputs, write_report
+from megatron_ds_suite.app.main_job.stages import Stages
+from megatron_ds_suite.app.main_job.state import (
+    Outcome,
+    Skipped,
+    StageFailed,
+    State,
+    atomic_write,
+    digest,
+    read_if_file,
+    tree_id,
+)
 from megatron_ds_suite.core.errors import ConfigError as TrainConfigError
+from megatron_ds_suite.core.network import free_port
 from training.config import load_config as load_train_config
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
 from megatron_ds_suite.core import atomic
 
 
@@ -127,7 +128,7 @@ def _dtype(ds: dict[str, Any] | None) -> str:
     return "fp16" if ds.get("fp16", {}).get("enabled") else "bf16" if ds.get("bf16", {}).get("enabled") else "fp32"
 
 
-def eval_rows(run_dir: Path, flow: str, stages: dict[str, dict[str, Any]],
+def eval_rows(run_dir: Path, flow: str, stages: dict[str, dict[str, Any]],  # noqa: C901
               detail: dict[str, dict[str, Any]]) -> list[list[Any]]:
     """Rows ``task | data | metric | value | count`` of the evaluation table."""
     ev = run_dir / "eval"

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ds_suite.app.main_job.proc import Progress
-from megatron_ds_suite.core.network import network_reachable
-from megatron_ds_suite.app.main_job.state import (Skipped, StageFailed, atomic_write, digest, file_id, latest_iteration)
 from megatron_ds_suite.app.main_job.report import read_metrics
+from megatron_ds_suite.app.main_job.state import Skipped, StageFailed, atomic_write, digest, file_id, latest_iteration
+from megatron_ds_suite.core.network import network_reachable
 
 log = logging.getLogger("main_job")
 

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
 from megatron_ds_suite.core import atomic
 
 

@@ -10,8 +10,16 @@ from pathlib import Path
 
 from tests.hostile.case import case
 from tests.hostile.commands import resume_cmd, train_cmd
-from tests.hostile.damage import (config_json_unchanged, keep_config, plant_evil, pwned, snap_changed, snap_save,
-                                  swap_merges, truncate)
+from tests.hostile.damage import (
+    config_json_unchanged,
+    keep_config,
+    plant_evil,
+    pwned,
+    snap_changed,
+    snap_save,
+    swap_merges,
+    truncate,
+)
 from tests.hostile.fixtures import copy_of, latest_tag_dir
 from tests.hostile.probe import Probe
 

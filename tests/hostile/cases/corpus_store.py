@@ -11,10 +11,9 @@ from typing import Callable
 from tests.hostile.case import case
 from tests.hostile.commands import built_corpus, data_build, jsonl
 from tests.hostile.damage import binary_file, flip_byte, truncate
-from tests.hostile.fixtures import BINARY, copy_of, corpus_config, fixture, SHAKESPEARE, write_yaml
+from tests.hostile.fixtures import BINARY, SHAKESPEARE, copy_of, corpus_config, fixture, write_yaml
 from tests.hostile.outcome import error_lines
 from tests.hostile.probe import Probe
-
 
 # A 4-shard corpus (shard_size=40 of the 149 blocks), built once; each case damages a private copy (copy_of: the
 # absolute paths an older checkout's work files hold are rewritten, so only the planted damage differs).

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.hostile.case import case
 from tests.hostile.damage import binary_file, nothing_written, run_intact, snap_save
-from tests.hostile.fixtures import copy_of, fixture, GPT2_TOK, latest_tag_dir
+from tests.hostile.fixtures import GPT2_TOK, copy_of, fixture, latest_tag_dir
 from tests.hostile.probe import Probe
 
 
