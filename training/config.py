@@ -44,8 +44,9 @@ class ParallelConfig(Freezable):
     pipeline: int = 1
     """Pipeline-parallel degree (GPT-2 only: DeepSpeed PipelineModule; BERT is tensor-parallel only)."""
     zero_stage: int = 0
-    """DeepSpeed ZeRO stage: 0 = off, 1 = optimizer states sharded across DP ranks (2/3 do not mix
-    with tensor/pipeline parallelism and are refused)."""
+    """DeepSpeed ZeRO stage: 0 = off, 1 = optimizer states sharded across DP ranks, 2 = gradients too (with TP,
+    sequence parallelism and DP; not with pipeline parallelism, whose DeepSpeed engine runs stages 0-1 only).
+    Stages 1-2 run DeepSpeed's own ZeRO optimizer step; stage 3 is not offered yet."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (Korthikanti et al. 2022), TP > 1 only: norms, dropout and residuals run
     on a 1/tensor chunk of the sequence, the TP all-reduces become all-gather / reduce-scatter pairs; same
@@ -321,9 +322,11 @@ def validate_static(cfg: Config) -> None:  # noqa: C901
         raise ConfigError(f"train.keep_last must be >= 1 (the newest checkpoint is always kept), got {t.keep_last}")
     validate_shape(m.shape(), p.tensor, p.pipeline, p.sequence_parallel)  # the planner's rules too
     validate_model_options(m)
-    if p.zero_stage not in (0, 1):
-        raise ConfigError(f"parallel.zero_stage={p.zero_stage}: only 0 or 1 (ZeRO-2/3 do not combine with "
-                          f"tensor/pipeline parallelism here)")
+    if p.zero_stage not in (0, 1, 2):
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage}: 0, 1 or 2 (ZeRO-3 is not offered yet)")
+    if p.zero_stage >= 2 and p.pipeline > 1:
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage} with parallel.pipeline={p.pipeline}: DeepSpeed's pipeline "
+                          f"engine runs ZeRO stage 0 or 1 only; set parallel.zero_stage=1 or parallel.pipeline=1")
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optimizer: need 0 <= min_lr <= lr and lr > 0 (got lr={o.lr}, min_lr={o.min_lr})")
     decay = o.decay_iters if o.decay_iters is not None else t.iters

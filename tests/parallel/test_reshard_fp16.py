@@ -22,8 +22,8 @@ def _state(run_dir: Path, tag: str) -> tuple[dict, dict]:
 
 
 @needs_corpus
-@pytest.mark.parametrize("zero,divisible_by,padded", [(0, 128, (1024, 1024)), (1, 96, (1152, 1056))],
-                         ids=["fp16-same-vocab", "fp16-zero1-vocab-1152-to-1056"])
+@pytest.mark.parametrize("zero,divisible_by,padded", [(0, 128, (1024, 1024)), (1, 96, (1152, 1056)), (2, 128, (1024, 1024))],
+                         ids=["fp16-same-vocab", "fp16-zero1-vocab-1152-to-1056", "fp16-zero2-same-vocab"])
 def test_reshard_fp16_tp2_to_tp1_keeps_masters_and_moments(spm_model, tmp_path, zero, divisible_by, padded):
     from training.tools.reshard import reshard
 
