@@ -5,8 +5,10 @@ parallelism (:func:`training.optim.engine.build_engine` decides where):
 
 * **static gradients**: every trained parameter's ``.grad`` is set once to a view of one buffer per dtype, before
   the first backward. Autograd's ``AccumulateGrad`` then adds each micro-batch's gradient into that view in place
-  (it keeps an existing ``.grad`` whenever grad mode is off in backward), so the addresses never change; a step
-  ends with :meth:`GradBuffer.zero` (one ``zero_`` per dtype) instead of ``p.grad = None``.
+  (it keeps an existing ``.grad`` whenever grad mode is off in backward: any backward without ``create_graph``,
+  reentrant checkpoints included), so the addresses never change; a step ends with :meth:`GradBuffer.zero` (one
+  ``zero_`` per dtype) instead of ``p.grad = None``. The price: the first micro-batch adds its gradients to zeros
+  (one ``add_`` per parameter) where autograd would have kept the fresh tensor.
 * **memory order**: the optimizer's parameter groups one after another, each in its own order (per dtype), so a
   group's gradients are one slice of the buffer (:meth:`GradBuffer.span_of`: the mixed-precision step casts that
   slice once instead of concatenating).
@@ -146,7 +148,7 @@ class GradBuffer:
         for b in assign_buckets([[(i, self.params[i].numel()) for i in run] for run in runs], bucket_size):
             first, last = self.params[b[0]], self.params[b[-1]]
             self.buckets.append(Bucket(first.dtype, self.offsets[b[0]], self.offsets[b[-1]] + last.numel(), tuple(b)))
-        self._pending: list[tuple[Bucket, torch.Tensor, object]] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, object]] = []  # (span, what is reduced, its work)
         self._reset(armed=False)
         if reduction is not None:  # no reduction, no hooks
             for b, bucket in enumerate(self.buckets):
@@ -206,12 +208,15 @@ class GradBuffer:
         if self.reduction is None:
             return
         self._launch_ready(until=len(self.buckets))
-        for bucket, t, work in self._pending:
+        in_place = set(self.buffers)  # dtypes reduced in their own dtype: post-divided as one tensor, not per bucket
+        for span, t, work in self._pending:
             work.wait()
-            self.reduction.after(t)
-            span = self.buffers[bucket.dtype][bucket.start:bucket.end]
-            if t is not span:
+            if t is not span:  # reduced in the communication dtype: divided there, then back into the buffer
+                in_place.discard(span.dtype)
+                self.reduction.after(t)
                 span.copy_(t)
+        for dt in in_place:  # the buckets cover the buffer: elementwise the same multiplication
+            self.reduction.after(self.buffers[dt])
         self._pending.clear()
         self._reset(armed=False)
 
@@ -222,7 +227,7 @@ class GradBuffer:
         self._count = [0] * len(self.buckets)
         self._next = 0  # the next bucket to launch, in launch order
 
-    def _on_grad(self, b: int, slot: int, _param: torch.Tensor) -> None:
+    def _on_grad(self, b: int, slot: int, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: count the parameter into bucket ``b``; launch what is complete, in order."""
         if not self._armed:
             return
@@ -231,6 +236,9 @@ class GradBuffer:
                                f"used in two separate backward passes of one micro-batch)")
         if self._seen[b][slot]:
             return
+        if param.grad is not self.views[self.buckets[b].params[slot]]:  # e.g. a create_graph backward
+            raise RuntimeError("a gradient was accumulated out of place (not into the buffer's view): its bucket "
+                               "would reduce stale values")
         self._seen[b][slot] = 1
         self._count[b] += 1
         self._launch_ready(until=self._next)
@@ -246,5 +254,5 @@ class GradBuffer:
             span = self.buffers[bucket.dtype][bucket.start:bucket.end]
             t = span if red.comm_dtype == span.dtype else span.to(red.comm_dtype)
             red.before(t)
-            self._pending.append((bucket, t, dist.all_reduce(t, group=red.group, async_op=True)))
+            self._pending.append((span, t, dist.all_reduce(t, group=red.group, async_op=True)))
             self._next += 1
