@@ -293,6 +293,8 @@ def build_engine(model: torch.nn.Module, optimizer, scheduler, ds_config: dict, 
     dp = ps.dims.dp if ps is not None else 1
     if dp == 1 and not pipe and not engine.zero_optimization():
         engine.enable_backward_allreduce = False
+    # pipeline parallelism keeps DeepSpeed's gradients and reduction: its schedule reduces after the last backward
+    # of the batch, the tied weights of the stages included (a buffer there is for another issue)
     if (own_step if grad_buffer is None else grad_buffer) and not pipe:
         engine.grad_buffer = grad_buffer_for(engine, bucket_size)
     return engine
