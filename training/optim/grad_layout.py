@@ -79,7 +79,7 @@ class GradLayout:
         buffer's slice where the group is one (:meth:`use_buffer`). Always a new tensor: the step scales it."""
         span = self.spans.get(id(group))
         if span is not None:
-            return span.to(torch.float32, copy=True)
+            return span.clone() if span.dtype == torch.float32 else span.float()
         return torch.cat(self.grad_views(group)).float()
 
     def norm_sq(self, flats: list[torch.Tensor]) -> torch.Tensor:
