@@ -3,6 +3,8 @@
 - :mod:`training.optim.adamw`: AdamW's parameter groups, Megatron's learning-rate schedule, the optimizer
   chosen for the device and dtype;
 - :mod:`training.optim.outcome`: :class:`~training.optim.outcome.StepOutcome`, what one optimizer step did;
+- :mod:`training.optim.grad_buffer`: :class:`~training.optim.grad_buffer.GradBuffer`, the gradients in one static
+  buffer per dtype and the data-parallel reduction in buckets overlapped with backward;
 - :mod:`training.optim.grad_layout`: the gradients of DeepSpeed's ZeRO-0 wrappers as flat fp32 groups and the
   masked global norm over them;
 - :mod:`training.optim.loss_scale`: DeepSpeed's dynamic loss-scale rule;

@@ -27,6 +27,12 @@ adaptation                    what it repairs                                   
 ``Engine.save_checkpoint``,   fp16 decided on the device: its loss scale written     all (DeepSpeed's checkpoint
 ``Engine.load_checkpoint``    into DeepSpeed's ``loss_scale_config`` before a save,  holds the wrapper's host state)
                               read back after a load
+``allreduce_gradients``       the data-parallel reduction at ZeRO-0 without           all (DeepSpeed reduces in
+                              pipeline parallelism: gradients in static buffers       ``allreduce_gradients`` at the
+                              (:class:`~training.optim.grad_buffer.GradBuffer`),      end of backward: one flat copy
+                              all-reduced in buckets while backward runs; the         of every gradient, nothing
+                              override (``Engine``'s) only waits for them             overlapped, new gradient
+                              (DeepSpeed's arithmetic, bitwise on two ranks)          tensors every step)
 ``enable_backward_allreduce`` off at one data-parallel replica: DeepSpeed would       all (a public switch)
                               flatten every gradient and all-reduce it with itself
 ``safe_load.install``         ``TorchCheckpointEngine.load`` unpickles with           0.19 (process-wide, at start-up:
@@ -46,6 +52,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime import zero
@@ -56,6 +63,7 @@ from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from training.optim.fp32 import Fp32Step
+from training.optim.grad_buffer import DEFAULT_BUCKET_SIZE, DpReduction, GradBuffer
 from training.optim.mixed_precision import MixedPrecisionStep
 from training.optim.outcome import StepOutcome, deepspeeds_outcome
 
@@ -115,12 +123,17 @@ class Engine(DeepSpeedEngine):
     """DeepSpeed's engine with the project's optimizer step and fp16 backward (the table in the module docstring).
 
     ``owned_step`` is the step :func:`build_engine` chose (None: DeepSpeed's own, e.g. ZeRO); ``last_outcome`` is
-    what the latest optimizer step did, whoever took it."""
+    what the latest optimizer step did, whoever took it; ``grad_buffer`` holds the gradients and reduces them over
+    data parallelism during backward (None: DeepSpeed's gradients and reduction, e.g. ZeRO, pipeline parallelism)."""
 
     owned_step: OwnedStep | None = None
     last_outcome: StepOutcome | None = None
+    grad_buffer: GradBuffer | None = None
 
     def backward(self, loss, *args, **kwargs):
+        if self.grad_buffer is not None:  # the step's last micro-batch reduces (DeepSpeed's condition)
+            self.grad_buffer.begin(reduce=self.enable_backward_allreduce and not self.inside_no_sync_ctxt
+                                   and self.is_gradient_accumulation_boundary())
         opt = self.optimizer
         if (REPAIRS_FP16_BACKWARD and isinstance(opt, (FP16_Optimizer, FP16_UnfusedOptimizer))
                 and opt.loss_scale_config.use_grad_scaling):
@@ -142,15 +155,27 @@ class Engine(DeepSpeedEngine):
             self.owned_step.load_host_state()  # the loaded loss scale onto the device
         return out
 
+    def allreduce_gradients(self, bucket_size=None):
+        """At the end of backward on an accumulation boundary (DeepSpeed calls it only where it would reduce): the
+        buffer's bucketed reduction finished, instead of DeepSpeed's flatten-and-reduce."""
+        if self.grad_buffer is None:
+            return super().allreduce_gradients() if bucket_size is None else super().allreduce_gradients(bucket_size)
+        if self.is_gradient_accumulation_boundary():
+            self.grad_buffer.finish()
+
     def _take_model_step(self, lr_kwargs):
         step = self.owned_step
         if step is None:
             super()._take_model_step(lr_kwargs)
+            if self.grad_buffer is not None:  # DeepSpeed's step set the gradients to None
+                self.grad_buffer.zero()
             self.last_outcome = deepspeeds_outcome(self.optimizer, self._step_applied, self._global_grad_norm,
                                                    self.fp16_enabled())
             return
         outcome = step.step()
-        if self.fp16_enabled() or self.bfloat16_enabled():
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero()
+        elif self.fp16_enabled() or self.bfloat16_enabled():
             self.optimizer.zero_grad()  # the wrapper's: the half-precision gradients
         else:
             self.zero_grad()
@@ -224,11 +249,44 @@ def owned_step_for(engine: Engine, ps: ParallelState | None, pipe: bool) -> Owne
                     ps.tp_group if ps is not None else None, ps.pp_group if ps is not None and pipe else None)
 
 
+def dp_reduction(engine: Engine) -> DpReduction | None:
+    """DeepSpeed's ZeRO-0 data-parallel reduction as this engine would run it (``_reduce_non_expert_gradients``:
+    the sequence-data-parallel group, the world size over the Ulysses degree; ``allreduce_bucket``: average,
+    pre/post scaling, communication dtype), or None where the engine does not reduce."""
+    if not engine.enable_backward_allreduce:
+        return None
+    group = engine.seq_data_parallel_group
+    return DpReduction(group=group, world_size=dist.get_world_size(group) / float(engine.sequence_parallel_size),
+                       average=engine.gradient_average, postscale=engine.postscale_gradients(),
+                       predivide=engine.gradient_predivide_factor(), comm_dtype=engine.communication_data_type)
+
+
+def grad_buffer_for(engine: Engine, bucket_size: int = DEFAULT_BUCKET_SIZE) -> GradBuffer | None:
+    """A :class:`~training.optim.grad_buffer.GradBuffer` over the engine's module, laid out by its optimizer's
+    parameter groups (the ZeRO-0 wrappers' ``fp16_groups``), or None where DeepSpeed's reduction stays: ZeRO
+    (its own buckets and partitions), ``BF16_Optimizer`` (its own fp32 accumulation), MoE and sparse gradients
+    (other groups, other tensors). Pipeline parallelism keeps DeepSpeed's too (:func:`build_engine`): its schedule
+    reduces after its last backward, tied weights across stages included."""
+    opt = engine.optimizer
+    if (engine.zero_optimization() or hasattr(opt, "get_grads_for_reduction") or engine.has_moe_layers
+            or any(isinstance(m, torch.nn.Embedding) and m.sparse for m in engine.module.modules())):
+        return None
+    groups = getattr(opt, "fp16_groups", None) or [g["params"] for g in opt.param_groups]
+    buffer = GradBuffer(list(engine.module.parameters()), groups, dp_reduction(engine), bucket_size)
+    step = engine.owned_step
+    if isinstance(step, MixedPrecisionStep):  # each group's gradients one cast of a slice, and kept
+        step.layout.use_buffer(groups, buffer.span_of)
+    return buffer
+
+
 def build_engine(model: torch.nn.Module, optimizer, scheduler, ds_config: dict, ps: ParallelState | None = None, *,
-                 own_step: bool = True) -> Engine:
+                 own_step: bool = True, grad_buffer: bool | None = None,
+                 bucket_size: int = DEFAULT_BUCKET_SIZE) -> Engine:
     """The engine for ``model`` (a ``PipelineModule``: :class:`PipeEngine`, its grid from the module; otherwise
     :class:`Engine` with ``ps`` as DeepSpeed's mpu), with every adaptation of the module docstring applied.
-    ``own_step=False`` keeps DeepSpeed's own optimizer step (the A/B baseline of the benchmarks and tests).
+    ``own_step=False`` keeps DeepSpeed's own optimizer step (the A/B baseline of the benchmarks and tests);
+    ``grad_buffer`` (default: ``own_step``) the static gradient buffer with the overlapped reduction in buckets of
+    ``bucket_size`` elements (:func:`grad_buffer_for`; False: DeepSpeed's gradients and reduction).
 
     This is what ``deepspeed.initialize`` does for these two engine classes (the hybrid engine, mesh devices and
     automatic TP are not used here): its comm layer started (a no-op once torch.distributed runs), any
@@ -251,4 +309,8 @@ def build_engine(model: torch.nn.Module, optimizer, scheduler, ds_config: dict, 
     dp = ps.dims.dp if ps is not None else 1
     if dp == 1 and not pipe and not engine.zero_optimization():
         engine.enable_backward_allreduce = False
+    # pipeline parallelism keeps DeepSpeed's gradients and reduction: its schedule reduces after the last backward
+    # of the batch, the tied weights of the stages included (a buffer there is for another issue)
+    if (own_step if grad_buffer is None else grad_buffer) and not pipe:
+        engine.grad_buffer = grad_buffer_for(engine, bucket_size)
     return engine

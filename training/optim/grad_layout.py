@@ -52,6 +52,15 @@ class GradLayout:
         group = mpu.get_model_parallel_group() if mpu is not None else None
         self.group = group if group is not None and dist.get_world_size(group) > 1 else None
         self._zeros: torch.Tensor | None = None  # stands in for a missing gradient (sliced, never written)
+        # a gradient buffer's (training.optim.grad_buffer): id(group) -> the group's gradients as one of its slices
+        self.spans: dict[int, torch.Tensor] = {}
+        self.in_buffer = False  # the gradients are a buffer's views: kept after the step reads them
+
+    def use_buffer(self, groups: list[list[torch.Tensor]], span_of) -> None:
+        """The gradients live in a gradient buffer: read each group that is one slice of it (``span_of(group)``,
+        else None) as that slice, and keep the gradients after reading them (the engine zeroes the buffer)."""
+        self.spans = {id(g): span for g in groups if (span := span_of(g)) is not None}
+        self.in_buffer = True
 
     def grad_views(self, group: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each parameter's gradient as a 1-D view (zeros for a parameter without one)."""
@@ -66,7 +75,11 @@ class GradLayout:
         return out
 
     def flat_fp32(self, group: list[torch.Tensor]) -> torch.Tensor:
-        """The group's gradients, concatenated (one batched cat) and cast to fp32 (one kernel)."""
+        """The group's gradients, concatenated (one batched cat) and cast to fp32 (one kernel); one cast of the
+        buffer's slice where the group is one (:meth:`use_buffer`). Always a new tensor: the step scales it."""
+        span = self.spans.get(id(group))
+        if span is not None:
+            return span.clone() if span.dtype == torch.float32 else span.float()
         return torch.cat(self.grad_views(group)).float()
 
     def norm_sq(self, flats: list[torch.Tensor]) -> torch.Tensor:

@@ -177,7 +177,7 @@ class MixedPrecisionStep:
         w, lay = self.wrapper, self.layout
         scale = float(w.loss_scale_config.cur_scale)
         flats = [lay.flat_fp32(group) for group in w.fp16_groups]
-        if self.flat_masters:  # the half-precision gradients are no longer needed: free them before Adam
+        if self.flat_masters and not lay.in_buffer:  # free the half-precision gradients before Adam (not a buffer's)
             for group in w.fp16_groups:
                 for p in group:
                     p.grad = None
