@@ -129,11 +129,11 @@ def _worker(rank: int, world: int, a: dict) -> tuple[float, float]:
 
     def step() -> bool:
         """One step; False when fp16 loss scaling skipped it (no optimizer update: not a step to time)."""
-        before = int(getattr(engine, "skipped_steps", 0))
+        before = engine.settle_pending_skips()  # skips decided on the device are read (fp16: one read a step)
         loss = engine(tokens, labels).mean()
         engine.backward(loss)
         engine.step()
-        return int(getattr(engine, "skipped_steps", 0)) == before
+        return engine.settle_pending_skips() == before
 
     done = tries = 0
     while done < a["warmup"] and tries < a["warmup"] + 64:  # skipped fp16 steps do not count as warm-up

@@ -220,8 +220,9 @@ class Runner:
         return n
 
     def skipped(self) -> int:
-        """Optimizer steps skipped so far for fp16 overflow (0 without loss scaling)."""
-        return int(getattr(self.engine, "skipped_steps", 0))
+        """Optimizer steps skipped so far for fp16 overflow (0 without loss scaling); skips the device decided are
+        read and settled (one host read)."""
+        return self.engine.settle_pending_skips()
 
     def timed_applied(self, steps: int, max_extra: int = 32) -> float:
         """Mean seconds of ``steps`` applied steps: a step that fp16 loss scaling skips (no optimizer update,

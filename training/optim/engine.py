@@ -193,6 +193,15 @@ class Engine(DeepSpeedEngine):
         self.global_samples += self.train_batch_size()  # the engine owns the accumulation boundary
         self.last_outcome = outcome
 
+    def settle_pending_skips(self) -> int:
+        """Read the skips the device decided since the last settle (one host read when there are such skips to
+        learn of), settle them (:meth:`settle_device_skips`) and return ``skipped_steps``: for callers that step the
+        engine themselves (the benchmarks); the trainer settles at its own reads."""
+        step = self.owned_step
+        if isinstance(step, MixedPrecisionStep) and step.skipped is not None:
+            self.settle_device_skips(int(step.skipped.item()))
+        return self.skipped_steps
+
     def settle_device_skips(self, skipped: int) -> None:
         """After a read of a device-decided outcome: the ``skipped`` steps the device skipped since the last
         settle are counted as DeepSpeed counts a skip (``skipped_steps``, checkpointed), and the LR schedule, which
