@@ -20,8 +20,21 @@ from training.models.core_attention import (
     SDPACore,
     build_core,
 )
+from training.parallel import random as tp_random
 
 SDPA, CPU, MEGATRON = SDPACore, CPUDropoutCore, MegatronCore
+
+
+@pytest.fixture(autouse=True)
+def _no_model_parallel_stream():
+    """These tests seed torch's default generator and compare runs: once a tensor-parallel dropout stream is seeded
+    in this process (by an earlier in-process test), the cores draw from it instead and two runs differ. Each test
+    runs with no stream, as in a fresh process; the stream comes back afterwards."""
+    tracker = tp_random.get_tracker()
+    saved = tracker.get_states()
+    tracker.reset()
+    yield
+    tracker.set_states(saved)
 
 
 @pytest.mark.parametrize("extra,causal,expected", [
