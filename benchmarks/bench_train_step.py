@@ -265,7 +265,8 @@ def tied_safe_optimizer(model, ocfg, iters: int, fused: bool = False, adam: str 
     ``lm_head.weight is transformer.wte.weight``) would be listed twice and DeepSpeed rejects that.
     ``adam="fused"``: DeepSpeed's FusedAdam (AdamW mode) instead of torch's AdamW.
     """
-    from training.optim.adamw import lr_at, param_groups
+    from training.optim.adamw import param_groups
+    from training.optim.lr_schedule import DeviceLRSchedule, lr_at
 
     seen: set[int] = set()
     groups = []
@@ -281,6 +282,9 @@ def tied_safe_optimizer(model, ocfg, iters: int, fused: bool = False, adam: str 
             opt = FusedAdam(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, adam_w_mode=True)
     else:
         opt = torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=fused or None)
+        if fused:  # the step decides skips on the device: the trainer's device schedule counts them there
+            return opt, DeviceLRSchedule(opt, ocfg, iters)
+    # FusedAdam and unfused AdamW read the skip on the host and take a Python-float rate
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: lr_at(it, ocfg, iters) / ocfg.lr)
     return opt, sched
 

@@ -36,7 +36,8 @@ from training.config import OptimizerConfig
 from training.data.bert_data import BertDataset, BertVocab, MaskingConfig, collate
 from training.models.bert import BertModel, bert_loss
 from training.models.config import ModelConfig, padded_vocab_size
-from training.optim.adamw import lr_at, param_groups
+from training.optim.adamw import param_groups
+from training.optim.lr_schedule import lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 

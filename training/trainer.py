@@ -188,7 +188,7 @@ class Trainer:
         start, steps = self._clock or (time.perf_counter(), 0)
         self._clock = (start, steps + 1)
         st = self.state
-        lr = self.engine.get_lr()[0]  # the rate this step uses
+        lr = self.engine.lr_scheduler.rate()  # the rate this step uses (a device scalar, read with the metrics)
         extra_metrics = self.task.step_metrics(st.consumed_samples)
         loss, parts, riders = self._run_micro_batches(read)
         outcome: StepOutcome = self.engine.last_outcome
@@ -342,7 +342,7 @@ class Trainer:
             # a shard one rank cannot read stops every rank, with one line
             resumed = agreed(lambda: ckpt.load(self.engine, self.state, self.ps, self.desc))
             writer = MetricsWriter(self.run_dir, cfg.train.iters, self.is_rank0,
-                                   getattr(self.engine, "monitor", None),
+                                   self.engine.metrics_monitor,
                                    resume_iteration=self.iteration if resumed else None,
                                    samples=self.consumed_samples)
             if self.is_rank0:  # only once the run is known to start (the run directory is ours, its checkpoint

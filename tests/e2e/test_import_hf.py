@@ -193,9 +193,9 @@ def _init_from_run(rank, world, overrides):
     cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides)
     trainer = Trainer(resolve_run(cfg))
     batch = [b for b in trainer.task.micro_batches(0)]
-    lr0 = trainer.engine.get_lr()[0]
+    lr0 = float(trainer.engine.get_lr()[0])
     out = trainer.train()
-    lr1 = trainer.engine.get_lr()[0]  # the rate of the next update
+    lr1 = float(trainer.engine.get_lr()[0])  # the rate of the next update
     return {"batch": batch, "loss": out["last"]["loss"], "lr0": lr0, "lr1": lr1, "model": cfg.model.__dict__.copy(),
             "iteration": trainer.iteration}
 

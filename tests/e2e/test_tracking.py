@@ -192,7 +192,10 @@ def test_short_run_writes_wandb_offline_and_csv(tmp_path):
     assert rows[0] == ["step", "loss"]
     # one step axis for every sink: consumed samples (global batch 4 per iteration)
     assert {int(s): float(v) for s, v in rows[1:]} == pytest.approx({4 * it: v for it, v in losses.items()})
-    assert (run_dir / "csv" / "train" / "train_lr.csv").is_file()
+    with open(run_dir / "csv" / "train" / "train_lr.csv") as f:  # numbers, not a device tensor's repr
+        lrs = {int(s): float(v) for s, v in list(csv.reader(f))[1:]}
+    assert lrs == pytest.approx({4 * r["iteration"]: r["lr"] for r in steps if "event" not in r})
+    assert not list((run_dir / "csv").rglob("Train_Samples_*"))  # DeepSpeed's per-step writes are stopped
 
     (offline,) = (run_dir / "wandb").glob("offline-run-*")
     (data,) = offline.glob("run-*.wandb")
@@ -206,7 +209,10 @@ def test_short_run_writes_wandb_offline_and_csv(tmp_path):
     assert {row["train/iteration"] for row in history.values() if "train/iteration" in row} == {1, 2, 3}
     valid = [r for r in steps if r.get("event") == "valid"]
     assert valid and history[12]["valid/loss"] == pytest.approx(valid[-1]["loss"])
-    assert "Train/Samples/lr" in history[12]  # DeepSpeed's own, on the same axis
+    assert {step: row["train/lr"] for step, row in history.items() if "train/lr" in row} == \
+        pytest.approx({4 * r["iteration"]: r["lr"] for r in steps if "event" not in r})
+    # DeepSpeed's own per-step writes are stopped (a host read per step, a stale device loss scale): ours only
+    assert not any(k.startswith("Train/Samples/") for row in history.values() for k in row)
     ds = json.loads((run_dir / "ds_config.json").read_text())
     assert ds["wandb"]["project"] == "ci" and ds["wall_clock_breakdown"] is False
 

@@ -428,9 +428,9 @@ def _bf16_skip_worker(rank, world, spec, tmp):
 @needs_corpus
 def test_bf16_skips_on_the_device_and_settles_at_the_read(spm_model, tmp_path):
     """bf16 with an inf gradient at step 2, read only at steps 3, 6, 9 (no host read on the others, the skipped
-    one included): step 3 still runs one LR step ahead (the host does not know yet); at its read the skip is
-    counted (skipped 1) and the LR schedule rewound, so steps 4-6 run DeepSpeed's rates (its own step, read
-    every step); losses and norms equal DeepSpeed's to bf16 precision. Infs at
+    one included): every step runs DeepSpeed's rate (its own step, read every step), step 3 included although
+    the host has not read the skip yet (the schedule counts the device's applied flag); at the read the skip is
+    counted (skipped 1); losses and norms equal DeepSpeed's to bf16 precision. Infs at
     steps 7 and 8 with max_consecutive_skipped=2 abort at the next read (step 9: 2 in a row), as DeepSpeed's
     run aborts at step 8."""
     r = run_distributed(_bf16_skip_worker, 1, spm_model, str(tmp_path))[0]
@@ -442,8 +442,8 @@ def test_bf16_skips_on_the_device_and_settles_at_the_read(spm_model, tmp_path):
     by_it = {row[0]: row for row in ds["rows"]}
     assert by_it[2][1] is False and by_it[3][2] == 1
     o3, o6 = ours["rows"]
-    assert o3[3] == by_it[4][3] != by_it[3][3]  # until the read the schedule runs a step ahead (step 3: DS's step 4)
-    assert o6[3] == by_it[6][3]  # rewound at the read: DeepSpeed's rates again
+    assert o3[3] == by_it[3][3] != by_it[4][3]  # the skip held the schedule back before any read
+    assert o6[3] == by_it[6][3]
     for o in (o3, o6):
         assert o[4] == pytest.approx(by_it[o[0]][4], rel=2e-3) and o[5] == pytest.approx(by_it[o[0]][5], rel=1e-3)
     assert ours["skipped_steps"] == 3 and ds["skipped_steps"] == 3

@@ -33,6 +33,13 @@ adaptation                    what it repairs                                   
                               all-reduced in buckets while backward runs; the         of every gradient, nothing
                               override (``Engine``'s) only waits for them             overlapped, new gradient
                               (DeepSpeed's arithmetic, bitwise on two ranks)          tensors every step)
+``Engine.monitor``            DeepSpeed writes the learning rate and loss scale to   all (its engines write after
+                              its monitor after every step (the pipeline engine the   every step when a monitor is
+                              loss too, read with ``.item()``): a host read per       on)
+                              step, a stale loss scale when the step keeps it on
+                              the device, a tensor rate in the CSV. The monitor is
+                              ``Engine.metrics_monitor``, written by the trainer on
+                              log steps (``train/lr``, ``train/loss_scale``, ...)
 ``enable_backward_allreduce`` off at one data-parallel replica: DeepSpeed would       all (a public switch)
                               flatten every gradient and all-reduce it with itself
 ``safe_load.install``         ``TorchCheckpointEngine.load`` unpickles with           0.19 (process-wide, at start-up:
@@ -64,6 +71,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from training.optim.fp32 import Fp32Step
 from training.optim.grad_buffer import DEFAULT_BUCKET_SIZE, DpReduction, GradBuffer
+from training.optim.lr_schedule import DeviceLRSchedule
 from training.optim.mixed_precision import MixedPrecisionStep
 from training.optim.outcome import StepOutcome, deepspeeds_outcome
 
@@ -113,6 +121,15 @@ def install_process_wide() -> None:
         log.warning(warning)
 
 
+class SilentMonitor:
+    """Where DeepSpeed's engines write their per-step monitor events: nowhere."""
+
+    enabled = False
+
+    def write_events(self, event_list) -> None:
+        pass
+
+
 class OwnedStep(Protocol):
     reads_on_host: bool
 
@@ -129,6 +146,12 @@ class Engine(DeepSpeedEngine):
     owned_step: OwnedStep | None = None
     last_outcome: StepOutcome | None = None
     grad_buffer: GradBuffer | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # DeepSpeed's monitor (TensorBoard, CSV, W&B), kept for the trainer's own writes on log steps; DeepSpeed's
+        # own per-step writes stop (the module docstring says why)
+        self.metrics_monitor, self.monitor = self.monitor, SilentMonitor()
 
     def backward(self, loss, *args, **kwargs):
         if self.grad_buffer is not None:  # the step's last micro-batch reduces (DeepSpeed's condition)
@@ -151,6 +174,8 @@ class Engine(DeepSpeedEngine):
 
     def load_checkpoint(self, *args, **kwargs):
         out = super().load_checkpoint(*args, **kwargs)
+        if isinstance(self.lr_scheduler, DeviceLRSchedule):  # the optimizer's load put the saved rate in its groups
+            self.lr_scheduler.install()
         if isinstance(self.owned_step, MixedPrecisionStep):
             self.owned_step.load_host_state()  # the loaded loss scale onto the device
         return out
@@ -180,13 +205,18 @@ class Engine(DeepSpeedEngine):
         else:
             self.zero_grad()
         self._global_grad_norm = outcome.grad_norm
-        # a skip decided on the device is settled when the host reads it (Trainer.read_metrics)
-        applied = outcome.decided_on_device or bool(outcome.applied)
-        self._step_applied = applied
-        if applied:
+        if outcome.decided_on_device:
+            # the schedule counts the device's own applied flag; the skip counters are settled when the host
+            # reads them (Trainer.read_metrics)
+            self._step_applied = True
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(applied=outcome.applied)
+        elif outcome.applied:
+            self._step_applied = True
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         else:
+            self._step_applied = False
             self.skipped_steps += 1
         self.losses = None
         self.global_steps += 1
@@ -204,16 +234,10 @@ class Engine(DeepSpeedEngine):
 
     def settle_device_skips(self, skipped: int) -> None:
         """After a read of a device-decided outcome: the ``skipped`` steps the device skipped since the last
-        settle are counted as DeepSpeed counts a skip (``skipped_steps``, checkpointed), and the LR schedule, which
-        stepped on them unknowingly, is set back by as many steps, so it is DeepSpeed's again from the next step."""
+        settle are counted as DeepSpeed counts a skip (``skipped_steps``, checkpointed). The LR schedule needs
+        nothing: it counted the device's applied flags (:class:`~training.optim.lr_schedule.DeviceLRSchedule`)."""
         self.owned_step.settle()
-        if not skipped:
-            return
         self.skipped_steps += skipped
-        sched = self.lr_scheduler
-        if isinstance(sched, torch.optim.lr_scheduler.LRScheduler):
-            sched.last_epoch -= skipped + 1
-            sched.step()  # sets the groups' rates for the rewound epoch
 
 
 class PipeEngine(PipelineEngine, Engine):
@@ -315,6 +339,11 @@ def build_engine(model: torch.nn.Module, optimizer, scheduler, ds_config: dict, 
     undo_initial_zero_step(engine.optimizer)  # fp16/bf16 at ZeRO-0: Adam starts at step 0, as in fp32
     if own_step:
         engine.owned_step = owned_step_for(engine, ps, pipe)
+        decides_on_device = isinstance(engine.owned_step, MixedPrecisionStep) and not engine.owned_step.reads_on_host
+        if decides_on_device and scheduler is not None and not isinstance(scheduler, DeviceLRSchedule):
+            raise TypeError(f"the step decides fp16/bf16 skips on the device, so its learning-rate schedule must count "
+                            f"them there: pass a training.optim.lr_schedule.DeviceLRSchedule, not "
+                            f"{type(scheduler).__name__}")
     dp = ps.dims.dp if ps is not None else 1
     if dp == 1 and not pipe and not engine.zero_optimization():
         engine.enable_backward_allreduce = False

@@ -126,10 +126,7 @@ def _worker(rank, world, payload_path: str, out_dir: str):  # noqa: C901
     state.iteration = payload["iteration"]
     state.consumed_samples = payload["consumed_samples"]
     if payload["lr_scheduler"] is not None:
-        sched = engine.lr_scheduler
-        sched.load_state_dict(payload["lr_scheduler"])
-        for group, lr in zip(opt.param_groups, sched.get_last_lr()):  # the rate of the next step
-            group["lr"] = lr
+        engine.lr_scheduler.load_state_dict(payload["lr_scheduler"])  # and the rate of the next step in every group
     tp_random.set_seed(cfg.train.seed + payload["iteration"])
     saved = {**cfg.to_dict(), "precision": dataclasses.asdict(precision)}  # the source's ('auto' stays 'auto')
     if ps.rank == 0:
