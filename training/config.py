@@ -138,6 +138,17 @@ class DataConfig(Freezable):
     and data.text_files, True for data.prefixes (Megatron's blending came with it). See
     training/data/gpt_dataset.py and training/data/blending.py."""
     num_workers: Annotated[int, NonNegative] = 0
+    reset_position_ids: bool = False
+    """GPT: positions restart at 0 after each end-of-document token inside a packed sample (Megatron's
+    --reset-position-ids; training/data/documents.py)."""
+    reset_attention_mask: bool = False
+    """GPT: a token attends only to its own document inside a packed sample (Megatron's --reset-attention-mask;
+    a block-diagonal causal mask, b s^2 bytes per micro-batch)."""
+    eod_mask_loss: bool = False
+    """GPT: no loss where the input token is the end-of-document token (Megatron's --eod-mask-loss)."""
+
+    def document_options(self) -> list[str]:
+        return [n for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(self, n)]
 
 
 @dataclass
@@ -300,6 +311,20 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
+def validate_document_options(cfg: Config) -> None:
+    """data.reset_position_ids / reset_attention_mask / eod_mask_loss: GPT without pipeline parallelism."""
+    options = cfg.data.document_options()
+    if not options:
+        return
+    named = ", ".join(f"data.{n}" for n in options)
+    if cfg.model.arch == "bert":
+        raise ConfigError(f"{named}: packed-document options are for GPT (BERT samples are sentence pairs with "
+                          f"their own padding mask); remove them or set model.arch=gpt")
+    if cfg.parallel.pipeline > 1:
+        raise ConfigError(f"{named} with parallel.pipeline={cfg.parallel.pipeline}: the document mask and positions "
+                          f"do not cross pipeline stages yet; set parallel.pipeline=1 or remove them")
+
+
 def validate_static(cfg: Config) -> None:  # noqa: C901
     """Checks that need no process group: sizes, divisibility, ranges (the ranges declared on the fields,
     :func:`check_ranges`, first: a config an importer built in Python has not been through the loader)."""
@@ -322,6 +347,7 @@ def validate_static(cfg: Config) -> None:  # noqa: C901
         raise ConfigError(f"train.keep_last must be >= 1 (the newest checkpoint is always kept), got {t.keep_last}")
     validate_shape(m.shape(), p.tensor, p.pipeline, p.sequence_parallel)  # the planner's rules too
     validate_model_options(m)
+    validate_document_options(cfg)
     if p.zero_stage not in (0, 1, 2):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage}: 0, 1 or 2 (ZeRO-3 is not offered yet)")
     if p.zero_stage >= 2 and p.pipeline > 1:

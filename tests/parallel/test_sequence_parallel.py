@@ -371,20 +371,22 @@ def _trainer_worker(rank: int, world: int, work: str) -> dict:
     allow_fp16_on_cpu()  # before the accelerator is made to report cuda: DeepSpeed's CPU one then runs fp16
     gpt2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
     out = {}
-    for sp in (False, True):
+    for sp, documents in ((False, False), (True, False), (False, True), (True, True)):
         ov = {"data.corpus": "null", "data.text_files": f"[{Path(SHARED_DATA) / 'corpus' / 'botchan.txt'}]",
               "data.tokenizer": json.dumps({"kind": "gpt2_bpe", "vocab_file": str(gpt2 / "gpt2-vocab.json"),
                                             "merges_file": str(gpt2 / "gpt2-merges.txt")}),
-              "run.dir": f"{work}/sp{int(sp)}", "train.progress_bar": "false", "model.seq_length": "32",
+              "train.progress_bar": "false", "model.seq_length": "32",
               "model.hidden_dropout": "0.0", "model.attention_dropout": "0.0", "train.micro_batch_size": "2",
               "train.global_batch_size": "4", "train.iters": "3", "train.eval_interval": "0",
               "train.eval_iters": "1", "precision.dtype": "fp16", "parallel.tensor": "2",
               "parallel.sequence_parallel": str(sp).lower(), "optimizer.warmup_iters": "0",
-              "run.device_peak_tflops": "1.0"}
+              "run.device_peak_tflops": "1.0", "run.dir": f"{work}/sp{int(sp)}-doc{int(documents)}"}
+        if documents:  # packed documents kept apart (training/data/documents.py): the masks made on the device
+            ov.update({f"data.{k}": "true" for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")})
         with emulated_cuda_run(rank) as (guard, _):
             trainer = Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", [f"{k}={v}" for k, v in ov.items()])))
             losses = [trainer.train_step()["loss"] for _ in range(3)]
-            out[sp] = {"losses": losses, "o1_step": trainer.o1_step, "violations": list(guard.violations),
+            out[sp, documents] = {"losses": losses, "o1_step": trainer.o1_step, "violations": list(guard.violations),
                        "seen": sum(guard.seen.values()),
                        "marked": sum(getattr(p, "sequence_parallel", False) for p in trainer.model.parameters())}
     return out
@@ -395,11 +397,15 @@ def test_trainer_fp16_engine_with_sequence_parallelism(tmp_path):
     if not (data / "tokenizers" / "gpt2").exists() or not (data / "corpus" / "botchan.txt").exists():
         pytest.skip("../shared/data (GPT-2 tokenizer, botchan.txt) not present")
     for r in run_distributed(_trainer_worker, 2, str(tmp_path)):
-        off, on = r[False], r[True]
-        assert off["o1_step"] and on["o1_step"]  # fp16 at ZeRO-0: training/optim/mixed_precision.py
-        assert not on["violations"] and on["seen"] > 0, on["violations"]
-        # 2 layers x (2 LayerNorms x 2 + 2 projection biases) + the final LayerNorm's 2
-        assert off["marked"] == 0 and on["marked"] == 14
-        # fp16 on both sides: the same steps up to fp16 rounding of different summation orders
-        assert on["losses"] == pytest.approx(off["losses"], rel=2e-3), (on["losses"], off["losses"])
-        assert on["losses"][-1] < on["losses"][0]
+        for documents in (False, True):  # with packed documents kept apart too (data.reset_* and eod_mask_loss)
+            off, on = r[False, documents], r[True, documents]
+            assert off["o1_step"] and on["o1_step"]  # fp16 at ZeRO-0: training/optim/mixed_precision.py
+            assert not on["violations"] and not off["violations"] and on["seen"] > 0, on["violations"]
+            # 2 layers x (2 LayerNorms x 2 + 2 projection biases) + the final LayerNorm's 2
+            assert off["marked"] == 0 and on["marked"] == 14
+            # fp16 on both sides: the same steps up to fp16 rounding of different summation orders
+            assert on["losses"] == pytest.approx(off["losses"], rel=2e-3), (on["losses"], off["losses"])
+            assert on["losses"][-1] < on["losses"][0]
+        # the masks act (at initialization every loss is near ln V, so only an inequality is asserted; a batch with
+        # no end of document inside its samples gives the same loss either way)
+        assert r[True, True]["losses"] != r[True, False]["losses"]

@@ -76,23 +76,10 @@ class GPTModel(nn.Module):
             mark_norm_sequence_parallel(self.final_ln, group)
         self.output_layer = output_layer(cfg, padded_vocab_size, group, seed)
 
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                      cache: KVCache | None = None) -> torch.Tensor:
-        """tokens [b, s] -> final hidden states [b, s, h] (after the final LayerNorm); with sequence parallelism
-        this rank's chunk [b, s/p, h].
-
-        ``positions`` [s] or [b, s]: the tokens' positions (learned table or RoPE; None = 0 .. s-1, or the s
-        positions after the cached ones). ``cache``: incremental decoding, the s tokens follow the ``cache.length``
-        cached ones, whose keys and values every layer reads and extends (:class:`KVCache`)."""
-        b, s = tokens.shape
-        start = 0 if cache is None else cache.length
-        if start + s > self.cfg.positions:
-            raise ValueError(f"sequence length {start + s} exceeds max_position_embeddings {self.cfg.positions}")
-        mask = None
-        if cache is not None:
-            mask = cache.attn_mask(s)                                      # [b or 1, 1, s, start + s]
-            if positions is None:
-                positions = torch.arange(start, start + s, device=tokens.device)
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Word (+ learned position) embeddings and embedding dropout: tokens [b, s] -> [b, s, h] ([b, s/p, h]
+        with sequence parallelism)."""
+        s = tokens.size(1)
         x = self.embedding.word_embeddings(tokens)                         # [b, s, h] ([b, s/p, h] SP)
         if self.embedding.position_embeddings is not None:
             pos = self.embedding.position_embeddings(torch.arange(s, device=tokens.device) if positions is None
@@ -101,9 +88,31 @@ class GPTModel(nn.Module):
                 pos = scatter_to_sequence_parallel_region(pos, self.group, dim=pos.dim() - 2)
             x = x + pos
         if self.sequence_parallel and self.training and self.cfg.hidden_dropout > 0.0:
-            x = dropout_on_shard(x, None, self.cfg.hidden_dropout, True)
-        else:
-            x = dropout(x, self.cfg.hidden_dropout, self.training)
+            return dropout_on_shard(x, None, self.cfg.hidden_dropout, True)
+        return dropout(x, self.cfg.hidden_dropout, self.training)
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                      cache: KVCache | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] -> final hidden states [b, s, h] (after the final LayerNorm); with sequence parallelism
+        this rank's chunk [b, s/p, h].
+
+        ``positions`` [s] or [b, s]: the tokens' positions (learned table or RoPE; None = 0 .. s-1, or the s
+        positions after the cached ones). ``cache``: incremental decoding, the s tokens follow the ``cache.length``
+        cached ones, whose keys and values every layer reads and extends (:class:`KVCache`). ``attn_mask``: bool
+        [b, 1, s, s], True = attend, causality included (packed documents: :mod:`training.data.documents`); None =
+        causal over the whole sequence."""
+        b, s = tokens.shape
+        start = 0 if cache is None else cache.length
+        if start + s > self.cfg.positions:
+            raise ValueError(f"sequence length {start + s} exceeds max_position_embeddings {self.cfg.positions}")
+        mask = attn_mask
+        if cache is not None:
+            if attn_mask is not None:
+                raise ValueError("attn_mask is for training on packed documents; a KV-cache step builds its own")
+            mask = cache.attn_mask(s)                                      # [b or 1, 1, s, start + s]
+            if positions is None:
+                positions = torch.arange(start, start + s, device=tokens.device)
+        x = self.embed(tokens, positions)
         for layer in self.layers:
             if self.cfg.recompute == "full" and self.training and torch.is_grad_enabled() and cache is None:
                 x = tp_random.checkpoint(layer, x, mask, positions)       # a cached forward is never recomputed
@@ -123,9 +132,9 @@ class GPTModel(nn.Module):
         return column_parallel_linear(hidden, weight, None, self.group, sequence_parallel=self.sequence_parallel)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        """``positions`` and ``cache`` as :meth:`hidden_states`."""
-        logits = self.output_logits(self.hidden_states(tokens, positions, cache))  # [b, s, V/p]
+                cache: KVCache | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``, ``cache`` and ``attn_mask`` as :meth:`hidden_states`."""
+        logits = self.output_logits(self.hidden_states(tokens, positions, cache, attn_mask))  # [b, s, V/p]
         if labels is None:
             return logits
         # the logits are ours and unused after this (the linear's backward needs x and E, not its

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from training.config import Config
+from training.data.documents import DocumentMasks, masked_mean
 from training.data.loader import BatchSampler, build_datasets, resolve_sources
 from training.models.gpt2 import GPTModel
 from training.models.gpt2_pipe import build_gpt2_pipe
@@ -24,6 +25,9 @@ class GPTTask(Task):
         self.tokenizer = self.src.tokenizer
         self.tokens_per_sample = cfg.model.seq_length
         self._dp = dp
+        d = cfg.data  # packed documents kept apart (Megatron's options; training/data/documents.py)
+        self.documents = DocumentMasks.from_options(self.tokenizer.eod, d.reset_position_ids, d.reset_attention_mask,
+                                                    d.eod_mask_loss)
 
     def build_data(self) -> None:
         cfg, t = self.cfg, self.cfg.train
@@ -52,7 +56,10 @@ class GPTTask(Task):
 
     def loss(self, engine: torch.nn.Module, batch) -> tuple[torch.Tensor, dict]:
         tokens, labels = batch_to_device(batch, engine)
-        return engine(tokens, labels).mean(), {}
+        if self.documents is None:
+            return engine(tokens, labels).mean(), {}
+        positions, mask, loss_mask = self.documents.of(tokens)
+        return masked_mean(engine(tokens, labels, positions=positions, attn_mask=mask), loss_mask), {}
 
 
 def make_task(cfg: Config, ps: ParallelState, dp: int) -> Task:
