@@ -1,0 +1,73 @@
+"""BERT in pipeline stages (``training.models.bert_pipe``): PP=2 trains as PP=1 does (fp32, dropout off: MLM + the
+binary head's loss over padded batches), resumes bitwise, merges back to the PP=1 names, and logs the bubble."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.corpora import bert_cfg, botchan_docs, write_bert_corpus
+from tests.helpers.distributed import run_distributed
+
+# TP 1, 4 micro-batches of 2 per step, samples often shorter than the sequence (padding), a log line every step
+EXTRA = {"parallel": {"tensor": 1}, "train": {"micro_batch_size": 2, "global_batch_size": 8, "log_interval": 1,
+                                               "save_interval": 0},
+         "bert": {"short_seq_prob": 0.5}}
+
+
+@pytest.fixture(scope="module")
+def bert_corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bert_corpus")
+    write_bert_corpus(root, botchan_docs())
+    return root
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
+
+
+def _train(rank, world, corpus, base, runs):
+    """Each (name, parallel overrides, train overrides) run one after the other in ``base/name``."""
+    from training.resolve import resolve_run
+    from training.trainer import Trainer
+
+    padded = None
+    for name, parallel, train in runs:
+        extra = {**EXTRA, "parallel": {**EXTRA["parallel"], **parallel}, "train": {**EXTRA["train"], **train}}
+        trainer = Trainer(resolve_run(bert_cfg(corpus, Path(base) / name, extra)))
+        trainer.train()
+        if padded is None:  # the first step's micro-batches hold padding (the mask crosses the stages)
+            batches = list(trainer.task.micro_batches(0))
+            masks = [b[0][2] if isinstance(b, tuple) else b["padding_mask"] for b in batches]
+            padded = bool(any((m == 0).any() for m in masks))
+    return padded
+
+
+def test_bert_pp2_equals_pp1_resumes_and_logs_the_bubble(bert_corpus, tmp_path):
+    from training.checkpoint_reader import load_merged_state_dict
+
+    assert run_distributed(_train, 1, bert_corpus, str(tmp_path), [("pp1", {}, {})])[0]
+    pp2 = [("pp2", {"pipeline": 2}, {}), ("part", {"pipeline": 2}, {"exit_at": 2}), ("part", {"pipeline": 2}, {})]
+    run_distributed(_train, 2, bert_corpus, str(tmp_path), pp2)
+    ref, got, part = _rows(tmp_path / "pp1"), _rows(tmp_path / "pp2"), _rows(tmp_path / "part")
+    assert [r["iteration"] for r in ref] == [r["iteration"] for r in got] == [1, 2, 3]
+    for a, b in zip(ref, got):  # the loss is MLM + sentence order (binary head), as at PP=1
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (a["loss"], b["loss"])
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert ref[0]["loss"] > ref[0]["mlm_loss"] > 0 and ref[0]["sop_loss"] > 0.1
+    # stopped at iteration 2 and resumed by a fresh trainer: the same losses, bit for bit
+    assert [r["loss"] for r in part] == [r["loss"] for r in got]
+    # every step's bubble: the stages' mean and each stage's, fractions of the step's wall time
+    for r in got:
+        assert 0.0 < r["pipeline_bubble"] < 1.0 and len(r["pipeline_bubble_stages"]) == 2
+        assert all(0.0 < f < 1.0 for f in r["pipeline_bubble_stages"])
+    assert "pipeline_bubble" not in ref[0]
+    # the PP=2 checkpoint merges into BertModel's names and weights (what reshard, export and evaluation read)
+    want, _, _ = load_merged_state_dict(tmp_path / "pp1")
+    have, cfg, meta = load_merged_state_dict(tmp_path / "pp2")
+    assert meta["parallel"]["pp"] == 2 and sorted(have) == sorted(want)
+    assert {"lm_head.bias", "binary_head.weight", "pooler.weight", "final_ln.weight"} <= set(have)
+    for name, w in want.items():
+        torch.testing.assert_close(have[name], w, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
