@@ -1,5 +1,6 @@
-"""BERT in pipeline stages (``training.models.bert_pipe``): PP=2 trains as PP=1 does (fp32, dropout off: MLM + the
-binary head's loss over padded batches), resumes bitwise, merges back to the PP=1 names, and logs the bubble."""
+"""BERT in pipeline stages (``training.models.bert_pipe``): PP=2 (every layer recomputed) trains as PP=1 does (fp32,
+dropout off: MLM + the binary head's loss over padded batches), resumes bitwise, merges back to the PP=1 names, and
+logs the bubble."""
 from __future__ import annotations
 
 import json
@@ -29,13 +30,13 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def _train(rank, world, corpus, base, runs):
-    """Each (name, parallel overrides, train overrides) run one after the other in ``base/name``."""
+    """Each (name, {section: overrides}) run one after the other in ``base/name``."""
     from training.resolve import resolve_run
     from training.trainer import Trainer
 
     padded = None
-    for name, parallel, train in runs:
-        extra = {**EXTRA, "parallel": {**EXTRA["parallel"], **parallel}, "train": {**EXTRA["train"], **train}}
+    for name, over in runs:
+        extra = {k: {**EXTRA.get(k, {}), **over.get(k, {})} for k in {*EXTRA, *over}}
         trainer = Trainer(resolve_run(bert_cfg(corpus, Path(base) / name, extra)))
         trainer.train()
         if padded is None:  # the first step's micro-batches hold padding (the mask crosses the stages)
@@ -48,9 +49,11 @@ def _train(rank, world, corpus, base, runs):
 def test_bert_pp2_equals_pp1_resumes_and_logs_the_bubble(bert_corpus, tmp_path):
     from training.checkpoint_reader import load_merged_state_dict
 
-    assert run_distributed(_train, 1, bert_corpus, str(tmp_path), [("pp1", {}, {})])[0]
-    pp2 = [("pp2", {"pipeline": 2}, {}), ("part", {"pipeline": 2}, {"exit_at": 2}), ("part", {"pipeline": 2}, {})]
-    run_distributed(_train, 2, bert_corpus, str(tmp_path), pp2)
+    assert run_distributed(_train, 1, bert_corpus, str(tmp_path), [("pp1", {})])[0]
+    # PP=2 with every layer recomputed (DeepSpeed's checkpoint of the stage tuple: the int64 masks pass through)
+    pp2 = {"parallel": {"pipeline": 2}, "model": {"recompute": "full"}}
+    runs = [("pp2", pp2), ("part", {**pp2, "train": {"exit_at": 2}}), ("part", pp2)]
+    run_distributed(_train, 2, bert_corpus, str(tmp_path), runs)
     ref, got, part = _rows(tmp_path / "pp1"), _rows(tmp_path / "pp2"), _rows(tmp_path / "part")
     assert [r["iteration"] for r in ref] == [r["iteration"] for r in got] == [1, 2, 3]
     for a, b in zip(ref, got):  # the loss is MLM + sentence order (binary head), as at PP=1
