@@ -190,3 +190,16 @@ def bert_model_name(pipe_name: str, num_layers: int) -> str | None:
     if 1 <= int(idx) <= num_layers:
         return f"layers.{int(idx) - 1}.{rest}"
     return rest if int(idx) == num_layers + 1 else None  # the heads keep BertModel's names
+
+
+def pipe_location(name: str, num_layers: int) -> tuple[int, str]:
+    """The inverse of :func:`bert_model_name`: a ``BertModel`` parameter name -> (pipeline layer index, its name in
+    that layer's ``layer_XX-*`` checkpoint file)."""
+    if name.startswith("embedding."):
+        return 0, name[len("embedding."):]
+    if name.startswith("embedding_ln."):
+        return 0, name
+    if name.startswith("layers."):
+        _, i, rest = name.split(".", 2)
+        return int(i) + 1, rest
+    return num_layers + 1, name  # the heads

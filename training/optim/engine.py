@@ -66,7 +66,7 @@ from training.optim.fp32 import Fp32Step
 from training.optim.grad_buffer import DEFAULT_BUCKET_SIZE, DpReduction, GradBuffer
 from training.optim.mixed_precision import MixedPrecisionStep
 from training.optim.outcome import StepOutcome, deepspeeds_outcome
-from training.optim.pipe_bubble import CommTimer, timed_instructions
+from training.optim.pipe_bubble import BubbleTimed
 
 if TYPE_CHECKING:
     from training.parallel.state import ParallelState
@@ -217,23 +217,9 @@ class Engine(DeepSpeedEngine):
             sched.step()  # sets the groups' rates for the rewound epoch
 
 
-class PipeEngine(PipelineEngine, Engine):
-    """DeepSpeed's pipeline engine over :class:`Engine` (its schedule calls reach Engine's overrides). ``comm_timer``
-    sums the host time of the schedule's p2p instructions and of each ``train_batch``
-    (:mod:`training.optim.pipe_bubble`: the bubble, ``pipeline_bubble`` in the metrics)."""
-
-    _INSTRUCTION_MAP = timed_instructions(PipelineEngine._INSTRUCTION_MAP)
-
-    def __init__(self, *args, **kwargs):
-        self.comm_timer = CommTimer()
-        super().__init__(*args, **kwargs)
-
-    def train_batch(self, data_iter=None):
-        self.comm_timer.begin_step()
-        try:
-            return super().train_batch(data_iter)
-        finally:
-            self.comm_timer.end_step()
+class PipeEngine(BubbleTimed, PipelineEngine, Engine):
+    """DeepSpeed's pipeline engine over :class:`Engine` (its schedule calls reach Engine's overrides); ``comm_timer``
+    times the pipeline communication of each step (:mod:`training.optim.pipe_bubble`: ``pipeline_bubble``)."""
 
 
 def undo_initial_zero_step(optimizer) -> bool:

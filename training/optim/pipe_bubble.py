@@ -1,10 +1,14 @@
-"""The pipeline bubble measured: host time each rank waits in the schedule's point-to-point instructions.
+"""The pipeline bubble measured: host time each rank waits on pipeline communication in a training step.
 
 DeepSpeed's pipeline engine runs a schedule (``PipeSchedule``) as a stream of instructions, each executed through
-the class's ``_INSTRUCTION_MAP``. :func:`timed_instructions` wraps the four that talk to a neighbouring stage
-(``SendActivation``, ``RecvActivation``, ``SendGrad``, ``RecvGrad``) so that every call adds its host wall time to
-the engine's :class:`CommTimer`; ``PipeEngine`` (``training.optim.engine``) opens and closes the timer's step
-around ``train_batch``. A schedule built on the engine (another instruction map) wraps its own map the same way.
+the class's ``_INSTRUCTION_MAP``. :func:`timed_instructions` wraps the ones that wait on other stages (the
+point-to-point ``SendActivation``, ``RecvActivation``, ``SendGrad``, ``RecvGrad``, and ``ReduceTiedGrads``, the
+all-reduce of the tied embedding's gradient between the first and last stage) so that every call adds its host wall
+time to the engine's :class:`CommTimer`. :class:`BubbleTimed`, a mixin of the project's ``PipeEngine``
+(``training.optim.engine``), installs the wrapped map, opens and closes the timer's step around ``train_batch`` and
+times the loss broadcast that ends every step (``_aggregate_total_loss``: the stages that finished first wait
+there for the first stage's last backward, the schedule's tail). A schedule built on the engine with another
+instruction map wraps it the same way.
 
 On gloo (CPU) a send or receive blocks the host until the data has moved, so the time in these instructions is
 the time the stage waited on its neighbours plus the copies themselves; on GPU DeepSpeed's p2p calls block the
@@ -23,9 +27,11 @@ import time
 from typing import Any, Callable
 
 from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
-#: the instructions that wait on another stage
-P2P_INSTRUCTIONS = (schedule.SendActivation, schedule.RecvActivation, schedule.SendGrad, schedule.RecvGrad)
+#: the instructions that wait on other stages
+PIPE_COMM_INSTRUCTIONS = (schedule.SendActivation, schedule.RecvActivation, schedule.SendGrad, schedule.RecvGrad,
+                          schedule.ReduceTiedGrads)
 
 
 class CommTimer:
@@ -38,7 +44,7 @@ class CommTimer:
         self._step_start: float | None = None
 
     def add(self, seconds: float) -> None:
-        """One p2p instruction's host time (counted only inside a step: evaluation batches are not steps)."""
+        """One communication's host time (counted only inside a step: evaluation batches are not steps)."""
         if self._step_start is not None:
             self._in_step += seconds
 
@@ -79,5 +85,33 @@ def _timed(execute: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def timed_instructions(instruction_map: dict[type, Callable[..., Any]]) -> dict[type, Callable[..., Any]]:
-    """A copy of an engine's ``_INSTRUCTION_MAP`` whose p2p instructions add their host time to ``engine.comm_timer``."""
-    return {kind: _timed(fn) if kind in P2P_INSTRUCTIONS else fn for kind, fn in instruction_map.items()}
+    """A copy of an engine's ``_INSTRUCTION_MAP`` whose communication instructions add their host time to
+    ``engine.comm_timer``."""
+    return {kind: _timed(fn) if kind in PIPE_COMM_INSTRUCTIONS else fn for kind, fn in instruction_map.items()}
+
+
+class BubbleTimed:
+    """Mixin before ``PipelineEngine`` in an engine's bases: ``comm_timer`` (:class:`CommTimer`) sums the host time
+    of the step's pipeline communication (the wrapped instructions and the closing loss broadcast) and of each
+    ``train_batch``."""
+
+    _INSTRUCTION_MAP = timed_instructions(PipelineEngine._INSTRUCTION_MAP)
+    comm_timer: CommTimer
+
+    def __init__(self, *args, **kwargs):
+        self.comm_timer = CommTimer()
+        super().__init__(*args, **kwargs)
+
+    def train_batch(self, data_iter=None):
+        self.comm_timer.begin_step()
+        try:
+            return super().train_batch(data_iter)
+        finally:
+            self.comm_timer.end_step()
+
+    def _aggregate_total_loss(self):
+        start = time.perf_counter()
+        try:
+            return super()._aggregate_total_loss()
+        finally:
+            self.comm_timer.add(time.perf_counter() - start)
