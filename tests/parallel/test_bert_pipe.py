@@ -46,15 +46,22 @@ def _train(rank, world, corpus, base, runs):
     return padded
 
 
-def test_bert_pp2_equals_pp1_resumes_and_logs_the_bubble(bert_corpus, tmp_path):
+@pytest.fixture(scope="module")
+def pp1_run(bert_corpus, tmp_path_factory):
+    """The PP=1 reference run (its first batch holds padding)."""
+    base = tmp_path_factory.mktemp("bert_pp1")
+    assert run_distributed(_train, 1, bert_corpus, str(base), [("pp1", {})])[0]
+    return base / "pp1"
+
+
+def test_bert_pp2_equals_pp1_resumes_and_logs_the_bubble(bert_corpus, pp1_run, tmp_path):
     from training.checkpoint_reader import load_merged_state_dict
 
-    assert run_distributed(_train, 1, bert_corpus, str(tmp_path), [("pp1", {})])[0]
     # PP=2 with every layer recomputed (DeepSpeed's checkpoint of the stage tuple: the int64 masks pass through)
     pp2 = {"parallel": {"pipeline": 2}, "model": {"recompute": "full"}}
     runs = [("pp2", pp2), ("part", {**pp2, "train": {"exit_at": 2}}), ("part", pp2)]
     run_distributed(_train, 2, bert_corpus, str(tmp_path), runs)
-    ref, got, part = _rows(tmp_path / "pp1"), _rows(tmp_path / "pp2"), _rows(tmp_path / "part")
+    ref, got, part = _rows(pp1_run), _rows(tmp_path / "pp2"), _rows(tmp_path / "part")
     assert [r["iteration"] for r in ref] == [r["iteration"] for r in got] == [1, 2, 3]
     for a, b in zip(ref, got):  # the loss is MLM + sentence order (binary head), as at PP=1
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (a["loss"], b["loss"])
@@ -68,9 +75,27 @@ def test_bert_pp2_equals_pp1_resumes_and_logs_the_bubble(bert_corpus, tmp_path):
         assert all(0.0 < f < 1.0 for f in r["pipeline_bubble_stages"])
     assert "pipeline_bubble" not in ref[0]
     # the PP=2 checkpoint merges into BertModel's names and weights (what reshard, export and evaluation read)
-    want, _, _ = load_merged_state_dict(tmp_path / "pp1")
+    want, _, _ = load_merged_state_dict(pp1_run)
     have, cfg, meta = load_merged_state_dict(tmp_path / "pp2")
     assert meta["parallel"]["pp"] == 2 and sorted(have) == sorted(want)
     assert {"lm_head.bias", "binary_head.weight", "pooler.weight", "final_ln.weight"} <= set(have)
     for name, w in want.items():
+        torch.testing.assert_close(have[name], w, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_bert_tp2_pp2_sequence_parallel_equals_pp1(bert_corpus, pp1_run, tmp_path):
+    """TP 2 x PP 2 with sequence parallelism (4 ranks): the stages send their sequence chunk, the heads gather it;
+    the PP=1 losses (measured: equal to the last bit) and weights."""
+    from training.checkpoint_reader import load_merged_state_dict
+
+    over = {"parallel": {"pipeline": 2, "tensor": 2, "sequence_parallel": True}}
+    run_distributed(_train, 4, bert_corpus, str(tmp_path), [("tp2pp2", over)])
+    ref, got = _rows(pp1_run), _rows(tmp_path / "tp2pp2")
+    assert len(got) == 3
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (a["loss"], b["loss"])
+    want, _, _ = load_merged_state_dict(pp1_run)
+    have, _, meta = load_merged_state_dict(tmp_path / "tp2pp2")
+    assert meta["parallel"]["tp"] == meta["parallel"]["pp"] == 2 and sorted(have) == sorted(want)
+    for name, w in want.items():  # measured: within 5.2e-7
         torch.testing.assert_close(have[name], w, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
