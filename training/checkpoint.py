@@ -36,7 +36,7 @@ from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.errors import ConfigError
 from training import checkpoint_catalog as catalog
 from training import safe_load
-from training.checkpoint_reader import canonical_name, checkpoint_dir, read_client_state
+from training.checkpoint_reader import PipeNames, canonical_name, checkpoint_dir, read_client_state
 from training.config import Config
 from training.safe_load import CheckpointError
 
@@ -102,18 +102,19 @@ class ModelDescription:
         return Path(self.cfg.run.dir)
 
     @property
-    def pipeline_layers(self) -> int | None:
-        """The layer count that maps pipeline-stage names back to GPTModel names; None without PP."""
-        return self.cfg.model.num_layers if self.cfg.parallel.pipeline > 1 else None
+    def pipeline_layers(self) -> PipeNames | None:
+        """How pipeline-stage names map back to the PP=1 model's names (architecture, layer count); None without PP."""
+        return PipeNames.of(self.cfg.model) if self.cfg.parallel.pipeline > 1 else None
 
 
 def _tag(p) -> tuple[int, int] | None:
     return (p.partition_dim, getattr(p, "partition_stride", 1)) if getattr(p, "tensor_model_parallel", False) else None
 
 
-def canonical_names(model: torch.nn.Module, pipeline_layers: int | None = None) -> dict[str, str | None]:
-    """This rank's parameter names -> GPTModel names (both tied embedding copies -> embedding.*);
-    ``pipeline_layers`` is the model's layer count for a pipeline model (None: the names are kept)."""
+def canonical_names(model: torch.nn.Module, pipeline_layers: PipeNames | None = None) -> dict[str, str | None]:
+    """This rank's parameter names -> the PP=1 model's names (both tied embedding copies -> embedding.*);
+    ``pipeline_layers`` maps a pipeline model's names (:class:`~training.checkpoint_reader.PipeNames`; None: the
+    names are kept)."""
     if pipeline_layers is None:
         return {n: n for n, _ in model.named_parameters()}
     return {n: canonical_name(n, pipeline_layers) for n, _ in model.named_parameters()}
@@ -132,14 +133,14 @@ def optimizer_param_names(engine: DeepSpeedEngine, model: torch.nn.Module,
     return [by_id.get(id(p)) for g in opt.param_groups for p in g["params"]]
 
 
-def partition_tags(model: torch.nn.Module, num_layers: int | None = None, pp_group=None) -> dict:
-    """{GPTModel parameter name: (partition_dim, stride) or None}; for a pipeline model the names
-    are mapped back and the stages' tags are gathered (collective over ``pp_group``)."""
-    if num_layers is None:
+def partition_tags(model: torch.nn.Module, pipe_names: PipeNames | None = None, pp_group=None) -> dict:
+    """{PP=1 model parameter name: (partition_dim, stride) or None}; for a pipeline model the names
+    are mapped back (``pipe_names``) and the stages' tags are gathered (collective over ``pp_group``)."""
+    if pipe_names is None:
         return {n: _tag(p) for n, p in model.named_parameters()}
     mine = {}
     for n, p in model.named_parameters():
-        name = canonical_name(n, num_layers)
+        name = canonical_name(n, pipe_names)
         if name is not None:
             mine[name] = _tag(p)
     parts = [None] * dist.get_world_size(pp_group)

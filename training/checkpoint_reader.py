@@ -9,6 +9,7 @@ directory inside the run's checkpoints/ folder.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ds_suite.core.errors import ConfigError
@@ -26,14 +27,34 @@ def latest_tag(run_dir: str | Path) -> str | None:
     return catalog.read_latest(run_dir)
 
 
-def canonical_name(pipe_name: str, num_layers: int) -> str | None:
-    """PipelineModule parameter name ('3.attn.qkv.weight') -> GPTModel name; None for the tied copy."""
+@dataclass(frozen=True)
+class PipeNames:
+    """How a pipeline model's parameter names map back to the PP=1 model's: its architecture (``model.arch``) and
+    transformer layer count pick the layer table (``training.models.gpt2_pipe.pipe_layer_names``,
+    ``training.models.bert_pipe.bert_model_name``)."""
+
+    arch: str
+    num_layers: int
+
+    @classmethod
+    def of(cls, model_cfg) -> PipeNames:
+        """The names of a model config (``cfg.model``, or its dict in a checkpoint's metadata)."""
+        get = model_cfg.get if isinstance(model_cfg, dict) else lambda k: getattr(model_cfg, k)
+        return cls("bert" if get("arch") == "bert" else "gpt", int(get("num_layers")))
+
+
+def canonical_name(pipe_name: str, names: PipeNames) -> str | None:
+    """PipelineModule parameter name ('3.attn.qkv.weight') -> the PP=1 model's name; None for the tied copy."""
+    if names.arch == "bert":
+        from training.models.bert_pipe import bert_model_name
+
+        return bert_model_name(pipe_name, names.num_layers)
     from training.models.gpt2_pipe import pipe_layer_names
 
     if pipe_name.startswith("tied_modules.embed."):
         return "embedding." + pipe_name[len("tied_modules.embed."):]
     idx, rest = pipe_name.split(".", 1)
-    prefix = pipe_layer_names(num_layers, untied=True).get(int(idx))  # a tied model has no 'L+2.' names
+    prefix = pipe_layer_names(names.num_layers, untied=True).get(int(idx))  # a tied model has no 'L+2.' names
     return None if prefix is None else prefix + rest
 
 
@@ -79,12 +100,12 @@ def load_merged_state_dict(run_dir: str | Path, tag: str | None = None) -> tuple
     if pp == 1:
         shard_dicts = [safe_load.load(f)["module"] for f in files]
     else:  # pipeline layout: layer_XX-model_YY-model_states.pt, one file per (layer, TP rank)
-        num_layers = meta["config"]["model"]["num_layers"]
+        names = PipeNames.of(meta["config"]["model"])
         shard_dicts = [{} for _ in range(tp)]
         for f in sorted((checkpoint_dir(run_dir) / tag).glob("layer_*-model_*-model_states.pt")):
             idx, rank = int(f.name.split("-")[0][6:]), int(f.name.split("-")[1][6:])
             for k, v in safe_load.load(f).items():
-                name = canonical_name(f"{idx}.{k}", num_layers)
+                name = canonical_name(f"{idx}.{k}", names)
                 if name is not None:
                     shard_dicts[rank][name] = v
     merged = {name: merge_tagged([s[name].float() for s in shard_dicts], meta["partition"].get(name))

@@ -42,7 +42,7 @@ class ParallelConfig(Freezable):
     tensor: int = 1
     """Tensor-parallel degree (ranks that split every layer)."""
     pipeline: int = 1
-    """Pipeline-parallel degree (GPT-2 only: DeepSpeed PipelineModule; BERT is tensor-parallel only)."""
+    """Pipeline-parallel degree (DeepSpeed PipelineModule: ``training.models.gpt2_pipe``, ``training.models.bert_pipe``)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage: 0 = off, 1 = optimizer states sharded across DP ranks, 2 = gradients too (with TP,
     sequence parallelism and DP; not with pipeline parallelism, whose DeepSpeed engine runs stages 0-1 only).

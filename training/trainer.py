@@ -296,11 +296,25 @@ class Trainer:
         tflops = self.flops_per_step / elapsed / self.world / 1e12
         m.update({"tokens_per_s": self.tokens_per_step / elapsed, "tflops_per_device": tflops,
                   "mfu": tflops / self.peak if self.peak else None, "step_time_s": elapsed})
+        if self.pipe:
+            m.update(self._pipeline_bubble())
         loss = m["loss"]
         if not math.isfinite(loss) and m["step_applied"]:
             raise TrainingAborted(f"iteration {m['iteration']}: loss is {loss} but the step was applied (no loss "
                                   f"scaling in {self.dtype}); lower optimizer.lr or check the data")
         return m
+
+    def _pipeline_bubble(self) -> dict:
+        """``pipeline_bubble``: the fraction of the step wall time the stages waited on pipeline communication since
+        the last read, the mean over this pipeline's stages, and each stage's (``pipeline_bubble_stages``, first to
+        last); one gather over the pipeline group (collective: a read step's)."""
+        mine = self.engine.comm_timer.read()
+        t = torch.tensor([math.nan if mine is None else mine], dtype=torch.float64,
+                         device=tdev.module_device(self.engine))
+        stages = [torch.empty_like(t) for _ in range(self.ps.dims.pp)]
+        dist.all_gather(stages, t, group=self.ps.pp_group)
+        per_stage = torch.cat(stages).tolist()
+        return {"pipeline_bubble": sum(per_stage) / len(per_stage), "pipeline_bubble_stages": per_stage}
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

@@ -69,9 +69,10 @@ def test_bert_import_equals_transformers_and_exports_back(vocab_dir, tmp_path, c
     pad[1, 18:] = 0
     with torch.no_grad():
         ref = hf(input_ids=tokens, token_type_ids=types, attention_mask=pad)
-    runs = {tp: import_hf(str(src), tmp_path / f"tp{tp}", tp=tp) for tp in (1, 2)}
+    # TP 1, TP 2, and TP 2 x PP 2 (the pipeline's layer files: training.models.bert_pipe's layout)
+    runs = {(tp, pp): import_hf(str(src), tmp_path / f"tp{tp}pp{pp}", tp=tp, pp=pp) for tp, pp in ((1, 1), (2, 1), (2, 2))}
     merged = {}
-    for tp, run in runs.items():
+    for (tp, pp), run in runs.items():
         model, cfg, tok = load_model_for_eval(run)
         assert (cfg.model.arch, cfg.model.layer_order, cfg.model.activation, tok.kind) == ("bert", order, "gelu", "wordpiece")
         with torch.no_grad():
@@ -81,11 +82,13 @@ def test_bert_import_equals_transformers_and_exports_back(vocab_dir, tmp_path, c
         torch.testing.assert_close(sop, ref.seq_relationship_logits, rtol=0, atol=1e-5)
         sd, _, meta = load_merged_state_dict(run)
         assert meta["padded_vocab_size"] == 128 * tp * -(-V // (128 * tp))
-        merged[tp] = {k: (v[:V] if k.endswith(("word_embeddings.weight", "lm_head.bias")) else v) for k, v in sd.items()}
-    for name, w in merged[1].items():
-        assert torch.equal(merged[2][name], w), name
+        merged[tp, pp] = {k: (v[:V] if k.endswith(("word_embeddings.weight", "lm_head.bias")) else v)
+                          for k, v in sd.items()}
+    assert sorted(merged[2, 2]) == sorted(merged[1, 1])
+    for name, w in merged[1, 1].items():
+        assert torch.equal(merged[2, 1][name], w) and torch.equal(merged[2, 2][name], w), name
 
-    out = export(runs[2], tmp_path / "back")
+    out = export(runs[2, 2], tmp_path / "back")
     a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
     skip = ("position_ids", "token_type_ids")
     a = {k: v for k, v in a.items() if not k.endswith(skip)}

@@ -353,7 +353,7 @@ def test_cli_preset_and_config(tmp_path, capsys):
 @pytest.mark.parametrize("argv, fragment", [
     (["--model", "gpt2-8.3b", "--tp", "5"], "--tp 5 does not divide model.num_attention_heads=32"),
     (["--model", "gpt2-8.3b", "--pp", "80"], "--pp 80 exceeds model.num_layers=72"),
-    (["--model", "bert-336m", "--pp", "2"], "pipeline parallelism is GPT-only"),
+    (["--model", "bert-336m", "--pp", "30"], "--pp 30 exceeds model.num_layers=24"),
     (["--model", "gpt2-9b"], "unknown --model"),
     (["--model", "gpt2-1.2b", "--gpu", "tpu"], "unknown --gpu"),
     (["--model", "gpt2-1.2b", "--dp", "3", "train.global_batch_size=8", "train.micro_batch_size=2"],

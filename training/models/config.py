@@ -295,7 +295,7 @@ def validate_shape(shape: Shape, tp: int, pp: int, sequence_parallel: bool = Fal
     """One-line ConfigError when a model's widths do not fit TP x PP: heads divide the hidden size, TP divides
     the heads, the key/value groups, the MLP width and the padded vocabulary; every pipeline stage holds at least
     one layer (an uneven split is legal: DeepSpeed's balanced partition, :func:`stage_layers`, which trainer and
-    planner both use); pipelines are GPT-only; sequence parallelism needs TP > 1 and a
+    planner both use); sequence parallelism needs TP > 1 and a
     sequence that splits over it; the positions cover the sequence. ``flags``: name TP/PP as the planner's
     ``--tp``/``--pp``."""
     n = FLAG_NAMES if flags else CONFIG_NAMES
@@ -319,9 +319,6 @@ def validate_shape(shape: Shape, tp: int, pp: int, sequence_parallel: bool = Fal
         raise ConfigError(f"{tp_s} does not divide the MLP width {shape.ffn}")
     if shape.vocab is not None and shape.vocab % tp:
         raise ConfigError(f"{tp_s} does not divide {n['vocab'].format(shape.vocab)}")
-    if pp > 1 and shape.arch == "bert":
-        raise ConfigError(f"{pp_s} with BERT: pipeline parallelism is GPT-only (BERT is tensor-parallel only "
-                          f"under DeepSpeed)")
     if pp > shape.num_layers:
         raise ConfigError(f"{pp_s} exceeds model.num_layers={shape.num_layers}: every pipeline stage needs at least "
                           f"one layer; choose a pipeline degree of at most {shape.num_layers}")
@@ -336,7 +333,8 @@ def validate_shape(shape: Shape, tp: int, pp: int, sequence_parallel: bool = Fal
 
 def stage_layers(num_layers: int, pp: int) -> list[int]:
     """Transformer layers of each pipeline stage, first to last: DeepSpeed's balanced partition of the pipeline
-    model (``PipelineModule(partition_method="type:TransformerLayer")``, ``training.models.gpt2_pipe``), which
+    model (``PipelineModule(partition_method="type:TransformerLayer")``, ``training.models.gpt2_pipe``; BERT's
+    ``type:BertLayerPipe``, ``training.models.bert_pipe``), which
     gives the first ``num_layers % pp`` stages one layer more (3 layers over 2 stages: [2, 1]; 10 over 4:
     [3, 3, 2, 2]). Megatron-LM splits only evenly unless told the first/last stage's counts; the planner
     (``training.plan``) counts each stage with these numbers, the slowest being the first."""

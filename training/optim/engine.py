@@ -74,6 +74,7 @@ from training.optim.grad_buffer import DEFAULT_BUCKET_SIZE, DpReduction, GradBuf
 from training.optim.lr_schedule import DeviceLRSchedule
 from training.optim.mixed_precision import MixedPrecisionStep
 from training.optim.outcome import StepOutcome, deepspeeds_outcome
+from training.optim.pipe_bubble import BubbleTimed
 
 if TYPE_CHECKING:
     from training.parallel.state import ParallelState
@@ -240,8 +241,9 @@ class Engine(DeepSpeedEngine):
         self.skipped_steps += skipped
 
 
-class PipeEngine(PipelineEngine, Engine):
-    """DeepSpeed's pipeline engine over :class:`Engine` (its schedule calls reach Engine's overrides)."""
+class PipeEngine(BubbleTimed, PipelineEngine, Engine):
+    """DeepSpeed's pipeline engine over :class:`Engine` (its schedule calls reach Engine's overrides); ``comm_timer``
+    times the pipeline communication of each step (:mod:`training.optim.pipe_bubble`: ``pipeline_bubble``)."""
 
 
 def undo_initial_zero_step(optimizer) -> bool:

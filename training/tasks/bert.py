@@ -24,6 +24,7 @@ from training.data.gpt_dataset import split_boundaries
 from training.data.sample_order import micro_batch_positions
 from training.data.token_range import check_token_ids
 from training.models.bert import BertModel, bert_loss
+from training.models.bert_pipe import build_bert_pipe, pipe_batch
 from training.parallel.state import ParallelState
 from training.runtime.distributed import rank0_first
 from training.tasks.protocol import Task, batch_to_device
@@ -119,9 +120,11 @@ class BertTask(Task):
     def _micro_batches(self, ds, consumed_samples: int):
         t = self.cfg.train
         n = len(ds)
+        pipe = self.cfg.parallel.pipeline > 1  # the pipeline engine loads (inputs, labels) tuples
         for positions in micro_batch_positions(consumed_samples, t.micro_batch_size, self._dp, self.ps.dp_rank,
                                                t.global_batch_size):
-            yield collate([ds[p % n] for p in positions])
+            batch = collate([ds[p % n] for p in positions])
+            yield pipe_batch(batch) if pipe else batch
 
     def micro_batches(self, consumed_samples: int):
         return self._micro_batches(self.train_ds, consumed_samples)
@@ -133,6 +136,9 @@ class BertTask(Task):
 
     # ---- model and loss --------------------------------------------------------------------------
     def build_model(self, padded_vocab: int):
+        if self.cfg.parallel.pipeline > 1:
+            return build_bert_pipe(self.cfg.model, padded_vocab, self.ps, seed=self.cfg.train.seed,
+                                   sequence_parallel=self.cfg.parallel.sequence_parallel)
         return BertModel(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed,
                          sequence_parallel=self.cfg.parallel.sequence_parallel)
 

@@ -8,7 +8,7 @@ hub name (``gpt2``), which needs the network or a filled Hugging Face cache; off
 line saying how to get the folder. Model classes: ``GPT2LMHeadModel``; ``MegatronBertForPreTraining``
 (-> ``model.layer_order: pre_ln``) and ``BertForPreTraining`` (-> ``post_ln``) with a WordPiece
 ``vocab.txt`` (-> tokenizer kind ``wordpiece``) or ``tokenizer.json`` (-> ``hf``); BERT's name map is
-:mod:`training.tools.hf_bert`. BERT is tensor-parallel only (no ``--pp``). ``LlamaForCausalLM`` (plain RoPE; its
+:mod:`training.tools.hf_bert`. BERT's ``--pp`` layout is :mod:`training.models.bert_pipe`'s. ``LlamaForCausalLM`` (plain RoPE; its
 tokenizer from ``tokenizer.json`` -> ``hf``) becomes a GPT with the Llama options; its name map is
 :mod:`training.tools.hf_llama`; ``MistralForCausalLM`` (without a sliding window shorter than its positions) and
 ``Qwen2ForCausalLM`` (q/k/v bias) share it.
@@ -262,18 +262,33 @@ def shard(full: torch.Tensor, tag: tuple[int, int] | None, rank: int, world: int
     return shard_tagged(full, tag, rank, world).clone()
 
 
+def pipe_locator(m: ModelConfig):
+    """``name -> (pipeline layer index, name in that layer's file)`` for the PP=1 parameter names of ``m``."""
+    if m.arch == "bert":
+        from training.models.bert_pipe import pipe_location
+
+        return lambda name: pipe_location(name, m.num_layers)
+    from training.models.gpt2_pipe import pipe_layer_names
+
+    prefixes = pipe_layer_names(m.num_layers, m.untie_embeddings_and_output_weights)
+
+    def locate(name: str) -> tuple[int, str]:
+        idx, prefix = next((i, p) for i, p in prefixes.items() if name.startswith(p))
+        return idx, name[len(prefix):]
+
+    return locate
+
+
 def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], tokenizer_spec: dict,
                      source: str) -> None:
     """Files of a TP x PP checkpoint at iteration 0 in the layout ``training.checkpoint`` reads.
 
     PP = 1: ``mp_rank_{tp:02d}_model_states.pt`` with the rank's ``module`` state dict. PP > 1 (DeepSpeed
     PipelineModule layout): ``layer_{idx:02d}-model_{tp:02d}-model_states.pt`` per pipeline layer
-    (0 embedding, 1..L transformer layers, L+1 final LayerNorm; the tied output layer L+2 is the
-    embedding again and has no file) and one ``mp_rank_{pp*TP+tp:02d}`` metadata file per stage and TP
+    (0 embedding, 1..L transformer layers, L+1 final LayerNorm (BERT: the heads); the tied output layer L+2 is
+    the embedding again and has no file) and one ``mp_rank_{pp*TP+tp:02d}`` metadata file per stage and TP
     rank (DeepSpeed's model-parallel rank with DP = 1).
     """
-    from training.models.gpt2_pipe import pipe_layer_names
-
     tp, pp, m = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.model
     padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     # the last guard of every import (HF, Megatron-LM): our model's names and shapes, finite values, before writing
@@ -290,7 +305,7 @@ def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], t
             "weights_only": True}
     from tqdm import tqdm
 
-    prefixes = pipe_layer_names(m.num_layers, m.untie_embeddings_and_output_weights)
+    locate = pipe_locator(m)
     # a bar only on a terminal (not redrawn into a piped or Slurm log)
     for r in tqdm(range(tp), desc="write TP shards", unit="rank", disable=tp == 1 or not stderr_is_terminal(),
                   leave=False):
@@ -298,8 +313,11 @@ def write_checkpoint(out: Path, cfg: Config, weights: dict[str, torch.Tensor], t
         if pp == 1:
             torch.save({"module": local, **meta, "tp_rank": r, "pp_rank": 0}, folder / f"mp_rank_{r:02d}_model_states.pt")
             continue
-        for idx, prefix in prefixes.items():
-            layer = {k[len(prefix):]: v for k, v in local.items() if k.startswith(prefix)}
+        layers: dict[int, dict[str, torch.Tensor]] = {}
+        for name, v in local.items():
+            idx, key = locate(name)
+            layers.setdefault(idx, {})[key] = v
+        for idx, layer in sorted(layers.items()):
             torch.save(layer, folder / f"layer_{idx:02d}-model_{r:02d}-model_states.pt")
         for s in range(pp):
             torch.save({"module": None, **meta, "tp_rank": r, "pp_rank": s},

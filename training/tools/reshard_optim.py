@@ -25,7 +25,7 @@ import torch
 
 from megatron_ds_suite.core import atomic
 from training import checkpoint as ckpt
-from training.checkpoint_reader import checkpoint_dir, read_client_state
+from training.checkpoint_reader import PipeNames, checkpoint_dir, read_client_state
 from training.config import Config, config_from_dict
 from training.parallel.sharding import merge_tagged
 from training.runtime.spawn import run_distributed
@@ -52,7 +52,7 @@ def force_precision(cfg: Config, dtype: str) -> None:
 # --------------------------------------------------------------------------------------------------
 # Reading and writing one engine's state
 # --------------------------------------------------------------------------------------------------
-def _named(model: torch.nn.Module, pipeline_layers: int | None) -> list[tuple[str, torch.nn.Parameter]]:
+def _named(model: torch.nn.Module, pipeline_layers: PipeNames | None) -> list[tuple[str, torch.nn.Parameter]]:
     """(canonical name, parameter) in a fixed order, pipeline-tied copies left out."""
     names = ckpt.canonical_names(model, pipeline_layers)
     return [(names[n], p) for n, p in model.named_parameters()
@@ -80,7 +80,7 @@ def _zero_link_state(opt) -> None:
     opt._lazy_init_hp_params_optimizer_state()
 
 
-def read_state(engine: DeepSpeedEngine, model: torch.nn.Module, pipeline_layers: int | None) -> dict[str, dict]:
+def read_state(engine: DeepSpeedEngine, model: torch.nn.Module, pipeline_layers: PipeNames | None) -> dict[str, dict]:
     """{name: {"master", "exp_avg", "exp_avg_sq", "step"}} of this rank's (TP-local) parameters of ``model``
     (``engine``'s module), fp32; ``pipeline_layers`` as in :func:`training.checkpoint.canonical_names`.
     Collective over the DP group under ZeRO: every rank calls it."""
@@ -108,7 +108,7 @@ def read_state(engine: DeepSpeedEngine, model: torch.nn.Module, pipeline_layers:
     return out
 
 
-def write_state(engine: DeepSpeedEngine, model: torch.nn.Module, pipeline_layers: int | None,
+def write_state(engine: DeepSpeedEngine, model: torch.nn.Module, pipeline_layers: PipeNames | None,
                 local: dict[str, dict]) -> None:
     """Set masters (and the weights from them) and Adam moments of this rank's parameters from ``local``
     ({name: TP-local fp32 tensors}, as :func:`read_state` returns)."""
