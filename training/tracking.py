@@ -1,8 +1,9 @@
 """Experiment tracking through DeepSpeed's monitor, and the ``deepspeed:`` pass-through section.
 
-DeepSpeed's ``MonitorMaster`` writes every ``engine.monitor.write_events`` call (our per-step metrics and
-validation, ``training.metrics.MetricsWriter``) to each enabled sink; the run config maps onto its
-config keys, next to TensorBoard:
+DeepSpeed's ``MonitorMaster`` writes every ``engine.metrics_monitor.write_events`` call (our per-step metrics and
+validation on log steps, ``training.metrics.MetricsWriter``) to each enabled sink; DeepSpeed's own per-step writes
+(``Train/Samples/lr``, ``loss_scale``, the pipeline loss) are stopped (``training.optim.engine.Engine``: a host read
+every step). The run config maps onto its config keys, next to TensorBoard:
 
 * ``run.tensorboard``   -> ``tensorboard``  (RUN_DIR/tensorboard/train)
 * ``run.csv``           -> ``csv_monitor``  (RUN_DIR/csv/train/<metric>.csv, one ``step,value`` file per metric)
