@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 
 from megatron_ds_suite.core.errors import ConfigError
-from training.config import Config, grad_accumulation
+from training.config import Config, check_micro_batches, grad_accumulation
 from training.models.config import padded_vocab_size
 
 
@@ -113,6 +113,7 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -
     lay = Layout(tp=tp, pp=pp, dp=dp, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
                  padded_vocab=padded, sequence_parallel=cfg.parallel.sequence_parallel)
     lay.check()
+    check_micro_batches(cfg, lay.grad_accumulation)  # the pipeline schedule's rule on m
     return lay
 
 

@@ -60,12 +60,14 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from training.optim.fp32 import Fp32Step
 from training.optim.grad_buffer import DEFAULT_BUCKET_SIZE, DpReduction, GradBuffer
 from training.optim.mixed_precision import MixedPrecisionStep
 from training.optim.outcome import StepOutcome, deepspeeds_outcome
+from training.optim.pipe_interleaved import InterleavedPipelineEngine
 
 if TYPE_CHECKING:
     from training.parallel.state import ParallelState
@@ -220,6 +222,23 @@ class PipeEngine(PipelineEngine, Engine):
     """DeepSpeed's pipeline engine over :class:`Engine` (its schedule calls reach Engine's overrides)."""
 
 
+class InterleavedPipeEngine(InterleavedPipelineEngine, PipeEngine):
+    """Megatron's interleaved 1F1B (:mod:`training.optim.pipe_interleaved`) over :class:`PipeEngine`."""
+
+
+class DualPipeEngine(DualPipeVEngine, PipeEngine):
+    """DeepSpeed's own DualPipeV engine over :class:`PipeEngine` (the schedule and p2p are DeepSpeed's)."""
+
+
+def pipe_engine_class(model: PipelineModule) -> type[PipeEngine]:
+    """The engine that runs ``model``'s stages: by the module's class (built for the configured schedule)."""
+    if isinstance(model, DualPipeVModule):
+        return DualPipeEngine
+    if hasattr(model, "activate_chunk"):  # training.models.pipe_chunks.InterleavedPipeModule
+        return InterleavedPipeEngine
+    return PipeEngine
+
+
 def undo_initial_zero_step(optimizer) -> bool:
     """Undo the zero-gradient optimizer step DeepSpeed's ZeRO-0 fp16/bf16 wrappers take at construction.
 
@@ -308,7 +327,7 @@ def build_engine(model: torch.nn.Module, optimizer, scheduler, ds_config: dict, 
     config_class = DeepSpeedConfig(ds_config, mpu)
     deepspeed.set_optimizer_flags(config_class, model)
     zero.partition_parameters.shutdown_init_context()
-    engine = (PipeEngine if pipe else Engine)(
+    engine = (pipe_engine_class(model) if pipe else Engine)(
         args=None, model=model, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu, dist_init_required=False,
         config=ds_config, config_class=config_class)
     zero.partition_parameters.restore_init_context()

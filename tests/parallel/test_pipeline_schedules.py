@@ -1,0 +1,136 @@
+"""The pipeline schedules of issue 41 (docs/pipeline.md): DeepSpeed's 1F1B, Megatron's interleaved 1F1B
+(training.optim.pipe_interleaved) and DeepSpeed's DualPipeV train the same model to the same numbers.
+
+One 2-rank launch builds a 4-layer GPT (hidden 32, sequence 16, fp32, no dropout) four times from the same seed:
+PP=1 (two data-parallel replicas fed the same batches, so the step is the single-replica step), PP=2 1F1B, PP=2
+interleaved with v=2 (one layer per chunk, the wraparound rank 1 -> rank 0 in use) and PP=2 DualPipeV, each for
+three steps of four micro-batches. Losses, every gradient before each step and the weights after the last step
+(by GPTModel name, the tied embedding included; the key third of the QKV bias aside, see ``_comparable``) agree
+within 1e-6 relative.
+"""
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.distributed import run_distributed
+
+VOCAB, STEPS, GAS = 128, 3, 4
+SCHEDULES = [(1, "1f1b", 1), (2, "1f1b", 1), (2, "interleaved", 2), (2, "dualpipev", 1)]
+
+
+def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False) -> dict:
+    from training.checkpoint_reader import canonical_name
+    from training.config import Config
+    from training.ds_json import deepspeed_config
+    from training.models.config import ModelConfig
+    from training.models.gpt2 import GPTModel
+    from training.models.gpt2_pipe import build_gpt2_pipe
+    from training.optim.adamw import build_optimizer
+    from training.optim.engine import build_engine
+    from training.parallel import random as tp_random
+    from training.parallel.state import ParallelState
+
+    cfg = Config()
+    cfg.model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,
+                            hidden_dropout=0.0, attention_dropout=0.0)
+    cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.sequence_parallel = tp, pp, sp
+    cfg.parallel.pipeline_schedule, cfg.parallel.virtual_pipeline = schedule, v
+    ps = ParallelState(tp=tp, pp=pp)
+    dp = ps.dims.dp
+    cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.iters = 2, 2 * GAS * dp, STEPS
+    cfg.optimizer.lr, cfg.optimizer.warmup_iters = 1e-3, 0
+    tp_random.configure(ps, cfg.model.num_layers)
+    tp_random.set_seed(1234)
+    if pp > 1:
+        model = build_gpt2_pipe(cfg.model, VOCAB, ps, seed=1234, sequence_parallel=sp, schedule=schedule,
+                                virtual_pipeline=v)
+    else:
+        model = GPTModel(cfg.model, VOCAB, ps.tp_group, seed=1234, sequence_parallel=sp)
+    opt, sched = build_optimizer(model, cfg.optimizer, STEPS)
+    engine = build_engine(model, opt, sched, deepspeed_config(cfg, dp, "fp32"), ps)
+
+    def name(n):
+        return canonical_name(n, cfg.model.num_layers) if pp > 1 else n
+
+    # the last stage's copy of the tied embedding module is skipped: its word embedding is rank 0's (reduced
+    # over the tied group), its position table unused there
+    names = {id(p): name(n) for n, p in engine.module.named_parameters()
+             if not getattr(p, "ds_pipe_replicated", False)}
+    grads: list[dict] = []
+    engine.optimizer.register_step_pre_hook(lambda o, *_: grads.append(
+        {names[id(p)]: p.grad.detach().clone() for grp in o.param_groups for p in grp["params"]
+         if p.grad is not None and id(p) in names}))
+    # the same batches on every replica and every step (the loss falls)
+    gen = torch.Generator().manual_seed(100)
+    seqs = torch.randint(0, VOCAB, (GAS, 2, cfg.model.seq_length + 1), generator=gen)
+    batches = [(s[:, :-1].contiguous(), s[:, 1:].contiguous()) for s in seqs]
+    losses = []
+    for _ in range(STEPS):
+        if pp > 1:
+            losses.append(float(engine.train_batch(data_iter=iter(batches))))
+            continue
+        step_loss = 0.0
+        for tokens, labels in batches:
+            loss = engine(tokens, labels).mean()
+            engine.backward(loss)
+            engine.step()
+            step_loss += float(loss.detach()) / GAS
+        losses.append(step_loss)
+    weights = {names[id(p)]: p.detach().clone() for p in engine.module.parameters() if id(p) in names}
+    return {"losses": losses, "grads": grads, "weights": weights, "engine": type(engine).__name__}
+
+
+def _worker(rank: int, world: int, tp: int, layouts) -> dict:
+    return {layout: _train(tp, *layout) for layout in layouts}
+
+
+def _merged(ranks, layout, key):
+    """The ranks' dicts of ``key`` merged by name (stages hold different layers; TP ranks compared on rank 0's
+    slice only: each TP rank's pieces are compared with the same TP rank's reference)."""
+    if key == "weights":
+        out = {}
+        for r in ranks:
+            out.update(r[layout]["weights"])
+        return [out]
+    steps = [{} for _ in ranks[0][layout]["grads"]]
+    for r in ranks:
+        for merged, step in zip(steps, r[layout]["grads"]):
+            merged.update(step)
+    return steps
+
+
+def _comparable(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` without the key part of the fused QKV bias ([Q; K; V] per rank): softmax does not see a key bias, so
+    its gradient is rounding noise that Adam turns into full-size updates of either sign in every run."""
+    if not name.endswith("attn.qkv.bias"):
+        return t
+    third = t.numel() // 3
+    return torch.cat([t[:third], t[2 * third:]])
+
+
+def _rel_gap(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(((_comparable(n, a[n]) - _comparable(n, b[n])).norm() / _comparable(n, b[n]).norm().clamp_min(1e-30)
+                ).item() for n in a)
+
+
+def _loss_gap(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def test_schedules_train_alike_at_pp2():
+    ranks = run_distributed(_worker, 2, 1, SCHEDULES, timeout=600)
+    ref = SCHEDULES[0]
+    assert ranks[0][SCHEDULES[2]]["engine"] == "InterleavedPipeEngine"
+    assert ranks[0][SCHEDULES[3]]["engine"] == "DualPipeEngine"
+    gaps = {}
+    for layout in SCHEDULES[1:]:
+        loss_gap = _loss_gap(ranks[0][layout]["losses"], ranks[0][ref]["losses"])
+        grad_gap = max(_rel_gap(g, r) for g, r in zip(_merged(ranks, layout, "grads"), _merged(ranks, ref, "grads")))
+        weight_gap = _rel_gap(_merged(ranks, layout, "weights")[0], _merged(ranks, ref, "weights")[0])
+        gaps[layout] = (loss_gap, grad_gap, weight_gap)
+        assert ranks[1][layout]["losses"] == ranks[0][layout]["losses"]  # every stage reports the loss
+    print("relative gaps to PP=1 (loss, gradient, weights):", gaps)
+    assert ranks[0][ref]["losses"][-1] < ranks[0][ref]["losses"][0]  # it trains
+    for layout, (loss_gap, grad_gap, weight_gap) in gaps.items():
+        assert loss_gap <= 1e-6 and grad_gap <= 1e-6 and weight_gap <= 1e-6, (layout, gaps[layout])
