@@ -10,9 +10,12 @@ within 1e-6 relative.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.training_runs import ROOT, needs_corpus, resume_worker, tiny_overrides
 
 VOCAB, STEPS, GAS = 128, 3, 4
 SCHEDULES = [(1, "1f1b", 1), (2, "1f1b", 1), (2, "interleaved", 2), (2, "dualpipev", 1)]
@@ -134,3 +137,43 @@ def test_schedules_train_alike_at_pp2():
     assert ranks[0][ref]["losses"][-1] < ranks[0][ref]["losses"][0]  # it trains
     for layout, (loss_gap, grad_gap, weight_gap) in gaps.items():
         assert loss_gap <= 1e-6 and grad_gap <= 1e-6 and weight_gap <= 1e-6, (layout, gaps[layout])
+
+
+def _resume_worker(rank: int, world: int, spec: dict, base: str) -> dict:
+    from megatron_ds_suite.core.errors import ConfigError
+    from training.config import load_config
+    from training.resolve import resolve_run
+    from training.trainer import Trainer
+
+    out = {}
+    for schedule, v in (("interleaved", 2), ("dualpipev", 1)):
+        ov = tiny_overrides(spec, Path(base), **{"parallel.tensor": 1, "parallel.pipeline": 2,
+                                                 "parallel.pipeline_schedule": schedule,
+                                                 "parallel.virtual_pipeline": v, "model.num_layers": 4,
+                                                 "train.iters": 4, "train.log_interval": 1})
+        out[schedule] = resume_worker(rank, world, ov, f"{base}/{schedule}")
+    # the interleaved checkpoint under another schedule: refused in one line, before any work
+    other = tiny_overrides(spec, Path(base), **{"parallel.tensor": 1, "parallel.pipeline": 2, "model.num_layers": 4,
+                                                "train.iters": 4, "run.dir": f"{base}/interleaved/part"})
+    try:
+        Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", other))).train()
+        out["refusal"] = None
+    except ConfigError as e:
+        out["refusal"] = str(e)
+    return out
+
+
+@needs_corpus
+def test_stopped_runs_resume_bitwise_under_each_schedule(spm_model, tmp_path):
+    ranks = run_distributed(_resume_worker, 2, spm_model, str(tmp_path), timeout=900)
+    for schedule in ("interleaved", "dualpipev"):
+        full, part = ranks[0][schedule]
+
+        def losses(rows):
+            return [(r["iteration"], r["loss"], r["lr"]) for r in rows if "event" not in r]
+
+        assert len(losses(full)) == 4, full
+        assert losses(part) == losses(full), (schedule, losses(part), losses(full))  # bitwise: the same floats
+    refusal = ranks[0]["refusal"]
+    assert refusal is not None and "\n" not in refusal, refusal
+    assert "pipeline_schedule=interleaved virtual_pipeline=2" in refusal and "training.tools.reshard" in refusal
