@@ -4,7 +4,7 @@
 One 2-rank launch builds a 4-layer GPT (hidden 32, sequence 16, fp32, no dropout) four times from the same seed:
 PP=1 (two data-parallel replicas fed the same batches, so the step is the single-replica step), PP=2 1F1B, PP=2
 interleaved with v=2 (one layer per chunk, the wraparound rank 1 -> rank 0 in use) and PP=2 DualPipeV, each for
-three steps of four micro-batches. Losses and every gradient before each step (per tensor, by GPTModel name, the
+three steps of four micro-batches (and PP=2 1F1B and interleaved again in fp16: the same losses). Losses and every gradient before each step (per tensor, by GPTModel name, the
 tied embedding included; the key third of the QKV bias aside, see ``_comparable``) and the weights after the last
 step (over the whole model, see ``_model_gap``) agree within 1e-6 relative. A 4-rank launch does the same at TP=2: interleaved with and without sequence parallelism
 and DualPipeV with it, against TP=2 at PP=1. Stopped interleaved and DualPipeV runs resume bitwise through the
@@ -21,9 +21,10 @@ from tests.helpers.training_runs import ROOT, needs_corpus, resume_worker, tiny_
 
 VOCAB, STEPS, GAS = 128, 3, 4
 SCHEDULES = [(1, "1f1b", 1), (2, "1f1b", 1), (2, "interleaved", 2), (2, "dualpipev", 1)]
+FP16 = [(2, "1f1b", 1, False, "fp16"), (2, "interleaved", 2, False, "fp16")]
 
 
-def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False) -> dict:
+def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str = "fp32") -> dict:
     from training.checkpoint_reader import canonical_name
     from training.config import Config
     from training.ds_json import deepspeed_config
@@ -34,7 +35,9 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False) -> dict:
     from training.optim.engine import build_engine
     from training.parallel import random as tp_random
     from training.parallel.state import ParallelState
+    from training.resolve import allow_fp16_on_cpu
 
+    allow_fp16_on_cpu()  # DeepSpeed's fp16 engine on the CPU accelerator (tiny models only)
     cfg = Config()
     cfg.model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,
                             hidden_dropout=0.0, attention_dropout=0.0)
@@ -52,7 +55,7 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False) -> dict:
     else:
         model = GPTModel(cfg.model, VOCAB, ps.tp_group, seed=1234, sequence_parallel=sp)
     opt, sched = build_optimizer(model, cfg.optimizer, STEPS)
-    engine = build_engine(model, opt, sched, deepspeed_config(cfg, dp, "fp32"), ps)
+    engine = build_engine(model, opt, sched, deepspeed_config(cfg, dp, dtype), ps)
 
     def name(n):
         return canonical_name(n, cfg.model.num_layers) if pp > 1 else n
@@ -62,7 +65,8 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False) -> dict:
     names = {id(p): name(n) for n, p in engine.module.named_parameters()
              if not getattr(p, "ds_pipe_replicated", False)}
     grads: list[dict] = []
-    engine.optimizer.register_step_pre_hook(lambda o, *_: grads.append(
+    hooked = engine.optimizer if dtype == "fp32" else engine.optimizer.optimizer  # fp16: the wrapped AdamW
+    hooked.register_step_pre_hook(lambda o, *_: grads.append(
         {names[id(p)]: p.grad.detach().clone() for grp in o.param_groups for p in grp["params"]
          if p.grad is not None and id(p) in names}))
     # the same batches on every replica and every step (the loss falls)
@@ -151,10 +155,12 @@ def _check_alike(ranks, layouts, tp):
 
 
 def test_schedules_train_alike_at_pp2():
-    ranks = run_distributed(_worker, 2, 1, SCHEDULES, timeout=600)
+    ranks = run_distributed(_worker, 2, 1, SCHEDULES + FP16, timeout=600)
     assert ranks[0][SCHEDULES[2]]["engine"] == "InterleavedPipeEngine"
     assert ranks[0][SCHEDULES[3]]["engine"] == "DualPipeEngine"
     _check_alike(ranks, SCHEDULES, 1)
+    # fp16 (the project's MixedPrecisionStep, the loss scale decided on the device): interleaving changes no number
+    assert ranks[0][FP16[1]]["losses"] == ranks[0][FP16[0]]["losses"], [ranks[0][x]["losses"] for x in FP16]
 
 
 def test_schedules_train_alike_with_tp2_and_sequence_parallelism():
