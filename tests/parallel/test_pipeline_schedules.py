@@ -8,16 +8,18 @@ three steps of four micro-batches (and PP=2 1F1B and interleaved again in fp16: 
 tied embedding included; the key third of the QKV bias aside, see ``_comparable``) and the weights after the last
 step (over the whole model, see ``_model_gap``) agree within 1e-6 relative. A 4-rank launch does the same at TP=2: interleaved with and without sequence parallelism
 and DualPipeV with it, against TP=2 at PP=1. Stopped interleaved and DualPipeV runs resume bitwise through the
-trainer's checkpoints, and the interleaved checkpoint is refused in one line under another schedule.
+trainer's checkpoints; the interleaved checkpoint is refused in one line under another schedule, and converted by
+the reshard tool to DualPipeV it resumes with the interleaved run's losses.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.helpers.training_runs import ROOT, needs_corpus, resume_worker, tiny_overrides
+from tests.helpers.training_runs import ROOT, needs_corpus, resume_worker, tiny_overrides, train_stages
 
 VOCAB, STEPS, GAS = 128, 3, 4
 SCHEDULES = [(1, "1f1b", 1), (2, "1f1b", 1), (2, "interleaved", 2), (2, "dualpipev", 1)]
@@ -207,3 +209,17 @@ def test_stopped_runs_resume_bitwise_under_each_schedule(spm_model, tmp_path):
     refusal = ranks[0]["refusal"]
     assert refusal is not None and "\n" not in refusal, refusal
     assert "pipeline_schedule=interleaved virtual_pipeline=2" in refusal and "training.tools.reshard" in refusal
+    # what the refusal proposes: the interleaved checkpoint of iteration 2 converted to DualPipeV, resumed to 4
+    from training.tools.reshard import reshard
+
+    out = tmp_path / "to_dualpipev"
+    reshard(tmp_path / "interleaved" / "part", tp=1, pp=2, out=out, tag="iter_0000002", schedule="dualpipev")
+    ov = tiny_overrides(spm_model, out, **{"parallel.tensor": 1, "parallel.pipeline": 2, "model.num_layers": 4,
+                                           "parallel.pipeline_schedule": "dualpipev", "train.iters": 4,
+                                           "train.log_interval": 1})
+    run_distributed(train_stages, 2, ov, [[]])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    resumed = {r["iteration"]: r["loss"] for r in rows if "event" not in r}  # the rows after the resume win
+    full = {r["iteration"]: r["loss"] for r in ranks[0]["interleaved"][0] if "event" not in r}
+    for it in (3, 4):
+        assert abs(resumed[it] - full[it]) <= 1e-6 * abs(full[it]), (it, resumed[it], full[it])
