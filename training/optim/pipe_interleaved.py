@@ -27,6 +27,8 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from megatron_ds_suite.core.errors import ConfigError
+
 _INIT = object()  # before the engine's own state: PipelineEngine.__init__'s p2p warm-up asks for the stages
 
 # message kinds of the tags; the activation metadata is sent once per chunk before its first activation
@@ -97,7 +99,7 @@ def check_backend() -> None:
     """The tagged sends need a backend that matches tags (gloo); one line otherwise."""
     backend = dist.get_backend()
     if backend != "gloo":
-        raise RuntimeError(f"parallel.pipeline_schedule=interleaved is implemented for the gloo backend only (its "
+        raise ConfigError(f"parallel.pipeline_schedule=interleaved is implemented for the gloo backend only (its "
                            f"sends are matched by tag; {backend} ignores tags): use pipeline_schedule=1f1b or "
                            f"dualpipev")
 
