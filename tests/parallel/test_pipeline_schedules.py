@@ -4,12 +4,14 @@
 One 2-rank launch builds a 4-layer GPT (hidden 32, sequence 16, fp32, no dropout) four times from the same seed:
 PP=1 (two data-parallel replicas fed the same batches, so the step is the single-replica step), PP=2 1F1B, PP=2
 interleaved with v=2 (one layer per chunk, the wraparound rank 1 -> rank 0 in use) and PP=2 DualPipeV, each for
-three steps of four micro-batches (and PP=2 1F1B and interleaved again in fp16: the same losses). Losses and every gradient before each step (per tensor, by GPTModel name, the
-tied embedding included; the key third of the QKV bias aside, see ``_comparable``) and the weights after the last
-step (over the whole model, see ``_model_gap``) agree within 1e-6 relative. A 4-rank launch does the same at TP=2: interleaved with and without sequence parallelism
-and DualPipeV with it, against TP=2 at PP=1. Stopped interleaved and DualPipeV runs resume bitwise through the
-trainer's checkpoints; the interleaved checkpoint is refused in one line under another schedule, and converted by
-the reshard tool to DualPipeV it resumes with the interleaved run's losses.
+three steps of four micro-batches and one evaluation batch. Losses (the evaluation's too), every gradient before
+each step (per tensor, by GPTModel name, the tied embedding included; the key third of the QKV bias aside, see
+``_comparable``) and the weights after the last step (over the whole model, see ``_model_gap``) agree within 1e-6
+relative; PP=2 1F1B and interleaved in fp16 give the same losses. A 4-rank launch does the same at TP=2:
+interleaved with and without sequence parallelism and DualPipeV with it, against TP=2 at PP=1. Stopped
+interleaved and DualPipeV runs resume bitwise through the trainer's checkpoints; the interleaved checkpoint is
+refused in one line under another schedule, and converted by the reshard tool to DualPipeV it resumes with the
+interleaved run's losses.
 """
 from __future__ import annotations
 
@@ -87,8 +89,14 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str
             engine.step()
             step_loss += float(loss.detach()) / GAS
         losses.append(step_loss)
+    if pp > 1:  # evaluation: the schedule's forward-only order
+        valid = float(engine.eval_batch(data_iter=iter(batches)))
+    else:
+        with torch.no_grad():
+            engine.eval()
+            valid = sum(float(engine(t, lab).mean()) for t, lab in batches) / GAS
     weights = {names[id(p)]: p.detach().clone() for p in engine.module.parameters() if id(p) in names}
-    return {"losses": losses, "grads": grads, "weights": weights, "engine": type(engine).__name__, "tp_rank": ps.tp_rank}
+    return {"losses": losses, "valid": valid, "grads": grads, "weights": weights, "engine": type(engine).__name__, "tp_rank": ps.tp_rank}
 
 
 def _worker(rank: int, world: int, tp: int, layouts) -> dict:
@@ -143,7 +151,8 @@ def _check_alike(ranks, layouts, tp):
     ref = layouts[0]
     gaps = {}
     for layout in layouts[1:]:
-        loss_gap = _loss_gap(ranks[0][layout]["losses"], ranks[0][ref]["losses"])
+        loss_gap = _loss_gap(ranks[0][layout]["losses"] + [ranks[0][layout]["valid"]],
+                             ranks[0][ref]["losses"] + [ranks[0][ref]["valid"]])
         grad_gap = max(_rel_gap(g, r) for t in range(tp)
                        for g, r in zip(_merged(ranks, layout, "grads", t), _merged(ranks, ref, "grads", t)))
         weight_gap = max(_model_gap(_merged(ranks, layout, "weights", t)[0], _merged(ranks, ref, "weights", t)[0])

@@ -215,11 +215,14 @@ class InterleavedPipelineEngine(PipelineEngine):
     def _exec_forward_pass(self, buffer_id, chunk):
         with self._chunk(chunk):
             super()._exec_forward_pass(buffer_id)
-            if self.is_last_stage() and torch.is_grad_enabled():
-                self.pipe_buffers["losses"][buffer_id] = self.loss
-        if not torch.is_grad_enabled():  # no backward frees them
+            loss_stage = self.is_last_stage()
+        if loss_stage and torch.is_grad_enabled():
+            self.pipe_buffers["losses"][buffer_id] = self.loss
+        if not torch.is_grad_enabled():  # no backward frees them (nor a send, the loss stage's outputs)
             self.pipe_buffers["inputs"][buffer_id] = None
             self.pipe_buffers["labels"][buffer_id] = None
+            if loss_stage:
+                self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_backward_pass(self, buffer_id, chunk):
         with self._chunk(chunk):
