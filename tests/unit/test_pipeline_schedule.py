@@ -9,7 +9,12 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from megatron_ds_suite.core.errors import ConfigError
 from training.config import Config, check_micro_batches, validate_static
 from training.ds_json import deepspeed_config
+from training.layout import Layout
 from training.optim.pipe_interleaved import InterleavedSchedule
+from training.plan.memory import micro_batches_in_flight, stage_activation_bytes
+from training.plan.presets import preset_shape
+from training.plan.timing import TimeModel, comm, step_time
+from training.runtime.hardware import get_hardware
 
 
 def _cfg(**parallel) -> Config:
@@ -113,3 +118,16 @@ def test_interleaved_order_runs_every_unit_once_without_deadlock(p, v, m):
                          if kind == "BackwardPass")
         warmup = v * m if m == p else min(v * m, (p - r - 1) * 2 + (v - 1) * p)
         assert first_bwd == warmup + (warmup < v * m), (r, first_bwd, warmup)
+
+
+def test_planner_counts_the_chunks():
+    """The planner's interleaved step: 1/v of the bubble, v times the sends, more activations in flight (Megatron's
+    warm-up: rank 0 of p = 4, v = 2, m = 8 holds 11 chunk forwards, 5.5 stages' worth, against 1F1B's 4)."""
+    hw, tm, s = get_hardware("v100"), TimeModel(compute_fraction=0.5), preset_shape("gpt2-1.2b")
+    one, two = (Layout(pp=4, micro_batch=1, global_batch=8, gpus_per_node=16, virtual_pipeline=v) for v in (1, 2))
+    assert micro_batches_in_flight(one, 0) == 4 and micro_batches_in_flight(two, 0) == 5.5
+    assert micro_batches_in_flight(two, 3) == ((2 - 1) * 4 + 1) / 2  # the last rank: (v - 1) p + 1 chunks
+    t1, t2 = step_time(s, one, hw, tm), step_time(s, two, hw, tm)
+    assert t2.bubble == pytest.approx(t1.bubble / 2) and t2.pp == pytest.approx(2 * t1.pp)
+    assert comm(s, two, ckpt=True).pp_ops == 2 * comm(s, one, ckpt=True).pp_ops
+    assert stage_activation_bytes(s, two, 0, ckpt=False) > stage_activation_bytes(s, one, 0, ckpt=False)
