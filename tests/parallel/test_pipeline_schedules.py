@@ -7,7 +7,8 @@ interleaved with v=2 (one layer per chunk, the wraparound rank 1 -> rank 0 in us
 three steps of four micro-batches and one evaluation batch. Losses (the evaluation's too), every gradient before
 each step (per tensor, by GPTModel name, the tied embedding included; the key third of the QKV bias aside, see
 ``_comparable``) and the weights after the last step (over the whole model, see ``_model_gap``) agree within 1e-6
-relative; PP=2 1F1B and interleaved in fp16 give the same losses. A 4-rank launch does the same at TP=2:
+relative, for GPT-2 and the Llama shape (RoPE, RMSNorm, SwiGLU, GQA, untied output layer, no biases); PP=2 1F1B
+and interleaved in fp16 give the same losses. A 4-rank launch does the same at TP=2:
 interleaved with and without sequence parallelism and DualPipeV with it, against TP=2 at PP=1. Stopped
 interleaved and DualPipeV runs resume bitwise through the trainer's checkpoints; the interleaved checkpoint is
 refused in one line under another schedule, and converted by the reshard tool to DualPipeV it resumes with the
@@ -19,6 +20,7 @@ import json
 from pathlib import Path
 
 import torch
+import yaml
 
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training_runs import ROOT, needs_corpus, resume_worker, tiny_overrides, train_stages
@@ -26,13 +28,26 @@ from tests.helpers.training_runs import ROOT, needs_corpus, resume_worker, tiny_
 VOCAB, STEPS, GAS = 128, 3, 4
 SCHEDULES = [(1, "1f1b", 1), (2, "1f1b", 1), (2, "interleaved", 2), (2, "dualpipev", 1)]
 FP16 = [(2, "1f1b", 1, False, "fp16"), (2, "interleaved", 2, False, "fp16")]
+LLAMA = [(1, "1f1b", 1, False, "fp32", "llama"), (2, "interleaved", 2, False, "fp32", "llama"),
+         (2, "dualpipev", 1, False, "fp32", "llama")]
 
 
-def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str = "fp32") -> dict:
+def _model_cfg(name: str):
+    from training.models.config import ModelConfig
+
+    if name == "gpt2":
+        return ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,
+                           hidden_dropout=0.0, attention_dropout=0.0)
+    model = yaml.safe_load((ROOT / "configs" / "llama_tiny.yaml").read_text())["model"]  # RoPE, RMSNorm, SwiGLU,
+    model.update(num_layers=4, seq_length=16, vocab_size=VOCAB)                          # GQA, untied output
+    return ModelConfig(**model)
+
+
+def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str = "fp32",
+           model_name: str = "gpt2") -> dict:
     from training.checkpoint_reader import canonical_name
     from training.config import Config
     from training.ds_json import deepspeed_config
-    from training.models.config import ModelConfig
     from training.models.gpt2 import GPTModel
     from training.models.gpt2_pipe import build_gpt2_pipe
     from training.optim.adamw import build_optimizer
@@ -43,8 +58,7 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str
 
     allow_fp16_on_cpu()  # DeepSpeed's fp16 engine on the CPU accelerator (tiny models only)
     cfg = Config()
-    cfg.model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=VOCAB,
-                            hidden_dropout=0.0, attention_dropout=0.0)
+    cfg.model = _model_cfg(model_name)
     cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.sequence_parallel = tp, pp, sp
     cfg.parallel.pipeline_schedule, cfg.parallel.virtual_pipeline = schedule, v
     ps = ParallelState(tp=tp, pp=pp)
@@ -150,6 +164,9 @@ def _loss_gap(a, b):
 def _check_alike(ranks, layouts, tp):
     ref = layouts[0]
     gaps = {}
+    for layout in layouts:  # a gradient of every parameter before every step
+        steps = _merged(ranks, layout, "grads")
+        assert len(steps) == STEPS and all(s.keys() == _merged(ranks, layout, "weights")[0].keys() for s in steps)
     for layout in layouts[1:]:
         loss_gap = _loss_gap(ranks[0][layout]["losses"] + [ranks[0][layout]["valid"]],
                              ranks[0][ref]["losses"] + [ranks[0][ref]["valid"]])
@@ -166,10 +183,11 @@ def _check_alike(ranks, layouts, tp):
 
 
 def test_schedules_train_alike_at_pp2():
-    ranks = run_distributed(_worker, 2, 1, SCHEDULES + FP16, timeout=600)
+    ranks = run_distributed(_worker, 2, 1, SCHEDULES + FP16 + LLAMA, timeout=600)
     assert ranks[0][SCHEDULES[2]]["engine"] == "InterleavedPipeEngine"
     assert ranks[0][SCHEDULES[3]]["engine"] == "DualPipeEngine"
     _check_alike(ranks, SCHEDULES, 1)
+    _check_alike(ranks, LLAMA, 1)
     # fp16 (the project's MixedPrecisionStep, the loss scale decided on the device): interleaving changes no number
     assert ranks[0][FP16[1]]["losses"] == ranks[0][FP16[0]]["losses"], [ranks[0][x]["losses"] for x in FP16]
 
