@@ -81,15 +81,15 @@ class InterleavedSchedule(schedule.PipeSchedule):
                 if (first and chunk == 0) or (last and chunk == v - 1):
                     cmds.append(schedule.LoadMicroBatch(buf, chunk=chunk))
                 if not (first and chunk == 0):
-                    cmds.append(schedule.RecvActivation(buf, chunk=chunk))
+                    cmds.append(schedule.RecvActivation(buf, chunk=chunk, micro_batch=mb))
                 cmds.append(schedule.ForwardPass(buf, chunk=chunk))
                 if not (last and chunk == v - 1):
-                    cmds.append(schedule.SendActivation(buf, chunk=chunk))
+                    cmds.append(schedule.SendActivation(buf, chunk=chunk, micro_batch=mb))
             else:
-                cmds = [] if last and chunk == v - 1 else [schedule.RecvGrad(buf, chunk=chunk)]
+                cmds = [] if last and chunk == v - 1 else [schedule.RecvGrad(buf, chunk=chunk, micro_batch=mb)]
                 cmds.append(schedule.BackwardPass(buf, chunk=chunk))
                 if not (first and chunk == 0):
-                    cmds.append(schedule.SendGrad(buf, chunk=chunk))
+                    cmds.append(schedule.SendGrad(buf, chunk=chunk, micro_batch=mb))
             yield cmds
         yield [schedule.CommitP2P()] + ([] if self.forward_only else
                                         [schedule.ReduceTiedGrads(), schedule.ReduceGrads(), schedule.OptimizerStep()])
@@ -151,8 +151,9 @@ class InterleavedPipelineEngine(PipelineEngine):
         return self.stage_id - 1, chunk
 
     def _tag(self, kind: int, chunk: int, micro_batch: int = 0) -> int:
-        """The tag of one message, named by its kind and the *sending* chunk (both ends compute it)."""
-        return 1 + (kind * self.chunks + chunk) * self.micro_batches + micro_batch
+        """The tag of one message, named by its kind, the *sending* chunk and the micro-batch (both ends compute it;
+        0 is left to DeepSpeed's untagged sends)."""
+        return 1 + (micro_batch * self.chunks + chunk) * 3 + kind
 
     @contextmanager
     def _chunk(self, chunk):
@@ -239,44 +240,40 @@ class InterleavedPipelineEngine(PipelineEngine):
         self.pipe_buffers["labels"][buffer_id] = None
         self.grad_layer = None
 
-    def _exec_send_activations(self, buffer_id, chunk):
+    def _exec_send_activations(self, buffer_id, chunk, micro_batch):
         outputs = self.pipe_buffers["outputs"][buffer_id]
         stage, _ = self._next_hop(chunk)
         if chunk not in self._meta_sent:
             self._meta_sent.add(chunk)
             self._send_meta(outputs, stage, chunk)
-        mb = buffer_id - chunk * self.micro_batches
         for t in _as_list(outputs):  # several tensors share the tag: gloo keeps their order
-            self._isend(t.detach(), stage, self._tag(ACTIVATION, chunk, mb))
+            self._isend(t.detach(), stage, self._tag(ACTIVATION, chunk, micro_batch))
         if not torch.is_grad_enabled():
             self.pipe_buffers["outputs"][buffer_id] = None
 
-    def _exec_recv_activations(self, buffer_id, chunk):
+    def _exec_recv_activations(self, buffer_id, chunk, micro_batch):
         stage, sender_chunk = self._prev_hop(chunk)
         if chunk not in self._recv_specs:
             self._recv_specs[chunk] = self._recv_meta(stage, sender_chunk)
         is_tensor, specs = self._recv_specs[chunk]
-        mb = buffer_id - chunk * self.micro_batches
         recvd = [self._recv(torch.empty(shape, dtype=dtype, device=self.device), stage,
-                            self._tag(ACTIVATION, sender_chunk, mb)).requires_grad_(dtype.is_floating_point)
+                            self._tag(ACTIVATION, sender_chunk, micro_batch)).requires_grad_(dtype.is_floating_point)
                  for shape, dtype in specs]
         self.pipe_buffers["inputs"][buffer_id] = recvd[0] if is_tensor else tuple(recvd)
 
-    def _exec_send_grads(self, buffer_id, chunk):
+    def _exec_send_grads(self, buffer_id, chunk, micro_batch):
         inputs = self.pipe_buffers["inputs"][buffer_id]
         stage, _ = self._prev_hop(chunk)
-        mb = buffer_id - chunk * self.micro_batches
         for t in _as_list(inputs):
             if t.is_floating_point():
                 assert t.grad is not None
-                self._isend(t.grad, stage, self._tag(GRADIENT, chunk, mb))
+                self._isend(t.grad, stage, self._tag(GRADIENT, chunk, micro_batch))
         self.pipe_buffers["inputs"][buffer_id] = None
 
-    def _exec_recv_grads(self, buffer_id, chunk):
+    def _exec_recv_grads(self, buffer_id, chunk, micro_batch):
         outputs = self.pipe_buffers["outputs"][buffer_id]
-        stage, receiver_chunk = self._next_hop(chunk)
-        mb = buffer_id - chunk * self.micro_batches
-        grads = [self._recv(torch.empty_like(t), stage, self._tag(GRADIENT, receiver_chunk, mb))
+        stage, sender_chunk = self._next_hop(chunk)  # the gradient comes from the next hop
+        grads = [self._recv(torch.empty_like(t), stage, self._tag(GRADIENT, sender_chunk, micro_batch))
                  for t in _as_list(outputs) if t.is_floating_point()]
         self.pipe_buffers["grads"][buffer_id] = grads[0] if torch.is_tensor(outputs) else grads
 
