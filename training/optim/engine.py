@@ -4,9 +4,7 @@
 engine classes, subclassed the way DeepSpeed's ``DualPipeVEngine`` subclasses its pipeline engine, so DeepSpeed's
 objects are never patched per instance. ``PipeEngine(PipelineEngine, Engine)`` puts :class:`Engine` between
 DeepSpeed's pipeline engine and ``DeepSpeedEngine`` in the method order, so the pipeline schedule's own calls
-(``super().backward``, ``_take_model_step``) reach the overrides below. The other pipeline schedules
-(docs/pipeline.md) sit on top the same way: ``InterleavedPipeEngine`` (:mod:`training.optim.pipe_interleaved`) and
-``DualPipeEngine`` (DeepSpeed's own ``DualPipeVEngine``) over :class:`PipeEngine`, chosen by the module's class.
+(``super().backward``, ``_take_model_step``) reach the overrides below.
 
 ============================  =====================================================  ===============================
 adaptation                    what it repairs                                         DeepSpeed releases
@@ -37,9 +35,6 @@ adaptation                    what it repairs                                   
                               (DeepSpeed's arithmetic, bitwise on two ranks)          tensors every step)
 ``enable_backward_allreduce`` off at one data-parallel replica: DeepSpeed would       all (a public switch)
                               flatten every gradient and all-reduce it with itself
-``PipeEngine._exec_schedule`` DeepSpeed's schedule loop, its point-to-point          all (the loop copied from 0.19)
-                              instructions timed: ``pipeline_bubble``, the share of
-                              the batch spent waiting on the pipeline
 ``safe_load.install``         ``TorchCheckpointEngine.load`` unpickles with           0.19 (process-wide, at start-up:
                               ``weights_only=False``; routed through                  :func:`install_process_wide`)
                               :func:`training.safe_load.load`
