@@ -207,8 +207,6 @@ class Trainer:
             **parts,
             **extra_metrics,
         }
-        if self.pipe:  # this rank's share of the step spent waiting on the pipeline (PipeEngine)
-            m["pipeline_bubble"] = self.engine.pipeline_bubble
         if outcome.read is not None:
             m.update(zip(riders, outcome.read))
         if not outcome.decided_on_device:

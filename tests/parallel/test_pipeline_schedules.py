@@ -232,8 +232,6 @@ def test_stopped_runs_resume_bitwise_under_each_schedule(spm_model, tmp_path):
             return [(r["iteration"], r["loss"], r["lr"]) for r in rows if "event" not in r]
 
         assert len(losses(full)) == 4, full
-        # the measured share of each step spent waiting on the pipeline (rank 0's)
-        assert all(0 < r["pipeline_bubble"] < 1 for r in full if "event" not in r), full
         assert losses(part) == losses(full), (schedule, losses(part), losses(full))  # bitwise: the same floats
     refusal = ranks[0]["refusal"]
     assert refusal is not None and "\n" not in refusal, refusal

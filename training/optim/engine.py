@@ -48,8 +48,6 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-import time
-from types import MethodType
 from typing import TYPE_CHECKING, Protocol
 
 import deepspeed
@@ -62,7 +60,6 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -222,30 +219,7 @@ class Engine(DeepSpeedEngine):
 
 
 class PipeEngine(PipelineEngine, Engine):
-    """DeepSpeed's pipeline engine over :class:`Engine` (its schedule calls reach Engine's overrides).
-
-    ``pipeline_bubble``: the share of the latest batch's wall time this rank spent in its schedule's
-    point-to-point instructions (sends, receives, their commits), host-side: the time it waited on the
-    pipeline, bubble and transfers together (on CPU; on GPUs the asynchronous sends are not waited for here)."""
-
-    pipeline_bubble: float | None = None
-
-    def _exec_schedule(self, pipe_schedule):
-        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
-        self.fwd_outputs = []
-        start, waited = time.perf_counter(), 0.0
-        for step_cmds in pipe_schedule:  # DeepSpeed's loop, with the communication instructions timed
-            for cmd in step_cmds:
-                if type(cmd) not in self._INSTRUCTION_MAP:
-                    raise RuntimeError(f"{self.__class__.__name__} does not understand instruction {cmd!r}")
-                self._exec_instr = MethodType(self._INSTRUCTION_MAP[type(cmd)], self)
-                if isinstance(cmd, P2P_INSTRUCTIONS):
-                    t0 = time.perf_counter()
-                    self._exec_instr(**cmd.kwargs)
-                    waited += time.perf_counter() - t0
-                else:
-                    self._exec_instr(**cmd.kwargs)
-        self.pipeline_bubble = waited / max(time.perf_counter() - start, 1e-12)
+    """DeepSpeed's pipeline engine over :class:`Engine` (its schedule calls reach Engine's overrides)."""
 
 
 class InterleavedPipeEngine(InterleavedPipelineEngine, PipeEngine):
@@ -263,10 +237,6 @@ def pipe_engine_class(model: PipelineModule) -> type[PipeEngine]:
     if hasattr(model, "activate_chunk"):  # training.models.pipe_chunks.InterleavedPipeModule
         return InterleavedPipeEngine
     return PipeEngine
-
-
-P2P_INSTRUCTIONS = (schedule.SendActivation, schedule.RecvActivation, schedule.SendGrad, schedule.RecvGrad,
-                    schedule.CommitP2P)
 
 
 def undo_initial_zero_step(optimizer) -> bool:
