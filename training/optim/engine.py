@@ -4,7 +4,9 @@
 engine classes, subclassed the way DeepSpeed's ``DualPipeVEngine`` subclasses its pipeline engine, so DeepSpeed's
 objects are never patched per instance. ``PipeEngine(PipelineEngine, Engine)`` puts :class:`Engine` between
 DeepSpeed's pipeline engine and ``DeepSpeedEngine`` in the method order, so the pipeline schedule's own calls
-(``super().backward``, ``_take_model_step``) reach the overrides below.
+(``super().backward``, ``_take_model_step``) reach the overrides below. The other pipeline schedules
+(docs/pipeline.md) sit on top the same way: ``InterleavedPipeEngine`` (:mod:`training.optim.pipe_interleaved`) and
+``DualPipeEngine`` (DeepSpeed's own ``DualPipeVEngine``) over :class:`PipeEngine`, chosen by the module's class.
 
 ============================  =====================================================  ===============================
 adaptation                    what it repairs                                         DeepSpeed releases
