@@ -395,6 +395,9 @@ def validate_pipeline_schedule(cfg: Config) -> None:
         raise ConfigError(f"model.num_layers={m.num_layers} does not split into {stages} equal groups (parallel."
                           f"pipeline={pp} x {'2 stages per rank' if sched == 'dualpipev' else f'virtual_pipeline={v}'}"
                           f"): choose a layer count that is a multiple of {stages}")
+    if m.arch == "bert":
+        raise ConfigError(f"parallel.pipeline_schedule={sched} with model.arch=bert: the new schedules build GPT "
+                          f"stages only; set parallel.pipeline_schedule=1f1b")
     if p.zero_stage != 0:
         raise ConfigError(f"parallel.pipeline_schedule={sched} with parallel.zero_stage={p.zero_stage}: only "
                           f"ZeRO-0 is supported with this schedule; set parallel.zero_stage=0 or the schedule 1f1b")
