@@ -176,7 +176,7 @@ def save(engine: DeepSpeedEngine, model: torch.nn.Module, state: TrainState, ps:
         "padded_vocab_size": desc.padded_vocab,
         "tokenizer": _tokenizer_spec(desc.tokenizer, run_dir, is_rank0),
         "partition": (partition_tags(model, layers, ps.pp_group) if layers is not None else partition_tags(model)),
-        "parallel": {"tp": ps.dims.tp, "pp": ps.dims.pp, "dp": ps.dims.dp},
+        "parallel": {"tp": ps.dims.tp, "pp": ps.dims.pp, "dp": ps.dims.dp, **pipeline_schedule(desc.cfg)},
         "tp_rank": ps.tp_rank,
         "pp_rank": ps.pp_rank,
         "optimizer_param_names": optimizer_param_names(engine, model, desc),
@@ -211,6 +211,26 @@ def save(engine: DeepSpeedEngine, model: torch.nn.Module, state: TrainState, ps:
     return root / tag
 
 
+def pipeline_schedule(cfg) -> dict:
+    """The pipeline schedule a checkpoint records (its optimizer files hold each rank's chunks' state)."""
+    p = cfg.parallel
+    return {"schedule": p.pipeline_schedule if p.pipeline > 1 else "1f1b",
+            "virtual_pipeline": p.virtual_pipeline if p.pipeline > 1 else 1}
+
+
+def refuse_other_schedule(saved: dict, cfg, where: str) -> None:
+    """One line when a checkpoint's pipeline schedule or chunk count is not this run's: each rank's optimizer file
+    holds the state of the layers that rank held, so another layout goes through the reshard tool."""
+    was = (saved.get("schedule", "1f1b"), saved.get("virtual_pipeline", 1))
+    now = tuple(pipeline_schedule(cfg).values())
+    if was != now:
+        raise ConfigError(f"checkpoint {where} was saved with parallel.pipeline_schedule={was[0]} virtual_pipeline="
+                          f"{was[1]} but this run uses {now[0]} virtual_pipeline={now[1]}: resume with the saved "
+                          f"schedule, or convert it with python -m training.tools.reshard --checkpoint RUN_DIR --tp "
+                          f"{saved['tp']} --pp {saved['pp']} --schedule {now[0]} --virtual-pipeline {now[1]} --out "
+                          f"NEW_RUN_DIR")
+
+
 def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: ModelDescription) -> bool:  # noqa: C901
     """Resume ``state`` (and the engine) from the checkpoint :func:`training.checkpoint_catalog.plan_resume` picks
     (``latest``, or ``train.resume_tag``), if any; folders of saves that never finished (and, with an older
@@ -236,6 +256,7 @@ def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: Mo
                               f"convert it with python -m training.tools.reshard --checkpoint {run_dir} "
                               f"--tp {ps.dims.tp} --pp {ps.dims.pp} --out NEW_RUN_DIR, or resume with "
                               f"parallel.tensor={saved['tp']} parallel.pipeline={saved['pp']}")
+        refuse_other_schedule(saved, desc.cfg, f"{run_dir}/checkpoints/{tag}")
     if dist.is_initialized():
         dist.barrier()  # every rank has read the folder before rank 0 moves anything in it
     if is_rank0:

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 
 from megatron_ds_suite.core.errors import ConfigError
-from training.config import Config, grad_accumulation
+from training.config import Config, check_micro_batches, grad_accumulation
 from training.models.config import padded_vocab_size
 
 
@@ -38,6 +38,9 @@ class Layout:
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (``parallel.sequence_parallel``): activations outside the TP regions
     split along the sequence, i.e. divided by ``tp`` (:func:`training.plan.memory.activation_bytes_per_layer`)."""
+    virtual_pipeline: int = 1
+    """Model chunks per pipeline rank under the interleaved schedule (``parallel.virtual_pipeline``; 1 = 1F1B):
+    the bubble (p-1)/(v m), v times the stage-to-stage sends, more activations in flight (docs/pipeline.md)."""
 
     @property
     def world_size(self) -> int:
@@ -81,6 +84,12 @@ class Layout:
             grad_accumulation(self.global_batch, self.micro_batch, self.dp)  # raises the config keys' error
 
 
+def virtual_chunks(cfg: Config) -> int:
+    """v of ``cfg``'s pipeline schedule for the planner (1 for 1F1B and DualPipeV, which it models as 1F1B)."""
+    p = cfg.parallel
+    return p.virtual_pipeline if p.pipeline > 1 and p.pipeline_schedule == "interleaved" else 1
+
+
 def launched_world_size() -> int:
     """The number of processes the launcher started (``WORLD_SIZE``; 1 for one plain process), known before any
     process group exists: the one place that reads it for a layout."""
@@ -111,8 +120,10 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -
     vocab = vocab_size or cfg.model.vocab_size
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp) if vocab else None
     lay = Layout(tp=tp, pp=pp, dp=dp, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
-                 padded_vocab=padded, sequence_parallel=cfg.parallel.sequence_parallel)
+                 padded_vocab=padded, sequence_parallel=cfg.parallel.sequence_parallel,
+                 virtual_pipeline=virtual_chunks(cfg))
     lay.check()
+    check_micro_batches(cfg, lay.grad_accumulation)  # the pipeline schedule's rule on m
     return lay
 
 

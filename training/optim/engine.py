@@ -4,7 +4,9 @@
 engine classes, subclassed the way DeepSpeed's ``DualPipeVEngine`` subclasses its pipeline engine, so DeepSpeed's
 objects are never patched per instance. ``PipeEngine(PipelineEngine, Engine)`` puts :class:`Engine` between
 DeepSpeed's pipeline engine and ``DeepSpeedEngine`` in the method order, so the pipeline schedule's own calls
-(``super().backward``, ``_take_model_step``) reach the overrides below.
+(``super().backward``, ``_take_model_step``) reach the overrides below. The other pipeline schedules
+(docs/pipeline.md) sit on top the same way: ``InterleavedPipeEngine`` (:mod:`training.optim.pipe_interleaved`) and
+``DualPipeEngine`` (DeepSpeed's own ``DualPipeVEngine``) over :class:`PipeEngine`, chosen by the module's class.
 
 ============================  =====================================================  ===============================
 adaptation                    what it repairs                                         DeepSpeed releases
@@ -67,6 +69,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from training.optim.fp32 import Fp32Step
@@ -74,7 +77,8 @@ from training.optim.grad_buffer import DEFAULT_BUCKET_SIZE, DpReduction, GradBuf
 from training.optim.lr_schedule import DeviceLRSchedule
 from training.optim.mixed_precision import MixedPrecisionStep
 from training.optim.outcome import StepOutcome, deepspeeds_outcome
-from training.optim.pipe_bubble import BubbleTimed
+from training.optim.pipe_bubble import BubbleTimed, timed_instructions
+from training.optim.pipe_interleaved import InterleavedPipelineEngine
 
 if TYPE_CHECKING:
     from training.parallel.state import ParallelState
@@ -246,6 +250,27 @@ class PipeEngine(BubbleTimed, PipelineEngine, Engine):
     times the pipeline communication of each step (:mod:`training.optim.pipe_bubble`: ``pipeline_bubble``)."""
 
 
+class InterleavedPipeEngine(InterleavedPipelineEngine, PipeEngine):
+    """Megatron's interleaved 1F1B (:mod:`training.optim.pipe_interleaved`) over :class:`PipeEngine`."""
+
+    _INSTRUCTION_MAP = timed_instructions(InterleavedPipelineEngine._INSTRUCTION_MAP)  # pipeline_bubble
+
+
+class DualPipeEngine(DualPipeVEngine, PipeEngine):
+    """DeepSpeed's own DualPipeV engine over :class:`PipeEngine` (the schedule and p2p are DeepSpeed's)."""
+
+    _INSTRUCTION_MAP = timed_instructions(DualPipeVEngine._INSTRUCTION_MAP)  # pipeline_bubble
+
+
+def pipe_engine_class(model: PipelineModule) -> type[PipeEngine]:
+    """The engine that runs ``model``'s stages: by the module's class (built for the configured schedule)."""
+    if isinstance(model, DualPipeVModule):
+        return DualPipeEngine
+    if hasattr(model, "activate_chunk"):  # training.models.pipe_chunks.InterleavedPipeModule
+        return InterleavedPipeEngine
+    return PipeEngine
+
+
 def undo_initial_zero_step(optimizer) -> bool:
     """Undo the zero-gradient optimizer step DeepSpeed's ZeRO-0 fp16/bf16 wrappers take at construction.
 
@@ -334,7 +359,7 @@ def build_engine(model: torch.nn.Module, optimizer, scheduler, ds_config: dict, 
     config_class = DeepSpeedConfig(ds_config, mpu)
     deepspeed.set_optimizer_flags(config_class, model)
     zero.partition_parameters.shutdown_init_context()
-    engine = (PipeEngine if pipe else Engine)(
+    engine = (pipe_engine_class(model) if pipe else Engine)(
         args=None, model=model, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu, dist_init_required=False,
         config=ds_config, config_class=config_class)
     zero.partition_parameters.restore_init_context()

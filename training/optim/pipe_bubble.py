@@ -31,7 +31,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 #: the instructions that wait on other stages
 PIPE_COMM_INSTRUCTIONS = (schedule.SendActivation, schedule.RecvActivation, schedule.SendGrad, schedule.RecvGrad,
-                          schedule.ReduceTiedGrads)
+                          schedule.ReduceTiedGrads,
+                          schedule.CommitP2P)  # DualPipeV's batched sends and receives, waited here
 
 
 class CommTimer:

@@ -101,6 +101,17 @@ class Memory:
         return self.params + self.grads + (self.optimizer_zero1 if zero1 else self.optimizer) + act[recompute]
 
 
+def micro_batches_in_flight(lay: Layout, stage: int) -> float:
+    """Whole-stage activations alive at the peak on ``stage``: min(p - i, m) micro-batches under 1F1B. Under the
+    interleaved schedule (v chunks of l/(p v) layers) the first backward follows (p - i - 1) 2 + (v - 1) p + 1
+    chunk forwards (all v m when m = p, Megatron's order), i.e. that many / v stages' worth."""
+    p, m, v = lay.pp, lay.num_micro, lay.virtual_pipeline
+    if v == 1:
+        return min(p - stage, m)
+    chunks = v * m if m == p else min(v * m, (p - stage - 1) * 2 + (v - 1) * p + 1)
+    return chunks / v
+
+
 def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: bool,
                            scores_stored: bool = True, act_bytes: int = 2, mask_bytes: int = 1,
                            selective: bool = False) -> float:
@@ -123,7 +134,7 @@ def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: boo
     per_layer = activation_bytes_per_layer(shape, b, lay.tp, scores_stored and not selective, e, k, sequence_parallel=sp)
     sbh = s * b * h / (lay.tp if sp else 1)
     layers = stage_layers(shape.num_layers, lay.pp)[stage]  # DeepSpeed's balanced split
-    in_flight = min(lay.pp - stage, lay.num_micro)
+    in_flight = micro_batches_in_flight(lay, stage)
     if ckpt:
         act = in_flight * layers * e * sbh + per_layer
     else:

@@ -56,7 +56,8 @@ def comm(shape: ModelShape, lay: Layout, ckpt: bool, dtype: str = "fp16") -> Com
     n_ar = tp_allreduces_per_micro(shape, lay, ckpt)
     ce = 3 * shape.seq * lay.micro_batch * 4 if lay.tp > 1 else 0  # max, target logit, sum-exp (fp32)
     tp_payload = m * (n_ar * sbh + ce)
-    pp_ops = 2 * m if lay.pp > 1 else 0  # activations forward + their gradients backward, each way
+    # activations forward + their gradients backward, each way; per chunk under the interleaved schedule
+    pp_ops = 2 * m * lay.virtual_pipeline if lay.pp > 1 else 0
     local = max(stage_params(shape, lay.tp, lay.pp))
     grad_bytes = state_bytes_per_param(dtype)[1]
     return Comm(tp_ops=m * (n_ar + (3 if lay.tp > 1 else 0)), tp_payload=tp_payload,
@@ -146,8 +147,9 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
       instead of doing 1/t of it.
     * TP: each all-reduce of n bytes over t ranks costs 2 (t-1) alpha + 2 (t-1)/t n / beta; on the
       critical path (no overlap in Megatron TP). Intra-node link if t <= gpus_per_node.
-    * PP: 2 m point-to-point sends of b s h per stage (alpha + n / beta), plus the 1F1B bubble
-      (p - 1)/m x (per-layer overhead + compute + replicated + TP).
+    * PP: 2 m v point-to-point sends of b s h per stage (alpha + n / beta), plus the bubble
+      (p - 1)/(v m) x (per-layer overhead + compute + replicated + TP); v = 1 under 1F1B, the chunks per rank
+      under the interleaved schedule (DualPipeV is modelled as 1F1B).
     * DP: ring all-reduce of the local gradients. If the DP group (t d consecutive-stride ranks) fits in
       one node it uses NVLink; otherwise every node's NICs carry one ring crossing per DP group with
       members on that node: (gpus_per_node / k) rings, k = max(1, gpus_per_node // t) members per node.
@@ -180,9 +182,10 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
             pp_bw, pp_alpha = _bw(hw.intra_node_gbs, tm.link_efficiency), tm.alpha_intra_s
         else:
             pp_bw, pp_alpha = _bw(hw.inter_node_gbs, tm.link_efficiency) / G, tm.alpha_inter_s
-        pp = 0.0 if math.isinf(pp_bw) else 2 * m * (pp_alpha + sbh * act_bytes / pp_bw)
+        v = lay.virtual_pipeline  # interleaving: v times the sends, 1/v of the bubble
+        pp = 0.0 if math.isinf(pp_bw) else 2 * m * v * (pp_alpha + sbh * act_bytes / pp_bw)
     layer_overhead = tm.overhead_layer_s * max(stage_layers(shape.num_layers, p)) * m
-    bubble = (p - 1) / m * (layer_overhead + compute + replicated + tp)
+    bubble = (p - 1) / (m * lay.virtual_pipeline) * (layer_overhead + compute + replicated + tp)
 
     grad_bytes = max(stage_params(shape, t, p)) * state_bytes_per_param(dtype)[1]
     if t * d <= G:

@@ -1,6 +1,7 @@
 """Convert a training checkpoint to another tensor/pipeline-parallel layout.
 
-    python -m training.tools.reshard --checkpoint RUN_DIR --tp K --pp M [--dp D] --out NEW_RUN_DIR
+    python -m training.tools.reshard --checkpoint RUN_DIR --tp K --pp M [--dp D] [--schedule S --virtual-pipeline V]
+        --out NEW_RUN_DIR
 
 Shards are merged by their saved partition tags (column-parallel weights on output rows,
 row-parallel on input columns, the fused QKV head-aligned through its stride, the vocabulary by
@@ -40,7 +41,7 @@ from megatron_ds_suite.core.program import prog as program
 from training import checkpoint as ckpt
 from training import safe_load
 from training.checkpoint_reader import checkpoint_dir, load_merged_state_dict, model_files
-from training.config import config_from_dict, grad_accumulation, validate_static
+from training.config import check_micro_batches, config_from_dict, grad_accumulation, validate_static
 from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_vocab_rows, shard_tagged
 from training.runtime.run_lock import lock_existing_output, overlapping_input
 from training.runtime.spawn import run_distributed
@@ -135,7 +136,11 @@ def _worker(rank, world, payload_path: str, out_dir: str):  # noqa: C901
     return ps.rank
 
 
-def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | None = None, dp: int = 1) -> Path:
+def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | None = None, dp: int = 1,
+            schedule: str | None = None, virtual_pipeline: int | None = None) -> Path:
+    """The checkpoint ``tag`` of ``run_dir`` in the layout TP x PP x DP, under the pipeline ``schedule`` with
+    ``virtual_pipeline`` chunks per rank (None: the source's; at PP=1 '1f1b'). Layers are merged by their global
+    index, so any schedule's checkpoint converts to any other's."""
     run_dir, out = Path(run_dir), Path(out)
     overlap = overlapping_input(out, {"--checkpoint": run_dir})
     if overlap:  # --out inside the source run would write a second run into it
@@ -145,13 +150,19 @@ def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | N
     tag = tag or model_files(run_dir, tag)[0]
     weights, cfg, meta = load_merged_state_dict(run_dir, tag)
     cfg.parallel.tensor, cfg.parallel.pipeline = tp, pp
+    par = cfg.parallel
+    if schedule is not None or pp == 1:
+        par.pipeline_schedule = schedule or "1f1b"
+        par.virtual_pipeline = virtual_pipeline or (2 if par.pipeline_schedule == "interleaved" else 1)
+    elif virtual_pipeline is not None:
+        par.virtual_pipeline = virtual_pipeline
     cfg.run.dir = str(out)
     cfg.train.exit_at = None
     validate_static(cfg)  # TP must divide heads, PP <= layers, ...
     if dp < 1:
         raise ConfigError(f"--dp must be >= 1, got {dp}")
     try:
-        grad_accumulation(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp)
+        check_micro_batches(cfg, grad_accumulation(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp))
     except ConfigError as e:
         raise ConfigError(f"--dp {dp}: {e}") from None
     out.mkdir(parents=True, exist_ok=True)
@@ -204,12 +215,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, required=True, help="target tensor-parallel degree")
     parser.add_argument("--pp", type=int, default=1, help="target pipeline-parallel degree")
     parser.add_argument("--dp", type=int, default=1, help="target data-parallel degree (matters for ZeRO-1)")
+    parser.add_argument("--schedule", choices=["1f1b", "interleaved", "dualpipev"], default=None,
+                        help="target parallel.pipeline_schedule (default: the source's; 1f1b at --pp 1)")
+    parser.add_argument("--virtual-pipeline", type=int, default=None,
+                        help="target parallel.virtual_pipeline (chunks per rank of --schedule interleaved)")
     parser.add_argument("--out", required=True, help="new run directory (must not exist or be empty)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", datefmt="%H:%M:%S")
     try:
-        reshard(args.checkpoint, args.tp, args.pp, args.out, args.tag, dp=args.dp)
+        reshard(args.checkpoint, args.tp, args.pp, args.out, args.tag, dp=args.dp, schedule=args.schedule,
+                virtual_pipeline=args.virtual_pipeline)
     except (ConfigError, FileNotFoundError) as e:
         print(f"reshard error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,136 @@
+"""Pipeline schedules without processes (issue 41): the config's one-line refusals, and Megatron's interleaved
+order (training.optim.pipe_interleaved.InterleavedSchedule) run as a simulation of p ranks exchanging messages:
+every unit runs once, every receive is matched by a send, and no layout deadlocks."""
+from __future__ import annotations
+
+import pytest
+from deepspeed.runtime.pipe import schedule as ds_schedule
+
+from megatron_ds_suite.core.errors import ConfigError
+from training.config import Config, check_micro_batches, validate_static
+from training.ds_json import deepspeed_config
+from training.layout import Layout
+from training.optim.pipe_interleaved import InterleavedSchedule
+from training.plan.memory import micro_batches_in_flight, stage_activation_bytes
+from training.plan.presets import preset_shape
+from training.plan.timing import TimeModel, comm, step_time
+from training.runtime.hardware import get_hardware
+
+
+def _cfg(**parallel) -> Config:
+    cfg = Config()
+    cfg.model.num_layers = parallel.pop("layers", 8)
+    cfg.model.arch = parallel.pop("arch", "gpt")
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+@pytest.mark.parametrize("parallel, words", [
+    (dict(pipeline=2, pipeline_schedule="interleaved", virtual_pipeline=1), "virtual_pipeline >= 2"),
+    (dict(pipeline=1, pipeline_schedule="interleaved", virtual_pipeline=2), "parallel.pipeline >= 2"),
+    (dict(pipeline=1, pipeline_schedule="dualpipev"), "parallel.pipeline >= 2"),
+    (dict(pipeline=2, virtual_pipeline=2), "needs parallel.pipeline_schedule=interleaved"),
+    (dict(pipeline=2, pipeline_schedule="interleaved", virtual_pipeline=0), "virtual_pipeline must be >= 1"),
+    (dict(layers=6, pipeline=2, pipeline_schedule="interleaved", virtual_pipeline=2), "4 equal groups"),
+    (dict(layers=6, pipeline=2, pipeline_schedule="dualpipev"), "2 stages per rank"),
+    (dict(pipeline=2, pipeline_schedule="interleaved", virtual_pipeline=2, zero_stage=1), "zero_stage=0"),
+    (dict(pipeline=2, pipeline_schedule="dualpipev", zero_stage=1), "zero_stage=0"),
+    # (refused as pipeline-parallel BERT while that is GPT-only; by the schedule's own rule where BERT pipelines)
+    (dict(pipeline=2, pipeline_schedule="dualpipev", arch="bert"), "bert"),
+])
+def test_bad_schedules_are_refused_in_one_line(parallel, words):
+    with pytest.raises(ConfigError) as e:
+        validate_static(_cfg(**parallel))
+    assert words in str(e.value).replace("BERT", "bert") and "\n" not in str(e.value), str(e.value)
+
+
+def test_micro_batch_rules():
+    inter = _cfg(pipeline=2, pipeline_schedule="interleaved", virtual_pipeline=2)
+    dual = _cfg(pipeline=2, pipeline_schedule="dualpipev")
+    validate_static(inter)
+    validate_static(dual)
+    check_micro_batches(inter, 4)
+    check_micro_batches(dual, 4)
+    with pytest.raises(ConfigError, match="multiple of parallel.pipeline=2"):
+        check_micro_batches(inter, 3)
+    with pytest.raises(ConfigError, match="at least 2 x parallel.pipeline = 4"):
+        check_micro_batches(dual, 3)
+    inter.train.micro_batch_size, inter.train.global_batch_size = 2, 6  # 3 micro-batches at DP=1
+    with pytest.raises(ConfigError, match="multiple of"):
+        deepspeed_config(inter, 1, "fp32")
+    # the new schedules send whole activations: DeepSpeed's partitioned sends off
+    inter.train.global_batch_size = 8
+    assert deepspeed_config(inter, 1, "fp32")["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+
+
+def _messages(p: int, m: int, r: int, cmd) -> tuple[tuple | None, tuple | None]:
+    """(the message ``cmd`` on rank r waits for, the message it sends), each (kind, receiving rank, chunk,
+    micro-batch); rank p-1's chunk k feeds rank 0's chunk k+1."""
+    c = getattr(cmd, "chunk", None)
+    b = cmd.buffer_id - c * m if c is not None else None
+    if isinstance(cmd, ds_schedule.RecvActivation):
+        return ("act", r, c, b), None
+    if isinstance(cmd, ds_schedule.RecvGrad):
+        return ("grad", r, c, b), None
+    if isinstance(cmd, ds_schedule.SendActivation):
+        return None, ("act", *((0, c + 1) if r == p - 1 else (r + 1, c)), b)
+    if isinstance(cmd, ds_schedule.SendGrad):
+        return None, ("grad", *((p - 1, c - 1) if r == 0 else (r - 1, c)), b)
+    return None, None
+
+
+def _simulate(p: int, v: int, m: int) -> dict:
+    """Run every rank's instructions as far as it can, round after round; a receive waits for its send."""
+    programs = [[cmd for step in InterleavedSchedule(m, p, r, v).steps() for cmd in step] for r in range(p)]
+    pos, sent, ran = [0] * p, set(), {r: [] for r in range(p)}
+    while any(pos[r] < len(programs[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(programs[r]):
+                cmd = programs[r][pos[r]]
+                needs, gives = _messages(p, m, r, cmd)
+                if needs is not None and needs not in sent:
+                    break
+                sent.add(gives)
+                if isinstance(cmd, (ds_schedule.ForwardPass, ds_schedule.BackwardPass, ds_schedule.LoadMicroBatch)):
+                    ran[r].append((type(cmd).__name__, cmd.chunk, cmd.buffer_id - cmd.chunk * m))
+                pos[r] += 1
+                progressed = True
+        assert progressed, f"p={p} v={v} m={m}: deadlock at {[programs[r][pos[r]] for r in range(p)]}"
+    return ran
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 2), (2, 2, 4), (2, 3, 6), (4, 2, 4), (4, 2, 8), (3, 4, 9)])
+def test_interleaved_order_runs_every_unit_once_without_deadlock(p, v, m):
+    ran = _simulate(p, v, m)
+    units = {(c, b) for c in range(v) for b in range(m)}
+    for r, ops in ran.items():
+        fwd = [(c, b) for kind, c, b in ops if kind == "ForwardPass"]
+        bwd = [(c, b) for kind, c, b in ops if kind == "BackwardPass"]
+        assert sorted(fwd) == sorted(units) and sorted(bwd) == sorted(units)
+        assert all(ops.index(("ForwardPass", *u)) < ops.index(("BackwardPass", *u)) for u in units)
+        # the data iterator is read in micro-batch order: by rank 0 for chunk 0, by rank p-1 for chunk v-1
+        loads = [(c, b) for kind, c, b in ops if kind == "LoadMicroBatch"]
+        expected = ([(0, b) for b in range(m)] if r == 0 else []) + ([(v - 1, b) for b in range(m)] if r == p - 1 else [])
+        assert loads == expected, (r, loads)
+    # Megatron's warm-up: rank r runs (p - r - 1) 2 + (v - 1) p forwards (all v m when m == p), then the steady
+    # state's forward, before its first backward
+    for r in range(p):
+        first_bwd = next(i for i, (kind, *_) in enumerate(k for k in ran[r] if k[0] != "LoadMicroBatch")
+                         if kind == "BackwardPass")
+        warmup = v * m if m == p else min(v * m, (p - r - 1) * 2 + (v - 1) * p)
+        assert first_bwd == warmup + (warmup < v * m), (r, first_bwd, warmup)
+
+
+def test_planner_counts_the_chunks():
+    """The planner's interleaved step: 1/v of the bubble, v times the sends, more activations in flight (Megatron's
+    warm-up: rank 0 of p = 4, v = 2, m = 8 holds 11 chunk forwards, 5.5 stages' worth, against 1F1B's 4)."""
+    hw, tm, s = get_hardware("v100"), TimeModel(compute_fraction=0.5), preset_shape("gpt2-1.2b")
+    one, two = (Layout(pp=4, micro_batch=1, global_batch=8, gpus_per_node=16, virtual_pipeline=v) for v in (1, 2))
+    assert micro_batches_in_flight(one, 0) == 4 and micro_batches_in_flight(two, 0) == 5.5
+    assert micro_batches_in_flight(two, 3) == ((2 - 1) * 4 + 1) / 2  # the last rank: (v - 1) p + 1 chunks
+    t1, t2 = step_time(s, one, hw, tm), step_time(s, two, hw, tm)
+    assert t2.bubble == pytest.approx(t1.bubble / 2) and t2.pp == pytest.approx(2 * t1.pp)
+    assert comm(s, two, ckpt=True).pp_ops == 2 * comm(s, one, ckpt=True).pp_ops
+    assert stage_activation_bytes(s, two, 0, ckpt=False) > stage_activation_bytes(s, one, 0, ckpt=False)

@@ -1,0 +1,290 @@
+"""Megatron's interleaved 1F1B schedule (Narayanan et al. 2021) on DeepSpeed's pipeline engine.
+
+:class:`InterleavedSchedule` is a DeepSpeed ``PipeSchedule`` whose buffer instructions carry a ``chunk`` id (the
+way ``DualPipeVSchedule``'s carry a ``phase``); :class:`InterleavedPipelineEngine` is a ``PipelineEngine`` that runs
+it over an :class:`~training.models.pipe_chunks.InterleavedPipeModule` (one chunk active per instruction, as
+``DualPipeVEngine`` activates a phase). The project's engine combines it with its own
+(``training.optim.engine.InterleavedPipeEngine``), so the owned optimizer step and fp16/bf16 stay the same.
+
+The order (Megatron-LM ``forward_backward_pipelining_with_interleaving``): with p ranks, v chunks and m
+micro-batches (m a multiple of p), the v m forward units of rank r run in groups of p micro-batches per chunk,
+unit i being micro-batch ``(i // (p v)) p + i % p`` of chunk ``(i // p) % v``; backward units the same with the
+chunks reversed. Rank r first runs ``(p - r - 1) 2 + (v - 1) p`` forwards (all v m when m == p), then alternates one
+forward and one backward, then finishes the backwards. The bubble is (p-1)/(v m) of the step instead of (p-1)/m.
+
+Point-to-point traffic: each send is posted (``isend``) as soon as its tensor exists and waited at the end of the
+step; each receive is posted and waited right before its tensor is needed. Every message carries its own tag
+(kind, sending chunk, micro-batch), so the receiver matches it whatever the order of arrival: the wraparound
+(rank p-1 chunk k -> rank 0 chunk k+1) shares the rank pair of p = 2 with the ordinary sends both ways. gloo
+matches tags; NCCL ignores them, so the engine refuses other backends (:func:`check_backend`).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from megatron_ds_suite.core.errors import ConfigError
+
+_INIT = object()  # before the engine's own state: PipelineEngine.__init__'s p2p warm-up asks for the stages
+
+# message kinds of the tags; the activation metadata is sent once per chunk before its first activation
+ACTIVATION, GRADIENT, META = 0, 1, 2
+META_SIZE = 16
+
+
+class InterleavedSchedule(schedule.PipeSchedule):
+    """Rank ``stage_id``'s instructions for one batch of Megatron's interleaved 1F1B (module docstring).
+
+    Buffer ``chunk * micro_batches + micro_batch`` holds one unit's tensors; ``forward_only``: every forward in
+    order and no backward (evaluation)."""
+
+    def __init__(self, micro_batches, stages, stage_id, chunks, forward_only=False):
+        super().__init__(micro_batches, stages, stage_id)
+        self.chunks, self.forward_only = chunks, forward_only
+
+    def num_pipe_buffers(self):
+        return self.chunks * self.micro_batches
+
+    def unit(self, i: int, forward: bool) -> tuple[int, int]:
+        """(chunk, micro-batch) of this rank's i-th forward (or backward) unit."""
+        p, v = self.stages, self.chunks
+        chunk = (i // p) % v
+        return (chunk if forward else v - 1 - chunk), (i // (p * v)) * p + i % p
+
+    def warmup(self) -> int:
+        total = self.chunks * self.micro_batches
+        if self.forward_only or self.micro_batches == self.stages:
+            return total
+        return min(total, (self.stages - self.stage_id - 1) * 2 + (self.chunks - 1) * self.stages)
+
+    def order(self) -> list[tuple[bool, int, int]]:
+        """(forward?, chunk, micro-batch) of every unit of this rank, in the order it runs them."""
+        total, warm = self.chunks * self.micro_batches, self.warmup()
+        units = [(True, *self.unit(i, True)) for i in range(warm)]
+        for k in range(total - warm):
+            units += [(True, *self.unit(warm + k, True)), (False, *self.unit(k, False))]
+        if not self.forward_only:
+            units += [(False, *self.unit(k, False)) for k in range(total - warm, total)]
+        return units
+
+    def steps(self):
+        first, last = self.stage_id == 0, self.stage_id == self.stages - 1
+        v = self.chunks
+        for forward, chunk, mb in self.order():
+            buf = chunk * self.micro_batches + mb
+            if forward:
+                cmds = []
+                if (first and chunk == 0) or (last and chunk == v - 1):
+                    cmds.append(schedule.LoadMicroBatch(buf, chunk=chunk))
+                if not (first and chunk == 0):
+                    cmds.append(schedule.RecvActivation(buf, chunk=chunk, micro_batch=mb))
+                cmds.append(schedule.ForwardPass(buf, chunk=chunk))
+                if not (last and chunk == v - 1):
+                    cmds.append(schedule.SendActivation(buf, chunk=chunk, micro_batch=mb))
+            else:
+                cmds = [] if last and chunk == v - 1 else [schedule.RecvGrad(buf, chunk=chunk, micro_batch=mb)]
+                cmds.append(schedule.BackwardPass(buf, chunk=chunk))
+                if not (first and chunk == 0):
+                    cmds.append(schedule.SendGrad(buf, chunk=chunk, micro_batch=mb))
+            yield cmds
+        yield [schedule.CommitP2P()] + ([] if self.forward_only else
+                                        [schedule.ReduceTiedGrads(), schedule.ReduceGrads(), schedule.OptimizerStep()])
+
+
+def check_backend() -> None:
+    """The tagged sends need a backend that matches tags (gloo); one line otherwise."""
+    backend = dist.get_backend()
+    if backend != "gloo":
+        raise ConfigError(f"parallel.pipeline_schedule=interleaved is implemented for the gloo backend only (its "
+                           f"sends are matched by tag; {backend} ignores tags): use pipeline_schedule=1f1b or "
+                           f"dualpipev")
+
+
+def _as_list(tensors):
+    return [tensors] if torch.is_tensor(tensors) else list(tensors)
+
+
+class InterleavedPipelineEngine(PipelineEngine):
+    """Runs an ``InterleavedPipeModule`` with :class:`InterleavedSchedule` (module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        self._active_chunk = _INIT
+        super().__init__(*args, **kwargs)
+        check_backend()
+        assert hasattr(self.module, "activate_chunk"), "model must be an InterleavedPipeModule"
+        assert not (self.is_pipe_partitioned or self.is_grad_partitioned), \
+            "the interleaved schedule sends whole tensors: set pipeline.pipe_partitioned/grad_partitioned false"
+        self.chunks = len(self.module.chunk_bounds)
+        self._active_chunk = None
+        self._sends: list = []  # (work, tensor) of this batch's isends, waited by CommitP2P
+        self._recv_specs: dict[int, tuple[bool, list]] = {}
+        self._meta_sent: set[int] = set()
+        self.pipe_buffers["grads"] = []
+        self.pipe_buffers["losses"] = []
+
+    # -- where a chunk sits in the pipeline ---------------------------------------------------------------
+    def is_first_stage(self):
+        if self._active_chunk is _INIT or self._active_chunk is None:
+            return super().is_first_stage()
+        return self.stage_id == 0 and self._active_chunk == 0
+
+    def is_last_stage(self):
+        """Outside a chunk (loss aggregation, the p2p warm-up): rank p-1, which holds the loss."""
+        if self._active_chunk is _INIT or self._active_chunk is None:
+            return super().is_last_stage()
+        return self.stage_id == self.num_stages - 1 and self._active_chunk == self.chunks - 1
+
+    def _next_hop(self, chunk: int) -> tuple[int, int]:
+        """(stage, chunk) that receives this chunk's activations (rank p-1 wraps around to rank 0, chunk + 1)."""
+        if self.stage_id == self.num_stages - 1:
+            return 0, chunk + 1
+        return self.stage_id + 1, chunk
+
+    def _prev_hop(self, chunk: int) -> tuple[int, int]:
+        """(stage, chunk) that sends this chunk its activations."""
+        if self.stage_id == 0:
+            return self.num_stages - 1, chunk - 1
+        return self.stage_id - 1, chunk
+
+    def _tag(self, kind: int, chunk: int, micro_batch: int = 0) -> int:
+        """The tag of one message, named by its kind, the *sending* chunk and the micro-batch (both ends compute it;
+        0 is left to DeepSpeed's untagged sends)."""
+        return 1 + (micro_batch * self.chunks + chunk) * 3 + kind
+
+    @contextmanager
+    def _chunk(self, chunk):
+        self._active_chunk = chunk
+        self.module.activate_chunk(chunk)
+        try:
+            yield
+        finally:
+            self._active_chunk = None
+
+    def _train_schedule(self):
+        return InterleavedSchedule(self.micro_batches, self.num_stages, self.stage_id, self.chunks)
+
+    def _inference_schedule(self, micro_batches):
+        return InterleavedSchedule(micro_batches, self.num_stages, self.stage_id, self.chunks, forward_only=True)
+
+    def reset_activation_shape(self):
+        super().reset_activation_shape()
+        self._recv_specs, self._meta_sent = {}, set()
+
+    # -- point to point --------------------------------------------------------------------------------------
+    def _isend(self, tensor: torch.Tensor, stage: int, tag: int) -> None:
+        tensor = tensor.contiguous()
+        self._sends.append((dist.isend(tensor, self.grid.stage_to_global(stage), tag=tag), tensor))
+
+    def _recv(self, tensor: torch.Tensor, stage: int, tag: int) -> torch.Tensor:
+        dist.irecv(tensor, self.grid.stage_to_global(stage), tag=tag).wait()
+        return tensor
+
+    def _exec_commit_p2p(self):
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+
+    def _send_meta(self, outputs, stage: int, chunk: int) -> None:
+        """Once per chunk: [n, (dtype id, ndim, *shape) per tensor] of what the chunk sends downstream."""
+        meta = [len(_as_list(outputs))]
+        for t in _as_list(outputs):
+            meta += [self.DTYPE_TO_ID[t.dtype], t.dim(), *t.shape]
+        assert len(meta) <= META_SIZE, f"activation metadata {meta} exceeds {META_SIZE} entries"
+        buf = torch.zeros(META_SIZE, dtype=torch.int64, device=self.device)
+        buf[:len(meta)] = torch.tensor(meta, dtype=torch.int64)
+        self._isend(buf, stage, self._tag(META, chunk))
+
+    def _recv_meta(self, stage: int, chunk: int) -> tuple[bool, list]:
+        meta = self._recv(torch.zeros(META_SIZE, dtype=torch.int64, device=self.device), stage,
+                          self._tag(META, chunk)).tolist()
+        specs, at = [], 1
+        for _ in range(meta[0]):
+            ndim = meta[at + 1]
+            specs.append((meta[at + 2:at + 2 + ndim], self.ID_TO_DTYPE[meta[at]]))
+            at += 2 + ndim
+        return meta[0] == 1, specs
+
+    # -- the instructions -------------------------------------------------------------------------------------
+    def _exec_load_micro_batch(self, buffer_id, chunk):
+        with self._chunk(chunk):
+            super()._exec_load_micro_batch(buffer_id)
+
+    def _exec_forward_pass(self, buffer_id, chunk):
+        with self._chunk(chunk):
+            super()._exec_forward_pass(buffer_id)
+            loss_stage = self.is_last_stage()
+        if loss_stage and torch.is_grad_enabled():
+            self.pipe_buffers["losses"][buffer_id] = self.loss
+        if not torch.is_grad_enabled():  # no backward frees them (nor a send, the loss stage's outputs)
+            self.pipe_buffers["inputs"][buffer_id] = None
+            self.pipe_buffers["labels"][buffer_id] = None
+            if loss_stage:
+                self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _exec_backward_pass(self, buffer_id, chunk):
+        with self._chunk(chunk):
+            if self.is_last_stage():
+                self.loss = self.pipe_buffers["losses"][buffer_id]
+                self.pipe_buffers["losses"][buffer_id] = None
+            else:
+                self.grad_layer = self.pipe_buffers["grads"][buffer_id]
+                self.pipe_buffers["grads"][buffer_id] = None
+            super()._exec_backward_pass(buffer_id)
+            if self.is_first_stage():
+                self.pipe_buffers["inputs"][buffer_id] = None
+        self.pipe_buffers["outputs"][buffer_id] = None
+        self.pipe_buffers["labels"][buffer_id] = None
+        self.grad_layer = None
+
+    def _exec_send_activations(self, buffer_id, chunk, micro_batch):
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        stage, _ = self._next_hop(chunk)
+        if chunk not in self._meta_sent:
+            self._meta_sent.add(chunk)
+            self._send_meta(outputs, stage, chunk)
+        for t in _as_list(outputs):  # several tensors share the tag: gloo keeps their order
+            self._isend(t.detach(), stage, self._tag(ACTIVATION, chunk, micro_batch))
+        if not torch.is_grad_enabled():
+            self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _exec_recv_activations(self, buffer_id, chunk, micro_batch):
+        stage, sender_chunk = self._prev_hop(chunk)
+        if chunk not in self._recv_specs:
+            self._recv_specs[chunk] = self._recv_meta(stage, sender_chunk)
+        is_tensor, specs = self._recv_specs[chunk]
+        recvd = [self._recv(torch.empty(shape, dtype=dtype, device=self.device), stage,
+                            self._tag(ACTIVATION, sender_chunk, micro_batch)).requires_grad_(dtype.is_floating_point)
+                 for shape, dtype in specs]
+        self.pipe_buffers["inputs"][buffer_id] = recvd[0] if is_tensor else tuple(recvd)
+
+    def _exec_send_grads(self, buffer_id, chunk, micro_batch):
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        stage, _ = self._prev_hop(chunk)
+        for t in _as_list(inputs):
+            if t.is_floating_point():
+                assert t.grad is not None
+                self._isend(t.grad, stage, self._tag(GRADIENT, chunk, micro_batch))
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_recv_grads(self, buffer_id, chunk, micro_batch):
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        stage, sender_chunk = self._next_hop(chunk)  # the gradient comes from the next hop
+        grads = [self._recv(torch.empty_like(t), stage, self._tag(GRADIENT, sender_chunk, micro_batch))
+                 for t in _as_list(outputs) if t.is_floating_point()]
+        self.pipe_buffers["grads"][buffer_id] = grads[0] if torch.is_tensor(outputs) else grads
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        schedule.LoadMicroBatch: _exec_load_micro_batch,
+        schedule.ForwardPass: _exec_forward_pass,
+        schedule.BackwardPass: _exec_backward_pass,
+        schedule.SendActivation: _exec_send_activations,
+        schedule.RecvActivation: _exec_recv_activations,
+        schedule.SendGrad: _exec_send_grads,
+        schedule.RecvGrad: _exec_recv_grads,
+        schedule.CommitP2P: _exec_commit_p2p,
+    }
