@@ -45,8 +45,12 @@ class ParallelConfig(Freezable):
     """Pipeline-parallel degree (GPT-2 only: DeepSpeed PipelineModule; BERT is tensor-parallel only)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage: 0 = off, 1 = optimizer states sharded across DP ranks, 2 = gradients too (with TP,
-    sequence parallelism and DP; not with pipeline parallelism, whose DeepSpeed engine runs stages 0-1 only).
-    Stages 1-2 run DeepSpeed's own ZeRO optimizer step; stage 3 is not offered yet."""
+    sequence parallelism and DP; not with pipeline parallelism, whose DeepSpeed engine runs stages 0-1 only),
+    3 = parameters too (TP = 1 only: the parameters gathered per layer in forward and backward). Stages 1-3 run
+    DeepSpeed's own ZeRO optimizer step (docs/zero.md: what each stage costs and saves)."""
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    """ZeRO-Offload (ZeRO-2/3 only, no pipeline parallelism): 'cpu' keeps the fp32 optimizer states (master
+    weights, Adam moments) in host memory and runs the Adam step on the CPU (DeepSpeed's DeepSpeedCPUAdam)."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (Korthikanti et al. 2022), TP > 1 only: norms, dropout and residuals run
     on a 1/tensor chunk of the sequence, the TP all-reduces become all-gather / reduce-scatter pairs; same
@@ -300,6 +304,24 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
+def validate_zero(p: ParallelConfig) -> None:
+    """The ZeRO stage and offload against the other parallel degrees, each refusal one line."""
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage}: 0, 1, 2 or 3")
+    if p.zero_stage >= 2 and p.pipeline > 1:
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage} with parallel.pipeline={p.pipeline}: DeepSpeed's pipeline "
+                          f"engine runs ZeRO stage 0 or 1 only; set parallel.zero_stage=1 or parallel.pipeline=1")
+    if p.zero_stage == 3 and p.tensor > 1:
+        raise ConfigError(f"parallel.zero_stage=3 with parallel.tensor={p.tensor}: ZeRO-3 runs here with TP=1 only "
+                          f"(TP shards under deepspeed.zero.Init with a model-parallel unit are not checked); set "
+                          f"parallel.zero_stage=2 or parallel.tensor=1")
+    if p.offload_optimizer != "none" and (p.zero_stage < 2 or p.pipeline > 1):
+        raise ConfigError(f"parallel.offload_optimizer={p.offload_optimizer} with parallel.zero_stage={p.zero_stage} "
+                          f"and parallel.pipeline={p.pipeline}: DeepSpeed offloads optimizer states at ZeRO stage 2 or "
+                          f"3 only, without pipeline parallelism; set parallel.offload_optimizer=none or "
+                          f"parallel.zero_stage=2 (or 3) with parallel.pipeline=1")
+
+
 def validate_static(cfg: Config) -> None:  # noqa: C901
     """Checks that need no process group: sizes, divisibility, ranges (the ranges declared on the fields,
     :func:`check_ranges`, first: a config an importer built in Python has not been through the loader)."""
@@ -322,11 +344,7 @@ def validate_static(cfg: Config) -> None:  # noqa: C901
         raise ConfigError(f"train.keep_last must be >= 1 (the newest checkpoint is always kept), got {t.keep_last}")
     validate_shape(m.shape(), p.tensor, p.pipeline, p.sequence_parallel)  # the planner's rules too
     validate_model_options(m)
-    if p.zero_stage not in (0, 1, 2):
-        raise ConfigError(f"parallel.zero_stage={p.zero_stage}: 0, 1 or 2 (ZeRO-3 is not offered yet)")
-    if p.zero_stage >= 2 and p.pipeline > 1:
-        raise ConfigError(f"parallel.zero_stage={p.zero_stage} with parallel.pipeline={p.pipeline}: DeepSpeed's pipeline "
-                          f"engine runs ZeRO stage 0 or 1 only; set parallel.zero_stage=1 or parallel.pipeline=1")
+    validate_zero(p)
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optimizer: need 0 <= min_lr <= lr and lr > 0 (got lr={o.lr}, min_lr={o.min_lr})")
     decay = o.decay_iters if o.decay_iters is not None else t.iters
