@@ -27,6 +27,7 @@ tensors and plain data, so the numpy RNG state is stored as a list rather than a
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -182,13 +183,26 @@ def gathered_state_dict(model: torch.nn.Module, to_rank0_only: bool = True) -> d
     return {k: out[k] for k in model.state_dict()}
 
 
+def gathered_for_write(params: list[torch.nn.Parameter]):
+    """A context in which ZeRO-3 ``params`` are whole on every rank and may be written (every rank writes the same
+    values; rank 0's are partitioned again on exit: ``GatheredParameters(modifier_rank=0)``); for parameters that
+    are not partitioned, a context that does nothing. Collective under ZeRO-3."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
 def _write_gathered_weights(engine, model: torch.nn.Module, client: dict, folder: Path) -> None:
     """ZeRO-3: the whole weights (collective gather) and the client state written by rank 0 as
     ``mp_rank_00_model_states.pt``, the file the offline readers take (TP = 1 under ZeRO-3)."""
     weights = gathered_state_dict(model)
     if weights is not None:
-        state = {"module": weights, **client, "zero3_gathered": True,
-                       "global_steps": engine.global_steps, "dp_world_size": engine.dp_world_size}
+        sched = engine.lr_scheduler  # DeepSpeed's own files hold it too; the offline tools (reshard) read it here
+        state = {"module": weights, **client, "zero3_gathered": True, "global_steps": engine.global_steps,
+                 "dp_world_size": engine.dp_world_size,
+                 "lr_scheduler": sched.state_dict() if sched is not None else None}
         torch.save(state, folder / "mp_rank_00_model_states.pt")
 
 

@@ -126,3 +126,25 @@ def _export_worker(rank, world, spec, run_dir):
     ov = tiny_overrides(spec, run_dir, **{"parallel.tensor": 1, "parallel.zero_stage": 3, "train.iters": 2,
                                           "train.eval_interval": 0})
     Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", ov))).train()
+
+
+def _stop_and_continue(rank, world, spec, run_dir, exit_at):
+    return _train(spec, run_dir, 3, "fp32", exit_at=exit_at)[0]
+
+
+@needs_corpus
+def test_zero3_reshard_dp2_to_dp1_continues_the_loss_curve(spm_model, tmp_path):
+    """``training.tools.reshard`` reads a ZeRO-3 checkpoint's fp32 partitions and Adam moments through DeepSpeed
+    (gathered per parameter) and writes them for one data-parallel rank: the ZeRO-3 run stopped at step 4 at DP 2
+    continues at DP 1 with the losses of the DP 2 run that continued (within 1e-5 relative; the reduction order
+    differs), and the LR schedule goes on where it was."""
+    from training.tools.reshard import reshard
+
+    src = tmp_path / "src"
+    run_distributed(_stop_and_continue, 2, spm_model, str(src), 4, timeout=600)
+    reshard(src, 1, 1, tmp_path / "dp1", dp=1)
+    dp2 = run_distributed(_stop_and_continue, 2, spm_model, str(src), None, timeout=600)[0]
+    dp1 = run_distributed(_stop_and_continue, 1, spm_model, str(tmp_path / "dp1"), None, timeout=600)[0]
+    assert [x[0] for x in dp1] == [x[0] for x in dp2] == list(range(1, STEPS + 1))  # the metrics file carried over
+    torch.testing.assert_close(torch.tensor([x[1] for x in dp1[4:]]), torch.tensor([x[1] for x in dp2[4:]]),
+                               rtol=1e-5, atol=0)

@@ -100,7 +100,7 @@ def _worker(rank, world, payload_path: str, out_dir: str):  # noqa: C901
             t = resize_vocab_rows(t, desc.padded_vocab)
         return shard_tagged(t, payload["partition"].get(name), tp_rank, tp)
 
-    with torch.no_grad():
+    with torch.no_grad(), ckpt.gathered_for_write(list(params.values())):  # ZeRO-3: whole while written
         for pname, p in params.items():
             name = names[pname]
             p.copy_(local(payload["weights"][name], name).to(p.dtype))
