@@ -50,7 +50,8 @@ class ParallelConfig(Freezable):
     DeepSpeed's own ZeRO optimizer step (docs/zero.md: what each stage costs and saves)."""
     offload_optimizer: Literal["none", "cpu"] = "none"
     """ZeRO-Offload (ZeRO-2/3 only, no pipeline parallelism): 'cpu' keeps the fp32 optimizer states (master
-    weights, Adam moments) in host memory and runs the Adam step on the CPU (DeepSpeed's DeepSpeedCPUAdam)."""
+    weights, Adam moments) in host memory and runs the Adam step on the CPU (the client torch AdamW over the host
+    partitions; DeepSpeed's JIT-compiled DeepSpeedCPUAdam is not swapped in: training.ds_json.offload_keys)."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (Korthikanti et al. 2022), TP > 1 only: norms, dropout and residuals run
     on a 1/tensor chunk of the sequence, the TP all-reduces become all-gather / reduce-scatter pairs; same
