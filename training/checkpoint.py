@@ -18,8 +18,8 @@ trainer, so the tools (``training.tools.reshard``) and the tasks' hooks save wit
 
 ZeRO-3 (parameters partitioned over the DP ranks, DeepSpeed's files ``zero_pp_rank_D_mp_rank_00_*``): the weights
 are gathered layer by layer (:func:`gathered_state_dict`) and rank 0 writes them whole, with the client state, as
-``mp_rank_00_model_states.pt`` beside DeepSpeed's files, the file evaluation, export, reshard and ``init_from``
-read (DeepSpeed's resume reads only its own ``zero_pp_rank_*`` files).
+``mp_rank_00_gathered_weights.pt`` beside DeepSpeed's files, the file evaluation, export, reshard and ``init_from``
+read (DeepSpeed's resume and its ``ds_to_universal`` read only its own ``zero_pp_rank_*`` files).
 
 Every file is read with ``weights_only=True`` (``training.safe_load``): the client state holds only
 tensors and plain data, so the numpy RNG state is stored as a list rather than an ndarray.
@@ -42,7 +42,7 @@ from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.errors import ConfigError
 from training import checkpoint_catalog as catalog
 from training import safe_load
-from training.checkpoint_reader import canonical_name, checkpoint_dir, read_client_state
+from training.checkpoint_reader import GATHERED_WEIGHTS, canonical_name, checkpoint_dir, read_client_state
 from training.config import Config
 from training.safe_load import CheckpointError
 
@@ -196,14 +196,14 @@ def gathered_for_write(params: list[torch.nn.Parameter]):
 
 def _write_gathered_weights(engine, model: torch.nn.Module, client: dict, folder: Path) -> None:
     """ZeRO-3: the whole weights (collective gather) and the client state written by rank 0 as
-    ``mp_rank_00_model_states.pt``, the file the offline readers take (TP = 1 under ZeRO-3)."""
+    :data:`~training.checkpoint_reader.GATHERED_WEIGHTS`, the file the offline readers take (TP = 1 under ZeRO-3)."""
     weights = gathered_state_dict(model)
     if weights is not None:
         sched = engine.lr_scheduler  # DeepSpeed's own files hold it too; the offline tools (reshard) read it here
         state = {"module": weights, **client, "zero3_gathered": True, "global_steps": engine.global_steps,
                  "dp_world_size": engine.dp_world_size,
                  "lr_scheduler": sched.state_dict() if sched is not None else None}
-        torch.save(state, folder / "mp_rank_00_model_states.pt")
+        torch.save(state, folder / GATHERED_WEIGHTS)
 
 
 def _tokenizer_spec(tokenizer: Tokenizer, run_dir: Path, is_rank0: bool) -> dict:

@@ -12,6 +12,8 @@ ZeRO-3 with overflows planted at steps 3 and 4 (the same steps skipped, the same
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,11 @@ def test_zero3_dp2_trains_as_zero0_resumes_exactly_and_saves_whole_weights(spm_m
     assert meta["zero3_gathered"] and all(torch.equal(saved[k], w3[k].float()) for k in w3)
     model, _, _ = load_model_for_eval(tmp_path / "zero3")
     assert all(torch.equal(p, w3[n]) for n, p in model.named_parameters())
+    # DeepSpeed's own converter still reads the folder (the gathered file is not one of its *_model_states.pt)
+    tag = next((tmp_path / "zero3" / "checkpoints").glob("iter_*"))
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
+                    "--output_folder", str(tmp_path / "universal")], check=True, capture_output=True)
+    assert (tmp_path / "universal" / "zero").is_dir()
     # fp16: the same steps skipped, the same loss scales, the applied steps' losses close
     f0, f3 = r["zero0_fp16"][0], r["zero3_fp16"][0]
     assert [x[3] for x in f0] == [x[3] for x in f3] == [k not in OVERFLOW_AT for k in range(1, STEPS + 1)]
