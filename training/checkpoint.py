@@ -16,12 +16,18 @@ DeepSpeed engine, the model, the :class:`TrainState`, the :class:`~training.para
 and a :class:`ModelDescription` (the frozen config, dtype, padded vocabulary and tokenizer); never the
 trainer, so the tools (``training.tools.reshard``) and the tasks' hooks save with the same call.
 
+ZeRO-3 (parameters partitioned over the DP ranks, DeepSpeed's files ``zero_pp_rank_D_mp_rank_00_*``): the weights
+are gathered layer by layer (:func:`gathered_state_dict`) and rank 0 writes them whole, with the client state, as
+``mp_rank_00_gathered_weights.pt`` beside DeepSpeed's files, the file evaluation, export, reshard and ``init_from``
+read (DeepSpeed's resume and its ``ds_to_universal`` read only its own ``zero_pp_rank_*`` files).
+
 Every file is read with ``weights_only=True`` (``training.safe_load``): the client state holds only
 tensors and plain data, so the numpy RNG state is stored as a list rather than an ndarray.
 ``latest`` must name a tag directory inside the run's checkpoints/ folder.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -36,7 +42,7 @@ from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.errors import ConfigError
 from training import checkpoint_catalog as catalog
 from training import safe_load
-from training.checkpoint_reader import PipeNames, canonical_name, checkpoint_dir, read_client_state
+from training.checkpoint_reader import GATHERED_WEIGHTS, PipeNames, canonical_name, checkpoint_dir, read_client_state
 from training.config import Config
 from training.safe_load import CheckpointError
 
@@ -148,6 +154,59 @@ def partition_tags(model: torch.nn.Module, pipe_names: PipeNames | None = None, 
     return {k: v for part in parts for k, v in part.items()}
 
 
+def partitions_weights(engine) -> bool:
+    """Whether ``engine`` runs ZeRO-3 (each parameter a 1/DP partition on this rank, shape 0 outside a gather)."""
+    return bool(getattr(engine, "zero_optimization_partition_weights", lambda: False)())
+
+
+def gathered_state_dict(model: torch.nn.Module, to_rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
+    """Collective over the ZeRO-3 partition group (every rank calls it): ``model.state_dict()`` with every
+    partitioned parameter gathered whole, one module's own parameters at a time (at most one layer whole at
+    once), as CPU copies in the parameters' dtype. A module that is not partitioned gives its own state dict. With
+    ``to_rank0_only`` the other ranks get None."""
+    import deepspeed
+
+    keep = dist.get_rank() == 0 or not to_rank0_only if dist.is_initialized() else True
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(own, modifier_rank=None):
+            if keep:
+                dot = f"{prefix}." if prefix else ""
+                for name, p in module.named_parameters(recurse=False):
+                    out[dot + name] = p.detach().cpu().clone()
+                for name, b in module.named_buffers(recurse=False):
+                    if name not in module._non_persistent_buffers_set:
+                        out[dot + name] = b.detach().cpu().clone()
+    if not keep:
+        return None
+    # model.state_dict()'s keys and order (a tied parameter under each of its names)
+    return {k: out[k] for k in model.state_dict()}
+
+
+def gathered_for_write(params: list[torch.nn.Parameter]):
+    """A context in which ZeRO-3 ``params`` are whole on every rank and may be written (every rank writes the same
+    values; rank 0's are partitioned again on exit: ``GatheredParameters(modifier_rank=0)``); for parameters that
+    are not partitioned, a context that does nothing. Collective under ZeRO-3."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def _write_gathered_weights(engine, model: torch.nn.Module, client: dict, folder: Path) -> None:
+    """ZeRO-3: the whole weights (collective gather) and the client state written by rank 0 as
+    :data:`~training.checkpoint_reader.GATHERED_WEIGHTS`, the file the offline readers take (TP = 1 under ZeRO-3)."""
+    weights = gathered_state_dict(model)
+    if weights is not None:
+        sched = engine.lr_scheduler  # DeepSpeed's own files hold it too; the offline tools (reshard) read it here
+        state = {"module": weights, **client, "zero3_gathered": True, "global_steps": engine.global_steps,
+                 "dp_world_size": engine.dp_world_size,
+                 "lr_scheduler": sched.state_dict() if sched is not None else None}
+        torch.save(state, folder / GATHERED_WEIGHTS)
+
+
 def _tokenizer_spec(tokenizer: Tokenizer, run_dir: Path, is_rank0: bool) -> dict:
     """Tokenizer files copied into RUN_DIR/tokenizer so a run directory is self-contained; the
     returned spec names them relative to RUN_DIR."""
@@ -193,6 +252,8 @@ def save(engine: DeepSpeedEngine, model: torch.nn.Module, state: TrainState, ps:
             catalog.begin_save(run_dir, tag)  # the .saving marker, before any rank writes a byte
         dist.barrier()
         engine.save_checkpoint(str(root), tag=tag, client_state=client, save_latest=False)
+        if partitions_weights(engine):
+            _write_gathered_weights(engine, model, client, root / tag)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per host: its page cache holds what its ranks wrote
             catalog.sync_folder(root / tag)
         dist.barrier()  # every rank's files are written and durable

@@ -29,38 +29,16 @@ from megatron_ds_suite.core.config import (
 from megatron_ds_suite.core.config_yaml import apply_overrides, overrides_to_dict, read_yaml
 from megatron_ds_suite.core.errors import ConfigError
 
-# the model section's types: Config's annotations name them, and build_dataclass resolves those names in this
-# module's namespace (a genuine use, not a re-export for callers: they import from training.models.config)
+# the model and parallel sections' types: Config's annotations name them, and build_dataclass resolves those names
+# in this module's namespace (a genuine use, not a re-export for callers: they import from training.models.config
+# and training.parallel_config)
 from training.models.config import OLD_RECOMPUTE_KEY, ModelConfig, validate_model_options, validate_shape
+from training.parallel_config import ParallelConfig, validate_pipeline_schedule, validate_zero
 
 
 # --------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------
-@dataclass
-class ParallelConfig(Freezable):
-    tensor: int = 1
-    """Tensor-parallel degree (ranks that split every layer)."""
-    pipeline: int = 1
-    """Pipeline-parallel degree (DeepSpeed PipelineModule: ``training.models.gpt2_pipe``, ``training.models.bert_pipe``)."""
-    pipeline_schedule: Literal["1f1b", "interleaved", "dualpipev"] = "1f1b"
-    """Pipeline schedule (docs/pipeline.md): '1f1b' DeepSpeed's PipeDream-Flush, 'interleaved' Megatron's
-    interleaved 1F1B over parallel.virtual_pipeline chunks per rank (bubble (p-1)/(v m)), 'dualpipev' DeepSpeed's
-    DualPipeV (two stages per rank, at least 2 x pipeline micro-batches)."""
-    virtual_pipeline: int = 1
-    """Model chunks per pipeline rank (Megatron's virtual pipeline size v, 'interleaved' only): the layers cut into
-    pipeline x v equal groups, rank r holding groups r, r+p, ..., r+(v-1)p."""
-    zero_stage: int = 0
-    """DeepSpeed ZeRO stage: 0 = off, 1 = optimizer states sharded across DP ranks, 2 = gradients too (with TP,
-    sequence parallelism and DP; not with pipeline parallelism, whose DeepSpeed engine runs stages 0-1 only).
-    Stages 1-2 run DeepSpeed's own ZeRO optimizer step; stage 3 is not offered yet."""
-    sequence_parallel: bool = False
-    """Megatron's sequence parallelism (Korthikanti et al. 2022), TP > 1 only: norms, dropout and residuals run
-    on a 1/tensor chunk of the sequence, the TP all-reduces become all-gather / reduce-scatter pairs; same
-    weights and numerics, activations per layer sbh/t (34 + 5as/h) instead of sbh (10 + 24/t + 5as/(ht)) (docs/
-    llama.md). model.seq_length must be a multiple of parallel.tensor."""
-
-
 @dataclass
 class PrecisionConfig(Freezable):
     dtype: Literal["auto", "fp16", "bf16", "fp32"] = "auto"
@@ -273,7 +251,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return cfg
 
 
-
 def read_old_keys(data: dict[str, Any], newest: bool = False) -> dict[str, Any]:
     """``data`` with the old ``model.activation_checkpointing`` read into ``model.recompute``. In one source
     (a file, a saved config) the two must agree; ``newest``: the old key was the last one set (a command-line
@@ -355,12 +332,8 @@ def validate_static(cfg: Config) -> None:  # noqa: C901
     validate_shape(m.shape(), p.tensor, p.pipeline, p.sequence_parallel)  # the planner's rules too
     validate_model_options(m)
     validate_document_options(cfg)
-    if p.zero_stage not in (0, 1, 2):
-        raise ConfigError(f"parallel.zero_stage={p.zero_stage}: 0, 1 or 2 (ZeRO-3 is not offered yet)")
-    if p.zero_stage >= 2 and p.pipeline > 1:
-        raise ConfigError(f"parallel.zero_stage={p.zero_stage} with parallel.pipeline={p.pipeline}: DeepSpeed's pipeline "
-                          f"engine runs ZeRO stage 0 or 1 only; set parallel.zero_stage=1 or parallel.pipeline=1")
-    validate_pipeline_schedule(cfg)
+    validate_zero(p)
+    validate_pipeline_schedule(p, m)
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optimizer: need 0 <= min_lr <= lr and lr > 0 (got lr={o.lr}, min_lr={o.min_lr})")
     decay = o.decay_iters if o.decay_iters is not None else t.iters
@@ -395,53 +368,6 @@ def validate_static(cfg: Config) -> None:  # noqa: C901
     if parts[0] == 0 and cfg.train.iters > 0:
         raise ConfigError(f"data.split={cfg.data.split!r} gives the training set no documents: make its first "
                           f"number positive, e.g. '969,30,1'")
-
-
-def validate_pipeline_schedule(cfg: Config) -> None:
-    """The schedule's own rules (docs/pipeline.md), each refusal one line: interleaving needs PP >= 2, v >= 2
-    dividing each rank's layers and micro-batches (gradient accumulation steps) in multiples of PP (Megatron-LM
-    2021); DualPipeV two stages per rank and at least 2 x PP micro-batches; neither runs ZeRO-1 or BERT yet."""
-    p, m = cfg.parallel, cfg.model
-    sched, v, pp = p.pipeline_schedule, p.virtual_pipeline, p.pipeline
-    if v < 1:
-        raise ConfigError(f"parallel.virtual_pipeline must be >= 1, got {v}")
-    if sched != "interleaved" and v != 1:
-        raise ConfigError(f"parallel.virtual_pipeline={v} needs parallel.pipeline_schedule=interleaved (got "
-                          f"{sched}): set the schedule, or parallel.virtual_pipeline=1")
-    if sched == "1f1b":
-        return
-    if pp < 2:
-        raise ConfigError(f"parallel.pipeline_schedule={sched} needs parallel.pipeline >= 2 (got {pp}): set "
-                          f"parallel.pipeline, or parallel.pipeline_schedule=1f1b")
-    if sched == "interleaved" and v < 2:
-        raise ConfigError("parallel.pipeline_schedule=interleaved needs parallel.virtual_pipeline >= 2 (one chunk "
-                          "per rank is 1f1b): set parallel.virtual_pipeline=2 or parallel.pipeline_schedule=1f1b")
-    stages = pp * (2 if sched == "dualpipev" else v)
-    if m.num_layers % stages:
-        raise ConfigError(f"model.num_layers={m.num_layers} does not split into {stages} equal groups (parallel."
-                          f"pipeline={pp} x {'2 stages per rank' if sched == 'dualpipev' else f'virtual_pipeline={v}'}"
-                          f"): choose a layer count that is a multiple of {stages}")
-    if m.arch == "bert":
-        raise ConfigError(f"parallel.pipeline_schedule={sched} with model.arch=bert: the new schedules build GPT "
-                          f"stages only; set parallel.pipeline_schedule=1f1b")
-    if p.zero_stage != 0:
-        raise ConfigError(f"parallel.pipeline_schedule={sched} with parallel.zero_stage={p.zero_stage}: only "
-                          f"ZeRO-0 is supported with this schedule; set parallel.zero_stage=0 or the schedule 1f1b")
-
-
-def check_micro_batches(cfg: Config, micro_batches: int) -> None:
-    """The schedule's rule on the micro-batches per step (gradient accumulation steps, known once DP is):
-    interleaved needs a multiple of parallel.pipeline (Megatron-LM 2021), DualPipeV at least 2 x pipeline."""
-    p = cfg.parallel
-    sched, pp = p.pipeline_schedule, p.pipeline
-    if sched == "interleaved" and micro_batches % pp:
-        raise ConfigError(f"parallel.pipeline_schedule=interleaved needs micro-batches per step (train."
-                          f"global_batch_size / (micro_batch_size x DP) = {micro_batches}) to be a multiple of "
-                          f"parallel.pipeline={pp}: change train.global_batch_size")
-    if sched == "dualpipev" and micro_batches < 2 * pp:
-        raise ConfigError(f"parallel.pipeline_schedule=dualpipev needs at least 2 x parallel.pipeline = {2 * pp} "
-                          f"micro-batches per step (train.global_batch_size / (micro_batch_size x DP) = "
-                          f"{micro_batches}): raise train.global_batch_size")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ import os
 from dataclasses import dataclass
 
 from megatron_ds_suite.core.errors import ConfigError
-from training.config import Config, check_micro_batches, grad_accumulation
+from training.config import Config, grad_accumulation
 from training.models.config import padded_vocab_size
+from training.parallel_config import check_micro_batches
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -
                  padded_vocab=padded, sequence_parallel=cfg.parallel.sequence_parallel,
                  virtual_pipeline=virtual_chunks(cfg))
     lay.check()
-    check_micro_batches(cfg, lay.grad_accumulation)  # the pipeline schedule's rule on m
+    check_micro_batches(cfg.parallel, lay.grad_accumulation)  # the pipeline schedule's rule on m
     return lay
 
 

@@ -39,6 +39,10 @@ OWNERS: dict[str, str] = {
     "gradient_accumulation_steps": "train.global_batch_size (= micro x grad-accum x DP)",
     "gradient_clipping": "optimizer.clip_grad",
     "zero_optimization.stage": "parallel.zero_stage",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "parallel.zero_stage (on at stage 3: the model "
+                                                                   "file of a checkpoint holds whole weights)",
+    "zero_optimization.offload_optimizer": "parallel.offload_optimizer",
+    "zero_force_ds_cpu_optimizer": "parallel.offload_optimizer (the client AdamW runs the offloaded step)",
     "zero_allow_untested_optimizer": "optimizer (the client AdamW is always used)",
     "optimizer": "optimizer (the client AdamW is always used)",
     "scheduler": "optimizer (warmup/decay: the client LR schedule)",

@@ -49,8 +49,9 @@ logger = logging.getLogger("training")
 
 def count_parameters(model: torch.nn.Module, ps: ParallelState) -> int:
     """Parameters of the whole model over all TP and PP ranks, tied copies counted once (a collective
-    under PP: the count is summed over the stages on the model's device, as NCCL requires)."""
-    n = sum(p.numel() * (ps.dims.tp if getattr(p, "tensor_model_parallel", False) else 1)
+    under PP: the count is summed over the stages on the model's device, as NCCL requires). A ZeRO-3 parameter
+    counts its whole size (``ds_numel``), not its local partition (shape 0 outside a gather)."""
+    n = sum(getattr(p, "ds_numel", p.numel()) * (ps.dims.tp if getattr(p, "tensor_model_parallel", False) else 1)
             for p in model.parameters() if not getattr(p, "ds_pipe_replicated", False))
     t = torch.tensor(n, dtype=torch.int64, device=tdev.module_device(model))
     if ps.dims.pp > 1:

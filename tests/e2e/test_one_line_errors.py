@@ -220,9 +220,10 @@ def test_latest_and_run_files_are_world_readable(tmp_path):
 def test_evaluation_on_a_bad_checkpoint_folder_is_one_line(tmp_path, capsys, damage):
     """``python -m evaluation`` given a folder that is not a complete training run: one line, exit 2."""
     from evaluation.cli import main
-    from training.config import Config, ParallelConfig
+    from training.config import Config
     from training.models.config import ModelConfig, padded_vocab_size
     from training.models.gpt2 import GPTModel
+    from training.parallel_config import ParallelConfig
     from training.tools.import_hf import write_checkpoint
 
     spec = {"kind": "gpt2_bpe", "vocab_file": str((GPT2 / "gpt2-vocab.json").resolve()),

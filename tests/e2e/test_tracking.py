@@ -253,7 +253,8 @@ def test_unreachable_wandb_server_falls_back_to_offline(tmp_path, monkeypatch, c
     ("deepspeed.wall_clock_breakdwn=true", "deepspeed.wall_clock_breakdwn", "'wall_clock_breakdown'"),
     ("deepspeed.zero_optimization.overlap_com=true", "deepspeed.zero_optimization.overlap_com", "'overlap_comm'"),
     ("deepspeed.flops_profiler.profile_stp=3", "deepspeed.flops_profiler.profile_stp", "'profile_step'"),
-    ("deepspeed.zero_optimization.offload_optimizer.devic=cpu", "deepspeed.zero_optimization.offload_optimizer.devic",
+    # (zero_optimization.offload_optimizer is owned by parallel.offload_optimizer now: refused naming it)
+    ("deepspeed.zero_optimization.offload_param.devic=cpu", "deepspeed.zero_optimization.offload_param.devic",
      "'device'"),
 ])
 def test_passthrough_refuses_a_key_deepspeed_does_not_know(override, key, hint):

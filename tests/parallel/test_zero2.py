@@ -85,5 +85,5 @@ def test_zero2_with_pipeline_parallelism_is_one_line():
                                           r"engine runs ZeRO stage 0 or 1 only; set") as e:
         load_config(ROOT / "configs" / "gpt2_tiny.yaml", ["parallel.zero_stage=2", "parallel.pipeline=2"])
     assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match=r"^parallel.zero_stage=3: 0, 1 or 2"):
+    with pytest.raises(ConfigError, match=r"^parallel.zero_stage=3 with parallel.tensor=2: ZeRO-3 runs here with TP=1"):
         load_config(ROOT / "configs" / "gpt2_tiny.yaml", ["parallel.zero_stage=3"])

@@ -7,10 +7,11 @@ import pytest
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from megatron_ds_suite.core.errors import ConfigError
-from training.config import Config, check_micro_batches, validate_static
+from training.config import Config, validate_static
 from training.ds_json import deepspeed_config
 from training.layout import Layout
 from training.optim.pipe_interleaved import InterleavedSchedule
+from training.parallel_config import check_micro_batches
 from training.plan.memory import micro_batches_in_flight, stage_activation_bytes
 from training.plan.presets import preset_shape
 from training.plan.timing import TimeModel, comm, step_time
@@ -50,12 +51,12 @@ def test_micro_batch_rules():
     dual = _cfg(pipeline=2, pipeline_schedule="dualpipev")
     validate_static(inter)
     validate_static(dual)
-    check_micro_batches(inter, 4)
-    check_micro_batches(dual, 4)
+    check_micro_batches(inter.parallel, 4)
+    check_micro_batches(dual.parallel, 4)
     with pytest.raises(ConfigError, match="multiple of parallel.pipeline=2"):
-        check_micro_batches(inter, 3)
+        check_micro_batches(inter.parallel, 3)
     with pytest.raises(ConfigError, match="at least 2 x parallel.pipeline = 4"):
-        check_micro_batches(dual, 3)
+        check_micro_batches(dual.parallel, 3)
     inter.train.micro_batch_size, inter.train.global_batch_size = 2, 6  # 3 micro-batches at DP=1
     with pytest.raises(ConfigError, match="multiple of"):
         deepspeed_config(inter, 1, "fp32")

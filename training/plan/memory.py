@@ -2,7 +2,10 @@
 
 Weights/gradients/optimizer: fp16/bf16 mixed precision 2 + 2 + 12 bytes per parameter (fp32 master, m,
 v), fp32 training 4 + 4 + 8; ZeRO-1 divides the optimizer part by DP, where DeepSpeed's ZeRO optimizer
-keeps an fp32 copy of the weights in fp32 training too (12 bytes per parameter in every dtype).
+keeps an fp32 copy of the weights in fp32 training too (12 bytes per parameter in every dtype). ZeRO-2 divides
+the gradients as well and ZeRO-3 the weights (:func:`zero_state_bytes`, the ZeRO paper's table: with Psi one TP
+rank's parameters and Nd the DP degree, 2 Psi + 2 Psi + K Psi / Nd at stage 1, 2 Psi + (2 + K) Psi / Nd at stage 2,
+(2 + 2 + K) Psi / Nd at stage 3); ZeRO-Offload moves the optimizer part to host memory.
 Activations per Korthikanti et al. 2022 without recomputation, with selective recomputation (the attention
 core) and with full activation checkpointing, with and without sequence
 parallelism, at the peak of a 1F1B schedule.
@@ -21,6 +24,51 @@ ZERO_OPTIMIZER_BYTES_PER_PARAM = 12
 ``DeepSpeedZeroOptimizer`` keeps an fp32 copy of its partition of the weights even in fp32 training
 (``single_partition_of_fp32_groups``) next to Adam's m and v, so 4 + 4 + 4 (measured in
 ``tests/parallel/test_plan_measured.py``; DeepSpeed's alignment padding of the partitions is not counted)."""
+
+
+@dataclass(frozen=True)
+class ZeroState:
+    """Bytes of one rank's model state under a ZeRO stage: on the device (weights, gradients, optimizer states)
+    and in host memory (the optimizer states ZeRO-Offload moves there)."""
+
+    stage: int
+    params: float
+    grads: float
+    optimizer: float
+    host_optimizer: float = 0.0
+
+    @property
+    def device(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def zero_state_bytes(n: float, dtype: str, dp: int, stage: int, offload: bool = False) -> ZeroState:
+    """The ZeRO paper's per-rank model state (Rajbhandari et al. 2020, Table 1) for ``n`` parameters on this rank
+    (one TP rank's share, of the most loaded stage under PP) over ``dp`` data-parallel ranks:
+
+    ======  ==========================================  ==========================
+    stage   weights + gradients + optimizer states      divided by Nd
+    ======  ==========================================  ==========================
+    0       w n + g n + o n                             nothing
+    1       w n + g n + 12 n / Nd                       optimizer states
+    2       w n + (g + 12) n / Nd                       and gradients
+    3       (w + g + 12) n / Nd                         and weights
+    ======  ==========================================  ==========================
+
+    (w, g, o) = :func:`state_bytes_per_param` (2, 2, 12 mixed precision; 4, 4, 8 fp32); ZeRO's optimizer keeps an
+    fp32 partition of the weights in every dtype, so 12 bytes (:data:`ZERO_OPTIMIZER_BYTES_PER_PARAM`) from stage
+    1 on (ZeRO-3 too, measured in fp32 on CPU in ``tests/parallel/test_plan_zero.py``: its fp32 partitions are a
+    copy beside the weight partitions). ``offload`` (stages 2-3): the optimizer part in host memory instead. Not counted: DeepSpeed's reduce and
+    all-gather buckets (``reduce_bucket_size``, ``stage3_prefetch_bucket_size``), ZeRO-3's gathered layer during
+    its forward and backward, the partitions' alignment padding, and ZeRO-3's persistent small parameters
+    (``stage3_param_persistence_threshold``: kept whole on every rank)."""
+    wb, gb, ob = state_bytes_per_param(dtype)
+    opt = float(ob * n) if stage == 0 else ZERO_OPTIMIZER_BYTES_PER_PARAM * n / dp
+    grads = gb * n / (dp if stage >= 2 else 1)
+    params = wb * n / (dp if stage >= 3 else 1)
+    if offload:
+        return ZeroState(stage, params, grads, 0.0, opt)
+    return ZeroState(stage, params, grads, opt)
 
 
 def state_bytes_per_param(dtype: str) -> tuple[int, int, int]:
@@ -91,6 +139,16 @@ class Memory:
     activations_selective: float
     """Activations with selective recomputation (``model.recompute: selective``; = ``activations`` when the
     attention core keeps no scores)."""
+    zero: ZeroState | None = None
+    """The model state at the run's ZeRO stage and offload (:func:`zero_state_bytes`; None: stage 0 or 1 as
+    ``total``'s ``zero1`` says)."""
+
+    def total_at_stage(self, recompute: str) -> float:
+        """Device bytes at the run's ZeRO stage (``zero``) with ``recompute`` 'none', 'selective' or 'full'."""
+        if self.zero is None:
+            return self.total_for(False, recompute)
+        act = {"none": self.activations, "selective": self.activations_selective, "full": self.activations_ckpt}
+        return self.zero.device + act[recompute]
 
     def total(self, zero1: bool, ckpt: bool) -> float:
         return self.total_for(zero1, "full" if ckpt else "none")
@@ -147,9 +205,10 @@ def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: boo
 
 
 def memory(shape: ModelShape, lay: Layout, dtype: str = "fp16", scores_stored: bool = True,
-           cpu: bool = False) -> Memory:
+           cpu: bool = False, zero_stage: int = 0, offload: bool = False) -> Memory:
     """Per-device memory of the most loaded stage (max over stages of each total); activations in the
-    bytes ``dtype`` stores them (``cpu``: fp32 dropout masks, :func:`activation_element_bytes`)."""
+    bytes ``dtype`` stores them (``cpu``: fp32 dropout masks, :func:`activation_element_bytes`); ``zero`` the model
+    state at ``zero_stage`` (with ``offload``)."""
     wb, gb, ob = state_bytes_per_param(dtype)
     e, k = activation_element_bytes(dtype, cpu)
     params = stage_params(shape, lay.tp, lay.pp)
@@ -159,7 +218,8 @@ def memory(shape: ModelShape, lay: Layout, dtype: str = "fp16", scores_stored: b
                    activations=stage_activation_bytes(shape, lay, i, False, scores_stored, e, k),
                    activations_ckpt=stage_activation_bytes(shape, lay, i, True, scores_stored, e, k),
                    activations_selective=stage_activation_bytes(shape, lay, i, False, scores_stored, e, k,
-                                                                selective=True))
+                                                                selective=True),
+                   zero=zero_state_bytes(n, dtype, lay.dp, zero_stage, offload))
         if best is None or m.total(False, False) > best.total(False, False):
             best = m
     assert best is not None

@@ -51,13 +51,16 @@ class RecomputeChoice:
 
 
 def choose_recompute(shape: ModelShape, lay: Layout, dtype: str, device_gib: float, zero1: bool = False,
-                     scores_stored: bool = True, cpu: bool = False) -> RecomputeChoice:
+                     scores_stored: bool = True, cpu: bool = False, zero_stage: int = 0,
+                     offload: bool = False) -> RecomputeChoice:
     """None when the run fits ``HEADROOM`` of ``device_gib`` without recomputation, else selective when the
-    attention core keeps its scores (``scores_stored``) and that fits, else full."""
-    mem = memory(shape, lay, dtype, scores_stored, cpu=cpu)
+    attention core keeps its scores (``scores_stored``) and that fits, else full. The model state is the ZeRO
+    paper's at ``zero_stage`` (at least 1 with ``zero1``), the optimizer part off the device with ``offload``."""
+    stage = max(zero_stage, 1 if zero1 else 0)
+    mem = memory(shape, lay, dtype, scores_stored, cpu=cpu, zero_stage=stage, offload=offload)
     budget = HEADROOM * device_gib
-    without, with_ = mem.total(zero1, False) / GIB, mem.total(zero1, True) / GIB
-    selective = mem.total_for(zero1, "selective") / GIB if scores_stored else None
+    without, with_ = mem.total_at_stage("none") / GIB, mem.total_at_stage("full") / GIB
+    selective = mem.total_at_stage("selective") / GIB if scores_stored else None
     if without <= budget:
         mode = "none"
     elif selective is not None and selective <= budget:
@@ -80,5 +83,6 @@ def resolve(cfg, dp: int, dtype: str, device_gib: float, on_gpu: bool) -> Recomp
                  global_batch=cfg.train.global_batch_size, sequence_parallel=cfg.parallel.sequence_parallel,
                  virtual_pipeline=virtual_chunks(cfg))
     scores_stored = not on_gpu or m.apply_query_key_layer_scaling or m.attention_softmax_in_fp32
-    return choose_recompute(shape, lay, dtype, device_gib, zero1=cfg.parallel.zero_stage >= 1,
-                            scores_stored=scores_stored, cpu=not on_gpu)
+    return choose_recompute(shape, lay, dtype, device_gib, zero_stage=cfg.parallel.zero_stage,
+                            offload=cfg.parallel.offload_optimizer != "none", scores_stored=scores_stored,
+                            cpu=not on_gpu)

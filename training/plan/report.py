@@ -59,6 +59,22 @@ def _selective_line(shape: ModelShape, lay: Layout, mem: Memory, scores_stored: 
             f"recomputes {extra:.4g} FLOPs per step (+{extra / base:.2%}; full: +{full / base:.2%})")
 
 
+def _zero_table(shape: ModelShape, lay: Layout, dtype: str, scores_stored: bool, cpu: bool) -> list[str]:
+    """Per-rank model state for ZeRO stages 0-3 and ZeRO-Offload at this layout's DP degree (the ZeRO paper's
+    formulas, :func:`training.plan.memory.zero_state_bytes`), GiB, with the activations without recomputation."""
+    rows = [f"model state per rank by ZeRO stage, GiB (DP={lay.dp}; parallel.zero_stage, parallel.offload_optimizer):",
+            f"  {'':28s}{'weights':>10s}{'grads':>10s}{'optimizer':>10s}{'host':>10s}{'device':>10s}"]
+    for stage, offload in ((0, False), (1, False), (2, False), (3, False), (2, True), (3, True)):
+        m = memory(shape, lay, dtype, scores_stored, cpu=cpu, zero_stage=stage, offload=offload)
+        z = m.zero
+        assert z is not None
+        label = f"ZeRO-{stage}" + (" + offload cpu" if offload else "")
+        rows.append(f"  {label:28s}{_gib(z.params):>10s}{_gib(z.grads):>10s}{_gib(z.optimizer):>10s}"
+                    f"{_gib(z.host_optimizer):>10s}{_gib(m.total_at_stage('none')):>10s}")
+    rows.append("  (device = weights + gradients + optimizer states + activations without recomputation)")
+    return rows
+
+
 def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dtype: str,
                 scores_stored: bool = True) -> str:
     """The CLI report as text (tables)."""
@@ -102,6 +118,7 @@ def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dty
         out.append(f"  {label:28s}{_gib(vals[0]) + fits[0]:>12s}{_gib(vals[1]) + fits[1]:>12s}")
     if over:
         out.append(f"  (! = exceeds the {hw.memory_gb:g} GiB of one {hw.name})")
+    out.extend(_zero_table(shape, lay, dtype, scores_stored, hw.name == "cpu"))
     out.append(_selective_line(shape, lay, mem, scores_stored))
     if hw.memory_gb > 0:
         choice = choose_recompute(shape, lay, dtype, hw.memory_gb, scores_stored=scores_stored, cpu=hw.name == "cpu")

@@ -41,8 +41,9 @@ from megatron_ds_suite.core.program import prog as program
 from training import checkpoint as ckpt
 from training import safe_load
 from training.checkpoint_reader import checkpoint_dir, load_merged_state_dict, model_files
-from training.config import check_micro_batches, config_from_dict, grad_accumulation, validate_static
+from training.config import config_from_dict, grad_accumulation, validate_static
 from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_vocab_rows, shard_tagged
+from training.parallel_config import check_micro_batches
 from training.runtime.run_lock import lock_existing_output, overlapping_input
 from training.runtime.spawn import run_distributed
 from training.tools import reshard_optim
@@ -101,7 +102,7 @@ def _worker(rank, world, payload_path: str, out_dir: str):  # noqa: C901
             t = resize_vocab_rows(t, desc.padded_vocab)
         return shard_tagged(t, payload["partition"].get(name), tp_rank, tp)
 
-    with torch.no_grad():
+    with torch.no_grad(), ckpt.gathered_for_write(list(params.values())):  # ZeRO-3: whole while written
         for pname, p in params.items():
             name = names[pname]
             p.copy_(local(payload["weights"][name], name).to(p.dtype))
@@ -162,7 +163,7 @@ def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | N
     if dp < 1:
         raise ConfigError(f"--dp must be >= 1, got {dp}")
     try:
-        check_micro_batches(cfg, grad_accumulation(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp))
+        check_micro_batches(cfg.parallel, grad_accumulation(cfg.train.global_batch_size, cfg.train.micro_batch_size, dp))
     except ConfigError as e:
         raise ConfigError(f"--dp {dp}: {e}") from None
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""fp32 master weights and Adam moments of fp16 and ZeRO-1 checkpoints, for ``training.tools.reshard``.
+"""fp32 master weights and Adam moments of fp16 and ZeRO-1/2/3 checkpoints, for ``training.tools.reshard``.
 
 An fp32 run without ZeRO keeps Adam's state per model parameter, which ``training.tools.reshard`` reads straight
 from the checkpoint files. fp16 runs keep fp32 *master* copies inside DeepSpeed's ``FP16_UnfusedOptimizer``
@@ -62,7 +62,18 @@ def _named(model: torch.nn.Module, pipeline_layers: PipeNames | None) -> list[tu
 def _is_zero(opt) -> bool:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    return isinstance(opt, DeepSpeedZeroOptimizer)
+    return isinstance(opt, DeepSpeedZeroOptimizer) or _is_zero3(opt)
+
+
+def _is_zero3(opt) -> bool:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    return isinstance(opt, DeepSpeedZeroOptimizer_Stage3)
+
+
+def _zero_flat_partitions(opt) -> list[torch.Tensor]:
+    """The fp32 flat partitions the torch optimizer's state is keyed by (ZeRO-1/2's and ZeRO-3's names)."""
+    return opt.fp32_partitioned_groups_flat if _is_zero3(opt) else opt.single_partition_of_fp32_groups
 
 
 def _unfused_masters(opt) -> dict[int, torch.Tensor] | None:
@@ -74,8 +85,10 @@ def _unfused_masters(opt) -> dict[int, torch.Tensor] | None:
 
 
 def _zero_link_state(opt) -> None:
-    """Make sure ZeRO's per-parameter views into the flat optimizer state exist (DeepSpeed links them only
-    after its first ``step()``)."""
+    """Make sure ZeRO-1/2's per-parameter views into the flat optimizer state exist (DeepSpeed links them only
+    after its first ``step()``; ZeRO-3 reads its flat partitions by offset and needs none)."""
+    if _is_zero3(opt):
+        return
     opt._hp_optimizer_states_linked = False
     opt._lazy_init_hp_params_optimizer_state()
 
@@ -90,7 +103,7 @@ def read_state(engine: DeepSpeedEngine, model: torch.nn.Module, pipeline_layers:
     out: dict[str, dict] = {}
     if _is_zero(opt):
         _zero_link_state(opt)
-        flat = opt.single_partition_of_fp32_groups[0]
+        flat = _zero_flat_partitions(opt)[0]
         step = opt.optimizer.state[flat].get("step")
         for name, p in _named(model, pipeline_layers):
             out[name] = {"master": safe_get_full_fp32_param(p).float().clone(), "step": step}
@@ -117,11 +130,12 @@ def write_state(engine: DeepSpeedEngine, model: torch.nn.Module, pipeline_layers
     opt = engine.optimizer
     named = _named(model, pipeline_layers)
     with torch.no_grad():
-        for name, p in named:
-            p.copy_(local[name]["master"].to(p.dtype))
+        with ckpt.gathered_for_write([p for _, p in named]):  # ZeRO-3: whole while written, then partitioned again
+            for name, p in named:
+                p.copy_(local[name]["master"].to(p.dtype))
         if _is_zero(opt):
             step = next(iter(local.values()))["step"]
-            for flat in opt.single_partition_of_fp32_groups:
+            for flat in _zero_flat_partitions(opt):
                 opt.optimizer.state[flat] = {
                     "step": _step_tensor(step, flat.device),
                     **{k: torch.zeros_like(flat) for k in KEYS}}
