@@ -88,3 +88,21 @@ def test_state_round_trip_and_a_lambda_lr_checkpoint():
 
     with pytest.raises(ValueError, match="count of applied updates"):
         fresh.load_state_dict({"base_lrs": [1e-3]})
+
+
+def test_the_rate_follows_the_optimizers_parameters():
+    """ZeRO-Offload hands the optimizer host partitions after the schedule was built: :meth:`install` moves the
+    table, the count and the rate to the parameters' device (here the same device: nothing is moved, the groups
+    point at the same rate) and keeps the count."""
+    cfg = CFGS[0]
+    _, opt = _fused_adamw()
+    sched = DeviceLRSchedule(opt, cfg, 24)
+    for _ in range(3):
+        sched.step()
+    rate = sched.lr
+    sched.install()
+    assert sched.lr is rate and all(g["lr"] is rate for g in opt.param_groups)
+    moved = nn.Parameter(torch.randn(8, dtype=torch.float64))
+    opt.param_groups[0]["params"] = [moved]  # what an offloading ZeRO optimizer does to the groups
+    sched.install()
+    assert float(sched.rate()) == lr_at(3, cfg, 24) and sched.table.dtype == torch.float64

@@ -363,6 +363,8 @@ def build_engine(model: torch.nn.Module, optimizer, scheduler, ds_config: dict, 
         args=None, model=model, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu, dist_init_required=False,
         config=ds_config, config_class=config_class)
     zero.partition_parameters.restore_init_context()
+    if isinstance(scheduler, DeviceLRSchedule):  # the rate where the optimizer's parameters are now (ZeRO-Offload)
+        scheduler.install()
     undo_initial_zero_step(engine.optimizer)  # fp16/bf16 at ZeRO-0: Adam starts at step 0, as in fp32
     if own_step:
         engine.owned_step = owned_step_for(engine, ps, pipe)

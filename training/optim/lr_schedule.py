@@ -68,20 +68,25 @@ class DeviceLRSchedule:
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, train_iters: int):
         self.optimizer = optimizer
-        device = optimizer.param_groups[0]["params"][0].device
         warm = cfg.warmup_iters
         decay_end = cfg.decay_iters if cfg.decay_iters is not None else train_iters
         last = max(warm, decay_end) + 1  # from here on the rate no longer changes (min_lr, or lr when constant)
-        self.table = torch.tensor([lr_at(n, cfg, train_iters) for n in range(last + 1)], dtype=torch.float64,
-                                  device=device).to(rate_dtype(device))
-        self.applied = torch.zeros((), dtype=torch.int64, device=device)
-        self.lr = torch.empty((), dtype=self.table.dtype, device=device)
-        self._refresh()
+        self.rates = torch.tensor([lr_at(n, cfg, train_iters) for n in range(last + 1)], dtype=torch.float64)
+        self.applied = torch.zeros((), dtype=torch.int64)
+        self.table = self.lr = None  # placed by install(), on the optimizer's device
         self.install()
 
     def install(self) -> None:
-        """Point every parameter group's ``lr`` at this schedule's rate (again after an optimizer's
-        ``load_state_dict`` replaced the groups' values with the checkpoint's)."""
+        """Point every parameter group's ``lr`` at this schedule's rate, on the device the optimizer's parameters
+        are on now: at construction, after the engine was built (ZeRO-Offload moved the optimizer onto host
+        partitions) and after an optimizer's ``load_state_dict`` replaced the groups' values with the
+        checkpoint's."""
+        device = self.optimizer.param_groups[0]["params"][0].device
+        if self.lr is None or self.lr.device != device:
+            self.table = self.rates.to(device, rate_dtype(device))
+            self.applied = self.applied.to(device)
+            self.lr = torch.empty((), dtype=self.table.dtype, device=device)
+            self._refresh()
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
 
