@@ -44,8 +44,6 @@ def setup_runtime(tp: int = 1, device: str | None = None) -> Runtime:
     tdev.set_local_device(dev)
     if world == 1 and tp == 1:
         return Runtime(None, DataParallel(), dev, True)
-    if world == 1:
-        raise EvalError(f"--tp {tp} needs {tp} processes: run under `deepspeed --num_gpus {tp} --module evaluation ...`")
     if not dist.is_initialized():
         init_distributed("nccl" if dev.type == "cuda" else "gloo")
         tdev.set_local_device(dev)  # init_distributed binds the launcher's device; --device wins

@@ -17,6 +17,7 @@ DeepSpeed JSON needs the first; this module builds on the config and the config 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 from megatron_ds_suite.core.errors import ConfigError
@@ -97,11 +98,24 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def entry_module() -> str | None:
+    """The module this process was started as (``python -m X``: X, without a package's ``.__main__``), or None."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    return name.removesuffix(".__main__") if name else None
+
+
 def data_parallel_size(world_size: int, tp: int, pp: int = 1, flags: bool = False) -> int:
     """DP = world / (TP x PP): the one check that ``world_size`` processes split into model-parallel groups (the
     run config's in :func:`derive_layout`, evaluation's ``--tp``). One-line ConfigError otherwise, naming the config
     keys or, with ``flags``, the command-line flags."""
     mp = tp * pp
+    if world_size == 1 and mp > 1:  # one plain process: the launcher is what is missing
+        needs = f"--tp {tp}" + (f" x --pp {pp}" if pp > 1 else "") if flags else f"TP x PP = {tp} x {pp}"
+        module = entry_module() or ("evaluation" if flags else "training.pretrain")
+        raise ConfigError(f"{needs} needs {mp} processes and this is one: run under the launcher, `deepspeed "
+                          f"--num_gpus {mp} --module {module} ...` (DS_ACCELERATOR=cpu on a CPU machine)"
+                          + ("" if flags else ", or set parallel.tensor=1 and parallel.pipeline=1"))
     if world_size % mp:
         if flags:
             degrees = f"--tp {tp}" + (f" x --pp {pp}" if pp > 1 else "")

@@ -164,6 +164,33 @@ def test_training_split_without_training_part(tmp_path):
     assert _one_line(res.stderr).startswith("config error: data.split='0,0,1' gives the training set no documents")
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_taken_port_or_a_missing_launcher_is_one_line(tmp_path, tp):
+    """One plain process: its rendezvous port held by another program is one line naming --master_port (was
+    torch's DistNetworkError traceback); with parallel.tensor=2 the missing launcher is named first, before any
+    port is tried."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        res = subprocess.run([sys.executable, "-m", "training.pretrain", "--config", "configs/gpt2_tiny.yaml",
+                              "optimizer.warmup_iters=0", "train.iters=1", f"parallel.tensor={tp}", f"run.dir={tmp_path}"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT), MASTER_PORT=str(port)))
+    assert res.returncode == 2, res.stderr
+    line = [x for x in res.stderr.splitlines() if x.startswith(("error:", "config error:"))]
+    assert len(line) == 1 and "Traceback" not in res.stderr, res.stderr
+    if tp == 1:
+        assert line[0] == (f"error: the rendezvous port 127.0.0.1:{port} is already in use (EADDRINUSE: another run "
+                           f"or service holds it): choose a free one with `deepspeed --master_port N` (MASTER_PORT=N "
+                           f"for one process)")
+    else:
+        assert line[0].startswith("config error: TP x PP = 2 x 1 needs 2 processes and this is one: run under the "
+                                  "launcher, `deepspeed --num_gpus 2 --module training.pretrain ...`")
+
+
 @needs_data
 @pytest.mark.parametrize("content,message", [(b"", "is empty"), (b"\x00\x01binary\xff", "is not UTF-8 text")])
 def test_training_text_file_empty_or_binary(tmp_path, content, message):

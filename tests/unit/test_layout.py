@@ -44,3 +44,16 @@ def test_sample_order_positions_by_hand():
     # DP 2 and DP 1 with twice the accumulation read the same samples in one step
     dp2 = sorted(p for rank in (0, 1) for r in micro_batch_positions(8, 2, 2, rank, 8) for p in r)
     assert dp2 == sorted(p for r in micro_batch_positions(8, 2, 1, 0, 8) for p in r) == list(range(8, 16))
+
+
+def test_one_process_for_a_model_parallel_run_names_the_launcher():
+    """Without the launcher (one process) a TP/PP run says what is missing: the launcher command, with the
+    process count, the module and (for the run config) the keys that make it fit one process."""
+    from training.layout import data_parallel_size
+
+    with pytest.raises(ConfigError, match=r"TP x PP = 2 x 1 needs 2 processes and this is one: run under the "
+                                          r"launcher, `deepspeed --num_gpus 2 --module \S+ \.\.\.` .*parallel.tensor=1"):
+        data_parallel_size(1, 2)
+    with pytest.raises(ConfigError, match=r"--tp 2 x --pp 2 needs 4 processes .*--num_gpus 4"):
+        data_parallel_size(1, 2, 2, flags=True)
+    assert data_parallel_size(1, 1) == 1 and data_parallel_size(4, 2) == 2

@@ -11,6 +11,12 @@ since every entry point passes here before it reads a checkpoint or builds an en
 """
 from __future__ import annotations
 
+from megatron_ds_suite.core.errors import SuiteError
+
+
+class PortInUse(SuiteError):
+    """The rendezvous port is taken: one line naming ``--master_port`` (exit 2, like other bad input)."""
+
 
 def init_distributed(backend: str | None = None) -> None:
     """Initialise torch.distributed through DeepSpeed's comm layer. Without the launcher (one plain
@@ -27,6 +33,7 @@ def init_distributed(backend: str | None = None) -> None:
         os.environ.setdefault(key, value)
     import deepspeed
     import deepspeed.ops
+    import torch.distributed
     from deepspeed.accelerator import get_accelerator
 
     from training.optim.engine import install_process_wide
@@ -39,7 +46,14 @@ def init_distributed(backend: str | None = None) -> None:
     from training.runtime.device import set_local_device
 
     set_local_device()
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    try:
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    except torch.distributed.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+            raise
+        raise PortInUse(f"the rendezvous port {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} is already in "
+                        f"use (EADDRINUSE: another run or service holds it): choose a free one with `deepspeed --master_port N` "
+                        f"(MASTER_PORT=N for one process)") from None
 
 
 def rank0_first(build):

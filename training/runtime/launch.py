@@ -67,7 +67,10 @@ def run_locked(run_dir: str | Path, body: Callable[[], int | None], *, hint: str
     from training.trainer import TrainingAborted  # here: evaluation imports this module for shutdown() alone
 
     with interrupt_signals() as hold_off:
-        init_distributed()
+        try:
+            init_distributed()
+        except SuiteError as e:  # the rendezvous port taken: one line on every rank that met it
+            return report_error(e)
         lock = None
         try:
             lock = run_lock.acquire_for_rank0(run_dir, dist.get_rank() == 0)
