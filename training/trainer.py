@@ -377,6 +377,10 @@ class Trainer:
         saves = self.task.periodic_checkpoints
         try:
             self.task.on_train_start(self.engine, writer)
+            if (cfg.model.compile or cfg.model.cuda_graph) and self.is_rank0 and self.iteration < cfg.train.iters:
+                logger.info("compiling the transformer layers (model.compile%s): the first step traces and compiles "
+                            "their forward and backward and takes much longer than the rest",
+                            ", CUDA graphs" if cfg.model.cuda_graph else "")
             stop = min(cfg.train.iters, cfg.train.exit_at or cfg.train.iters)
             self.restart_step_clock()
             while self.iteration < stop:

@@ -229,18 +229,31 @@ def test_compiled_layers_equal_eager_and_replay_dropout_under_recompute(extra, b
 
 
 def train_worker(rank, world, overrides):
+    import logging
     from pathlib import Path
 
     from training.config import load_config
     from training.resolve import resolve_run
     from training.trainer import Trainer
 
+    said = []  # the trainer's log lines about compiling (rank 0 says it once, before the first step)
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if "compiling" in record.getMessage():
+                said.append(record.getMessage())
+
+    handler = Collect(level=logging.INFO)
+    log = logging.getLogger("training")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     cfg = load_config(Path(ROOT_CONFIG).resolve(), overrides)
     trainer = Trainer(resolve_run(cfg))
     trainer.train()
+    log.removeHandler(handler)
     compiled = sum(1 for m in trainer.model.modules() if getattr(m, "_compiled_call_impl", None) is not None)
     lines = (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()
-    return compiled, [json.loads(x)["loss"] for x in lines if "event" not in json.loads(x)]
+    return compiled, [json.loads(x)["loss"] for x in lines if "event" not in json.loads(x)], said
 
 
 @needs_corpus
@@ -253,6 +266,8 @@ def test_trainer_with_compiled_layers_matches_eager(spm_model, tmp_path):
     comp = run_distributed(train_worker, 2, tiny_overrides(spm_model, tmp_path / "compiled", **common,
                                                         **{"model.compile": "true"}))
     assert [c[0] for c in comp] == [2, 2] and eager[0][0] == 0
+    assert len(comp[0][2]) == 1 and comp[1][2] == [] and eager[0][2] == []  # rank 0 says it is compiling, once
+    assert comp[0][2][0].startswith("compiling the transformer layers (model.compile): the first step")
     torch.testing.assert_close(torch.tensor(comp[0][1]), torch.tensor(eager[0][1]), rtol=1e-5, atol=1e-5)
 
 
