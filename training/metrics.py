@@ -43,7 +43,8 @@ def format_line(m: dict[str, Any], total_iters: int) -> str:
     return (f"iter {m['iteration']:>6d}/{total_iters}{samples}{ms} | lr {f(m['lr'], '.3e')} | loss {f(m['loss'], '.4f')} | "
             f"loss scale {f(m['loss_scale'], '.0f')} | grad norm {f(m['grad_norm'], '.3f')} | "
             f"skipped {m['skipped']} | tokens/s {f(m['tokens_per_s'], ',.0f')} | "
-            f"TFLOP/s/device {f(m['tflops_per_device'], '.3f')} | MFU {f(100 * m['mfu'] if m['mfu'] is not None else None, '.2f')}%")
+            f"TFLOP/s/device {f(m['tflops_per_device'], '.3f')} | MFU {f(100 * m['mfu'] if m['mfu'] is not None else None, '.2f')}%"
+            + (f" | mem {f(m['memory_gib'], '.2f')} GiB" if m.get("memory_gib") is not None else ""))
 
 
 def kept_metric_lines(path: Path, resume_iteration: int) -> list[str]:
@@ -106,8 +107,8 @@ class MetricsWriter:
         self.file.flush()
         self.samples = int(m.get("consumed_samples", self.samples))
         if self.monitor is not None and getattr(self.monitor, "enabled", False):
-            self.monitor.write_events([(f"train/{k}", m[k], self.samples) for k in KEYS
-                                       if isinstance(m[k], (int, float)) and not isinstance(m[k], bool)])
+            self.monitor.write_events([(f"train/{k}", m[k], self.samples) for k in (*KEYS, "memory_gib")
+                                       if isinstance(m.get(k), (int, float)) and not isinstance(m[k], bool)])
 
     def event(self, tag: str, values: dict[str, Any], iteration: int) -> None:
         """A non-step record (validation, the CPU peak, a RACE epoch) at ``iteration``; the monitor logs it at

@@ -296,7 +296,8 @@ class Trainer:
         self.restart_step_clock()
         tflops = self.flops_per_step / elapsed / self.world / 1e12
         m.update({"tokens_per_s": self.tokens_per_step / elapsed, "tflops_per_device": tflops,
-                  "mfu": tflops / self.peak if self.peak else None, "step_time_s": elapsed})
+                  "mfu": tflops / self.peak if self.peak else None, "step_time_s": elapsed,
+                  "memory_gib": tdev.peak_memory_gib(tdev.module_device(self.engine))})  # this rank's peak so far
         if self.pipe:
             m.update(self._pipeline_bubble())
         loss = m["loss"]

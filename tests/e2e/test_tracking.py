@@ -8,6 +8,7 @@ import io
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -207,6 +208,12 @@ def test_short_run_writes_wandb_offline_and_csv(tmp_path):
     assert {step: row["train/mfu"] for step, row in history.items() if "train/mfu" in row} == \
         pytest.approx({4 * it: v for it, v in mfu.items()})
     assert {row["train/iteration"] for row in history.values() if "train/iteration" in row} == {1, 2, 3}
+    # memory on every log line: the process's peak resident set on CPU (a GPU's allocated peak there), in GiB
+    memory = {4 * r["iteration"]: r["memory_gib"] for r in steps if "event" not in r}
+    assert all(0.1 < v < 64 for v in memory.values()) and list(memory.values()) == sorted(memory.values())
+    assert {step: row["train/memory_gib"] for step, row in history.items() if "train/memory_gib" in row} == \
+        pytest.approx(memory)
+    assert re.search(r"\| mem [0-9.]+ GiB", out.stdout + out.stderr)
     valid = [r for r in steps if r.get("event") == "valid"]
     assert valid and history[12]["valid/loss"] == pytest.approx(valid[-1]["loss"])
     assert {step: row["train/lr"] for step, row in history.items() if "train/lr" in row} == \

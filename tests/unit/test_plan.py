@@ -350,6 +350,20 @@ def test_cli_preset_and_config(tmp_path, capsys):
     assert "total 1,920 " in out and "h100-sxm" in out
 
 
+def test_cli_on_cpu_gives_each_rank_its_share_of_host_memory(capsys):
+    """--gpu cpu: the ranks are processes on this host, so each has the host's memory over the world size (the
+    planner said "device has 0" and judged nothing against it)."""
+    import re
+
+    from training.runtime.hardware import host_memory_gib
+
+    assert main(["--model", "gpt2-1.2b", "--gpu", "cpu", "--dtype", "fp32", "--dp", "2"]) == 0
+    out = capsys.readouterr().out
+    has = float(re.search(r"device has ([0-9.]+)\)", out).group(1))
+    assert has == pytest.approx(host_memory_gib() / 2, rel=1e-4) and has > 0
+    assert "model.recompute: auto -> " in out  # judged against that memory
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--model", "gpt2-8.3b", "--tp", "5"], "--tp 5 does not divide model.num_attention_heads=32"),
     (["--model", "gpt2-8.3b", "--pp", "80"], "--pp 80 exceeds model.num_layers=72"),

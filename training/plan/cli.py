@@ -20,7 +20,7 @@ from training.plan.layout import validate
 from training.plan.presets import PRESETS
 from training.plan.report import render_paper_comparison, render_plan
 from training.plan.timing import TimeModel
-from training.runtime.hardware import canonical_kind, get_hardware
+from training.runtime.hardware import canonical_kind, get_hardware, host_memory_gib
 
 DESCRIPTION = "Memory and speed planner for TP x PP x DP runs of our GPT-2 / BERT (``python -m training.plan``)."
 
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         if hw.name == "cpu":
             from training.runtime.hardware import peak_tflops
             measured = peak_tflops("cpu", dtype)
-            hw = dataclasses.replace(hw, peak_tflops={dtype: measured})
+            # every rank of a CPU run is a process on this host: each gets its share of the host's memory
+            hw = dataclasses.replace(hw, peak_tflops={dtype: measured}, memory_gb=host_memory_gib() / lay.world)
         print(render_plan(shape, lay, hw, tm, dtype, scores_stored=not args.flash_attention))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -81,3 +81,14 @@ def to_device(batch: T, device: torch.device | str) -> T:
 def host_to(values: Any, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
     """Python numbers (a list or a scalar) as a tensor on ``device``: the operand of a collective."""
     return torch.tensor(values, dtype=dtype, device=device)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """This process's peak memory so far, in GiB: what torch allocated on a CUDA device at most
+    (``max_memory_allocated``, a host-side counter: no device sync), or the process's peak resident set on the
+    CPU (``ru_maxrss``)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

@@ -203,4 +203,9 @@ def device_memory_gib(device) -> float:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory / 2**30
     local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / max(local, 1)
+    return host_memory_gib() / max(local, 1)
+
+
+def host_memory_gib() -> float:
+    """The host's physical memory in GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
