@@ -10,6 +10,9 @@ every step). The run config maps onto its config keys, next to TensorBoard:
 * ``run.wandb.*``       -> ``wandb``        (project, entity = DeepSpeed's ``team``, group); DeepSpeed calls
   ``wandb.init`` without a mode or directory, so those travel as WANDB_MODE / WANDB_DIR (:func:`wandb_env`):
   ``mode: offline`` writes the run under RUN_DIR/wandb with no network (``wandb sync`` uploads it later).
+  The W&B run id is kept in RUN_DIR/wandb_run_id (:func:`wandb_run_id`, passed as WANDB_RUN_ID with
+  WANDB_RESUME=allow), so a resumed run continues the same W&B run; the run config is recorded once the monitor
+  has started it (:func:`record_config`).
 
 The ``deepspeed:`` section of the YAML is merged into the derived JSON (``training.ds_json.deepspeed_config``)
 for options the run config does not model (``zero_optimization.overlap_comm``, ``communication_data_type``,
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.config_yaml import merge_dicts
 from megatron_ds_suite.core.errors import ConfigError
 from training.ds_schema import check_schema
@@ -155,7 +159,38 @@ def start(cfg) -> None:
                                "later with `wandb sync`", wandb_server(), why, env["WANDB_DIR"])
                 env["WANDB_MODE"] = "offline"
         Path(env["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)
+        if int(os.environ.get("RANK", "0")) == 0:  # DeepSpeed's monitor starts W&B on global rank 0 only
+            env.update(WANDB_RUN_ID=wandb_run_id(Path(cfg.run.dir)), WANDB_RESUME="allow")
         os.environ.update(env)
+
+
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The W&B run id of ``run_dir``: the one kept in RUN_DIR/wandb_run_id (so a resumed run continues the same W&B
+    run), or a new one written there."""
+    import uuid
+
+    path = run_dir / WANDB_ID_FILE
+    try:
+        kept = path.read_text(encoding="utf-8").strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        kept = ""
+    if kept.isalnum() and len(kept) <= 64:
+        return kept
+    new = uuid.uuid4().hex[:12]
+    atomic.write_text(path, new + "\n")
+    return new
+
+
+def record_config(cfg, is_rank0: bool) -> None:
+    """The run's configuration into the W&B run DeepSpeed's monitor started (``wandb.init`` there takes none)."""
+    if cfg.run.wandb.enabled and is_rank0:
+        import wandb
+
+        if wandb.run is not None:
+            wandb.run.config.update(cfg.to_dict(), allow_val_change=True)
 
 
 def finish(cfg, is_rank0: bool) -> None:

@@ -118,6 +118,7 @@ class Trainer:
         self.pipe = cfg.parallel.pipeline > 1
         # the engine with the project's optimizer step and every DeepSpeed adaptation (training/optim/engine.py)
         self.engine = build_engine(self.model, optimizer, scheduler, self.ds_config, self.ps)
+        tracking.record_config(cfg, self.is_rank0)
         self.gas = self.layout.grad_accumulation
         self.state = ckpt.TrainState()
         self.flops_per_step = flops_per_iteration(cfg, self.padded_vocab)  # GPT-2 or BERT count (model.arch)

@@ -127,16 +127,16 @@ def _corpus(tmp_path: Path) -> tuple[Path, dict]:
     return text, tok.spec()
 
 
-def wandb_history(path) -> dict[int, dict]:
-    """{step: {key: value}} of a W&B offline run file (``run-*.wandb``): LevelDB-log framing (a 7-byte header,
-    then 32 KiB blocks of records: crc32, length, type FULL/FIRST/MIDDLE/LAST) around ``Record`` protobufs."""
+def wandb_records(path):
+    """The ``Record`` protobufs of a W&B offline run file (``run-*.wandb``): LevelDB-log framing (a 7-byte header,
+    then 32 KiB blocks of records: crc32, length, type FULL/FIRST/MIDDLE/LAST)."""
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
 
     raw = path.read_bytes()
     assert raw[:4] == b":W&B", raw[:7]
-    data, block, pos, rows, parts = raw[7:], 32768, 0, {}, b""
+    data, block, pos, parts = raw[7:], 32768, 0, b""
     pos_in_block = 7
     while pos + 7 <= len(data):
         if block - pos_in_block < 7:  # block trailer
@@ -154,14 +154,34 @@ def wandb_history(path) -> dict[int, dict]:
             continue
         record = pb.Record()
         record.ParseFromString(parts)
+        yield record
+
+
+def wandb_history(path) -> dict[int, dict]:
+    """{step: {key: value}} of a W&B offline run file."""
+    rows = {}
+    for record in wandb_records(path):
         if record.HasField("history"):
-            step = record.history.step.num
-            row = rows.setdefault(step, {})
+            row = rows.setdefault(record.history.step.num, {})
             for item in record.history.item:
                 key = item.key or "/".join(item.nested_key)
                 if key and not key.startswith("_"):
                     row[key] = json.loads(item.value_json)
     return rows
+
+
+def wandb_run(path) -> tuple[str, dict]:
+    """(run id, {config key: value}) of a W&B offline run file."""
+    run_id, config = "", {}
+    for record in wandb_records(path):
+        if record.HasField("run"):
+            run_id = run_id or record.run.run_id
+        if record.HasField("config"):
+            for item in record.config.update:
+                key = item.key or "/".join(item.nested_key)
+                if key and not key.startswith("_"):
+                    config[key] = json.loads(item.value_json)
+    return run_id, config
 
 
 def test_short_run_writes_wandb_offline_and_csv(tmp_path):
@@ -222,6 +242,18 @@ def test_short_run_writes_wandb_offline_and_csv(tmp_path):
     assert not any(k.startswith("Train/Samples/") for row in history.values() for k in row)
     ds = json.loads((run_dir / "ds_config.json").read_text())
     assert ds["wandb"]["project"] == "ci" and ds["wall_clock_breakdown"] is False
+
+    # the run's configuration in W&B, and its id kept in the run directory: a resumed launch continues that run
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    first_id, config = wandb_run(data)
+    assert first_id == run_id and config["train"]["iters"] == 3 and config["parallel"]["tensor"] == 1
+    again = subprocess.run([sys.executable, "-m", "training.pretrain", "--config", str(TINY), *overrides,
+                            "train.iters=5"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:] + again.stdout[-3000:]
+    (later,) = [d for d in (run_dir / "wandb").glob("offline-run-*") if d != offline]
+    (data2,) = later.glob("run-*.wandb")
+    assert wandb_run(data2)[0] == run_id and later.name.endswith(run_id)
+    assert {step for step, row in wandb_history(data2).items() if "train/loss" in row} == {16, 20}
 
 
 def test_unreachable_wandb_server_falls_back_to_offline(tmp_path, monkeypatch, caplog):
