@@ -88,6 +88,10 @@ class ModelConfig(Freezable):
     untie_embeddings_and_output_weights: bool = False
     """False: the output layer is the word embedding (GPT-2). True: a separate vocab-parallel output
     weight [V, h] ``output_layer.weight`` (Llama). GPT only."""
+    mask_vocab_padding: bool = False
+    """True: the padding columns of the vocabulary (Megatron pads it to a multiple of
+    make_vocab_size_divisible_by x TP) are left out of the training softmax, so the loss does not depend on the TP
+    degree's padding (a reshard to another TP then keeps the loss). False (Megatron's): they stay in. GPT only."""
     add_bias_linear: bool = True
     """Biases in the attention (QKV, output projection) and MLP linears; false = none (Llama). The
     LayerNorm bias is not a linear's: ``normalization: rmsnorm`` has none."""
@@ -197,7 +201,8 @@ SWIGLU_MULTIPLE_OF = 256
 
 GPT_ONLY_DEFAULTS: dict[str, Any] = {"position_embedding": "learned", "rope_scaling": None, "normalization": "layernorm",
                                      "num_query_groups": None, "untie_embeddings_and_output_weights": False,
-                                     "add_bias_linear": True, "add_qkv_bias": False}
+                                     "add_bias_linear": True, "add_qkv_bias": False,
+                                     "mask_vocab_padding": False}
 """ModelConfig keys (and their defaults) that only the GPT model computes; BERT refuses other values
 (and ``activation: swiglu``)."""
 

@@ -139,7 +139,8 @@ class GPTModel(nn.Module):
             return logits
         # the logits are ours and unused after this (the linear's backward needs x and E, not its
         # output): the loss may overwrite them instead of allocating another [b, s, V/p] buffer
-        return vocab_parallel_cross_entropy(logits, labels, self.group, inplace=True)  # [b, s]
+        real = self.cfg.vocab_size if self.cfg.mask_vocab_padding else None  # padding out of the softmax
+        return vocab_parallel_cross_entropy(logits, labels, self.group, inplace=True, vocab_size=real)  # [b, s]
 
     def full_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits over the whole padded vocabulary [b, s, V] (gathers across TP; for evaluation)."""

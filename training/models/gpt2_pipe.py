@@ -118,7 +118,8 @@ def build_gpt2_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed
     group, sp = ps.tp_group, sequence_parallel
 
     def loss_fn(logits, labels):
-        return vocab_parallel_cross_entropy(logits, labels, group).mean()
+        real = cfg.vocab_size if cfg.mask_vocab_padding else None  # model.mask_vocab_padding
+        return vocab_parallel_cross_entropy(logits, labels, group, vocab_size=real).mean()
 
     final_norm = FinalRMSNorm if cfg.normalization == "rmsnorm" else FinalLayerNorm
     layers = [LayerSpec(TransformerLayer, cfg, group, seed, i, sequence_parallel=sp) for i in range(cfg.num_layers)]

@@ -26,18 +26,22 @@ from training.parallel.utils import vocab_range
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None,
-                inplace: bool) -> torch.Tensor:
+                inplace: bool, vocab_size: int | None) -> torch.Tensor:
         # logits [b, s, V/p] any float dtype; target [b, s] global ids
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()  # fp16/bf16 logits: the loss is computed in fp32, on our own copy
             inplace = True
+        v_local = logits.size(-1)
+        start, end = vocab_range(v_local * group_size(group), group_rank(group), group_size(group))
+        if vocab_size is not None and end > vocab_size:  # padding columns held here: out of the softmax
+            logits = logits if inplace else logits.clone()
+            inplace = True
+            logits[..., max(0, vocab_size - start):] = float("-inf")
         logits_max = logits.amax(dim=-1)                                    # [b, s]
         all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
         # a new tensor [b, s, V/p] unless the logits are ours to overwrite
         shifted = logits.sub_(logits_max.unsqueeze(-1)) if inplace else logits - logits_max.unsqueeze(-1)
 
-        v_local = shifted.size(-1)
-        start, end = vocab_range(v_local * group_size(group), group_rank(group), group_size(group))
         foreign = (target < start) | (target >= end)                        # [b, s]
         local_target = (target - start).masked_fill(foreign, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
@@ -54,22 +58,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         exp, sum_exp, foreign, local_target = ctx.saved_tensors
         # d loss / d logit = (exp / sum_exp - 1[target]) * grad_loss, the 1[target] only on the rank
         # owning the target; one pass over the saved buffer (backward runs once, so it is reused)
         grad = exp.mul_((grad_loss / sum_exp).unsqueeze(-1))
         own = (~foreign).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(own * grad_loss).unsqueeze(-1))
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None = None,
-                                 inplace: bool = False) -> torch.Tensor:
+                                 inplace: bool = False, vocab_size: int | None = None) -> torch.Tensor:
     """Per-token loss [b, s] from vocab-parallel logits [b, s, V/p] and global targets [b, s].
 
-    ``inplace=True``: the logits' memory is reused (their values are destroyed); see the module docstring."""
-    return _VocabParallelCrossEntropy.apply(logits, target, group, inplace)
+    ``inplace=True``: the logits' memory is reused (their values are destroyed); see the module docstring.
+    ``vocab_size``: the real vocabulary; the padding columns (global id >= ``vocab_size``) are left out of the
+    softmax (``model.mask_vocab_padding``: the loss then does not depend on how much padding the TP degree adds;
+    Megatron keeps them in, the default here too)."""
+    return _VocabParallelCrossEntropy.apply(logits, target, group, inplace, vocab_size)
 
 
 def vocab_parallel_token_scores(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, vocab_start: int = 0,
