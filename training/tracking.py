@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -170,8 +171,6 @@ WANDB_ID_FILE = "wandb_run_id"
 def wandb_run_id(run_dir: Path) -> str:
     """The W&B run id of ``run_dir``: the one kept in RUN_DIR/wandb_run_id (so a resumed run continues the same W&B
     run), or a new one written there."""
-    import uuid
-
     path = run_dir / WANDB_ID_FILE
     try:
         kept = path.read_text(encoding="utf-8").strip()
