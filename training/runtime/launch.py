@@ -96,7 +96,17 @@ def run_locked(run_dir: str | Path, body: Callable[[], int | None], *, hint: str
             shutdown()
 
 
+def _ignore(signum: int, frame: object) -> None:
+    """A Python handler that does nothing (not ``SIG_IGN``: CPython raises "Signal 15 ignored due to race condition"
+    in whatever runs next when a signal already pending finds its handler set to ``SIG_IGN``)."""
+
+
 def _interrupt(signum: int, frame: object) -> None:
+    # the first SIGINT/SIGTERM starts the teardown; the ones after it do nothing from here on (DeepSpeed's launcher
+    # sends SIGTERM right after the terminal's SIGINT: landing before run_locked's hold_off(), it raised a second
+    # KeyboardInterrupt inside the first one's handling, a traceback instead of the one line)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignore)
     raise KeyboardInterrupt
 
 
@@ -113,7 +123,7 @@ def interrupt_signals() -> Iterator[Callable[[], None]]:
 
     def hold_off() -> None:
         for sig in previous:
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, _ignore)
 
     for sig in previous:
         signal.signal(sig, _interrupt)
