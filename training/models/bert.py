@@ -42,7 +42,7 @@ from torch import nn
 from training.models.blocks import (
     TransformerLayer,
     activation,
-    dropout_on_shard,
+    embedding_dropout,
     mark_norm_sequence_parallel,
     normal_init,
 )
@@ -169,10 +169,7 @@ class BertModel(nn.Module):
             x = x + self.embedding.tokentype_embeddings(split_sequence(types, self.group) if sp else types)
         if self.embedding_ln is not None:
             x = self.embedding_ln(x)
-        if sp and self.training and self.cfg.hidden_dropout > 0.0:
-            x = dropout_on_shard(x, None, self.cfg.hidden_dropout, True)
-        else:
-            x = dropout(x, self.cfg.hidden_dropout, self.training)
+        x = embedding_dropout(x, self.cfg.hidden_dropout, self.training, sp)
         mask = attention_mask(padding_mask)
         for layer in self.layers:
             if self.cfg.recompute == "full" and self.training and torch.is_grad_enabled():

@@ -32,9 +32,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from training.models.bert import BertLayer, BertLMHead, attention_mask, bert_loss
-from training.models.blocks import dropout_on_shard, mark_norm_sequence_parallel, normal_init
+from training.models.blocks import embedding_dropout, mark_norm_sequence_parallel, normal_init
 from training.models.config import ModelConfig
-from training.models.ops import dropout
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.layers import VocabParallelEmbedding, mark_sequence_parallel
@@ -89,10 +88,7 @@ class BertEmbeddingPipe(nn.Module):
             x = x + self.tokentype_embeddings(split_sequence(types, self.group) if sp else types)
         if self.embedding_ln is not None:
             x = self.embedding_ln(x)
-        if sp and self.training and self.cfg.hidden_dropout > 0.0:
-            x = dropout_on_shard(x, None, self.cfg.hidden_dropout, True)
-        else:
-            x = dropout(x, self.cfg.hidden_dropout, self.training)
+        x = embedding_dropout(x, self.cfg.hidden_dropout, self.training, sp)
         return x, padding_mask, loss_mask
 
 

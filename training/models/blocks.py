@@ -110,6 +110,14 @@ def dropout_on_shard(x: torch.Tensor, residual: torch.Tensor | None, p: float, t
         return dropout(x, p, training) if residual is None else dropout_add(x, residual, p, training)
 
 
+def embedding_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
+    """The embedding's dropout: on a sequence-parallel chunk from the TP-local stream (:func:`dropout_on_shard`),
+    otherwise plain (every TP rank holds the same tokens and draws the same mask)."""
+    if sequence_parallel and training and p > 0.0:
+        return dropout_on_shard(x, None, p, True)
+    return dropout(x, p, training)
+
+
 NORMS = (nn.LayerNorm, RMSNorm)
 """Normalisation modules (their parameters are exempt from weight decay, ``training.optim.adamw``)."""
 

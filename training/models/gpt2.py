@@ -28,14 +28,13 @@ from torch import nn
 
 from training.models.blocks import (
     TransformerLayer,
-    dropout_on_shard,
+    embedding_dropout,
     mark_norm_sequence_parallel,
     norm,
     normal_init,
 )
 from training.models.config import ModelConfig
 from training.models.kv_cache import KVCache
-from training.models.ops import dropout
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
@@ -87,9 +86,7 @@ class GPTModel(nn.Module):
             if self.sequence_parallel:  # this chunk's positions; backward gathers the whole gradient on every rank
                 pos = scatter_to_sequence_parallel_region(pos, self.group, dim=pos.dim() - 2)
             x = x + pos
-        if self.sequence_parallel and self.training and self.cfg.hidden_dropout > 0.0:
-            return dropout_on_shard(x, None, self.cfg.hidden_dropout, True)
-        return dropout(x, self.cfg.hidden_dropout, self.training)
+        return embedding_dropout(x, self.cfg.hidden_dropout, self.training, self.sequence_parallel)
 
     def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                       cache: KVCache | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -26,13 +26,12 @@ from torch import nn
 from training.models.blocks import (
     RMSNorm,
     TransformerLayer,
-    dropout_on_shard,
+    embedding_dropout,
     mark_norm_sequence_parallel,
     normal_init,
 )
 from training.models.config import ModelConfig
 from training.models.gpt2 import output_layer
-from training.models.ops import dropout
 from training.models.pipe_chunks import InterleavedPipeModule
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -67,9 +66,7 @@ class EmbeddingPipe(nn.Module):
             if self.sequence_parallel:
                 pos = scatter_to_sequence_parallel_region(pos, self.group, dim=0)
             x = x + pos
-        if self.sequence_parallel and self.training and self.cfg.hidden_dropout > 0.0:
-            return dropout_on_shard(x, None, self.cfg.hidden_dropout, True)
-        return dropout(x, self.cfg.hidden_dropout, self.training)
+        return embedding_dropout(x, self.cfg.hidden_dropout, self.training, self.sequence_parallel)
 
 
 def output_logits(embedding: EmbeddingPipe, x: torch.Tensor) -> torch.Tensor:
