@@ -339,6 +339,12 @@ def grad_buffer_for(engine: Engine, bucket_size: int = DEFAULT_BUCKET_SIZE) -> G
     return buffer
 
 
+def optimizer_device(ds_config: dict, device: torch.device) -> torch.device:
+    """Where the optimizer steps: the host under ZeRO-Offload (``offload_optimizer.device: cpu``), else ``device``."""
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}
+    return torch.device("cpu") if offload.get("device") == "cpu" else torch.device(device)
+
+
 def build_engine(model: torch.nn.Module, optimizer, scheduler, ds_config: dict, ps: ParallelState | None = None, *,
                  own_step: bool = True, grad_buffer: bool | None = None,
                  bucket_size: int = DEFAULT_BUCKET_SIZE) -> Engine:
@@ -363,8 +369,8 @@ def build_engine(model: torch.nn.Module, optimizer, scheduler, ds_config: dict, 
         args=None, model=model, optimizer=optimizer, lr_scheduler=scheduler, mpu=mpu, dist_init_required=False,
         config=ds_config, config_class=config_class)
     zero.partition_parameters.restore_init_context()
-    if isinstance(scheduler, DeviceLRSchedule):  # the rate where the optimizer's parameters are now (ZeRO-Offload)
-        scheduler.install()
+    if isinstance(scheduler, DeviceLRSchedule):  # the rate where the optimizer steps (ZeRO-Offload: the host)
+        scheduler.install(optimizer_device(ds_config, engine.device))
     undo_initial_zero_step(engine.optimizer)  # fp16/bf16 at ZeRO-0: Adam starts at step 0, as in fp32
     if own_step:
         engine.owned_step = owned_step_for(engine, ps, pipe)

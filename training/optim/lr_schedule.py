@@ -76,12 +76,14 @@ class DeviceLRSchedule:
         self.table = self.lr = None  # placed by install(), on the optimizer's device
         self.install()
 
-    def install(self) -> None:
-        """Point every parameter group's ``lr`` at this schedule's rate, on the device the optimizer's parameters
-        are on now: at construction, after the engine was built (ZeRO-Offload moved the optimizer onto host
-        partitions) and after an optimizer's ``load_state_dict`` replaced the groups' values with the
-        checkpoint's."""
-        device = self.optimizer.param_groups[0]["params"][0].device
+    def install(self, device: torch.device | None = None) -> None:
+        """Point every parameter group's ``lr`` at this schedule's rate, on ``device`` (default: where the groups'
+        parameters are now, or where the rate already is when the groups hold none, as ZeRO-3's between its
+        sub-group steps): at construction, after the engine was built (ZeRO-Offload steps on host partitions) and
+        after an optimizer's ``load_state_dict`` replaced the groups' values with the checkpoint's."""
+        if device is None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            device = params[0].device if params else self.lr.device if self.lr is not None else torch.device("cpu")
         if self.lr is None or self.lr.device != device:
             self.table = self.rates.to(device, rate_dtype(device))
             self.applied = self.applied.to(device)
