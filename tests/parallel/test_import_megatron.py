@@ -9,7 +9,7 @@ Recipe (Megatron-Core from PyPI: ``megatron-core==0.16.1``, the ``test`` extra; 
    default) and ``F.gelu`` (BERT's LM head stays the exact GeLU, as in legacy Megatron). Every parameter gets
    seeded noise (biases and norms would otherwise be 0 / 1). Shims, CPU only: the attention's global memory
    buffer (allocated on ``torch.cuda.current_device()``) returns ``torch.empty`` on the CPU, and the model-parallel
-   RNG tracker's ``fork`` is a no-op (dropout is 0: no number is drawn); vocab-parallel logits are all-gathered
+   RNG tracker's ``fork`` is a no-op (dropout is 0: no number is drawn), RoPE's "current device" is the CPU; vocab-parallel logits are all-gathered
    here (Megatron's gather allocates on CUDA). Each rank returns its logits and its own state dict shards.
 2. Those shards are written in the legacy file layout of Megatron-LM's ``checkpointing.py`` and
    ``legacy/model`` (``{save}/iter_0000007/mp_rank_XX/model_optim_rng.pt`` + ``latest_checkpointed_iteration.txt``;
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import types
 import zlib
 from pathlib import Path
@@ -38,6 +39,7 @@ from tests.helpers.distributed import SHARED_DATA, run_distributed
 
 GPT2_DIR = Path(SHARED_DATA) / "tokenizers" / "gpt2"
 H, N, L, F, POS, S = 32, 4, 2, 64, 24, 12
+G, ROPE_BASE = 2, 5000  # the Llama shape's key/value groups and RoPE base
 
 
 def _noise(name: str, rank: int, sharded: bool, shape) -> torch.Tensor:
@@ -56,11 +58,21 @@ def _megatron_worker(rank: int, world: int, arch: str, padded: int, tokens, type
     parallel_state.get_global_memory_buffer = lambda: types.SimpleNamespace(
         get_tensor=lambda shape, dtype, name, **kw: torch.empty(shape, dtype=dtype))
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    cfg = TransformerConfig(num_layers=L, hidden_size=H, num_attention_heads=N, ffn_hidden_size=F,
-                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                            bias_activation_fusion=True, activation_func=Fn.gelu, layernorm_epsilon=1e-5,
-                            tensor_model_parallel_size=world)
-    if arch == "gpt2":
+    llama = dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=Fn.silu, add_bias_linear=False,
+                 num_query_groups=G, bias_activation_fusion=False) if arch == "llama" else {}
+    cfg = TransformerConfig(**{**dict(num_layers=L, hidden_size=H, num_attention_heads=N, ffn_hidden_size=F,
+                                      use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                                      bias_activation_fusion=True, activation_func=Fn.gelu, layernorm_epsilon=1e-5,
+                                      tensor_model_parallel_size=world), **llama})
+    if arch == "llama":
+        torch.cuda.current_device = lambda: "cpu"  # RoPE's inv_freq moves to the "current device" on first use
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=padded,
+                         max_sequence_length=POS, parallel_output=True, share_embeddings_and_output_weights=False,
+                         position_embedding_type="rope", rotary_base=ROPE_BASE)
+    elif arch == "gpt2":
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -79,7 +91,7 @@ def _megatron_worker(rank: int, world: int, arch: str, padded: int, tokens, type
     model.eval()
     b, s = tokens.shape
     with torch.no_grad():
-        if arch == "gpt2":
+        if arch in ("gpt2", "llama"):
             mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]       # True = masked
             logits, sop = model(tokens, torch.arange(s)[None].expand(b, s), mask), None
         else:
@@ -132,11 +144,8 @@ def _nest(flat: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-def write_megatron_checkpoint(save: Path, shards: list[dict], arch: str, vocab: int, version: float | None,  # noqa: C901
-                              pp: int = 1, iteration: int = 7, **arg_overrides) -> Path:
-    """Legacy Megatron-LM files from Megatron-Core shards (module docstring, step 2); ``version`` None = 3.0;
-    ``pp`` = 2 splits the layers over two stages as Megatron's pipeline does (embedding on the first, the final
-    norm, heads and the tied ``word_embeddings_for_head`` on the last)."""
+def _megatron_args(shards: list[dict], arch: str, vocab: int, pp: int, iteration: int, **overrides):
+    """The ``args`` Megatron-LM saves, with its argument names and its real enums."""
     from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnBackend
 
@@ -151,16 +160,67 @@ def write_megatron_checkpoint(save: Path, shards: list[dict], arch: str, vocab: 
         position_embedding_type="learned_absolute", normalization="LayerNorm", add_bias_linear=True,
         untie_embeddings_and_output_weights=False, apply_residual_connection_post_layernorm=False,
         group_query_attention=False, num_experts=None, bert_binary_head=arch == "bert", params_dtype=torch.float32,
-        tokenizer_type="GPT2BPETokenizer" if arch == "gpt2" else "BertWordPieceLowerCase",
+        tokenizer_type="BertWordPieceLowerCase" if arch == "bert" else "GPT2BPETokenizer",
         model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto, iteration=iteration,
         transformer_impl="local", vocab_size=vocab)
-    vars(args).update(arg_overrides)
+    vars(args).update(overrides)
+    return args
+
+
+LLAMA_ARGS = dict(position_embedding_type="rope", rotary_base=ROPE_BASE, rotary_percent=1.0, normalization="RMSNorm",
+                  swiglu=True, group_query_attention=True, num_query_groups=G, add_bias_linear=False,
+                  untie_embeddings_and_output_weights=True, bias_gelu_fusion=False)
+
+
+def write_core_checkpoint(save: Path, shards: list[dict], arch: str, vocab: int, pp: int = 1, te_names: bool = False,
+                          iteration: int = 9, **arg_overrides) -> Path:
+    """What Megatron-LM's ``--ckpt-format torch`` saves for a Megatron-Core model: per rank ``model`` = the model's
+    flat state dict (``decoder.layers.i`` numbered from 0 on every pipeline stage; the embedding on the first stage,
+    the final norm and the output layer on the last), checkpoint_version 3.0. ``te_names``: the norms as Transformer
+    Engine's fused ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``."""
+    args = _megatron_args(shards, arch, vocab, pp, iteration, **arg_overrides)
+    per_stage = L // pp
+    for r, shard in enumerate(shards):
+        for s in range(pp):
+            stage = {}
+            for name, t in shard.items():
+                m = re.match(r"(decoder|encoder)\.layers\.(\d+)\.(.+)", name)
+                if m and int(m.group(2)) // per_stage == s:
+                    body = m.group(3)
+                    if te_names:
+                        body = body.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
+                        body = body.replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")
+                    stage[f"{m.group(1)}.layers.{int(m.group(2)) - s * per_stage}.{body}"] = t
+                elif not m and (name.startswith("embedding.") and s == 0 or not name.startswith("embedding.")
+                                and s == pp - 1):
+                    stage[name] = t
+            if pp > 1 and s == pp - 1 and "output_layer.weight" not in shard and arch != "bert":
+                stage["output_layer.weight"] = shard["embedding.word_embeddings.weight"]  # the tied copy
+            state = {"args": args, "iteration": iteration, "model": stage, "checkpoint_version": 3.0,
+                     "rng_state": [{"np_rng_state": np.random.RandomState(0).get_state(),
+                                    "torch_rng_state": torch.get_rng_state()}]}
+            d = save / f"iter_{iteration:07d}" / (f"mp_rank_{r:02d}" + (f"_{s:03d}" if pp > 1 else ""))
+            d.mkdir(parents=True)
+            torch.save(state, d / "model_optim_rng.pt")
+    (save / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return save
+
+
+def write_megatron_checkpoint(save: Path, shards: list[dict], arch: str, vocab: int, version: float | None,  # noqa: C901
+                              pp: int = 1, iteration: int = 7, **arg_overrides) -> Path:
+    """Legacy Megatron-LM files from Megatron-Core shards (module docstring, step 2); ``version`` None = 3.0;
+    ``pp`` = 2 splits the layers over two stages as Megatron's pipeline does (embedding on the first, the final
+    norm, heads and the tied ``word_embeddings_for_head`` on the last)."""
+    tp = len(shards)
+    args = _megatron_args(shards, arch, vocab, pp, iteration, **arg_overrides)
     folder = save / f"iter_{iteration:07d}"
     per_stage = L // pp
     for r, shard in enumerate(shards):
         flat = {}
         for name, t in shard.items():
             legacy = _legacy_name(name)
+            if name == "output_layer.weight" and arg_overrides.get("untie_embeddings_and_output_weights"):
+                legacy = "language_model.output_layer.weight"  # legacy Megatron's untied head
             if legacy is None:
                 continue
             if legacy.endswith(("query_key_value.weight", "query_key_value.bias")) and version is not None:
@@ -288,6 +348,11 @@ def test_megatron_tp2_checkpoint_imports_at_tp1_and_tp2_with_megatrons_logits(ar
             ours, sop = model(tokens, types_, pad) if arch == "bert" else (model(tokens), None)
         _agree(f"{arch} Megatron-Core TP=2 -> ours TP=1, checkpoint_version {3.0 if version is None else version}", ours[..., :vocab][keep],
                ref[keep], sop, ref_sop)
+    core = write_core_checkpoint(tmp_path / "meg_core", shards, arch, vocab)  # Megatron-Core's own names
+    model, _, _ = load_model_for_eval(_import(core, tmp_path / "ours_core", 1, arch, bert_vocab))
+    with torch.no_grad():
+        ours, sop = model(tokens, types_, pad) if arch == "bert" else (model(tokens), None)
+    _agree(f"{arch} Megatron-Core layout TP=2 -> ours TP=1", ours[..., :vocab][keep], ref[keep], sop, ref_sop)
     run2 = _import(src, tmp_path / "ours_tp2", 2, arch, bert_vocab)
     for ours, sop in run_distributed(_our_worker, 2, str(run2), tokens, types_, pad):
         _agree(f"{arch} Megatron-Core TP=2 -> ours TP=2", ours[..., :vocab][keep], ref[keep], sop, ref_sop)
@@ -314,6 +379,55 @@ def test_megatron_tp2_checkpoint_imports_at_tp1_and_tp2_with_megatrons_logits(ar
         assert set(merged_pp) == set(merged_1)
         for name, w in merged_1.items():
             assert torch.equal(merged_pp[name], w), name
+
+
+def test_megatron_core_llama_shape_imports_from_either_layout_at_any_tp_pp_with_megatrons_logits(tmp_path):
+    """Megatron-Core's GPTModel with the Llama options (RoPE of base 5000, RMSNorm, SwiGLU, 4 heads in 2 key/value
+    groups, untied output, no biases) at TP=2, saved in Megatron-Core's layout (local and Transformer Engine norm
+    names, PP=1 and 2) and in the legacy layout: ours imported at TP=1, TP=2 and PP=2 gives its logits (1e-5)."""
+    pytest.importorskip("megatron.core", reason="the test extra's megatron-core (Megatron's own modules)")
+    from megatron_ds_suite.core.tokenizer import load_tokenizer
+    from training.checkpoint_reader import load_merged_state_dict, load_model_for_eval
+    from training.tools.import_megatron import import_megatron
+    from training.tools.megatron_reader import ImportMegatronError
+
+    if not GPT2_DIR.is_dir():
+        pytest.skip("../shared/data/tokenizers/gpt2 absent")
+    vocab = load_tokenizer({"kind": "gpt2_bpe", "vocab_file": str(GPT2_DIR / "gpt2-vocab.json"),
+                            "merges_file": str(GPT2_DIR / "gpt2-merges.txt")}).vocab_size
+    padded = 64 * -(-vocab // 64)
+    tokens, types_, pad = _inputs(vocab)
+    meg = run_distributed(_megatron_worker, 2, "llama", padded, tokens, types_, pad, timeout=240)
+    ref, shards = meg[0][0][..., :vocab], [m[2] for m in meg]
+    assert any(k.endswith("linear_qkv.weight") for k in shards[0]) and "output_layer.weight" in shards[0]
+    run1 = _import(write_core_checkpoint(tmp_path / "core", shards, "gpt2", vocab, **LLAMA_ARGS),
+                   tmp_path / "ours_tp1", 1, "gpt2", None)
+    model, cfg, _ = load_model_for_eval(run1)
+    m = cfg.model
+    assert (m.position_embedding, m.rotary_base, m.normalization, m.activation, m.num_query_groups,
+            m.untie_embeddings_and_output_weights, m.add_bias_linear) == ("rope", 5000.0, "rmsnorm", "swiglu", G,
+                                                                          True, False)
+    with torch.no_grad():
+        _agree("Llama shape, Megatron-Core layout TP=2 -> ours TP=1", model(tokens)[..., :vocab], ref, None, None)
+    for ours, _ in run_distributed(_our_worker, 2, str(_import(tmp_path / "core", tmp_path / "ours_tp2", 2, "gpt2",
+                                                                None)), tokens, types_, pad):
+        _agree("Llama shape, Megatron-Core layout TP=2 -> ours TP=2", ours[..., :vocab], ref, None, None)
+    # the same weights from TP=2 x PP=2 files with Transformer Engine's norm names, and from the legacy layout
+    merged_1, _, _ = load_merged_state_dict(run1)
+    te = write_core_checkpoint(tmp_path / "core_te_pp2", shards, "gpt2", vocab, pp=2, te_names=True, **LLAMA_ARGS)
+    legacy = write_megatron_checkpoint(tmp_path / "legacy", shards, "gpt2", vocab, None, **LLAMA_ARGS)
+    for src, pp in ((te, 2), (legacy, 1)):
+        merged, cfg_o, _ = load_merged_state_dict(_import(src, tmp_path / f"ours_{src.name}", 1, "gpt2", None, pp=pp))
+        assert cfg_o.parallel.pipeline == pp and set(merged) == set(merged_1), src.name
+        for name, w in merged_1.items():
+            assert torch.equal(merged[name], w), (src.name, name)
+    # what no model here computes: one line naming it, nothing written
+    for key, value in (("qk_layernorm", True), ("num_experts", 8), ("rotary_interleaved", True)):
+        bad = write_core_checkpoint(tmp_path / f"core_{key}", shards, "gpt2", vocab, **{**LLAMA_ARGS, key: value})
+        with pytest.raises(ImportMegatronError, match=f"{key}={value}"):
+            import_megatron(bad, tmp_path / f"refused_{key}", vocab_file=str(GPT2_DIR / "gpt2-vocab.json"),
+                            merge_file=str(GPT2_DIR / "gpt2-merges.txt"))
+        assert not (tmp_path / f"refused_{key}").exists()
 
 
 class _CallsGetcwd:
@@ -464,7 +578,7 @@ def test_old_qkv_orders_read_as_megatrons_own_fix_query_key_value_ordering(monke
     import os
     import sys
 
-    from training.tools.megatron_weights import qkv_to_ours
+    from training.tools.megatron_weights import qkv_parts
 
     source = os.environ.get(MEGATRON_LM_SOURCE)
     if not source or not (Path(source) / "megatron" / "training" / "checkpointing.py").is_file():
@@ -480,12 +594,12 @@ def test_old_qkv_orders_read_as_megatrons_own_fix_query_key_value_ordering(monke
             layers=[types.SimpleNamespace(self_attention=attention)])))
         for shape in ((3 * heads * hn, h), (3 * heads * hn,)):
             v3 = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)))
-            want = qkv_to_ours(v3, heads, 3.0)
+            want = qkv_parts(v3, heads, heads, 3.0)
             for version in (0, 1.0):
                 old = _to_version(v3, heads, version)
                 assert not torch.equal(old, v3)
                 assert torch.equal(_transpose_first_dim(old.clone(), 3, version == 0, model), v3)
-                assert torch.equal(qkv_to_ours(old, heads, version), want)
+                assert all(map(torch.equal, qkv_parts(old, heads, heads, version), want))
     finally:
         for m in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
             del sys.modules[m]

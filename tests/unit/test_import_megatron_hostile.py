@@ -285,3 +285,55 @@ def test_walker_bounds_and_sharing():
     loop.append([loop])
     with pytest.raises(TreeError, match=r"f: 0\.0 is a container it lies inside"):
         leaves(loop, "f")
+
+
+# --- Megatron-Core's layout and the Llama options ------------------------------------------------------------------
+@pytest.mark.parametrize("change,expect", [
+    ({"position_embedding_type": "rope"}, "position embeddings disagree with its args"),
+    ({"group_query_attention": True, "num_query_groups": 3}, "3 key/value groups do not split"),
+    ({"swiglu": True, "qk_layernorm": True}, "qk_layernorm=True"),
+    ({"group_query_attention": True, "num_query_groups": 2, "checkpoint_version_1": True},
+     "grouped-query attention in a checkpoint_version 1.0 file"),
+])
+def test_llama_options_that_disagree_with_the_tensors_are_one_line(pristine, tmp_path, change, expect):
+    src = _copy(pristine, tmp_path)
+    for name in ("mp_rank_00", "mp_rank_01"):
+        def edit(state):
+            for key, value in change.items():
+                if key == "checkpoint_version_1":
+                    state["checkpoint_version"] = 1.0
+                else:
+                    setattr(state["args"], key, value)
+        _edit(_rank(src, name), edit)
+    _refused(src, tmp_path, expect)
+
+
+def test_a_torch_dist_folder_is_named_with_the_way_out(tmp_path):
+    folder = tmp_path / "meg" / "iter_0000100"
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(b"\0" * 16)
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (tmp_path / "meg" / "latest_checkpointed_iteration.txt").write_text("100")
+    _refused(tmp_path / "meg", tmp_path, "torch_dist (distributed) checkpoint", "--ckpt-format torch")
+
+
+def test_gqa_and_swiglu_shards_merge_into_our_layout():
+    """Two TP ranks' ``linear_qkv`` shards (per key/value group its query heads, key, value) and SwiGLU
+    ``linear_fc1`` shards ([gate_r; up_r]) merge into ours: q, k, v as fuse_qkv lays them out, [gate; up]."""
+    from training.models.qkv import fuse_qkv, split_qkv
+    from training.tools.megatron_weights import merge_ranks
+
+    heads, groups, hn, h, f = 8, 2, 3, 5, 6
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n * hn, h, generator=g) for n in (heads, groups, groups))
+    gate, up = torch.randn(f, h, generator=g), torch.randn(f, h, generator=g)
+    per = heads // groups
+    shards = []
+    for r in range(2):  # rank r holds group r whole: its query heads, its key, its value
+        qkv = torch.cat([q[r * per * hn:(r + 1) * per * hn], k[r * hn:(r + 1) * hn], v[r * hn:(r + 1) * hn]])
+        fc = torch.cat([gate[r * f // 2:(r + 1) * f // 2], up[r * f // 2:(r + 1) * f // 2]])
+        shards.append({"layers.0.attn.qkv.weight": qkv, "layers.0.mlp.fc.weight": fc})
+    merged = merge_ranks(shards, heads, groups, 3.0, swiglu=True)
+    assert torch.equal(merged["layers.0.attn.qkv.weight"], fuse_qkv(q, k, v, heads, groups))
+    assert all(map(torch.equal, split_qkv(merged["layers.0.attn.qkv.weight"], heads, groups), (q, k, v)))
+    assert torch.equal(merged["layers.0.mlp.fc.weight"], torch.cat([gate, up]))

@@ -58,21 +58,32 @@ TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
 # --------------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------------
-def refuse_unsupported(args) -> None:
-    """One line naming every Megatron option our GPT-2/BERT does not compute."""
+LLAMA_OPTIONS = ("position_embedding_type", "normalization", "swiglu", "group_query_attention",
+                 "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias")
+"""Megatron options our GPT computes (its Llama options) but our BERT does not."""
+
+
+def refuse_unsupported(args, arch: str) -> None:
+    """One line naming every Megatron option our model does not compute (BERT: also the Llama options)."""
     if args is None:
         return
     checks = {
-        "position_embedding_type": ("learned_absolute", None),
-        "normalization": ("LayerNorm", None),
-        "swiglu": (False, None), "squared_relu": (False, None), "onnx_safe": (False, None),
-        "group_query_attention": (False, None),
-        "untie_embeddings_and_output_weights": (False, None),
+        "position_embedding_type": ("learned_absolute", "rope", None),
+        "normalization": ("LayerNorm", "RMSNorm", None),
+        "swiglu": (False, True, None), "squared_relu": (False, None), "onnx_safe": (False, None),
+        "group_query_attention": (False, True, None),
+        "untie_embeddings_and_output_weights": (False, True, None),
         "apply_residual_connection_post_layernorm": (False, None),
-        "add_bias_linear": (True, None),
+        "add_bias_linear": (True, False, None), "add_qkv_bias": (False, True, None),
         "num_experts": (None, 0, 1), "virtual_pipeline_model_parallel_size": (None, 1),
-        "transformer_impl": ("local", None),
+        "transformer_impl": ("local", "transformer_engine", None),
+        "qk_layernorm": (False, None), "rotary_interleaved": (False, None), "use_rope_scaling": (False, None),
     }
+    if arch == "bert":
+        checks.update({"position_embedding_type": ("learned_absolute", None), "normalization": ("LayerNorm", None),
+                       "swiglu": (False, None), "group_query_attention": (False, None),
+                       "untie_embeddings_and_output_weights": (False, None), "add_bias_linear": (True, None),
+                       "add_qkv_bias": (False, None)})
     bad = []
     for key, ok in checks.items():
         value = getattr(args, key, None)
@@ -83,8 +94,9 @@ def refuse_unsupported(args) -> None:
     if kv is not None and h is not None and n is not None and kv * n != h:
         bad.append(f"kv_channels={kv} (not hidden_size / num_attention_heads)")
     if bad:
-        raise ImportMegatronError(f"the checkpoint's args set {', '.join(bad)}, which this project's GPT-2/BERT does "
-                                  f"not compute; only Megatron-LM's GPT-2/BERT shapes import")
+        model = "BERT (learned positions, LayerNorm, GeLU, tied)" if arch == "bert" else "GPT"
+        raise ImportMegatronError(f"the checkpoint's args set {', '.join(bad)}, which this project's {model} does not "
+                                  f"compute")
 
 
 def gelu_flavours(args, arch: str) -> tuple[str, str | None]:
@@ -98,15 +110,45 @@ def gelu_flavours(args, arch: str) -> tuple[str, str | None]:
     return mlp, (head if arch == "bert" and head != mlp else None)
 
 
+def llama_options(args) -> dict:
+    """Our ModelConfig's Llama options from Megatron's args (RoPE and its base and fraction, RMSNorm, SwiGLU,
+    grouped-query attention, untied output, biases); {} without args (the oldest releases had none)."""
+    if args is None:
+        return {}
+    out: dict = {}
+    if megatron_arg(args, "position_embedding_type") == "rope":
+        out.update(position_embedding="rope", rotary_base=float(megatron_arg(args, "rotary_base", 10000)),
+                   rotary_percent=float(megatron_arg(args, "rotary_percent", 1.0)))
+    if megatron_arg(args, "normalization") == "RMSNorm":
+        out["normalization"] = "rmsnorm"
+    if megatron_arg(args, "swiglu", False):
+        out["activation"] = "swiglu"
+    if megatron_arg(args, "group_query_attention", False):
+        groups = megatron_arg(args, "num_query_groups")
+        out["num_query_groups"] = None if groups == megatron_arg(args, "num_attention_heads") else groups
+    if megatron_arg(args, "untie_embeddings_and_output_weights", False):
+        out["untie_embeddings_and_output_weights"] = True
+    if not megatron_arg(args, "add_bias_linear", True):
+        out.update(add_bias_linear=False, add_qkv_bias=bool(megatron_arg(args, "add_qkv_bias", False)))
+    return out
+
+
 def model_config(weights: dict[str, torch.Tensor], args, heads: int, vocab_size: int,
                  seq_length: int | None) -> ModelConfig:
     """Our ModelConfig from Megatron's args and the tensors' shapes (they must agree)."""
-    refuse_unsupported(args)
     arch = "bert" if "lm_head.bias" in weights else "gpt2"
+    refuse_unsupported(args, arch)
+    options = llama_options(args)
     layers = 1 + max(int(k.split(".")[1]) for k in weights if k.startswith("layers."))
     hidden = weights["embedding.word_embeddings.weight"].size(1)
-    positions = weights["embedding.position_embeddings.weight"].size(0)
-    ffn = weights["layers.0.mlp.fc.weight"].size(0)
+    table = weights.get("embedding.position_embeddings.weight")
+    if (table is None) != (options.get("position_embedding") == "rope"):
+        raise ImportMegatronError("the checkpoint's position embeddings disagree with its args "
+                                  f"(position_embedding_type={megatron_arg(args, 'position_embedding_type')!r}, "
+                                  f"position table {'absent' if table is None else 'present'}): a damaged checkpoint")
+    positions = megatron_arg(args, "max_position_embeddings") if table is None else table.size(0)
+    positions = positions or seq_length or megatron_arg(args, "seq_length")
+    ffn = weights["layers.0.mlp.fc.weight"].size(0) // (2 if options.get("activation") == "swiglu" else 1)
     if args is not None:
         said = {k: megatron_arg(args, k) for k in ("num_layers", "hidden_size", "max_position_embeddings")}
         found = {"num_layers": layers, "hidden_size": hidden, "max_position_embeddings": positions}
@@ -125,10 +167,13 @@ def model_config(weights: dict[str, torch.Tensor], args, heads: int, vocab_size:
                       ffn_hidden_size=ffn, hidden_dropout=float(megatron_arg(args, "hidden_dropout", 0.1)),
                       attention_dropout=float(megatron_arg(args, "attention_dropout", 0.1)),
                       init_method_std=float(megatron_arg(args, "init_method_std", 0.02)),
-                      layernorm_epsilon=float(megatron_arg(args, "layernorm_epsilon", 1e-5)),
+                      layernorm_epsilon=float(megatron_arg(args, "layernorm_epsilon",
+                                                           megatron_arg(args, "norm_epsilon", 1e-5))),
                       apply_query_key_layer_scaling=bool(megatron_arg(args, "apply_query_key_layer_scaling", False)),
                       attention_softmax_in_fp32=bool(megatron_arg(args, "attention_softmax_in_fp32", False)),
                       activation=activation)
+    for key, value in options.items():
+        setattr(cfg, key, value)
     if arch == "bert":
         types = weights.get("embedding.tokentype_embeddings.weight")
         cfg.num_tokentypes = 0 if types is None else types.size(0)
@@ -204,7 +249,7 @@ def import_megatron(checkpoint: str | Path, out: str | Path, tp: int = 1, pp: in
 def _import(folder: Path, files, out: Path, tp: int, pp: int, vocab_file, merge_file, tokenizer_type, heads,
             seq_length) -> Path:
     weights, args, version, (src_tp, src_pp) = read_weights(files, heads)
-    need = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight", "layers.0.mlp.fc.weight"]
+    need = ["embedding.word_embeddings.weight", "layers.0.mlp.fc.weight"]
     lacking = [n for n in need if n not in weights]
     if lacking:
         raise ImportMegatronError(f"{folder} holds no {few(lacking)} (our names for Megatron's tensors): not a "
@@ -225,8 +270,8 @@ def _import(folder: Path, files, out: Path, tp: int, pp: int, vocab_file, merge_
         cfg.parallel.tensor, cfg.parallel.pipeline = tp, pp
         cfg.run.dir = str(out)
         validate_static(cfg)  # TP divides heads and MLP width, PP <= layers, PP only for GPT-2
-        weights = {k: (v[:tok.vocab_size] if k in ("embedding.word_embeddings.weight", "lm_head.bias") else v)
-                   for k, v in weights.items()}
+        vocab_rows = ("embedding.word_embeddings.weight", "output_layer.weight", "lm_head.bias")
+        weights = {k: (v[:tok.vocab_size] if k in vocab_rows else v) for k, v in weights.items()}
         write_checkpoint(tmp, cfg, weights, spec, str(folder))
     logger.info("imported %s (Megatron-LM %s, checkpoint_version %s, TP=%d PP=%d) -> %s (TP=%d PP=%d, %d layers, "
                 "hidden %d, vocab %d)", folder, model_cfg.arch, version, src_tp, src_pp, out, tp, pp,

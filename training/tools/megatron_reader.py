@@ -152,12 +152,14 @@ def check_same_checkpoint(first: RankFile, other: RankFile) -> None:
 # them with these types; a string "24" or "False" is a damaged or edited file, refused rather than guessed.
 INT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "seq_length",
             "make_vocab_size_divisible_by", "kv_channels", "ffn_hidden_size", "tensor_model_parallel_size",
-            "pipeline_model_parallel_size", "model_parallel_size", "padded_vocab_size")
+            "pipeline_model_parallel_size", "model_parallel_size", "padded_vocab_size", "num_query_groups", "rotary_base")
 FLOAT_ARGS = {"hidden_dropout": (0.0, 1.0), "attention_dropout": (0.0, 1.0), "layernorm_epsilon": (0.0, math.inf),
+              "norm_epsilon": (0.0, math.inf), "rotary_percent": (0.0, math.nextafter(1.0, 2.0)),
               "init_method_std": (0.0, math.inf)}
 BOOL_ARGS = ("apply_query_key_layer_scaling", "attention_softmax_in_fp32", "openai_gelu", "bias_gelu_fusion", "swiglu",
              "squared_relu", "onnx_safe", "group_query_attention", "untie_embeddings_and_output_weights",
-             "apply_residual_connection_post_layernorm", "add_bias_linear")
+             "apply_residual_connection_post_layernorm", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+             "rotary_interleaved", "use_rope_scaling")
 
 
 def check_args(args: argparse.Namespace | None, path: Path) -> None:
@@ -178,7 +180,7 @@ def check_args(args: argparse.Namespace | None, path: Path) -> None:
     for key, (lo, hi) in FLOAT_ARGS.items():
         v = getattr(args, key, None)
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v < hi
-        if v is not None and not (ok and (v > 0 or key != "layernorm_epsilon")):
+        if v is not None and not (ok and (v > 0 or key not in ("layernorm_epsilon", "norm_epsilon", "rotary_percent"))):
             raise refuse(key, f"a number in [{lo:g}, {hi:g})")
     for key in BOOL_ARGS:
         v = getattr(args, key, None)
@@ -219,7 +221,7 @@ def find_checkpoint(folder: Path) -> tuple[Path, dict[tuple[int, int], Path]]:  
             folder = folder / f"iter_{int(text):07d}"
         else:
             raise ImportMegatronError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'")
-    elif not any(folder.glob("mp_rank_*")):
+    elif not any(folder.glob("mp_rank_*")) and not any(folder.glob("*.distcp")):
         iters = sorted(folder.glob("iter_*"))
         hint = f" (it has {iters[-1].name}: pass that folder)" if iters else ""
         raise ImportMegatronError(f"--checkpoint {folder} has neither {TRACKER} nor mp_rank_* folders{hint}")
@@ -231,6 +233,10 @@ def find_checkpoint(folder: Path) -> tuple[Path, dict[tuple[int, int], Path]]:  
         if not (d / FILE).is_file():
             raise ImportMegatronError(f"{d} lacks {FILE}: an incomplete checkpoint")
         files[(int(m.group(1)), int(m.group(2) or 0))] = d / FILE
+    if not files and (any(folder.glob("*.distcp")) or (folder / "metadata.json").is_file()):
+        raise ImportMegatronError(f"{folder} is a torch_dist (distributed) checkpoint, which this import does not read: "
+                                  f"save it from Megatron-LM with --ckpt-format torch (or convert it with its "
+                                  f"tools/checkpoint/convert.py --saver legacy) and import that")
     if not files:
         raise ImportMegatronError(f"{folder} holds no mp_rank_XX[_YYY]/{FILE}: not a Megatron-LM checkpoint")
     tp = 1 + max(t for t, _ in files)
