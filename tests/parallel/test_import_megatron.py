@@ -255,6 +255,27 @@ def write_megatron_checkpoint(save: Path, shards: list[dict], arch: str, vocab: 
     return save
 
 
+def _exported_equals_megatrons(out: Path, shards: list[dict], vocab: int) -> None:
+    """``export_megatron``'s Megatron-Core files at TP=len(shards) hold exactly Megatron-Core's own state dict shards:
+    the same names, shapes and values (the vocabulary's padding rows, random in Megatron and zero in ours, left out)."""
+    from training import safe_load
+    from training.tools.megatron_reader import allowed_globals
+
+    tp = len(shards)
+    for r, want in enumerate(shards):
+        path = next((out / f"iter_{0:07d}").glob(f"mp_rank_{r:02d}")) / "model_optim_rng.pt"
+        with torch.serialization.safe_globals(allowed_globals()):
+            got = safe_load.load(path)["model"]
+        assert set(got) == set(want), sorted(set(got) ^ set(want))
+        for name, t in want.items():
+            assert got[name].shape == t.shape, name
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias"):
+                real = max(0, min(t.size(0), vocab - r * t.size(0)))
+                t, got[name] = t[:real], got[name][:real]
+            assert torch.equal(got[name], t.float()), name
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "0" and tp >= 1
+
+
 def _our_worker(rank: int, world: int, run: str, tokens, types_, pad):
     """Our model at the run's TP from its own shard files: full logits over the padded vocabulary."""
     from training import safe_load
@@ -353,6 +374,9 @@ def test_megatron_tp2_checkpoint_imports_at_tp1_and_tp2_with_megatrons_logits(ar
     with torch.no_grad():
         ours, sop = model(tokens, types_, pad) if arch == "bert" else (model(tokens), None)
     _agree(f"{arch} Megatron-Core layout TP=2 -> ours TP=1", ours[..., :vocab][keep], ref[keep], sop, ref_sop)
+    from training.tools.export_megatron import export_megatron  # and back: Megatron-Core's own shards exactly
+
+    _exported_equals_megatrons(export_megatron(tmp_path / "ours_core", tmp_path / "back", tp=2), shards, vocab)
     run2 = _import(src, tmp_path / "ours_tp2", 2, arch, bert_vocab)
     for ours, sop in run_distributed(_our_worker, 2, str(run2), tokens, types_, pad):
         _agree(f"{arch} Megatron-Core TP=2 -> ours TP=2", ours[..., :vocab][keep], ref[keep], sop, ref_sop)
@@ -421,6 +445,14 @@ def test_megatron_core_llama_shape_imports_from_either_layout_at_any_tp_pp_with_
         assert cfg_o.parallel.pipeline == pp and set(merged) == set(merged_1), src.name
         for name, w in merged_1.items():
             assert torch.equal(merged[name], w), (src.name, name)
+    # and back: Megatron-Core's own shards exactly at TP=2; at TP=1 x PP=2 and in the legacy layout, the same weights
+    from training.tools.export_megatron import export_megatron
+
+    _exported_equals_megatrons(export_megatron(run1, tmp_path / "back_tp2", tp=2), shards, vocab)
+    for pp, layout in ((2, "core"), (1, "legacy")):
+        back = export_megatron(run1, tmp_path / f"back_{layout}_pp{pp}", tp=1, pp=pp, layout=layout)
+        merged, _, _ = load_merged_state_dict(_import(back, tmp_path / f"again_{layout}", 1, "gpt2", None, pp=pp))
+        assert set(merged) == set(merged_1) and all(torch.equal(merged[n], w) for n, w in merged_1.items()), layout
     # what no model here computes: one line naming it, nothing written
     for key, value in (("qk_layernorm", True), ("num_experts", 8), ("rotary_interleaved", True)):
         bad = write_core_checkpoint(tmp_path / f"core_{key}", shards, "gpt2", vocab, **{**LLAMA_ARGS, key: value})

@@ -126,3 +126,48 @@ def split_dim(name: str) -> int | None:
         if body == key or body.startswith(key + "."):
             return dim
     return None
+
+
+# ours -> Megatron, per layout (the inverse of :func:`rename`); a layer's tensors get the layer prefix of the layout
+LAYER_TO_MEGATRON = {
+    "core": {"ln1": "input_layernorm", "attn.qkv": "self_attention.linear_qkv",
+             "attn.proj": "self_attention.linear_proj", "ln2": "pre_mlp_layernorm", "mlp.fc": "mlp.linear_fc1",
+             "mlp.proj": "mlp.linear_fc2"},
+    "legacy": {"ln1": "input_layernorm", "attn.qkv": "self_attention.query_key_value",
+               "attn.proj": "self_attention.dense", "ln2": "post_attention_layernorm", "mlp.fc": "mlp.dense_h_to_4h",
+               "mlp.proj": "mlp.dense_4h_to_h"},
+}
+FIXED_TO_MEGATRON = {
+    "core": {"embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+             "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+             "embedding.tokentype_embeddings.weight": "embedding.tokentype_embeddings.weight",
+             "output_layer.weight": "output_layer.weight", "pooler.weight": "pooler.dense.weight",
+             "pooler.bias": "pooler.dense.bias", "lm_head.dense.weight": "lm_head.dense.weight",
+             "lm_head.dense.bias": "lm_head.dense.bias", "lm_head.ln.weight": "lm_head.layer_norm.weight",
+             "lm_head.ln.bias": "lm_head.layer_norm.bias", "lm_head.bias": "output_layer.bias",
+             "binary_head.weight": "binary_head.weight", "binary_head.bias": "binary_head.bias"},
+    "legacy": {"embedding.word_embeddings.weight": "language_model.embedding.word_embeddings.weight",
+               "embedding.position_embeddings.weight": "language_model.embedding.position_embeddings.weight",
+               "embedding.tokentype_embeddings.weight": "language_model.embedding.tokentype_embeddings.weight",
+               "output_layer.weight": "language_model.output_layer.weight",
+               "pooler.weight": "language_model.pooler.dense.weight", "pooler.bias": "language_model.pooler.dense.bias",
+               "lm_head.dense.weight": "lm_head.dense.weight", "lm_head.dense.bias": "lm_head.dense.bias",
+               "lm_head.ln.weight": "lm_head.layernorm.weight", "lm_head.ln.bias": "lm_head.layernorm.bias",
+               "lm_head.bias": "lm_head.bias", "binary_head.weight": "binary_head.weight",
+               "binary_head.bias": "binary_head.bias"},
+}
+
+
+def megatron_name(name: str, layout: str, arch: str, layer_offset: int) -> str:
+    """Our tensor ``name`` -> Megatron's in ``layout`` ('core' or 'legacy'), a layer's index made local to its
+    pipeline stage by subtracting ``layer_offset`` (the inverse of :func:`rename`)."""
+    stack = ("encoder" if arch == "bert" else "decoder") if layout == "core" else "language_model.encoder"
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
+    if m and m.group(2) in LAYER_TO_MEGATRON[layout]:
+        return f"{stack}.layers.{int(m.group(1)) - layer_offset}.{LAYER_TO_MEGATRON[layout][m.group(2)]}.{m.group(3)}"
+    m = re.fullmatch(r"final_ln\.(weight|bias)", name)
+    if m:
+        return f"{stack}.final_layernorm.{m.group(1)}"
+    if name in FIXED_TO_MEGATRON[layout]:
+        return FIXED_TO_MEGATRON[layout][name]
+    raise ImportMegatronError(f"our tensor {name!r} has no Megatron-LM name in its {layout} layout")
