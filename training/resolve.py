@@ -102,10 +102,6 @@ def start_process(cfg: Config) -> tuple[str, ParallelState]:
     before any seeding). Returns (dtype, ParallelState)."""
     on_gpu = tdev.local_device().type == "cuda"  # the accelerator DeepSpeed will use, not just torch's view
     dtype = resolve_dtype(cfg, on_gpu)
-    if cfg.parallel.pipeline_schedule == "interleaved" and on_gpu:
-        raise ConfigError("parallel.pipeline_schedule=interleaved runs on CPU (gloo) only so far: its sends are "
-                          "matched by tag, which NCCL ignores (docs/pipeline.md); use parallel.pipeline_schedule="
-                          "1f1b or dualpipev on GPUs")
     if dtype == "fp16" and not on_gpu:
         allow_fp16_on_cpu()
     if not on_gpu:

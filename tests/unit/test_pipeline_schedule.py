@@ -1,7 +1,11 @@
 """Pipeline schedules without processes (issue 41): the config's one-line refusals, and Megatron's interleaved
 order (training.optim.pipe_interleaved.InterleavedSchedule) run as a simulation of p ranks exchanging messages:
-every unit runs once, every receive is matched by a send, and no layout deadlocks."""
+every unit runs once, every receive is matched by a send, and no layout deadlocks; and the order argument of the
+untagged channels (training.optim.pipe_channels): on every link the receiver takes the messages in the order the
+sender sends them."""
 from __future__ import annotations
+
+from collections import defaultdict
 
 import pytest
 from deepspeed.runtime.pipe import schedule as ds_schedule
@@ -10,6 +14,7 @@ from megatron_ds_suite.core.errors import ConfigError
 from training.config import Config, validate_static
 from training.ds_json import deepspeed_config
 from training.layout import Layout
+from training.optim.pipe_channels import activation_in, activation_out, gradient_in, gradient_out, links
 from training.optim.pipe_interleaved import InterleavedSchedule
 from training.parallel_config import check_micro_batches
 from training.plan.memory import micro_batches_in_flight, stage_activation_bytes
@@ -122,6 +127,78 @@ def test_interleaved_order_runs_every_unit_once_without_deadlock(p, v, m):
                          if kind == "BackwardPass")
         warmup = v * m if m == p else min(v * m, (p - r - 1) * 2 + (v - 1) * p)
         assert first_bwd == warmup + (warmup < v * m), (r, first_bwd, warmup)
+
+
+def _p2p_ops(p: int, v: int, m: int, forward_only: bool = False) -> list[list[tuple]]:
+    """Each rank's sends and receives in program order, as (op, link, message), every message named by the (chunk,
+    micro-batch) that receives it; the activation metadata goes once per chunk ahead of the chunk's first
+    activation (the engine's rule)."""
+    ops = []
+    for r in range(p):
+        mine, meta_out, meta_in = [], set(), set()
+        for cmd in (c for step in InterleavedSchedule(m, p, r, v, forward_only).steps() for c in step):
+            c = getattr(cmd, "chunk", None)
+            b = cmd.buffer_id - c * m if c is not None else None
+            if isinstance(cmd, ds_schedule.SendActivation):
+                link, to_chunk = activation_out(r, c, p)
+                if c not in meta_out:
+                    meta_out.add(c)
+                    mine.append(("send", link, ("meta", to_chunk)))
+                mine.append(("send", link, ("activation", to_chunk, b)))
+            elif isinstance(cmd, ds_schedule.RecvActivation):
+                link, _ = activation_in(r, c, p)
+                if c not in meta_in:
+                    meta_in.add(c)
+                    mine.append(("recv", link, ("meta", c)))
+                mine.append(("recv", link, ("activation", c, b)))
+            elif isinstance(cmd, ds_schedule.SendGrad):
+                link, to_chunk = gradient_out(r, c, p)
+                mine.append(("send", link, ("gradient", to_chunk, b)))
+            elif isinstance(cmd, ds_schedule.RecvGrad):
+                link, _ = gradient_in(r, c, p)
+                mine.append(("recv", link, ("gradient", c, b)))
+        ops.append(mine)
+    return ops
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_every_link_receives_in_the_order_it_sends(p, v, groups):
+    """The untagged channels' order argument: for each link (kind, sender, receiver), one process group, the
+    sequence of messages sent equals the sequence received, for training and for evaluation (forward only); the
+    links used are pipe_channels.links (2p; evaluation sends no gradient)."""
+    m = groups * p
+    for forward_only in (False, True):
+        sent, received = defaultdict(list), defaultdict(list)
+        for r, mine in enumerate(_p2p_ops(p, v, m, forward_only)):
+            for op, link, msg in mine:
+                assert (link.sender if op == "send" else link.receiver) == r and msg[0] in (link.kind, "meta")
+                (sent if op == "send" else received)[link].append(msg)
+        assert set(sent) == set(received) == {lk for lk in links(p) if not (forward_only and lk.kind == "gradient")}
+        for link in sent:
+            assert sent[link] == received[link], (p, v, m, forward_only, link)
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (2, 3, 6), (4, 2, 8)])
+def test_one_stream_per_rank_pair_would_block(p, v, m):
+    """Why each stream needs its own group: with one NCCL stream per pair of ranks (both directions, both kinds),
+    each operation waits for the peer's matching one at the head of the peer's stream; the two ranks' sequences are
+    not mirror images (a send facing a send), so that stream stops. Per link they trivially are."""
+    ops = _p2p_ops(p, v, m)
+
+    def stream(r, on):  # rank r's operations on one stream, in program order
+        return [(op, msg) for op, link, msg in ops[r] if on(link)]
+
+    def mirrored(a, b):
+        return [("recv" if op == "send" else "send", msg) for op, msg in a] == b
+
+    def pair(link):
+        return {link.sender, link.receiver} == {0, 1}
+
+    assert not mirrored(stream(0, pair), stream(1, pair))
+    for one in links(p):
+        assert mirrored(stream(one.sender, lambda link: link == one), stream(one.receiver, lambda link: link == one))
 
 
 def test_planner_counts_the_chunks():
