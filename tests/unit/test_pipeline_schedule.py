@@ -14,7 +14,7 @@ from megatron_ds_suite.core.errors import ConfigError
 from training.config import Config, validate_static
 from training.ds_json import deepspeed_config
 from training.layout import Layout
-from training.optim.pipe_channels import activation_in, activation_out, gradient_in, gradient_out, links
+from training.optim.pipe_channels import activation_in, activation_out, check_backend, gradient_in, gradient_out, links
 from training.optim.pipe_interleaved import InterleavedSchedule
 from training.parallel_config import check_micro_batches
 from training.plan.memory import micro_batches_in_flight, stage_activation_bytes
@@ -199,6 +199,15 @@ def test_one_stream_per_rank_pair_would_block(p, v, m):
     assert not mirrored(stream(0, pair), stream(1, pair))
     for one in links(p):
         assert mirrored(stream(one.sender, lambda link: link == one), stream(one.receiver, lambda link: link == one))
+
+
+def test_nccl_is_refused_only_with_one_device_connection():
+    for backend, env in (("gloo", {}), ("nccl", {}), ("nccl", {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}),
+                         ("gloo", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})):
+        check_backend(backend, env)
+    with pytest.raises(ConfigError) as e:
+        check_backend("nccl", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_planner_counts_the_chunks():

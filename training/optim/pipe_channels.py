@@ -36,7 +36,7 @@ otherwise wait on each other).
 """
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -96,9 +96,10 @@ def gradient_in(stage: int, chunk: int, stages: int) -> tuple[Link, int]:
     return Link(GRADIENT, from_stage, stage), from_chunk
 
 
-def check_backend() -> None:
-    """The one setting the channels cannot run under (module docstring); one line."""
-    if dist.get_backend() == "nccl" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+def check_backend(backend: str, environ: Mapping[str, str]) -> None:
+    """The one setting the channels cannot run under (module docstring), from the process group's backend and the
+    process environment; one line."""
+    if backend == "nccl" and environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
         raise ConfigError("parallel.pipeline_schedule=interleaved with CUDA_DEVICE_MAX_CONNECTIONS=1: every stream "
                           "shares one hardware queue, so a waiting send blocks the receives behind it; unset it (or "
                           "set it >= 2) or use pipeline_schedule=1f1b")

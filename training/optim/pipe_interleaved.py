@@ -21,9 +21,11 @@ ignores tags); gloo runs the same code.
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -112,7 +114,7 @@ class InterleavedPipelineEngine(PipelineEngine):
     def __init__(self, *args, **kwargs):
         self._active_chunk = _INIT
         super().__init__(*args, **kwargs)
-        check_backend()
+        check_backend(dist.get_backend(), os.environ)
         assert hasattr(self.module, "activate_chunk"), "model must be an InterleavedPipeModule"
         assert not (self.is_pipe_partitioned or self.is_grad_partitioned), \
             "the interleaved schedule sends whole tensors: set pipeline.pipe_partitioned/grad_partitioned false"
