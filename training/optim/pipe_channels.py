@@ -24,9 +24,14 @@ is deadlock-free (the same test simulates every rank, a receive waiting for its 
 blocks its communicator's stream until the peer posts the matching receive; here that stream belongs to one link,
 so it holds back only later messages of the same link, which the receiver takes after this one anyway: no cycle.
 Two directions or two kinds between one pair on one communicator (A: send x, recv y; B: send y, recv x) is the
-deadlock this layout rules out. What it does assume is what torch's ProcessGroupNCCL assumes for any two process
-groups: their streams progress independently. ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware queue for every
-stream, as Megatron asks for TP overlap) breaks that: a send blocked at the head of the queue holds back a receive
+deadlock this layout rules out (``tests/unit/test_pipeline_schedule.py`` shows that one stream per rank pair would
+block). What it does assume is that operations on different communicators progress independently: torch's
+ProcessGroupNCCL relies on it for any two process groups, and for point-to-point with two peers (one communicator
+per pair), as DeepSpeed's own 1F1B engine does; NCCL's documentation does not promise it in general ("Using
+multiple NCCL communicators concurrently"). Megatron's batched exchange per schedule step (``batch_isend_irecv``)
+does without it, at the price of a lockstep schedule rather than DeepSpeed's instruction stream. The one setting
+known to break it is ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one hardware queue for every stream, as Megatron asks for
+TP overlap): a send waiting at the head of the queue holds back a receive
 behind it, so :func:`check_backend` refuses that one setting.
 
 The groups are created once per engine, by every rank in the same order (``dist.new_group`` is collective over the
