@@ -19,7 +19,7 @@ from training.optim.pipe_interleaved import InterleavedSchedule
 from training.parallel_config import check_micro_batches
 from training.plan.memory import micro_batches_in_flight, stage_activation_bytes
 from training.plan.presets import preset_shape
-from training.plan.timing import TimeModel, comm, step_time
+from training.plan.timing import TimeModel, bubble_fraction, comm, step_time
 from training.runtime.hardware import get_hardware
 
 
@@ -221,3 +221,73 @@ def test_planner_counts_the_chunks():
     assert t2.bubble == pytest.approx(t1.bubble / 2) and t2.pp == pytest.approx(2 * t1.pp)
     assert comm(s, two, ckpt=True).pp_ops == 2 * comm(s, one, ckpt=True).pp_ops
     assert stage_activation_bytes(s, two, 0, ckpt=False) > stage_activation_bytes(s, one, 0, ckpt=False)
+
+
+class _DualPipeVRun:
+    """DeepSpeed's ``DualPipeVSchedule`` run as a simulation: each rank's clock with a stage forward ``f`` and
+    backward ``b``, and its peak of stage forwards whose backward has not run. A ``CommitP2P`` posts the sends
+    queued since the last one when the rank reaches it and waits for the queued receives' messages (its batch of
+    isend/irecv); compute costs time, communication none."""
+
+    def __init__(self, p: int, m: int, f: float, b: float):
+        self.p, self.m, self.f, self.b = p, m, f, b
+        self.clock, self.peaks, self.alive = [0.0] * p, [0] * p, [0] * p
+        self.ready: dict[tuple, float] = {}
+        self.queued: list[tuple[list, list]] = [([], []) for _ in range(p)]
+
+    def message(self, r, cmd, send):  # (activation?, phase, receiving rank, micro-batch)
+        act, phase = isinstance(cmd, (ds_schedule.SendActivation, ds_schedule.RecvActivation)), cmd.phase
+        down = act == (phase == 0)  # phase-0 activations and phase-1 gradients go to the next rank
+        return act, phase, (r + 1 if down else r - 1) if send else r, cmd.buffer_id - phase * self.m
+
+    def run(self, r, cmd) -> bool:
+        """Run ``cmd`` on rank r; False when it waits for a message not yet sent."""
+        if isinstance(cmd, (ds_schedule.SendActivation, ds_schedule.SendGrad)):
+            self.queued[r][0].append(self.message(r, cmd, True))
+        elif isinstance(cmd, (ds_schedule.RecvActivation, ds_schedule.RecvGrad)):
+            self.queued[r][1].append(self.message(r, cmd, False))
+        elif isinstance(cmd, ds_schedule.CommitP2P):
+            sends, recvs = self.queued[r]
+            for msg in sends:
+                self.ready.setdefault(msg, self.clock[r])
+            if any(msg not in self.ready for msg in recvs):
+                return False
+            self.clock[r] = max([self.clock[r]] + [self.ready[msg] for msg in recvs])
+            self.queued[r] = ([], [])
+        elif isinstance(cmd, (ds_schedule.ForwardPass, ds_schedule.BackwardPass)):
+            forward = isinstance(cmd, ds_schedule.ForwardPass)
+            self.clock[r] += self.f if forward else self.b
+            self.alive[r] += 1 if forward else -1
+            self.peaks[r] = max(self.peaks[r], self.alive[r])
+        return True
+
+    def span(self) -> float:
+        """The step's makespan."""
+        programs = [[c for step in ds_schedule.DualPipeVSchedule(self.m, self.p, r).steps() for c in step]
+                    for r in range(self.p)]
+        pos = [0] * self.p
+        while any(pos[r] < len(programs[r]) for r in range(self.p)):
+            moved = False
+            for r in range(self.p):
+                while pos[r] < len(programs[r]) and self.run(r, programs[r][pos[r]]):
+                    pos[r] += 1
+                    moved = True
+            assert moved, f"DualPipeV p={self.p} m={self.m}: deadlock"
+        return max(self.clock)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("groups", [2, 3])
+def test_planner_models_dualpipev_as_deepspeed_runs_it(p, groups):
+    """The planner's DualPipeV (Layout.dualpipev): its bubble is what DeepSpeed's schedule leaves idle with a
+    backward twice the forward, below 1F1B's, and its activations in flight are the schedule's peak on every rank
+    (2p + 1 stage forwards of l/(2p) layers)."""
+    m = groups * p
+    lay = Layout(pp=p, micro_batch=1, global_batch=m, dualpipev=True)
+    sim = _DualPipeVRun(p, m, 1.0, 2.0)
+    span, peaks = sim.span(), sim.peaks
+    work = 2 * m * 3.0  # two stages' forward and backward for each micro-batch
+    assert (span - work) / work == pytest.approx(bubble_fraction(lay))
+    assert bubble_fraction(lay) < bubble_fraction(Layout(pp=p, micro_batch=1, global_batch=m))
+    assert [2 * micro_batches_in_flight(lay, r) for r in range(p)] == peaks
+    assert comm(preset_shape("gpt2-1.2b"), lay, ckpt=True).pp_ops == 4 * m  # both stages send, each way
