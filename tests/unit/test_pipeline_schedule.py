@@ -14,9 +14,11 @@ from megatron_ds_suite.core.errors import ConfigError
 from training.config import Config, validate_static
 from training.ds_json import deepspeed_config
 from training.layout import Layout
+from training.models.config import stage_layers
 from training.optim.pipe_channels import activation_in, activation_out, check_backend, gradient_in, gradient_out, links
 from training.optim.pipe_interleaved import InterleavedSchedule
 from training.parallel_config import check_micro_batches
+from training.plan.accounting import head_params, layer_params, stage_params
 from training.plan.memory import micro_batches_in_flight, stage_activation_bytes
 from training.plan.presets import preset_shape
 from training.plan.timing import TimeModel, bubble_fraction, comm, step_time
@@ -290,4 +292,9 @@ def test_planner_models_dualpipev_as_deepspeed_runs_it(p, groups):
     assert (span - work) / work == pytest.approx(bubble_fraction(lay))
     assert bubble_fraction(lay) < bubble_fraction(Layout(pp=p, micro_batch=1, global_batch=m))
     assert [2 * micro_batches_in_flight(lay, r) for r in range(p)] == peaks
-    assert comm(preset_shape("gpt2-1.2b"), lay, ckpt=True).pp_ops == 4 * m  # both stages send, each way
+    shape = preset_shape("gpt2-1.2b")
+    assert comm(shape, lay, ckpt=True).pp_ops == 4 * m  # both stages send, each way
+    # rank 0 holds both ends, the tied embedding once; the other ranks their layers only
+    one, dual = stage_params(shape, 1, p), stage_params(shape, 1, p, dualpipev=True)
+    layers = [n * layer_params(shape, 1) for n in stage_layers(shape.num_layers, p)]
+    assert dual[0] == one[0] + head_params(shape, 1) and dual[1:] == layers[1:] and one[-1] > layers[-1]

@@ -215,7 +215,7 @@ def memory(shape: ModelShape, lay: Layout, dtype: str = "fp16", scores_stored: b
     state at ``zero_stage`` (with ``offload``)."""
     wb, gb, ob = state_bytes_per_param(dtype)
     e, k = activation_element_bytes(dtype, cpu)
-    params = stage_params(shape, lay.tp, lay.pp)
+    params = stage_params(shape, lay.tp, lay.pp, lay.dualpipev)
     best: Memory | None = None
     for i, n in enumerate(params):
         m = Memory(params=wb * n, grads=gb * n, optimizer=ob * n, optimizer_zero1=ZERO_OPTIMIZER_BYTES_PER_PARAM * n / lay.dp,

@@ -80,7 +80,7 @@ def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dty
     """The CLI report as text (tables)."""
     out: list[str] = []
     total = total_params(shape)
-    stages = stage_params(shape, lay.tp, lay.pp)
+    stages = stage_params(shape, lay.tp, lay.pp, lay.dualpipev)
     out.append(f"model: {shape.arch} l={shape.num_layers} h={shape.hidden} a={shape.heads} s={shape.seq} "
                f"V(padded)={shape.vocab:,} ffn={shape.ffn}{_llama_parts(shape)}")
     out.append(f"layout: TP={lay.tp} PP={lay.pp} DP={lay.dp} -> {lay.world} devices of {hw.name} "

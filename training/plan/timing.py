@@ -76,7 +76,7 @@ def comm(shape: ModelShape, lay: Layout, ckpt: bool, dtype: str = "fp16") -> Com
     tp_payload = m * (n_ar * sbh + ce)
     # activations forward + their gradients backward, each way; per chunk under the interleaved schedule
     pp_ops = 2 * m * chunks_per_rank(lay) if lay.pp > 1 else 0
-    local = max(stage_params(shape, lay.tp, lay.pp))
+    local = max(stage_params(shape, lay.tp, lay.pp, lay.dualpipev))
     grad_bytes = state_bytes_per_param(dtype)[1]
     return Comm(tp_ops=m * (n_ar + (3 if lay.tp > 1 else 0)), tp_payload=tp_payload,
                 tp_wire=ring_allreduce_wire(tp_payload, lay.tp),
@@ -205,7 +205,7 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
     layer_overhead = tm.overhead_layer_s * max(stage_layers(shape.num_layers, p)) * m
     bubble = bubble_fraction(lay) * (layer_overhead + compute + replicated + tp)
 
-    grad_bytes = max(stage_params(shape, t, p)) * state_bytes_per_param(dtype)[1]
+    grad_bytes = max(stage_params(shape, t, p, lay.dualpipev)) * state_bytes_per_param(dtype)[1]
     if t * d <= G:
         dp = _allreduce_time(grad_bytes, d, tm.alpha_intra_s, _bw(hw.intra_node_gbs, tm.link_efficiency))
     else:
