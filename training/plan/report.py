@@ -86,7 +86,9 @@ def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dty
     out.append(f"layout: TP={lay.tp} PP={lay.pp} DP={lay.dp} -> {lay.world} devices of {hw.name} "
                f"({hw.gpus_per_node}/node); micro batch {lay.micro_batch}, global batch {lay.global_batch}, "
                f"{lay.num_micro} micro-batches/step; dtype {dtype}"
-               + ("; sequence parallel" if lay.sequence_parallel else ""))
+               + ("; sequence parallel" if lay.sequence_parallel else "")
+               + (f"; interleaved v={lay.virtual_pipeline}" if lay.virtual_pipeline > 1 else "")
+               + ("; DualPipeV" if lay.dualpipev else ""))
     out.append("")
     out.append(f"parameters: total {total:,} ({_fmt_params(total)}), "
                + ("untied output layer included" if shape.untied else "tied output embedding counted once"))
