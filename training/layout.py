@@ -43,6 +43,10 @@ class Layout:
     virtual_pipeline: int = 1
     """Model chunks per pipeline rank under the interleaved schedule (``parallel.virtual_pipeline``; 1 = 1F1B):
     the bubble (p-1)/(v m), v times the stage-to-stage sends, more activations in flight (docs/pipeline.md)."""
+    dualpipev: bool = False
+    """DeepSpeed's DualPipeV (``parallel.pipeline_schedule: dualpipev``): two stages of l/(2p) layers per rank, rank 0
+    holding the first and the last; the planner's bubble, sends and activations in flight follow its schedule
+    (:func:`training.plan.memory.micro_batches_in_flight`, :func:`training.plan.timing.bubble_fraction`)."""
 
     @property
     def world_size(self) -> int:
@@ -87,9 +91,14 @@ class Layout:
 
 
 def virtual_chunks(cfg: Config) -> int:
-    """v of ``cfg``'s pipeline schedule for the planner (1 for 1F1B and DualPipeV, which it models as 1F1B)."""
+    """v of ``cfg``'s pipeline schedule for the planner (1 for 1F1B and DualPipeV)."""
     p = cfg.parallel
     return p.virtual_pipeline if p.pipeline > 1 and p.pipeline_schedule == "interleaved" else 1
+
+
+def runs_dualpipev(cfg: Config) -> bool:
+    """Whether ``cfg`` pipelines with DualPipeV (the planner's :attr:`Layout.dualpipev`)."""
+    return cfg.parallel.pipeline > 1 and cfg.parallel.pipeline_schedule == "dualpipev"
 
 
 def launched_world_size() -> int:
@@ -136,7 +145,7 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp) if vocab else None
     lay = Layout(tp=tp, pp=pp, dp=dp, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
                  padded_vocab=padded, sequence_parallel=cfg.parallel.sequence_parallel,
-                 virtual_pipeline=virtual_chunks(cfg))
+                 virtual_pipeline=virtual_chunks(cfg), dualpipev=runs_dualpipev(cfg))
     lay.check()
     check_micro_batches(cfg.parallel, lay.grad_accumulation)  # the pipeline schedule's rule on m
     return lay

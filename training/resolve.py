@@ -31,6 +31,7 @@ from megatron_ds_suite.core.errors import ConfigError
 from training import init_from
 from training.config import Config, resolve_dtype, validate_static
 from training.layout import Layout, derive_layout
+from training.optim.pipe_channels import check_backend
 from training.parallel import random as tp_random
 from training.parallel.state import ParallelState
 from training.plan import recompute
@@ -102,10 +103,8 @@ def start_process(cfg: Config) -> tuple[str, ParallelState]:
     before any seeding). Returns (dtype, ParallelState)."""
     on_gpu = tdev.local_device().type == "cuda"  # the accelerator DeepSpeed will use, not just torch's view
     dtype = resolve_dtype(cfg, on_gpu)
-    if cfg.parallel.pipeline_schedule == "interleaved" and on_gpu:
-        raise ConfigError("parallel.pipeline_schedule=interleaved runs on CPU (gloo) only so far: its sends are "
-                          "matched by tag, which NCCL ignores (docs/pipeline.md); use parallel.pipeline_schedule="
-                          "1f1b or dualpipev on GPUs")
+    if cfg.parallel.pipeline_schedule == "interleaved" and on_gpu:  # before any process group: NCCL's one refusal
+        check_backend("nccl", os.environ)
     if dtype == "fp16" and not on_gpu:
         allow_fp16_on_cpu()
     if not on_gpu:

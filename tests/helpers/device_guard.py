@@ -211,6 +211,7 @@ def patched_accelerator(index: int):
 
 _TORCH_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
                       "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter")
+_TORCH_P2P = ("send", "recv", "isend", "irecv")  # the pipeline schedules' own point-to-point
 
 
 def _caller() -> str:
@@ -259,7 +260,7 @@ class CollectiveGuard:
         import deepspeed.comm as ds_comm
         import torch.distributed as dist
 
-        for n in _TORCH_COLLECTIVES:
+        for n in _TORCH_COLLECTIVES + _TORCH_P2P:
             self._wrap(dist, n, f"torch.distributed.{n}")
         for n in _TORCH_COLLECTIVES + ("inference_all_reduce",):
             self._wrap(ds_comm, n, f"deepspeed.comm.{n}")

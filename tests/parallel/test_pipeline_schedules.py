@@ -3,7 +3,8 @@
 
 One 2-rank launch builds a 4-layer GPT (hidden 32, sequence 16, fp32, no dropout) four times from the same seed:
 PP=1 (two data-parallel replicas fed the same batches, so the step is the single-replica step), PP=2 1F1B, PP=2
-interleaved with v=2 (one layer per chunk, the wraparound rank 1 -> rank 0 in use) and PP=2 DualPipeV, each for
+interleaved with v=2 (one layer per chunk, the wraparound rank 1 -> rank 0 in use; its messages untagged, each
+stream on its own two-rank group, training.optim.pipe_channels) and PP=2 DualPipeV, each for
 three steps of four micro-batches and one evaluation batch. Losses (the evaluation's too), every gradient before
 each step (per tensor, by GPTModel name, the tied embedding included; the key third of the QKV bias aside, see
 ``_comparable``) and the weights after the last step (over the whole model, see ``_model_gap``) agree within 1e-6
@@ -12,7 +13,8 @@ and interleaved in fp16 give the same losses. A 4-rank launch does the same at T
 interleaved with and without sequence parallelism and DualPipeV with it, against TP=2 at PP=1. Stopped
 interleaved and DualPipeV runs resume bitwise through the trainer's checkpoints; the interleaved checkpoint is
 refused in one line under another schedule, and converted by the reshard tool to DualPipeV it resumes with the
-interleaved run's losses.
+interleaved run's losses. Under emulated CUDA (DeepSpeed's accelerator claiming cuda:rank) every interleaved send
+and receive has its tensor on the engine's device, as NCCL needs.
 """
 from __future__ import annotations
 
@@ -110,7 +112,10 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str
             engine.eval()
             valid = sum(float(engine(t, lab).mean()) for t, lab in batches) / GAS
     weights = {names[id(p)]: p.detach().clone() for p in engine.module.parameters() if id(p) in names}
-    return {"losses": losses, "valid": valid, "grads": grads, "weights": weights, "engine": type(engine).__name__, "tp_rank": ps.tp_rank}
+    channels = getattr(engine, "channels", None)  # the interleaved engine's untagged p2p groups, one per link
+    links = {(lk.kind, lk.sender, lk.receiver): (g.size(), id(g)) for lk, g in channels.groups.items()} if channels else None
+    return {"losses": losses, "valid": valid, "grads": grads, "weights": weights, "engine": type(engine).__name__,
+            "tp_rank": ps.tp_rank, "links": links}
 
 
 def _worker(rank: int, world: int, tp: int, layouts) -> dict:
@@ -186,6 +191,10 @@ def test_schedules_train_alike_at_pp2():
     ranks = run_distributed(_worker, 2, 1, SCHEDULES + FP16 + LLAMA, timeout=600)
     assert ranks[0][SCHEDULES[2]]["engine"] == "InterleavedPipeEngine"
     assert ranks[0][SCHEDULES[3]]["engine"] == "DualPipeEngine"
+    # p = 2: the four streams between the one pair of ranks are four two-rank groups (pipe_channels), no tags
+    links = ranks[0][SCHEDULES[2]]["links"]
+    assert sorted(links) == [("activation", 0, 1), ("activation", 1, 0), ("gradient", 0, 1), ("gradient", 1, 0)]
+    assert {size for size, _ in links.values()} == {2} and len({g for _, g in links.values()}) == 4
     _check_alike(ranks, SCHEDULES, 1)
     _check_alike(ranks, LLAMA, 1)
     # fp16 (the project's MixedPrecisionStep, the loss scale decided on the device): interleaving changes no number
@@ -196,6 +205,27 @@ def test_schedules_train_alike_with_tp2_and_sequence_parallelism():
     layouts = [(1, "1f1b", 1, False), (2, "interleaved", 2, False), (2, "interleaved", 2, True),
                (2, "dualpipev", 1, True)]
     _check_alike(run_distributed(_worker, 4, 2, layouts, timeout=900), layouts, 2)
+
+
+def _guarded_interleaved(rank: int, world: int) -> dict:
+    from tests.helpers.device_guard import emulated_cuda_run
+
+    plain = _train(1, 2, "interleaved", 2)
+    with emulated_cuda_run(rank) as (guard, _):
+        out = _train(1, 2, "interleaved", 2)
+    return {"plain": plain["losses"], "losses": out["losses"], "seen": dict(guard.seen),
+            "violations": list(guard.violations)}
+
+
+def test_interleaved_p2p_on_the_engine_device():
+    """The untagged channels with DeepSpeed's accelerator claiming cuda:rank (tests/helpers/device_guard.py): every
+    send and receive (the groups' warm-up, the activation metadata, activations, gradients) has its tensor on the
+    engine's device, as NCCL requires, and the numbers are the plain run's."""
+    ranks = run_distributed(_guarded_interleaved, 2, timeout=300)
+    for r in ranks:
+        assert not r["violations"], r["violations"][:5]
+        assert r["seen"].get("torch.distributed.isend", 0) > 10 and r["seen"].get("torch.distributed.irecv", 0) > 10
+        assert r["losses"] == r["plain"] == ranks[0]["plain"]
 
 
 def _resume_worker(rank: int, world: int, spec: dict, base: str) -> dict:

@@ -350,6 +350,23 @@ def test_cli_preset_and_config(tmp_path, capsys):
     assert "total 1,920 " in out and "h100-sxm" in out
 
 
+def test_cli_plans_the_configured_pipeline_schedule(capsys):
+    """parallel.pipeline_schedule (and virtual_pipeline) reach the plan: twice 1F1B's sends per stage for
+    interleaved v=2 and for DualPipeV, each bubble below 1F1B's."""
+    rows = {}
+    for schedule in ("1f1b", "interleaved", "dualpipev"):
+        extra = ["parallel.virtual_pipeline=2"] if schedule == "interleaved" else []
+        assert main(["--model", "gpt2-1.2b", "--pp", "4", "train.micro_batch_size=1", "train.global_batch_size=8",
+                     f"parallel.pipeline_schedule={schedule}", *extra]) == 0
+        out = capsys.readouterr().out
+        rows[schedule] = ({"1f1b": "", "interleaved": "; interleaved v=2", "dualpipev": "; DualPipeV"}[schedule] in out,
+                          int(next(ln for ln in out.splitlines() if "PP sends" in ln).split()[-1].replace(",", "")),
+                          float(next(ln for ln in out.splitlines() if ln.strip().startswith("bubble")).split()[-1]))
+    assert all(shown for shown, _, _ in rows.values())
+    assert rows["interleaved"][1] == rows["dualpipev"][1] == 2 * rows["1f1b"][1] == 32
+    assert rows["interleaved"][2] < rows["1f1b"][2] and rows["dualpipev"][2] < rows["1f1b"][2]
+
+
 def test_cli_on_cpu_gives_each_rank_its_share_of_host_memory(capsys):
     """--gpu cpu: the ranks are processes on this host, so each has the host's memory over the world size (the
     planner said "device has 0" and judged nothing against it)."""

@@ -12,7 +12,9 @@ instruction map wraps it the same way.
 
 On gloo (CPU) a send or receive blocks the host until the data has moved, so the time in these instructions is
 the time the stage waited on its neighbours plus the copies themselves; on GPU DeepSpeed's p2p calls block the
-host as well (``deepspeed.runtime.pipe.p2p``: blocking ``send``/``recv``). Nothing here synchronises a device:
+host as well (``deepspeed.runtime.pipe.p2p``: blocking ``send``/``recv``). The interleaved engine's receives on
+NCCL (:mod:`training.optim.pipe_channels`) do not: the device waits, the host only posts, so there its waits show up
+in the next host read (the activation metadata, the closing loss broadcast). Nothing here synchronises a device:
 the timer reads ``time.perf_counter`` only, and a reader (the trainer on its log steps) turns the sums into a
 fraction.
 

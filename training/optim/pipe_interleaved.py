@@ -12,14 +12,16 @@ unit i being micro-batch ``(i // (p v)) p + i % p`` of chunk ``(i // p) % v``; b
 chunks reversed. Rank r first runs ``(p - r - 1) 2 + (v - 1) p`` forwards (all v m when m == p), then alternates one
 forward and one backward, then finishes the backwards. The bubble is (p-1)/(v m) of the step instead of (p-1)/m.
 
-Point-to-point traffic: each send is posted (``isend``) as soon as its tensor exists and waited at the end of the
-step; each receive is posted and waited right before its tensor is needed. Every message carries its own tag
-(kind, sending chunk, micro-batch), so the receiver matches it whatever the order of arrival: the wraparound
-(rank p-1 chunk k -> rank 0 chunk k+1) shares the rank pair of p = 2 with the ordinary sends both ways. gloo
-matches tags; NCCL ignores them, so the engine refuses other backends (:func:`check_backend`).
+Point-to-point traffic (:mod:`training.optim.pipe_channels`): each send is posted (``isend``) as soon as its
+tensor exists and waited at the end of the step; each receive is posted and waited right before its tensor is
+needed. No message carries a tag: each message stream (activations or gradients, from one stage to another: the
+wraparound rank p-1 -> rank 0 is its own stream) has its own two-rank process group, and every rank walks its units
+in the same order, so each group's messages arrive in the order they are received. That is what NCCL needs (it
+ignores tags); gloo runs the same code.
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
@@ -27,12 +29,19 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from megatron_ds_suite.core.errors import ConfigError
+from training.optim.pipe_channels import (
+    Link,
+    PipeChannels,
+    activation_in,
+    activation_out,
+    check_backend,
+    gradient_in,
+    gradient_out,
+)
 
 _INIT = object()  # before the engine's own state: PipelineEngine.__init__'s p2p warm-up asks for the stages
 
-# message kinds of the tags; the activation metadata is sent once per chunk before its first activation
-ACTIVATION, GRADIENT, META = 0, 1, 2
+# the activation metadata, sent once per chunk on the activation link ahead of its first activation
 META_SIZE = 16
 
 
@@ -95,15 +104,6 @@ class InterleavedSchedule(schedule.PipeSchedule):
                                         [schedule.ReduceTiedGrads(), schedule.ReduceGrads(), schedule.OptimizerStep()])
 
 
-def check_backend() -> None:
-    """The tagged sends need a backend that matches tags (gloo); one line otherwise."""
-    backend = dist.get_backend()
-    if backend != "gloo":
-        raise ConfigError(f"parallel.pipeline_schedule=interleaved is implemented for the gloo backend only (its "
-                           f"sends are matched by tag; {backend} ignores tags): use pipeline_schedule=1f1b or "
-                           f"dualpipev")
-
-
 def _as_list(tensors):
     return [tensors] if torch.is_tensor(tensors) else list(tensors)
 
@@ -114,7 +114,7 @@ class InterleavedPipelineEngine(PipelineEngine):
     def __init__(self, *args, **kwargs):
         self._active_chunk = _INIT
         super().__init__(*args, **kwargs)
-        check_backend()
+        check_backend(dist.get_backend(), os.environ)
         assert hasattr(self.module, "activate_chunk"), "model must be an InterleavedPipeModule"
         assert not (self.is_pipe_partitioned or self.is_grad_partitioned), \
             "the interleaved schedule sends whole tensors: set pipeline.pipe_partitioned/grad_partitioned false"
@@ -123,6 +123,8 @@ class InterleavedPipelineEngine(PipelineEngine):
         self._sends: list = []  # (work, tensor) of this batch's isends, waited by CommitP2P
         self._recv_specs: dict[int, tuple[bool, list]] = {}
         self._meta_sent: set[int] = set()
+        # one process group per message stream (pipe_channels), on every rank in the same order
+        self.channels = PipeChannels(self.grid.pipe_groups, self.device)
         self.pipe_buffers["grads"] = []
         self.pipe_buffers["losses"] = []
 
@@ -137,23 +139,6 @@ class InterleavedPipelineEngine(PipelineEngine):
         if self._active_chunk is _INIT or self._active_chunk is None:
             return super().is_last_stage()
         return self.stage_id == self.num_stages - 1 and self._active_chunk == self.chunks - 1
-
-    def _next_hop(self, chunk: int) -> tuple[int, int]:
-        """(stage, chunk) that receives this chunk's activations (rank p-1 wraps around to rank 0, chunk + 1)."""
-        if self.stage_id == self.num_stages - 1:
-            return 0, chunk + 1
-        return self.stage_id + 1, chunk
-
-    def _prev_hop(self, chunk: int) -> tuple[int, int]:
-        """(stage, chunk) that sends this chunk its activations."""
-        if self.stage_id == 0:
-            return self.num_stages - 1, chunk - 1
-        return self.stage_id - 1, chunk
-
-    def _tag(self, kind: int, chunk: int, micro_batch: int = 0) -> int:
-        """The tag of one message, named by its kind, the *sending* chunk and the micro-batch (both ends compute it;
-        0 is left to DeepSpeed's untagged sends)."""
-        return 1 + (micro_batch * self.chunks + chunk) * 3 + kind
 
     @contextmanager
     def _chunk(self, chunk):
@@ -175,20 +160,16 @@ class InterleavedPipelineEngine(PipelineEngine):
         self._recv_specs, self._meta_sent = {}, set()
 
     # -- point to point --------------------------------------------------------------------------------------
-    def _isend(self, tensor: torch.Tensor, stage: int, tag: int) -> None:
+    def _isend(self, tensor: torch.Tensor, link: Link) -> None:
         tensor = tensor.contiguous()
-        self._sends.append((dist.isend(tensor, self.grid.stage_to_global(stage), tag=tag), tensor))
-
-    def _recv(self, tensor: torch.Tensor, stage: int, tag: int) -> torch.Tensor:
-        dist.irecv(tensor, self.grid.stage_to_global(stage), tag=tag).wait()
-        return tensor
+        self._sends.append((self.channels.isend(tensor, link), tensor))
 
     def _exec_commit_p2p(self):
         for work, _ in self._sends:
             work.wait()
         self._sends = []
 
-    def _send_meta(self, outputs, stage: int, chunk: int) -> None:
+    def _send_meta(self, outputs, link: Link) -> None:
         """Once per chunk: [n, (dtype id, ndim, *shape) per tensor] of what the chunk sends downstream."""
         meta = [len(_as_list(outputs))]
         for t in _as_list(outputs):
@@ -196,11 +177,10 @@ class InterleavedPipelineEngine(PipelineEngine):
         assert len(meta) <= META_SIZE, f"activation metadata {meta} exceeds {META_SIZE} entries"
         buf = torch.zeros(META_SIZE, dtype=torch.int64, device=self.device)
         buf[:len(meta)] = torch.tensor(meta, dtype=torch.int64)
-        self._isend(buf, stage, self._tag(META, chunk))
+        self._isend(buf, link)
 
-    def _recv_meta(self, stage: int, chunk: int) -> tuple[bool, list]:
-        meta = self._recv(torch.zeros(META_SIZE, dtype=torch.int64, device=self.device), stage,
-                          self._tag(META, chunk)).tolist()
+    def _recv_meta(self, link: Link) -> tuple[bool, list]:
+        meta = self.channels.recv(torch.zeros(META_SIZE, dtype=torch.int64, device=self.device), link).tolist()
         specs, at = [], 1
         for _ in range(meta[0]):
             ndim = meta[at + 1]
@@ -242,38 +222,38 @@ class InterleavedPipelineEngine(PipelineEngine):
 
     def _exec_send_activations(self, buffer_id, chunk, micro_batch):
         outputs = self.pipe_buffers["outputs"][buffer_id]
-        stage, _ = self._next_hop(chunk)
-        if chunk not in self._meta_sent:
+        link, _ = activation_out(self.stage_id, chunk, self.num_stages)
+        if chunk not in self._meta_sent:  # ahead of the chunk's first activation, on the same link
             self._meta_sent.add(chunk)
-            self._send_meta(outputs, stage, chunk)
-        for t in _as_list(outputs):  # several tensors share the tag: gloo keeps their order
-            self._isend(t.detach(), stage, self._tag(ACTIVATION, chunk, micro_batch))
+            self._send_meta(outputs, link)
+        for t in _as_list(outputs):  # several tensors in order on the link
+            self._isend(t.detach(), link)
         if not torch.is_grad_enabled():
             self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_recv_activations(self, buffer_id, chunk, micro_batch):
-        stage, sender_chunk = self._prev_hop(chunk)
+        link, _ = activation_in(self.stage_id, chunk, self.num_stages)
         if chunk not in self._recv_specs:
-            self._recv_specs[chunk] = self._recv_meta(stage, sender_chunk)
+            self._recv_specs[chunk] = self._recv_meta(link)
         is_tensor, specs = self._recv_specs[chunk]
-        recvd = [self._recv(torch.empty(shape, dtype=dtype, device=self.device), stage,
-                            self._tag(ACTIVATION, sender_chunk, micro_batch)).requires_grad_(dtype.is_floating_point)
+        recvd = [self.channels.recv(torch.empty(shape, dtype=dtype, device=self.device), link)
+                 .requires_grad_(dtype.is_floating_point)
                  for shape, dtype in specs]
         self.pipe_buffers["inputs"][buffer_id] = recvd[0] if is_tensor else tuple(recvd)
 
     def _exec_send_grads(self, buffer_id, chunk, micro_batch):
         inputs = self.pipe_buffers["inputs"][buffer_id]
-        stage, _ = self._prev_hop(chunk)
+        link, _ = gradient_out(self.stage_id, chunk, self.num_stages)
         for t in _as_list(inputs):
             if t.is_floating_point():
                 assert t.grad is not None
-                self._isend(t.grad, stage, self._tag(GRADIENT, chunk, micro_batch))
+                self._isend(t.grad, link)
         self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_recv_grads(self, buffer_id, chunk, micro_batch):
         outputs = self.pipe_buffers["outputs"][buffer_id]
-        stage, sender_chunk = self._next_hop(chunk)  # the gradient comes from the next hop
-        grads = [self._recv(torch.empty_like(t), stage, self._tag(GRADIENT, sender_chunk, micro_batch))
+        link, _ = gradient_in(self.stage_id, chunk, self.num_stages)  # from the next hop
+        grads = [self.channels.recv(torch.empty_like(t), link)
                  for t in _as_list(outputs) if t.is_floating_point()]
         self.pipe_buffers["grads"][buffer_id] = grads[0] if torch.is_tensor(outputs) else grads
 

@@ -155,7 +155,7 @@ def total_params(shape: ModelShape) -> int:
     return embedding_params(shape) + shape.num_layers * layer_params(shape) + head_params(shape)
 
 
-def stage_params(shape: ModelShape, tp: int, pp: int) -> list[int]:
+def stage_params(shape: ModelShape, tp: int, pp: int, dualpipev: bool = False) -> list[int]:
     """Parameters held by one TP rank of each pipeline stage.
 
     Stage 0 holds the embeddings, the last stage the final LN/heads; with pp > 1 the last stage also
@@ -164,16 +164,18 @@ def stage_params(shape: ModelShape, tp: int, pp: int) -> list[int]:
     pipeline, and so is the position table, which the output layer does not use but which is held with
     its gradient and Adam states all the same (Megatron 2021 keeps only the word embedding there).
     Checked against the engine's tensors in ``tests/parallel/test_plan_measured.py``. With an untied output layer
-    nothing is tied: the last stage holds the output layer (in :func:`head_params`) and no embedding.
+    nothing is tied: the last stage holds the output layer (in :func:`head_params`) and no embedding. Under
+    DualPipeV (``dualpipev``) rank 0 holds the first and the last stage, the tied embedding once (one module).
     """
+    last = 0 if dualpipev and pp > 1 else pp - 1
     out = []
     for i, layers in enumerate(stage_layers(shape.num_layers, pp)):
         n = layers * layer_params(shape, tp)
         if i == 0:
             n += embedding_params(shape, tp)
-        if i == pp - 1:
+        if i == last:
             n += head_params(shape, tp)
-            if pp > 1 and not shape.untied:
+            if pp > 1 and not shape.untied and not dualpipev:
                 n += embedding_params(shape, tp)
         out.append(n)
     return out

@@ -108,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
                                                                                micro * args.dp)
         dtype = args.dtype or ("fp16" if cfg.precision.dtype == "auto" else cfg.precision.dtype)
         sp = args.sequence_parallel if args.sequence_parallel is not None else cfg.parallel.sequence_parallel
+        schedule = cfg.parallel.pipeline_schedule if pp > 1 else "1f1b"  # parallel.pipeline_schedule=... overrides
         lay = Layout(tp=tp, pp=pp, dp=args.dp, micro_batch=micro, global_batch=glob,
-                     gpus_per_node=args.gpus_per_node or hw.gpus_per_node, sequence_parallel=sp)
+                     gpus_per_node=args.gpus_per_node or hw.gpus_per_node, sequence_parallel=sp,
+                     virtual_pipeline=cfg.parallel.virtual_pipeline if schedule == "interleaved" else 1,
+                     dualpipev=schedule == "dualpipev")
         if lay.tp < 1:
             raise ConfigError(f"--tp must be >= 1, got {lay.tp}")
         shape = ModelShape.from_config(cfg.model, tp, cfg.bert)

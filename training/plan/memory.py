@@ -162,8 +162,12 @@ class Memory:
 def micro_batches_in_flight(lay: Layout, stage: int) -> float:
     """Whole-stage activations alive at the peak on ``stage``: min(p - i, m) micro-batches under 1F1B. Under the
     interleaved schedule (v chunks of l/(p v) layers) the first backward follows (p - i - 1) 2 + (v - 1) p + 1
-    chunk forwards (all v m when m = p, Megatron's order), i.e. that many / v stages' worth."""
+    chunk forwards (all v m when m = p, Megatron's order), i.e. that many / v stages' worth. Under DualPipeV (two
+    stages of l/(2p) layers per rank, DeepSpeed's ``DualPipeVSchedule``) every rank peaks at 2p + 1 stage forwards
+    (its warm-up holds 2p, the main step runs a forward before each backward), p + 1/2 stages' worth."""
     p, m, v = lay.pp, lay.num_micro, lay.virtual_pipeline
+    if lay.dualpipev and p > 1:
+        return (2 * p + 1) / 2
     if v == 1:
         return min(p - stage, m)
     chunks = v * m if m == p else min(v * m, (p - stage - 1) * 2 + (v - 1) * p + 1)
@@ -199,7 +203,7 @@ def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: boo
         act = in_flight * layers * per_layer
     if stage == 0:
         act += in_flight * k * sbh
-    if stage == lay.pp - 1:
+    if stage == (0 if lay.dualpipev else lay.pp - 1):  # DualPipeV: rank 0 holds the last stage too
         act += 2 * e * sbh + 4 * s * b * shape.vocab / lay.tp
     return act
 
@@ -211,7 +215,7 @@ def memory(shape: ModelShape, lay: Layout, dtype: str = "fp16", scores_stored: b
     state at ``zero_stage`` (with ``offload``)."""
     wb, gb, ob = state_bytes_per_param(dtype)
     e, k = activation_element_bytes(dtype, cpu)
-    params = stage_params(shape, lay.tp, lay.pp)
+    params = stage_params(shape, lay.tp, lay.pp, lay.dualpipev)
     best: Memory | None = None
     for i, n in enumerate(params):
         m = Memory(params=wb * n, grads=gb * n, optimizer=ob * n, optimizer_zero1=ZERO_OPTIMIZER_BYTES_PER_PARAM * n / lay.dp,

@@ -80,13 +80,15 @@ def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dty
     """The CLI report as text (tables)."""
     out: list[str] = []
     total = total_params(shape)
-    stages = stage_params(shape, lay.tp, lay.pp)
+    stages = stage_params(shape, lay.tp, lay.pp, lay.dualpipev)
     out.append(f"model: {shape.arch} l={shape.num_layers} h={shape.hidden} a={shape.heads} s={shape.seq} "
                f"V(padded)={shape.vocab:,} ffn={shape.ffn}{_llama_parts(shape)}")
     out.append(f"layout: TP={lay.tp} PP={lay.pp} DP={lay.dp} -> {lay.world} devices of {hw.name} "
                f"({hw.gpus_per_node}/node); micro batch {lay.micro_batch}, global batch {lay.global_batch}, "
                f"{lay.num_micro} micro-batches/step; dtype {dtype}"
-               + ("; sequence parallel" if lay.sequence_parallel else ""))
+               + ("; sequence parallel" if lay.sequence_parallel else "")
+               + (f"; interleaved v={lay.virtual_pipeline}" if lay.virtual_pipeline > 1 else "")
+               + ("; DualPipeV" if lay.dualpipev else ""))
     out.append("")
     out.append(f"parameters: total {total:,} ({_fmt_params(total)}), "
                + ("untied output layer included" if shape.untied else "tied output embedding counted once"))

@@ -49,6 +49,24 @@ def tp_allreduces_per_micro(shape: ModelShape, lay: Layout, ckpt: bool) -> int:
     return max(stage_layers(shape.num_layers, lay.pp)) * per_layer + ends
 
 
+def chunks_per_rank(lay: Layout) -> int:
+    """Stage-to-stage sends per micro-batch and direction on one rank: v under the interleaved schedule, 2 under
+    DualPipeV (each rank's two stages send both ways), 1 under 1F1B."""
+    return 2 if lay.dualpipev and lay.pp > 1 else lay.virtual_pipeline
+
+
+def bubble_fraction(lay: Layout) -> float:
+    """The pipeline bubble over the ideal step (work of m micro-batches): (p-1)/m under 1F1B, (p-1)/(v m) under the
+    interleaved schedule, (5p - 6)/(6m) under DeepSpeed's DualPipeV. The last is what its ``DualPipeVSchedule``
+    leaves idle with a backward twice the forward (weight gradients not deferred, forward and backward not
+    overlapped, as DeepSpeed runs them): (p-1)(F/2 + B) - F/2 per step for a rank's forward F and backward B of one
+    micro-batch, against 1F1B's (p-1)(F + B); tests/unit/test_pipeline_schedule.py simulates the schedule."""
+    p, m = lay.pp, lay.num_micro
+    if lay.dualpipev and p > 1:
+        return (5 * p - 6) / (6 * m)
+    return (p - 1) / (m * lay.virtual_pipeline)
+
+
 def comm(shape: ModelShape, lay: Layout, ckpt: bool, dtype: str = "fp16") -> Comm:
     act_bytes = 2 if dtype in ("fp16", "bf16") else 4
     sbh = shape.seq * lay.micro_batch * shape.hidden * act_bytes
@@ -57,8 +75,8 @@ def comm(shape: ModelShape, lay: Layout, ckpt: bool, dtype: str = "fp16") -> Com
     ce = 3 * shape.seq * lay.micro_batch * 4 if lay.tp > 1 else 0  # max, target logit, sum-exp (fp32)
     tp_payload = m * (n_ar * sbh + ce)
     # activations forward + their gradients backward, each way; per chunk under the interleaved schedule
-    pp_ops = 2 * m * lay.virtual_pipeline if lay.pp > 1 else 0
-    local = max(stage_params(shape, lay.tp, lay.pp))
+    pp_ops = 2 * m * chunks_per_rank(lay) if lay.pp > 1 else 0
+    local = max(stage_params(shape, lay.tp, lay.pp, lay.dualpipev))
     grad_bytes = state_bytes_per_param(dtype)[1]
     return Comm(tp_ops=m * (n_ar + (3 if lay.tp > 1 else 0)), tp_payload=tp_payload,
                 tp_wire=ring_allreduce_wire(tp_payload, lay.tp),
@@ -149,7 +167,7 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
       critical path (no overlap in Megatron TP). Intra-node link if t <= gpus_per_node.
     * PP: 2 m v point-to-point sends of b s h per stage (alpha + n / beta), plus the bubble
       (p - 1)/(v m) x (per-layer overhead + compute + replicated + TP); v = 1 under 1F1B, the chunks per rank
-      under the interleaved schedule (DualPipeV is modelled as 1F1B).
+      under the interleaved schedule, 2 under DualPipeV, whose bubble is :func:`bubble_fraction`'s.
     * DP: ring all-reduce of the local gradients. If the DP group (t d consecutive-stride ranks) fits in
       one node it uses NVLink; otherwise every node's NICs carry one ring crossing per DP group with
       members on that node: (gpus_per_node / k) rings, k = max(1, gpus_per_node // t) members per node.
@@ -182,12 +200,12 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
             pp_bw, pp_alpha = _bw(hw.intra_node_gbs, tm.link_efficiency), tm.alpha_intra_s
         else:
             pp_bw, pp_alpha = _bw(hw.inter_node_gbs, tm.link_efficiency) / G, tm.alpha_inter_s
-        v = lay.virtual_pipeline  # interleaving: v times the sends, 1/v of the bubble
+        v = chunks_per_rank(lay)  # interleaving: v times the sends, 1/v of the bubble
         pp = 0.0 if math.isinf(pp_bw) else 2 * m * v * (pp_alpha + sbh * act_bytes / pp_bw)
     layer_overhead = tm.overhead_layer_s * max(stage_layers(shape.num_layers, p)) * m
-    bubble = (p - 1) / (m * lay.virtual_pipeline) * (layer_overhead + compute + replicated + tp)
+    bubble = bubble_fraction(lay) * (layer_overhead + compute + replicated + tp)
 
-    grad_bytes = max(stage_params(shape, t, p)) * state_bytes_per_param(dtype)[1]
+    grad_bytes = max(stage_params(shape, t, p, lay.dualpipev)) * state_bytes_per_param(dtype)[1]
     if t * d <= G:
         dp = _allreduce_time(grad_bytes, d, tm.alpha_intra_s, _bw(hw.intra_node_gbs, tm.link_efficiency))
     else:
