@@ -45,6 +45,7 @@ from training import safe_load
 from training.checkpoint_reader import GATHERED_WEIGHTS, PipeNames, canonical_name, checkpoint_dir, read_client_state
 from training.config import Config
 from training.safe_load import CheckpointError
+from training.universal_info import UNIVERSAL_INFO_KEY, universal_checkpoint_info
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -241,6 +242,8 @@ def save(engine: DeepSpeedEngine, model: torch.nn.Module, state: TrainState, ps:
         "optimizer_param_names": optimizer_param_names(engine, model, desc),
         "dtype": desc.dtype,
     }
+    if layers is None:  # how DeepSpeed's ds_to_universal merges the TP shards (no universal conversion under PP)
+        client[UNIVERSAL_INFO_KEY] = universal_checkpoint_info(model, desc.padded_vocab, ps.dims.tp)
     if (root / tag).is_dir() and catalog.tag_state(root / tag) == "complete":
         # the same iteration is saved already (a run resumed at its last iteration ends here): a complete
         # checkpoint is never written into

@@ -59,6 +59,25 @@ def validate_zero(p: ParallelConfig) -> None:
                           f"parallel.zero_stage=2 (or 3) with parallel.pipeline=1")
 
 
+def validate_universal_load(source: str | None, init_from: str | None, p: ParallelConfig) -> None:
+    """``train.load_universal`` against the layout, each refusal one line: DeepSpeed's universal load fills the
+    partitions of its ZeRO optimizers (stages 1-3, not the project's own ZeRO-0 step) and of no pipeline model here
+    (its checkpoints carry no universal info: training.checkpoint)."""
+    if source is None:
+        return
+    if init_from is not None:
+        raise ConfigError(f"train.load_universal={source} with train.init_from={init_from}: a run starts from one "
+                          f"source; unset one of them")
+    if p.pipeline > 1:
+        raise ConfigError(f"train.load_universal with parallel.pipeline={p.pipeline}: universal checkpoints load "
+                          f"here with parallel.pipeline=1 only; change the PP layout with python -m "
+                          f"training.tools.reshard")
+    if p.zero_stage == 0:
+        raise ConfigError("train.load_universal with parallel.zero_stage=0: DeepSpeed's universal load fills its "
+                          "ZeRO optimizers' partitions (stages 1-3), not the project's own ZeRO-0 step; set "
+                          "parallel.zero_stage=1, 2 or 3")
+
+
 def validate_pipeline_schedule(p: ParallelConfig, m: ModelConfig) -> None:
     """The schedule's own rules (docs/pipeline.md), each refusal one line: interleaving needs PP >= 2, v >= 2
     dividing each rank's layers and micro-batches (gradient accumulation steps) in multiples of PP (Megatron-LM
