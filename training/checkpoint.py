@@ -4,7 +4,8 @@ Layout: RUN_DIR/checkpoints/iter_0000020/mp_rank_XX_model_states.pt (DeepSpeed's
 RUN_DIR/checkpoints/latest (the newest complete tag). ``latest`` is written by us, atomically, only
 after every rank has finished saving, so a process killed mid-save leaves the previous checkpoint
 loadable. Client state: config, iteration, consumed samples, tokenizer spec, partition tags (how TP
-shards merge) and every RNG state (DP replicas share RNG streams, so DP rank 0's copy is exact).
+shards merge), DeepSpeed's ``universal_checkpoint_info`` (the same, for ``ds_to_universal``: training.universal_info;
+PP=1) and every RNG state (DP replicas share RNG streams, so DP rank 0's copy is exact).
 
 What a resume restores is one object, :class:`TrainState` (counters and RNG streams); the rest of the
 client state describes the model (config, padded vocabulary, tokenizer, partition tags, layout) so that
