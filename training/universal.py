@@ -5,15 +5,15 @@ DIR is what ``python -m training.tools.to_universal`` writes: DeepSpeed's ``ds_t
 project's client state) and ``DIR/latest_universal`` naming the tag. A run whose own run directory holds no
 checkpoint yet builds its engine with ``checkpoint.load_universal: true`` (:func:`starts_from_universal`, read by
 ``training.ds_json``) and :func:`load` calls DeepSpeed's ``load_checkpoint`` on DIR: each ZeRO optimizer cuts its
-own partition of every parameter's fp32 master and Adam moments for this run's DP size (and stage); the client
+own partition of every parameter's fp32 master and Adam moments for this run's DP size and stage (1 or 2); the client
 state gives back the iteration, data position, RNG streams and LR schedule. From its first save on, the run
 resumes from its own checkpoints as any other (``train.load_universal`` is then not read).
 
 Refused in one line before any work (:func:`check_source`): a folder that is not a universal checkpoint, a source of
 another TP or PP degree (the TP layout moves through ``training.tools.reshard``), another tokenizer or model shape,
-and a change between ZeRO-3 and stages 1-2 (DeepSpeed names the model files by stage: ``mp_rank_XX_model_states.pt``
-at 1-2, ``zero_pp_rank_D_mp_rank_XX_model_states.pt`` at 3, and looks for its own stage's). The static rules (no
-pipeline, no ZeRO-0, not with ``train.init_from``) are ``training.parallel_config.validate_universal_load``.
+and a ZeRO-3 source (DeepSpeed names the model files by stage: ``mp_rank_XX_model_states.pt`` at 1-2,
+``zero_pp_rank_D_mp_rank_XX_model_states.pt`` at 3, and looks for its own stage's). The static rules (ZeRO-1/2, no
+pipeline, not with ``train.init_from``) are ``training.parallel_config.validate_universal_load``.
 
 NOTE: DeepSpeed reads the ``zero/`` files itself with ``torch.load(weights_only=False)`` (its
 ``load_hp_checkpoint_state``); the model-state files go through ``training.safe_load`` as every resume's do.
@@ -79,11 +79,10 @@ def check_source(cfg: Config, tp: int, pp: int, tokenizer_sha: str) -> str:
         raise ConfigError(f"train.load_universal={folder} was saved with TP={saved['tp']} PP={saved['pp']} but this "
                           f"run uses TP={tp} PP={pp}: start with parallel.tensor={saved['tp']} parallel.pipeline="
                           f"{saved['pp']} (a universal checkpoint changes DP size and ZeRO stage here)")
-    was, now = source["parallel"]["zero_stage"], cfg.parallel.zero_stage
-    if (was == 3) != (now == 3):
-        raise ConfigError(f"train.load_universal={folder} comes from a ZeRO-{was} run and this run uses ZeRO-{now}: "
-                          f"DeepSpeed's universal load reads the model files of its own stage (stages 1 and 2 share "
-                          f"theirs, ZeRO-3 has its own); set parallel.zero_stage={'3' if was == 3 else '1 or 2'}")
+    if source["parallel"]["zero_stage"] == 3:  # a folder ds_to_universal wrote itself (the tool refuses ZeRO-3)
+        raise ConfigError(f"train.load_universal={folder} comes from a ZeRO-3 run: DeepSpeed's universal load reads "
+                          f"the model files of its own stage (ZeRO-3 names its own) and ZeRO-3 loads are refused here; "
+                          f"change a ZeRO-3 run's DP size with python -m training.tools.reshard --dp")
     sha = (meta.get("tokenizer") or {}).get("sha256")
     if sha and sha != tokenizer_sha:
         raise ConfigError(f"train.load_universal={folder} was trained with another tokenizer (file sha256 {sha} vs "

@@ -124,6 +124,9 @@ def test_load_universal_refusals_are_one_line(tmp_path):
     cases = [
         (["train.load_universal=/u", "parallel.zero_stage=0"],
          r"^train.load_universal with parallel.zero_stage=0: DeepSpeed's universal load fills its ZeRO optimizers"),
+        (["train.load_universal=/u", "parallel.zero_stage=3", "parallel.tensor=1"],
+         r"^train.load_universal with parallel.zero_stage=3: DeepSpeed's ZeRO-3 universal load continued a DP 2 -> 1 "
+         r"change only within 0.0002 of the losses here"),
         (["train.load_universal=/u", "parallel.zero_stage=1", "parallel.pipeline=2"],
          r"^train.load_universal with parallel.pipeline=2: universal checkpoints load here with parallel.pipeline=1"),
         (["train.load_universal=/u", "parallel.zero_stage=1", "train.init_from=/r"],
