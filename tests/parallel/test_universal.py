@@ -52,7 +52,9 @@ def _continues(got, ref, start):
 @needs_corpus
 def test_dp_and_zero_stage_change_through_the_universal_checkpoint(spm_model, tmp_path):
     from megatron_ds_suite.core.errors import ConfigError
+    from training.config import load_config
     from training.tools.to_universal import convert
+    from training.universal import check_source
 
     ref, opt, ds = run_distributed(_train, 2, spm_model, str(tmp_path / "dp2"), 1, 4, timeout=600)[0]
     assert opt == "DeepSpeedZeroOptimizer" and ds is None and ref[-1][1] < ref[0][1]  # ZeRO-1, and it learns
@@ -61,6 +63,14 @@ def test_dp_and_zero_stage_change_through_the_universal_checkpoint(spm_model, tm
     assert not list(tmp_path.glob(".u4.converting-*"))  # the temporary folder was renamed into place
     with pytest.raises(ConfigError, match=r"^--out .*u4 exists and is not empty: choose a new directory$"):
         convert(tmp_path / "dp2", tmp_path / "u4", tag="iter_0000004")
+    moments = torch.load(tmp_path / "u4" / "iter_0000004" / "zero" / "layers.0.attn.qkv.weight" / "exp_avg_sq.pt",
+                         weights_only=False)["param"]
+    assert moments.shape == (3 * 64, 64) and moments.min() >= 0 and moments.max() > 0  # the whole tensor, trained
+    cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", [f"train.load_universal={tmp_path / 'u4'}",
+                                                            "parallel.zero_stage=2"])
+    with pytest.raises(ConfigError, match=r"was saved with TP=1 PP=1 but this run uses TP=2 PP=1: start with "
+                                          r"parallel.tensor=1 parallel.pipeline=1"):
+        check_source(cfg, 2, 1, "")
     # DP 2 ZeRO-1 -> DP 1 ZeRO-2
     dp1, opt, ds = run_distributed(_train, 1, spm_model, str(tmp_path / "dp1"), 2, 7, str(tmp_path / "u4"),
                                    timeout=600)[0]
