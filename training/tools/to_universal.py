@@ -53,7 +53,7 @@ def check_source(run_dir: Path, tag: str | None) -> tuple[str, dict]:
                           f"training.tools.reshard")
     if cfg["parallel"]["zero_stage"] == 3:
         raise ConfigError(f"{where} was saved at parallel.zero_stage=3: a universal load continues only ZeRO-1/2 runs "
-                          f"here (training.parallel_config.ZERO3_UNIVERSAL_DRIFT); change a ZeRO-3 run's DP size with "
+                          f"here (DeepSpeed's ZeRO-3 universal load loses the parameter groups' own weight decay); change a ZeRO-3 run's DP size with "
                           f"python -m training.tools.reshard --dp")
     if meta["parallel"]["pp"] > 1:
         raise ConfigError(f"{where} was saved with parallel.pipeline={meta['parallel']['pp']}: universal checkpoints "
