@@ -4,7 +4,8 @@ Layout: RUN_DIR/checkpoints/iter_0000020/mp_rank_XX_model_states.pt (DeepSpeed's
 RUN_DIR/checkpoints/latest (the newest complete tag). ``latest`` is written by us, atomically, only
 after every rank has finished saving, so a process killed mid-save leaves the previous checkpoint
 loadable. Client state: config, iteration, consumed samples, tokenizer spec, partition tags (how TP
-shards merge) and every RNG state (DP replicas share RNG streams, so DP rank 0's copy is exact).
+shards merge), DeepSpeed's ``universal_checkpoint_info`` (the same, for ``ds_to_universal``: training.universal_info;
+PP=1) and every RNG state (DP replicas share RNG streams, so DP rank 0's copy is exact).
 
 What a resume restores is one object, :class:`TrainState` (counters and RNG streams); the rest of the
 client state describes the model (config, padded vocabulary, tokenizer, partition tags, layout) so that
@@ -45,6 +46,7 @@ from training import safe_load
 from training.checkpoint_reader import GATHERED_WEIGHTS, PipeNames, canonical_name, checkpoint_dir, read_client_state
 from training.config import Config
 from training.safe_load import CheckpointError
+from training.universal_info import UNIVERSAL_INFO_KEY, universal_checkpoint_info
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -241,6 +243,8 @@ def save(engine: DeepSpeedEngine, model: torch.nn.Module, state: TrainState, ps:
         "optimizer_param_names": optimizer_param_names(engine, model, desc),
         "dtype": desc.dtype,
     }
+    if layers is None:  # how DeepSpeed's ds_to_universal merges the TP shards (no universal conversion under PP)
+        client[UNIVERSAL_INFO_KEY] = universal_checkpoint_info(model, desc.padded_vocab, ps.dims.tp)
     if (root / tag).is_dir() and catalog.tag_state(root / tag) == "complete":
         # the same iteration is saved already (a run resumed at its last iteration ends here): a complete
         # checkpoint is never written into

@@ -33,7 +33,7 @@ from megatron_ds_suite.core.errors import ConfigError
 # in this module's namespace (a genuine use, not a re-export for callers: they import from training.models.config
 # and training.parallel_config)
 from training.models.config import OLD_RECOMPUTE_KEY, ModelConfig, validate_model_options, validate_shape
-from training.parallel_config import ParallelConfig, validate_pipeline_schedule, validate_zero
+from training.parallel_config import ParallelConfig, validate_pipeline_schedule, validate_universal_load, validate_zero
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,6 +102,10 @@ class TrainConfig(Freezable):
     """Run directory (any TP/PP, e.g. written by training.tools.import_hf) whose weights start this run, with a
     fresh optimizer, schedule and data position; its model shape replaces model.* (see training.init_from).
     Ignored once this run has a checkpoint of its own (resume wins)."""
+    load_universal: str | None = None
+    """A universal checkpoint folder (``python -m training.tools.to_universal``) this run starts from: weights, Adam
+    moments, LR schedule, iteration, data position and RNG streams, at this run's DP size and ZeRO stage (1 or 2; the
+    same TP, PP=1; docs/zero.md). Ignored once this run has a checkpoint of its own (resume wins)."""
 
 
 @dataclass
@@ -333,6 +337,7 @@ def validate_static(cfg: Config) -> None:  # noqa: C901
     validate_model_options(m)
     validate_document_options(cfg)
     validate_zero(p)
+    validate_universal_load(t.load_universal, t.init_from, p)
     validate_pipeline_schedule(p, m)
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optimizer: need 0 <= min_lr <= lr and lr > 0 (got lr={o.lr}, min_lr={o.min_lr})")

@@ -33,8 +33,10 @@ def offload_keys(cfg: Config) -> dict[str, Any]:
     return {"zero_force_ds_cpu_optimizer": False} if cfg.parallel.offload_optimizer != "none" else {}
 
 
-def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
-    """The DeepSpeed JSON, derived from the run config (saved as RUN_DIR/ds_config.json)."""
+def deepspeed_config(cfg: Config, dp: int, dtype: str, from_universal: bool = False) -> dict[str, Any]:
+    """The DeepSpeed JSON, derived from the run config (saved as RUN_DIR/ds_config.json). ``from_universal``: the
+    engine starts from ``train.load_universal`` (``checkpoint.load_universal``: DeepSpeed reads the universal layout;
+    once the run has a checkpoint of its own it resumes from that, in its own layout: ``training.universal``)."""
     t, pr = cfg.train, cfg.precision
     gas = grad_accumulation(t.global_batch_size, t.micro_batch_size, dp)
     check_micro_batches(cfg.parallel, gas)
@@ -55,6 +57,8 @@ def deepspeed_config(cfg: Config, dp: int, dtype: str) -> dict[str, Any]:
         # sequence chunk whole (already 1/tensor of the activation). The interleaved and DualPipeV engines send
         # whole tensors (DualPipeV refuses the partitioned sends)
         ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
+    if from_universal:
+        ds["checkpoint"] = {"load_universal": True}
     if dtype == "fp16":
         ds["fp16"].update({
             "loss_scale": pr.loss_scale,

@@ -59,6 +59,7 @@ OWNERS: dict[str, str] = {
     "fp16.loss_scale_window": "precision.loss_scale_window",
     "fp16.hysteresis": "precision.hysteresis",
     "fp16.min_loss_scale": "precision.min_loss_scale",
+    "checkpoint.load_universal": "train.load_universal (on while the run starts from a universal checkpoint)",
     "tensorboard": "run.tensorboard",
     "csv_monitor": "run.csv",
     "wandb": "run.wandb",

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from training import checkpoint as ckpt
-from training import init_from, tracking
+from training import init_from, tracking, universal
 from training.config import Config
 from training.ds_json import deepspeed_config
 from training.layout import Layout
@@ -83,6 +83,7 @@ class Trainer:
     desc: ckpt.ModelDescription
     # built from it
     model: torch.nn.Module
+    from_universal: bool  # starts from train.load_universal (training.universal)
     ds_config: dict[str, Any]  # the DeepSpeed JSON (training.ds_json), saved as RUN_DIR/ds_config.json
     pipe: bool  # pipeline-parallel: DeepSpeed's PipelineModule and train_batch
     engine: Engine  # DeepSpeed's engine with the project's optimizer step (training.optim.engine)
@@ -106,6 +107,10 @@ class Trainer:
         self.recompute_choice = run.recompute_choice
         self.padded_vocab = self.task.padded_vocab(self.layout)
         self.desc = ckpt.ModelDescription(cfg, self.dtype, self.padded_vocab, self.task.tokenizer)
+        # train.load_universal, before this run's first save (the engine is built for it)
+        self.from_universal = from_universal = universal.starts_from_universal(cfg)
+        if from_universal:  # its refusals before any work
+            universal.check_source(cfg, self.ps.dims.tp, self.ps.dims.pp, self.task.tokenizer.file_sha256())
         t = cfg.train
         self.task.build_data()
         self.model = self.task.build_model(self.padded_vocab)
@@ -113,7 +118,7 @@ class Trainer:
             compile_layers(self.model, cuda_graph=cfg.model.cuda_graph)  # (training/models/compile_layers.py)
         init_from.load_weights(self.model, self.desc, self.ps)  # train.init_from's weights, before the engine copies them
         optimizer, scheduler = build_optimizer(self.model, cfg.optimizer, t.iters)
-        self.ds_config = deepspeed_config(cfg, self.dp, self.dtype)
+        self.ds_config = deepspeed_config(cfg, self.dp, self.dtype, from_universal)
         tracking.start(cfg)  # W&B mode/dir before DeepSpeed's monitor calls wandb.init
         self.pipe = cfg.parallel.pipeline > 1
         # the engine with the project's optimizer step and every DeepSpeed adaptation (training/optim/engine.py)
@@ -357,7 +362,8 @@ class Trainer:
         lock = None if run_dir_locked else run_lock.acquire_for_rank0(self.run_dir, self.is_rank0)
         try:
             # a shard one rank cannot read stops every rank, with one line
-            resumed = agreed(lambda: ckpt.load(self.engine, self.state, self.ps, self.desc))
+            resumed = agreed(lambda: ckpt.load(self.engine, self.state, self.ps, self.desc)
+                             or (self.from_universal and universal.load(self.engine, self.state, self.ps, self.desc)))
             writer = MetricsWriter(self.run_dir, cfg.train.iters, self.is_rank0,
                                    self.engine.metrics_monitor,
                                    resume_iteration=self.iteration if resumed else None,

@@ -56,6 +56,11 @@ def reshard() -> None:
     _run("training.tools.reshard")
 
 
+def to_universal() -> None:
+    """``megatron-ds-to-universal`` = ``python -m training.tools.to_universal``."""
+    _run("training.tools.to_universal")
+
+
 def plan() -> None:
     """``megatron-ds-plan`` = ``python -m training.plan``."""
     _run("training.plan.cli", prepare=False)  # the package re-exports nothing: main lives in its cli module

@@ -1,0 +1,83 @@
+"""A run changes its data-parallel size and ZeRO stage through DeepSpeed's universal checkpoint (issue 42 item 3):
+``training.tools.to_universal`` (DeepSpeed's ``ds_to_universal``) and ``train.load_universal`` (DeepSpeed's
+``checkpoint.load_universal``).
+
+A ZeRO-1 run at DP 2 trains 10 steps, saving at step 4 (the reference: a resume continues bitwise, test_zero2.py).
+Its step-4 checkpoint, converted, starts a ZeRO-2 run at DP 1 that saves at step 7; that one, converted, starts a
+ZeRO-1 run at DP 2 again. Each continues with the reference's losses (fp32, within 1e-5 relative: the same global
+batches, only the gradient reduction order differs) and learning rates: the weights, Adam moments (a reset would
+change every loss after the first step), data position and schedule are carried. TP 1 keeps it to 2 + 1 + 2
+processes; the TP merge is checked by tests/unit/test_universal.py (TP 2 x DP 2 -> TP 2 x DP 1 measured once:
+7e-8, docs/zero.md).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.distributed import run_distributed
+from tests.helpers.training_runs import ROOT, needs_corpus, tiny_overrides
+
+STEPS = 10
+
+
+def _train(rank, world, spec, run_dir, zero, save_interval, load_universal=None):
+    from training.config import load_config
+    from training.resolve import resolve_run
+    from training.trainer import Trainer
+
+    ov = tiny_overrides(spec, run_dir, **{"parallel.tensor": 1, "parallel.zero_stage": zero,
+                                          "train.iters": STEPS, "train.log_interval": 1, "train.eval_interval": 0,
+                                          "train.save_interval": save_interval, "train.keep_last": 3,
+                                          "train.load_universal": load_universal or "null"})
+    t = Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", ov)))
+    t.train()
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return ([(r["iteration"], r["loss"], r["lr"]) for r in rows if "event" not in r],
+            type(t.engine.optimizer).__name__, t.ds_config.get("checkpoint"))
+
+
+def _continues(got, ref, start):
+    """``got`` (a run started from the step-``start`` checkpoint) has ``ref``'s iterations, losses and rates after it."""
+    tail = ref[start:]
+    assert [r[0] for r in got] == [r[0] for r in tail] == list(range(start + 1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([r[1] for r in got]), torch.tensor([r[1] for r in tail]),
+                               rtol=1e-5, atol=0)
+    assert [r[2] for r in got] == [r[2] for r in tail]  # the LR schedule goes on where it was
+
+
+@needs_corpus
+def test_dp_and_zero_stage_change_through_the_universal_checkpoint(spm_model, tmp_path):
+    from megatron_ds_suite.core.errors import ConfigError
+    from training.config import load_config
+    from training.tools.to_universal import convert
+    from training.universal import check_source
+
+    ref, opt, ds = run_distributed(_train, 2, spm_model, str(tmp_path / "dp2"), 1, 4, timeout=600)[0]
+    assert opt == "DeepSpeedZeroOptimizer" and ds is None and ref[-1][1] < ref[0][1]  # ZeRO-1, and it learns
+    convert(tmp_path / "dp2", tmp_path / "u4", tag="iter_0000004")
+    assert (tmp_path / "u4" / "latest_universal").read_text() == "iter_0000004"
+    assert not list(tmp_path.glob(".u4.converting-*"))  # the temporary folder was renamed into place
+    with pytest.raises(ConfigError, match=r"^--out .*u4 exists and is not empty: choose a new directory$"):
+        convert(tmp_path / "dp2", tmp_path / "u4", tag="iter_0000004")
+    moments = torch.load(tmp_path / "u4" / "iter_0000004" / "zero" / "layers.0.attn.qkv.weight" / "exp_avg_sq.pt",
+                         weights_only=False)["param"]
+    assert moments.shape == (3 * 64, 64) and moments.min() >= 0 and moments.max() > 0  # the whole tensor, trained
+    cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", [f"train.load_universal={tmp_path / 'u4'}",
+                                                            "parallel.zero_stage=2"])
+    with pytest.raises(ConfigError, match=r"was saved with TP=1 PP=1 but this run uses TP=2 PP=1: start with "
+                                          r"parallel.tensor=1 parallel.pipeline=1"):
+        check_source(cfg, 2, 1, "")
+    # DP 2 ZeRO-1 -> DP 1 ZeRO-2
+    dp1, opt, ds = run_distributed(_train, 1, spm_model, str(tmp_path / "dp1"), 2, 7, str(tmp_path / "u4"),
+                                   timeout=600)[0]
+    assert opt == "DeepSpeedZeroOptimizer" and ds == {"load_universal": True}
+    _continues(dp1, ref, 4)
+    # DP 1 ZeRO-2 -> DP 2 ZeRO-1
+    convert(tmp_path / "dp1", tmp_path / "u7", tag="iter_0000007")
+    back, _, _ = run_distributed(_train, 2, spm_model, str(tmp_path / "back"), 1, 0, str(tmp_path / "u7"),
+                                 timeout=600)[0]
+    _continues(back, ref, 7)

@@ -1,0 +1,112 @@
+"""Starting a run from a DeepSpeed universal checkpoint: ``train.load_universal: DIR`` (docs/zero.md).
+
+DIR is what ``python -m training.tools.to_universal`` writes: DeepSpeed's ``ds_to_universal`` output for one tag
+(``DIR/<tag>/zero/<parameter>/{fp32,exp_avg,exp_avg_sq}.pt``, the source's ``*model_states.pt`` files with this
+project's client state) and ``DIR/latest_universal`` naming the tag. A run whose own run directory holds no
+checkpoint yet builds its engine with ``checkpoint.load_universal: true`` (:func:`starts_from_universal`, read by
+``training.ds_json``) and :func:`load` calls DeepSpeed's ``load_checkpoint`` on DIR: each ZeRO optimizer cuts its
+own partition of every parameter's fp32 master and Adam moments for this run's DP size and stage (1 or 2); the client
+state gives back the iteration, data position, RNG streams and LR schedule. From its first save on, the run
+resumes from its own checkpoints as any other (``train.load_universal`` is then not read).
+
+Refused in one line before any work (:func:`check_source`): a folder that is not a universal checkpoint, a source of
+another TP or PP degree (the TP layout moves through ``training.tools.reshard``), another tokenizer or model shape,
+and a ZeRO-3 source (DeepSpeed names the model files by stage: ``mp_rank_XX_model_states.pt`` at 1-2,
+``zero_pp_rank_D_mp_rank_XX_model_states.pt`` at 3, and looks for its own stage's). The static rules (ZeRO-1/2, no
+pipeline, not with ``train.init_from``) are ``training.parallel_config.validate_universal_load``.
+
+NOTE: DeepSpeed reads the ``zero/`` files itself with ``torch.load(weights_only=False)`` (its
+``load_hp_checkpoint_state``); the model-state files go through ``training.safe_load`` as every resume's do.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron_ds_suite.core.errors import ConfigError
+from training import safe_load
+from training.checkpoint_catalog import plan_resume
+from training.config import Config
+from training.init_from import SHAPE_KEYS
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+    from training.checkpoint import ModelDescription, TrainState
+    from training.parallel.state import ParallelState
+
+logger = logging.getLogger("training")
+
+LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's name: the tag a universal load reads
+
+
+def universal_tag(folder: str | Path, what: str = "train.load_universal") -> str:
+    """The tag of the universal checkpoint in ``folder`` (``latest_universal`` naming a folder with ``zero/``); one
+    ConfigError line when ``folder`` is not one."""
+    folder = Path(folder)
+    latest = folder / LATEST_UNIVERSAL
+    tag = latest.read_text(encoding="utf-8", errors="replace").strip() if latest.is_file() else ""
+    if not tag or "/" in tag or not (folder / tag / "zero").is_dir():
+        raise ConfigError(f"{what}={folder} is not a universal checkpoint (no {LATEST_UNIVERSAL} naming a folder with "
+                          f"zero/): write one with python -m training.tools.to_universal --checkpoint RUN_DIR --out "
+                          f"{folder}")
+    return tag
+
+
+def model_state_file(folder: str | Path, tag: str) -> Path:
+    """The first ``*model_states.pt`` of ``folder/tag`` (each holds this project's client state)."""
+    files = sorted((Path(folder) / tag).glob("*model_states.pt"))
+    if not files:
+        raise ConfigError(f"universal checkpoint {Path(folder) / tag} has no *model_states.pt file: convert the run "
+                          f"again with python -m training.tools.to_universal")
+    return files[0]
+
+
+def starts_from_universal(cfg: Config) -> bool:
+    """Whether this run starts from ``train.load_universal``: it is set and the run directory holds no checkpoint to
+    resume (reads only; every rank reads alike)."""
+    return cfg.train.load_universal is not None and plan_resume(cfg.run.dir, cfg.train.resume_tag).tag is None
+
+
+def check_source(cfg: Config, tp: int, pp: int, tokenizer_sha: str) -> str:
+    """Every refusal of a universal start (one line each) before any work; returns the tag to load."""
+    folder = cfg.train.load_universal
+    tag = universal_tag(folder)
+    meta = safe_load.load(model_state_file(folder, tag))
+    saved, source = meta["parallel"], meta["config"]
+    if (saved["tp"], saved["pp"]) != (tp, pp):
+        raise ConfigError(f"train.load_universal={folder} was saved with TP={saved['tp']} PP={saved['pp']} but this "
+                          f"run uses TP={tp} PP={pp}: start with parallel.tensor={saved['tp']} parallel.pipeline="
+                          f"{saved['pp']} (a universal checkpoint changes DP size and ZeRO stage here)")
+    if source["parallel"]["zero_stage"] == 3:  # a folder ds_to_universal wrote itself (the tool refuses ZeRO-3)
+        raise ConfigError(f"train.load_universal={folder} comes from a ZeRO-3 run: DeepSpeed's universal load reads "
+                          f"the model files of its own stage (ZeRO-3 names its own) and ZeRO-3 loads are refused here; "
+                          f"change a ZeRO-3 run's DP size with python -m training.tools.reshard --dp")
+    sha = (meta.get("tokenizer") or {}).get("sha256")
+    if sha and sha != tokenizer_sha:
+        raise ConfigError(f"train.load_universal={folder} was trained with another tokenizer (file sha256 {sha} vs "
+                          f"now {tokenizer_sha}): start with the original tokenizer files")
+    model = cfg.to_dict()["model"]
+    differ = [k for k in SHAPE_KEYS if source["model"].get(k) != model.get(k)]
+    if differ:
+        k = differ[0]
+        raise ConfigError(f"train.load_universal={folder} has model.{k}={source['model'].get(k)} but this run "
+                          f"model.{k}={model.get(k)}: set the source's model shape")
+    return tag
+
+
+def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: ModelDescription) -> bool:
+    """Collective, for a run that starts from ``train.load_universal`` (:func:`starts_from_universal`, before the
+    engine was built with ``checkpoint.load_universal``): the engine and ``state`` from it. Returns True."""
+    folder = desc.cfg.train.load_universal
+    tag = universal_tag(folder)
+    safe_load.install()  # DeepSpeed's reads of the model-state files with weights_only=True
+    _, client = engine.load_checkpoint(str(folder), tag=tag)
+    if client is None:
+        raise RuntimeError(f"DeepSpeed could not load the universal checkpoint {Path(folder) / tag}")
+    state.restore(client)
+    if ps.rank == 0:
+        logger.info("started from universal checkpoint %s at iteration %d (DP %d, ZeRO-%d)", Path(folder) / tag,
+                    state.iteration, ps.dims.dp, desc.cfg.parallel.zero_stage)
+    return True
