@@ -337,3 +337,36 @@ def test_gqa_and_swiglu_shards_merge_into_our_layout():
     assert torch.equal(merged["layers.0.attn.qkv.weight"], fuse_qkv(q, k, v, heads, groups))
     assert all(map(torch.equal, split_qkv(merged["layers.0.attn.qkv.weight"], heads, groups), (q, k, v)))
     assert torch.equal(merged["layers.0.mlp.fc.weight"], torch.cat([gate, up]))
+
+
+def test_virtual_pipeline_chunks_import_in_megatrons_layer_order(tmp_path):
+    """A TP=2 x PP=2 checkpoint with a virtual pipeline of 2 (``model0``, ``model1`` per rank file; chunk c of
+    pipeline rank r holds global layer 2c + r, Megatron's assignment) made from the stage files of the same 4-layer
+    model at PP=4: the import equals the tensors, and a file with chunks the args do not announce is one line."""
+    from training.checkpoint_reader import load_merged_state_dict
+
+    full = write_megatron_gpt2(tmp_path / "pp4", tp=2, pp=4, layers=4)
+    src = tmp_path / "vpp"
+    for t in range(2):
+        for r in range(2):
+            chunks = [torch.load(tmp_path / "pp4" / "iter_0000007" / f"mp_rank_{t:02d}_{c * 2 + r:03d}" / FILE,
+                                 weights_only=False) for c in range(2)]
+            state = {**chunks[0], "model0": chunks[0]["model"], "model1": chunks[1]["model"]}
+            del state["model"]
+            state["args"].pipeline_model_parallel_size, state["args"].virtual_pipeline_model_parallel_size = 2, 2
+            (src / "iter_0000007" / f"mp_rank_{t:02d}_{r:03d}").mkdir(parents=True)
+            torch.save(state, src / "iter_0000007" / f"mp_rank_{t:02d}_{r:03d}" / FILE)
+    (src / "latest_checkpointed_iteration.txt").write_text("7")
+    merged, cfg, _ = load_merged_state_dict(_import(src, tmp_path / "out"))
+    assert cfg.model.num_layers == 4
+    for name, t in full.items():
+        want = t[:V] if name == "embedding.word_embeddings.weight" else t
+        assert torch.equal(merged[name][:want.size(0)], want.float()), name
+    for r in range(2):  # the args say no virtual pipeline: refused, nothing written
+        _edit(src / "iter_0000007" / f"mp_rank_00_{r:03d}" / FILE,
+              lambda s: setattr(s["args"], "virtual_pipeline_model_parallel_size", None))
+        _edit(src / "iter_0000007" / f"mp_rank_01_{r:03d}" / FILE,
+              lambda s: setattr(s["args"], "virtual_pipeline_model_parallel_size", None))
+    (tmp_path / "refused").mkdir()
+    _refused(src, tmp_path / "refused", "holds 2 model chunk(s) but the checkpoint's args say "
+             "virtual_pipeline_model_parallel_size=1")

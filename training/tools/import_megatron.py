@@ -75,7 +75,7 @@ def refuse_unsupported(args, arch: str) -> None:
         "untie_embeddings_and_output_weights": (False, True, None),
         "apply_residual_connection_post_layernorm": (False, None),
         "add_bias_linear": (True, False, None), "add_qkv_bias": (False, True, None),
-        "num_experts": (None, 0, 1), "virtual_pipeline_model_parallel_size": (None, 1),
+        "num_experts": (None, 0, 1),
         "transformer_impl": ("local", "transformer_engine", None),
         "qk_layernorm": (False, None), "rotary_interleaved": (False, None), "use_rope_scaling": (False, None),
     }

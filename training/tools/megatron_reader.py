@@ -80,7 +80,7 @@ class RankFile:
     one checkpoint shares (iteration, checkpoint_version, the args apart from the process's own rank)."""
 
     path: Path
-    model: dict[str, torch.Tensor]
+    chunks: list[dict[str, torch.Tensor]]  # ``model`` or, with a virtual pipeline, ``model0``, ``model1``, ...
     args: argparse.Namespace | None
     shared_args: dict[str, tuple]
     iteration: object
@@ -113,21 +113,21 @@ def load_file(path: Path) -> RankFile:
     if not isinstance(state, dict):
         raise ImportMegatronError(f"{path} holds a {type(state).__name__}, not a Megatron checkpoint dict")
     found = leaves(state, str(path))
-    if "model" not in state:
-        keys = ", ".join(sorted(k for k in state if isinstance(k, str))[:6])
-        hint = (" (virtual pipeline chunks model0, model1, ...: merge them with Megatron's tools/checkpoint first)"
-                if "model0" in state else "")
-        raise ImportMegatronError(f"{path} has no 'model' entry (keys: {keys}){hint}")
-    model = {}
+    keys = ["model"] if "model" in state else [f"model{i}" for i in range(sum(f"model{i}" in state for i in range(len(state))))]
+    if not keys:
+        shown_keys = ", ".join(sorted(k for k in state if isinstance(k, str))[:6])
+        raise ImportMegatronError(f"{path} has neither a 'model' entry nor virtual pipeline chunks model0, model1, ... "
+                                  f"(keys: {shown_keys})")
+    chunks: list[dict[str, torch.Tensor]] = [{} for _ in keys]
     for p, value in found:  # Megatron nests per sub-module; ``_extra_state`` (Transformer Engine) is not a weight
         name = path_name(p[1:])
-        if p[:1] == ("model",) and torch.is_tensor(value) and not name.endswith("_extra_state"):
-            model[name] = value
+        if p[:1] and p[0] in keys and torch.is_tensor(value) and not name.endswith("_extra_state"):
+            chunks[keys.index(p[0])][name] = value
     args = state.get("args") if isinstance(state.get("args"), argparse.Namespace) else None
     shared = {path_name(p[1:]): _leaf_key(v) for p, v in found if p[:1] == ("args",) and p[1:2] not in
               [(k,) for k in RANK_ARGS]}
     check_args(args, path)
-    return RankFile(path, model, args, shared, state.get("iteration"), checkpoint_version(state, path))
+    return RankFile(path, chunks, args, shared, state.get("iteration"), checkpoint_version(state, path))
 
 
 def check_same_checkpoint(first: RankFile, other: RankFile) -> None:
@@ -152,7 +152,8 @@ def check_same_checkpoint(first: RankFile, other: RankFile) -> None:
 # them with these types; a string "24" or "False" is a damaged or edited file, refused rather than guessed.
 INT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "seq_length",
             "make_vocab_size_divisible_by", "kv_channels", "ffn_hidden_size", "tensor_model_parallel_size",
-            "pipeline_model_parallel_size", "model_parallel_size", "padded_vocab_size", "num_query_groups", "rotary_base")
+            "pipeline_model_parallel_size", "model_parallel_size", "padded_vocab_size", "num_query_groups", "rotary_base",
+            "virtual_pipeline_model_parallel_size")
 FLOAT_ARGS = {"hidden_dropout": (0.0, 1.0), "attention_dropout": (0.0, 1.0), "layernorm_epsilon": (0.0, math.inf),
               "norm_epsilon": (0.0, math.inf), "rotary_percent": (0.0, math.nextafter(1.0, 2.0)),
               "init_method_std": (0.0, math.inf)}

@@ -26,6 +26,7 @@ from training.models.qkv import fuse_qkv
 from training.tools.megatron_names import layer_of, rename, split_dim
 from training.tools.megatron_reader import (
     ImportMegatronError,
+    RankFile,
     check_rank_files,
     check_same_checkpoint,
     load_file,
@@ -104,13 +105,61 @@ def check_shards(per_rank: list[dict[str, torch.Tensor]], paths: list[Path]) -> 
                                       f"and {paths[i]} ({few(differ)}): {fix}")
 
 
+class RankFiles:
+    """The rank files of one checkpoint, each loaded when first needed, checked against the first
+    (:func:`check_same_checkpoint`, the same number of virtual pipeline chunks) and dropped by :meth:`done`."""
+
+    def __init__(self, files: dict[tuple[int, int], Path]):
+        self.files = files
+        self.first = load_file(files[min(files)])
+        self.loaded: dict[tuple[int, int], RankFile] = {min(files): self.first}
+        chunks = len(self.first.chunks)
+        want = megatron_arg(self.first.args, "virtual_pipeline_model_parallel_size") or 1
+        if want != chunks:
+            raise ImportMegatronError(f"{self.first.path} holds {chunks} model chunk(s) but the checkpoint's args say "
+                                      f"virtual_pipeline_model_parallel_size={want}: a damaged checkpoint")
+
+    def get(self, rank: int, stage: int) -> RankFile:
+        if (rank, stage) not in self.loaded:
+            rf = self.loaded[(rank, stage)] = load_file(self.files[(rank, stage)])
+            check_same_checkpoint(self.first, rf)
+            if len(rf.chunks) != len(self.first.chunks):
+                raise ImportMegatronError(f"{rf.path} holds {len(rf.chunks)} model chunk(s), {self.first.path} "
+                                          f"{len(self.first.chunks)}: rank files of different checkpoints mixed in one "
+                                          f"folder")
+        return self.loaded[(rank, stage)]
+
+    def done(self, stage: int) -> None:
+        """Forget a stage's files (after its last chunk: with v = 1, one stage's files in memory at a time)."""
+        for key in [k for k in self.loaded if k[1] == stage]:
+            del self.loaded[key]
+
+
+def stage_shards(rank_files: list[RankFile], chunk: int, offset: int, untied: bool
+                 ) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """(each TP rank's tensors of chunk ``chunk`` of one stage in our names, layers shifted by ``offset``; how many
+    layers the chunk holds)."""
+    per_rank, layers = [], set()
+    for rf in rank_files:
+        layers = {i for i in map(layer_of, rf.chunks[chunk]) if i is not None}
+        renamed = {}
+        for name, t in rf.chunks[chunk].items():
+            ours = rename(name, offset, untied)
+            if ours is not None:
+                renamed[ours] = t
+        per_rank.append(renamed)
+    return per_rank, len(layers)
+
+
 def read_weights(files: dict[tuple[int, int], Path], heads: int | None
                  ) -> tuple[dict[str, torch.Tensor], argparse.Namespace | None, float, tuple[int, int]]:
     """All files -> (TP=1 weights in our names, Megatron's args or None, checkpoint_version, (source TP, PP)).
     The first file's args say how many rank files there must be (:func:`check_rank_files`), every other file must
     be of the same checkpoint (:func:`check_same_checkpoint`) and agree with its stage's other ranks
-    (:func:`check_shards`), all before any tensor is merged."""
-    first = load_file(files[min(files)])
+    (:func:`check_shards`) before its tensors are merged. With a virtual pipeline of v chunks (``model0``, ...),
+    the layers are chunk 0 of every stage, then chunk 1, ... (Megatron's assignment)."""
+    ranks = RankFiles(files)
+    first = ranks.first
     check_rank_files(first.args, files)
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(p for _, p in files)
@@ -129,20 +178,14 @@ def read_weights(files: dict[tuple[int, int], Path], heads: int | None
     swiglu = bool(megatron_arg(args, "swiglu", False))
     weights: dict[str, torch.Tensor] = {}
     offset = 0
-    for stage in range(pp):
-        per_rank, paths, layers = [], [], set()
-        for rank in range(tp):
-            rf = first if (rank, stage) == min(files) else load_file(files[(rank, stage)])
-            check_same_checkpoint(first, rf)
-            layers = {i for i in map(layer_of, rf.model) if i is not None}
-            renamed = {}
-            for name, t in rf.model.items():
-                ours = rename(name, offset, untied)
-                if ours is not None:
-                    renamed[ours] = t
-            per_rank.append(renamed)
-            paths.append(rf.path)
-        check_shards(per_rank, paths)
-        weights.update(merge_ranks(per_rank, heads, groups, version, swiglu))
-        offset += len(layers)
+    chunks = len(first.chunks)
+    for chunk in range(chunks):
+        for stage in range(pp):
+            rank_files = [ranks.get(rank, stage) for rank in range(tp)]
+            per_rank, layers = stage_shards(rank_files, chunk, offset, untied)
+            check_shards(per_rank, [rf.path for rf in rank_files])
+            weights.update(merge_ranks(per_rank, heads, groups, version, swiglu))
+            offset += layers
+            if chunk == chunks - 1:
+                ranks.done(stage)
     return weights, args, version, (tp, pp)
