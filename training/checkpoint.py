@@ -322,6 +322,12 @@ def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: Mo
                               f"--tp {ps.dims.tp} --pp {ps.dims.pp} --out NEW_RUN_DIR, or resume with "
                               f"parallel.tensor={saved['tp']} parallel.pipeline={saved['pp']}")
         refuse_other_schedule(saved, desc.cfg, f"{run_dir}/checkpoints/{tag}")
+        rows = meta.get("padded_vocab_size")
+        if rows is not None and desc.padded_vocab is not None and rows != desc.padded_vocab:
+            raise ConfigError(f"checkpoint {run_dir}/checkpoints/{tag} has a padded vocabulary of {rows} rows but this "
+                              f"run pads to {desc.padded_vocab} (model.make_vocab_size_divisible_by="
+                              f"{desc.cfg.model.make_vocab_size_divisible_by} at TP={ps.dims.tp}): resume with "
+                              f"model.make_vocab_size_divisible_by={rows // ps.dims.tp}, the value its config records")
     if dist.is_initialized():
         dist.barrier()  # every rank has read the folder before rank 0 moves anything in it
     if is_rank0:

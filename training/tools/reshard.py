@@ -5,7 +5,7 @@
 
 Shards are merged by their saved partition tags (column-parallel weights on output rows,
 row-parallel on input columns, the fused QKV head-aligned through its stride, the vocabulary by
-rows with its padding recomputed for the new TP degree), then re-split by K x M x D processes that
+rows with the source's padding kept where the new TP divides it, else padded for it: ``--repad-vocab``), then re-split by K x M x D processes that
 each build the target model (in the checkpoint's dtype and ZeRO stage) and save through DeepSpeed's
 ``save_checkpoint``. So the output is an ordinary run directory: ``deepspeed --num_gpus K*M*DP --module
 training.pretrain --config ... run.dir=NEW_RUN_DIR parallel.tensor=K parallel.pipeline=M`` resumes
@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -42,6 +43,7 @@ from training import checkpoint as ckpt
 from training import safe_load
 from training.checkpoint_reader import checkpoint_dir, load_merged_state_dict, model_files
 from training.config import config_from_dict, grad_accumulation, validate_static
+from training.models.config import padded_vocab_size
 from training.parallel.sharding import is_vocab_sized, merge_tagged, resize_vocab_rows, shard_tagged
 from training.parallel_config import check_micro_batches
 from training.runtime.run_lock import lock_existing_output, overlapping_input
@@ -137,11 +139,33 @@ def _worker(rank, world, payload_path: str, out_dir: str):  # noqa: C901
     return ps.rank
 
 
+def keep_vocab_padding(cfg, source_padded: int, tp: int) -> None:
+    """Keep the source's padded vocabulary at TP=``tp`` where ``tp`` divides it, through
+    ``model.make_vocab_size_divisible_by`` = padded / tp (the padding columns take part in the softmax: another
+    padding would shift the training loss by about ln(new/old padded size)); where it does not divide, the
+    target's own padding, with a warning."""
+    m = cfg.model
+    natural = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    if natural == source_padded:
+        return
+    if source_padded % tp == 0 and source_padded >= m.vocab_size:
+        logger.info("keeping the source's padded vocabulary of %d rows at TP=%d: the new run's config records "
+                    "model.make_vocab_size_divisible_by=%d (was %d): resume with it (--repad-vocab pads to %d "
+                    "instead)", source_padded, tp, source_padded // tp, m.make_vocab_size_divisible_by, natural)
+        m.make_vocab_size_divisible_by = source_padded // tp
+        return
+    logger.warning("the source's padded vocabulary of %d rows does not split over TP=%d: padded to %d instead; the "
+                   "padding columns are in the softmax, so the training loss moves by about ln(%d/%d) = %.4f unless "
+                   "model.mask_vocab_padding is set", source_padded, tp, natural, natural, source_padded,
+                   math.log(natural / source_padded))
+
+
 def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | None = None, dp: int = 1,
-            schedule: str | None = None, virtual_pipeline: int | None = None) -> Path:
+            schedule: str | None = None, virtual_pipeline: int | None = None, repad_vocab: bool = False) -> Path:
     """The checkpoint ``tag`` of ``run_dir`` in the layout TP x PP x DP, under the pipeline ``schedule`` with
     ``virtual_pipeline`` chunks per rank (None: the source's; at PP=1 '1f1b'). Layers are merged by their global
-    index, so any schedule's checkpoint converts to any other's."""
+    index, so any schedule's checkpoint converts to any other's. The padded vocabulary is the source's where TP
+    divides it (:func:`keep_vocab_padding`), the target config's own with ``repad_vocab``."""
     run_dir, out = Path(run_dir), Path(out)
     overlap = overlapping_input(out, {"--checkpoint": run_dir})
     if overlap:  # --out inside the source run would write a second run into it
@@ -159,6 +183,8 @@ def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | N
         par.virtual_pipeline = virtual_pipeline
     cfg.run.dir = str(out)
     cfg.train.exit_at = None
+    if not repad_vocab:
+        keep_vocab_padding(cfg, meta["padded_vocab_size"], tp)
     validate_static(cfg)  # TP must divide heads, PP <= layers, ...
     if dp < 1:
         raise ConfigError(f"--dp must be >= 1, got {dp}")
@@ -220,13 +246,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="target parallel.pipeline_schedule (default: the source's; 1f1b at --pp 1)")
     parser.add_argument("--virtual-pipeline", type=int, default=None,
                         help="target parallel.virtual_pipeline (chunks per rank of --schedule interleaved)")
+    parser.add_argument("--repad-vocab", action="store_true",
+                        help="pad the vocabulary for the target TP as a new run would (default: keep the source's "
+                             "padding where the target TP divides it, so the training loss does not move)")
     parser.add_argument("--out", required=True, help="new run directory (must not exist or be empty)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", datefmt="%H:%M:%S")
     try:
         reshard(args.checkpoint, args.tp, args.pp, args.out, args.tag, dp=args.dp, schedule=args.schedule,
-                virtual_pipeline=args.virtual_pipeline)
+                virtual_pipeline=args.virtual_pipeline, repad_vocab=args.repad_vocab)
     except (ConfigError, FileNotFoundError) as e:
         print(f"reshard error: {e}", file=sys.stderr)
         return 2
