@@ -45,6 +45,7 @@ from training import checkpoint_catalog as catalog
 from training import safe_load
 from training.checkpoint_reader import GATHERED_WEIGHTS, PipeNames, canonical_name, checkpoint_dir, read_client_state
 from training.config import Config
+from training.data.split_convention import refuse_other_convention
 from training.safe_load import CheckpointError
 from training.universal_info import UNIVERSAL_INFO_KEY, universal_checkpoint_info
 
@@ -322,6 +323,7 @@ def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: Mo
                               f"--tp {ps.dims.tp} --pp {ps.dims.pp} --out NEW_RUN_DIR, or resume with "
                               f"parallel.tensor={saved['tp']} parallel.pipeline={saved['pp']}")
         refuse_other_schedule(saved, desc.cfg, f"{run_dir}/checkpoints/{tag}")
+        refuse_other_convention(meta.get("config"), desc.cfg.data.split_convention, f"{run_dir}/checkpoints/{tag}")
     if dist.is_initialized():
         dist.barrier()  # every rank has read the folder before rank 0 moves anything in it
     if is_rank0:
