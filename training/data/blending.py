@@ -9,10 +9,10 @@ sequence length and seed:
 
 1. Weights (``get_datasets_weights_and_num_samples``, ``megatron/data/dataset_utils.py``): divided by
    their sum (a plain left-to-right float sum), then each prefix is asked for
-   ``int(ceil(N * w_i * 1.005))`` samples of each split (Megatron's 0.5% margin). HEAD's builder asks
-   ``ceil(ceil(N * w_i) * 1.005)`` instead and splits by rounded cumulative boundaries: not matched
-   (given the same documents and counts, Megatron-Core 0.16.1's own GPT maps and blend are ours:
-   ``tests/unit/test_megatron_core_data.py``).
+   ``int(ceil(N * w_i * 1.005))`` samples of each split (Megatron's 0.5% margin). Megatron-Core's builder
+   normalises in float64, asks ``ceil(ceil(N * w_i) * 1.005)``, splits by rounded cumulative boundaries and
+   blends ``sum(ceil(N * w_i))`` positions: ``data.split_convention: megatron_core``
+   (:mod:`training.data.split_convention`; ``tests/unit/test_megatron_core_split.py``).
 2. Each prefix gets its own GPT dataset (:mod:`training.data.gpt_dataset`): its own train/valid/test
    split of its documents and its own ``doc_idx``/``sample_idx``/``shuffle_idx`` from
    ``RandomState(seed)``. Megatron's blending came with the 2021 GPT dataset, which shuffles a short last
