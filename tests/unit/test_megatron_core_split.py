@@ -102,3 +102,40 @@ def test_the_option_in_the_run_config(tmp_path):
                                           r"megatron_core: resume with data.split_convention=megatron_lm"):
         refuse_other_convention(saved, "megatron_core", "RUN/checkpoints/iter_0000010")
     refuse_other_convention({"data": {"split_convention": "megatron_core"}}, "megatron_core", "x")
+
+
+def test_the_run_builds_its_data_by_its_convention(tmp_path):
+    """``build_datasets`` of a run: ``data.prefixes`` under ``megatron_core`` is the convention's blend (Megatron-Core's
+    length and documents), and ``data.text_files`` under it are split by Megatron-Core's boundaries with the short
+    last epoch shuffled apart (Megatron-Core always does), unlike the default's."""
+    from tests.helpers.distributed import SHARED_DATA
+    from training.config import load_config
+    from training.data.loader import build_datasets, resolve_sources
+
+    gpt2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
+    if not gpt2.is_dir():
+        pytest.skip("../shared/data absent (the GPT-2 tokenizer)")
+    spec = {"kind": "gpt2_bpe", "vocab_file": str(gpt2 / "gpt2-vocab.json"), "merges_file": str(gpt2 / "gpt2-merges.txt")}
+    prefixes = []
+    for j, d in enumerate((517, 600)):
+        prefixes.append(str(tmp_path / f"p{j}"))
+        make_gpt_corpus(Path(prefixes[-1]), d, seed=40 + j)
+    text = tmp_path / "t.txt"
+    text.write_text("\n\n".join(f"document {k} " + "word " * (k % 7 + 1) for k in range(49)))
+    base = Path(__file__).resolve().parents[2] / "configs" / "gpt2_tiny.yaml"
+    common = [f"data.tokenizer={json.dumps(spec)}", "data.corpus=null", "model.seq_length=16", "data.split=969,30,1"]
+    built = {}
+    for convention in ("megatron_lm", "megatron_core"):
+        ov = [*common, f"data.split_convention={convention}", f"run.dir={tmp_path / convention}"]
+        cfg = load_config(base, [*ov, f"data.prefixes={json.dumps([[3, prefixes[0]], [7, prefixes[1]]])}"])
+        train, _, _ = build_datasets(cfg, resolve_sources(cfg), (2001, 120, 20))
+        direct = build_blended_datasets(*parse_prefixes(cfg.data.prefixes, convention), "969,30,1", (2001, 120, 20),
+                                        16, cfg.train.seed, tmp_path / "direct", 50_257, convention=convention)[0]
+        assert np.array_equal(train.dataset_index, direct.dataset_index)
+        assert [ds.documents.tolist() for ds in train.datasets] == [ds.documents.tolist() for ds in direct.datasets]
+        cfg = load_config(base, [*ov, f"data.text_files=[{text}]"])
+        built[convention] = (len(train), build_datasets(cfg, resolve_sources(cfg), (30, 10, 0))[0])
+    assert (built["megatron_lm"][0], built["megatron_core"][0]) == (2001, 2002)
+    lm, core = built["megatron_lm"][1], built["megatron_core"][1]
+    assert (len(lm.documents), len(core.documents)) == (48, 47)  # the documented 49-document example
+    assert lm.num_epochs > 1 and lm.first_epochs_samples is None and core.first_epochs_samples is not None
