@@ -139,3 +139,22 @@ def test_the_run_builds_its_data_by_its_convention(tmp_path):
     lm, core = built["megatron_lm"][1], built["megatron_core"][1]
     assert (len(lm.documents), len(core.documents)) == (48, 47)  # the documented 49-document example
     assert lm.num_epochs > 1 and lm.first_epochs_samples is None and core.first_epochs_samples is not None
+
+
+def test_heldout_evaluation_scores_the_part_of_the_runs_convention(tmp_path):
+    """``python -m evaluation heldout --split-convention`` (the main job passes the run's): the valid part of
+    969,30,1 over 49 documents is document 48 under megatron_lm and documents 47-48 under megatron_core."""
+    from evaluation.heldout import heldout_tokens
+    from megatron_ds_suite.core.corpus import write_manifest
+    from tests.helpers.distributed import SHARED_DATA
+
+    gpt2 = Path(SHARED_DATA) / "tokenizers" / "gpt2"
+    if not gpt2.is_dir():
+        pytest.skip("../shared/data absent (the GPT-2 tokenizer)")
+    docs = make_gpt_corpus(tmp_path / "gpt", 49, seed=3)
+    write_manifest(tmp_path, {"kind": "gpt2_bpe", "vocab_file": str(gpt2 / "gpt2-vocab.json"),
+                              "merges_file": str(gpt2 / "gpt2-merges.txt")}, "gpt", None, {})
+    for convention, first in (("megatron_lm", 48), ("megatron_core", 47)):
+        stream, used, part = heldout_tokens(tmp_path, "969,30,1", "valid", convention=convention)
+        assert (used, part) == (49 - first, 49 - first)
+        assert stream.tolist() == np.concatenate(docs[first:]).tolist()
