@@ -3,7 +3,8 @@
     python -m evaluation heldout --checkpoint RUN_DIR --corpus CORPUS_DIR --split 90,5,5 --part test \
         [--stride 0] [--batch-size 8] [--max-documents 0] [--json OUT] [--tp 1] [--no-progress]
 
-Documents: the ``--part`` (test or valid) of Megatron's document split ``--split`` of the corpus's GPT
+Documents: the ``--part`` (test or valid) of Megatron's document split ``--split`` (by the run's
+``data.split_convention``, ``--split-convention``) of the corpus's GPT
 indexed dataset (``training.data.gpt_dataset.split_documents``, the split training used, so none of
 these documents was trained on). Their tokens (each document ends with the EOD the corpus builder
 appended) are concatenated in corpus order into one stream of N tokens and scored with the evaluation
@@ -34,13 +35,15 @@ logger = logging.getLogger("heldout")
 PARTS = {"train": 0, "valid": 1, "test": 2}
 
 
-def heldout_tokens(corpus_dir: str | Path, split: str, part: str, max_documents: int = 0) -> tuple[np.ndarray, int, int]:
-    """(token stream int64 [N], documents used, documents in the part) of one split part."""
+def heldout_tokens(corpus_dir: str | Path, split: str, part: str, max_documents: int = 0,
+                   convention: str = "megatron_lm") -> tuple[np.ndarray, int, int]:
+    """(token stream int64 [N], documents used, documents in the part) of one split part (``convention``: the
+    run's ``data.split_convention``)."""
     from training.data.gpt_dataset import split_documents
 
     corpus = load_corpus(corpus_dir)
     ds = corpus.gpt_dataset()
-    items = split_documents(ds, split)[PARTS[part]]
+    items = split_documents(ds, split, convention)[PARTS[part]]
     if len(items) == 0:
         raise EvalError(f"the {part} part of split {split!r} over the {ds.num_documents} documents of {corpus_dir} is "
                         f"empty: give it a larger share in the training config's data.split (e.g. '90,5,5')")
@@ -56,6 +59,8 @@ def add_parser(sub) -> None:
     ap.add_argument("--checkpoint", required=True, help="training run directory")
     ap.add_argument("--corpus", required=True, help="corpus directory (corpus.json) the run trained on")
     ap.add_argument("--split", required=True, help="the run's data.split, e.g. 90,5,5")
+    ap.add_argument("--split-convention", default="megatron_lm", choices=["megatron_lm", "megatron_core"],
+                    help="the run's data.split_convention")
     ap.add_argument("--part", default="test", choices=["valid", "test"])
     ap.add_argument("--stride", type=int, default=0, help="0 = seq_length (disjoint windows)")
     ap.add_argument("--batch-size", type=int, default=8)
@@ -74,7 +79,8 @@ def run_heldout(args: argparse.Namespace) -> None:
         raise EvalError("--batch-size must be >= 1, --stride and --max-documents >= 0")
     if not Path(args.corpus, "corpus.json").is_file():
         raise EvalError(f"{args.corpus} is not a corpus directory (no corpus.json)")
-    tokens, n_docs, part_docs = heldout_tokens(args.corpus, args.split, args.part, args.max_documents)
+    tokens, n_docs, part_docs = heldout_tokens(args.corpus, args.split, args.part, args.max_documents,
+                                               args.split_convention)
     rt = setup_runtime(args.tp)
     scorer, cfg, tok = load_scorer(args.checkpoint, rt)
     corpus_vocab = load_corpus(args.corpus).tokenizer.vocab_size
@@ -92,7 +98,7 @@ def run_heldout(args: argparse.Namespace) -> None:
         raise RuntimeError(f"scored {res.scored_tokens} targets, expected {len(tokens) - 1}")
     nums = perplexity_numbers(res.total_nll, len(tokens), len(tokens))
     out = {"task": "heldout", "checkpoint": str(args.checkpoint), "corpus": str(args.corpus),
-           "split": args.split, "part": args.part, "documents": n_docs, "part_documents": part_docs,
+           "split": args.split, "split_convention": args.split_convention, "part": args.part, "documents": n_docs, "part_documents": part_docs,
            "tokens": int(len(tokens)), "scored_targets": res.scored_tokens, "total_nll": res.total_nll,
            "loss": nums["loss"], "ppl": nums["ppl"], "seq_length": L, "stride": stride,
            "windows": plan.num_windows, "score_seconds": elapsed}

@@ -45,6 +45,7 @@ from training import checkpoint_catalog as catalog
 from training import safe_load
 from training.checkpoint_reader import GATHERED_WEIGHTS, PipeNames, canonical_name, checkpoint_dir, read_client_state
 from training.config import Config
+from training.data.split_convention import refuse_other_convention
 from training.safe_load import CheckpointError
 from training.universal_info import UNIVERSAL_INFO_KEY, universal_checkpoint_info
 
@@ -328,6 +329,7 @@ def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: Mo
                               f"run pads to {desc.padded_vocab} (model.make_vocab_size_divisible_by="
                               f"{desc.cfg.model.make_vocab_size_divisible_by} at TP={ps.dims.tp}): resume with "
                               f"model.make_vocab_size_divisible_by={rows // ps.dims.tp}, the value its config records")
+        refuse_other_convention(meta.get("config"), desc.cfg.data.split_convention, f"{run_dir}/checkpoints/{tag}")
     if dist.is_initialized():
         dist.barrier()  # every rank has read the folder before rank 0 moves anything in it
     if is_rank0:

@@ -121,11 +121,15 @@ class DataConfig(Freezable):
     [0.7, /data/b]] (GPT-2; tokenizer from data.tokenizer; see training.data.blending)."""
     split: str = "969,30,1"
     """train,valid,test proportions over documents (of each prefix when blending)."""
+    split_convention: Literal["megatron_lm", "megatron_core"] = "megatron_lm"
+    """Whose document split and per-prefix sample counts to follow: Megatron-LM 2021's (rounded parts) or
+    Megatron-Core's BlendedMegatronDatasetBuilder (rounded cumulative boundaries, ceil(ceil(N w) x 1.005)
+    samples per prefix); see training/data/split_convention.py and docs/megatron_interop.md."""
     separate_last_epoch: bool | None = None
     """GPT sample order: True = Megatron 2021+ shuffles a short last epoch (< 80 % used) apart from the
     others; False = Megatron 2020 (all epochs shuffled together); None (default) = False for data.corpus
-    and data.text_files, True for data.prefixes (Megatron's blending came with it). See
-    training/data/gpt_dataset.py and training/data/blending.py."""
+    and data.text_files, True for data.prefixes (Megatron's blending came with it) and for
+    split_convention megatron_core. See training/data/gpt_dataset.py and training/data/blending.py."""
     num_workers: Annotated[int, NonNegative] = 0
     reset_position_ids: bool = False
     """GPT: positions restart at 0 after each end-of-document token inside a packed sample (Megatron's
@@ -370,6 +374,9 @@ def validate_static(cfg: Config) -> None:  # noqa: C901
         assert len(parts) == 3 and all(x >= 0 for x in parts) and sum(parts) > 0
     except (ValueError, AssertionError):
         raise ConfigError(f"data.split={cfg.data.split!r} must be three non-negative numbers like '969,30,1'") from None
+    if cfg.data.split_convention == "megatron_core" and cfg.data.separate_last_epoch is False:
+        raise ConfigError("data.separate_last_epoch=false with data.split_convention=megatron_core: Megatron-Core "
+                          "always shuffles a short last epoch apart; remove data.separate_last_epoch")
     if parts[0] == 0 and cfg.train.iters > 0:
         raise ConfigError(f"data.split={cfg.data.split!r} gives the training set no documents: make its first "
                           f"number positive, e.g. '969,30,1'")

@@ -419,3 +419,26 @@ def test_each_command_refuses_a_deeply_nested_config_file_in_one_line(tmp_path, 
                          env={**os.environ, "PYTHONPATH": str(root), "DS_ACCELERATOR": "cpu"})
     lines = [x for x in res.stderr.splitlines() if x.strip()]
     assert res.returncode == 2 and len(lines) == 1 and "nested deeper than" in lines[0], res.stderr
+
+
+@needs_data
+def test_resuming_with_the_other_split_convention_is_one_line(tmp_path):
+    """A run trained with data.split_convention=megatron_lm (the default) and relaunched with megatron_core would
+    index other samples from its saved data position: refused in one line, the checkpoint left as it was."""
+    text = tmp_path / "b.txt"
+    text.write_text(BOTCHAN.read_text(encoding="utf-8")[:20000], encoding="utf-8")
+    spec = {"kind": "gpt2_bpe", "vocab_file": str(GPT2 / "gpt2-vocab.json"), "merges_file": str(GPT2 / "gpt2-merges.txt")}
+    args = [sys.executable, "-m", "training.pretrain", "--config", "configs/gpt2_tiny.yaml", "data.corpus=null",
+            f"data.text_files=[{text}]", f"data.tokenizer={json.dumps(spec)}", f"run.dir={tmp_path / 'run'}",
+            "train.progress_bar=false", "model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=2",
+            "optimizer.warmup_iters=0", "train.eval_iters=0", "parallel.tensor=1"]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+    first = subprocess.run([*args, "train.iters=1"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert first.returncode == 0, first.stderr
+    res = subprocess.run([*args, "train.iters=2", "data.split_convention=megatron_core"], cwd=ROOT, capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert re.match(r"config error: checkpoint .*/checkpoints/iter_0000001 was trained with "
+                    r"data\.split_convention=megatron_lm but this run sets megatron_core: resume with "
+                    r"data\.split_convention=megatron_lm or start a new run\.dir$", _one_line(res.stderr)), res.stderr
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "iter_0000001"

@@ -254,3 +254,18 @@ def megatron_core_gpt_dataset(prefix: Path, documents: np.ndarray, num_samples: 
                            reset_attention_mask=False, eod_mask_loss=False)
     return GPTDataset(IndexedDataset(str(prefix)), str(prefix), np.asarray(documents, dtype=np.int32), num_samples,
                       getattr(Split, split), cfg)
+
+
+def megatron_core_builder_blend(prefixes: list[Path], weights: list[float], split: str, sizes: tuple[int, int, int],
+                                seq_length: int, seed: int, vocab_size: int, eod: int) -> list:
+    """Megatron-Core's own ``BlendedMegatronDatasetBuilder`` (``--data-path w0 p0 w1 p1 ... --split SPLIT``) over our
+    prefixes: its train/valid/test ``BlendedDataset`` (None where its split matrix has none), built in memory."""
+    megatron_core_datasets_dir()
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    cfg = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, split=split, path_to_cache=None,
+                           blend=([str(p) for p in prefixes], [float(w) for w in weights]),
+                           tokenizer=McoreTokenizer(vocab_size, eod), reset_position_ids=False,
+                           reset_attention_mask=False, eod_mask_loss=False)
+    return BlendedMegatronDatasetBuilder(GPTDataset, list(sizes), lambda: True, cfg).build()

@@ -9,10 +9,10 @@ sequence length and seed:
 
 1. Weights (``get_datasets_weights_and_num_samples``, ``megatron/data/dataset_utils.py``): divided by
    their sum (a plain left-to-right float sum), then each prefix is asked for
-   ``int(ceil(N * w_i * 1.005))`` samples of each split (Megatron's 0.5% margin). HEAD's builder asks
-   ``ceil(ceil(N * w_i) * 1.005)`` instead and splits by rounded cumulative boundaries: not matched
-   (given the same documents and counts, Megatron-Core 0.16.1's own GPT maps and blend are ours:
-   ``tests/unit/test_megatron_core_data.py``).
+   ``int(ceil(N * w_i * 1.005))`` samples of each split (Megatron's 0.5% margin). Megatron-Core's builder
+   normalises in float64, asks ``ceil(ceil(N * w_i) * 1.005)``, splits by rounded cumulative boundaries and
+   blends ``sum(ceil(N * w_i))`` positions: ``data.split_convention: megatron_core``
+   (:mod:`training.data.split_convention`; ``tests/unit/test_megatron_core_split.py``).
 2. Each prefix gets its own GPT dataset (:mod:`training.data.gpt_dataset`): its own train/valid/test
    split of its documents and its own ``doc_idx``/``sample_idx``/``shuffle_idx`` from
    ``RandomState(seed)``. Megatron's blending came with the 2021 GPT dataset, which shuffles a short last
@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_ds_suite.core.errors import ConfigError
+from training.data.split_convention import check_convention, core_blend_size, core_normalise, core_samples_per_dataset
 from training.data.token_range import check_token_ids
 
 MARGIN = 1.005  # Megatron's get_datasets_weights_and_num_samples over-asks each dataset by 0.5%
@@ -63,8 +64,9 @@ def normalise(weights: list[float]) -> list[float]:
     return [w / total for w in weights]
 
 
-def parse_prefixes(prefixes: list) -> tuple[list[float], list[Path]]:
-    """``[[weight, prefix], ...]`` -> (normalised weights, prefixes); one-line ConfigError on bad input."""
+def parse_prefixes(prefixes: list, convention: str = "megatron_lm") -> tuple[list[float], list[Path]]:
+    """``[[weight, prefix], ...]`` -> (weights normalised as ``convention`` does, prefixes); one-line ConfigError
+    on bad input."""
     if not isinstance(prefixes, list) or not prefixes:
         raise ConfigError("data.prefixes must be a non-empty list of [weight, PREFIX] pairs")
     weights, paths = [], []
@@ -81,7 +83,7 @@ def parse_prefixes(prefixes: list) -> tuple[list[float], list[Path]]:
                 raise ConfigError(f"data.prefixes[{i}]: {p}{ext} does not exist (give the prefix without .bin/.idx)")
         weights.append(w)
         paths.append(p)
-    return normalise(weights), paths
+    return (core_normalise(weights) if check_convention(convention) == "megatron_core" else normalise(weights)), paths
 
 
 def samples_per_dataset(weights: list[float], num_samples: int) -> list[int]:
@@ -140,21 +142,27 @@ class BlendedDataset:
 
 def build_blended_datasets(weights: list[float], prefixes: list[Path], split: str, num_samples: tuple[int, int, int],
                            seq_length: int, seed: int, cache_dir: Path | None, vocab_size: int,
-                           separate_last_epoch: bool = True):
-    """Train/valid/test blends (None where no prefix has that split); ``weights`` already normalised."""
+                           separate_last_epoch: bool = True, convention: str = "megatron_lm"):
+    """Train/valid/test blends (None where no prefix has that split); ``weights`` already normalised (as
+    ``convention`` does: :func:`parse_prefixes`). With ``megatron_core`` (:mod:`training.data.split_convention`)
+    each prefix is split and asked for samples as Megatron-Core's builder does, and a blend every prefix takes part
+    in has its ``sum(ceil(N * w))`` positions."""
     from training.data.gpt_dataset import build_gpt_datasets
 
+    core = check_convention(convention) == "megatron_core"
     per = []
     for w, p in zip(weights, prefixes):
         check_token_ids(p, vocab_size, cache_dir, "data.prefixes")
-        want = tuple(samples_per_dataset([w], n)[0] if n else 0 for n in num_samples)
+        want = tuple((core_samples_per_dataset if core else samples_per_dataset)([w], n)[0] if n else 0
+                     for n in num_samples)
         per.append(build_gpt_datasets(p, split, want, seq_length, seed, cache_dir=cache_dir,
-                                      separate_last_epoch=separate_last_epoch))
+                                      separate_last_epoch=separate_last_epoch, convention=convention))
     out = []
     for k, n in enumerate(num_samples):
         parts = [(w, ds[k]) for w, ds in zip(weights, per) if ds[k] is not None]
         if n == 0 or not parts:
             out.append(None)
             continue
-        out.append(BlendedDataset([ds for _, ds in parts], [w for w, _ in parts], n))
+        size = core_blend_size(weights, n) if core and len(parts) == len(weights) else n
+        out.append(BlendedDataset([ds for _, ds in parts], [w for w, _ in parts], size))
     return out[0], out[1], out[2]

@@ -49,6 +49,7 @@ import torch
 from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.errors import SuiteError
 from megatron_ds_suite.core.indexed_dataset import MMapIndexedDataset
+from training.data.split_convention import check_convention, core_split_boundaries
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,13 @@ class GPTDatasetError(SuiteError):
 
 def parse_split(split: str) -> list[float]:
     """``"969,30,1"`` (or ``"969/30/1"``) -> three non-negative weights normalised to sum 1 (missing -> 0)."""
+    weights = raw_split(split)
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def raw_split(split: str) -> list[float]:
+    """``"969,30,1"`` (or ``"969/30/1"``) -> the three numbers (missing -> 0), checked: non-negative, sum > 0."""
     sep = "," if "," in split else "/"
     try:
         weights = [float(s) for s in split.split(sep) if s.strip() != ""]
@@ -69,18 +77,21 @@ def parse_split(split: str) -> list[float]:
     if not 1 <= len(weights) <= 3 or any(w < 0 or not np.isfinite(w) for w in weights):
         raise GPTDatasetError(f"split {split!r} must be 1 to 3 non-negative numbers like '969,30,1'")
     weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    if total <= 0:
+    if sum(weights) <= 0:
         raise GPTDatasetError(f"split {split!r} sums to 0")
-    return [w / total for w in weights]
+    return weights
 
 
-def split_boundaries(split: str, size: int) -> list[int]:
-    """Megatron's ``get_train_valid_test_split_``: ``[0, a, b, size]`` cut points over ``size`` documents.
+def split_boundaries(split: str, size: int, convention: str = "megatron_lm") -> list[int]:
+    """``[0, a, b, size]`` cut points over ``size`` documents: with ``convention="megatron_core"`` Megatron-Core's
+    rounded cumulative boundaries (:mod:`training.data.split_convention`), else Megatron's
+    ``get_train_valid_test_split_`` (2021):
 
     Each part gets ``round(weight * size)`` documents; the rounding excess is taken off every boundary.
     Clamped to a non-decreasing sequence in ``[0, size]`` (Megatron can go negative for tiny sizes).
     """
+    if check_convention(convention) == "megatron_core":
+        return core_split_boundaries(raw_split(split), size)
     weights = parse_split(split)
     idx = [0]
     for w in weights:
@@ -346,20 +357,23 @@ class GPTDataset(torch.utils.data.Dataset):
         return out
 
 
-def split_documents(indexed: MMapIndexedDataset, split: str) -> list[np.ndarray]:
-    """Item ids of the train/valid/test splits: contiguous ranges of *documents* (``doc_idx``).
-
-    For a GPT corpus (one item per document) this is Megatron's split over items.
+def split_documents(indexed: MMapIndexedDataset, split: str, convention: str = "megatron_lm") -> list[np.ndarray]:
+    """Item ids of the train/valid/test splits: contiguous ranges of *documents* (``doc_idx``), or of items with
+    ``convention="megatron_core"`` (its GPT split); the same for a GPT corpus (one item per document).
     """
+    if check_convention(convention) == "megatron_core":
+        bounds = split_boundaries(split, len(indexed), convention)
+        return [np.arange(bounds[k], bounds[k + 1], dtype=np.int64) for k in range(3)]
     bounds = split_boundaries(split, indexed.num_documents)
     doc_idx = indexed.doc_idx
     return [np.arange(int(doc_idx[bounds[k]]), int(doc_idx[bounds[k + 1]]), dtype=np.int64) for k in range(3)]
 
 
 def build_gpt_datasets(prefix: str | Path, split: str, num_samples: tuple[int, int, int], seq_length: int,
-                       seed: int, cache_dir: str | Path | None = None, separate_last_epoch: bool = False
-                       ) -> tuple[GPTDataset | None, GPTDataset | None, GPTDataset | None]:
-    """Train/valid/test :class:`GPTDataset` over ``prefix.{bin,idx}``.
+                       seed: int, cache_dir: str | Path | None = None, separate_last_epoch: bool = False,
+                       convention: str = "megatron_lm") -> tuple[GPTDataset | None, GPTDataset | None, GPTDataset | None]:
+    """Train/valid/test :class:`GPTDataset` over ``prefix.{bin,idx}``, split by ``convention``
+    (:func:`split_documents`).
 
     A split is ``None`` when it asks for 0 samples or has no documents / no tokens (logged as a warning);
     asking for samples from a corpus with no tokens at all is an error.
@@ -370,7 +384,7 @@ def build_gpt_datasets(prefix: str | Path, split: str, num_samples: tuple[int, i
     indexed = MMapIndexedDataset(prefix)
     if indexed.num_tokens == 0 and any(num_samples):
         raise GPTDatasetError(f"indexed dataset {prefix} has no tokens")
-    docs = split_documents(indexed, split)
+    docs = split_documents(indexed, split, convention)
     out: list[GPTDataset | None] = []
     for name, items, ns in zip(("train", "valid", "test"), docs, num_samples):
         if ns == 0:

@@ -62,7 +62,7 @@ def resolve_sources(cfg: Config) -> DataSources:
     if d.prefixes:  # Megatron .bin/.idx datasets blended by weight (training.data.blending)
         from training.data.blending import parse_prefixes
 
-        weights, prefixes = parse_prefixes(d.prefixes)
+        weights, prefixes = parse_prefixes(d.prefixes, d.split_convention)
         if not d.tokenizer:
             raise ConfigError("data.tokenizer must name the tokenizer the data.prefixes were written with, e.g. "
                               "{kind: gpt2_bpe, vocab_file: ..., merges_file: ...}")
@@ -132,16 +132,18 @@ def build_datasets(cfg: Config, src: DataSources, num_samples: tuple[int, int, i
         if cfg.data.text_files and not dataset_exists(src.prefix):
             logger.info("tokenizing %d text file(s) into %s", len(cfg.data.text_files), src.prefix)
             tokenize_text_files(cfg.data.text_files, src.tokenizer, src.prefix)
+        convention = cfg.data.split_convention
+        sle = cfg.data.separate_last_epoch
         if src.blend is not None:
             from training.data.blending import build_blended_datasets
 
-            sle = cfg.data.separate_last_epoch
             return build_blended_datasets(*src.blend, cfg.data.split, num_samples, cfg.model.seq_length,
-                                          cfg.train.seed, cache, src.tokenizer.vocab_size, sle is not False)
+                                          cfg.train.seed, cache, src.tokenizer.vocab_size, sle is not False, convention)
         where = "data.corpus" if cfg.data.corpus is not None else "data.text_files"
         check_token_ids(src.prefix, src.tokenizer.vocab_size, cache, where)
         return build_gpt_datasets(src.prefix, cfg.data.split, num_samples, cfg.model.seq_length,
-                                  cfg.train.seed, cache_dir=cache, separate_last_epoch=bool(cfg.data.separate_last_epoch))
+                                  cfg.train.seed, cache_dir=cache, convention=convention,
+                                  separate_last_epoch=sle if sle is not None else convention == "megatron_core")
 
     return rank0_first(build)
 

@@ -93,7 +93,7 @@ class BertTask(Task):
     # ---- data ------------------------------------------------------------------------------------
     def _datasets(self, num_samples: tuple[int, int]):
         cfg = self.cfg
-        bounds = split_boundaries(cfg.data.split, self.indexed.num_documents)
+        bounds = split_boundaries(cfg.data.split, self.indexed.num_documents, cfg.data.split_convention)
         cache = Path(cfg.run.dir) / "data" / "index_cache"
         check_token_ids(self.indexed.prefix, self.tokenizer.vocab_size, cache, "data.corpus")
         out = []

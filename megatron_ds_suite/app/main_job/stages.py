@@ -95,7 +95,8 @@ class Stages:
 
         def run() -> str:
             target = ["-m", "evaluation", "heldout", "--checkpoint", str(self.train_dir), "--corpus",
-                      str(self.corpus_dir), "--split", self.train_cfg.data.split, "--part", h.part,
+                      str(self.corpus_dir), "--split", self.train_cfg.data.split,
+                      "--split-convention", self.train_cfg.data.split_convention, "--part", h.part,
                       "--stride", str(h.stride), "--batch-size", str(h.batch_size),
                       "--max-documents", str(h.max_documents), "--json", str(out)]
             self._child("eval_heldout", self._eval_cmd(target), Progress(follow_tqdm=True), "win")
