@@ -304,7 +304,12 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 
 
 def validate_document_options(cfg: Config) -> None:
-    """data.reset_position_ids / reset_attention_mask / eod_mask_loss: GPT without pipeline parallelism."""
+    """data.reset_position_ids / reset_attention_mask / eod_mask_loss and model.sliding_window (the masks the GPT
+    model builds before its layers): GPT without pipeline parallelism."""
+    if cfg.model.sliding_window is not None and cfg.parallel.pipeline > 1:
+        raise ConfigError(f"model.sliding_window={cfg.model.sliding_window} with parallel.pipeline="
+                          f"{cfg.parallel.pipeline}: the window's mask does not cross pipeline stages yet; set "
+                          f"parallel.pipeline=1 or remove model.sliding_window")
     options = cfg.data.document_options()
     if not options:
         return

@@ -252,6 +252,8 @@ def test_each_option_tp2_equals_tp1_and_checkpointing_changes_nothing():
     (["model.position_embedding=learned"], "set model.position_embedding=rope"),
     (["model.activation=geglu"], "model.activation: 'geglu' is not one of"),
     (["model.normalization=layer_norm"], "model.normalization: 'layer_norm' is not one of"),
+    (["model.sliding_window=0"], "model.sliding_window must be >= 1"),
+    (["model.sliding_window=8", "parallel.pipeline=2"], "the window's mask does not cross pipeline stages yet"),
 ])
 def test_llama_config_refusals_are_one_line(overrides, message):
     from pathlib import Path
@@ -267,7 +269,8 @@ def test_llama_config_refusals_are_one_line(overrides, message):
 
 @pytest.mark.parametrize("key,value", [("position_embedding", "rope"), ("normalization", "rmsnorm"),
                                        ("activation", "swiglu"), ("num_query_groups", 2),
-                                       ("untie_embeddings_and_output_weights", True), ("add_bias_linear", False)])
+                                       ("untie_embeddings_and_output_weights", True), ("add_bias_linear", False),
+                                       ("sliding_window", 8)])
 def test_bert_refuses_the_gpt_only_options(key, value):
     from pathlib import Path
 
@@ -361,11 +364,15 @@ def test_llama_flops_match_the_flop_counter():
 # --------------------------------------------------------------------------------------------------
 # Generation: KV cache of grouped, rotated keys
 # --------------------------------------------------------------------------------------------------
-def test_kv_cached_generation_equals_the_full_forward():
+@pytest.mark.parametrize("window", [None, 5])
+def test_kv_cached_generation_equals_the_full_forward(window):
+    """Prefill then one token at a time over the GQA cache equals the full forward, with and without Mistral's
+    sliding window (5 of 30 positions: the window's mask narrows the cached steps as it does the full pass)."""
     from evaluation.generate import GenerationOptions, KVCache, forward_cached, generate_ids
     from training.models.gpt2 import GPTModel
 
-    model = GPTModel(_cfg(**dict(VARIANTS["llama"], seq_length=32)), PADDED_VOCAB, None, seed=3).eval()
+    model = GPTModel(_cfg(**dict(VARIANTS["llama"], seq_length=32, sliding_window=window)), PADDED_VOCAB, None,
+                     seed=3).eval()
     seq = torch.randint(0, 200, (2, 30), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         full = model(seq)
@@ -568,7 +575,8 @@ def test_mistral_and_qwen2_folders_import_and_export(tmp_path, family, tp):
     """MistralForCausalLM (no sliding window) and Qwen2ForCausalLM (bias on q/k/v only) share Llama's map: their
     logits after import (Qwen2 at TP=2: the q/k/v bias split with the heads) equal transformers', and the export
     holds the same tensors (Mistral as LlamaForCausalLM, the same block and names; Qwen2 as Qwen2ForCausalLM).
-    A Mistral sliding window shorter than the positions is refused in one line."""
+    A Mistral sliding window shorter than the sequence (model.sliding_window) gives transformers' logits and greedy
+    generation and exports back as MistralForCausalLM."""
     transformers = pytest.importorskip("transformers")
     from tests.helpers.hf_models import GPT2_TOKENIZER, save_random_llama
 
@@ -597,8 +605,31 @@ def test_mistral_and_qwen2_folders_import_and_export(tmp_path, family, tp):
     assert type(again).__name__ == ("Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM")
     with torch.no_grad():
         torch.testing.assert_close(again(ids).logits, hf(ids).logits, rtol=0, atol=1e-6)
-    if family == "mistral":
+    if family == "mistral":  # a sliding window of 16 over 48 tokens: logits, greedy generation and the way back
         windowed = save_random_llama(tmp_path / "windowed", family="mistral", sliding_window=16)
-        with pytest.raises(LlamaMappingError, match="sliding_window=16 .attention to the last 16 tokens only"):
-            import_hf(str(windowed), tmp_path / "w", seq_length=64)
-        assert not (tmp_path / "w").exists()
+        run_w = import_hf(str(windowed), tmp_path / "w", seq_length=64)
+        model_w, cfg_w, _ = load_model_for_eval(run_w)
+        assert cfg_w.model.sliding_window == 16
+        hf_w = transformers.AutoModelForCausalLM.from_pretrained(str(windowed)).eval()
+        long_ids = torch.randint(0, 50257, (2, 48), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            theirs = hf_w(long_ids).logits
+            torch.testing.assert_close(model_w(long_ids)[..., :50257], theirs, rtol=0, atol=1e-5)
+            full = transformers.AutoModelForCausalLM.from_pretrained(str(windowed), sliding_window=None).eval()
+            assert (full(long_ids).logits - theirs).abs().max() > 1e-2  # the window changes the logits
+            prompt = long_ids[:1, :20]
+            want = hf_w.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=50256)[0, 20:].tolist()
+        from evaluation.generate import GenerationOptions, generate_ids
+
+        got = generate_ids(model_w, [prompt[0].tolist()], GenerationOptions(max_new_tokens=12, greedy=True), None,
+                           50257)[0][0]
+        assert got == want
+        export(run_w, tmp_path / "back_w")
+        again_w = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back_w")).eval()
+        assert type(again_w).__name__ == "MistralForCausalLM" and again_w.config.sliding_window == 16
+        with torch.no_grad():
+            torch.testing.assert_close(again_w(long_ids).logits, theirs, rtol=0, atol=1e-6)
+        bad = save_random_llama(tmp_path / "bad", family="mistral", sliding_window=-3)
+        with pytest.raises(LlamaMappingError, match="sliding_window=-3 .not a positive integer"):
+            import_hf(str(bad), tmp_path / "refused", seq_length=64)
+        assert not (tmp_path / "refused").exists()

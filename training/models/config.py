@@ -88,6 +88,11 @@ class ModelConfig(Freezable):
     untie_embeddings_and_output_weights: bool = False
     """False: the output layer is the word embedding (GPT-2). True: a separate vocab-parallel output
     weight [V, h] ``output_layer.weight`` (Llama). GPT only."""
+    sliding_window: Annotated[int, AtLeastOne] | None = None
+    """Mistral's sliding-window attention: each token attends to itself and the ``sliding_window - 1`` tokens before
+    it (transformers' ``sliding_window``: key j is seen from query i when i - j < sliding_window); None = the whole
+    causal prefix. In training, evaluation and KV-cached generation (the cache keeps every position: no rolling
+    buffer). GPT only; not under pipeline or context parallelism."""
     mask_vocab_padding: bool = False
     """True: the padding columns of the vocabulary (Megatron pads it to a multiple of
     make_vocab_size_divisible_by x TP) are left out of the training softmax, so the loss does not depend on the TP
@@ -202,7 +207,7 @@ SWIGLU_MULTIPLE_OF = 256
 GPT_ONLY_DEFAULTS: dict[str, Any] = {"position_embedding": "learned", "rope_scaling": None, "normalization": "layernorm",
                                      "num_query_groups": None, "untie_embeddings_and_output_weights": False,
                                      "add_bias_linear": True, "add_qkv_bias": False,
-                                     "mask_vocab_padding": False}
+                                     "mask_vocab_padding": False, "sliding_window": None}
 """ModelConfig keys (and their defaults) that only the GPT model computes; BERT refuses other values
 (and ``activation: swiglu``)."""
 

@@ -35,6 +35,7 @@ from training.models.blocks import (
 )
 from training.models.config import ModelConfig
 from training.models.kv_cache import KVCache
+from training.models.sliding_window import within_window
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
@@ -97,7 +98,8 @@ class GPTModel(nn.Module):
         positions after the cached ones). ``cache``: incremental decoding, the s tokens follow the ``cache.length``
         cached ones, whose keys and values every layer reads and extends (:class:`KVCache`). ``attn_mask``: bool
         [b, 1, s, s], True = attend, causality included (packed documents: :mod:`training.data.documents`); None =
-        causal over the whole sequence."""
+        causal over the whole sequence. ``model.sliding_window`` narrows either to the window
+        (:mod:`training.models.sliding_window`)."""
         b, s = tokens.shape
         start = 0 if cache is None else cache.length
         if start + s > self.cfg.positions:
@@ -109,6 +111,7 @@ class GPTModel(nn.Module):
             mask = cache.attn_mask(s)                                      # [b or 1, 1, s, start + s]
             if positions is None:
                 positions = torch.arange(start, start + s, device=tokens.device)
+        mask = within_window(mask, start, s, self.cfg.sliding_window, tokens.device)  # Mistral's window
         x = self.embed(tokens, positions)
         for layer in self.layers:
             if self.cfg.recompute == "full" and self.training and torch.is_grad_enabled() and cache is None:

@@ -35,7 +35,7 @@ class LlamaMappingError(SuiteError):
 
 
 #: ``model_type`` -> the ``transformers`` class of the folders that share Llama's layout and names. Mistral is
-#: Llama's block (its sliding window refused unless it covers every position); Qwen2 adds a bias to q/k/v only
+#: Llama's block with a sliding window (``model.sliding_window``); Qwen2 adds a bias to q/k/v only
 #: (Megatron-Core's ``add_qkv_bias``) and is exported back as ``Qwen2ForCausalLM``.
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -87,9 +87,10 @@ def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
     h, n = hf_cfg.hidden_size, hf_cfg.num_attention_heads
     kind, theta, partial, rope_params = _rope(hf_cfg)
     unsupported = []
-    window = getattr(hf_cfg, "sliding_window", None)
-    if family == "mistral" and window is not None and window < hf_cfg.max_position_embeddings:
-        unsupported.append(f"sliding_window={window} (attention to the last {window} tokens only; ours is full)")
+    window = getattr(hf_cfg, "sliding_window", None) if family == "mistral" else None
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        unsupported.append(f"sliding_window={window!r:.40} (not a positive integer)")
+        window = None
     if family == "qwen2" and getattr(hf_cfg, "use_sliding_window", False):
         unsupported.append("use_sliding_window=true")
     if hf_cfg.hidden_act != "silu":
@@ -119,12 +120,13 @@ def model_config_from_hf(hf_cfg, seq_length: int | None = None) -> ModelConfig:
                        rope_scaling=_rope_scaling(kind, rope_params),
                        normalization="rmsnorm", num_query_groups=None if groups == n else groups,
                        untie_embeddings_and_output_weights=not getattr(hf_cfg, "tie_word_embeddings", False),
-                       add_bias_linear=bias, add_qkv_bias=family == "qwen2")
+                       add_bias_linear=bias, add_qkv_bias=family == "qwen2",
+                       sliding_window=window if window is not None and window < positions else None)
 
 
 def hf_config(cfg: ModelConfig, vocab_size: int | None = None):
-    """The ``transformers`` config of our model (which must have the Llama options): ``Qwen2Config`` for a bias on
-    q/k/v only, else ``LlamaConfig``."""
+    """The ``transformers`` config of our model (which must have the Llama options): ``MistralConfig`` with a
+    sliding window, ``Qwen2Config`` for a bias on q/k/v only, else ``LlamaConfig``."""
     import transformers
 
     check_llama_shape(cfg)
@@ -136,6 +138,11 @@ def hf_config(cfg: ModelConfig, vocab_size: int | None = None):
                   tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
                   rope_parameters=_hf_rope_parameters(cfg),
                   attention_dropout=cfg.attention_dropout)
+    if cfg.sliding_window is not None:
+        if cfg.qkv_bias:
+            raise LlamaMappingError(f"model.sliding_window={cfg.sliding_window} with biases: transformers' "
+                                    f"MistralForCausalLM (the sliding-window Llama block) has none")
+        return transformers.MistralConfig(**common, sliding_window=cfg.sliding_window)
     if qkv_bias_only(cfg):
         return transformers.Qwen2Config(**common, use_sliding_window=False)
     return transformers.LlamaConfig(**common, attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
@@ -233,7 +240,7 @@ def build_hf_llama(state: dict[str, torch.Tensor], cfg: ModelConfig, vocab_size:
 
     hc = hf_config(cfg, vocab_size)
     hc.bos_token_id = hc.eos_token_id = eod
-    name = LLAMA_FAMILY["qwen2" if qkv_bias_only(cfg) else "llama"]
+    name = LLAMA_FAMILY["mistral" if cfg.sliding_window is not None else "qwen2" if qkv_bias_only(cfg) else "llama"]
     hc.architectures = [name]
     model = getattr(transformers, name)(hc)
     weights = to_hf({k: v.detach().to(torch.float32).cpu() for k, v in state.items()}, cfg, vocab_size)
