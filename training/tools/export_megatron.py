@@ -62,6 +62,8 @@ class ExportMegatronError(SuiteError):
 
 def refuse_unsupported(m: ModelConfig, pp: int) -> None:
     bad = []
+    if m.sliding_window is not None:
+        bad.append(f"model.sliding_window={m.sliding_window} (Megatron-Core's --window-size is not written here)")
     if m.rope_scaling is not None:
         bad.append("model.rope_scaling (Megatron-Core's --use-rope-scaling is not read back by our import)")
     if m.arch == "bert" and m.layer_order != "pre_ln":

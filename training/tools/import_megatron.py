@@ -78,6 +78,7 @@ def refuse_unsupported(args, arch: str) -> None:
         "num_experts": (None, 0, 1),
         "transformer_impl": ("local", "transformer_engine", None),
         "qk_layernorm": (False, None), "rotary_interleaved": (False, None), "use_rope_scaling": (False, None),
+        "window_size": (None,),
     }
     if arch == "bert":
         checks.update({"position_embedding_type": ("learned_absolute", None), "normalization": ("LayerNorm", None),
