@@ -129,8 +129,11 @@ def data_parallel_size(world_size: int, tp: int, pp: int = 1, flags: bool = Fals
 def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -> Layout:
     """The layout of ``cfg`` on ``world_size`` ranks. ``vocab_size`` (else ``model.vocab_size``) gives the
     padded vocabulary; without either it is None. Raises ConfigError when the layout does not fit."""
-    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-    dp = data_parallel_size(world_size, tp, pp)
+    tp, pp, cp = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.context
+    if cp > 1 and world_size % (cp * tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by TP x CP x PP = {tp} x {cp} x {pp}: launch a "
+                          f"multiple of {tp * cp * pp} processes")
+    dp = data_parallel_size(world_size // max(cp, 1), tp, pp)  # context-parallel ranks share their samples
     t = cfg.train
     vocab = vocab_size or cfg.model.vocab_size
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp) if vocab else None

@@ -1,0 +1,102 @@
+"""Context parallelism (``parallel.context``, ``parallel.context_impl``; issue 43 item 1), on 2 gloo ranks.
+
+CP 2 equals CP 1 for GPT-2 and the Llama shape (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied), with
+DeepSpeed-Ulysses and with ring attention, under the DeepSpeed engine in fp32 with AdamW for three optimizer steps:
+the loss of every step and every gradient the optimizer receives (a step pre-hook, i.e. after the engine's
+reduction over the data x context parallel ranks), within 1e-5 relative (a gradient: the norm of the difference
+over the reference's norm, per parameter). The reference is CP 1 on the same two ranks as two data-parallel
+replicas fed the same samples (so its averaged gradient is the serial one). Dropout is off.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 128
+STEPS = 3
+SEQ = 16
+
+
+def _model_cfg(name: str):
+    from training.models.config import ModelConfig
+
+    if name == "gpt2":
+        return ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
+                           hidden_dropout=0.0, attention_dropout=0.0)
+    model = yaml.safe_load((ROOT / "configs" / "llama_tiny.yaml").read_text())["model"]
+    model.update(num_layers=2, seq_length=SEQ, vocab_size=VOCAB)
+    return ModelConfig(**model)
+
+
+def _train(model_name: str, cp: int, impl: str, tp: int = 1) -> dict:
+    from training.config import Config
+    from training.ds_json import deepspeed_config
+    from training.models.gpt2 import GPTModel
+    from training.optim.adamw import build_optimizer
+    from training.optim.engine import build_engine
+    from training.parallel import random as tp_random
+    from training.parallel.context import ContextParallel
+    from training.parallel.state import ParallelState
+
+    cfg = Config()
+    cfg.model = _model_cfg(model_name)
+    cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.context_impl = tp, cp, impl
+    ps = ParallelState(tp=tp, cp=cp)
+    dp = ps.dims.dp
+    cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.iters = 2, 2 * dp, STEPS
+    cfg.optimizer.lr, cfg.optimizer.warmup_iters = 1e-3, 0
+    tp_random.configure(ps, cfg.model.num_layers)
+    tp_random.set_seed(1234)
+    context = ContextParallel(ps.cp_group, impl) if cp > 1 else None
+    model = GPTModel(cfg.model, VOCAB, ps.tp_group, seed=1234, context=context)
+    opt, sched = build_optimizer(model, cfg.optimizer, STEPS)
+    engine = build_engine(model, opt, sched, deepspeed_config(cfg, dp, "fp32"), ps)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    seen: list[dict] = []
+    engine.optimizer.register_step_pre_hook(lambda o, *_: seen.append(
+        {names[id(p)]: p.grad.detach().clone() for grp in o.param_groups for p in grp["params"]
+         if p.grad is not None}))
+    seq = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(100))  # alike on every rank
+    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    losses = []
+    for _ in range(STEPS):
+        if context is None:
+            loss = engine(tokens, labels).mean()
+        else:
+            mine, their_labels, positions = context.split(tokens, labels)
+            loss = context.loss(engine(mine, their_labels, positions=positions))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "grads": seen, "seq_dp": engine.seq_dp_world_size, "dp": engine.dp_world_size}
+
+
+def _worker(rank: int, world: int) -> dict:
+    out = {}
+    for model_name in ("gpt2", "llama"):
+        ref = _train(model_name, 1, "ulysses")
+        for impl in ("ulysses", "ring"):
+            run = _train(model_name, 2, impl)
+            assert len(run["grads"]) == len(ref["grads"]) == STEPS
+            rel = [max(((g - ref_g[n]).norm() / ref_g[n].norm().clamp_min(1e-30)).item() for n, g in run_g.items())
+                   for ref_g, run_g in zip(ref["grads"], run["grads"])]
+            out[(model_name, impl)] = {"ref": ref["losses"], "cp": run["losses"], "grad_rel": rel,
+                                       "names": all(a.keys() == b.keys() for a, b in zip(ref["grads"], run["grads"])),
+                                       "groups": (run["seq_dp"], run["dp"])}
+    return out
+
+
+def test_context_parallel_equals_cp1():
+    for r in run_distributed(_worker, 2, timeout=600):
+        for case, res in r.items():
+            assert res["names"], case
+            assert res["groups"] == (2, 1), (case, res["groups"])  # gradients reduced over dp x cp, averaged by dp
+            assert res["cp"] == pytest.approx(res["ref"], rel=1e-5), (case, res)
+            assert res["ref"][-1] < res["ref"][0], (case, res)  # it trains
+            assert max(res["grad_rel"]) < 1e-5, (case, res["grad_rel"])
