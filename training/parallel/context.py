@@ -25,7 +25,6 @@ import torch.distributed as dist
 from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
-from training.models.qkv import repeat_kv
 from training.parallel.ring_attention import ring_attention, ring_positions
 
 
@@ -59,8 +58,9 @@ class UlyssesCore(nn.Module):
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         if attn_mask is not None:
             raise ValueError("context parallelism runs causal attention without a mask (docs/context_parallel.md)")
-        if k.size(1) % self.cp:
-            k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
+        if k.size(1) % self.cp:  # each key/value head for its query heads (training/models/qkv.py's repeat_kv)
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         out = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0)  # [b, s/c, n/p, hn]
         return out.transpose(1, 2)
 

@@ -21,8 +21,6 @@ import math
 import torch
 import torch.distributed as dist
 
-from training.models.qkv import repeat_kv
-
 
 def ring_chunks(rank: int, cp: int) -> tuple[int, int]:
     """The two of the 2 cp sequence chunks that context-parallel rank ``rank`` holds: (rank, 2 cp - 1 - rank)."""
@@ -85,26 +83,30 @@ def shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
     return out
 
 
+def fold_block(results: list[tuple[torch.Tensor | None, torch.Tensor | None]], q: torch.Tensor, mine: tuple[int, int],
+               k: torch.Tensor, v: torch.Tensor, theirs: tuple[int, int]) -> None:
+    """One ring step: this rank's queries q [b, n, 2L, hn] (its chunks ``mine``) against one rank's keys and values
+    k, v [b, g, 2L, hn] (chunks ``theirs``), every pair causality keeps folded into ``results`` (per query chunk the
+    running (output, log-sum-exp), in place)."""
+    rep = q.size(1) // k.size(1)                                         # each key/value head for its n/g query heads
+    k_chunks = k.repeat_interleave(rep, dim=1).chunk(2, dim=2)
+    v_chunks = v.repeat_interleave(rep, dim=1).chunk(2, dim=2)
+    for a, qa in enumerate(q.chunk(2, dim=2)):
+        for b, (kb, vb) in enumerate(zip(k_chunks, v_chunks)):
+            if theirs[b] > mine[a]:                                      # a later chunk: masked out entirely
+                continue
+            results[a] = merge(*results[a], *block_attention(qa, kb, vb, causal=theirs[b] == mine[a]))
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence. q [b, n, s/c, hn], k and v [b, g, s/c, hn]
     (g divides n: grouped-query attention), each the rank's two chunks (:func:`ring_chunks`) one after the other
     -> [b, n, s/c, hn], the rank's rows of softmax(Q K^T / sqrt(hn) + causal) V."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
-    n = q.size(1)
-    q_chunks = q.chunk(2, dim=2)
-    mine = ring_chunks(rank, cp)
     results: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None), (None, None)]
     kv = torch.stack([k, v])                                             # [2, b, g, s/c, hn]: one message per step
     for step in range(cp):
-        theirs = ring_chunks((rank - step) % cp, cp)
-        k_chunks = repeat_kv(kv[0], n).chunk(2, dim=2)
-        v_chunks = repeat_kv(kv[1], n).chunk(2, dim=2)
-        for a, qa in enumerate(q_chunks):
-            for b_, (kb, vb) in enumerate(zip(k_chunks, v_chunks)):
-                if theirs[b_] > mine[a]:                                 # a later chunk: masked out entirely
-                    continue
-                block = block_attention(qa, kb, vb, causal=theirs[b_] == mine[a])
-                results[a] = merge(*results[a], *block)
+        fold_block(results, q, ring_chunks(rank, cp), kv[0], kv[1], ring_chunks((rank - step) % cp, cp))
         if step + 1 < cp:
             kv = RingShift.apply(kv, group)
     return torch.cat([out for out, _ in results], dim=2)
