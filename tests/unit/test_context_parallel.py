@@ -115,3 +115,16 @@ def test_context_parallel_configs_load():
         cfg = load_config(ROOT / "configs" / "llama_tiny.yaml",
                           ["parallel.tensor=1", "parallel.context=2", f"parallel.context_impl={impl}"])
         assert (cfg.parallel.context, cfg.parallel.context_impl) == (2, impl)
+
+
+def test_context_parallel_ranks_share_their_samples_in_the_layout():
+    from training.config import load_config
+    from training.layout import derive_layout
+
+    cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", ["parallel.tensor=1", "parallel.context=2"])
+    assert derive_layout(cfg, 4).dp == 2                                 # 4 ranks = CP 2 x DP 2
+    assert derive_layout(cfg, 2).dp == 1
+    from megatron_ds_suite.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not divisible by TP x CP x PP = 1 x 2 x 1"):
+        derive_layout(cfg, 3)
