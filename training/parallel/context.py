@@ -120,7 +120,7 @@ class ContextParallel:
         (sum of its losses over all the tokens' count): summed over CP by the gradient reduction, the whole
         sequence's."""
         local = token_losses.float().sum()
-        totals = torch.stack([local.detach(), local.new_tensor(float(token_losses.numel()))])
+        totals = torch.stack([local.detach(), torch.full_like(local, token_losses.numel()).detach()])
         dist.all_reduce(totals, group=self.group)
         share = local / totals[1]
         return share + (totals[0] / totals[1] - share).detach()

@@ -41,7 +41,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.size(-1))  # [b, n, l, lk]
     if causal:
         keep = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril_()
-        scores = scores.masked_fill(~keep, float("-inf"))
+        scores = scores.masked_fill(keep.logical_not(), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                # [b, n, l]
     return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
 
