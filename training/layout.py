@@ -43,10 +43,13 @@ class Layout:
     virtual_pipeline: int = 1
     """Model chunks per pipeline rank under the interleaved schedule (``parallel.virtual_pipeline``; 1 = 1F1B):
     the bubble (p-1)/(v m), v times the stage-to-stage sends, more activations in flight (docs/pipeline.md)."""
+    context: int = 1
+    """Context-parallel degree c (``parallel.context``, docs/context_parallel.md): each sample's tokens split over c
+    ranks, every activation (the s^2 attention scores too) / c, ZeRO's shards over DP x c."""
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.context
 
     @property
     def world(self) -> int:
@@ -139,7 +142,7 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp) if vocab else None
     lay = Layout(tp=tp, pp=pp, dp=dp, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
                  padded_vocab=padded, sequence_parallel=cfg.parallel.sequence_parallel,
-                 virtual_pipeline=virtual_chunks(cfg))
+                 virtual_pipeline=virtual_chunks(cfg), context=cp)
     lay.check()
     check_micro_batches(cfg.parallel, lay.grad_accumulation)  # the pipeline schedule's rule on m
     return lay

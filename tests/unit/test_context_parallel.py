@@ -128,3 +128,20 @@ def test_context_parallel_ranks_share_their_samples_in_the_layout():
 
     with pytest.raises(ConfigError, match="not divisible by TP x CP x PP = 1 x 2 x 1"):
         derive_layout(cfg, 3)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_planner_divides_activations_by_c_and_shards_zero_over_dp_x_cp(cp):
+    from training.layout import Layout
+    from training.plan.memory import memory
+    from training.plan.presets import preset_shape
+
+    shape = preset_shape("gpt2-1.2b")
+    base, lay = Layout(tp=2, dp=2, micro_batch=4, global_batch=8), Layout(tp=2, dp=2, micro_batch=4, global_batch=8,
+                                                                         context=cp)
+    assert lay.world_size == 4 * cp
+    one, split = memory(shape, base), memory(shape, lay)
+    for field in ("activations", "activations_ckpt", "activations_selective"):
+        assert getattr(split, field) == pytest.approx(getattr(one, field) / cp, rel=1e-12), field
+    assert (split.params, split.grads, split.optimizer) == (one.params, one.grads, one.optimizer)  # replicated over CP
+    assert split.optimizer_zero1 == pytest.approx(one.optimizer_zero1 / cp, rel=1e-12)
