@@ -9,7 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.parallel.ring_attention import block_attention, fold_block, merge, ring_chunks, ring_positions
+from training.parallel.ring_attention import (
+    block_attention,
+    block_grads,
+    fold_block,
+    merge,
+    pairs,
+    ring_chunks,
+    ring_positions,
+)
 from training.parallel.state import ParallelDims
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +84,46 @@ def test_every_rank_folding_every_ring_step_equals_causal_attention(cp):
             acc += gr
     for gr, ref in zip(grads, ref_grads):
         assert torch.allclose(gr, ref, atol=1e-12)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_block_gradients_from_the_final_log_sum_exp_equal_autograd(cp):
+    """:class:`RingAttention`'s backward, its ring replaced by slicing: each rank's blocks' (dq, dk, dv) from
+    :func:`block_grads` with the rank's final log-sum-exp, dk and dv summed over the GQA repeats and over the
+    ranks whose queries saw them -> the gradients of causal attention over the whole sequence."""
+    g = torch.Generator().manual_seed(2)
+    s, n, kv_heads, rep = 4 * cp, 6, 2, 3
+    q = torch.randn(2, n, s, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, s, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    full = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+    up = torch.randn(full.shape, generator=g, dtype=torch.float64)
+    ref = torch.autograd.grad((full * up).sum(), (q, k, v))
+    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+    with torch.no_grad():
+        for rank in range(cp):
+            pos = ring_positions(s, rank, cp)
+            results: list = [(None, None), (None, None)]
+            for src in range(cp):
+                their = ring_positions(s, src, cp)
+                fold_block(results, q[:, :, pos], ring_chunks(rank, cp), k[:, :, their], v[:, :, their],
+                           ring_chunks(src, cp))
+            out, lse = (torch.cat([r[i] for r in results], dim=2) for i in range(2))
+            dout = up[:, :, pos]
+            delta = (dout * out).sum(-1)
+            for src in range(cp):
+                their = ring_positions(s, src, cp)
+                kr, vr = (t[:, :, their].repeat_interleave(rep, 1) for t in (k, v))
+                for a, b, causal in pairs(ring_chunks(rank, cp), ring_chunks(src, cp)):
+                    qa_pos, kb_pos = pos.chunk(2)[a], their.chunk(2)[b]
+                    ch = slice(a * len(qa_pos), (a + 1) * len(qa_pos))
+                    kc = slice(b * len(kb_pos), (b + 1) * len(kb_pos))
+                    gq, gk, gv = block_grads(q[:, :, qa_pos], kr[:, :, kc], vr[:, :, kc], dout[:, :, ch],
+                                             lse[:, :, ch], delta[:, :, ch], causal)
+                    dq[:, :, qa_pos] += gq
+                    dk[:, :, kb_pos] += gk.unflatten(1, (kv_heads, rep)).sum(2)
+                    dv[:, :, kb_pos] += gv.unflatten(1, (kv_heads, rep)).sum(2)
+    for mine, r in zip((dq, dk, dv), ref):
+        assert torch.allclose(mine, r, atol=1e-12)
 
 
 def test_context_parallel_ranks_sit_between_tensor_and_data_parallel():
