@@ -110,6 +110,10 @@ def validate_context(p: ParallelConfig, m: ModelConfig, document_options: list[s
         raise ConfigError(f"model.seq_length={m.seq_length} is not divisible by {chunks} (parallel.context={c}, "
                           f"{impl}{' splits into 2c load-balanced chunks' if impl == 'ring' else ''}): choose a "
                           f"sequence length that is a multiple of {chunks}")
+    if p.sequence_parallel and (m.seq_length // c) % p.tensor:
+        raise ConfigError(f"model.seq_length={m.seq_length} / parallel.context={c} is not a multiple of parallel.tensor="
+                          f"{p.tensor} (sequence parallelism splits each CP rank's tokens over TP): choose a sequence "
+                          f"length that is a multiple of {c * p.tensor}")
     if impl == "ulysses" and (m.num_attention_heads // p.tensor) % c:
         raise ConfigError(f"parallel.context={c} (ulysses) does not divide the {m.num_attention_heads // p.tensor} "
                           f"attention heads per TP rank: choose c dividing model.num_attention_heads / parallel.tensor, "
@@ -118,7 +122,6 @@ def validate_context(p: ParallelConfig, m: ModelConfig, document_options: list[s
         (p.pipeline > 1, f"parallel.pipeline={p.pipeline}", "set parallel.pipeline=1"),
         (m.arch == "bert", "model.arch=bert", "context parallelism is for causal GPT models"),
         (bool(document_options), ", ".join(f"data.{n}" for n in document_options), "remove the packed-document options"),
-        (p.sequence_parallel, "parallel.sequence_parallel=true", "set parallel.sequence_parallel=false"),
         (m.compile or m.cuda_graph, "model.compile", "set model.compile=false"),
         (impl == "ring" and m.attention_dropout > 0.0, f"model.attention_dropout={m.attention_dropout} (ring)",
          "set model.attention_dropout=0 or parallel.context_impl=ulysses"),

@@ -7,9 +7,10 @@ reduction over the data x context parallel ranks), within 1e-5 relative (a gradi
 over the reference's norm, per parameter); the second step's gradients within 1e-4, since Adam's first update is
 about +-lr wherever a gradient is tiny, so the ring's other summation order (1e-7 relative on the first step's
 gradients) moves those weights by up to 2 lr. The reference is CP 1 on the same two ranks as two data-parallel
-replicas fed the same samples (so its averaged gradient is the serial one). On 4 ranks, TP 2 x CP 2 against TP 2 x
-CP 1 (gradients shard by shard; TP 2 = TP 1 is tests/parallel/test_gpt2_tp.py's) and its losses against TP 1, for a
-Llama shape with one key/value head per TP rank. Dropout is off.
+replicas fed the same samples (so its averaged gradient is the serial one). On 4 ranks, TP 2 x CP 2 with sequence parallelism
+(each CP rank's tokens split again over TP) against TP 2 x CP 1 without it (gradients shard by shard; SP on = off is
+tests/parallel/test_sequence_parallel.py's, TP 2 = TP 1 tests/parallel/test_gpt2_tp.py's) and its losses against
+TP 1, for a Llama shape with one key/value head per TP rank. Dropout is off.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _model_cfg(name: str):
     return ModelConfig(**model)
 
 
-def _train(model_name: str, cp: int, impl: str, tp: int = 1) -> dict:
+def _train(model_name: str, cp: int, impl: str, tp: int = 1, sp: bool = False) -> dict:
     from training.config import Config
     from training.ds_json import deepspeed_config
     from training.models.gpt2 import GPTModel
@@ -53,6 +54,7 @@ def _train(model_name: str, cp: int, impl: str, tp: int = 1) -> dict:
     cfg = Config()
     cfg.model = _model_cfg(model_name)
     cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.context_impl = tp, cp, impl
+    cfg.parallel.sequence_parallel = sp
     ps = ParallelState(tp=tp, cp=cp)
     dp = ps.dims.dp
     cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.iters = 2, 2 * dp, STEPS
@@ -60,7 +62,7 @@ def _train(model_name: str, cp: int, impl: str, tp: int = 1) -> dict:
     tp_random.configure(ps, cfg.model.num_layers)
     tp_random.set_seed(1234)
     context = ContextParallel(ps.cp_group, impl) if cp > 1 else None
-    model = GPTModel(cfg.model, VOCAB, ps.tp_group, seed=1234, context=context)
+    model = GPTModel(cfg.model, VOCAB, ps.tp_group, seed=1234, sequence_parallel=sp, context=context)
     opt, sched = build_optimizer(model, cfg.optimizer, STEPS)
     engine = build_engine(model, opt, sched, deepspeed_config(cfg, dp, "fp32"), ps)
     names = {id(p): n for n, p in engine.module.named_parameters()}
@@ -89,7 +91,7 @@ def _worker(rank: int, world: int, model_names: tuple[str, ...], tp: int) -> dic
         ref = _train(model_name, 1, "ulysses", tp)  # the same TP: the same gradient shards to compare
         tp1 = ref if tp == 1 else _train(model_name, 1, "ulysses", 1)
         for impl in ("ulysses", "ring"):
-            run = _train(model_name, 2, impl, tp)
+            run = _train(model_name, 2, impl, tp, sp=tp > 1)  # with TP: sequence parallelism too
             assert len(run["grads"]) == len(ref["grads"]) == STEPS
             rel = [max(((g - ref_g[n]).norm() / ref_g[n].norm().clamp_min(1e-30)).item() for n, g in run_g.items())
                    for ref_g, run_g in zip(ref["grads"], run["grads"])]
@@ -101,7 +103,7 @@ def _worker(rank: int, world: int, model_names: tuple[str, ...], tp: int) -> dic
 
 @pytest.mark.parametrize("models,tp", [
     (("gpt2", "llama"), 1),
-    (("llama8",), 2),  # TP 2 x CP 2 = TP 1 (Ulysses repeating the one key/value head per TP rank before its all-to-all)
+    (("llama8",), 2),  # TP 2 x CP 2 (+ SP) = TP 1 (Ulysses repeating the one key/value head per TP rank first)
 ])
 def test_context_parallel_equals_cp1(models, tp):
     for r in run_distributed(_worker, 2 * tp, models, tp, timeout=600):

@@ -146,6 +146,8 @@ def test_context_parallel_ranks_sit_between_tensor_and_data_parallel():
     (["parallel.context_impl=ring", "model.attention_dropout=0.1"], "model.attention_dropout=0.1 (ring)"),
     (["parallel.context_impl=ring", "model.recompute=selective"], "model.recompute=selective (ring)"),
     (["parallel.context=0"], "parallel.context must be >= 1"),
+    (["parallel.tensor=2", "parallel.sequence_parallel=true", "model.num_attention_heads=8", "model.seq_length=18"],
+     "model.seq_length=18 / parallel.context=2 is not a multiple of parallel.tensor=2"),
 ])
 def test_config_refusals_are_one_line(overrides, message):
     from megatron_ds_suite.core.errors import ConfigError
