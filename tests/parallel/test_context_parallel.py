@@ -1,16 +1,19 @@
-"""Context parallelism (``parallel.context``, ``parallel.context_impl``; issue 43 item 1), on 2 gloo ranks.
+"""Context parallelism (``parallel.context``, ``parallel.context_impl``; issue 43 item 1), on 2 and 4 gloo ranks.
 
 CP 2 equals CP 1 for GPT-2 and the Llama shape (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied), with
 DeepSpeed-Ulysses and with ring attention, under the DeepSpeed engine in fp32 with AdamW for two optimizer steps:
 the loss of every step and every gradient the optimizer receives (a step pre-hook, i.e. after the engine's
-reduction over the data x context parallel ranks), within 1e-5 relative (a gradient: the norm of the difference
-over the reference's norm, per parameter); the second step's gradients within 1e-4, since Adam's first update is
-about +-lr wherever a gradient is tiny, so the ring's other summation order (1e-7 relative on the first step's
-gradients) moves those weights by up to 2 lr. The reference is CP 1 on the same two ranks as two data-parallel
-replicas fed the same samples (so its averaged gradient is the serial one). On 4 ranks, TP 2 x CP 2 with sequence parallelism
-(each CP rank's tokens split again over TP) against TP 2 x CP 1 without it (gradients shard by shard; SP on = off is
-tests/parallel/test_sequence_parallel.py's, TP 2 = TP 1 tests/parallel/test_gpt2_tp.py's) and its losses against
-TP 1, for a Llama shape with one key/value head per TP rank. Dropout is off.
+reduction over the data x context parallel ranks). Loss and first-step gradients within 1e-5 relative (a
+gradient: the norm of the difference over the reference's norm, per parameter); the second step's gradients
+within 1e-4, since Adam's first update is about +-lr wherever a gradient is tiny, so the ring's other summation
+order (1e-7 relative on the first step's gradients) can move those weights by up to 2 lr. The reference is CP 1
+on the same ranks as data-parallel replicas fed the same samples (their averaged gradient is the serial one).
+
+On 4 ranks: TP 2 x CP 2 with sequence parallelism (each CP rank's tokens split again over TP) against TP 2 x CP 1
+without it, gradient shard by shard (SP on = off is tests/parallel/test_sequence_parallel.py's, TP 2 = TP 1
+tests/parallel/test_gpt2_tp.py's), and its losses against TP 1, for a Llama shape with one key/value head per TP
+rank. The 2-rank Llama runs with CP recompute every layer in backward (``model.recompute: full``: the all-to-alls
+and the ring run again). Dropout is off.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ def _model_cfg(name: str):
     return ModelConfig(**model)
 
 
-def _train(model_name: str, cp: int, impl: str, tp: int = 1, sp: bool = False) -> dict:
+def _train(model_name: str, cp: int, impl: str, tp: int = 1, sp: bool = False, recompute: str = "none") -> dict:
     from training.config import Config
     from training.ds_json import deepspeed_config
     from training.models.gpt2 import GPTModel
@@ -55,6 +58,7 @@ def _train(model_name: str, cp: int, impl: str, tp: int = 1, sp: bool = False) -
     cfg.model = _model_cfg(model_name)
     cfg.parallel.tensor, cfg.parallel.context, cfg.parallel.context_impl = tp, cp, impl
     cfg.parallel.sequence_parallel = sp
+    cfg.model.recompute = recompute
     ps = ParallelState(tp=tp, cp=cp)
     dp = ps.dims.dp
     cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.iters = 2, 2 * dp, STEPS
@@ -91,7 +95,8 @@ def _worker(rank: int, world: int, model_names: tuple[str, ...], tp: int) -> dic
         ref = _train(model_name, 1, "ulysses", tp)  # the same TP: the same gradient shards to compare
         tp1 = ref if tp == 1 else _train(model_name, 1, "ulysses", 1)
         for impl in ("ulysses", "ring"):
-            run = _train(model_name, 2, impl, tp, sp=tp > 1)  # with TP: sequence parallelism too
+            # with TP: sequence parallelism too; the Llama shape recomputes its layers (the exchanges run again)
+            run = _train(model_name, 2, impl, tp, sp=tp > 1, recompute="full" if model_name == "llama" else "none")
             assert len(run["grads"]) == len(ref["grads"]) == STEPS
             rel = [max(((g - ref_g[n]).norm() / ref_g[n].norm().clamp_min(1e-30)).item() for n, g in run_g.items())
                    for ref_g, run_g in zip(ref["grads"], run["grads"])]
