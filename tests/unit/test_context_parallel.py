@@ -134,6 +134,10 @@ def test_context_parallel_ranks_sit_between_tensor_and_data_parallel():
         pp, dp, tp = dims.coords(rank)
         assert rank == pp * 8 + dp * 4 + dims.cp_rank(rank) * 2 + tp
     assert ParallelDims(8, tp=2).coords(5) == (0, 2, 1)                   # CP 1: the old layout
+    from megatron_ds_suite.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="world size 6 is not divisible by TP x CP x PP = 2 x 2 x 1"):
+        ParallelDims(6, tp=2, cp=2)
 
 
 @pytest.mark.parametrize("overrides,message", [

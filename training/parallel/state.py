@@ -36,8 +36,10 @@ class ParallelDims:
                 raise ConfigError(f"parallel size {name}={getattr(self, name)} must be >= 1")
         model = self.tp * self.pp * self.cp
         if self.world_size % model:
-            raise ConfigError(f"world size {self.world_size} is not divisible by TP x CP x PP = {self.tp} x {self.cp} "
-                              f"x {self.pp}: launch a multiple of {model} processes")
+            names, sizes = ("TP x CP x PP", f"{self.tp} x {self.cp} x {self.pp}") if self.cp > 1 else \
+                ("TP x PP", f"{self.tp} x {self.pp}")
+            raise ConfigError(f"world size {self.world_size} is not divisible by {names} = {sizes}: launch a multiple "
+                              f"of {model} processes")
 
     @property
     def dp(self) -> int:
@@ -74,10 +76,8 @@ class ParallelState:
         self.tp_group = self._make_groups("model")
         self.dp_cp_group = self._make_groups("data")                      # DeepSpeed's data axis: dp x cp
         self.pp_group = self._make_groups("pipe")
-        self.cp_group = self._split_data_axis(lambda d: d // cp) if cp > 1 else None
+        self.cp_group = self._split_data_axis(lambda d: d // cp)          # CP = 1: one per rank, as other axes of 1
         self.dp_group = self._split_data_axis(lambda d: d % cp) if cp > 1 else self.dp_cp_group
-        if self.cp_group is None:  # CP = 1: one group per rank, as the other axes of size 1
-            self.cp_group = dist.new_group(ranks=[self.rank])
         self.pp_rank, self.dp_rank, self.tp_rank = self.dims.coords(self.rank)
         self.cp_rank = self.dims.cp_rank(self.rank)
         c = self.topology.get_coord(self.rank)
