@@ -127,8 +127,6 @@ def validate_context(p: ParallelConfig, m: ModelConfig, document_options: list[s
          "set model.attention_dropout=0 or parallel.context_impl=ulysses"),
         (impl == "ring" and (m.apply_query_key_layer_scaling or m.attention_softmax_in_fp32),
          "Megatron's fp16 softmax options (ring)", "turn them off or set parallel.context_impl=ulysses"),
-        (impl == "ring" and m.recompute == "selective", "model.recompute=selective (ring)",
-         "set model.recompute=none or full, or parallel.context_impl=ulysses"),
     ]
     for refused, what, fix in refusals:
         if refused:

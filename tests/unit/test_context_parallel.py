@@ -148,7 +148,6 @@ def test_context_parallel_ranks_sit_between_tensor_and_data_parallel():
     (["parallel.pipeline=3"], "parallel.context=2 with parallel.pipeline=3"),
     (["data.reset_attention_mask=true"], "parallel.context=2 with data.reset_attention_mask"),
     (["parallel.context_impl=ring", "model.attention_dropout=0.1"], "model.attention_dropout=0.1 (ring)"),
-    (["parallel.context_impl=ring", "model.recompute=selective"], "model.recompute=selective (ring)"),
     (["parallel.context=0"], "parallel.context must be >= 1"),
     (["parallel.tensor=2", "parallel.sequence_parallel=true", "model.num_attention_heads=8", "model.seq_length=18"],
      "model.seq_length=18 / parallel.context=2 is not a multiple of parallel.tensor=2"),
@@ -165,9 +164,9 @@ def test_config_refusals_are_one_line(overrides, message):
 def test_context_parallel_configs_load():
     from training.config import load_config
 
-    for impl in ("ulysses", "ring"):
-        cfg = load_config(ROOT / "configs" / "llama_tiny.yaml",
-                          ["parallel.tensor=1", "parallel.context=2", f"parallel.context_impl={impl}"])
+    for impl in ("ulysses", "ring"):  # selective recomputation too (the ring keeps no scores: nothing to recompute)
+        cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", ["parallel.tensor=1", "parallel.context=2",
+                                                                 f"parallel.context_impl={impl}", "model.recompute=selective"])
         assert (cfg.parallel.context, cfg.parallel.context_impl) == (2, impl)
 
 
