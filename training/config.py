@@ -33,7 +33,13 @@ from megatron_ds_suite.core.errors import ConfigError
 # in this module's namespace (a genuine use, not a re-export for callers: they import from training.models.config
 # and training.parallel_config)
 from training.models.config import OLD_RECOMPUTE_KEY, ModelConfig, validate_model_options, validate_shape
-from training.parallel_config import ParallelConfig, validate_pipeline_schedule, validate_universal_load, validate_zero
+from training.parallel_config import (
+    ParallelConfig,
+    validate_context,
+    validate_pipeline_schedule,
+    validate_universal_load,
+    validate_zero,
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -329,7 +335,7 @@ def validate_static(cfg: Config) -> None:  # noqa: C901
     m, p, t, o = cfg.model, cfg.parallel, cfg.train, cfg.optimizer
     for name, v in [("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
                     ("model.num_attention_heads", m.num_attention_heads), ("model.seq_length", m.seq_length),
-                    ("parallel.tensor", p.tensor), ("parallel.pipeline", p.pipeline),
+                    ("parallel.tensor", p.tensor), ("parallel.pipeline", p.pipeline), ("parallel.context", p.context),
                     ("train.micro_batch_size", t.micro_batch_size), ("train.global_batch_size", t.global_batch_size),
                     ("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)]:
         if v < 1:
@@ -348,6 +354,7 @@ def validate_static(cfg: Config) -> None:  # noqa: C901
     validate_zero(p)
     validate_universal_load(t.load_universal, t.init_from, p)
     validate_pipeline_schedule(p, m)
+    validate_context(p, m, cfg.data.document_options())
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optimizer: need 0 <= min_lr <= lr and lr > 0 (got lr={o.lr}, min_lr={o.min_lr})")
     decay = o.decay_iters if o.decay_iters is not None else t.iters

@@ -47,10 +47,13 @@ class Layout:
     """DeepSpeed's DualPipeV (``parallel.pipeline_schedule: dualpipev``): two stages of l/(2p) layers per rank, rank 0
     holding the first and the last; the planner's bubble, sends and activations in flight follow its schedule
     (:func:`training.plan.memory.micro_batches_in_flight`, :func:`training.plan.timing.bubble_fraction`)."""
+    context: int = 1
+    """Context-parallel degree c (``parallel.context``, docs/context_parallel.md): each sample's tokens split over c
+    ranks, every activation (the s^2 attention scores too) / c, ZeRO's shards over DP x c."""
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.context
 
     @property
     def world(self) -> int:
@@ -138,14 +141,17 @@ def data_parallel_size(world_size: int, tp: int, pp: int = 1, flags: bool = Fals
 def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -> Layout:
     """The layout of ``cfg`` on ``world_size`` ranks. ``vocab_size`` (else ``model.vocab_size``) gives the
     padded vocabulary; without either it is None. Raises ConfigError when the layout does not fit."""
-    tp, pp = cfg.parallel.tensor, cfg.parallel.pipeline
-    dp = data_parallel_size(world_size, tp, pp)
+    tp, pp, cp = cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.context
+    if cp > 1 and world_size % (cp * tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by TP x CP x PP = {tp} x {cp} x {pp}: launch a "
+                          f"multiple of {tp * cp * pp} processes")
+    dp = data_parallel_size(world_size // max(cp, 1), tp, pp)  # context-parallel ranks share their samples
     t = cfg.train
     vocab = vocab_size or cfg.model.vocab_size
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp) if vocab else None
     lay = Layout(tp=tp, pp=pp, dp=dp, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
                  padded_vocab=padded, sequence_parallel=cfg.parallel.sequence_parallel,
-                 virtual_pipeline=virtual_chunks(cfg), dualpipev=runs_dualpipev(cfg))
+                 virtual_pipeline=virtual_chunks(cfg), dualpipev=runs_dualpipev(cfg), context=cp)
     lay.check()
     check_micro_batches(cfg.parallel, lay.grad_accumulation)  # the pipeline schedule's rule on m
     return lay

@@ -40,6 +40,13 @@ class ParallelConfig(Freezable):
     on a 1/tensor chunk of the sequence, the TP all-reduces become all-gather / reduce-scatter pairs; same
     weights and numerics, activations per layer sbh/t (34 + 5as/h) instead of sbh (10 + 24/t + 5as/(ht)) (docs/
     llama.md). model.seq_length must be a multiple of parallel.tensor."""
+    context: int = 1
+    """Context-parallel degree c (docs/context_parallel.md): every sample's tokens split over c ranks that hold the
+    same weights (gradients reduced over data x context parallel ranks); the attention exchanges what it needs."""
+    context_impl: Literal["ulysses", "ring"] = "ulysses"
+    """'ulysses': DeepSpeed's DistributedAttention (all-to-all from sequence-split to head-split around the core;
+    heads after TP divisible by c); 'ring': ring attention over Megatron's load-balanced causal chunks (2c chunks,
+    rank i holding i and 2c-1-i; the sequence divisible by 2c)."""
 
 def validate_zero(p: ParallelConfig) -> None:
     """The ZeRO stage and offload against the other parallel degrees, each refusal one line."""
@@ -122,6 +129,43 @@ def validate_pipeline_schedule(p: ParallelConfig, m: ModelConfig) -> None:
     if p.zero_stage != 0:
         raise ConfigError(f"parallel.pipeline_schedule={sched} with parallel.zero_stage={p.zero_stage}: only "
                           f"ZeRO-0 is supported with this schedule; set parallel.zero_stage=0 or the schedule 1f1b")
+
+
+def validate_context(p: ParallelConfig, m: ModelConfig, document_options: list[str]) -> None:
+    """Context parallelism's rules (docs/context_parallel.md), each refusal one line: the sequence divides into c
+    (Ulysses) or 2c (ring) chunks, the heads after TP into c (Ulysses); not with what it cannot run yet."""
+    c, impl = p.context, p.context_impl
+    if c < 1:
+        raise ConfigError(f"parallel.context must be >= 1, got {c}")
+    if c == 1:
+        return
+    chunks = c if impl == "ulysses" else 2 * c
+    if m.seq_length % chunks:
+        raise ConfigError(f"model.seq_length={m.seq_length} is not divisible by {chunks} (parallel.context={c}, "
+                          f"{impl}{' splits into 2c load-balanced chunks' if impl == 'ring' else ''}): choose a "
+                          f"sequence length that is a multiple of {chunks}")
+    if p.sequence_parallel and (m.seq_length // c) % p.tensor:
+        raise ConfigError(f"model.seq_length={m.seq_length} / parallel.context={c} is not a multiple of parallel.tensor="
+                          f"{p.tensor} (sequence parallelism splits each CP rank's tokens over TP): choose a sequence "
+                          f"length that is a multiple of {c * p.tensor}")
+    if impl == "ulysses" and (m.num_attention_heads // p.tensor) % c:
+        raise ConfigError(f"parallel.context={c} (ulysses) does not divide the {m.num_attention_heads // p.tensor} "
+                          f"attention heads per TP rank: choose c dividing model.num_attention_heads / parallel.tensor, "
+                          f"or parallel.context_impl=ring")
+    refusals = [
+        (p.pipeline > 1, f"parallel.pipeline={p.pipeline}", "set parallel.pipeline=1"),
+        (m.arch == "bert", "model.arch=bert", "context parallelism is for causal GPT models"),
+        (bool(document_options), ", ".join(f"data.{n}" for n in document_options), "remove the packed-document options"),
+        (m.compile or m.cuda_graph, "model.compile", "set model.compile=false"),
+        (m.sliding_window is not None, f"model.sliding_window={m.sliding_window}", "remove model.sliding_window"),
+        (impl == "ring" and m.attention_dropout > 0.0, f"model.attention_dropout={m.attention_dropout} (ring)",
+         "set model.attention_dropout=0 or parallel.context_impl=ulysses"),
+        (impl == "ring" and (m.apply_query_key_layer_scaling or m.attention_softmax_in_fp32),
+         "Megatron's fp16 softmax options (ring)", "turn them off or set parallel.context_impl=ulysses"),
+    ]
+    for refused, what, fix in refusals:
+        if refused:
+            raise ConfigError(f"parallel.context={c} with {what}: not supported with context parallelism yet; {fix}")
 
 
 def check_micro_batches(p: ParallelConfig, micro_batches: int) -> None:

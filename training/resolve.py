@@ -111,7 +111,7 @@ def start_process(cfg: Config) -> tuple[str, ParallelState]:
         # one process per core share: avoid oversubscribing the CPU with intra-op threads
         local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
-    ps = ParallelState(tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline)
+    ps = ParallelState(tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, cp=cfg.parallel.context)
     tp_random.configure(ps, cfg.model.num_layers)  # before any seeding
     tp_random.set_seed(cfg.train.seed)
     return dtype, ps

@@ -68,8 +68,8 @@ def collectives_checked(world: int = 2):
             setattr(dist, n, f)
 
 
-def _expect_collective(fn) -> None:
-    with collectives_checked():
+def _expect_collective(fn, world: int = 2) -> None:
+    with collectives_checked(world):
         try:
             fn()
         except ReachedCollective:
@@ -242,6 +242,15 @@ def check_gpt_task_loss(s: Setup) -> None:
         assert loss.device.type == "cuda"
 
 
+def check_gpt_task_loss_context_parallel(s: Setup) -> None:
+    """The ring's CP path (split, positions, blocks) on a ring of one; the loss's all-reduce is the collective checked."""
+    from training.tasks.gpt import GPTTask
+    task = GPTTask(gpt_config(s.work, **{"parallel.context": 2, "parallel.context_impl": "ring",
+                                         "model.attention_dropout": 0.0}), s.ps, 1)
+    model = fake_cuda(lambda: task.build_model(s.padded))
+    _expect_collective(lambda: task.loss(model, next(iter(s.gpt.micro_batches(0)))), world=1)
+
+
 def check_gpt_pipe_forward(s: Setup) -> None:
     """The pipeline's layers on batches moved as the trainer moves them for ``train_batch``."""
     from training.models.gpt2_pipe import build_gpt2_pipe
@@ -398,7 +407,7 @@ def check_sdpa_is_causal_on_cuda(s: Setup) -> None:
     assert calls and all(c == (True, True, "cuda", torch.float16) for c in calls), calls
 
 
-CHECKS = [check_gpt_task_loss, check_gpt_pipe_forward, check_trainer_validation_reduction,
+CHECKS = [check_gpt_task_loss, check_gpt_task_loss_context_parallel, check_gpt_pipe_forward, check_trainer_validation_reduction,
           check_parameter_count_under_pp, check_grad_norm, check_bert_task_loss,
           check_race_finetune_forward_and_accuracy_reduction, check_race_scorer,
           check_wikitext_scoring_and_dp_reduction, check_lambada_scoring, check_sdpa_is_causal_on_cuda]

@@ -34,7 +34,7 @@ LAMBADA = DATA / "eval" / "lambada" / "lambada_test.jsonl"
 needs_data = pytest.mark.skipif(not all(p.exists() for p in (GPT2, BOTCHAN, RACE, WIKITEXT, LAMBADA)),
                                 reason="../shared/data (tokenizers, corpus, eval files) not present")
 
-BATCH_PATHS = {"check_gpt_task_loss", "check_gpt_pipe_forward", "check_trainer_validation_reduction",
+BATCH_PATHS = {"check_gpt_task_loss", "check_gpt_task_loss_context_parallel", "check_gpt_pipe_forward", "check_trainer_validation_reduction",
                "check_bert_task_loss", "check_race_finetune_forward_and_accuracy_reduction", "check_race_scorer",
                "check_wikitext_scoring_and_dp_reduction", "check_lambada_scoring", "check_sdpa_is_causal_on_cuda"}
 

@@ -53,6 +53,7 @@ from training.models.ops import dropout, dropout_add
 from training.models.qkv import qkv_stride, split_heads
 from training.models.rotary import apply_rotary, rotary_cos_sin, rotary_table
 from training.parallel import random as tp_random
+from training.parallel.context import ContextParallel
 from training.parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
 from training.parallel.mappings import group_size
 from training.parallel.utils import divide
@@ -128,7 +129,7 @@ class ParallelSelfAttention(nn.Module):
     dropout stream, selective recomputation) is chosen once here (:func:`~training.models.core_attention.build_core`)."""
 
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None, seed: int, prefix: str, causal: bool = True,
-                 layer_number: int = 1, sequence_parallel: bool = False):
+                 layer_number: int = 1, sequence_parallel: bool = False, context: ContextParallel | None = None):
         super().__init__()
         h, n, g = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups
         tp = group_size(group)
@@ -144,7 +145,9 @@ class ParallelSelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(h, (n + 2 * g) * self.head_dim, group, bias=cfg.qkv_bias,
                                         init_method=normal_init(seed, prefix + "qkv", cfg.init_method_std),
                                         stride=qkv_stride(n, g), sequence_parallel=sequence_parallel)
-        self.core_attention = build_core(cfg, layer_number, causal)
+        core = build_core(cfg, layer_number, causal)
+        # context parallelism: the CP core around (Ulysses) or instead of (ring) it (training/parallel/context.py)
+        self.core_attention = core if context is None else context.wrap(core)
         self.proj = RowParallelLinear(h, h, group, bias=cfg.add_bias_linear,
                                       init_method=normal_init(seed, prefix + "proj", out_std),
                                       sequence_parallel=sequence_parallel)
@@ -227,17 +230,19 @@ class TransformerLayer(nn.Module):
     ``post_ln`` (original BERT)                                  x = LN1(x + Drop(Attn(x)));  x = LN2(x + Drop(MLP(x)))
 
     ``causal`` masks future positions (GPT-2); ``mask`` [b, 1, 1, s] bool (True = attend) masks padding keys (BERT).
-    ``sequence_parallel``: x is this rank's sequence chunk [b, s/p, h] (module docstring).
+    ``sequence_parallel``: x is this rank's sequence chunk [b, s/p, h] (module docstring). ``context``: x holds
+    this context-parallel rank's tokens, the attention exchanges the rest (:mod:`training.parallel.context`).
     """
 
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup | None, seed: int, index: int,
-                 causal: bool = True, pre_ln: bool = True, sequence_parallel: bool = False):
+                 causal: bool = True, pre_ln: bool = True, sequence_parallel: bool = False,
+                 context: ContextParallel | None = None):
         super().__init__()
         prefix = f"layers.{index}."
         self.pre_ln = pre_ln
         self.ln1 = norm(cfg)
         self.attn = ParallelSelfAttention(cfg, group, seed, prefix + "attn.", causal=causal, layer_number=index + 1,
-                                          sequence_parallel=sequence_parallel)
+                                          sequence_parallel=sequence_parallel, context=context)
         self.ln2 = norm(cfg)
         self.mlp = ParallelMLP(cfg, group, seed, prefix + "mlp.", sequence_parallel=sequence_parallel)
         # TP-replicated activations: default generator; sequence chunks: the TP-local stream

@@ -37,6 +37,7 @@ from training.models.config import ModelConfig
 from training.models.kv_cache import KVCache
 from training.models.sliding_window import within_window
 from training.parallel import random as tp_random
+from training.parallel.context import ContextParallel
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear
 from training.parallel.mappings import (
@@ -50,10 +51,12 @@ class GPTModel(nn.Module):
     """The GPT language model (GPT-2, and the Llama family by its options; ``model.arch: gpt``).
     ``forward(tokens)`` -> vocab-parallel logits [b, s, V/p]; ``forward(tokens, labels)`` -> per-token loss [b, s]
     (vocab-parallel cross-entropy, fp32); ``forward(tokens, positions=..., cache=...)``: the next tokens of a
-    generation (:class:`KVCache`). ``sequence_parallel``: Megatron's sequence parallelism over ``group`` (module docstring)."""
+    generation (:class:`KVCache`). ``sequence_parallel``: Megatron's sequence parallelism over ``group`` (module docstring).
+    ``context``: context parallelism (:class:`ContextParallel`): ``tokens`` are this rank's part of each sample and
+    ``positions`` their global positions (:meth:`ContextParallel.split`), the attention exchanges the rest."""
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int, group: dist.ProcessGroup | None = None,
-                 seed: int = 1234, sequence_parallel: bool = False):
+                 seed: int = 1234, sequence_parallel: bool = False, context: ContextParallel | None = None):
         super().__init__()
         self.cfg, self.group = cfg, group
         self.sequence_parallel = sequence_parallel and group_size(group) > 1
@@ -69,7 +72,7 @@ class GPTModel(nn.Module):
             normal_init(seed, "embedding.position_embeddings", std)(self.embedding.position_embeddings.weight)
         else:  # RoPE: positions enter each layer's attention; no table
             self.embedding.position_embeddings = None
-        self.layers = nn.ModuleList(TransformerLayer(cfg, group, seed, i, sequence_parallel=sp)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, group, seed, i, sequence_parallel=sp, context=context)
                                     for i in range(cfg.num_layers))
         self.final_ln = norm(cfg)
         if sp:

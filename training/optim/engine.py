@@ -379,7 +379,7 @@ def build_engine(model: torch.nn.Module, optimizer, scheduler, ds_config: dict, 
             raise TypeError(f"the step decides fp16/bf16 skips on the device, so its learning-rate schedule must count "
                             f"them there: pass a training.optim.lr_schedule.DeviceLRSchedule, not "
                             f"{type(scheduler).__name__}")
-    dp = ps.dims.dp if ps is not None else 1
+    dp = ps.get_sequence_data_parallel_world_size() if ps is not None else 1  # data x context parallel ranks
     if dp == 1 and not pipe and not engine.zero_optimization():
         engine.enable_backward_allreduce = False
     # pipeline parallelism keeps DeepSpeed's gradients and reduction: its schedule reduces after the last backward

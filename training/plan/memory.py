@@ -189,6 +189,9 @@ def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: boo
     ``selective``: the attention core is recomputed in backward, so no layer keeps its s^2 scores (the one
     core being recomputed holds them for a moment: not counted, 1/l of what was saved).
     With sequence parallelism (``lay.sequence_parallel``) every s b h term here is the rank's chunk: / t.
+    With context parallelism (``lay.context`` = c) every term is / c: the s b h terms and the logits hold the
+    rank's s/c tokens, and its scores are s/c queries against all s keys (Ulysses: s^2 on a/(t c) heads; ring:
+    c blocks of (s/c)^2 per head), s^2/c either way.
     """
     s, b, h = shape.seq, lay.micro_batch, shape.hidden
     e, k = act_bytes, mask_bytes
@@ -205,7 +208,7 @@ def stage_activation_bytes(shape: ModelShape, lay: Layout, stage: int, ckpt: boo
         act += in_flight * k * sbh
     if stage == (0 if lay.dualpipev else lay.pp - 1):  # DualPipeV: rank 0 holds the last stage too
         act += 2 * e * sbh + 4 * s * b * shape.vocab / lay.tp
-    return act
+    return act / lay.context
 
 
 def memory(shape: ModelShape, lay: Layout, dtype: str = "fp16", scores_stored: bool = True,
@@ -218,12 +221,13 @@ def memory(shape: ModelShape, lay: Layout, dtype: str = "fp16", scores_stored: b
     params = stage_params(shape, lay.tp, lay.pp, lay.dualpipev)
     best: Memory | None = None
     for i, n in enumerate(params):
-        m = Memory(params=wb * n, grads=gb * n, optimizer=ob * n, optimizer_zero1=ZERO_OPTIMIZER_BYTES_PER_PARAM * n / lay.dp,
+        shards = lay.dp * lay.context                                   # ZeRO partitions over DP x CP
+        m = Memory(params=wb * n, grads=gb * n, optimizer=ob * n, optimizer_zero1=ZERO_OPTIMIZER_BYTES_PER_PARAM * n / shards,
                    activations=stage_activation_bytes(shape, lay, i, False, scores_stored, e, k),
                    activations_ckpt=stage_activation_bytes(shape, lay, i, True, scores_stored, e, k),
                    activations_selective=stage_activation_bytes(shape, lay, i, False, scores_stored, e, k,
                                                                 selective=True),
-                   zero=zero_state_bytes(n, dtype, lay.dp, zero_stage, offload))
+                   zero=zero_state_bytes(n, dtype, shards, zero_stage, offload))
         if best is None or m.total(False, False) > best.total(False, False):
             best = m
     assert best is not None

@@ -12,6 +12,7 @@ from training.data.documents import DocumentMasks, masked_mean
 from training.data.loader import BatchSampler, build_datasets, resolve_sources
 from training.models.gpt2 import GPTModel
 from training.models.gpt2_pipe import build_gpt2_pipe
+from training.parallel.context import ContextParallel
 from training.parallel.state import ParallelState
 from training.tasks.protocol import Task, batch_to_device
 
@@ -28,6 +29,8 @@ class GPTTask(Task):
         d = cfg.data  # packed documents kept apart (Megatron's options; training/data/documents.py)
         self.documents = DocumentMasks.from_options(self.tokenizer.eod, d.reset_position_ids, d.reset_attention_mask,
                                                     d.eod_mask_loss)
+        par = cfg.parallel  # context parallelism: each CP rank its part of every sample (training/parallel/context.py)
+        self.context = ContextParallel(ps.cp_group, par.context_impl) if par.context > 1 else None
 
     def build_data(self) -> None:
         cfg, t = self.cfg, self.cfg.train
@@ -46,7 +49,7 @@ class GPTTask(Task):
                                    sequence_parallel=par.sequence_parallel, schedule=par.pipeline_schedule,
                                    virtual_pipeline=par.virtual_pipeline)
         return GPTModel(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed,
-                         sequence_parallel=self.cfg.parallel.sequence_parallel)
+                        sequence_parallel=self.cfg.parallel.sequence_parallel, context=self.context)
 
     def micro_batches(self, consumed_samples: int):
         return self.sampler.micro_batches(consumed_samples)
@@ -58,6 +61,9 @@ class GPTTask(Task):
 
     def loss(self, engine: torch.nn.Module, batch) -> tuple[torch.Tensor, dict]:
         tokens, labels = batch_to_device(batch, engine)
+        if self.context is not None:  # the rank's tokens at their global positions; the whole sequence's mean
+            tokens, labels, positions = self.context.split(tokens, labels)
+            return self.context.loss(engine(tokens, labels, positions=positions)), {}
         if self.documents is None:
             return engine(tokens, labels).mean(), {}
         positions, mask, loss_mask = self.documents.of(tokens)
