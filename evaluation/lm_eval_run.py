@@ -64,7 +64,11 @@ def wikitext_pages(text: str) -> list[str]:
     return ["".join(p) for p in pages if "".join(p).strip()]
 
 
-def local_tasks(folder: Path, lambada: str | None, wikitext: str | None) -> list[str]:
+OPTIONS = ("--lambada", "--wikitext")
+"""How the local tasks' files are named to the user in messages (the command's options; training: ``eval.*``)."""
+
+
+def local_tasks(folder: Path, lambada: str | None, wikitext: str | None, options: tuple[str, str] = OPTIONS) -> list[str]:
     """Write the local task files (and the WikiText pages as JSON lines) into ``folder``; returns their names."""
     import lm_eval.tasks
 
@@ -72,7 +76,7 @@ def local_tasks(folder: Path, lambada: str | None, wikitext: str | None) -> list
     names = []
     if lambada:
         if not Path(lambada).is_file():
-            raise EvalError(f"--lambada {lambada} does not exist (give lambada_test.jsonl)")
+            raise EvalError(f"{options[0]} {lambada} does not exist (give lambada_test.jsonl)")
         from evaluation.lambada import read_lambada_jsonl
 
         read_lambada_jsonl(lambada)  # every line a {"text": ...} object: else one line now, not a traceback mid-run
@@ -81,10 +85,10 @@ def local_tasks(folder: Path, lambada: str | None, wikitext: str | None) -> list
     if wikitext:
         src = Path(wikitext)
         if not src.is_file():
-            raise EvalError(f"--wikitext {wikitext} does not exist (give a WikiText .tokens or .raw file)")
-        pages = wikitext_pages(read_utf8(src, "--wikitext", EvalError))
+            raise EvalError(f"{options[1]} {wikitext} does not exist (give a WikiText .tokens or .raw file)")
+        pages = wikitext_pages(read_utf8(src, options[1], EvalError))
         if not pages:
-            raise EvalError(f"--wikitext {wikitext} holds no text")
+            raise EvalError(f"{options[1]} {wikitext} holds no text")
         data = folder / "wikitext_pages.jsonl"
         data.write_text("".join(json.dumps({"page": p}) + "\n" for p in pages), encoding="utf-8")
         _write_task(folder, "wikitext_local", installed / "wikitext" / "wikitext.yaml", data)
@@ -130,7 +134,8 @@ def hub_datasets(manager, tasks: list[str]) -> dict[str, str]:
     return found
 
 
-def check_hub_reachable(installed: list[str], remote: dict[str, str], timeout: float = 3.0) -> None:
+def check_hub_reachable(installed: list[str], remote: dict[str, str], timeout: float = 3.0,
+                        options: tuple[str, str] = OPTIONS) -> None:
     """Refuse, before lm-eval indexes its tasks and the model is loaded, tasks that read their data from the
     Hugging Face hub when the machine is offline (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` set, or huggingface.co
     not answering within ``timeout`` s): ``installed`` are lm-eval's own tasks (they read the hub), ``remote`` the
@@ -141,12 +146,12 @@ def check_hub_reachable(installed: list[str], remote: dict[str, str], timeout: f
     why = "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if hub_offline() else f"huggingface.co did not answer in {timeout:g} s"
     named = ", ".join(installed + [f"{t} ({d})" for t, d in sorted(remote.items())])
     raise EvalError(f"task(s) {named} read their data from the Hugging Face hub, which is unreachable ({why}): "
-                    f"run them with network access, or use the local tasks (--lambada FILE: lambada_openai_local, "
-                    f"--wikitext FILE: wikitext_local)")
+                    f"run them with network access, or use the local tasks ({options[0]} FILE: lambada_openai_local, "
+                    f"{options[1]} FILE: wikitext_local)")
 
 
 def task_manager(folder: Path, tasks: list[str], lambada: str | None, wikitext: str | None,
-                 include_path: str | None = None):
+                 include_path: str | None = None, options: tuple[str, str] = OPTIONS):
     """lm-eval's ``TaskManager`` for ``tasks``, the local tasks (``lambada``, ``wikitext``) written into ``folder``,
     which must outlive it. Refuses, in one line and before any model is loaded, a task lm-eval does not know and,
     offline, a task whose data is on the Hugging Face hub."""
@@ -156,18 +161,18 @@ def task_manager(folder: Path, tasks: list[str], lambada: str | None, wikitext: 
         raise EvalError(f"lm-eval is not installed ({e}): pip install 'megatron-ds-suite[eval]'") from e
     if include_path and not Path(include_path).is_dir():
         raise EvalError(f"--include-path {include_path} is not a folder (of lm-eval task YAML files)")
-    local = local_tasks(folder, lambada, wikitext)
+    local = local_tasks(folder, lambada, wikitext, options)
     include = [str(folder)] + ([include_path] if include_path else [])
     # the local task files alone first (indexing lm-eval's ~14,000 installed task files takes ~20 s): offline,
     # a task that is not among them is refused before that, in one line
     manager = TaskManager(include_path=include, include_defaults=False)
     installed = [t for t in tasks if t not in manager.all_tasks]
-    check_hub_reachable(installed, hub_datasets(manager, [t for t in tasks if t not in installed]))
+    check_hub_reachable(installed, hub_datasets(manager, [t for t in tasks if t not in installed]), options=options)
     if installed:
         manager = TaskManager(include_path=include)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        hint = f" (local tasks here: {', '.join(local)})" if local else " (--lambada/--wikitext add local ones)"
+        hint = f" (local tasks here: {', '.join(local)})" if local else f" ({'/'.join(options)} add local ones)"
         raise EvalError(f"lm-eval knows no task {', '.join(unknown)}{hint}")
     return manager
 

@@ -83,7 +83,7 @@ class LmEvalDuringTraining:
         # the local task files live as long as this object (lm-eval reads them at each evaluation)
         self.folder = tempfile.TemporaryDirectory(prefix="lm_eval_tasks_")
         self.manager = task_manager(Path(self.folder.name), list(self.ecfg.tasks), self.ecfg.lambada,
-                                    self.ecfg.wikitext)
+                                    self.ecfg.wikitext, options=("eval.lambada", "eval.wikitext"))
 
     def __call__(self, model: torch.nn.Module, tokenizer, ps: ParallelState, iteration: int) -> dict[str, float]:
         """The tasks' metrics on ``model`` (this rank's TP shard of a GPT; collective over its TP group)."""
