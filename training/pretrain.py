@@ -37,12 +37,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg: Config, evaluators: list | None = None) -> int:
     """The run itself, on every rank, inside the launch skeleton (process group up, run directory claimed):
-    the config resolved and frozen (:func:`training.resolve.resolve_run`), then the trainer built from it. An aborted
-run (``TrainingAborted``) is exit 3 by the skeleton's table (:func:`training.runtime.launch.run_locked`)."""
+    the config resolved and frozen (:func:`training.resolve.resolve_run`), then the trainer built from it, with
+    ``evaluators`` (eval.tasks' :class:`~evaluation.lm_eval_train.LmEvalDuringTraining`, built by :func:`main`).
+    An aborted run (``TrainingAborted``) is exit 3 by the skeleton's table (:func:`training.runtime.launch.run_locked`)."""
     from training.resolve import resolve_run
     from training.trainer import Trainer
 
-    Trainer(resolve_run(cfg), evaluators or ()).train(run_dir_locked=True)  # the same on every rank: train() takes no lock of its own
+    # the same on every rank: train() takes no lock of its own
+    Trainer(resolve_run(cfg), evaluators or ()).train(run_dir_locked=True)
     return 0
 
 

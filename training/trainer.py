@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ds_suite.core.errors import ConfigError
 from training import checkpoint as ckpt
 from training import init_from, tracking, universal
 from training.config import Config
@@ -95,8 +94,8 @@ class Trainer:
     tokens_per_step: int
     cpu_peak: CpuPeak | None  # the measured CPU matmul rate (CPU runs)
     peak: float | None  # the device's dense peak TFLOP/s in the training dtype (MFU)
-    # run with validation on the live model: (model, tokenizer, ps, iteration) -> {metric: value}, logged as the
-    # event named by the evaluator's ``name`` (eval.tasks: evaluation.lm_eval_train, given by training.pretrain)
+    # with validation, on the live model: (model, tokenizer, ps, iteration) -> {metric: value}, logged as the event
+    # named by the evaluator's ``name`` (eval.tasks: evaluation.lm_eval_train, built by training.pretrain)
     evaluators: Sequence[Callable[..., dict]]
     # per step
     _unread: bool = False  # the latest step's device-decided skip has not been read yet
@@ -110,8 +109,6 @@ class Trainer:
         self.ps, self.dtype, self.task, self.layout = run.ps, run.dtype, run.task, run.layout
         self.world, self.dp, self.is_rank0 = run.layout.world_size, run.layout.dp, run.is_rank0
         self.recompute_choice = run.recompute_choice
-        if cfg.eval.tasks and not evaluators:  # a caller that builds no lm-eval evaluator must not drop the tasks
-            raise ConfigError("eval.tasks is run by python -m training.pretrain (evaluation.lm_eval_train); remove it")
         self.evaluators = tuple(evaluators)
         self.padded_vocab = self.task.padded_vocab(self.layout)
         self.desc = ckpt.ModelDescription(cfg, self.dtype, self.padded_vocab, self.task.tokenizer)

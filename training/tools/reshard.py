@@ -159,6 +159,7 @@ def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | N
         par.virtual_pipeline = virtual_pipeline
     cfg.run.dir = str(out)
     cfg.train.exit_at = None
+    cfg.eval.tasks = []  # lm-eval during training (PP=1 only) is the resharded run's own choice, in its config
     validate_static(cfg)  # TP must divide heads, PP <= layers, ...
     if dp < 1:
         raise ConfigError(f"--dp must be >= 1, got {dp}")
