@@ -86,7 +86,8 @@ class LmEvalDuringTraining:
                                     self.ecfg.wikitext, options=("eval.lambada", "eval.wikitext"))
 
     def __call__(self, model: torch.nn.Module, tokenizer, ps: ParallelState, iteration: int) -> dict[str, float]:
-        """The tasks' metrics on ``model`` (this rank's TP shard of a GPT; collective over its TP group)."""
+        """The tasks' metrics on ``model`` (this rank's TP shard of a GPT; collective over its TP group); ``{}`` on
+        the ranks where lm-eval keeps no results (every rank runs the requests)."""
         from evaluation.lm_eval_model import SuiteLM  # loads lm-eval
 
         start = time.perf_counter()
@@ -102,6 +103,8 @@ class LmEvalDuringTraining:
                 res = evaluate_tasks(lm, self.manager, list(self.ecfg.tasks), self.ecfg.num_fewshot, self.ecfg.limit)
         finally:
             model.train(was_training)
+        if res is None:  # lm-eval returns its results where LOCAL_RANK is 0 only; the writer is global rank 0's
+            return {}
         metrics = flat_metrics(res["results"])
         if not dist.is_initialized() or dist.get_rank() == 0:
             shown = " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
