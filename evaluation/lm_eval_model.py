@@ -32,18 +32,26 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from evaluation.generate import GenerationOptions, generate_ids
 from evaluation.model import Runtime, load_scorer
+from evaluation.scoring import LMScorer
 
 
 class SuiteLM(TemplateLM):
-    """An lm-eval model over a checkpoint in ``run_dir`` (every rank of ``runtime``'s TP group builds one)."""
+    """An lm-eval model over a scorer of this project's GPT (every rank of its TP group builds one): a checkpoint
+    (:meth:`from_checkpoint`) or the model being trained (:mod:`evaluation.lm_eval_train`); ``name`` says which."""
 
-    def __init__(self, run_dir: str, runtime: Runtime, batch_size: int = 8, max_gen_toks: int = 256):
+    def __init__(self, scorer: LMScorer, tok, name: str, batch_size: int = 8, max_gen_toks: int = 256):
         super().__init__()
-        self.scorer, self.cfg, self.tok = load_scorer(run_dir, runtime)
+        self.scorer, self.tok = scorer, tok
         self.model = self.scorer.logits_fn
         self.batch_size = batch_size
         self.max_gen_toks = max_gen_toks
-        self.run_dir = str(run_dir)
+        self.run_dir = str(name)
+
+    @classmethod
+    def from_checkpoint(cls, run_dir: str, runtime: Runtime, batch_size: int = 8, max_gen_toks: int = 256) -> SuiteLM:
+        """Over the newest checkpoint in ``run_dir`` (any training TP/PP, re-split for ``runtime``'s TP)."""
+        scorer, _, tok = load_scorer(run_dir, runtime)
+        return cls(scorer, tok, str(run_dir), batch_size, max_gen_toks)
 
     # -- what TemplateLM needs --------------------------------------------------------------------------
     @property

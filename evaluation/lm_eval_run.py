@@ -64,7 +64,11 @@ def wikitext_pages(text: str) -> list[str]:
     return ["".join(p) for p in pages if "".join(p).strip()]
 
 
-def local_tasks(folder: Path, lambada: str | None, wikitext: str | None) -> list[str]:
+OPTIONS = ("--lambada", "--wikitext")
+"""How the local tasks' files are named to the user in messages (the command's options; training: ``eval.*``)."""
+
+
+def local_tasks(folder: Path, lambada: str | None, wikitext: str | None, options: tuple[str, str] = OPTIONS) -> list[str]:
     """Write the local task files (and the WikiText pages as JSON lines) into ``folder``; returns their names."""
     import lm_eval.tasks
 
@@ -72,7 +76,7 @@ def local_tasks(folder: Path, lambada: str | None, wikitext: str | None) -> list
     names = []
     if lambada:
         if not Path(lambada).is_file():
-            raise EvalError(f"--lambada {lambada} does not exist (give lambada_test.jsonl)")
+            raise EvalError(f"{options[0]} {lambada} does not exist (give lambada_test.jsonl)")
         from evaluation.lambada import read_lambada_jsonl
 
         read_lambada_jsonl(lambada)  # every line a {"text": ...} object: else one line now, not a traceback mid-run
@@ -81,10 +85,10 @@ def local_tasks(folder: Path, lambada: str | None, wikitext: str | None) -> list
     if wikitext:
         src = Path(wikitext)
         if not src.is_file():
-            raise EvalError(f"--wikitext {wikitext} does not exist (give a WikiText .tokens or .raw file)")
-        pages = wikitext_pages(read_utf8(src, "--wikitext", EvalError))
+            raise EvalError(f"{options[1]} {wikitext} does not exist (give a WikiText .tokens or .raw file)")
+        pages = wikitext_pages(read_utf8(src, options[1], EvalError))
         if not pages:
-            raise EvalError(f"--wikitext {wikitext} holds no text")
+            raise EvalError(f"{options[1]} {wikitext} holds no text")
         data = folder / "wikitext_pages.jsonl"
         data.write_text("".join(json.dumps({"page": p}) + "\n" for p in pages), encoding="utf-8")
         _write_task(folder, "wikitext_local", installed / "wikitext" / "wikitext.yaml", data)
@@ -130,7 +134,8 @@ def hub_datasets(manager, tasks: list[str]) -> dict[str, str]:
     return found
 
 
-def check_hub_reachable(installed: list[str], remote: dict[str, str], timeout: float = 3.0) -> None:
+def check_hub_reachable(installed: list[str], remote: dict[str, str], timeout: float = 3.0,
+                        options: tuple[str, str] = OPTIONS) -> None:
     """Refuse, before lm-eval indexes its tasks and the model is loaded, tasks that read their data from the
     Hugging Face hub when the machine is offline (``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` set, or huggingface.co
     not answering within ``timeout`` s): ``installed`` are lm-eval's own tasks (they read the hub), ``remote`` the
@@ -141,8 +146,45 @@ def check_hub_reachable(installed: list[str], remote: dict[str, str], timeout: f
     why = "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if hub_offline() else f"huggingface.co did not answer in {timeout:g} s"
     named = ", ".join(installed + [f"{t} ({d})" for t, d in sorted(remote.items())])
     raise EvalError(f"task(s) {named} read their data from the Hugging Face hub, which is unreachable ({why}): "
-                    f"run them with network access, or use the local tasks (--lambada FILE: lambada_openai_local, "
-                    f"--wikitext FILE: wikitext_local)")
+                    f"run them with network access, or use the local tasks ({options[0]} FILE: lambada_openai_local, "
+                    f"{options[1]} FILE: wikitext_local)")
+
+
+def task_manager(folder: Path, tasks: list[str], lambada: str | None, wikitext: str | None,
+                 include_path: str | None = None, options: tuple[str, str] = OPTIONS):
+    """lm-eval's ``TaskManager`` for ``tasks``, the local tasks (``lambada``, ``wikitext``) written into ``folder``,
+    which must outlive it. Refuses, in one line and before any model is loaded, a task lm-eval does not know and,
+    offline, a task whose data is on the Hugging Face hub."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError as e:
+        raise EvalError(f"lm-eval is not installed ({e}): pip install 'megatron-ds-suite[eval]'") from e
+    if include_path and not Path(include_path).is_dir():
+        raise EvalError(f"--include-path {include_path} is not a folder (of lm-eval task YAML files)")
+    local = local_tasks(folder, lambada, wikitext, options)
+    include = [str(folder)] + ([include_path] if include_path else [])
+    # the local task files alone first (indexing lm-eval's ~14,000 installed task files takes ~20 s): offline,
+    # a task that is not among them is refused before that, in one line
+    manager = TaskManager(include_path=include, include_defaults=False)
+    installed = [t for t in tasks if t not in manager.all_tasks]
+    check_hub_reachable(installed, hub_datasets(manager, [t for t in tasks if t not in installed]), options=options)
+    if installed:
+        manager = TaskManager(include_path=include)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        hint = f" (local tasks here: {', '.join(local)})" if local else f" ({'/'.join(options)} add local ones)"
+        raise EvalError(f"lm-eval knows no task {', '.join(unknown)}{hint}")
+    return manager
+
+
+def evaluate_tasks(lm, manager, tasks: list[str], num_fewshot: int | None, limit: int | None, seed: int = 1234):
+    """lm-eval's ``simple_evaluate`` of ``lm`` on ``tasks``, every seed lm-eval takes set to ``seed`` (the few-shot
+    examples and any sampling are the same at every call); lm-eval's result dictionary (None off the main rank)."""
+    from lm_eval import simple_evaluate
+
+    return simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                           bootstrap_iters=0, log_samples=False, random_seed=seed, numpy_random_seed=seed,
+                           torch_random_seed=seed, fewshot_random_seed=seed, verbosity="ERROR")
 
 
 def run_lm_eval(args: argparse.Namespace) -> None:
@@ -155,38 +197,19 @@ def run_lm_eval(args: argparse.Namespace) -> None:
     if not tasks:
         raise EvalError("--tasks names no task (comma-separated lm-eval task names)")
     try:
-        from lm_eval import simple_evaluate
-        from lm_eval.tasks import TaskManager
         from lm_eval.utils import make_table
     except ImportError as e:
         raise EvalError(f"lm-eval is not installed ({e}): pip install 'megatron-ds-suite[eval]'") from e
     from evaluation.lm_eval_model import SuiteLM
     from evaluation.model import setup_runtime
 
-    if args.include_path and not Path(args.include_path).is_dir():
-        raise EvalError(f"--include-path {args.include_path} is not a folder (of lm-eval task YAML files)")
     with tempfile.TemporaryDirectory(prefix="lm_eval_tasks_") as tmp:
-        local = local_tasks(Path(tmp), args.lambada, args.wikitext)
-        include = [tmp] + ([args.include_path] if args.include_path else [])
-        # the local task files alone first (indexing lm-eval's ~14,000 installed task files takes ~20 s): offline,
-        # a task that is not among them is refused before that, in one line
-        manager = TaskManager(include_path=include, include_defaults=False)
-        installed = [t for t in tasks if t not in manager.all_tasks]
-        check_hub_reachable(installed, hub_datasets(manager, [t for t in tasks if t not in installed]))
-        if installed:
-            manager = TaskManager(include_path=include)
-        unknown = [t for t in tasks if t not in manager.all_tasks]
-        if unknown:
-            hint = f" (local tasks here: {', '.join(local)})" if local else " (--lambada/--wikitext add local ones)"
-            raise EvalError(f"lm-eval knows no task {', '.join(unknown)}{hint}")
+        manager = task_manager(Path(tmp), tasks, args.lambada, args.wikitext, args.include_path)
         rt = setup_runtime(args.tp, args.device)
         if rt.pstate is not None and rt.pstate.dims.dp > 1:
             raise EvalError(f"lm-eval runs one tensor-parallel replica: launch exactly --tp {args.tp} processes")
-        lm = SuiteLM(args.checkpoint, rt, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks)
-        res = simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
-                              task_manager=manager, bootstrap_iters=0, log_samples=False, random_seed=args.seed,
-                              numpy_random_seed=args.seed, torch_random_seed=args.seed, fewshot_random_seed=args.seed,
-                              verbosity="ERROR")
+        lm = SuiteLM.from_checkpoint(args.checkpoint, rt, batch_size=args.batch_size, max_gen_toks=args.max_gen_toks)
+        res = evaluate_tasks(lm, manager, tasks, args.num_fewshot, args.limit, args.seed)
     if not rt.is_main or res is None:
         return
     out = Path(args.json) if args.json else Path(args.checkpoint) / "eval" / "lm_eval.json"  # checked before scoring

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,11 +94,14 @@ class Trainer:
     tokens_per_step: int
     cpu_peak: CpuPeak | None  # the measured CPU matmul rate (CPU runs)
     peak: float | None  # the device's dense peak TFLOP/s in the training dtype (MFU)
+    # with validation, on the live model: (model, tokenizer, ps, iteration) -> {metric: value}, logged as the event
+    # named by the evaluator's ``name`` (eval.tasks: evaluation.lm_eval_train, built by training.pretrain)
+    evaluators: Sequence[Callable[..., dict]]
     # per step
     _unread: bool = False  # the latest step's device-decided skip has not been read yet
     _clock: tuple[float, int] | None = None  # (start, steps) of the steps since the last read
 
-    def __init__(self, run: ResolvedRun):
+    def __init__(self, run: ResolvedRun, evaluators: Sequence[Callable[..., dict]] = ()):
         if not isinstance(run, ResolvedRun):
             raise TypeError(f"Trainer takes a ResolvedRun (training.resolve.resolve_run(cfg)), got {type(run).__name__}")
         cfg = self.cfg = run.cfg
@@ -105,6 +109,7 @@ class Trainer:
         self.ps, self.dtype, self.task, self.layout = run.ps, run.dtype, run.task, run.layout
         self.world, self.dp, self.is_rank0 = run.layout.world_size, run.layout.dp, run.is_rank0
         self.recompute_choice = run.recompute_choice
+        self.evaluators = tuple(evaluators)
         self.padded_vocab = self.task.padded_vocab(self.layout)
         self.desc = ckpt.ModelDescription(cfg, self.dtype, self.padded_vocab, self.task.tokenizer)
         # train.load_universal, before this run's first save (the engine is built for it)
@@ -346,6 +351,11 @@ class Trainer:
         dist.all_reduce(total, group=self.ps.dp_group)
         return total.item() / (n * self.dp)
 
+    def run_evaluators(self, writer: MetricsWriter) -> None:
+        """Each evaluator on the live model at this iteration (collective), its metrics an event of ``writer``."""
+        for ev in self.evaluators:
+            writer.event(ev.name, ev(self.model, self.task.tokenizer, self.ps, self.iteration), self.iteration)
+
     def train(self, run_dir_locked: bool = False) -> dict:  # noqa: C901
         """Train to ``train.iters``, resuming from the newest checkpoint in RUN_DIR if there is one.
 
@@ -407,6 +417,7 @@ class Trainer:
                     vl = self.evaluate()
                     if vl is not None:
                         writer.event("valid", {"loss": vl, "ppl": math.exp(min(vl, 20))}, self.iteration)
+                    self.run_evaluators(writer)
                     self.restart_step_clock()
                 self.task.on_step_end(self.engine, self.state, last, writer, self.save_checkpoint)
                 if saves and cfg.train.save_interval and self.iteration % cfg.train.save_interval == 0:
@@ -418,6 +429,8 @@ class Trainer:
                 writer.event("valid", {"loss": valid, "ppl": math.exp(min(valid, 20))}, self.iteration)
                 if self.is_rank0:
                     logger.info("validation loss %.4f | ppl %.2f", valid, math.exp(min(valid, 20)))
+            if not evaluated_now:
+                self.run_evaluators(writer)
             if saves and not (cfg.train.save_interval and self.iteration % cfg.train.save_interval == 0 and last):
                 self.save_checkpoint()
             task_result = self.task.on_train_end(self.state)

@@ -200,7 +200,7 @@ def _suite_lm_tp2(rank, world, run, pairs, task_dir, out):
     from evaluation.lm_eval_model import SuiteLM
     from evaluation.model import setup_runtime
 
-    lm = SuiteLM(run, setup_runtime(2), batch_size=5)
+    lm = SuiteLM.from_checkpoint(run, setup_runtime(2), batch_size=5)
     per_example = lm.loglikelihood([SimpleNamespace(args=tuple(p)) for p in pairs])
     dist.barrier()
     code = main(["lm-eval", "--tp", "2", "--checkpoint", run, "--tasks", "lambada_openai_local,wikitext_local",
@@ -232,7 +232,7 @@ def test_lm_eval_on_our_checkpoint_equals_lm_eval_on_the_export(exported, tmp_pa
     task_dir.mkdir()
     assert local_tasks(task_dir, str(LAMBADA), str(WIKITEXT2)) == ["lambada_openai_local", "wikitext_local"]
     n = 40
-    ours_l, ours_s = _lm_eval_samples(SuiteLM(str(run), setup_runtime(), batch_size=7), task_dir, "lambada_openai_local", n)
+    ours_l, ours_s = _lm_eval_samples(SuiteLM.from_checkpoint(str(run), setup_runtime(), batch_size=7), task_dir, "lambada_openai_local", n)
     hf = HFLM(pretrained=str(hf_dir), batch_size=8, device="cpu")
     hf_l, hf_s = _lm_eval_samples(hf, task_dir, "lambada_openai_local", n)
     assert len(ours_s) == len(hf_s) == n
@@ -244,7 +244,7 @@ def test_lm_eval_on_our_checkpoint_equals_lm_eval_on_the_export(exported, tmp_pa
     assert ours_l["perplexity,none"] == pytest.approx(hf_l["perplexity,none"], rel=1e-5)
 
     # loglikelihood_rolling over whole articles (several 64-token windows each)
-    ours_w, ours_ws = _lm_eval_samples(SuiteLM(str(run), setup_runtime(), batch_size=3), task_dir, "wikitext_local", 3)
+    ours_w, ours_ws = _lm_eval_samples(SuiteLM.from_checkpoint(str(run), setup_runtime(), batch_size=3), task_dir, "wikitext_local", 3)
     hf_w, hf_ws = _lm_eval_samples(hf, task_dir, "wikitext_local", 3)
     for a, b in zip(ours_ws, hf_ws):
         assert a["filtered_resps"][0] == pytest.approx(b["filtered_resps"][0], rel=1e-5)
@@ -259,6 +259,6 @@ def test_lm_eval_on_our_checkpoint_equals_lm_eval_on_the_export(exported, tmp_pa
         for (ll, greedy), a in zip(per_example, ours_s):
             assert ll == pytest.approx(a["filtered_resps"][0][0], rel=1e-5, abs=1e-5) and greedy == bool(a["filtered_resps"][0][1])
     tp2 = json.loads(out.read_text())["results"]
-    _, first3 = _lm_eval_samples(SuiteLM(str(run), setup_runtime()), task_dir, "lambada_openai_local", 3)
+    _, first3 = _lm_eval_samples(SuiteLM.from_checkpoint(str(run), setup_runtime()), task_dir, "lambada_openai_local", 3)
     assert tp2["lambada_openai_local"]["acc,none"] == pytest.approx(sum(s["acc"] for s in first3) / 3)
     assert tp2["wikitext_local"]["word_perplexity,none"] == pytest.approx(ours_w["word_perplexity,none"], rel=1e-5)

@@ -43,6 +43,8 @@ RULES: list[tuple[str, tuple[str, ...], tuple[str, ...], str]] = [
      "training/models reads its shape from training.models.config: it imports no run config (training.config, "
      "training.ds_json, training.resolve), only other model modules, training/parallel and the core"),
     ("data_pipeline", ("data_pipeline", *CORE), (), "data_pipeline imports only the core"),
+    ("training.pretrain", ("training", "evaluation.lm_eval_train", *CORE), (),
+     "the pretraining entry point imports training, the core and, for eval.tasks, evaluation.lm_eval_train only"),
     ("training", ("training", *CORE), (), "training imports the core (not data_pipeline, not evaluation)"),
     ("evaluation", ("evaluation", "training", *CORE), (), "evaluation imports the core and training"),
     ("benchmarks", (), ("tests",), "benchmarks must not import tests (the shared spawner: training.runtime.spawn)"),

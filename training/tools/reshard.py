@@ -185,6 +185,7 @@ def reshard(run_dir: str | Path, tp: int, pp: int, out: str | Path, tag: str | N
     cfg.train.exit_at = None
     if not repad_vocab:
         keep_vocab_padding(cfg, meta["padded_vocab_size"], tp)
+    cfg.eval.tasks = []  # lm-eval during training (PP=1 only) is the resharded run's own choice, in its config
     validate_static(cfg)  # TP must divide heads, PP <= layers, ...
     if dp < 1:
         raise ConfigError(f"--dp must be >= 1, got {dp}")
