@@ -159,7 +159,7 @@ def build_dualpipev(a: dict, ps):
 BUILDERS = {"1f1b": build_1f1b, "interleaved": build_interleaved, "dualpipev": build_dualpipev}
 
 
-def _worker(rank: int, world: int, a: dict) -> dict:
+def stage_worker(rank: int, world: int, a: dict) -> dict:
     from training.optim.engine import build_engine
     from training.parallel.state import ParallelState
 
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def launch(cell: tuple) -> float:
         s, p, m = cell
-        res = run_distributed(_worker, p, {**base, "schedule": s, "micro": m}, timeout=1800.0)
+        res = run_distributed(stage_worker, p, {**base, "schedule": s, "micro": m}, timeout=1800.0)
         stage_fractions[cell].append([r["fraction"] for r in res])
         return max(r["secs"] for r in res)
 
