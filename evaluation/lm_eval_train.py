@@ -13,7 +13,7 @@ iteration. The model runs in eval mode without autograd and is put back in the m
 streams lm-eval seeds (Python, NumPy, torch CPU and CUDA) are put back too, so a run with ``eval.tasks`` trains
 exactly as one without. Under tensor parallelism every rank of the TP group runs the same requests (each data
 parallel replica runs them too and gets the same numbers); pipeline parallelism and sequence parallelism are
-refused by the config (``training.config.validate_eval``).
+refused by the config (``training.eval_config.validate_eval``).
 
 Results: ``{"<task>/<metric>": value}``, written by the trainer as the ``lm_eval`` event of ``metrics.jsonl``
 (W&B/TensorBoard: ``lm_eval/<task>/<metric>``) and one log line from rank 0. lm-eval's ``metric,filter`` keys

@@ -29,9 +29,10 @@ from megatron_ds_suite.core.config import (
 from megatron_ds_suite.core.config_yaml import apply_overrides, overrides_to_dict, read_yaml
 from megatron_ds_suite.core.errors import ConfigError
 
-# the model and parallel sections' types: Config's annotations name them, and build_dataclass resolves those names
-# in this module's namespace (a genuine use, not a re-export for callers: they import from training.models.config
-# and training.parallel_config)
+# the model, parallel and eval sections' types: Config's annotations name them, and build_dataclass resolves those
+# names in this module's namespace (a genuine use, not a re-export for callers: they import from
+# training.models.config, training.parallel_config and training.eval_config)
+from training.eval_config import EvalConfig, validate_eval
 from training.models.config import OLD_RECOMPUTE_KEY, ModelConfig, validate_model_options, validate_shape
 from training.parallel_config import (
     ParallelConfig,
@@ -224,45 +225,6 @@ class FinetuneConfig(Freezable):
 
 
 @dataclass
-class EvalConfig(Freezable):
-    """lm-evaluation-harness tasks on the model being trained, run with validation (``train.eval_interval`` and
-    the end of training) and logged as ``lm_eval/<task>/<metric>`` (evaluation.lm_eval_train; docs/evaluation.md).
-    Task names and their data are checked before training starts; a task whose data is on the Hugging Face hub
-    needs network access."""
-
-    tasks: list[str] = field(default_factory=list)
-    """lm-eval task names, e.g. [lambada_openai_local] (with eval.lambada) or [hellaswag] (online); [] = none."""
-    limit: Annotated[int, AtLeastOne] | None = None
-    """Only the first N documents of each task (bounds the cost of each evaluation); None = all."""
-    num_fewshot: Annotated[int, NonNegative] | None = None
-    """Few-shot examples (None = each task's own default); drawn with a fixed seed, the same at every evaluation."""
-    batch_size: Annotated[int, AtLeastOne] = 8
-    """Sequences per forward pass."""
-    lambada: str | None = None
-    """Local lambada_test.jsonl: adds the task lambada_openai_local (lm-eval's lambada_openai on this file)."""
-    wikitext: str | None = None
-    """Local WikiText .tokens/.raw file: adds the task wikitext_local (lm-eval's wikitext on this file)."""
-
-
-def validate_eval(cfg: Config) -> None:
-    """``eval.tasks`` needs a GPT (causal LM) without pipeline or sequence parallelism (the live model runs lm-eval's
-    requests whole); its task names and data are checked by evaluation.lm_eval_train before training starts."""
-    if not cfg.eval.tasks:
-        return
-    if any(not isinstance(t, str) or not t.strip() for t in cfg.eval.tasks):
-        raise ConfigError(f"eval.tasks must be lm-eval task names, got {cfg.eval.tasks!r}")
-    if cfg.model.arch == "bert":
-        raise ConfigError("eval.tasks (lm-eval) scores a causal LM: remove eval.tasks for a BERT run")
-    if cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1:
-        raise ConfigError("eval.tasks with parallel.sequence_parallel=true: lm-eval's requests are not split over "
-                          "the sequence; remove eval.tasks or set parallel.sequence_parallel=false")
-    if cfg.parallel.pipeline > 1:
-        raise ConfigError(f"eval.tasks with parallel.pipeline={cfg.parallel.pipeline}: lm-eval during training runs "
-                          "without pipeline parallelism; remove eval.tasks (evaluate the checkpoints with "
-                          "python -m evaluation lm-eval) or set parallel.pipeline=1")
-
-
-@dataclass
 class Config(Freezable):
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -391,7 +353,7 @@ def validate_static(cfg: Config) -> None:  # noqa: C901
     validate_shape(m.shape(), p.tensor, p.pipeline, p.sequence_parallel)  # the planner's rules too
     validate_model_options(m)
     validate_document_options(cfg)
-    validate_eval(cfg)
+    validate_eval(cfg.eval, cfg.model, cfg.parallel)
     validate_zero(p)
     validate_universal_load(t.load_universal, t.init_from, p)
     validate_pipeline_schedule(p, m)

@@ -29,6 +29,7 @@ def _one_line(err: pytest.ExceptionInfo) -> str:
     (["eval.limit=0"], "eval.limit"),
     (["eval.batch_size=0"], "eval.batch_size"),
     (["eval.tasks=['']"], "eval.tasks must be lm-eval task names"),
+    (["parallel.context=2", "parallel.tensor=1"], "or set parallel.context=1"),
 ])
 def test_config_refuses(overrides, says):
     with pytest.raises(ConfigError) as err:
