@@ -208,14 +208,16 @@ class Runner:
         self.dtype: str | None = None  # a precision other than --dtype's (--dtype-ab)
 
     def warm_up(self, steps: int, max_steps: int = 64) -> int:
-        """At least ``steps`` steps, continued (up to ``max_steps``) while fp16 loss scaling still skips:
-        a skipped step does no optimizer update and must not be timed. Returns the steps taken."""
-        n = 0
+        """At least ``steps`` steps, continued (up to ``max_steps``) until the last two were both applied: a
+        step fp16 loss scaling skips does no optimizer update and must not be timed, and the first applied step
+        sits at the edge of overflow (the scale was halved just before it). Returns the steps taken."""
+        n = applied = 0
         while n < max_steps:
             before = self.skipped()
             self.step()
             n += 1
-            if n >= steps and self.skipped() == before:
+            applied = applied + 1 if self.skipped() == before else 0
+            if n >= steps and applied >= 2:
                 break
         return n
 
