@@ -50,6 +50,9 @@ class Layout:
     context: int = 1
     """Context-parallel degree c (``parallel.context``, docs/context_parallel.md): each sample's tokens split over c
     ranks, every activation (the s^2 attention scores too) / c, ZeRO's shards over DP x c."""
+    context_impl: str = "ulysses"
+    """``parallel.context_impl``: ``ulysses`` (all-to-alls around attention) or ``ring`` (K/V passed round the CP
+    ring); the planner's CP traffic (:func:`training.plan.context_comm.context_comm`)."""
 
     @property
     def world_size(self) -> int:
@@ -151,7 +154,8 @@ def derive_layout(cfg: Config, world_size: int, vocab_size: int | None = None) -
     padded = padded_vocab_size(vocab, cfg.model.make_vocab_size_divisible_by, tp) if vocab else None
     lay = Layout(tp=tp, pp=pp, dp=dp, micro_batch=t.micro_batch_size, global_batch=t.global_batch_size,
                  padded_vocab=padded, sequence_parallel=cfg.parallel.sequence_parallel,
-                 virtual_pipeline=virtual_chunks(cfg), dualpipev=runs_dualpipev(cfg), context=cp)
+                 virtual_pipeline=virtual_chunks(cfg), dualpipev=runs_dualpipev(cfg), context=cp,
+                 context_impl=cfg.parallel.context_impl)
     lay.check()
     check_micro_batches(cfg.parallel, lay.grad_accumulation)  # the pipeline schedule's rule on m
     return lay

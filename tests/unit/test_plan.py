@@ -26,6 +26,7 @@ from training.plan.accounting import (
     total_params,
 )
 from training.plan.cli import main
+from training.plan.context_comm import context_comm
 from training.plan.layout import validate
 from training.plan.memory import activation_bytes_per_layer, activation_element_bytes, memory, stage_activation_bytes
 from training.plan.paper import PAPER_WEAK_SCALING, paper_weak_scaling
@@ -247,6 +248,27 @@ def test_step_time_terms():
     pp = step_time(s, Layout(pp=4, micro_batch=1, global_batch=8, gpus_per_node=16), hw, tm)
     assert pp.bubble == pytest.approx(3 / 8 * (pp.compute + pp.replicated + pp.tp))
     assert one.overhead == pp.overhead == 0  # no host overhead on GPUs by default
+
+
+def test_step_time_with_context_parallelism():
+    """c ranks share each sample's tokens: 1/c of the FLOPs, the TP all-reduces on s/c tokens, the gradients reduced
+    over d c ranks, and the CP term (Ulysses' all-to-alls, the ring's K/V shifts; context_comm's bytes are checked
+    against the real cores in tests/parallel/test_plan_context.py)."""
+    hw, tm = get_hardware("h100"), TimeModel(compute_fraction=0.5)
+    s = preset_shape("gpt2-1.2b", 2)
+    one = step_time(s, Layout(tp=2, dp=2, micro_batch=1, global_batch=4), hw, tm)   # 4 ranks, m = 2
+    dp4 = step_time(s, Layout(tp=2, dp=4, micro_batch=1, global_batch=8), hw, tm)   # the same gradients, 4-way
+    assert one.cp == 0
+    for impl in ("ulysses", "ring"):
+        st = step_time(s, Layout(tp=2, dp=2, micro_batch=1, global_batch=4, context=2, context_impl=impl), hw, tm)
+        assert st.compute == pytest.approx(one.compute / 2) and st.dp == pytest.approx(dp4.dp), impl
+        assert one.tp / 2 < st.tp < one.tp, impl  # all-reduces of s/2 tokens (their latency terms do not halve)
+        assert st.cp > 0 and st.total == pytest.approx(st.compute + st.replicated + st.tp + st.cp + st.dp), impl
+    ring, ulysses = (context_comm(s, Layout(tp=2, micro_batch=1, global_batch=1, context=8, context_impl=impl),
+                                  s.num_layers, True, 2) for impl in ("ring", "ulysses"))
+    # at c = 8 every ring shift moves the whole local K/V (29 per layer with recompute); an all-to-all sends 7/8 of
+    # q, k, v or the output, 12 of them: 58 against 10.5 units of the local K/V
+    assert ring.wire / ulysses.wire == pytest.approx(58 / 10.5)
 
 
 def test_step_time_fixed_overhead_is_per_step_plus_per_layer_and_not_split_by_tp():

@@ -15,6 +15,7 @@ from megatron_ds_suite.core.errors import ConfigError
 from megatron_ds_suite.core.program import prog as program
 from training.config import Config, with_overrides
 from training.layout import Layout
+from training.parallel_config import validate_context
 from training.plan.accounting import ModelShape
 from training.plan.layout import validate
 from training.plan.presets import PRESETS
@@ -112,11 +113,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
         lay = Layout(tp=tp, pp=pp, dp=args.dp, micro_batch=micro, global_batch=glob,
                      gpus_per_node=args.gpus_per_node or hw.gpus_per_node, sequence_parallel=sp,
                      virtual_pipeline=cfg.parallel.virtual_pipeline if schedule == "interleaved" else 1,
-                     dualpipev=schedule == "dualpipev")
+                     dualpipev=schedule == "dualpipev", context=cfg.parallel.context,
+                     context_impl=cfg.parallel.context_impl)
         if lay.tp < 1:
             raise ConfigError(f"--tp must be >= 1, got {lay.tp}")
         shape = ModelShape.from_config(cfg.model, tp, cfg.bert)
         validate(shape, lay)
+        validate_context(dataclasses.replace(cfg.parallel, tensor=tp, pipeline=pp, sequence_parallel=sp), cfg.model, [])
         if hw.name != "cpu" and hw.peak_tflops.get(dtype) is None:
             raise ConfigError(f"{hw.name} has no {dtype} peak in training/runtime/hardware.py: choose another --dtype")
         if hw.name == "cpu":

@@ -82,7 +82,7 @@ def resolve(cfg, dp: int, dtype: str, device_gib: float, on_gpu: bool) -> Recomp
     lay = Layout(tp=cfg.parallel.tensor, pp=cfg.parallel.pipeline, dp=dp, micro_batch=cfg.train.micro_batch_size,
                  global_batch=cfg.train.global_batch_size, sequence_parallel=cfg.parallel.sequence_parallel,
                  virtual_pipeline=virtual_chunks(cfg), dualpipev=runs_dualpipev(cfg),
-                 context=cfg.parallel.context)
+                 context=cfg.parallel.context, context_impl=cfg.parallel.context_impl)
     scores_stored = not on_gpu or m.apply_query_key_layer_scaling or m.attention_softmax_in_fp32
     return choose_recompute(shape, lay, dtype, device_gib, zero_stage=cfg.parallel.zero_stage,
                             offload=cfg.parallel.offload_optimizer != "none", scores_stored=scores_stored,

@@ -145,7 +145,8 @@ def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dty
     if can_time:
         sts = [step_time(shape, lay, hw, tm, c, dtype, compute_fraction=f) for c in (False, True)]
         out.append(f"  predicted step time, s       {'no ckpt':>14s}{'act. ckpt':>14s}")
-        for name in ("compute", "replicated", "tp", "pp", "bubble", "dp", "dp_exposed"):
+        for name in ("compute", "replicated", "tp") + (("cp",) if lay.context > 1 else ()) + ("pp", "bubble", "dp",
+                                                                                             "dp_exposed"):
             out.append(f"    {name:26s}{getattr(sts[0], name):>14.4f}{getattr(sts[1], name):>14.4f}")
         out.append(f"    {'total':26s}{sts[0].total:>14.4f}{sts[1].total:>14.4f}")
         out.append(f"    {'hw TFLOP/s per device':26s}{sts[0].tflops_per_device:>14.2f}"

@@ -13,6 +13,7 @@ from megatron_ds_suite.core.errors import ConfigError
 from training.layout import Layout
 from training.models.config import stage_layers
 from training.plan.accounting import ModelShape, stage_params, step_flops
+from training.plan.context_comm import context_comm, context_time
 from training.plan.memory import state_bytes_per_param
 from training.runtime.hardware import Hardware
 
@@ -69,10 +70,10 @@ def bubble_fraction(lay: Layout) -> float:
 
 def comm(shape: ModelShape, lay: Layout, ckpt: bool, dtype: str = "fp16") -> Comm:
     act_bytes = 2 if dtype in ("fp16", "bf16") else 4
-    sbh = shape.seq * lay.micro_batch * shape.hidden * act_bytes
+    sbh = shape.seq // lay.context * lay.micro_batch * shape.hidden * act_bytes  # this rank's tokens
     m = lay.num_micro
     n_ar = tp_allreduces_per_micro(shape, lay, ckpt)
-    ce = 3 * shape.seq * lay.micro_batch * 4 if lay.tp > 1 else 0  # max, target logit, sum-exp (fp32)
+    ce = 3 * shape.seq // lay.context * lay.micro_batch * 4 if lay.tp > 1 else 0  # max, target logit, sum-exp (fp32)
     tp_payload = m * (n_ar * sbh + ce)
     # activations forward + their gradients backward, each way; per chunk under the interleaved schedule
     pp_ops = 2 * m * chunks_per_rank(lay) if lay.pp > 1 else 0
@@ -81,8 +82,8 @@ def comm(shape: ModelShape, lay: Layout, ckpt: bool, dtype: str = "fp16") -> Com
     return Comm(tp_ops=m * (n_ar + (3 if lay.tp > 1 else 0)), tp_payload=tp_payload,
                 tp_wire=ring_allreduce_wire(tp_payload, lay.tp),
                 pp_ops=pp_ops, pp_payload=pp_ops * sbh,
-                dp_payload=local * grad_bytes if lay.dp > 1 else 0.0,
-                dp_wire=ring_allreduce_wire(local * grad_bytes, lay.dp))
+                dp_payload=local * grad_bytes if lay.dp * lay.context > 1 else 0.0,
+                dp_wire=ring_allreduce_wire(local * grad_bytes, lay.dp * lay.context))
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,13 @@ class StepTime:
     dp: float
     dp_exposed: float
     flops_per_device: float
+    cp: float = 0.0
+    """Context parallelism's all-to-alls (Ulysses) or K/V shifts (ring), not overlapped."""
 
     @property
     def total(self) -> float:
-        return self.overhead + self.compute + self.replicated + self.tp + self.pp + self.bubble + self.dp_exposed
+        return (self.overhead + self.compute + self.replicated + self.tp + self.cp + self.pp + self.bubble
+                + self.dp_exposed)
 
     @property
     def tflops_per_device(self) -> float:
@@ -168,7 +172,9 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
     * PP: 2 m v point-to-point sends of b s h per stage (alpha + n / beta), plus the bubble
       (p - 1)/(v m) x (per-layer overhead + compute + replicated + TP); v = 1 under 1F1B, the chunks per rank
       under the interleaved schedule, 2 under DualPipeV, whose bubble is :func:`bubble_fraction`'s.
-    * DP: ring all-reduce of the local gradients. If the DP group (t d consecutive-stride ranks) fits in
+    * CP (c > 1): every term above runs on the rank's s/c tokens; the context-parallel traffic is
+      :mod:`training.plan.context_comm`'s (intra-node link if t c <= gpus_per_node), in the bubble too.
+    * DP: ring all-reduce of the local gradients over the d c ranks that share them. If the DP group (t d consecutive-stride ranks) fits in
       one node it uses NVLink; otherwise every node's NICs carry one ring crossing per DP group with
       members on that node: (gpus_per_node / k) rings, k = max(1, gpus_per_node // t) members per node.
     """
@@ -176,12 +182,12 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
     peak = hw.peak_tflops.get(dtype)
     if peak is None:
         raise ConfigError(f"{hw.name} has no {dtype} peak in training/runtime/hardware.py: choose another --dtype")
-    t, p, d, m, G = lay.tp, lay.pp, lay.dp, lay.num_micro, lay.gpus_per_node
+    t, p, d, m, G, c = lay.tp, lay.pp, lay.dp, lay.num_micro, lay.gpus_per_node, lay.context
     act_bytes = 2 if dtype in ("fp16", "bf16") else 4
-    flops_dev = step_flops(shape, lay.global_batch, ckpt) / (t * p * d)
+    flops_dev = step_flops(shape, lay.global_batch, ckpt) / (t * p * d * c)
     compute = flops_dev / (peak * 1e12 * f)
 
-    sbh = shape.seq * lay.micro_batch * shape.hidden
+    sbh = shape.seq // c * lay.micro_batch * shape.hidden
     passes = 3 if ckpt else 2
     repl_bytes = tm.replicated_bytes_per_sbh * passes * sbh * (act_bytes / 2) * max(stage_layers(shape.num_layers, p)) * m
     replicated = (1 - 1 / t) * repl_bytes / _bw(hw.hbm_gbs, tm.memory_efficiency)
@@ -192,7 +198,13 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
         tp_bw, tp_alpha = _bw(hw.inter_node_gbs, tm.link_efficiency) / G, tm.alpha_inter_s
     n_ar = tp_allreduces_per_micro(shape, lay, ckpt)
     tp = m * (n_ar * _allreduce_time(sbh * act_bytes, t, tp_alpha, tp_bw)
-              + (3 * _allreduce_time(shape.seq * lay.micro_batch * 4, t, tp_alpha, tp_bw) if t > 1 else 0.0))
+              + (3 * _allreduce_time(shape.seq // c * lay.micro_batch * 4, t, tp_alpha, tp_bw) if t > 1 else 0.0))
+    cp = 0.0
+    if c > 1:
+        cp_intra = t * c <= G
+        cp_bw = _bw(hw.intra_node_gbs if cp_intra else hw.inter_node_gbs, tm.link_efficiency) / (1 if cp_intra else G)
+        cc = context_comm(shape, lay, max(stage_layers(shape.num_layers, p)), ckpt, act_bytes)
+        cp = 0.0 if math.isinf(cp_bw) else context_time(cc, tm.alpha_intra_s if cp_intra else tm.alpha_inter_s, cp_bw)
 
     pp = 0.0
     if p > 1:
@@ -203,15 +215,16 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
         v = chunks_per_rank(lay)  # interleaving: v times the sends, 1/v of the bubble
         pp = 0.0 if math.isinf(pp_bw) else 2 * m * v * (pp_alpha + sbh * act_bytes / pp_bw)
     layer_overhead = tm.overhead_layer_s * max(stage_layers(shape.num_layers, p)) * m
-    bubble = bubble_fraction(lay) * (layer_overhead + compute + replicated + tp)
+    bubble = bubble_fraction(lay) * (layer_overhead + compute + replicated + tp + cp)
 
     grad_bytes = max(stage_params(shape, t, p, lay.dualpipev)) * state_bytes_per_param(dtype)[1]
-    if t * d <= G:
-        dp = _allreduce_time(grad_bytes, d, tm.alpha_intra_s, _bw(hw.intra_node_gbs, tm.link_efficiency))
+    if t * d * c <= G:
+        dp = _allreduce_time(grad_bytes, d * c, tm.alpha_intra_s, _bw(hw.intra_node_gbs, tm.link_efficiency))
     else:
         k = max(1, G // t)
         rings_per_node = G / k
-        dp = _allreduce_time(grad_bytes, d, tm.alpha_inter_s,
+        dp = _allreduce_time(grad_bytes, d * c, tm.alpha_inter_s,
                              _bw(hw.inter_node_gbs, tm.link_efficiency) / rings_per_node)
-    return StepTime(overhead=tm.overhead_step_s + layer_overhead, compute=compute, replicated=replicated, tp=tp, pp=pp, bubble=bubble, dp=dp,
-                    dp_exposed=(1 - tm.dp_overlap) * dp, flops_per_device=flops_dev)
+    return StepTime(overhead=tm.overhead_step_s + layer_overhead, compute=compute, replicated=replicated, tp=tp,
+                    pp=pp, bubble=bubble, dp=dp, dp_exposed=(1 - tm.dp_overlap) * dp, flops_per_device=flops_dev,
+                    cp=cp)
