@@ -184,3 +184,38 @@ def test_llama3_folder_imports_exports_and_is_adopted_by_init_from(tmp_path):
     assert new.model.rope_scaling is None
     adopt_model_config(new)
     assert new.model.rope_scaling == RopeScalingConfig(**SCALING) and new.model.rotary_base == 500000.0
+
+
+def test_megatron_use_rope_scaling_imports_and_exports_as_megatron_core_computes_it():
+    """Megatron-Core's ``--use-rope-scaling`` (factor from ``--rope-scaling-factor``, the rest fixed): the model
+    config our import reads from such args gives megatron-core's own ``RotaryEmbedding`` frequencies, and our export
+    writes args that import back to the same scaling; values Megatron cannot express are refused in one line."""
+    pytest.importorskip("megatron.core", reason="the test extra's megatron-core (Megatron's own modules)")
+    import argparse
+
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from training.models.rotary import inverse_frequencies
+    from training.tools.export_megatron import ExportMegatronError, megatron_args, refuse_unsupported
+    from training.tools.import_megatron import llama_options
+
+    args = argparse.Namespace(position_embedding_type="rope", rotary_base=500000, rotary_percent=1.0,
+                              use_rope_scaling=True, rope_scaling_factor=16.0)
+    options = llama_options(args)
+    m = ModelConfig(arch="gpt", num_layers=2, hidden_size=64, num_attention_heads=2, seq_length=64,
+                    max_position_embeddings=64, vocab_size=PADDED_VOCAB, **options)
+    head = m.hidden_size // m.num_attention_heads
+    theirs = RotaryEmbedding(head, 1.0, rotary_base=500000, rope_scaling=True, rope_scaling_factor=16.0,
+                             use_cpu_initialization=True).inv_freq
+    ours = inverse_frequencies(head, m.rotary_base, m.llama3_rope_scaling)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    assert not torch.equal(ours, inverse_frequencies(head, m.rotary_base))  # the scaling changes some frequencies
+    assert "rope_scaling" not in llama_options(argparse.Namespace(position_embedding_type="rope",
+                                                                    use_rope_scaling=False))
+    refuse_unsupported(m, 1)
+    written = megatron_args(m, PADDED_VOCAB, 1, 1, 0, "core", None, False)
+    assert (written.use_rope_scaling, written.rope_scaling_factor) == (True, 16.0)
+    assert llama_options(written)["rope_scaling"] == m.rope_scaling
+    other = ModelConfig(**{**vars(m), "rope_scaling": RopeScalingConfig(factor=8.0, original_max_position_embeddings=48)})
+    with pytest.raises(ExportMegatronError, match="original_max_position_embeddings=48"):
+        refuse_unsupported(other, 1)

@@ -56,6 +56,11 @@ VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight", "lm_hea
 TOKENIZER_TYPES = {"gpt2_bpe": "GPT2BPETokenizer"}
 
 
+MEGATRON_ROPE = (1.0, 4.0, 8192)
+"""Llama 3 RoPE scaling's low and high frequency factors and original context, fixed in Megatron-Core's
+``RotaryEmbedding._apply_scaling`` (``--use-rope-scaling``; ``--rope-scaling-factor`` is the one option)."""
+
+
 class ExportMegatronError(SuiteError):
     """A checkpoint that cannot be written as a Megatron-LM checkpoint (one line)."""
 
@@ -64,8 +69,11 @@ def refuse_unsupported(m: ModelConfig, pp: int) -> None:
     bad = []
     if m.sliding_window is not None:
         bad.append(f"model.sliding_window={m.sliding_window} (Megatron-Core's --window-size is not written here)")
-    if m.rope_scaling is not None:
-        bad.append("model.rope_scaling (Megatron-Core's --use-rope-scaling is not read back by our import)")
+    r = m.rope_scaling
+    if r is not None and (r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings) != MEGATRON_ROPE:
+        bad.append(f"model.rope_scaling with low_freq_factor={r.low_freq_factor:g}, high_freq_factor="
+                   f"{r.high_freq_factor:g}, original_max_position_embeddings={r.original_max_position_embeddings} "
+                   f"(Megatron-Core's --use-rope-scaling fixes them at 1, 4 and 8192; only the factor is an option)")
     if m.arch == "bert" and m.layer_order != "pre_ln":
         bad.append(f"model.layer_order={m.layer_order} (Megatron's BERT is pre-LN)")
     if m.arch == "bert" and m.head != "pretrain":
@@ -106,7 +114,8 @@ def megatron_args(m: ModelConfig, vocab: int, tp: int, pp: int, iteration: int, 
         init_method_std=m.init_method_std, apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=m.attention_softmax_in_fp32, **gelu_flags(m), squared_relu=False, onnx_safe=False,
         position_embedding_type="rope" if rope else "learned_absolute", rotary_base=int(m.rotary_base),
-        rotary_percent=m.rotary_percent, normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
+        rotary_percent=m.rotary_percent, use_rope_scaling=m.rope_scaling is not None,
+        rope_scaling_factor=m.rope_scaling.factor if m.rope_scaling is not None else 8.0, normalization="RMSNorm" if m.normalization == "rmsnorm" else "LayerNorm",
         group_query_attention=groups != m.num_attention_heads, num_query_groups=groups,
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
         add_bias_linear=m.add_bias_linear, add_qkv_bias=m.qkv_bias,

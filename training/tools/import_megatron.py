@@ -43,7 +43,7 @@ import torch
 from megatron_ds_suite.core import atomic
 from megatron_ds_suite.core.program import prog as program
 from training.config import Config, validate_static
-from training.models.config import ModelConfig, padded_vocab_size
+from training.models.config import ModelConfig, RopeScalingConfig, padded_vocab_size
 from training.runtime.run_lock import lock_existing_output, overlapping_input
 from training.tools.import_hf import write_checkpoint
 from training.tools.megatron_reader import ImportMegatronError, find_checkpoint, megatron_arg
@@ -77,7 +77,7 @@ def refuse_unsupported(args, arch: str) -> None:
         "add_bias_linear": (True, False, None), "add_qkv_bias": (False, True, None),
         "num_experts": (None, 0, 1),
         "transformer_impl": ("local", "transformer_engine", None),
-        "qk_layernorm": (False, None), "rotary_interleaved": (False, None), "use_rope_scaling": (False, None),
+        "qk_layernorm": (False, None), "rotary_interleaved": (False, None),
         "window_size": (None,),
     }
     if arch == "bert":
@@ -112,14 +112,19 @@ def gelu_flavours(args, arch: str) -> tuple[str, str | None]:
 
 
 def llama_options(args) -> dict:
-    """Our ModelConfig's Llama options from Megatron's args (RoPE and its base and fraction, RMSNorm, SwiGLU,
-    grouped-query attention, untied output, biases); {} without args (the oldest releases had none)."""
+    """Our ModelConfig's Llama options from Megatron's args (RoPE and its base and fraction, Llama 3's RoPE scaling,
+    RMSNorm, SwiGLU, grouped-query attention, untied output, biases); {} without args (the oldest releases had
+    none). Megatron-Core's ``--use-rope-scaling`` fixes everything but the factor (``--rope-scaling-factor``,
+    default 8): low/high frequency factors 1 and 4 over an original context of 8192, ``RopeScalingConfig``'s
+    defaults."""
     if args is None:
         return {}
     out: dict = {}
     if megatron_arg(args, "position_embedding_type") == "rope":
         out.update(position_embedding="rope", rotary_base=float(megatron_arg(args, "rotary_base", 10000)),
                    rotary_percent=float(megatron_arg(args, "rotary_percent", 1.0)))
+        if megatron_arg(args, "use_rope_scaling", False):
+            out["rope_scaling"] = RopeScalingConfig(factor=float(megatron_arg(args, "rope_scaling_factor", 8.0)))
     if megatron_arg(args, "normalization") == "RMSNorm":
         out["normalization"] = "rmsnorm"
     if megatron_arg(args, "swiglu", False):

@@ -156,7 +156,7 @@ INT_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_em
             "virtual_pipeline_model_parallel_size")
 FLOAT_ARGS = {"hidden_dropout": (0.0, 1.0), "attention_dropout": (0.0, 1.0), "layernorm_epsilon": (0.0, math.inf),
               "norm_epsilon": (0.0, math.inf), "rotary_percent": (0.0, math.nextafter(1.0, 2.0)),
-              "init_method_std": (0.0, math.inf)}
+              "init_method_std": (0.0, math.inf), "rope_scaling_factor": (0.0, math.inf)}
 BOOL_ARGS = ("apply_query_key_layer_scaling", "attention_softmax_in_fp32", "openai_gelu", "bias_gelu_fusion", "swiglu",
              "squared_relu", "onnx_safe", "group_query_attention", "untie_embeddings_and_output_weights",
              "apply_residual_connection_post_layernorm", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
