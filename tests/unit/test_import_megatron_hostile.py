@@ -370,3 +370,39 @@ def test_virtual_pipeline_chunks_import_in_megatrons_layer_order(tmp_path):
     (tmp_path / "refused").mkdir()
     _refused(src, tmp_path / "refused", "holds 2 model chunk(s) but the checkpoint's args say "
              "virtual_pipeline_model_parallel_size=1")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+@pytest.mark.parametrize("layout", ["core", "legacy"])
+def test_export_with_a_virtual_pipeline_writes_megatrons_chunks_and_imports_back(layout, tmp_path):
+    """``export_megatron --pp 2 --vp 2``: chunk c of pipeline rank r (``model{c}``) is exactly stage 2c + r of the
+    same run exported at PP=4 (Megatron's interleaved assignment, the tied output copy in the last chunk), the args
+    announce the virtual pipeline, and the files import back to the run's own weights."""
+    from training.checkpoint_reader import load_merged_state_dict
+    from training.tools.export_megatron import ExportMegatronError, export_megatron
+
+    write_megatron_gpt2(tmp_path / "src", tp=2, pp=1, layers=4)
+    run = _import(tmp_path / "src", tmp_path / "run")
+    pp4 = export_megatron(run, tmp_path / "pp4", tp=2, pp=4, layout=layout)
+    vpp = export_megatron(run, tmp_path / "vpp", tp=2, pp=2, vp=2, layout=layout)
+    it = next(vpp.glob("iter_*")).name
+    for t in range(2):
+        for r in range(2):
+            state = torch.load(vpp / it / f"mp_rank_{t:02d}_{r:03d}" / FILE, weights_only=False)
+            assert "model" not in state and state["args"].virtual_pipeline_model_parallel_size == 2
+            for c in range(2):
+                want = _flat(torch.load(pp4 / it / f"mp_rank_{t:02d}_{c * 2 + r:03d}" / FILE,
+                                        weights_only=False)["model"])
+                got = _flat(state[f"model{c}"])
+                assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), (t, r, c)
+    merged, cfg, _ = load_merged_state_dict(run)
+    back, back_cfg, _ = load_merged_state_dict(_import(vpp, tmp_path / "back"))
+    assert back.keys() == merged.keys() and all(torch.equal(back[k], merged[k]) for k in merged)
+    with pytest.raises(ExportMegatronError, match="--pp 2 x --vp 4 with 4 layers"):
+        export_megatron(run, tmp_path / "bad", tp=1, pp=2, vp=4, layout=layout)

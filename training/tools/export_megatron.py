@@ -1,7 +1,7 @@
 """Export a checkpoint of this project as a Megatron-LM checkpoint (``--ckpt-format torch``), at any TP x PP.
 
     python -m training.tools.export_megatron --checkpoint RUN_DIR --out DIR [--tp K] [--pp P] \\
-        [--layout core|legacy] [--iteration N] [--overwrite]
+        [--vp V] [--layout core|legacy] [--iteration N] [--overwrite]
 
 Writes what Megatron-LM's ``--save`` writes: ``DIR/latest_checkpointed_iteration.txt`` and
 ``DIR/iter_XXXXXXX/mp_rank_XX[_YYY]/model_optim_rng.pt`` (one per TP rank, ``_YYY`` the pipeline stage when
@@ -15,6 +15,9 @@ nested ``language_model`` dict (``--use-legacy-models``). The names are the inve
 as :mod:`training.tools.megatron_weights` reads them, the vocabulary padded as Megatron pads it for K ranks
 (``make_vocab_size_divisible_by`` x K; the padding rows zero). The layers are split evenly over P stages, Megatron's
 default (``--num-layers`` must divide); the last stage of a tied model holds the output copy Megatron keeps there.
+``--vp V`` writes a virtual pipeline (Megatron's interleaved schedule, ``--num-layers-per-virtual-pipeline-stage``
+L/(P V)): every rank file holds ``model0`` ... ``model{V-1}``, chunk c of pipeline rank r being virtual stage c P + r
+(layers from c L/V + r L/(P V)), the embedding in rank 0's first chunk and the head in rank P-1's last.
 
 The ``args`` carry Megatron's names for the model config (``num_layers``, ``hidden_size``, ``ffn_hidden_size``,
 ``num_attention_heads``, ``kv_channels``, ``max_position_embeddings``, ``seq_length``, ``padded_vocab_size``, the
@@ -65,7 +68,7 @@ class ExportMegatronError(SuiteError):
     """A checkpoint that cannot be written as a Megatron-LM checkpoint (one line)."""
 
 
-def refuse_unsupported(m: ModelConfig, pp: int) -> None:
+def refuse_unsupported(m: ModelConfig, pp: int, vp: int = 1) -> None:
     bad = []
     if m.sliding_window is not None:
         bad.append(f"model.sliding_window={m.sliding_window} (Megatron-Core's --window-size is not written here)")
@@ -80,8 +83,11 @@ def refuse_unsupported(m: ModelConfig, pp: int) -> None:
         bad.append(f"model.head={m.head} (Megatron's BertModel has the pretraining heads only)")
     if m.arch == "bert" and m.lm_head_activation not in (None, "gelu") and m.activation != "gelu_new":
         bad.append(f"model.lm_head_activation={m.lm_head_activation}")
-    if m.num_layers % pp:
-        bad.append(f"--pp {pp} with {m.num_layers} layers (Megatron splits the layers evenly)")
+    if m.num_layers % (pp * vp):
+        bad.append(f"--pp {pp}{f' x --vp {vp}' if vp > 1 else ''} with {m.num_layers} layers (Megatron splits the "
+                   f"layers evenly)")
+    if vp > 1 and pp < 2:
+        bad.append(f"--vp {vp} with --pp {pp} (a virtual pipeline needs --pp >= 2)")
     if bad:
         raise ExportMegatronError(f"cannot write a Megatron-LM checkpoint of this model: {'; '.join(bad)}")
 
@@ -96,7 +102,7 @@ def gelu_flags(m: ModelConfig) -> dict:
 
 
 def megatron_args(m: ModelConfig, vocab: int, tp: int, pp: int, iteration: int, layout: str,
-                  tokenizer_kind: str | None, lowercase: bool) -> argparse.Namespace:
+                  tokenizer_kind: str | None, lowercase: bool, vp: int = 1) -> argparse.Namespace:
     """The ``args`` Megatron-LM saves with its checkpoints, for our model config."""
     rope = m.position_embedding == "rope"
     groups = m.query_groups
@@ -109,7 +115,9 @@ def megatron_args(m: ModelConfig, vocab: int, tp: int, pp: int, iteration: int, 
         max_position_embeddings=m.positions, seq_length=m.seq_length,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         padded_vocab_size=padded_vocab_size(vocab, m.make_vocab_size_divisible_by, tp), vocab_size=vocab,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, layernorm_epsilon=m.layernorm_epsilon,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
+        num_layers_per_virtual_pipeline_stage=m.num_layers // (pp * vp) if vp > 1 else None, layernorm_epsilon=m.layernorm_epsilon,
         norm_epsilon=m.layernorm_epsilon, hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std, apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=m.attention_softmax_in_fp32, **gelu_flags(m), squared_relu=False, onnx_safe=False,
@@ -177,25 +185,32 @@ def nest_legacy(flat: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-def rank_models(weights: dict[str, torch.Tensor], m: ModelConfig, tp: int, pp: int, layout: str
+def rank_models(weights: dict[str, torch.Tensor], m: ModelConfig, tp: int, pp: int, layout: str, vp: int = 1
                 ) -> dict[tuple[int, int], dict]:
-    """{(tp rank, stage): the ``model`` entry of its file}."""
+    """{(tp rank, stage): the model entries of its file}: ``{"model": ...}``, or with a virtual pipeline
+    ``{"model0": ..., "model1": ...}``, chunk c being virtual stage c pp + stage of pp vp."""
     out = {}
     tied = not m.untie_embeddings_and_output_weights
+    stages = pp * vp
     for rank in range(tp):
         mine = shard(weights, m, tp, rank)
-        for stage in range(pp):
-            names, first = stage_names(list(mine), m, pp, stage)
+        chunks: dict[int, dict] = {}
+        for virtual in range(stages):
+            names, first = stage_names(list(mine), m, stages, virtual)
             flat = {megatron_name(n, layout, m.arch, first): mine[n] for n in names}
-            if tied and pp > 1 and stage == pp - 1:  # the output copy Megatron keeps on the last stage
+            if tied and stages > 1 and virtual == stages - 1:  # the output copy Megatron keeps on the last stage
                 copy = "output_layer.weight" if layout == "core" else "word_embeddings_for_head.weight"
                 flat[copy] = mine["embedding.word_embeddings.weight"].clone()
-            out[(rank, stage)] = flat if layout == "core" else nest_legacy(flat)
+            chunks[virtual] = flat if layout == "core" else nest_legacy(flat)
+        for stage in range(pp):
+            out[(rank, stage)] = ({"model": chunks[stage]} if vp == 1 else
+                                  {f"model{c}": chunks[c * pp + stage] for c in range(vp)})
     return out
 
 
 def export_megatron(run_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, layout: str = "core",
-                    iteration: int | None = None, overwrite: bool = False, tag: str | None = None) -> Path:
+                    iteration: int | None = None, overwrite: bool = False, tag: str | None = None,
+                    vp: int = 1) -> Path:
     """Write run ``run_dir``'s checkpoint (``tag``: default the latest) as Megatron-LM's files in ``out``."""
     run_dir, out = Path(run_dir), Path(out)
     overlap = overlapping_input(out, {"--checkpoint": run_dir})
@@ -203,11 +218,12 @@ def export_megatron(run_dir: str | Path, out: str | Path, tp: int = 1, pp: int =
         raise ExportMegatronError(f"--out {out} {overlap}: choose an --out outside it")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportMegatronError(f"--out {out} exists and is not empty (choose a new folder or pass --overwrite)")
-    if tp < 1 or pp < 1 or layout not in ("core", "legacy"):
-        raise ExportMegatronError(f"--tp {tp} --pp {pp} --layout {layout}: TP and PP >= 1, layout core or legacy")
+    if tp < 1 or pp < 1 or vp < 1 or layout not in ("core", "legacy"):
+        raise ExportMegatronError(f"--tp {tp} --pp {pp} --vp {vp} --layout {layout}: TP, PP and VP >= 1, layout core "
+                                  f"or legacy")
     weights, cfg, meta = load_merged_state_dict(run_dir, tag)
     m = cfg.model
-    refuse_unsupported(m, pp)
+    refuse_unsupported(m, pp, vp)
     if m.num_attention_heads % tp or m.query_groups % tp or m.ffn_size % tp:
         raise ExportMegatronError(f"--tp {tp} does not divide the {m.num_attention_heads} heads, {m.query_groups} "
                                   f"key/value groups and MLP width {m.ffn_size} of this model")
@@ -216,21 +232,21 @@ def export_megatron(run_dir: str | Path, out: str | Path, tp: int = 1, pp: int =
     weights = {k: (resize_vocab_rows(v[:vocab], rows) if k in VOCAB_ROWS else v) for k, v in weights.items()}
     it = int(meta.get("iteration", 0) if iteration is None else iteration)
     spec = meta.get("tokenizer") or {}
-    args = megatron_args(m, vocab, tp, pp, it, layout, spec.get("kind"), bool(spec.get("lowercase", True)))
+    args = megatron_args(m, vocab, tp, pp, it, layout, spec.get("kind"), bool(spec.get("lowercase", True)), vp)
     lock = lock_existing_output(out)
     try:
         with atomic.atomic_dir(out) as tmp:  # a failed export leaves the previous folder (or none)
-            for (rank, stage), model in rank_models(weights, m, tp, pp, layout).items():
+            for (rank, stage), models in rank_models(weights, m, tp, pp, layout, vp).items():
                 d = tmp / f"iter_{it:07d}" / (f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else ""))
                 d.mkdir(parents=True)
-                torch.save({"model": model, "args": args, "iteration": it, "checkpoint_version": 3.0}, d / FILE)
+                torch.save({**models, "args": args, "iteration": it, "checkpoint_version": 3.0}, d / FILE)
             (tmp / TRACKER).write_text(str(it))
             if (run_dir / "tokenizer").is_dir():
                 shutil.copytree(run_dir / "tokenizer", tmp / "tokenizer")
     finally:
         if lock is not None:
             lock.release()
-    logger.info("wrote %s: Megatron-LM %s layout, TP=%d PP=%d, iteration %d", out, layout, tp, pp, it)
+    logger.info("wrote %s: Megatron-LM %s layout, TP=%d PP=%d VP=%d, iteration %d", out, layout, tp, pp, vp, it)
     return out
 
 
@@ -243,13 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="new folder: Megatron-LM's --load folder")
     ap.add_argument("--tp", type=int, default=1, help="Megatron's --tensor-model-parallel-size")
     ap.add_argument("--pp", type=int, default=1, help="Megatron's --pipeline-model-parallel-size")
+    ap.add_argument("--vp", type=int, default=1, help="Megatron's --virtual-pipeline-model-parallel-size (model chunks "
+                    "per pipeline rank, for its interleaved schedule)")
     ap.add_argument("--layout", choices=("core", "legacy"), default="core",
                     help="Megatron-Core's model (default) or --use-legacy-models")
     ap.add_argument("--iteration", type=int, default=None, help="iteration to record (default: the checkpoint's)")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     a = ap.parse_args(argv)
     try:
-        export_megatron(a.checkpoint, a.out, a.tp, a.pp, a.layout, a.iteration, a.overwrite, a.tag)
+        export_megatron(a.checkpoint, a.out, a.tp, a.pp, a.layout, a.iteration, a.overwrite, a.tag, a.vp)
     except ValueError as e:  # ExportMegatronError, CheckpointError, ...: one line
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
