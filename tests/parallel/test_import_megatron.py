@@ -47,14 +47,13 @@ def _noise(name: str, rank: int, sharded: bool, shape) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.2
 
 
-def _megatron_worker(rank: int, world: int, arch: str, padded: int, tokens, types_, pad):
-    """Megatron-Core's model at TP=world: (full logits, sop logits or None, this rank's state dict)."""
+def _megatron_model(arch: str, world: int, padded: int):
+    """Megatron-Core's model of ``arch`` at TP=world on the CPU (model parallelism initialised already; see the module
+    docstring for the CPU shims)."""
     import torch.nn.functional as Fn
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    torch.manual_seed(1234)  # as Megatron's initialize: replicated tensors (positions, norms) equal on every rank
     parallel_state.get_global_memory_buffer = lambda: types.SimpleNamespace(
         get_tensor=lambda shape, dtype, name, **kw: torch.empty(shape, dtype=dtype))
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
@@ -69,25 +68,25 @@ def _megatron_worker(rank: int, world: int, arch: str, padded: int, tokens, type
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=padded,
-                         max_sequence_length=POS, parallel_output=True, share_embeddings_and_output_weights=False,
-                         position_embedding_type="rope", rotary_base=ROPE_BASE)
-    elif arch == "gpt2":
+        return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=padded,
+                        max_sequence_length=POS, parallel_output=True, share_embeddings_and_output_weights=False,
+                        position_embedding_type="rope", rotary_base=ROPE_BASE)
+    if arch == "gpt2":
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=padded, max_sequence_length=POS,
-                         parallel_output=True, share_embeddings_and_output_weights=True)
-    else:
-        from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
-        from megatron.core.models.bert.bert_model import BertModel
+        return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=padded, max_sequence_length=POS,
+                        parallel_output=True, share_embeddings_and_output_weights=True)
+    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+    from megatron.core.models.bert.bert_model import BertModel
 
-        model = BertModel(cfg, num_tokentypes=2, transformer_layer_spec=bert_layer_local_spec, vocab_size=padded,
-                          max_sequence_length=POS, add_binary_head=True, parallel_output=True,
-                          share_embeddings_and_output_weights=True)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(_noise(name, rank, getattr(p, "tensor_model_parallel", False), p.shape))
+    return BertModel(cfg, num_tokentypes=2, transformer_layer_spec=bert_layer_local_spec, vocab_size=padded,
+                     max_sequence_length=POS, add_binary_head=True, parallel_output=True,
+                     share_embeddings_and_output_weights=True)
+
+
+def _megatron_logits(model, arch: str, world: int, tokens, types_, pad):
+    """(full logits gathered over the TP ranks, BERT's sentence-order logits or None)."""
     model.eval()
     b, s = tokens.shape
     with torch.no_grad():
@@ -98,8 +97,22 @@ def _megatron_worker(rank: int, world: int, arch: str, padded: int, tokens, type
             logits, sop = model(tokens, pad, tokentype_ids=types_)
     parts = [torch.empty_like(logits) for _ in range(world)]
     torch.distributed.all_gather(parts, logits.contiguous())
+    return torch.cat(parts, -1), sop
+
+
+def _megatron_worker(rank: int, world: int, arch: str, padded: int, tokens, types_, pad):
+    """Megatron-Core's model at TP=world: (full logits, sop logits or None, this rank's state dict)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    torch.manual_seed(1234)  # as Megatron's initialize: replicated tensors (positions, norms) equal on every rank
+    model = _megatron_model(arch, world, padded)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(_noise(name, rank, getattr(p, "tensor_model_parallel", False), p.shape))
+    logits, sop = _megatron_logits(model, arch, world, tokens, types_, pad)
     state = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v) and "_extra_state" not in k}
-    return torch.cat(parts, -1), sop, state
+    return logits, sop, state
 
 
 # Megatron-Core name -> legacy (megatron/legacy/model) name, the layout of Megatron-LM's released checkpoints

@@ -7,6 +7,8 @@ hidden 16, 4 heads, the GPT-2 vocabulary padded for TP=2), damaged one way per c
 from __future__ import annotations
 
 import argparse
+import os
+import pickle
 import shutil
 import time
 from pathlib import Path
@@ -308,13 +310,50 @@ def test_llama_options_that_disagree_with_the_tensors_are_one_line(pristine, tmp
     _refused(src, tmp_path, expect)
 
 
-def test_a_torch_dist_folder_is_named_with_the_way_out(tmp_path):
-    folder = tmp_path / "meg" / "iter_0000100"
-    folder.mkdir(parents=True)
-    (folder / "__0_0.distcp").write_bytes(b"\0" * 16)
-    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-    (tmp_path / "meg" / "latest_checkpointed_iteration.txt").write_text("100")
-    _refused(tmp_path / "meg", tmp_path, "torch_dist (distributed) checkpoint", "--ckpt-format torch")
+class _Runs:
+    """Pickled, runs ``os.system`` when loaded: what a hostile ``.metadata`` file holds."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def _damage_metadata_pickle(folder: Path) -> None:
+    (folder / ".metadata").write_bytes(pickle.dumps(_Runs(f"touch {folder / 'pwned'}")))
+
+
+@pytest.mark.parametrize("damage,expect", [
+    (None, None),
+    (lambda f: (f / "common.pt").unlink(), "lacks common.pt"),
+    (lambda f: (f / ".metadata").unlink(), "lacks .metadata"),
+    (lambda f: (f / "metadata.json").write_text('{"sharded_backend": "zarr"}'), "'zarr' distributed checkpoint"),
+    (lambda f: (f / "metadata.json").write_text("{not json"), "not Megatron's dist-checkpoint marker"),
+    (_damage_metadata_pickle, "asks to run posix.system"),
+    (lambda f: next(f.glob("*.distcp")).write_bytes(next(f.glob("*.distcp")).read_bytes()[:200]),
+     "a damaged or incomplete torch_dist checkpoint"),
+], ids=["intact", "no-common", "no-metadata", "zarr", "bad-marker", "pickle-runs-code", "truncated-distcp"])
+def test_a_torch_dist_folder_imports_or_is_one_line(damage, expect, tmp_path):
+    """The same weights exported as torch_dist (``export_megatron --format torch_dist``) import to the same tensors;
+    each damage is one line, writes nothing and runs nothing from the files."""
+    from training.checkpoint_reader import load_merged_state_dict
+    from training.tools.export_megatron import export_megatron
+
+    write_megatron_gpt2(tmp_path / "src", tp=2, pp=1, layers=2)
+    run = _import(tmp_path / "src", tmp_path / "run")
+    dist = export_megatron(run, tmp_path / "dist", tp=2, iteration=100, fmt="torch_dist")
+    folder = dist / "iter_0000100"
+    assert (folder / "metadata.json").is_file() and not any(folder.glob("mp_rank_*"))
+    if damage is None:
+        merged, _, _ = load_merged_state_dict(run)
+        back, _, _ = load_merged_state_dict(_import(dist, tmp_path / "back"))
+        assert back.keys() == merged.keys() and all(torch.equal(back[k], merged[k]) for k in merged)
+        return
+    damage(folder)
+    (tmp_path / "refused").mkdir()
+    _refused(dist, tmp_path / "refused", expect)
+    assert not (folder / "pwned").exists()
 
 
 def test_gqa_and_swiglu_shards_merge_into_our_layout():

@@ -1,7 +1,7 @@
 """Export a checkpoint of this project as a Megatron-LM checkpoint (``--ckpt-format torch``), at any TP x PP.
 
     python -m training.tools.export_megatron --checkpoint RUN_DIR --out DIR [--tp K] [--pp P] \\
-        [--vp V] [--layout core|legacy] [--iteration N] [--overwrite]
+        [--vp V] [--layout core|legacy] [--format torch|torch_dist] [--iteration N] [--overwrite]
 
 Writes what Megatron-LM's ``--save`` writes: ``DIR/latest_checkpointed_iteration.txt`` and
 ``DIR/iter_XXXXXXX/mp_rank_XX[_YYY]/model_optim_rng.pt`` (one per TP rank, ``_YYY`` the pipeline stage when
@@ -15,7 +15,9 @@ nested ``language_model`` dict (``--use-legacy-models``). The names are the inve
 as :mod:`training.tools.megatron_weights` reads them, the vocabulary padded as Megatron pads it for K ranks
 (``make_vocab_size_divisible_by`` x K; the padding rows zero). The layers are split evenly over P stages, Megatron's
 default (``--num-layers`` must divide); the last stage of a tied model holds the output copy Megatron keeps there.
-``--vp V`` writes a virtual pipeline (Megatron's interleaved schedule, ``--num-layers-per-virtual-pipeline-stage``
+``--format torch_dist`` (Megatron-LM's default ``--ckpt-format``; Megatron-Core layout) writes every tensor whole in
+one ``iter_XXXXXXX/`` folder (:mod:`training.tools.torch_dist_writer`), which Megatron-LM loads at any TP x PP; K
+only pads the vocabulary. ``--vp V`` writes a virtual pipeline (Megatron's interleaved schedule, ``--num-layers-per-virtual-pipeline-stage``
 L/(P V)): every rank file holds ``model0`` ... ``model{V-1}``, chunk c of pipeline rank r being virtual stage c P + r
 (layers from c L/V + r L/(P V)), the embedding in rank 0's first chunk and the head in rank P-1's last.
 
@@ -52,6 +54,7 @@ from training.parallel.sharding import resize_vocab_rows
 from training.runtime.run_lock import lock_existing_output, overlapping_input
 from training.tools.megatron_names import megatron_name, split_dim
 from training.tools.megatron_reader import FILE, TRACKER
+from training.tools.torch_dist_writer import write_torch_dist
 
 logger = logging.getLogger(__name__)
 
@@ -208,9 +211,18 @@ def rank_models(weights: dict[str, torch.Tensor], m: ModelConfig, tp: int, pp: i
     return out
 
 
+def write_rank_files(folder: Path, models: dict[tuple[int, int], dict], pp: int, args: argparse.Namespace,
+                     iteration: int) -> None:
+    """``--ckpt-format torch``: one ``mp_rank_XX[_YYY]/model_optim_rng.pt`` per (TP rank, stage) in ``folder``."""
+    for (rank, stage), entries in models.items():
+        d = folder / (f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else ""))
+        d.mkdir(parents=True)
+        torch.save({**entries, "args": args, "iteration": iteration, "checkpoint_version": 3.0}, d / FILE)
+
+
 def export_megatron(run_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, layout: str = "core",
                     iteration: int | None = None, overwrite: bool = False, tag: str | None = None,
-                    vp: int = 1) -> Path:
+                    vp: int = 1, fmt: str = "torch") -> Path:
     """Write run ``run_dir``'s checkpoint (``tag``: default the latest) as Megatron-LM's files in ``out``."""
     run_dir, out = Path(run_dir), Path(out)
     overlap = overlapping_input(out, {"--checkpoint": run_dir})
@@ -221,6 +233,9 @@ def export_megatron(run_dir: str | Path, out: str | Path, tp: int = 1, pp: int =
     if tp < 1 or pp < 1 or vp < 1 or layout not in ("core", "legacy"):
         raise ExportMegatronError(f"--tp {tp} --pp {pp} --vp {vp} --layout {layout}: TP, PP and VP >= 1, layout core "
                                   f"or legacy")
+    if fmt not in ("torch", "torch_dist") or (fmt == "torch_dist" and layout != "core"):
+        raise ExportMegatronError(f"--format {fmt} --layout {layout}: the format is torch or torch_dist, and "
+                                  f"torch_dist holds Megatron-Core models only (--layout core)")
     weights, cfg, meta = load_merged_state_dict(run_dir, tag)
     m = cfg.model
     refuse_unsupported(m, pp, vp)
@@ -236,10 +251,12 @@ def export_megatron(run_dir: str | Path, out: str | Path, tp: int = 1, pp: int =
     lock = lock_existing_output(out)
     try:
         with atomic.atomic_dir(out) as tmp:  # a failed export leaves the previous folder (or none)
-            for (rank, stage), models in rank_models(weights, m, tp, pp, layout, vp).items():
-                d = tmp / f"iter_{it:07d}" / (f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else ""))
-                d.mkdir(parents=True)
-                torch.save({**models, "args": args, "iteration": it, "checkpoint_version": 3.0}, d / FILE)
+            if fmt == "torch_dist":
+                flat = rank_models(weights, m, 1, 1, layout)[(0, 0)]["model"]
+                write_torch_dist(tmp / f"iter_{it:07d}", flat, m.num_layers, not m.untie_embeddings_and_output_weights,
+                                 args, it)
+            else:
+                write_rank_files(tmp / f"iter_{it:07d}", rank_models(weights, m, tp, pp, layout, vp), pp, args, it)
             (tmp / TRACKER).write_text(str(it))
             if (run_dir / "tokenizer").is_dir():
                 shutil.copytree(run_dir / "tokenizer", tmp / "tokenizer")
@@ -263,11 +280,13 @@ def main(argv: list[str] | None = None) -> int:
                     "per pipeline rank, for its interleaved schedule)")
     ap.add_argument("--layout", choices=("core", "legacy"), default="core",
                     help="Megatron-Core's model (default) or --use-legacy-models")
+    ap.add_argument("--format", choices=("torch", "torch_dist"), default="torch",
+                    help="Megatron-LM's --ckpt-format: rank files (default) or one distributed checkpoint")
     ap.add_argument("--iteration", type=int, default=None, help="iteration to record (default: the checkpoint's)")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     a = ap.parse_args(argv)
     try:
-        export_megatron(a.checkpoint, a.out, a.tp, a.pp, a.layout, a.iteration, a.overwrite, a.tag, a.vp)
+        export_megatron(a.checkpoint, a.out, a.tp, a.pp, a.layout, a.iteration, a.overwrite, a.tag, a.vp, a.format)
     except ValueError as e:  # ExportMegatronError, CheckpointError, ...: one line
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Import a Megatron-LM GPT-2 or BERT checkpoint (the legacy ``language_model`` layout) into a run directory, at any TP/PP.
+"""Import a Megatron-LM GPT-2, Llama-shaped or BERT checkpoint (legacy or Megatron-Core layout, ``torch`` or
+``torch_dist`` format) into a run directory, at any TP/PP.
 
     python -m training.tools.import_megatron --checkpoint DIR --out RUN_DIR [--tp K] [--pp P] \\
         --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt      # GPT-2 (byte-level BPE)
@@ -7,7 +8,8 @@
 ``DIR`` is what Megatron-LM's ``--save`` wrote (``latest_checkpointed_iteration.txt`` naming an iteration or
 ``release``, ``iter_XXXXXXX/`` or ``release/`` folders), or one such folder. Each holds one
 ``mp_rank_XX/model_optim_rng.pt`` per tensor-parallel rank (``mp_rank_XX_YYY`` with pipeline stage YYY): any
-source TP x PP is merged, then written at ``--tp`` x ``--pp`` in the layout training reads, with the same
+source TP x PP is merged (a ``torch_dist`` folder, ``metadata.json`` with ``*.distcp`` files, holds every tensor
+whole already: :mod:`training.tools.torch_dist_reader`), then written at ``--tp`` x ``--pp`` in the layout training reads, with the same
 machinery as :mod:`training.tools.import_hf` (run lock, refusal of a non-empty ``--out``, tokenizer identity).
 Weights only: the optimizer, schedule and RNG states in the files are not carried over.
 
@@ -19,8 +21,9 @@ weights are checked against our model (names, shapes, finite values) before anyt
 The model config comes from the file's ``args`` (num_layers, hidden_size, num_attention_heads,
 max_position_embeddings, make_vocab_size_divisible_by, layernorm_epsilon, the GeLU flavour, query-key layer
 scaling); shapes are checked against the tensors. Files without ``args`` (the oldest releases) need
-``--num-attention-heads``. What our model cannot compute (rotary positions, RMSNorm, SwiGLU, grouped-query
-attention, untied output, post-LayerNorm residuals, virtual pipeline chunks, ...) is refused in one line.
+``--num-attention-heads``. The Llama options (RoPE with its base, fraction and Llama 3.1 scaling, RMSNorm, SwiGLU,
+grouped-query attention, untied output, no biases) are read (:func:`llama_options`); what our model cannot compute
+(post-LayerNorm residuals, MoE, query/key norms, interleaved rotary, ...) is refused in one line.
 
 GeLU: Megatron's MLP uses the fused bias-GeLU kernel (tanh approximation) when ``bias_gelu_fusion`` is on
 (its default) and ``openai_gelu`` is off, else the exact erf GeLU; BERT's LM head always uses the exact one
@@ -47,7 +50,7 @@ from training.models.config import ModelConfig, RopeScalingConfig, padded_vocab_
 from training.runtime.run_lock import lock_existing_output, overlapping_input
 from training.tools.import_hf import write_checkpoint
 from training.tools.megatron_reader import ImportMegatronError, find_checkpoint, megatron_arg
-from training.tools.megatron_weights import read_weights
+from training.tools.megatron_weights import read_global_weights, read_weights
 from training.tools.tensor_check import few
 
 logger = logging.getLogger(__name__)
@@ -254,7 +257,7 @@ def import_megatron(checkpoint: str | Path, out: str | Path, tp: int = 1, pp: in
 
 def _import(folder: Path, files, out: Path, tp: int, pp: int, vocab_file, merge_file, tokenizer_type, heads,
             seq_length) -> Path:
-    weights, args, version, (src_tp, src_pp) = read_weights(files, heads)
+    weights, args, version, (src_tp, src_pp) = read_weights(files, heads) if files else read_global_weights(folder, heads)
     need = ["embedding.word_embeddings.weight", "layers.0.mlp.fc.weight"]
     lacking = [n for n in need if n not in weights]
     if lacking:

@@ -210,7 +210,7 @@ def check_rank_files(args: argparse.Namespace | None, files: dict[tuple[int, int
 
 def find_checkpoint(folder: Path) -> tuple[Path, dict[tuple[int, int], Path]]:  # noqa: C901
     """(iteration folder, {(tp_rank, pp_rank): file}) of a ``--save`` folder (through its tracker file) or
-    of one ``iter_*``/``release`` folder."""
+    of one ``iter_*``/``release`` folder; no files for a ``torch_dist`` folder (``metadata.json``, ``*.distcp``)."""
     if not folder.is_dir():
         raise ImportMegatronError(f"--checkpoint {folder}: no such folder")
     tracker = folder / TRACKER
@@ -235,9 +235,7 @@ def find_checkpoint(folder: Path) -> tuple[Path, dict[tuple[int, int], Path]]:  
             raise ImportMegatronError(f"{d} lacks {FILE}: an incomplete checkpoint")
         files[(int(m.group(1)), int(m.group(2) or 0))] = d / FILE
     if not files and (any(folder.glob("*.distcp")) or (folder / "metadata.json").is_file()):
-        raise ImportMegatronError(f"{folder} is a torch_dist (distributed) checkpoint, which this import does not read: "
-                                  f"save it from Megatron-LM with --ckpt-format torch (or convert it with its "
-                                  f"tools/checkpoint/convert.py --saver legacy) and import that")
+        return folder, {}  # a torch_dist folder: training.tools.torch_dist_reader reads it whole
     if not files:
         raise ImportMegatronError(f"{folder} holds no mp_rank_XX[_YYY]/{FILE}: not a Megatron-LM checkpoint")
     tp = 1 + max(t for t, _ in files)

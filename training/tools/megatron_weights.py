@@ -33,6 +33,7 @@ from training.tools.megatron_reader import (
     megatron_arg,
 )
 from training.tools.tensor_check import few
+from training.tools.torch_dist_reader import read_torch_dist
 
 
 def qkv_parts(shard: torch.Tensor, heads: int, groups: int, version: float
@@ -151,6 +152,37 @@ def stage_shards(rank_files: list[RankFile], chunk: int, offset: int, untied: bo
     return per_rank, len(layers)
 
 
+def attention_heads(args: argparse.Namespace | None, heads: int | None, tp: int) -> tuple[int, int]:
+    """(query heads, key/value groups) from the args (``heads`` given on the command line first), checked against the
+    source's TP degree; one line when they are missing or do not split."""
+    heads = heads or megatron_arg(args, "num_attention_heads")
+    if heads is None:
+        raise ImportMegatronError("the checkpoint has no args (an early release): pass --num-attention-heads")
+    if heads % tp:
+        raise ImportMegatronError(f"{heads} attention heads do not split over the source's {tp} TP ranks")
+    groups = megatron_arg(args, "num_query_groups") if megatron_arg(args, "group_query_attention", False) else None
+    groups = groups or heads
+    if groups % tp or heads % groups:
+        raise ImportMegatronError(f"{groups} key/value groups do not split over the source's {tp} TP ranks or do not "
+                                  f"divide its {heads} attention heads: args damaged")
+    return heads, groups
+
+
+def read_global_weights(folder: Path, heads: int | None
+                        ) -> tuple[dict[str, torch.Tensor], argparse.Namespace | None, float, tuple[int, int]]:
+    """A ``torch_dist`` folder -> the :func:`read_weights` tuple: its global tensors are one TP=1 x PP=1 file's
+    (:mod:`training.tools.torch_dist_reader`), renamed and fused like one rank's."""
+    tensors, args, version, source = read_torch_dist(folder)
+    heads, groups = attention_heads(args, heads, 1)
+    untied = bool(megatron_arg(args, "untie_embeddings_and_output_weights", False))
+    ours = {}
+    for name, t in tensors.items():
+        renamed = rename(name, 0, untied)
+        if renamed is not None:
+            ours[renamed] = t
+    return merge_ranks([ours], heads, groups, version, bool(megatron_arg(args, "swiglu", False))), args, version, source
+
+
 def read_weights(files: dict[tuple[int, int], Path], heads: int | None
                  ) -> tuple[dict[str, torch.Tensor], argparse.Namespace | None, float, tuple[int, int]]:
     """All files -> (TP=1 weights in our names, Megatron's args or None, checkpoint_version, (source TP, PP)).
@@ -164,16 +196,7 @@ def read_weights(files: dict[tuple[int, int], Path], heads: int | None
     tp = 1 + max(t for t, _ in files)
     pp = 1 + max(p for _, p in files)
     args, version = first.args, first.version
-    heads = heads or megatron_arg(args, "num_attention_heads")
-    if heads is None:
-        raise ImportMegatronError("the checkpoint has no args (an early release): pass --num-attention-heads")
-    if heads % tp:
-        raise ImportMegatronError(f"{heads} attention heads do not split over the source's {tp} TP ranks")
-    groups = megatron_arg(args, "num_query_groups") if megatron_arg(args, "group_query_attention", False) else None
-    groups = groups or heads
-    if groups % tp or heads % groups:
-        raise ImportMegatronError(f"{groups} key/value groups do not split over the source's {tp} TP ranks or do not "
-                                  f"divide its {heads} attention heads: args damaged")
+    heads, groups = attention_heads(args, heads, tp)
     untied = bool(megatron_arg(args, "untie_embeddings_and_output_weights", False))
     swiglu = bool(megatron_arg(args, "swiglu", False))
     weights: dict[str, torch.Tensor] = {}
