@@ -9,7 +9,7 @@ own partition of every parameter's fp32 master and Adam moments for this run's D
 state gives back the iteration, data position, RNG streams and LR schedule. From its first save on, the run
 resumes from its own checkpoints as any other (``train.load_universal`` is then not read).
 
-A TP change goes through as well (TP 2 -> 1 and 1 -> 2 checked: ``tests/parallel/test_universal.py``): the
+A TP change goes through as well (TP 1 -> 2 and 2 -> 1, with DP 2 -> 4: ``tests/parallel/test_universal.py``): the
 ``zero/`` tensors are the whole parameters (the source's TP slices merged by ``training.universal_info``'s patterns),
 and DeepSpeed's ``load_hp_checkpoint_state`` cuts this rank's TP slice of each from the same patterns, recorded with
 it (``cat_dim``, ``sub_param_shape``), and the parameter's shape, then its DP partition; the model weights are

@@ -3,12 +3,13 @@ item 3): ``training.tools.to_universal`` (DeepSpeed's ``ds_to_universal``) and `
 ``checkpoint.load_universal``).
 
 A ZeRO-1 run at TP 1 x DP 2 trains 10 steps, saving at step 4 (the reference: a resume continues bitwise,
-test_zero2.py). Its step-4 checkpoint, converted, starts a ZeRO-2 run at TP 2 x DP 1 that saves at step 7; that one,
-converted (its TP slices merged), starts a ZeRO-1 run at TP 1 x DP 2 again. Each continues with the reference's
-losses (fp32, within 1e-5 relative: the same global batches, only the reduction order differs) and learning rates:
-the weights and Adam moments, cut for the new TP rank and DP partition (a reset of the moments would change every
-loss after the first step), data position and schedule are carried. 2 + 2 + 2 processes; DeepSpeed's cut of every
-parameter kind (GPT-2, Llama with GQA, BERT) is checked bitwise in tests/unit/test_universal.py.
+test_zero2.py). Its step-4 checkpoint, converted, starts a ZeRO-2 run at TP 2 x DP 2 that saves at step 7; that one,
+converted (its TP slices merged), starts a ZeRO-1 run at TP 1 x DP 4 (the issue's DP 2 -> 4). Each continues with
+the reference's losses (fp32, within 1e-5 relative: the same global batches, only the reduction order differs) and
+learning rates: the weights and Adam moments, cut for the new TP rank and DP partition (a reset of the moments would
+change every loss after the first step), data position and schedule are carried. 2 + 4 + 4 processes of a 2-layer
+model; DeepSpeed's cut of every parameter kind (GPT-2, Llama with GQA, BERT) is checked bitwise in
+tests/unit/test_universal.py.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _continues(got, ref, start):
 
 
 @needs_corpus
-def test_dp_and_zero_stage_change_through_the_universal_checkpoint(spm_model, tmp_path):
+def test_tp_dp_and_zero_stage_change_through_the_universal_checkpoint(spm_model, tmp_path):
     from megatron_ds_suite.core.errors import ConfigError
     from training.config import load_config
     from training.tools.to_universal import convert
@@ -71,16 +72,16 @@ def test_dp_and_zero_stage_change_through_the_universal_checkpoint(spm_model, tm
     with pytest.raises(ConfigError, match=r"has a padded vocabulary of 1024 rows but this run pads to 1200 at TP=2: "
                                           r"set model.make_vocab_size_divisible_by=512 to keep them$"):
         check_source(cfg, 2, 1, "", 1200)
-    # TP 1 x DP 2 ZeRO-1 -> TP 2 x DP 1 ZeRO-2 (the 1000-piece vocabulary pads to 1024 rows at TP 1 and 2)
-    dp1, opt, ds = run_distributed(_train, 2, spm_model, str(tmp_path / "dp1"), 2, 7, str(tmp_path / "u4"), 2,
+    # TP 1 x DP 2 ZeRO-1 -> TP 2 x DP 2 ZeRO-2 (the 1000-piece vocabulary pads to 1024 rows at TP 1 and 2)
+    tp2, opt, ds = run_distributed(_train, 4, spm_model, str(tmp_path / "tp2"), 2, 7, str(tmp_path / "u4"), 2,
                                    timeout=600)[0]
     assert opt == "DeepSpeedZeroOptimizer" and ds == {"load_universal": True}
-    _continues(dp1, ref, 4)
-    # TP 2 x DP 1 ZeRO-2 -> TP 1 x DP 2 ZeRO-1
-    convert(tmp_path / "dp1", tmp_path / "u7", tag="iter_0000007")
+    _continues(tp2, ref, 4)
+    # TP 2 x DP 2 ZeRO-2 -> TP 1 x DP 4 ZeRO-1
+    convert(tmp_path / "tp2", tmp_path / "u7", tag="iter_0000007")
     merged = torch.load(tmp_path / "u7" / "iter_0000007" / "zero" / "layers.0.attn.qkv.weight" / "exp_avg_sq.pt",
                         weights_only=False)["param"]
     assert merged.shape == moments.shape and not torch.equal(merged, moments)  # TP 2's slices merged, trained on
-    back, _, _ = run_distributed(_train, 2, spm_model, str(tmp_path / "back"), 1, 0, str(tmp_path / "u7"),
-                                 timeout=600)[0]
-    _continues(back, ref, 7)
+    dp4, _, _ = run_distributed(_train, 4, spm_model, str(tmp_path / "dp4"), 1, 0, str(tmp_path / "u7"),
+                                timeout=600)[0]
+    _continues(dp4, ref, 7)
