@@ -1,11 +1,11 @@
 """ZeRO-2 and ZeRO-3 beside tensor and data parallelism (issue 42): DeepSpeed's own stage-2 optimizer (gradients and
 optimizer states sharded over the DP ranks) and stage-3 optimizer (each TP shard's parameters too) train the
-TP 2 x DP 2 model as ZeRO-0 does, and a stopped ZeRO-2 run resumes exactly.
+TP 2 x DP 2 model as ZeRO-0 does, and a stopped ZeRO-2 or ZeRO-3 run resumes exactly.
 
 One 4-rank launch runs, in turn: ZeRO-0, ZeRO-2 and ZeRO-3 in fp32 for ten steps (losses within 1e-5 relative;
 ZeRO-3 saves at step 10: each TP rank's shard whole in its own file, which the offline readers merge), the ZeRO-2
-run stopped at step 4 and resumed to step 10 (every loss and the final weights bitwise those of the run that never
-stopped), and fp16 at ZeRO-0 and ZeRO-2 with overflows planted at steps 3 and 4 (the same steps skipped, the same
+and ZeRO-3 runs stopped at step 4 and resumed to step 10 (every loss and the final weights bitwise those of the run
+that never stopped), and fp16 at ZeRO-0 and ZeRO-2 with overflows planted at steps 3 and 4 (the same steps skipped, the same
 loss scales with ``precision.hysteresis: 1``; ZeRO's scaler honours hysteresis, the ZeRO-0 wrappers do not).
 """
 from __future__ import annotations
@@ -49,16 +49,17 @@ def _train(spec, run_dir, zero, dtype, exit_at=None, plant=False, save=0):
 def _worker(rank, world, spec, tmp):
     out = {}
     for name, zero, dtype, exit_at, plant in (("zero0", 0, "fp32", None, False), ("zero2", 2, "fp32", None, False),
-                                              ("zero3", 3, "fp32", None, False),
+                                              ("zero3", 3, "fp32", None, False), ("z3stopped", 3, "fp32", 4, False),
+                                              ("z3resumed", 3, "fp32", None, False),
                                               ("stopped", 2, "fp32", 4, False), ("resumed", 2, "fp32", None, False),
                                               ("zero0_fp16", 0, "fp16", None, True), ("zero2_fp16", 2, "fp16", None, True)):
-        run_dir = f"{tmp}/{'stopped' if name == 'resumed' else name}"
+        run_dir = f"{tmp}/{name.replace('resumed', 'stopped')}"
         out[name] = _train(spec, run_dir, zero, dtype, exit_at, plant, STEPS if zero == 3 else 0)
     return out
 
 
 @needs_corpus
-def test_zero2_and_zero3_with_tp2_dp2_train_as_zero0_and_zero2_resumes_exactly(spm_model, tmp_path):
+def test_zero2_and_zero3_with_tp2_dp2_train_as_zero0_and_resume_exactly(spm_model, tmp_path):
     from training import safe_load
     from training.checkpoint_reader import GATHERED_WEIGHTS, load_merged_state_dict
 
@@ -80,6 +81,9 @@ def test_zero2_and_zero3_with_tp2_dp2_train_as_zero0_and_zero2_resumes_exactly(s
         assert all(torch.equal(saved["module"][k], v) for k, v in ranks[tp_rank]["zero3"][2].items())
     merged, _, _ = load_merged_state_dict(tmp_path / "zero3")  # what evaluation and export read
     assert merged["layers.0.attn.qkv.weight"].shape == (3 * 64, 64)
+    # ZeRO-3 stopped at 4 and resumed from DeepSpeed's per-TP-rank files: every step and weight bitwise
+    assert r["z3resumed"][0] == z3
+    assert all(torch.equal(r["z3resumed"][2][k], v) for k, v in r["zero3"][2].items())
     # stopped at 4 and resumed: the same metrics file, every step bitwise the uninterrupted run's, the same weights
     assert r["resumed"][0] == b
     assert all(torch.equal(r["resumed"][2][k], r["zero2"][2][k]) for k in r["zero2"][2])

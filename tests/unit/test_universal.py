@@ -29,7 +29,7 @@ from training.models.config import padded_vocab_size
 from training.models.gpt2 import GPTModel
 from training.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from training.parallel.sharding import is_vocab_sized, shard
-from training.universal import universal_tag
+from training.universal import check_vocab, universal_tag
 from training.universal_info import COLUMN, REPLICATED, ROW, SUB_PARAMS, classify, universal_checkpoint_info
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,3 +168,13 @@ def test_the_deepspeed_json_asks_for_the_universal_load_only_when_told():
     cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", ["train.load_universal=/u", "parallel.zero_stage=2"])
     assert deepspeed_config(cfg, 2, "fp32", from_universal=True)["checkpoint"] == {"load_universal": True}
     assert "checkpoint" not in deepspeed_config(cfg, 2, "fp32")  # resuming its own checkpoints: DeepSpeed's layout
+
+
+def test_a_run_from_a_universal_checkpoint_keeps_the_source_padded_vocabulary():
+    check_vocab("/u", 1024, 1024, 1)  # TP 2 -> 1 with 1024 rows at both: nothing to say
+    with pytest.raises(ConfigError, match=r"^train.load_universal=/u has a padded vocabulary of 1024 rows but this run "
+                                          r"pads to 1152 at TP=1: set model.make_vocab_size_divisible_by=1024 to keep "
+                                          r"them$"):
+        check_vocab("/u", 1024, 1152, 1)
+    with pytest.raises(ConfigError, match=r"pads to 1152 at TP=3: choose a parallel.tensor that divides 1024$"):
+        check_vocab("/u", 1024, 1152, 3)
