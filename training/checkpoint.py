@@ -19,8 +19,8 @@ trainer, so the tools (``training.tools.reshard``) and the tasks' hooks save wit
 
 ZeRO-3 (parameters partitioned over the DP ranks, DeepSpeed's files ``zero_pp_rank_D_mp_rank_XX_*``): the weights
 are gathered layer by layer (:func:`gathered_state_dict`, over the DP ranks) and DP rank 0 of each TP rank writes its
-TP shard whole, with the client state, as ``mp_rank_XX_gathered_weights.pt`` beside DeepSpeed's files, the file evaluation, export, reshard and ``init_from``
-read (DeepSpeed's resume and its ``ds_to_universal`` read only its own ``zero_pp_rank_*`` files).
+TP shard whole, with the client state, as ``mp_rank_XX_gathered_weights.pt`` beside DeepSpeed's files, the files
+evaluation, export, reshard and ``init_from`` read (DeepSpeed's resume and its ``ds_to_universal`` read only its own ``zero_pp_rank_*`` files).
 
 Every file is read with ``weights_only=True`` (``training.safe_load``): the client state holds only
 tensors and plain data, so the numpy RNG state is stored as a list rather than an ndarray.

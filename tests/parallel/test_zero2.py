@@ -5,8 +5,9 @@ TP 2 x DP 2 model as ZeRO-0 does, and a stopped ZeRO-2 or ZeRO-3 run resumes exa
 One 4-rank launch runs, in turn: ZeRO-0, ZeRO-2 and ZeRO-3 in fp32 for ten steps (losses within 1e-5 relative;
 ZeRO-3 saves at step 10: each TP rank's shard whole in its own file, which the offline readers merge), the ZeRO-2
 and ZeRO-3 runs stopped at step 4 and resumed to step 10 (every loss and the final weights bitwise those of the run
-that never stopped), and fp16 at ZeRO-0 and ZeRO-2 with overflows planted at steps 3 and 4 (the same steps skipped, the same
-loss scales with ``precision.hysteresis: 1``; ZeRO's scaler honours hysteresis, the ZeRO-0 wrappers do not).
+that never stopped), and fp16 at ZeRO-0 and ZeRO-2 with overflows planted at steps 3 and 4 (the same steps
+skipped, the same loss scales with ``precision.hysteresis: 1``; ZeRO's scaler honours hysteresis, the ZeRO-0
+wrappers do not).
 """
 from __future__ import annotations
 
