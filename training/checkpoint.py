@@ -17,10 +17,10 @@ DeepSpeed engine, the model, the :class:`TrainState`, the :class:`~training.para
 and a :class:`ModelDescription` (the frozen config, dtype, padded vocabulary and tokenizer); never the
 trainer, so the tools (``training.tools.reshard``) and the tasks' hooks save with the same call.
 
-ZeRO-3 (parameters partitioned over the DP ranks, DeepSpeed's files ``zero_pp_rank_D_mp_rank_00_*``): the weights
-are gathered layer by layer (:func:`gathered_state_dict`) and rank 0 writes them whole, with the client state, as
-``mp_rank_00_gathered_weights.pt`` beside DeepSpeed's files, the file evaluation, export, reshard and ``init_from``
-read (DeepSpeed's resume and its ``ds_to_universal`` read only its own ``zero_pp_rank_*`` files).
+ZeRO-3 (parameters partitioned over the DP ranks, DeepSpeed's files ``zero_pp_rank_D_mp_rank_XX_*``): the weights
+are gathered layer by layer (:func:`gathered_state_dict`, over the DP ranks) and DP rank 0 of each TP rank writes its
+TP shard whole, with the client state, as ``mp_rank_XX_gathered_weights.pt`` beside DeepSpeed's files, the files
+evaluation, export, reshard and ``init_from`` read (DeepSpeed's resume and its ``ds_to_universal`` read only its own ``zero_pp_rank_*`` files).
 
 Every file is read with ``weights_only=True`` (``training.safe_load``): the client state holds only
 tensors and plain data, so the numpy RNG state is stored as a list rather than an ndarray.
@@ -162,14 +162,17 @@ def partitions_weights(engine) -> bool:
     return bool(getattr(engine, "zero_optimization_partition_weights", lambda: False)())
 
 
-def gathered_state_dict(model: torch.nn.Module, to_rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
+def gathered_state_dict(model: torch.nn.Module, to_rank0_only: bool = True,
+                        keep: bool | None = None) -> dict[str, torch.Tensor] | None:
     """Collective over the ZeRO-3 partition group (every rank calls it): ``model.state_dict()`` with every
-    partitioned parameter gathered whole, one module's own parameters at a time (at most one layer whole at
-    once), as CPU copies in the parameters' dtype. A module that is not partitioned gives its own state dict. With
-    ``to_rank0_only`` the other ranks get None."""
+    partitioned parameter gathered whole (this rank's TP shard), one module's own parameters at a time (at most one
+    layer whole at once), as CPU copies in the parameters' dtype. A module that is not partitioned gives its own
+    state dict. With ``to_rank0_only`` the other ranks get None; ``keep`` (if given) says instead whether this rank
+    gets it."""
     import deepspeed
 
-    keep = dist.get_rank() == 0 or not to_rank0_only if dist.is_initialized() else True
+    if keep is None:
+        keep = dist.get_rank() == 0 or not to_rank0_only if dist.is_initialized() else True
     out: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules():
         own = list(module.parameters(recurse=False))
@@ -198,16 +201,17 @@ def gathered_for_write(params: list[torch.nn.Parameter]):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 
-def _write_gathered_weights(engine, model: torch.nn.Module, client: dict, folder: Path) -> None:
-    """ZeRO-3: the whole weights (collective gather) and the client state written by rank 0 as
-    :data:`~training.checkpoint_reader.GATHERED_WEIGHTS`, the file the offline readers take (TP = 1 under ZeRO-3)."""
-    weights = gathered_state_dict(model)
+def _write_gathered_weights(engine, model: torch.nn.Module, client: dict, folder: Path, ps: ParallelState) -> None:
+    """ZeRO-3: each TP rank's shard whole (collective gather over the DP ranks) and the client state, written by DP
+    rank 0 of each TP rank as :data:`~training.checkpoint_reader.GATHERED_WEIGHTS`, the files the offline readers
+    take (as one ``mp_rank_XX_model_states.pt`` per TP rank of the other stages)."""
+    weights = gathered_state_dict(model, keep=ps.dp_rank == 0 and ps.cp_rank == 0)
     if weights is not None:
         sched = engine.lr_scheduler  # DeepSpeed's own files hold it too; the offline tools (reshard) read it here
         state = {"module": weights, **client, "zero3_gathered": True, "global_steps": engine.global_steps,
                  "dp_world_size": engine.dp_world_size,
                  "lr_scheduler": sched.state_dict() if sched is not None else None}
-        torch.save(state, folder / GATHERED_WEIGHTS)
+        torch.save(state, folder / GATHERED_WEIGHTS.format(ps.tp_rank))
 
 
 def _tokenizer_spec(tokenizer: Tokenizer, run_dir: Path, is_rank0: bool) -> dict:
@@ -258,7 +262,7 @@ def save(engine: DeepSpeedEngine, model: torch.nn.Module, state: TrainState, ps:
         dist.barrier()
         engine.save_checkpoint(str(root), tag=tag, client_state=client, save_latest=False)
         if partitions_weights(engine):
-            _write_gathered_weights(engine, model, client, root / tag)
+            _write_gathered_weights(engine, model, client, root / tag, ps)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per host: its page cache holds what its ranks wrote
             catalog.sync_folder(root / tag)
         dist.barrier()  # every rank's files are written and durable

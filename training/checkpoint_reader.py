@@ -21,10 +21,11 @@ from training.parallel.mappings import group_rank, group_size
 from training.parallel.sharding import merge_tagged, shard_tagged
 from training.safe_load import CheckpointError, CheckpointMissing  # noqa: F401 - CheckpointError re-exported
 
-GATHERED_WEIGHTS = "mp_rank_00_gathered_weights.pt"
-"""A ZeRO-3 checkpoint's whole weights and client state, written by rank 0 beside DeepSpeed's ``zero_pp_rank_*``
-files (:mod:`training.checkpoint`); named apart from DeepSpeed's ``*_model_states.pt``, which its own tools
-(``ds_to_universal``, ``zero_to_fp32``) read as one file per rank."""
+GATHERED_WEIGHTS = "mp_rank_{:02d}_gathered_weights.pt"
+"""A ZeRO-3 checkpoint's weights (each TP rank's shard whole) and client state, one file per TP rank written by its
+DP rank 0 beside DeepSpeed's ``zero_pp_rank_*`` files (:mod:`training.checkpoint`; ``.format(tp_rank)``); named apart
+from DeepSpeed's ``*_model_states.pt``, which its own tools (``ds_to_universal``, ``zero_to_fp32``) read as one file
+per rank."""
 
 
 def latest_tag(run_dir: str | Path) -> str | None:
@@ -83,8 +84,8 @@ def model_files(run_dir: str | Path, tag: str | None) -> tuple[str, list[Path]]:
         raise CheckpointMissing(f"{run_dir} has no checkpoints/latest: train with run.dir={run_dir} first")
     catalog.verify(run_dir, tag)
     files = sorted((checkpoint_dir(run_dir) / tag).glob("mp_rank_*_model_states.pt"))
-    if not files and (checkpoint_dir(run_dir) / tag / GATHERED_WEIGHTS).is_file():  # ZeRO-3
-        files = [checkpoint_dir(run_dir) / tag / GATHERED_WEIGHTS]
+    if not files:  # ZeRO-3: one file of gathered weights per TP rank
+        files = sorted((checkpoint_dir(run_dir) / tag).glob(GATHERED_WEIGHTS.replace("{:02d}", "*")))
     if not files:
         raise CheckpointMissing(f"{checkpoint_dir(run_dir) / tag} holds no mp_rank_*_model_states.pt files")
     return tag, files

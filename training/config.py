@@ -111,8 +111,9 @@ class TrainConfig(Freezable):
     Ignored once this run has a checkpoint of its own (resume wins)."""
     load_universal: str | None = None
     """A universal checkpoint folder (``python -m training.tools.to_universal``) this run starts from: weights, Adam
-    moments, LR schedule, iteration, data position and RNG streams, at this run's DP size and ZeRO stage (1 or 2; the
-    same TP, PP=1; docs/zero.md). Ignored once this run has a checkpoint of its own (resume wins)."""
+    moments, LR schedule, iteration, data position and RNG streams, at this run's TP degree, DP size and ZeRO stage
+    (1 or 2; PP=1; the source's padded vocabulary; docs/zero.md). Ignored once this run has a checkpoint of its own
+    (resume wins)."""
 
 
 @dataclass

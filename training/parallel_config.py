@@ -29,7 +29,8 @@ class ParallelConfig(Freezable):
     zero_stage: int = 0
     """DeepSpeed ZeRO stage: 0 = off, 1 = optimizer states sharded across DP ranks, 2 = gradients too (with TP,
     sequence parallelism and DP; not with pipeline parallelism, whose DeepSpeed engine runs stages 0-1 only),
-    3 = parameters too (TP = 1 only: the parameters gathered per layer in forward and backward). Stages 1-3 run
+    3 = parameters too (with TP, sequence parallelism and DP: each TP shard partitioned over the DP ranks and
+    gathered per layer in forward and backward; not with pipeline parallelism). Stages 1-3 run
     DeepSpeed's own ZeRO optimizer step (docs/zero.md: what each stage costs and saves)."""
     offload_optimizer: Literal["none", "cpu"] = "none"
     """ZeRO-Offload (ZeRO-2/3 only, no pipeline parallelism): 'cpu' keeps the fp32 optimizer states (master
@@ -55,10 +56,6 @@ def validate_zero(p: ParallelConfig) -> None:
     if p.zero_stage >= 2 and p.pipeline > 1:
         raise ConfigError(f"parallel.zero_stage={p.zero_stage} with parallel.pipeline={p.pipeline}: DeepSpeed's pipeline "
                           f"engine runs ZeRO stage 0 or 1 only; set parallel.zero_stage=1 or parallel.pipeline=1")
-    if p.zero_stage == 3 and p.tensor > 1:
-        raise ConfigError(f"parallel.zero_stage=3 with parallel.tensor={p.tensor}: ZeRO-3 runs here with TP=1 only "
-                          f"(TP shards under deepspeed.zero.Init with a model-parallel unit are not checked); set "
-                          f"parallel.zero_stage=2 or parallel.tensor=1")
     if p.offload_optimizer != "none" and (p.zero_stage < 2 or p.pipeline > 1):
         raise ConfigError(f"parallel.offload_optimizer={p.offload_optimizer} with parallel.zero_stage={p.zero_stage} "
                           f"and parallel.pipeline={p.pipeline}: DeepSpeed offloads optimizer states at ZeRO stage 2 or "

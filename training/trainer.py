@@ -115,7 +115,8 @@ class Trainer:
         # train.load_universal, before this run's first save (the engine is built for it)
         self.from_universal = from_universal = universal.starts_from_universal(cfg)
         if from_universal:  # its refusals before any work
-            universal.check_source(cfg, self.ps.dims.tp, self.ps.dims.pp, self.task.tokenizer.file_sha256())
+            universal.check_source(cfg, self.ps.dims.tp, self.ps.dims.pp, self.task.tokenizer.file_sha256(),
+                                   self.padded_vocab)
         t = cfg.train
         self.task.build_data()
         self.model = self.task.build_model(self.padded_vocab)

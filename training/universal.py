@@ -9,9 +9,18 @@ own partition of every parameter's fp32 master and Adam moments for this run's D
 state gives back the iteration, data position, RNG streams and LR schedule. From its first save on, the run
 resumes from its own checkpoints as any other (``train.load_universal`` is then not read).
 
+A TP change goes through as well (TP 1 -> 2 and 2 -> 1, with DP 2 -> 4: ``tests/parallel/test_universal.py``): the
+``zero/`` tensors are the whole parameters (the source's TP slices merged by ``training.universal_info``'s patterns),
+and DeepSpeed's ``load_hp_checkpoint_state`` cuts this rank's TP slice of each from the same patterns, recorded with
+it (``cat_dim``, ``sub_param_shape``), and the parameter's shape, then its DP partition; the model weights are
+copied from those fp32 masters (DeepSpeed does not read ``module`` at a universal load). The padded vocabulary must
+be the source's (:func:`check_vocab`: the padding rows take part in the softmax); the TP-local RNG stream cannot
+carry over to another TP degree, so every stream is seeded from ``train.seed`` + iteration then, as
+``training.tools.reshard`` does (:func:`restore_streams`).
+
 Refused in one line before any work (:func:`check_source`): a folder that is not a universal checkpoint, a source of
-another TP or PP degree (the TP layout moves through ``training.tools.reshard``), another tokenizer or model shape,
-and a ZeRO-3 source (DeepSpeed names the model files by stage: ``mp_rank_XX_model_states.pt`` at 1-2,
+another PP degree (the PP layout moves through ``training.tools.reshard``) or padded vocabulary, another tokenizer or
+model shape, and a ZeRO-3 source (DeepSpeed names the model files by stage: ``mp_rank_XX_model_states.pt`` at 1-2,
 ``zero_pp_rank_D_mp_rank_XX_model_states.pt`` at 3, and looks for its own stage's). The static rules (ZeRO-1/2, no
 pipeline, not with ``train.init_from``) are ``training.parallel_config.validate_universal_load``.
 
@@ -29,6 +38,7 @@ from training import safe_load
 from training.checkpoint_catalog import plan_resume
 from training.config import Config
 from training.init_from import SHAPE_KEYS
+from training.parallel import random as tp_random
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -69,16 +79,29 @@ def starts_from_universal(cfg: Config) -> bool:
     return cfg.train.load_universal is not None and plan_resume(cfg.run.dir, cfg.train.resume_tag).tag is None
 
 
-def check_source(cfg: Config, tp: int, pp: int, tokenizer_sha: str) -> str:
+def check_vocab(folder: str | Path, source_padded: int, padded: int, tp: int) -> None:
+    """One ConfigError line unless this run pads the vocabulary as the source did (``padded`` rows at TP=``tp``):
+    DeepSpeed's universal load keeps the source's rows and pads with zero rows only, and the padding rows take part
+    in the softmax (``training.tools.reshard.keep_vocab_padding`` keeps them the same way)."""
+    if source_padded == padded:
+        return
+    fix = (f"set model.make_vocab_size_divisible_by={source_padded // tp} to keep them" if source_padded % tp == 0
+           else f"choose a parallel.tensor that divides {source_padded}")
+    raise ConfigError(f"train.load_universal={folder} has a padded vocabulary of {source_padded} rows but this run "
+                      f"pads to {padded} at TP={tp}: {fix}")
+
+
+def check_source(cfg: Config, tp: int, pp: int, tokenizer_sha: str, padded_vocab: int) -> str:
     """Every refusal of a universal start (one line each) before any work; returns the tag to load."""
     folder = cfg.train.load_universal
     tag = universal_tag(folder)
     meta = safe_load.load(model_state_file(folder, tag))
     saved, source = meta["parallel"], meta["config"]
-    if (saved["tp"], saved["pp"]) != (tp, pp):
-        raise ConfigError(f"train.load_universal={folder} was saved with TP={saved['tp']} PP={saved['pp']} but this "
-                          f"run uses TP={tp} PP={pp}: start with parallel.tensor={saved['tp']} parallel.pipeline="
-                          f"{saved['pp']} (a universal checkpoint changes DP size and ZeRO stage here)")
+    if saved["pp"] != pp:
+        raise ConfigError(f"train.load_universal={folder} was saved with PP={saved['pp']} but this run uses PP={pp}: "
+                          f"start with parallel.pipeline={saved['pp']} (change the PP layout with python -m "
+                          f"training.tools.reshard)")
+    check_vocab(folder, meta["padded_vocab_size"], padded_vocab, tp)
     if source["parallel"]["zero_stage"] == 3:  # a folder ds_to_universal wrote itself (the tool refuses ZeRO-3)
         raise ConfigError(f"train.load_universal={folder} comes from a ZeRO-3 run: DeepSpeed's universal load reads "
                           f"the model files of its own stage (ZeRO-3 names its own) and ZeRO-3 loads are refused here; "
@@ -105,8 +128,18 @@ def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: Mo
     _, client = engine.load_checkpoint(str(folder), tag=tag)
     if client is None:
         raise RuntimeError(f"DeepSpeed could not load the universal checkpoint {Path(folder) / tag}")
-    state.restore(client)
+    restore_streams(state, client, ps.dims.tp, desc.cfg.train.seed)
     if ps.rank == 0:
-        logger.info("started from universal checkpoint %s at iteration %d (DP %d, ZeRO-%d)", Path(folder) / tag,
-                    state.iteration, ps.dims.dp, desc.cfg.parallel.zero_stage)
+        logger.info("started from universal checkpoint %s at iteration %d (TP %d, DP %d, ZeRO-%d; saved at TP %d)",
+                    Path(folder) / tag, state.iteration, ps.dims.tp, ps.dims.dp, desc.cfg.parallel.zero_stage,
+                    client["parallel"]["tp"])
     return True
+
+
+def restore_streams(state: TrainState, client: dict, tp: int, seed: int) -> None:
+    """``state`` from the source's client state (DeepSpeed hands every rank one TP rank's: ``mp_rank_XX``); at
+    another TP degree the TP-local RNG stream of that rank would be every rank's, so all streams are seeded from
+    ``seed`` + iteration instead (as ``training.tools.reshard``; the losses do not change without dropout)."""
+    state.restore(client)
+    if client["parallel"]["tp"] != tp:
+        tp_random.set_seed(seed + state.iteration)

@@ -17,8 +17,8 @@ generalised to ``\\d+``):
 
 DeepSpeed strips a vocabulary parameter to ``original_vocab_size`` rows and pads it with zero rows on load up to
 the target's padded size. It is given the *padded* vocabulary here, so the trained padding rows are kept (a run at
-the same TP continues exactly) and only a larger padding of another TP degree adds zero rows. BERT's 1-D LM-head
-bias is left out of the vocabulary list (DeepSpeed's strip indexes two dimensions).
+the same TP continues exactly; a run at another TP must pad alike: ``training.universal.check_vocab``). BERT's 1-D
+LM-head bias is left out of the vocabulary list (DeepSpeed's strip indexes two dimensions).
 
 :func:`classify` is the one place the tags are read; a tag of a kind not in the table raises, so a new kind of
 partition cannot reach a checkpoint without a rule (``tests/unit/test_universal.py`` checks every parameter of the

@@ -1,14 +1,15 @@
-"""A run changes its data-parallel size and ZeRO stage through DeepSpeed's universal checkpoint (issue 42 item 3):
-``training.tools.to_universal`` (DeepSpeed's ``ds_to_universal``) and ``train.load_universal`` (DeepSpeed's
+"""A run changes its data-parallel size, ZeRO stage and TP degree through DeepSpeed's universal checkpoint (issue 42
+item 3): ``training.tools.to_universal`` (DeepSpeed's ``ds_to_universal``) and ``train.load_universal`` (DeepSpeed's
 ``checkpoint.load_universal``).
 
-A ZeRO-1 run at DP 2 trains 10 steps, saving at step 4 (the reference: a resume continues bitwise, test_zero2.py).
-Its step-4 checkpoint, converted, starts a ZeRO-2 run at DP 1 that saves at step 7; that one, converted, starts a
-ZeRO-1 run at DP 2 again. Each continues with the reference's losses (fp32, within 1e-5 relative: the same global
-batches, only the gradient reduction order differs) and learning rates: the weights, Adam moments (a reset would
-change every loss after the first step), data position and schedule are carried. TP 1 keeps it to 2 + 1 + 2
-processes; the TP merge is checked by tests/unit/test_universal.py (TP 2 x DP 2 -> TP 2 x DP 1 measured once:
-7e-8, docs/zero.md).
+A ZeRO-1 run at TP 1 x DP 2 trains 10 steps, saving at step 4 (the reference: a resume continues bitwise,
+test_zero2.py). Its step-4 checkpoint, converted, starts a ZeRO-2 run at TP 2 x DP 2 that saves at step 7; that one,
+converted (its TP slices merged), starts a ZeRO-1 run at TP 1 x DP 4 (the issue's DP 2 -> 4). Each continues with
+the reference's losses (fp32, within 1e-5 relative: the same global batches, only the reduction order differs) and
+learning rates: the weights and Adam moments, cut for the new TP rank and DP partition (a reset of the moments would
+change every loss after the first step), data position and schedule are carried. 2 + 4 + 4 processes of a 2-layer
+model; DeepSpeed's cut of every parameter kind (GPT-2, Llama with GQA, BERT) is checked bitwise in
+tests/unit/test_universal.py.
 """
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ from tests.helpers.training_runs import ROOT, needs_corpus, tiny_overrides
 STEPS = 10
 
 
-def _train(rank, world, spec, run_dir, zero, save_interval, load_universal=None):
+def _train(rank, world, spec, run_dir, zero, save_interval, load_universal=None, tp=1):
     from training.config import load_config
     from training.resolve import resolve_run
     from training.trainer import Trainer
 
-    ov = tiny_overrides(spec, run_dir, **{"parallel.tensor": 1, "parallel.zero_stage": zero,
+    ov = tiny_overrides(spec, run_dir, **{"parallel.tensor": tp, "parallel.zero_stage": zero,
                                           "train.iters": STEPS, "train.log_interval": 1, "train.eval_interval": 0,
                                           "train.save_interval": save_interval, "train.keep_last": 3,
                                           "train.load_universal": load_universal or "null"})
@@ -50,7 +51,7 @@ def _continues(got, ref, start):
 
 
 @needs_corpus
-def test_dp_and_zero_stage_change_through_the_universal_checkpoint(spm_model, tmp_path):
+def test_tp_dp_and_zero_stage_change_through_the_universal_checkpoint(spm_model, tmp_path):
     from megatron_ds_suite.core.errors import ConfigError
     from training.config import load_config
     from training.tools.to_universal import convert
@@ -68,16 +69,19 @@ def test_dp_and_zero_stage_change_through_the_universal_checkpoint(spm_model, tm
     assert moments.shape == (3 * 64, 64) and moments.min() >= 0 and moments.max() > 0  # the whole tensor, trained
     cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", [f"train.load_universal={tmp_path / 'u4'}",
                                                             "parallel.zero_stage=2"])
-    with pytest.raises(ConfigError, match=r"was saved with TP=1 PP=1 but this run uses TP=2 PP=1: start with "
-                                          r"parallel.tensor=1 parallel.pipeline=1"):
-        check_source(cfg, 2, 1, "")
-    # DP 2 ZeRO-1 -> DP 1 ZeRO-2
-    dp1, opt, ds = run_distributed(_train, 1, spm_model, str(tmp_path / "dp1"), 2, 7, str(tmp_path / "u4"),
+    with pytest.raises(ConfigError, match=r"has a padded vocabulary of 1024 rows but this run pads to 1200 at TP=2: "
+                                          r"set model.make_vocab_size_divisible_by=512 to keep them$"):
+        check_source(cfg, 2, 1, "", 1200)
+    # TP 1 x DP 2 ZeRO-1 -> TP 2 x DP 2 ZeRO-2 (the 1000-piece vocabulary pads to 1024 rows at TP 1 and 2)
+    tp2, opt, ds = run_distributed(_train, 4, spm_model, str(tmp_path / "tp2"), 2, 7, str(tmp_path / "u4"), 2,
                                    timeout=600)[0]
     assert opt == "DeepSpeedZeroOptimizer" and ds == {"load_universal": True}
-    _continues(dp1, ref, 4)
-    # DP 1 ZeRO-2 -> DP 2 ZeRO-1
-    convert(tmp_path / "dp1", tmp_path / "u7", tag="iter_0000007")
-    back, _, _ = run_distributed(_train, 2, spm_model, str(tmp_path / "back"), 1, 0, str(tmp_path / "u7"),
-                                 timeout=600)[0]
-    _continues(back, ref, 7)
+    _continues(tp2, ref, 4)
+    # TP 2 x DP 2 ZeRO-2 -> TP 1 x DP 4 ZeRO-1
+    convert(tmp_path / "tp2", tmp_path / "u7", tag="iter_0000007")
+    merged = torch.load(tmp_path / "u7" / "iter_0000007" / "zero" / "layers.0.attn.qkv.weight" / "exp_avg_sq.pt",
+                        weights_only=False)["param"]
+    assert merged.shape == moments.shape and not torch.equal(merged, moments)  # TP 2's slices merged, trained on
+    dp4, _, _ = run_distributed(_train, 4, spm_model, str(tmp_path / "dp4"), 1, 0, str(tmp_path / "u7"),
+                                timeout=600)[0]
+    _continues(dp4, ref, 7)

@@ -1,7 +1,9 @@
 """Universal checkpoints (issue 42 item 3): the partition info every checkpoint carries (training.universal_info)
 against every parameter of the GPT-2, Llama and BERT models and the TP layers that hold them, DeepSpeed's own merge
 (``ds_to_universal.merge_tp_slices``) rebuilding each whole tensor from TP 2 shards with it, and the one-line
-refusals of ``train.load_universal`` (config) and of a folder that is not a universal checkpoint."""
+refusals of ``train.load_universal`` (config) and of a folder that is not a universal checkpoint; DeepSpeed's own
+loader (``universal_checkpoint.load_hp_checkpoint_state``) cutting each merged tensor back into the TP 2 shards and
+the TP 1 whole, which a TP change at a universal load relies on."""
 from __future__ import annotations
 
 import re
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from deepspeed.checkpoint import ds_to_universal
+from deepspeed.checkpoint import ds_to_universal, enable_universal_checkpoint
 from deepspeed.checkpoint.constants import (
     PARAM,
     PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
@@ -17,6 +19,7 @@ from deepspeed.checkpoint.constants import (
     TP_REPLICATED_PARAMETER_PATTERNS,
     VOCABULARY_PARAMETER_PATTERNS,
 )
+from deepspeed.utils.tensor_fragment import get_hp_fragment_mapping
 
 from megatron_ds_suite.core.errors import ConfigError
 from training.config import load_config
@@ -26,7 +29,7 @@ from training.models.config import padded_vocab_size
 from training.models.gpt2 import GPTModel
 from training.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from training.parallel.sharding import is_vocab_sized, shard
-from training.universal import universal_tag
+from training.universal import check_vocab, universal_tag
 from training.universal_info import COLUMN, REPLICATED, ROW, SUB_PARAMS, classify, universal_checkpoint_info
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,10 +98,22 @@ def test_partition_info_matches_every_parameter_by_its_layer(which):
     assert not any(re.search(r"\.\d+\.", pat) for pats in lists.values() for pat in pats)
 
 
+def _deepspeed_load(folder: Path, shape: torch.Size, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """What DeepSpeed's universal loader gives TP rank ``rank`` of ``tp`` for a parameter of this rank's ``shape``
+    (one DP partition holding all of it): the fp32 master it copies in and the Adam moments it keeps."""
+    lp = torch.nn.Parameter(torch.zeros(shape))
+    hp = torch.full((lp.numel(),), float("nan"))
+    lp._hp_mapping = get_hp_fragment_mapping(lp, 0, hp, {}, {}, False, 0, 0, lp.numel())
+    enable_universal_checkpoint([lp])
+    lp.load_hp_checkpoint_state(str(folder), rank, tp)
+    return {"fp32": hp.view(shape), **{k: v.view(shape) for k, v in lp._hp_mapping.optim_fragment.items()}}
+
+
 @pytest.mark.parametrize("which", sorted(MODELS))
 def test_deepspeed_merges_tp2_shards_into_the_whole_tensors(which, tmp_path):
     """DeepSpeed's own merge (``ds_to_universal.merge_tp_slices``) with the info rebuilds every whole parameter
-    bitwise from TP 2 shards, and uses every pattern (its strict check)."""
+    bitwise from TP 2 shards, and uses every pattern (its strict check); its loader cuts each merged fp32 master
+    and Adam moment back into every TP 2 rank's shard and the TP 1 whole, bitwise."""
     model, padded = _model(which)
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     shards = [_rank_view(model, r) for r in range(TP)]
@@ -110,12 +125,17 @@ def test_deepspeed_merges_tp2_shards_into_the_whole_tensors(which, tmp_path):
     for name in full:
         for rank in range(TP):
             flat = shards[rank][name].flatten()
-            for state in ("fp32", "exp_avg", "exp_avg_sq"):
-                ds_to_universal.dump_param_fragment(str(slices), rank, 0, state, flat, name, 0, flat.numel())
+            for i, state in enumerate(("fp32", "exp_avg", "exp_avg_sq")):  # a different tensor per state
+                ds_to_universal.dump_param_fragment(str(slices), rank, 0, state, flat + i, name, 0, flat.numel())
         shapes = [shards[r][name].shape for r in range(TP)]
         unmatched.append(set(ds_to_universal.merge_tp_slices(info, str(out), str(slices), TP, (name, shapes))))
         merged = torch.load(out / name / "fp32.pt", weights_only=False)[PARAM]
         assert torch.equal(merged, full[name]), name
+        for tp, want in ((TP, shards), (1, [full])):  # TP 2 -> 2 (and 1 -> 2), TP 2 -> 1
+            for rank in range(tp):
+                got = _deepspeed_load(out / name, want[rank][name].shape, rank, tp)
+                for i, state in enumerate(("fp32", "exp_avg", "exp_avg_sq")):
+                    assert torch.equal(got[state], want[rank][name] + i), (name, tp, rank, state)
     assert not set.intersection(*unmatched)
 
 
@@ -148,3 +168,13 @@ def test_the_deepspeed_json_asks_for_the_universal_load_only_when_told():
     cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", ["train.load_universal=/u", "parallel.zero_stage=2"])
     assert deepspeed_config(cfg, 2, "fp32", from_universal=True)["checkpoint"] == {"load_universal": True}
     assert "checkpoint" not in deepspeed_config(cfg, 2, "fp32")  # resuming its own checkpoints: DeepSpeed's layout
+
+
+def test_a_run_from_a_universal_checkpoint_keeps_the_source_padded_vocabulary():
+    check_vocab("/u", 1024, 1024, 1)  # TP 2 -> 1 with 1024 rows at both: nothing to say
+    with pytest.raises(ConfigError, match=r"^train.load_universal=/u has a padded vocabulary of 1024 rows but this run "
+                                          r"pads to 1152 at TP=1: set model.make_vocab_size_divisible_by=1024 to keep "
+                                          r"them$"):
+        check_vocab("/u", 1024, 1152, 1)
+    with pytest.raises(ConfigError, match=r"pads to 1152 at TP=3: choose a parallel.tensor that divides 1024$"):
+        check_vocab("/u", 1024, 1152, 3)

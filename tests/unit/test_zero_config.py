@@ -22,7 +22,6 @@ def _load(*overrides):
     (["parallel.zero_stage=4"], r"^parallel.zero_stage=4: 0, 1, 2 or 3$"),
     (["parallel.zero_stage=3", "parallel.pipeline=2", "parallel.tensor=1"],
      r"^parallel.zero_stage=3 with parallel.pipeline=2: DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only"),
-    (["parallel.zero_stage=3"], r"^parallel.zero_stage=3 with parallel.tensor=2: ZeRO-3 runs here with TP=1 only"),
     (["parallel.offload_optimizer=cpu"], r"^parallel.offload_optimizer=cpu with parallel.zero_stage=0 and "
                                          r"parallel.pipeline=1: DeepSpeed offloads optimizer states at ZeRO stage 2 or 3"),
     (["parallel.offload_optimizer=cpu", "parallel.zero_stage=1"], r"^parallel.offload_optimizer=cpu with "
@@ -30,16 +29,17 @@ def _load(*overrides):
     (["parallel.offload_optimizer=cpu", "parallel.zero_stage=1", "parallel.pipeline=2"],
      r"^parallel.offload_optimizer=cpu with parallel.zero_stage=1 and parallel.pipeline=2"),
     (["parallel.offload_optimizer=nvme", "parallel.zero_stage=2"], r"offload_optimizer"),
-], ids=["stage-4", "zero3-pp", "zero3-tp2", "offload-zero0", "offload-zero1", "offload-pp", "offload-nvme"])
+], ids=["stage-4", "zero3-pp", "offload-zero0", "offload-zero1", "offload-pp", "offload-nvme"])
 def test_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as e:
         _load(*overrides)
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("stage,offload", [(3, "none"), (3, "cpu"), (2, "cpu"), (2, "none")])
-def test_accepted_and_derived(stage, offload):
-    cfg = _load(f"parallel.zero_stage={stage}", "parallel.tensor=1", f"parallel.offload_optimizer={offload}")
+@pytest.mark.parametrize("stage,offload,tp", [(3, "none", 1), (3, "cpu", 1), (3, "none", 2), (2, "cpu", 2),
+                                               (2, "none", 1)])
+def test_accepted_and_derived(stage, offload, tp):
+    cfg = _load(f"parallel.zero_stage={stage}", f"parallel.tensor={tp}", f"parallel.offload_optimizer={offload}")
     ds = deepspeed_config(cfg, 2, "bf16")
     zero = ds["zero_optimization"]
     assert zero["stage"] == stage

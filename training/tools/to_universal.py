@@ -1,5 +1,5 @@
-"""Convert a ZeRO run's checkpoint to DeepSpeed's universal checkpoint, from which a run continues at another DP
-size or ZeRO stage (docs/zero.md).
+"""Convert a ZeRO run's checkpoint to DeepSpeed's universal checkpoint, from which a run continues at another TP
+degree, DP size or ZeRO stage (docs/zero.md).
 
     python -m training.tools.to_universal --checkpoint RUN_DIR [--tag TAG] --out DIR
     deepspeed --num_gpus N --module training.pretrain --config ... run.dir=NEW_RUN_DIR train.load_universal=DIR
