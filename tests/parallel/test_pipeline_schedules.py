@@ -11,7 +11,8 @@ each step (per tensor, by GPTModel name, the tied embedding included; the key th
 ``tests.helpers.parity.model_gap``) agree within 1e-6 relative, for GPT-2 and the Llama shape (RoPE, RMSNorm,
 SwiGLU, GQA, untied output layer, no biases), and for GPT-2 interleaved and DualPipeV under ZeRO-1 (DeepSpeed's
 ZeRO optimizer step); PP=2 1F1B and interleaved in fp16 give the same losses. A 4-rank launch does the same at TP=2:
-interleaved with and without sequence parallelism and DualPipeV with it, against TP=2 at PP=1. Stopped
+interleaved with and without sequence parallelism and DualPipeV with it, against TP=2 at PP=1; interleaved sends
+each TP rank's half of every activation and gradient (Megatron's scatter/gather without sequence parallelism). Stopped
 interleaved and DualPipeV runs resume bitwise through the trainer's checkpoints; the interleaved checkpoint is
 refused in one line under another schedule, and converted by the reshard tool to DualPipeV it resumes with the
 interleaved run's losses. Under emulated CUDA (DeepSpeed's accelerator claiming cuda:rank) every interleaved send
@@ -83,6 +84,12 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str
     opt, sched = build_optimizer(model, cfg.optimizer, STEPS)
     engine = build_engine(model, opt, sched, deepspeed_config(cfg, dp, dtype), ps)
 
+    sizes = []  # the interleaved engine's messages: (link kind, elements), seen on their way to the channels
+    channels = getattr(engine, "channels", None)
+    if channels is not None:
+        post = channels.isend
+        channels.isend = lambda t, link: (sizes.append((link.kind, t.numel())), post(t, link))[1]
+
     def name(n):
         return canonical_name(n, PipeNames.of(cfg.model)) if pp > 1 else n
 
@@ -121,10 +128,11 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str
             engine.eval()
             valid = sum(float(engine(t, lab).mean()) for t, lab in batches) / GAS
     weights = {names[id(p)]: p.detach().clone() for p in engine.module.parameters() if id(p) in names}
-    channels = getattr(engine, "channels", None)  # the interleaved engine's untagged p2p groups, one per link
+    # the interleaved engine's untagged p2p groups, one per link
     links = {(lk.kind, lk.sender, lk.receiver): (g.size(), id(g)) for lk, g in channels.groups.items()} if channels else None
+    largest = {kind: max((n for k, n in sizes if k == kind), default=0) for kind in ("activation", "gradient")}
     return {"losses": losses, "valid": valid, "grads": grads, "weights": weights, "engine": type(engine).__name__,
-            "tp_rank": ps.tp_rank, "links": links}
+            "tp_rank": ps.tp_rank, "links": links, "largest_message": largest}
 
 
 def _zero_grads(grads: list[dict], zero_opt, stepped, names: dict) -> None:
@@ -208,7 +216,13 @@ def test_schedules_train_alike_at_pp2():
 def test_schedules_train_alike_with_tp2_and_sequence_parallelism():
     layouts = [(1, "1f1b", 1, False), (2, "interleaved", 2, False), (2, "interleaved", 2, True),
                (2, "dualpipev", 1, True)]
-    _check_alike(run_distributed(_worker, 4, 2, layouts, timeout=900), layouts, 2)
+    ranks = run_distributed(_worker, 4, 2, layouts, timeout=900)
+    _check_alike(ranks, layouts, 2)
+    # stage-to-stage messages per TP rank: half the [b, s, h] = [2, 16, 32] activation (and its gradient), by
+    # Megatron's scatter/gather without sequence parallelism (training.parallel.pipe_scatter), by the sequence
+    # chunk with it
+    for layout in layouts[1:3]:
+        assert all(r[layout]["largest_message"] == {"activation": 512, "gradient": 512} for r in ranks), layout
 
 
 def _guarded_interleaved(rank: int, world: int) -> dict:

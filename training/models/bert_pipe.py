@@ -50,6 +50,7 @@ from training.parallel.mappings import (
     scatter_to_sequence_parallel_region,
     split_sequence,
 )
+from training.parallel.pipe_scatter import scatter_group
 from training.parallel.state import ParallelState
 
 Stage = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (hidden, padding_mask int64, loss_mask int64)
@@ -177,8 +178,8 @@ def build_bert_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed
              LayerSpec(BertHeadsPipe, cfg, padded_vocab, group, seed, sequence_parallel=sp),
              TiedLayerSpec(*embed, sequence_parallel=sp, forward_fn=mlm_logits,
                            tied_weight_attr="word_embeddings.weight")]
-    return schedule_module(schedule, virtual_pipeline, layers=specs, topology=ps.topology, loss_fn=loss_fn,
-                           partition_method="type:BertLayerPipe",
+    return schedule_module(schedule, virtual_pipeline, scatter_group(group, sp), layers=specs, topology=ps.topology,
+                           loss_fn=loss_fn, partition_method="type:BertLayerPipe",
                            activation_checkpoint_interval=1 if cfg.recompute == "full" else 0,
                            activation_checkpoint_func=tp_random.checkpoint, checkpointable_layers=["BertLayerPipe"])
 

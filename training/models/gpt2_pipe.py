@@ -36,6 +36,7 @@ from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.layers import VocabParallelEmbedding, column_parallel_linear
 from training.parallel.mappings import group_size, scatter_to_sequence_parallel_region
+from training.parallel.pipe_scatter import scatter_group
 from training.parallel.state import ParallelState
 
 
@@ -133,7 +134,7 @@ def build_gpt2_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed
     kwargs = dict(layers=specs, topology=ps.topology, loss_fn=loss_fn, partition_method="type:TransformerLayer",
                   activation_checkpoint_interval=1 if cfg.recompute == "full" else 0,
                   activation_checkpoint_func=tp_random.checkpoint, checkpointable_layers=["TransformerLayer"])
-    return schedule_module(schedule, virtual_pipeline, **kwargs)
+    return schedule_module(schedule, virtual_pipeline, scatter_group(group, sp), **kwargs)
 
 
 def pipe_layer_names(num_layers: int, untied: bool = False) -> dict[int, str]:
