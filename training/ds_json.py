@@ -54,8 +54,8 @@ def deepspeed_config(cfg: Config, dp: int, dtype: str, from_universal: bool = Fa
     if cfg.parallel.pipeline > 1 and (cfg.parallel.sequence_parallel or cfg.parallel.pipeline_schedule != "1f1b"):
         # DeepSpeed's pipeline sends 1/tensor of each activation per TP rank and all-gathers it on arrival,
         # which assumes activations alike on every TP rank; with sequence parallelism each rank sends its own
-        # sequence chunk whole (already 1/tensor of the activation). The interleaved and DualPipeV engines send
-        # whole tensors (DualPipeV refuses the partitioned sends)
+        # sequence chunk whole (already 1/tensor of the activation). The interleaved engine scatters and gathers
+        # by itself (training.parallel.pipe_scatter); DualPipeV sends whole tensors (it refuses partitioned sends)
         ds["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if from_universal:
         ds["checkpoint"] = {"load_universal": True}

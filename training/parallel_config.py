@@ -100,7 +100,8 @@ def validate_universal_load(source: str | None, init_from: str | None, p: Parall
 def validate_pipeline_schedule(p: ParallelConfig, m: ModelConfig) -> None:
     """The schedule's own rules (docs/pipeline.md), each refusal one line: interleaving needs PP >= 2, v >= 2
     dividing each rank's layers and micro-batches (gradient accumulation steps) in multiples of PP (Megatron-LM
-    2021); DualPipeV two stages per rank and at least 2 x PP micro-batches; neither runs ZeRO-1 or BERT yet."""
+    2021); DualPipeV two stages per rank and at least 2 x PP micro-batches (ZeRO-0 and 1 run under every schedule:
+    :func:`validate_zero`)."""
     sched, v, pp = p.pipeline_schedule, p.virtual_pipeline, p.pipeline
     if v < 1:
         raise ConfigError(f"parallel.virtual_pipeline must be >= 1, got {v}")
@@ -120,12 +121,6 @@ def validate_pipeline_schedule(p: ParallelConfig, m: ModelConfig) -> None:
         raise ConfigError(f"model.num_layers={m.num_layers} does not split into {stages} equal groups (parallel."
                           f"pipeline={pp} x {'2 stages per rank' if sched == 'dualpipev' else f'virtual_pipeline={v}'}"
                           f"): choose a layer count that is a multiple of {stages}")
-    if m.arch == "bert":
-        raise ConfigError(f"parallel.pipeline_schedule={sched} with model.arch=bert: the new schedules build GPT "
-                          f"stages only; set parallel.pipeline_schedule=1f1b")
-    if p.zero_stage != 0:
-        raise ConfigError(f"parallel.pipeline_schedule={sched} with parallel.zero_stage={p.zero_stage}: only "
-                          f"ZeRO-0 is supported with this schedule; set parallel.zero_stage=0 or the schedule 1f1b")
 
 
 def validate_context(p: ParallelConfig, m: ModelConfig, document_options: list[str]) -> None:

@@ -34,6 +34,7 @@ from training.models.compile_layers import compile_layers
 from training.optim.adamw import build_optimizer
 from training.optim.engine import Engine, build_engine
 from training.optim.outcome import StepOutcome
+from training.optim.pipe_bubble import bubble_metrics, gather_stage_fractions
 from training.parallel.state import ParallelState
 from training.plan.accounting import flops_per_iteration
 from training.plan.recompute import RecomputeChoice
@@ -285,15 +286,21 @@ class Trainer:
     def read_metrics(self, m: dict) -> dict:
         """The step's device values as Python numbers, in one device-to-host read: the loss averaged over DP
         replicas (a collective: every rank calls this for the same step), its parts, the gradient norm, bf16's
-        device-side skip (``m`` must then be the latest step's); and the timing since the last read. Raises
+        device-side skip (``m`` must then be the latest step's), under pipeline parallelism every stage's bubble
+        (``pipeline_bubble``: gathered over the pipeline, collective); and the timing since the last read. Raises
         :class:`TrainingAborted` for a non-finite loss on an applied step (fp32/bf16 have no loss scaling to
         skip it) or too many skipped steps in a row."""
         on_device = {k: v for k, v in m.items() if isinstance(v, torch.Tensor)}
         device_skip = isinstance(m["step_applied"], torch.Tensor)
         if device_skip:  # the longest run of skipped steps since the last read
             on_device["consecutive_skipped"] = self.engine.last_outcome.longest_skip_run
+        parts = [self._stack(on_device)] if on_device else []
+        if self.pipe:  # every stage's bubble, gathered on the device and read with the metrics: one read
+            parts.append(gather_stage_fractions(self.engine.comm_timer, self.ps.pp_group, self.ps.dims.pp,
+                                                tdev.module_device(self.engine)))
+        values = torch.cat(parts).tolist() if parts else []
         if on_device:
-            read = dict(zip(on_device, self._stack(on_device).tolist()))
+            read = dict(zip(on_device, values))
             consecutive = int(read.pop("consecutive_skipped", 0))
             m = {**m, **read}
         if device_skip:
@@ -311,24 +318,12 @@ class Trainer:
                   "mfu": tflops / self.peak if self.peak else None, "step_time_s": elapsed,
                   "memory_gib": tdev.peak_memory_gib(tdev.module_device(self.engine))})  # this rank's peak so far
         if self.pipe:
-            m.update(self._pipeline_bubble())
+            m.update(bubble_metrics(values[len(on_device):]))
         loss = m["loss"]
         if not math.isfinite(loss) and m["step_applied"]:
             raise TrainingAborted(f"iteration {m['iteration']}: loss is {loss} but the step was applied (no loss "
                                   f"scaling in {self.dtype}); lower optimizer.lr or check the data")
         return m
-
-    def _pipeline_bubble(self) -> dict:
-        """``pipeline_bubble``: the fraction of the step wall time the stages waited on pipeline communication since
-        the last read, the mean over this pipeline's stages, and each stage's (``pipeline_bubble_stages``, first to
-        last); one gather over the pipeline group (collective: a read step's)."""
-        mine = self.engine.comm_timer.read()
-        t = torch.tensor([math.nan if mine is None else mine], dtype=torch.float64,
-                         device=tdev.module_device(self.engine))
-        stages = [torch.empty_like(t) for _ in range(self.ps.dims.pp)]
-        dist.all_gather(stages, t, group=self.ps.pp_group)
-        per_stage = torch.cat(stages).tolist()
-        return {"pipeline_bubble": sum(per_stage) / len(per_stage), "pipeline_bubble_stages": per_stage}
 
     @torch.no_grad()
     def evaluate(self) -> float | None:

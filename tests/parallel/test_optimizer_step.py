@@ -221,7 +221,7 @@ def _loop_worker(rank, world, spec, tmp, dtype):
     from benchmarks.host_work import HostWork
 
     extra = {"train.iters": 7, "train.log_interval": 3, "train.eval_interval": 0, "train.save_interval": 0,
-             "optimizer.warmup_iters": 0}
+             "optimizer.warmup_iters": 0, "parallel.pipeline": world}
     t = _trainer(spec, f"{tmp}/{dtype}-loop", 2, dtype, **extra)
     reads = []
     inner = t.train_step
@@ -235,23 +235,29 @@ def _loop_worker(rank, world, spec, tmp, dtype):
     t.train_step = counted
     t.train()
     lines = (Path(tmp) / f"{dtype}-loop" / "metrics.jsonl").read_text().splitlines()
-    logged = [(r["iteration"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines) if "event" not in r]
+    rows = [r for r in map(json.loads, lines) if "event" not in r]
     ref = _trainer(spec, f"{tmp}/{dtype}-ref", 2, dtype, **extra)  # the same run, read every step
     every = [ref.train_step(read=True) for _ in range(7)]
-    return reads, logged, [(m["iteration"], m["loss"], m["grad_norm"]) for m in every]
+    return (reads, [(r["iteration"], r["loss"], r["grad_norm"]) for r in rows],
+            [(m["iteration"], m["loss"], m["grad_norm"]) for m in every], [r.get("pipeline_bubble_stages") for r in rows])
 
 
 @needs_corpus
-@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
-def test_train_reads_the_host_on_log_steps_only(spm_model, tmp_path, dtype):
+@pytest.mark.parametrize("dtype, pp", [("fp16", 1), ("bf16", 1), ("fp32", 1), ("fp16", 2)])
+def test_train_reads_the_host_on_log_steps_only(spm_model, tmp_path, dtype, pp):
     """Trainer.train() with log_interval=3 over 7 steps: steps 3, 6 (log) and 7 (the last) read their metrics in
     one host read; the others read nothing. The logged loss and gradient norm are
-    exactly those of the same run read on every step."""
-    reads, logged, every = run_distributed(_loop_worker, 1, spm_model, str(tmp_path), dtype)[0]
+    exactly those of the same run read on every step. PP=2 (fp16, the pipeline engine's train_batch): the same one
+    read, every stage's pipeline bubble gathered on the device and read with the metrics (it was a second read)."""
+    reads, logged, every, bubbles = run_distributed(_loop_worker, pp, spm_model, str(tmp_path), dtype)[0]
     lazy = 0
     assert reads == [(False, lazy), (False, lazy), (True, 1), (False, lazy), (False, lazy), (True, 1), (True, 1)]
     assert logged == [every[i] for i in (2, 5, 6)]
     assert all(math.isfinite(loss) for _, loss, _ in logged)
+    if pp > 1:  # the bubble still logged, each stage's
+        assert all(len(b) == pp and all(0.0 < f < 1.0 for f in b) for b in bubbles), bubbles
+    else:
+        assert bubbles == [None] * 3
 
 
 def _trajectory_worker(rank, world, spec, tmp, dtype, overflow_at, steps, extra):

@@ -7,10 +7,12 @@ interleaved with v=2 (one layer per chunk, the wraparound rank 1 -> rank 0 in us
 stream on its own two-rank group, training.optim.pipe_channels) and PP=2 DualPipeV, each for
 three steps of four micro-batches and one evaluation batch. Losses (the evaluation's too), every gradient before
 each step (per tensor, by GPTModel name, the tied embedding included; the key third of the QKV bias aside, see
-``_comparable``) and the weights after the last step (over the whole model, see ``_model_gap``) agree within 1e-6
-relative, for GPT-2 and the Llama shape (RoPE, RMSNorm, SwiGLU, GQA, untied output layer, no biases); PP=2 1F1B
-and interleaved in fp16 give the same losses. A 4-rank launch does the same at TP=2:
-interleaved with and without sequence parallelism and DualPipeV with it, against TP=2 at PP=1. Stopped
+``tests.helpers.parity.comparable``) and the weights after the last step (over the whole model, see
+``tests.helpers.parity.model_gap``) agree within 1e-6 relative, for GPT-2 and the Llama shape (RoPE, RMSNorm,
+SwiGLU, GQA, untied output layer, no biases), and for GPT-2 interleaved and DualPipeV under ZeRO-1 (DeepSpeed's
+ZeRO optimizer step); PP=2 1F1B and interleaved in fp16 give the same losses. A 4-rank launch does the same at TP=2:
+interleaved with and without sequence parallelism and DualPipeV with it, against TP=2 at PP=1; interleaved sends
+each TP rank's half of every activation and gradient (Megatron's scatter/gather without sequence parallelism). Stopped
 interleaved and DualPipeV runs resume bitwise through the trainer's checkpoints; the interleaved checkpoint is
 refused in one line under another schedule, and converted by the reshard tool to DualPipeV it resumes with the
 interleaved run's losses. Under emulated CUDA (DeepSpeed's accelerator claiming cuda:rank) every interleaved send
@@ -25,6 +27,7 @@ import torch
 import yaml
 
 from tests.helpers.distributed import run_distributed
+from tests.helpers.parity import model_gap, rel_gap
 from tests.helpers.training_runs import ROOT, needs_corpus, resume_worker, tiny_overrides, train_stages
 
 VOCAB, STEPS, GAS = 128, 3, 4
@@ -32,6 +35,9 @@ SCHEDULES = [(1, "1f1b", 1), (2, "1f1b", 1), (2, "interleaved", 2), (2, "dualpip
 FP16 = [(2, "1f1b", 1, False, "fp16"), (2, "interleaved", 2, False, "fp16")]
 LLAMA = [(1, "1f1b", 1, False, "fp32", "llama"), (2, "interleaved", 2, False, "fp32", "llama"),
          (2, "dualpipev", 1, False, "fp32", "llama")]
+# ZeRO-1 (DeepSpeed's ZeRO optimizer: its flat fp32 groups, reduction and step) under the new schedules, against
+# PP=1 at ZeRO-0; one data-parallel replica, so its gradients can be named (_zero_grads)
+ZERO1 = [SCHEDULES[0], (2, "interleaved", 2, False, "fp32", "gpt2", 1), (2, "dualpipev", 1, False, "fp32", "gpt2", 1)]
 
 
 def _model_cfg(name: str):
@@ -46,7 +52,7 @@ def _model_cfg(name: str):
 
 
 def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str = "fp32",
-           model_name: str = "gpt2") -> dict:
+           model_name: str = "gpt2", zero: int = 0) -> dict:
     from training.checkpoint_reader import PipeNames, canonical_name
     from training.config import Config
     from training.ds_json import deepspeed_config
@@ -63,6 +69,7 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str
     cfg.model = _model_cfg(model_name)
     cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.sequence_parallel = tp, pp, sp
     cfg.parallel.pipeline_schedule, cfg.parallel.virtual_pipeline = schedule, v
+    cfg.parallel.zero_stage = zero
     ps = ParallelState(tp=tp, pp=pp)
     dp = ps.dims.dp
     cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.iters = 2, 2 * GAS * dp, STEPS
@@ -77,6 +84,12 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str
     opt, sched = build_optimizer(model, cfg.optimizer, STEPS)
     engine = build_engine(model, opt, sched, deepspeed_config(cfg, dp, dtype), ps)
 
+    sizes = []  # the interleaved engine's messages: (link kind, elements), seen on their way to the channels
+    channels = getattr(engine, "channels", None)
+    if channels is not None:
+        post = channels.isend
+        channels.isend = lambda t, link: (sizes.append((link.kind, t.numel())), post(t, link))[1]
+
     def name(n):
         return canonical_name(n, PipeNames.of(cfg.model)) if pp > 1 else n
 
@@ -85,10 +98,13 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str
     names = {id(p): name(n) for n, p in engine.module.named_parameters()
              if not getattr(p, "ds_pipe_replicated", False)}
     grads: list[dict] = []
-    hooked = engine.optimizer if dtype == "fp32" else engine.optimizer.optimizer  # fp16: the wrapped AdamW
-    hooked.register_step_pre_hook(lambda o, *_: grads.append(
-        {names[id(p)]: p.grad.detach().clone() for grp in o.param_groups for p in grp["params"]
-         if p.grad is not None and id(p) in names}))
+    hooked = engine.optimizer if dtype == "fp32" and not zero else engine.optimizer.optimizer  # the wrapped AdamW
+    if zero:  # ZeRO-1 at one data-parallel replica: AdamW steps each whole flat fp32 group, cut back into tensors
+        hooked.register_step_pre_hook(lambda o, *_: _zero_grads(grads, engine.optimizer, o, names))
+    else:
+        hooked.register_step_pre_hook(lambda o, *_: grads.append(
+            {names[id(p)]: p.grad.detach().clone() for grp in o.param_groups for p in grp["params"]
+             if p.grad is not None and id(p) in names}))
     # the same batches on every replica and every step (the loss falls)
     gen = torch.Generator().manual_seed(100)
     seqs = torch.randint(0, VOCAB, (GAS, 2, cfg.model.seq_length + 1), generator=gen)
@@ -112,10 +128,28 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str
             engine.eval()
             valid = sum(float(engine(t, lab).mean()) for t, lab in batches) / GAS
     weights = {names[id(p)]: p.detach().clone() for p in engine.module.parameters() if id(p) in names}
-    channels = getattr(engine, "channels", None)  # the interleaved engine's untagged p2p groups, one per link
+    # the interleaved engine's untagged p2p groups, one per link
     links = {(lk.kind, lk.sender, lk.receiver): (g.size(), id(g)) for lk, g in channels.groups.items()} if channels else None
+    largest = {kind: max((n for k, n in sizes if k == kind), default=0) for kind in ("activation", "gradient")}
     return {"losses": losses, "valid": valid, "grads": grads, "weights": weights, "engine": type(engine).__name__,
-            "tp_rank": ps.tp_rank, "links": links}
+            "tp_rank": ps.tp_rank, "links": links, "largest_message": largest}
+
+
+def _zero_grads(grads: list[dict], zero_opt, stepped, names: dict) -> None:
+    """The gradients DeepSpeed's ZeRO-1 optimizer steps with, by name, into ``grads`` (one dict per step): it steps
+    its wrapped optimizer once per parameter group (``stepped``: that group alone), whose fp32 partition (the whole
+    flat group at one data-parallel replica, in DeepSpeed's flattening order) is cut back into tensors."""
+    (part,) = stepped.param_groups[0]["params"]
+    i = [id(q) for q in zero_opt.single_partition_of_fp32_groups].index(id(part))
+    params = zero_opt.round_robin_bit16_groups[i]
+    assert part.numel() >= sum(p.numel() for p in params), "one replica holds the whole group"
+    if i == 0:
+        grads.append({})
+    at = 0
+    for p in params:
+        if id(p) in names:
+            grads[-1][names[id(p)]] = part.grad[at:at + p.numel()].view_as(p).clone()
+        at += p.numel()
 
 
 def _worker(rank: int, world: int, tp: int, layouts) -> dict:
@@ -138,30 +172,6 @@ def _merged(ranks, layout, key, tp_rank=0):
     return steps
 
 
-def _comparable(name: str, t: torch.Tensor) -> torch.Tensor:
-    """``t`` without the key part of the fused QKV bias ([Q; K; V] per rank): softmax does not see a key bias, so
-    its gradient is rounding noise that Adam turns into full-size updates of either sign in every run."""
-    if not name.endswith("attn.qkv.bias"):
-        return t
-    third = t.numel() // 3
-    return torch.cat([t[:third], t[2 * third:]])
-
-
-def _rel_gap(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max(((_comparable(n, a[n]) - _comparable(n, b[n])).norm() / _comparable(n, b[n]).norm().clamp_min(1e-30)
-                ).item() for n in a)
-
-
-def _model_gap(a: dict, b: dict) -> float:
-    """||a - b|| / ||b|| over every (comparable) weight of the model: the updated weights. Per tensor, Adam turns
-    rounding-level differences of near-zero gradients (the small biases) into larger relative ones (the QKV bias's
-    reaches 1.3e-6 under sequence parallelism, 1e-8 in absolute terms)."""
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    diff = sum((_comparable(n, a[n]) - _comparable(n, b[n])).norm() ** 2 for n in a)
-    return (diff / sum(_comparable(n, b[n]).norm() ** 2 for n in a)).sqrt().item()
-
-
 def _loss_gap(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
@@ -175,9 +185,9 @@ def _check_alike(ranks, layouts, tp):
     for layout in layouts[1:]:
         loss_gap = _loss_gap(ranks[0][layout]["losses"] + [ranks[0][layout]["valid"]],
                              ranks[0][ref]["losses"] + [ranks[0][ref]["valid"]])
-        grad_gap = max(_rel_gap(g, r) for t in range(tp)
+        grad_gap = max(rel_gap(g, r) for t in range(tp)
                        for g, r in zip(_merged(ranks, layout, "grads", t), _merged(ranks, ref, "grads", t)))
-        weight_gap = max(_model_gap(_merged(ranks, layout, "weights", t)[0], _merged(ranks, ref, "weights", t)[0])
+        weight_gap = max(model_gap(_merged(ranks, layout, "weights", t)[0], _merged(ranks, ref, "weights", t)[0])
                          for t in range(tp))
         gaps[layout] = (loss_gap, grad_gap, weight_gap)
         assert all(r[layout]["losses"] == ranks[0][layout]["losses"] for r in ranks)  # every stage reports the loss
@@ -188,7 +198,7 @@ def _check_alike(ranks, layouts, tp):
 
 
 def test_schedules_train_alike_at_pp2():
-    ranks = run_distributed(_worker, 2, 1, SCHEDULES + FP16 + LLAMA, timeout=600)
+    ranks = run_distributed(_worker, 2, 1, SCHEDULES + FP16 + LLAMA + ZERO1[1:], timeout=600)
     assert ranks[0][SCHEDULES[2]]["engine"] == "InterleavedPipeEngine"
     assert ranks[0][SCHEDULES[3]]["engine"] == "DualPipeEngine"
     # p = 2: the four streams between the one pair of ranks are four two-rank groups (pipe_channels), no tags
@@ -197,6 +207,8 @@ def test_schedules_train_alike_at_pp2():
     assert {size for size, _ in links.values()} == {2} and len({g for _, g in links.values()}) == 4
     _check_alike(ranks, SCHEDULES, 1)
     _check_alike(ranks, LLAMA, 1)
+    assert [ranks[0][z]["engine"] for z in ZERO1[1:]] == ["InterleavedPipeEngine", "DualPipeEngine"]
+    _check_alike(ranks, ZERO1, 1)
     # fp16 (the project's MixedPrecisionStep, the loss scale decided on the device): interleaving changes no number
     assert ranks[0][FP16[1]]["losses"] == ranks[0][FP16[0]]["losses"], [ranks[0][x]["losses"] for x in FP16]
 
@@ -204,7 +216,13 @@ def test_schedules_train_alike_at_pp2():
 def test_schedules_train_alike_with_tp2_and_sequence_parallelism():
     layouts = [(1, "1f1b", 1, False), (2, "interleaved", 2, False), (2, "interleaved", 2, True),
                (2, "dualpipev", 1, True)]
-    _check_alike(run_distributed(_worker, 4, 2, layouts, timeout=900), layouts, 2)
+    ranks = run_distributed(_worker, 4, 2, layouts, timeout=900)
+    _check_alike(ranks, layouts, 2)
+    # stage-to-stage messages per TP rank: half the [b, s, h] = [2, 16, 32] activation (and its gradient), by
+    # Megatron's scatter/gather without sequence parallelism (training.parallel.pipe_scatter), by the sequence
+    # chunk with it
+    for layout in layouts[1:3]:
+        assert all(r[layout]["largest_message"] == {"activation": 512, "gradient": 512} for r in ranks), layout
 
 
 def _guarded_interleaved(rank: int, world: int) -> dict:

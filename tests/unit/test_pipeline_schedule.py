@@ -42,10 +42,10 @@ def _cfg(**parallel) -> Config:
     (dict(pipeline=2, pipeline_schedule="interleaved", virtual_pipeline=0), "virtual_pipeline must be >= 1"),
     (dict(layers=6, pipeline=2, pipeline_schedule="interleaved", virtual_pipeline=2), "4 equal groups"),
     (dict(layers=6, pipeline=2, pipeline_schedule="dualpipev"), "2 stages per rank"),
-    (dict(pipeline=2, pipeline_schedule="interleaved", virtual_pipeline=2, zero_stage=1), "zero_stage=0"),
-    (dict(pipeline=2, pipeline_schedule="dualpipev", zero_stage=1), "zero_stage=0"),
-    # (refused as pipeline-parallel BERT while that is GPT-only; by the schedule's own rule where BERT pipelines)
-    (dict(pipeline=2, pipeline_schedule="dualpipev", arch="bert"), "bert"),
+    # ZeRO-2/3 with any pipeline (DeepSpeed's pipeline engine runs stages 0-1)
+    (dict(pipeline=2, pipeline_schedule="interleaved", virtual_pipeline=2, zero_stage=2), "zero_stage=1"),
+    # BERT under the schedule's own rules (it runs every schedule)
+    (dict(layers=6, pipeline=2, pipeline_schedule="dualpipev", arch="bert"), "2 stages per rank"),
 ])
 def test_bad_schedules_are_refused_in_one_line(parallel, words):
     with pytest.raises(ConfigError) as e:
@@ -58,6 +58,9 @@ def test_micro_batch_rules():
     dual = _cfg(pipeline=2, pipeline_schedule="dualpipev")
     validate_static(inter)
     validate_static(dual)
+    for sched, v in (("interleaved", 2), ("dualpipev", 1)):  # BERT and ZeRO-1 run the new schedules
+        validate_static(_cfg(arch="bert", pipeline=2, pipeline_schedule=sched, virtual_pipeline=v))
+        validate_static(_cfg(pipeline=2, pipeline_schedule=sched, virtual_pipeline=v, zero_stage=1))
     check_micro_batches(inter.parallel, 4)
     check_micro_batches(dual.parallel, 4)
     with pytest.raises(ConfigError, match="multiple of parallel.pipeline=2"):

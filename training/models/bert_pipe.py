@@ -22,6 +22,11 @@ attention of every layer needs; the loss mask lets the last stage run the MLM he
 The last stage reads its labels from the loader's second element, ``(lm_labels, loss_mask, sop_labels)``; the loss
 is :func:`training.models.bert.bert_loss` (MLM mean over the masked tokens + sentence-order cross-entropy), the
 PP=1 loss. Sequence parallelism as in ``BertModel``: the stages send their sequence chunk; the heads gather it.
+
+Every schedule runs these stages (``parallel.pipeline_schedule``): under interleaved 1F1B each chunk, the
+wraparound rank p-1 -> rank 0 included, passes the same tuple on (the interleaved engine sends int64 tensors
+without a gradient, as DeepSpeed's does); under DualPipeV the first and last stage, both on rank 0, share the tied
+embedding as one module and the heads compute the loss there.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from torch import nn
 from training.models.bert import BertLayer, BertLMHead, attention_mask, bert_loss
 from training.models.blocks import embedding_dropout, mark_norm_sequence_parallel, normal_init
 from training.models.config import ModelConfig
+from training.models.pipe_chunks import schedule_module
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.layers import VocabParallelEmbedding, mark_sequence_parallel
@@ -44,6 +50,7 @@ from training.parallel.mappings import (
     scatter_to_sequence_parallel_region,
     split_sequence,
 )
+from training.parallel.pipe_scatter import scatter_group
 from training.parallel.state import ParallelState
 
 Stage = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (hidden, padding_mask int64, loss_mask int64)
@@ -151,7 +158,10 @@ def pipe_batch(batch: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...]
 
 
 def build_bert_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed: int,
-                    sequence_parallel: bool = False) -> PipelineModule:
+                    sequence_parallel: bool = False, schedule: str = "1f1b",
+                    virtual_pipeline: int = 1) -> PipelineModule:
+    """The stages for ``schedule`` (:func:`~training.models.pipe_chunks.schedule_module`: '1f1b', 'interleaved'
+    with ``virtual_pipeline`` chunks per rank, 'dualpipev'); every chunk or phase passes the stage tuple on."""
     group, sp = ps.tp_group, sequence_parallel
 
     def loss_fn(outputs, labels):
@@ -168,11 +178,10 @@ def build_bert_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed
              LayerSpec(BertHeadsPipe, cfg, padded_vocab, group, seed, sequence_parallel=sp),
              TiedLayerSpec(*embed, sequence_parallel=sp, forward_fn=mlm_logits,
                            tied_weight_attr="word_embeddings.weight")]
-    return PipelineModule(layers=specs, topology=ps.topology, loss_fn=loss_fn,
-                          partition_method="type:BertLayerPipe",
-                          activation_checkpoint_interval=1 if cfg.recompute == "full" else 0,
-                          activation_checkpoint_func=tp_random.checkpoint,
-                          checkpointable_layers=["BertLayerPipe"])
+    return schedule_module(schedule, virtual_pipeline, scatter_group(group, sp), layers=specs, topology=ps.topology,
+                           loss_fn=loss_fn, partition_method="type:BertLayerPipe",
+                           activation_checkpoint_interval=1 if cfg.recompute == "full" else 0,
+                           activation_checkpoint_func=tp_random.checkpoint, checkpointable_layers=["BertLayerPipe"])
 
 
 def bert_model_name(pipe_name: str, num_layers: int) -> str | None:

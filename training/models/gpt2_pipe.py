@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from torch import nn
 
 from training.models.blocks import (
@@ -32,11 +31,12 @@ from training.models.blocks import (
 )
 from training.models.config import ModelConfig
 from training.models.gpt2 import output_layer
-from training.models.pipe_chunks import InterleavedPipeModule
+from training.models.pipe_chunks import schedule_module
 from training.parallel import random as tp_random
 from training.parallel.cross_entropy import vocab_parallel_cross_entropy
 from training.parallel.layers import VocabParallelEmbedding, column_parallel_linear
 from training.parallel.mappings import group_size, scatter_to_sequence_parallel_region
+from training.parallel.pipe_scatter import scatter_group
 from training.parallel.state import ParallelState
 
 
@@ -109,9 +109,8 @@ class OutputLayerPipe(nn.Module):
 def build_gpt2_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed: int,
                     sequence_parallel: bool = False, schedule: str = "1f1b",
                     virtual_pipeline: int = 1) -> PipelineModule:
-    """The stages for ``schedule``: '1f1b' DeepSpeed's ``PipelineModule`` (one stage per rank), 'interleaved'
-    :class:`~training.models.pipe_chunks.InterleavedPipeModule` (``virtual_pipeline`` chunks per rank),
-    'dualpipev' DeepSpeed's ``DualPipeVModule`` (stages r and 2p-1-r on rank r)."""
+    """The stages for ``schedule`` (:func:`~training.models.pipe_chunks.schedule_module`: '1f1b', 'interleaved'
+    with ``virtual_pipeline`` chunks per rank, 'dualpipev')."""
     group, sp = ps.tp_group, sequence_parallel
 
     def loss_fn(logits, labels):
@@ -135,9 +134,7 @@ def build_gpt2_pipe(cfg: ModelConfig, padded_vocab: int, ps: ParallelState, seed
     kwargs = dict(layers=specs, topology=ps.topology, loss_fn=loss_fn, partition_method="type:TransformerLayer",
                   activation_checkpoint_interval=1 if cfg.recompute == "full" else 0,
                   activation_checkpoint_func=tp_random.checkpoint, checkpointable_layers=["TransformerLayer"])
-    if schedule == "interleaved":
-        return InterleavedPipeModule(virtual_pipeline=virtual_pipeline, **kwargs)
-    return (DualPipeVModule if schedule == "dualpipev" else PipelineModule)(**kwargs)
+    return schedule_module(schedule, virtual_pipeline, scatter_group(group, sp), **kwargs)
 
 
 def pipe_layer_names(num_layers: int, untied: bool = False) -> dict[int, str]:

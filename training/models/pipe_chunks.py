@@ -4,7 +4,9 @@
 (p pipeline ranks, v = ``virtual_pipeline`` chunks per rank); rank r builds stages r, r + p, ..., r + (v-1) p, as
 Megatron assigns them (its ``model[k]`` on rank r is stage r + k p). Only one chunk is exposed through
 ``forward()`` at a time (:meth:`activate_chunk`), the way DeepSpeed's ``DualPipeVModule`` exposes one of its two
-phases; the engine and schedule that run it are :mod:`training.optim.pipe_interleaved`.
+phases; the engine and schedule that run it are :mod:`training.optim.pipe_interleaved`. :func:`schedule_module` builds
+a model's layer list (GPT's, :mod:`training.models.gpt2_pipe`; BERT's, :mod:`training.models.bert_pipe`) as the
+module of the configured schedule.
 
 A micro-batch flows rank 0 chunk 0 -> rank 1 chunk 0 -> ... -> rank p-1 chunk 0 -> rank 0 chunk 1 (the
 wraparound) -> ... -> rank p-1 chunk v-1, which computes the loss. Layers keep their global index as their
@@ -14,6 +16,8 @@ ranks, and the engine all-reduces the tied gradient over it before the step (Meg
 """
 from __future__ import annotations
 
+import torch.distributed as dist
+from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 from deepspeed.runtime.pipe.module import PipelineModule
 
 
@@ -21,12 +25,14 @@ class InterleavedPipeModule(PipelineModule):
     """A ``PipelineModule`` holding ``virtual_pipeline`` chunks on each pipeline rank (see the module docstring).
 
     ``chunk_bounds[k]`` is chunk k's [start, stop) in the global layer list; ``active_chunk`` the chunk that
-    ``forward()`` runs."""
+    ``forward()`` runs; ``scatter_group`` the TP group the engine sends stage-to-stage tensors in 1/t pieces over
+    (:func:`training.parallel.pipe_scatter.scatter_group`: without sequence parallelism; None sends them whole)."""
 
-    def __init__(self, *args, virtual_pipeline: int, **kwargs):
+    def __init__(self, *args, virtual_pipeline: int, scatter_group: dist.ProcessGroup | None = None, **kwargs):
         # read by _partition_layers, which PipelineModule.__init__ calls before anything else is set
         self.__dict__["virtual_pipeline"] = virtual_pipeline
         super().__init__(*args, **kwargs)
+        self.scatter_group = scatter_group
 
     def _partition_layers(self, method="uniform"):
         self.pipe_ranks = self.num_stages
@@ -76,3 +82,15 @@ class InterleavedPipeModule(PipelineModule):
 
     def compile(self, *args, **kwargs):
         self._each_chunk(super().compile, *args, **kwargs)
+
+
+def schedule_module(schedule: str, virtual_pipeline: int = 1, scatter_group: dist.ProcessGroup | None = None,
+                    **kwargs) -> PipelineModule:
+    """The stages of ``PipelineModule(**kwargs)`` for ``schedule`` (``parallel.pipeline_schedule``): '1f1b'
+    DeepSpeed's ``PipelineModule`` (one stage per rank), 'interleaved' :class:`InterleavedPipeModule`
+    (``virtual_pipeline`` chunks per rank), 'dualpipev' DeepSpeed's ``DualPipeVModule`` (stages r and 2p-1-r on
+    rank r, the tied embedding one module on rank 0). ``scatter_group``: the interleaved engine's scatter/gather
+    group (1F1B has DeepSpeed's own, ``pipeline.pipe_partitioned``; DualPipeV sends whole tensors)."""
+    if schedule == "interleaved":
+        return InterleavedPipeModule(virtual_pipeline=virtual_pipeline, scatter_group=scatter_group, **kwargs)
+    return (DualPipeVModule if schedule == "dualpipev" else PipelineModule)(**kwargs)

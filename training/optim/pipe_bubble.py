@@ -16,7 +16,8 @@ host as well (``deepspeed.runtime.pipe.p2p``: blocking ``send``/``recv``). The i
 NCCL (:mod:`training.optim.pipe_channels`) do not: the device waits, the host only posts, so there its waits show up
 in the next host read (the activation metadata, the closing loss broadcast). Nothing here synchronises a device:
 the timer reads ``time.perf_counter`` only, and a reader (the trainer on its log steps) turns the sums into a
-fraction.
+fraction, gathered over the stages on the device (:func:`gather_stage_fractions`) and read with the step's other
+metrics in the log step's one host read.
 
 The fraction reported is ``waited / step wall time`` over the steps since the last read. For p equal stages and
 m micro-batches 1F1B idles each stage for (p - 1) forward+backward slots of m + p - 1, so the expected fraction is
@@ -25,9 +26,12 @@ m micro-batches 1F1B idles each stage for (p - 1) forward+backward slots of m + 
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -67,6 +71,24 @@ class CommTimer:
         fraction = self.waited / self.stepped if self.stepped > 0 else None
         self.waited = self.stepped = 0.0
         return fraction
+
+
+def gather_stage_fractions(timer: CommTimer, group: dist.ProcessGroup | None, stages: int,
+                           device: torch.device) -> torch.Tensor:
+    """Every stage's :meth:`CommTimer.read` (NaN where no step ran since the last read), first to last, as one
+    float64 device tensor [stages]: one all-gather over the pipeline group (collective), no host read, so the reader
+    reads it with the step's other metrics (``Trainer.read_metrics``: one host read per log step)."""
+    mine = timer.read()
+    t = torch.tensor([math.nan if mine is None else mine], dtype=torch.float64, device=device)
+    per_stage = [torch.empty_like(t) for _ in range(stages)]
+    dist.all_gather(per_stage, t, group=group)
+    return torch.cat(per_stage)
+
+
+def bubble_metrics(per_stage: list[float]) -> dict:
+    """``pipeline_bubble`` (the mean over the stages) and ``pipeline_bubble_stages`` (each stage's, first to last)
+    from the read values of :func:`gather_stage_fractions`."""
+    return {"pipeline_bubble": sum(per_stage) / len(per_stage), "pipeline_bubble_stages": per_stage}
 
 
 def bubble_over_ideal(fraction: float) -> float:

@@ -17,7 +17,9 @@ tensor exists and waited at the end of the step; each receive is posted and wait
 needed. No message carries a tag: each message stream (activations or gradients, from one stage to another: the
 wraparound rank p-1 -> rank 0 is its own stream) has its own two-rank process group, and every rank walks its units
 in the same order, so each group's messages arrive in the order they are received. That is what NCCL needs (it
-ignores tags); gloo runs the same code.
+ignores tags); gloo runs the same code. Without sequence parallelism each TP rank sends only its 1/t of every
+activation and gradient and the receiving stage all-gathers them (Megatron's scatter/gather,
+:mod:`training.parallel.pipe_scatter`; the TP group from the module's ``scatter_group``).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from training.optim.pipe_channels import (
     gradient_in,
     gradient_out,
 )
+from training.parallel import pipe_scatter
 
 _INIT = object()  # before the engine's own state: PipelineEngine.__init__'s p2p warm-up asks for the stages
 
@@ -125,6 +128,8 @@ class InterleavedPipelineEngine(PipelineEngine):
         self._meta_sent: set[int] = set()
         # one process group per message stream (pipe_channels), on every rank in the same order
         self.channels = PipeChannels(self.grid.pipe_groups, self.device)
+        # Megatron's scatter/gather: the TP group the stage-to-stage tensors travel in 1/t pieces over (None: whole)
+        self.scatter_group = self.module.scatter_group
         self.pipe_buffers["grads"] = []
         self.pipe_buffers["losses"] = []
 
@@ -163,6 +168,12 @@ class InterleavedPipelineEngine(PipelineEngine):
     def _isend(self, tensor: torch.Tensor, link: Link) -> None:
         tensor = tensor.contiguous()
         self._sends.append((self.channels.isend(tensor, link), tensor))
+
+    def _recv_whole(self, shape, dtype: torch.dtype, link: Link) -> torch.Tensor:
+        """The next tensor of ``shape`` on ``link``: received whole, or as this TP rank's piece and all-gathered
+        (:mod:`training.parallel.pipe_scatter`)."""
+        buf = pipe_scatter.receive_buffer(shape, dtype, self.scatter_group, self.device)
+        return pipe_scatter.whole(self.channels.recv(buf, link), shape, self.scatter_group)
 
     def _exec_commit_p2p(self):
         for work, _ in self._sends:
@@ -226,8 +237,8 @@ class InterleavedPipelineEngine(PipelineEngine):
         if chunk not in self._meta_sent:  # ahead of the chunk's first activation, on the same link
             self._meta_sent.add(chunk)
             self._send_meta(outputs, link)
-        for t in _as_list(outputs):  # several tensors in order on the link
-            self._isend(t.detach(), link)
+        for t in _as_list(outputs):  # several tensors in order on the link (each TP rank's piece: pipe_scatter)
+            self._isend(pipe_scatter.piece(t.detach(), self.scatter_group), link)
         if not torch.is_grad_enabled():
             self.pipe_buffers["outputs"][buffer_id] = None
 
@@ -236,8 +247,7 @@ class InterleavedPipelineEngine(PipelineEngine):
         if chunk not in self._recv_specs:
             self._recv_specs[chunk] = self._recv_meta(link)
         is_tensor, specs = self._recv_specs[chunk]
-        recvd = [self.channels.recv(torch.empty(shape, dtype=dtype, device=self.device), link)
-                 .requires_grad_(dtype.is_floating_point)
+        recvd = [self._recv_whole(shape, dtype, link).requires_grad_(dtype.is_floating_point)
                  for shape, dtype in specs]
         self.pipe_buffers["inputs"][buffer_id] = recvd[0] if is_tensor else tuple(recvd)
 
@@ -247,14 +257,13 @@ class InterleavedPipelineEngine(PipelineEngine):
         for t in _as_list(inputs):
             if t.is_floating_point():
                 assert t.grad is not None
-                self._isend(t.grad, link)
+                self._isend(pipe_scatter.piece(t.grad, self.scatter_group), link)
         self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_recv_grads(self, buffer_id, chunk, micro_batch):
         outputs = self.pipe_buffers["outputs"][buffer_id]
         link, _ = gradient_in(self.stage_id, chunk, self.num_stages)  # from the next hop
-        grads = [self.channels.recv(torch.empty_like(t), link)
-                 for t in _as_list(outputs) if t.is_floating_point()]
+        grads = [self._recv_whole(t.shape, t.dtype, link) for t in _as_list(outputs) if t.is_floating_point()]
         self.pipe_buffers["grads"][buffer_id] = grads[0] if torch.is_tensor(outputs) else grads
 
     _INSTRUCTION_MAP = {

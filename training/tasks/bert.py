@@ -136,9 +136,11 @@ class BertTask(Task):
 
     # ---- model and loss --------------------------------------------------------------------------
     def build_model(self, padded_vocab: int):
-        if self.cfg.parallel.pipeline > 1:
+        par = self.cfg.parallel
+        if par.pipeline > 1:
             return build_bert_pipe(self.cfg.model, padded_vocab, self.ps, seed=self.cfg.train.seed,
-                                   sequence_parallel=self.cfg.parallel.sequence_parallel)
+                                   sequence_parallel=par.sequence_parallel, schedule=par.pipeline_schedule,
+                                   virtual_pipeline=par.virtual_pipeline)
         return BertModel(self.cfg.model, padded_vocab, self.ps.tp_group, seed=self.cfg.train.seed,
                          sequence_parallel=self.cfg.parallel.sequence_parallel)
 
