@@ -28,91 +28,28 @@ import argparse
 import contextlib
 import re
 import types
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers.distributed import SHARED_DATA, run_distributed
-
-GPT2_DIR = Path(SHARED_DATA) / "tokenizers" / "gpt2"
-H, N, L, F, POS, S = 32, 4, 2, 64, 24, 12
-G, ROPE_BASE = 2, 5000  # the Llama shape's key/value groups and RoPE base
-
-
-def _noise(name: str, rank: int, sharded: bool, shape) -> torch.Tensor:
-    seed = zlib.crc32(name.encode()) + (1000 * rank if sharded else 0)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.2
-
-
-def _megatron_model(arch: str, world: int, padded: int):
-    """Megatron-Core's model of ``arch`` at TP=world on the CPU (model parallelism initialised already; see the module
-    docstring for the CPU shims)."""
-    import torch.nn.functional as Fn
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    parallel_state.get_global_memory_buffer = lambda: types.SimpleNamespace(
-        get_tensor=lambda shape, dtype, name, **kw: torch.empty(shape, dtype=dtype))
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    llama = dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=Fn.silu, add_bias_linear=False,
-                 num_query_groups=G, bias_activation_fusion=False) if arch == "llama" else {}
-    cfg = TransformerConfig(**{**dict(num_layers=L, hidden_size=H, num_attention_heads=N, ffn_hidden_size=F,
-                                      use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                                      bias_activation_fusion=True, activation_func=Fn.gelu, layernorm_epsilon=1e-5,
-                                      tensor_model_parallel_size=world), **llama})
-    if arch == "llama":
-        torch.cuda.current_device = lambda: "cpu"  # RoPE's inv_freq moves to the "current device" on first use
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=padded,
-                        max_sequence_length=POS, parallel_output=True, share_embeddings_and_output_weights=False,
-                        position_embedding_type="rope", rotary_base=ROPE_BASE)
-    if arch == "gpt2":
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=padded, max_sequence_length=POS,
-                        parallel_output=True, share_embeddings_and_output_weights=True)
-    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
-    from megatron.core.models.bert.bert_model import BertModel
-
-    return BertModel(cfg, num_tokentypes=2, transformer_layer_spec=bert_layer_local_spec, vocab_size=padded,
-                     max_sequence_length=POS, add_binary_head=True, parallel_output=True,
-                     share_embeddings_and_output_weights=True)
-
-
-def _megatron_logits(model, arch: str, world: int, tokens, types_, pad):
-    """(full logits gathered over the TP ranks, BERT's sentence-order logits or None)."""
-    model.eval()
-    b, s = tokens.shape
-    with torch.no_grad():
-        if arch in ("gpt2", "llama"):
-            mask = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]       # True = masked
-            logits, sop = model(tokens, torch.arange(s)[None].expand(b, s), mask), None
-        else:
-            logits, sop = model(tokens, pad, tokentype_ids=types_)
-    parts = [torch.empty_like(logits) for _ in range(world)]
-    torch.distributed.all_gather(parts, logits.contiguous())
-    return torch.cat(parts, -1), sop
-
-
-def _megatron_worker(rank: int, world: int, arch: str, padded: int, tokens, types_, pad):
-    """Megatron-Core's model at TP=world: (full logits, sop logits or None, this rank's state dict)."""
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    torch.manual_seed(1234)  # as Megatron's initialize: replicated tensors (positions, norms) equal on every rank
-    model = _megatron_model(arch, world, padded)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(_noise(name, rank, getattr(p, "tensor_model_parallel", False), p.shape))
-    logits, sop = _megatron_logits(model, arch, world, tokens, types_, pad)
-    state = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v) and "_extra_state" not in k}
-    return logits, sop, state
+from tests.helpers.distributed import run_distributed
+from tests.helpers.megatron_core_models import (
+    GPT2_DIR,
+    LLAMA_ARGS,
+    POS,
+    F,
+    G,
+    H,
+    L,
+    N,
+    S,
+    inputs,
+    megatron_args,
+    megatron_worker,
+    noise,
+)
 
 
 # Megatron-Core name -> legacy (megatron/legacy/model) name, the layout of Megatron-LM's released checkpoints
@@ -157,41 +94,13 @@ def _nest(flat: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-def _megatron_args(shards: list[dict], arch: str, vocab: int, pp: int, iteration: int, **overrides):
-    """The ``args`` Megatron-LM saves, with its argument names and its real enums."""
-    from megatron.core.enums import ModelType
-    from megatron.core.transformer.enums import AttnBackend
-
-    tp = len(shards)
-    args = argparse.Namespace(
-        num_layers=L, hidden_size=H, ffn_hidden_size=F, num_attention_heads=N, kv_channels=H // N,
-        max_position_embeddings=POS, seq_length=16, make_vocab_size_divisible_by=32,
-        padded_vocab_size=shards[0]["embedding.word_embeddings.weight"].size(0) * tp, layernorm_epsilon=1e-5,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, bias_gelu_fusion=True, openai_gelu=False,
-        onnx_safe=False, swiglu=False, squared_relu=False, apply_query_key_layer_scaling=False,
-        attention_softmax_in_fp32=False, hidden_dropout=0.1, attention_dropout=0.1, init_method_std=0.02,
-        position_embedding_type="learned_absolute", normalization="LayerNorm", add_bias_linear=True,
-        untie_embeddings_and_output_weights=False, apply_residual_connection_post_layernorm=False,
-        group_query_attention=False, num_experts=None, bert_binary_head=arch == "bert", params_dtype=torch.float32,
-        tokenizer_type="BertWordPieceLowerCase" if arch == "bert" else "GPT2BPETokenizer",
-        model_type=ModelType.encoder_or_decoder, attention_backend=AttnBackend.auto, iteration=iteration,
-        transformer_impl="local", vocab_size=vocab)
-    vars(args).update(overrides)
-    return args
-
-
-LLAMA_ARGS = dict(position_embedding_type="rope", rotary_base=ROPE_BASE, rotary_percent=1.0, normalization="RMSNorm",
-                  swiglu=True, group_query_attention=True, num_query_groups=G, add_bias_linear=False,
-                  untie_embeddings_and_output_weights=True, bias_gelu_fusion=False)
-
-
 def write_core_checkpoint(save: Path, shards: list[dict], arch: str, vocab: int, pp: int = 1, te_names: bool = False,
                           iteration: int = 9, **arg_overrides) -> Path:
     """What Megatron-LM's ``--ckpt-format torch`` saves for a Megatron-Core model: per rank ``model`` = the model's
     flat state dict (``decoder.layers.i`` numbered from 0 on every pipeline stage; the embedding on the first stage,
     the final norm and the output layer on the last), checkpoint_version 3.0. ``te_names``: the norms as Transformer
     Engine's fused ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``."""
-    args = _megatron_args(shards, arch, vocab, pp, iteration, **arg_overrides)
+    args = megatron_args(shards, arch, vocab, pp, iteration, **arg_overrides)
     per_stage = L // pp
     for r, shard in enumerate(shards):
         for s in range(pp):
@@ -225,7 +134,7 @@ def write_megatron_checkpoint(save: Path, shards: list[dict], arch: str, vocab: 
     ``pp`` = 2 splits the layers over two stages as Megatron's pipeline does (embedding on the first, the final
     norm, heads and the tied ``word_embeddings_for_head`` on the last)."""
     tp = len(shards)
-    args = _megatron_args(shards, arch, vocab, pp, iteration, **arg_overrides)
+    args = megatron_args(shards, arch, vocab, pp, iteration, **arg_overrides)
     folder = save / f"iter_{iteration:07d}"
     per_stage = L // pp
     for r, shard in enumerate(shards):
@@ -326,13 +235,6 @@ def _agree(what: str, ours, ref, sop, ref_sop) -> None:
         torch.testing.assert_close(sop, ref_sop, rtol=0, atol=1e-5)
 
 
-def _inputs(vocab: int):
-    g = torch.Generator().manual_seed(5)
-    tokens = torch.randint(5, vocab, (2, S), generator=g)
-    types_ = torch.cat([torch.zeros(2, S // 2, dtype=torch.long), torch.ones(2, S // 2, dtype=torch.long)], 1)
-    return tokens, types_, torch.ones(2, S, dtype=torch.long)
-
-
 @pytest.fixture(scope="module")
 def bert_vocab(tmp_path_factory) -> Path:
     """A WordPiece vocab.txt of 300 entries (specials, letters, word pieces)."""
@@ -366,9 +268,9 @@ def test_megatron_tp2_checkpoint_imports_at_tp1_and_tp2_with_megatrons_logits(ar
     else:
         vocab = 300
     padded = 64 * -(-vocab // 64)                                # Megatron's rule: divisible by 32 x TP=2
-    tokens, types_, pad = _inputs(vocab)
+    tokens, types_, pad = inputs(vocab)
     pad[1, S - 3:] = 0 if arch == "bert" else 1
-    meg = run_distributed(_megatron_worker, 2, arch, padded, tokens, types_, pad, timeout=240)
+    meg = run_distributed(megatron_worker, 2, arch, padded, tokens, types_, pad, timeout=240)
     ref, ref_sop = meg[0][0][..., :vocab], meg[0][1]
     shards = [m[2] for m in meg]
     versions = (None, 2.0, 1.0, 0) if arch == "gpt2" else (None, 0)
@@ -433,8 +335,8 @@ def test_megatron_core_llama_shape_imports_from_either_layout_at_any_tp_pp_with_
     vocab = load_tokenizer({"kind": "gpt2_bpe", "vocab_file": str(GPT2_DIR / "gpt2-vocab.json"),
                             "merges_file": str(GPT2_DIR / "gpt2-merges.txt")}).vocab_size
     padded = 64 * -(-vocab // 64)
-    tokens, types_, pad = _inputs(vocab)
-    meg = run_distributed(_megatron_worker, 2, "llama", padded, tokens, types_, pad, timeout=240)
+    tokens, types_, pad = inputs(vocab)
+    meg = run_distributed(megatron_worker, 2, "llama", padded, tokens, types_, pad, timeout=240)
     ref, shards = meg[0][0][..., :vocab], [m[2] for m in meg]
     assert any(k.endswith("linear_qkv.weight") for k in shards[0]) and "output_layer.weight" in shards[0]
     run1 = _import(write_core_checkpoint(tmp_path / "core", shards, "gpt2", vocab, **LLAMA_ARGS),
@@ -507,13 +409,13 @@ MEGATRON_LM_SOURCE = "MEGATRON_LM_SOURCE"
 ``git --git-dir=MIRROR archive 6da62672cf megatron | tar -x -C DIR``)."""
 
 
-def _legacy_megatron_worker(rank: int, world: int, source: str, save: str, arch: str, padded: int, tokens, types_,
+def _legacymegatron_worker(rank: int, world: int, source: str, save: str, arch: str, padded: int, tokens, types_,
                             pad):
     """Megatron-LM's own ``megatron.legacy.model`` GPTModel/BertModel at TP=world, built from its own argument
     parser (``--use-legacy-models --transformer-impl local --ckpt-format torch``), run forward, and saved by its own
     ``megatron.training.checkpointing.save_checkpoint``. Shims, CPU only: no GPU arch query (``< 10``), apex's
     ``fused_layer_norm_affine`` -> ``torch.nn.functional.layer_norm`` (the same function), the global memory buffer
-    and the model-parallel RNG fork as in :func:`_megatron_worker`, ``torch.cuda.get_rng_state`` -> the CPU state,
+    and the model-parallel RNG fork as in :func:`megatron_worker`, ``torch.cuda.get_rng_state`` -> the CPU state,
     ``args.model_type`` as ``pretrain()`` sets it and ``args.apply_layernorm_1p`` (read by the legacy norm, no longer
     defined by this revision's arguments.py); the padded vocabulary is set as Megatron's tokenizer builder would."""
     import os
@@ -570,7 +472,7 @@ def _legacy_megatron_worker(rank: int, world: int, source: str, save: str, arch:
                           post_process=True)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.add_(_noise(name, rank, getattr(p, "tensor_model_parallel", False), p.shape))
+            p.add_(noise(name, rank, getattr(p, "tensor_model_parallel", False), p.shape))
     model.eval()
     b, s = tokens.shape
     with torch.no_grad():
@@ -600,11 +502,11 @@ def test_checkpoint_written_by_megatron_lm_legacy_code_imports_with_its_logits(a
         pytest.skip("../shared/data/tokenizers/gpt2 absent")
     vocab = 50257 if arch == "gpt2" else 300
     padded = 64 * -(-vocab // 64)
-    tokens, types_, pad = _inputs(vocab)
+    tokens, types_, pad = inputs(vocab)
     if arch == "bert":
         pad[1, S - 3:] = 0
     save = tmp_path / "megatron_save"
-    meg = run_distributed(_legacy_megatron_worker, 2, source, str(save), arch, padded, tokens, types_, pad, timeout=300)
+    meg = run_distributed(_legacymegatron_worker, 2, source, str(save), arch, padded, tokens, types_, pad, timeout=300)
     ref, ref_sop = meg[0][0][..., :vocab], meg[0][1]
     keep = pad.bool()
     model, cfg, _ = load_model_for_eval(_import(save, tmp_path / "ours_tp1", 1, arch, bert_vocab))

@@ -3,7 +3,7 @@
 torch_dist`` writes files Megatron-Core's ``dist_checkpointing.load`` reads into a fresh TP=2 model that then gives
 the same logits (fp32, 1e-5). GPT-2 (tied, learned positions, LayerNorm) and the Llama shape (RoPE, RMSNorm,
 SwiGLU, grouped-query attention, untied, no biases), two gloo ranks, one launch; CPU shims as in
-tests/parallel/test_import_megatron.py."""
+tests/helpers/megatron_core_models.py."""
 from __future__ import annotations
 
 import argparse
@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_distributed
-from tests.parallel.test_import_megatron import (
+from tests.helpers.megatron_core_models import (
     GPT2_DIR,
     LLAMA_ARGS,
-    _inputs,
-    _megatron_args,
-    _megatron_logits,
-    _megatron_model,
-    _noise,
+    inputs,
+    megatron_args,
+    megatron_logits,
+    megatron_model,
+    noise,
 )
 
 ITERATION = 9
@@ -39,13 +39,13 @@ def _worker(rank: int, world: int, padded: int, vocab: int, root: str, tokens, t
     out = {}
     for arch in ARCHS:
         torch.manual_seed(1234)
-        model = _megatron_model(arch, world, padded)
+        model = megatron_model(arch, world, padded)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                p.add_(_noise(name, rank, getattr(p, "tensor_model_parallel", False), p.shape))
-        ref, _ = _megatron_logits(model, arch, world, tokens, types_, pad)
+                p.add_(noise(name, rank, getattr(p, "tensor_model_parallel", False), p.shape))
+        ref, _ = megatron_logits(model, arch, world, tokens, types_, pad)
         state = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
-        args = _megatron_args([state] * world, arch, vocab, 1, ITERATION, **(LLAMA_ARGS if arch == "llama" else {}))
+        args = megatron_args([state] * world, arch, vocab, 1, ITERATION, **(LLAMA_ARGS if arch == "llama" else {}))
         save, run, back = (Path(root) / arch / d for d in ("megatron", "ours", "back"))
         if rank == 0:
             (save / f"iter_{ITERATION:07d}").mkdir(parents=True)
@@ -61,13 +61,13 @@ def _worker(rank: int, world: int, padded: int, vocab: int, root: str, tokens, t
             export_megatron(run, back, tp=world, iteration=ITERATION, fmt="torch_dist")
         torch.distributed.barrier()
         torch.manual_seed(99)
-        fresh = _megatron_model(arch, world, padded)
-        before, _ = _megatron_logits(fresh, arch, world, tokens, types_, pad)
+        fresh = megatron_model(arch, world, padded)
+        before, _ = megatron_logits(fresh, arch, world, tokens, types_, pad)
         with torch.serialization.safe_globals([argparse.Namespace]):  # as Megatron-LM's checkpointing allows it
             loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()}, str(back / f"iter_{ITERATION:07d}"))
         assert loaded["iteration"] == ITERATION and loaded["args"].tensor_model_parallel_size == world
         fresh.load_state_dict(loaded["model"])
-        after, _ = _megatron_logits(fresh, arch, world, tokens, types_, pad)
+        after, _ = megatron_logits(fresh, arch, world, tokens, types_, pad)
         out[arch] = (ref, before, after, str(run))
     return out
 
@@ -82,7 +82,7 @@ def test_torch_dist_checkpoints_import_and_export_with_megatrons_logits(tmp_path
     vocab = load_tokenizer({"kind": "gpt2_bpe", "vocab_file": str(GPT2_DIR / "gpt2-vocab.json"),
                             "merges_file": str(GPT2_DIR / "gpt2-merges.txt")}).vocab_size
     padded = 64 * -(-vocab // 64)
-    tokens, types_, pad = _inputs(vocab)
+    tokens, types_, pad = inputs(vocab)
     results = run_distributed(_worker, 2, padded, vocab, str(tmp_path), tokens, types_, pad, timeout=600)[0]
     for arch, (ref, before, after, run) in results.items():
         model, cfg, _ = load_model_for_eval(run)
