@@ -146,7 +146,6 @@ def test_context_parallel_ranks_sit_between_tensor_and_data_parallel():
     (["parallel.context=4"], "does not divide the 6 attention heads per TP rank"),
     (["parallel.tensor=2"], "does not divide the 3 attention heads per TP rank"),
     (["parallel.pipeline=3"], "parallel.context=2 with parallel.pipeline=3"),
-    (["data.reset_attention_mask=true"], "parallel.context=2 with data.reset_attention_mask"),
     (["parallel.context_impl=ring", "model.attention_dropout=0.1"], "model.attention_dropout=0.1 (ring)"),
     (["parallel.context=0"], "parallel.context must be >= 1"),
     (["model.sliding_window=8"], "parallel.context=2 with model.sliding_window=8"),
@@ -165,9 +164,11 @@ def test_config_refusals_are_one_line(overrides, message):
 def test_context_parallel_configs_load():
     from training.config import load_config
 
+    documents = [f"data.{n}=true" for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")]
     for impl in ("ulysses", "ring"):  # selective recomputation too (the ring keeps no scores: nothing to recompute)
         cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", ["parallel.tensor=1", "parallel.context=2",
-                                                                 f"parallel.context_impl={impl}", "model.recompute=selective"])
+                                                                 f"parallel.context_impl={impl}", "model.recompute=selective",
+                                                                 *documents])  # packed documents too
         assert (cfg.parallel.context, cfg.parallel.context_impl) == (2, impl)
 
 
