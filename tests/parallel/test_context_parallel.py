@@ -109,7 +109,7 @@ def _train(model_name: str, cp: int, impl: str, tp: int = 1, sp: bool = False, r
     return {"losses": losses, "grads": seen, "seq_dp": engine.seq_dp_world_size, "dp": engine.dp_world_size}
 
 
-def _worker(rank: int, world: int, model_names: tuple[str, ...], tp: int) -> dict:
+def _worker(rank: int, world: int, model_names: tuple[str, ...], tp: int, cp: int = 2) -> dict:
     out = {}
     for case in model_names:
         model_name, documents = case.removesuffix("+docs"), case.endswith("+docs")
@@ -117,7 +117,7 @@ def _worker(rank: int, world: int, model_names: tuple[str, ...], tp: int) -> dic
         tp1 = ref if tp == 1 else _train(model_name, 1, "ulysses", 1)
         for impl in ("ulysses", "ring"):
             # with TP: sequence parallelism too; the Llama shape recomputes its layers (the exchanges run again)
-            run = _train(model_name, 2, impl, tp, sp=tp > 1, recompute="full" if model_name == "llama" else "none",
+            run = _train(model_name, cp, impl, tp, sp=tp > 1, recompute="full" if model_name == "llama" else "none",
                          documents=documents)
             assert len(run["grads"]) == len(ref["grads"]) == STEPS
             rel = [max(((g - ref_g[n]).norm() / ref_g[n].norm().clamp_min(1e-30)).item() for n, g in run_g.items())
