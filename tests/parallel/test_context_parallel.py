@@ -9,11 +9,16 @@ within 1e-4, since Adam's first update is about +-lr wherever a gradient is tiny
 order (1e-7 relative on the first step's gradients) can move those weights by up to 2 lr. The reference is CP 1
 on the same ranks as data-parallel replicas fed the same samples (their averaged gradient is the serial one).
 
-On 4 ranks: TP 2 x CP 2 with sequence parallelism (each CP rank's tokens split again over TP) against TP 2 x CP 1
+On 4 ranks: CP 4 (the packed Llama shape with 8 heads in 2 groups) against CP 1; TP 2 x CP 2 with sequence parallelism (each CP rank's tokens split again over TP) against TP 2 x CP 1
 without it, gradient shard by shard (SP on = off is tests/parallel/test_sequence_parallel.py's, TP 2 = TP 1
 tests/parallel/test_gpt2_tp.py's), and its losses against TP 1, for a Llama shape with one key/value head per TP
 rank. The 2-rank Llama runs with CP recompute every layer in backward (``model.recompute: full``: the all-to-alls
 and the ring run again). Dropout is off.
+
+Packed documents (``llama+docs``: ``data.reset_position_ids``, ``reset_attention_mask`` and ``eod_mask_loss``, the
+CP ranks' parts from training/data/context_documents.py): CP 2 against the non-CP document path
+(training/tasks/gpt.py's), on two rows of 4 documents with boundaries inside ring chunks and Ulysses halves and a
+document across the CP split, within the same tolerances.
 """
 from __future__ import annotations
 
@@ -128,16 +133,17 @@ def _worker(rank: int, world: int, model_names: tuple[str, ...], tp: int, cp: in
     return out
 
 
-@pytest.mark.parametrize("models,tp", [
-    (("gpt2", "llama", "llama+docs"), 1),  # +docs: data.reset_position_ids, reset_attention_mask, eod_mask_loss
-    (("llama8",), 2),  # TP 2 x CP 2 (+ SP) = TP 1 (Ulysses repeating the one key/value head per TP rank first)
+@pytest.mark.parametrize("models,tp,cp", [
+    (("gpt2", "llama", "llama+docs"), 1, 2),  # +docs: data.reset_position_ids, reset_attention_mask, eod_mask_loss
+    (("llama8",), 2, 2),  # TP 2 x CP 2 (+ SP) = TP 1 (Ulysses repeating the one key/value head per TP rank first)
+    (("llama8+docs",), 1, 4),  # CP 4: 8 ring chunks of 2 tokens; Ulysses repeating 2 key/value heads for 4 ranks
 ])
-def test_context_parallel_equals_cp1(models, tp):
-    for r in run_distributed(_worker, 2 * tp, models, tp, timeout=600):
+def test_context_parallel_equals_cp1(models, tp, cp):
+    for r in run_distributed(_worker, cp * tp, models, tp, cp, timeout=600):
         assert set(r) == {(m, impl) for m in models for impl in ("ulysses", "ring")}
         for case, res in r.items():
             assert res["names"], case
-            assert res["groups"] == (2, 1), (case, res["groups"])  # gradients reduced over dp x cp, averaged by dp
+            assert res["groups"] == (cp, 1), (case, res["groups"])  # gradients reduced over dp x cp, averaged by dp
             assert res["cp"] == pytest.approx(res["ref"], rel=1e-5), (case, res)
             assert res["cp"] == pytest.approx(res["tp1"], rel=1e-5), (case, res)
             assert res["ref"][-1] < res["ref"][0], (case, res)  # it trains
