@@ -358,7 +358,7 @@ def validate_static(cfg: Config) -> None:  # noqa: C901
     validate_zero(p)
     validate_universal_load(t.load_universal, t.init_from, p)
     validate_pipeline_schedule(p, m)
-    validate_context(p, m, cfg.data.document_options())
+    validate_context(p, m)
     if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optimizer: need 0 <= min_lr <= lr and lr > 0 (got lr={o.lr}, min_lr={o.min_lr})")
     decay = o.decay_iters if o.decay_iters is not None else t.iters

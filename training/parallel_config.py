@@ -123,7 +123,7 @@ def validate_pipeline_schedule(p: ParallelConfig, m: ModelConfig) -> None:
                           f"): choose a layer count that is a multiple of {stages}")
 
 
-def validate_context(p: ParallelConfig, m: ModelConfig, document_options: list[str]) -> None:
+def validate_context(p: ParallelConfig, m: ModelConfig) -> None:
     """Context parallelism's rules (docs/context_parallel.md), each refusal one line: the sequence divides into c
     (Ulysses) or 2c (ring) chunks, the heads after TP into c (Ulysses); not with what it cannot run yet."""
     c, impl = p.context, p.context_impl
@@ -147,7 +147,6 @@ def validate_context(p: ParallelConfig, m: ModelConfig, document_options: list[s
     refusals = [
         (p.pipeline > 1, f"parallel.pipeline={p.pipeline}", "set parallel.pipeline=1"),
         (m.arch == "bert", "model.arch=bert", "context parallelism is for causal GPT models"),
-        (bool(document_options), ", ".join(f"data.{n}" for n in document_options), "remove the packed-document options"),
         (m.compile or m.cuda_graph, "model.compile", "set model.compile=false"),
         (m.sliding_window is not None, f"model.sliding_window={m.sliding_window}", "remove model.sliding_window"),
         (impl == "ring" and m.attention_dropout > 0.0, f"model.attention_dropout={m.attention_dropout} (ring)",

@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from training.data.documents import document_attention_mask
 from training.parallel.ring_attention import (
     block_attention,
     block_grads,
+    block_mask,
     fold_block,
     merge,
     pairs,
@@ -56,17 +58,31 @@ def test_merged_blocks_equal_one_softmax_over_all_keys():
                           atol=1e-12)
 
 
-@pytest.mark.parametrize("cp", [2, 3])
-def test_every_rank_folding_every_ring_step_equals_causal_attention(cp):
+def _packed(s: int) -> torch.Tensor:
+    """[2, s] token ids with EODs (0) at 1 and s/2 (row 0) and at 2 and s - 3 (row 1): documents ending inside
+    ring chunks, whole chunks that see none of another chunk's keys."""
+    tokens = torch.ones(2, s, dtype=torch.long)
+    tokens[0, [1, s // 2]] = 0
+    tokens[1, [2, s - 3]] = 0
+    return tokens
+
+
+@pytest.mark.parametrize("cp,documents", [(2, False), (3, False), (2, True), (3, True)])
+def test_every_rank_folding_every_ring_step_equals_causal_attention(cp, documents):
     """What :func:`ring_attention` computes on each rank, its ring replaced by slicing: the rank's queries against
     every rank's keys and values in ring order, GQA (6 query heads, 2 key/value heads) -> the rank's rows of
-    causal attention over the whole sequence; gradients too."""
+    causal attention over the whole sequence; gradients too. ``documents``: under a packed-document mask (the
+    rank's query rows, :func:`document_attention_mask`), against SDPA with the whole mask (outputs only: autograd
+    through a block no query row of which sees a key is nan, which :class:`RingAttention`'s own backward avoids;
+    its gradients are the next test's)."""
     g = torch.Generator().manual_seed(1)
     s, n, kv_heads = 4 * cp, 6, 2
     q = torch.randn(2, n, s, 8, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, kv_heads, s, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    tokens = _packed(s)
     full = F.scaled_dot_product_attention(q, k.repeat_interleave(n // kv_heads, 1),
-                                          v.repeat_interleave(n // kv_heads, 1), is_causal=True)
+                                          v.repeat_interleave(n // kv_heads, 1), is_causal=not documents,
+                                          attn_mask=document_attention_mask(tokens, 0) if documents else None)
     up = torch.randn(full.shape, generator=g, dtype=torch.float64)
     ref_grads = torch.autograd.grad((full * up).sum(), (q, k, v))
     grads = [torch.zeros_like(t) for t in (q, k, v)]
@@ -77,36 +93,43 @@ def test_every_rank_folding_every_ring_step_equals_causal_attention(cp):
             src = (rank - step) % cp
             their = ring_positions(s, src, cp)
             fold_block(results, q[:, :, pos], ring_chunks(rank, cp), k[:, :, their], v[:, :, their],
-                       ring_chunks(src, cp))
+                       ring_chunks(src, cp), document_attention_mask(tokens, 0, pos) if documents else None)
         out = torch.cat([o for o, _ in results], dim=2)
         assert torch.allclose(out, full[:, :, pos], atol=1e-12), rank
+        if documents:
+            continue
         for acc, gr in zip(grads, torch.autograd.grad((out * up[:, :, pos]).sum(), (q, k, v))):
             acc += gr
     for gr, ref in zip(grads, ref_grads):
-        assert torch.allclose(gr, ref, atol=1e-12)
+        assert documents or torch.allclose(gr, ref, atol=1e-12)
 
 
-@pytest.mark.parametrize("cp", [2, 3])
-def test_block_gradients_from_the_final_log_sum_exp_equal_autograd(cp):
+@pytest.mark.parametrize("cp,documents", [(2, False), (3, False), (2, True), (3, True)])
+def test_block_gradients_from_the_final_log_sum_exp_equal_autograd(cp, documents):
     """:class:`RingAttention`'s backward, its ring replaced by slicing: each rank's blocks' (dq, dk, dv) from
     :func:`block_grads` with the rank's final log-sum-exp, dk and dv summed over the GQA repeats and over the
-    ranks whose queries saw them -> the gradients of causal attention over the whole sequence."""
+    ranks whose queries saw them -> the gradients of causal attention over the whole sequence; ``documents``: under
+    a packed-document mask (the rank's query rows, each block's part: :func:`block_mask`)."""
     g = torch.Generator().manual_seed(2)
     s, n, kv_heads, rep = 4 * cp, 6, 2, 3
     q = torch.randn(2, n, s, 8, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, kv_heads, s, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    full = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+    tokens = _packed(s)
+    full = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                          is_causal=not documents,
+                                          attn_mask=document_attention_mask(tokens, 0) if documents else None)
     up = torch.randn(full.shape, generator=g, dtype=torch.float64)
     ref = torch.autograd.grad((full * up).sum(), (q, k, v))
     dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
     with torch.no_grad():
         for rank in range(cp):
             pos = ring_positions(s, rank, cp)
+            mask = document_attention_mask(tokens, 0, pos) if documents else None
             results: list = [(None, None), (None, None)]
             for src in range(cp):
                 their = ring_positions(s, src, cp)
                 fold_block(results, q[:, :, pos], ring_chunks(rank, cp), k[:, :, their], v[:, :, their],
-                           ring_chunks(src, cp))
+                           ring_chunks(src, cp), mask)
             out, lse = (torch.cat([r[i] for r in results], dim=2) for i in range(2))
             dout = up[:, :, pos]
             delta = (dout * out).sum(-1)
@@ -117,8 +140,9 @@ def test_block_gradients_from_the_final_log_sum_exp_equal_autograd(cp):
                     qa_pos, kb_pos = pos.chunk(2)[a], their.chunk(2)[b]
                     ch = slice(a * len(qa_pos), (a + 1) * len(qa_pos))
                     kc = slice(b * len(kb_pos), (b + 1) * len(kb_pos))
+                    keep = block_mask(mask, a, ring_chunks(src, cp)[b], len(qa_pos))
                     gq, gk, gv = block_grads(q[:, :, qa_pos], kr[:, :, kc], vr[:, :, kc], dout[:, :, ch],
-                                             lse[:, :, ch], delta[:, :, ch], causal)
+                                             lse[:, :, ch], delta[:, :, ch], causal, keep)
                     dq[:, :, qa_pos] += gq
                     dk[:, :, kb_pos] += gk.unflatten(1, (kv_heads, rep)).sum(2)
                     dv[:, :, kb_pos] += gv.unflatten(1, (kv_heads, rep)).sum(2)
@@ -146,7 +170,6 @@ def test_context_parallel_ranks_sit_between_tensor_and_data_parallel():
     (["parallel.context=4"], "does not divide the 6 attention heads per TP rank"),
     (["parallel.tensor=2"], "does not divide the 3 attention heads per TP rank"),
     (["parallel.pipeline=3"], "parallel.context=2 with parallel.pipeline=3"),
-    (["data.reset_attention_mask=true"], "parallel.context=2 with data.reset_attention_mask"),
     (["parallel.context_impl=ring", "model.attention_dropout=0.1"], "model.attention_dropout=0.1 (ring)"),
     (["parallel.context=0"], "parallel.context must be >= 1"),
     (["model.sliding_window=8"], "parallel.context=2 with model.sliding_window=8"),
@@ -165,9 +188,11 @@ def test_config_refusals_are_one_line(overrides, message):
 def test_context_parallel_configs_load():
     from training.config import load_config
 
+    documents = [f"data.{n}=true" for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")]
     for impl in ("ulysses", "ring"):  # selective recomputation too (the ring keeps no scores: nothing to recompute)
         cfg = load_config(ROOT / "configs" / "llama_tiny.yaml", ["parallel.tensor=1", "parallel.context=2",
-                                                                 f"parallel.context_impl={impl}", "model.recompute=selective"])
+                                                                 f"parallel.context_impl={impl}", "model.recompute=selective",
+                                                                 *documents])  # packed documents too
         assert (cfg.parallel.context, cfg.parallel.context_impl) == (2, impl)
 
 

@@ -40,12 +40,16 @@ def document_positions(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     return index - start_of
 
 
-def document_attention_mask(tokens: torch.Tensor, eod: int) -> torch.Tensor:
-    """tokens [b, s] -> bool [b, 1, s, s]: query i may attend key j iff j <= i and both are of one document."""
+def document_attention_mask(tokens: torch.Tensor, eod: int, queries: torch.Tensor | None = None) -> torch.Tensor:
+    """tokens [b, s] -> bool [b, 1, s, s]: query i may attend key j iff j <= i and both are of one document.
+    ``queries`` [q]: only the rows of these global positions, in their order -> [b, 1, q, s] (a context-parallel
+    core's queries, :meth:`training.parallel.context.ContextParallel.core_queries`)."""
     doc = document_index(tokens, eod)
     s = tokens.size(-1)
-    causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()
-    return (doc[:, :, None] == doc[:, None, :]).logical_and_(causal).unsqueeze(1)
+    keys = torch.arange(s, device=tokens.device)
+    rows = keys if queries is None else queries
+    causal = keys[None, :] <= rows[:, None]                                # [q, s]
+    return (doc.index_select(1, rows)[:, :, None] == doc[:, None, :]).logical_and_(causal).unsqueeze(1)
 
 
 @dataclass(frozen=True)

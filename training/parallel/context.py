@@ -36,8 +36,9 @@ class HeadsCore(nn.Module):
         super().__init__()
         self.core = core
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask).transpose(1, 2)
 
 
 class UlyssesCore(nn.Module):
@@ -47,7 +48,9 @@ class UlyssesCore(nn.Module):
     and v into [b, s, heads/c, hn] by one all-to-all, the core attends causally over the whole sequence on its
     n/(pc) heads, and one all-to-all brings the output back to the rank's tokens and all its heads. Query heads are
     grouped by key/value group (training/models/qkv.py), so contiguous c-ths of both stay together; with fewer
-    key/value heads than c (or not divisible by it) they are repeated for their query heads first."""
+    key/value heads than c (or not divisible by it) they are repeated for their query heads first. ``attn_mask``
+    (packed documents): bool [b, 1, s, s] over the whole sequence, True = attend, causality included, what the core
+    takes without CP (every rank builds it from the whole sample, :meth:`ContextParallel.core_queries`)."""
 
     def __init__(self, core: nn.Module, group: dist.ProcessGroup):
         super().__init__()
@@ -56,18 +59,19 @@ class UlyssesCore(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if attn_mask is not None:
-            raise ValueError("context parallelism runs causal attention without a mask (docs/context_parallel.md)")
         if k.size(1) % self.cp:  # each key/value head for its query heads (training/models/qkv.py's repeat_kv)
             rep = q.size(1) // k.size(1)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0)  # [b, s/c, n/p, hn]
+        out = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None,
+                             attn_mask)                                  # [b, s/c, n/p, hn]
         return out.transpose(1, 2)
 
 
 class RingCore(nn.Module):
     """Ring attention over the CP group in place of the model's core (which it replaces: the ring computes the
-    blocks itself, without dropout): q [b, n/p, s/c, hn], k and v [b, g/p, s/c, hn] -> [b, n/p, s/c, hn]."""
+    blocks itself, without dropout): q [b, n/p, s/c, hn], k and v [b, g/p, s/c, hn] -> [b, n/p, s/c, hn];
+    ``attn_mask`` (packed documents): bool [b, 1, s/c, s], this rank's query rows against every key
+    (:func:`training.parallel.ring_attention.ring_attention`)."""
 
     def __init__(self, group: dist.ProcessGroup):
         super().__init__()
@@ -75,9 +79,7 @@ class RingCore(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if attn_mask is not None:
-            raise ValueError("context parallelism runs causal attention without a mask (docs/context_parallel.md)")
-        return ring_attention(q, k, v, self.group)
+        return ring_attention(q, k, v, self.group, attn_mask)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,14 @@ class ContextParallel:
         part = seq // self.size
         return torch.arange(self.rank * part, (self.rank + 1) * part, device=device)
 
+    def core_queries(self, seq: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """The global positions of the queries this rank's attention core computes, in its order: the whole
+        sequence with Ulysses (after its all-to-all), the rank's own tokens with ring attention. An attention mask
+        for the core (packed documents) holds these rows against all s keys in global order."""
+        if self.impl == "ring":
+            return self.positions(seq, device)
+        return torch.arange(seq, device=device)
+
     def split(self, tokens: torch.Tensor, labels: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A loaded batch (tokens and labels [b, s]) -> this rank's tokens, labels [b, s/c] and their positions [s/c]."""
@@ -114,13 +124,19 @@ class ContextParallel:
             return RingCore(self.group)
         return UlyssesCore(core, self.group)
 
-    def loss(self, token_losses: torch.Tensor) -> torch.Tensor:
+    def loss(self, token_losses: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's token losses [b, s/c] -> the mean over every token of the whole sequences (the CP sums and
         counts all-reduced: the value every CP rank reports), whose gradient is this rank's share only
         (sum of its losses over all the tokens' count): summed over CP by the gradient reduction, the whole
-        sequence's."""
-        local = token_losses.float().sum()
-        totals = torch.stack([local.detach(), torch.full_like(local, token_losses.numel()).detach()])
+        sequence's. ``loss_mask`` [b, s/c] (``data.eod_mask_loss``): only the tokens where it is 1, counted as
+        :func:`training.data.documents.masked_mean` counts them over the whole sequences."""
+        losses = token_losses.float()
+        if loss_mask is None:
+            local, count = losses.sum(), torch.tensor(float(losses.numel()), device=losses.device)
+        else:
+            local, count = (losses * loss_mask).sum(), loss_mask.float().sum()
+        totals = torch.stack([local.detach(), count.detach()])
         dist.all_reduce(totals, group=self.group)
+        totals[1].clamp_(min=1.0)
         share = local / totals[1]
         return share + (totals[0] / totals[1] - share).detach()

@@ -15,6 +15,9 @@ probabilities from the log-sum-exp (:func:`block_grads`, the flash-attention bac
 gradient here and its keys' and values' gradients to an accumulator that travels with them and, after one more
 pass, reaches the rank that owns them. Key/value heads travel unrepeated (grouped-query attention: g/n of the
 traffic) and are repeated per block; so are their gradients, summed back over the repeats.
+
+Packed documents (``data.reset_attention_mask``): a mask of the rank's query rows against every key (global
+order) replaces the causal rule; each block pair reads its part (:func:`block_mask`).
 """
 from __future__ import annotations
 
@@ -35,17 +38,37 @@ def ring_positions(seq: int, rank: int, cp: int, device: torch.device | str | No
     return torch.cat([torch.arange(c * length, (c + 1) * length, device=device) for c in ring_chunks(rank, cp)])
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(Q K^T / sqrt(hn)) V of one block pair, q [b, n, l, hn], k and v [b, n, lk, hn] -> (out [b, n, l, hn]
-    normalised within the block, lse [b, n, l] the log-sum-exp of the block's scaled scores). ``causal``: the
-    two are the same chunk, query j sees keys 0 .. j."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.size(-1))  # [b, n, l, lk]
-    if causal:
+def masked_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, keep: torch.Tensor | None) -> torch.Tensor:
+    """Q K^T / sqrt(hn) [b, n, l, lk] of one block pair, -inf where a query may not see a key: ``keep`` (bool
+    [b, 1, l, lk], True = attend, causality included: packed documents) or, without it, ``causal`` (the two are the
+    same chunk: query j sees keys 0 .. j)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.size(-1))
+    if keep is None and causal:
         keep = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril_()
-        scores = scores.masked_fill(keep.logical_not(), float("-inf"))
+    return scores if keep is None else scores.masked_fill(keep.logical_not(), float("-inf"))
+
+
+def finite(lse: torch.Tensor) -> torch.Tensor:
+    """A log-sum-exp with the rows that see no key (-inf: every key masked) at 0, so exp(-inf - it) is 0, not nan."""
+    return lse.masked_fill(torch.isinf(lse), 0.0)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(Q K^T / sqrt(hn)) V of one block pair, q [b, n, l, hn], k and v [b, n, lk, hn] -> (out [b, n, l, hn]
+    normalised within the block, lse [b, n, l] the log-sum-exp of the block's scaled scores), masked as
+    :func:`masked_scores`; a row that sees none of the block's keys gives out 0 and lse -inf."""
+    scores = masked_scores(q, k, causal, keep)                           # [b, n, l, lk]
     lse = torch.logsumexp(scores, dim=-1)                                # [b, n, l]
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
+    return torch.matmul(torch.exp(scores - finite(lse).unsqueeze(-1)), v), lse
+
+
+def block_mask(mask: torch.Tensor | None, a: int, chunk: int, length: int) -> torch.Tensor | None:
+    """The (query chunk ``a`` of this rank's two, global key chunk ``chunk``) block [b, 1, L, L] of a rank's mask
+    [b, 1, 2L, s] (its query rows, keys in global order); None without one."""
+    if mask is None:
+        return None
+    return mask[:, :, a * length:(a + 1) * length, chunk * length:(chunk + 1) * length]
 
 
 def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
@@ -55,7 +78,8 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.T
     if out is None or lse is None:
         return block_out, block_lse
     new_lse = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
+    scale = finite(new_lse)                                              # rows neither part sees stay 0
+    out = out * torch.exp(lse - scale).unsqueeze(-1) + block_out * torch.exp(block_lse - scale).unsqueeze(-1)
     return out, new_lse
 
 
@@ -72,28 +96,29 @@ def shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
 
 
 def fold_block(results: list[tuple[torch.Tensor | None, torch.Tensor | None]], q: torch.Tensor, mine: tuple[int, int],
-               k: torch.Tensor, v: torch.Tensor, theirs: tuple[int, int]) -> None:
+               k: torch.Tensor, v: torch.Tensor, theirs: tuple[int, int], mask: torch.Tensor | None = None) -> None:
     """One ring step: this rank's queries q [b, n, 2L, hn] (its chunks ``mine``) against one rank's keys and values
     k, v [b, g, 2L, hn] (chunks ``theirs``), every pair causality keeps folded into ``results`` (per query chunk the
-    running (output, log-sum-exp), in place)."""
+    running (output, log-sum-exp), in place); ``mask`` as :func:`ring_attention`'s."""
     rep = q.size(1) // k.size(1)                                         # each key/value head for its n/g query heads
     k_chunks = k.repeat_interleave(rep, dim=1).chunk(2, dim=2)
     v_chunks = v.repeat_interleave(rep, dim=1).chunk(2, dim=2)
     q_chunks = q.chunk(2, dim=2)
+    length = q_chunks[0].size(2)
     for a, b, causal in pairs(mine, theirs):
-        results[a] = merge(*results[a], *block_attention(q_chunks[a], k_chunks[b], v_chunks[b], causal))
+        keep = block_mask(mask, a, theirs[b], length)
+        results[a] = merge(*results[a], *block_attention(q_chunks[a], k_chunks[b], v_chunks[b], causal, keep))
 
 
 def block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                delta: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                delta: torch.Tensor, causal: bool, keep: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients (dq, dk, dv) one block pair contributes, its probabilities recomputed from the final
     log-sum-exp ``lse`` [b, n, l] of the query rows: P = exp(Q K^T / sqrt(hn) - lse), dV = P^T dO,
-    dS = P (dO V^T - delta), dQ = dS K / sqrt(hn), dK = dS^T Q / sqrt(hn); ``delta`` [b, n, l] = rowsum(dO O)."""
+    dS = P (dO V^T - delta), dQ = dS K / sqrt(hn), dK = dS^T Q / sqrt(hn); ``delta`` [b, n, l] = rowsum(dO O);
+    masked as :func:`masked_scores` (every query row sees at least itself: ``lse`` is finite)."""
     scale = 1.0 / math.sqrt(q.size(-1))
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        keep = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril_()
-        scores = scores.masked_fill(keep.logical_not(), float("-inf"))
+    scores = masked_scores(q, k, causal, keep)
     probs = torch.exp(scores - lse.unsqueeze(-1))                        # [b, n, l, lk]
     ds = probs * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, \
@@ -112,24 +137,25 @@ class RingAttention(torch.autograd.Function):
     share to the block it holds), and one more pass brings every accumulator home."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         results: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None), (None, None)]
         kv = torch.stack([k, v])                                         # [2, b, g, s/c, hn]: one message per step
         for step in range(cp):
-            fold_block(results, q, ring_chunks(rank, cp), kv[0], kv[1], ring_chunks((rank - step) % cp, cp))
+            fold_block(results, q, ring_chunks(rank, cp), kv[0], kv[1], ring_chunks((rank - step) % cp, cp), mask)
             if step + 1 < cp:
                 kv = shift(kv, group, 1)
         out = torch.cat([o for o, _ in results], dim=2)
         lse = torch.cat([lse for _, lse in results], dim=2)              # [b, n, s/c]
-        ctx.group = group
+        ctx.group, ctx.mask = group, mask
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
+        group, mask = ctx.group, ctx.mask
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         n, g = q.size(1), k.size(1)
         dout = dout.contiguous()
@@ -141,8 +167,10 @@ class RingAttention(torch.autograd.Function):
             kr, vr = (t.repeat_interleave(n // g, dim=1) for t in (kv[0], kv[1]))
             dk, dv = torch.zeros_like(kr), torch.zeros_like(vr)
             k_ch, v_ch, dk_ch, dv_ch = (t.chunk(2, dim=2) for t in (kr, vr, dk, dv))
-            for a, b, causal in pairs(ring_chunks(rank, cp), ring_chunks((rank - step) % cp, cp)):
-                dqa, dkb, dvb = block_grads(q_ch[a], k_ch[b], v_ch[b], do_ch[a], lse_ch[a], delta_ch[a], causal)
+            theirs = ring_chunks((rank - step) % cp, cp)
+            for a, b, causal in pairs(ring_chunks(rank, cp), theirs):
+                keep = block_mask(mask, a, theirs[b], q_ch[0].size(2))
+                dqa, dkb, dvb = block_grads(q_ch[a], k_ch[b], v_ch[b], do_ch[a], lse_ch[a], delta_ch[a], causal, keep)
                 dq_ch[a].add_(dqa)
                 dk_ch[b].add_(dkb)
                 dv_ch[b].add_(dvb)
@@ -152,11 +180,15 @@ class RingAttention(torch.autograd.Function):
                 if step + 1 < cp:
                     kv = shift(kv, group, 1)
                 dkv = shift(dkv, group, 1)
-        return dq, dkv[0], dkv[1], None
+        return dq, dkv[0], dkv[1], None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence. q [b, n, s/c, hn], k and v [b, g, s/c, hn]
     (g divides n: grouped-query attention), each the rank's two chunks (:func:`ring_chunks`) one after the other
-    -> [b, n, s/c, hn], the rank's rows of softmax(Q K^T / sqrt(hn) + causal) V (:class:`RingAttention`)."""
-    return RingAttention.apply(q, k, v, group)
+    -> [b, n, s/c, hn], the rank's rows of softmax(Q K^T / sqrt(hn) + causal) V (:class:`RingAttention`).
+    ``mask``: bool [b, 1, s/c, s], True = attend, causality included (packed documents): this rank's query rows
+    (in its order) against every key in global order, which every rank holds whole (the keys' document ids need
+    not travel round the ring); each block pair reads its [L, L] part (:func:`block_mask`)."""
+    return RingAttention.apply(q, k, v, group, mask)

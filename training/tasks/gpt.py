@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from training.config import Config
+from training.data.context_documents import context_part
 from training.data.documents import DocumentMasks, masked_mean
 from training.data.loader import BatchSampler, build_datasets, resolve_sources
 from training.models.gpt2 import GPTModel
@@ -62,8 +63,9 @@ class GPTTask(Task):
     def loss(self, engine: torch.nn.Module, batch) -> tuple[torch.Tensor, dict]:
         tokens, labels = batch_to_device(batch, engine)
         if self.context is not None:  # the rank's tokens at their global positions; the whole sequence's mean
-            tokens, labels, positions = self.context.split(tokens, labels)
-            return self.context.loss(engine(tokens, labels, positions=positions)), {}
+            part = context_part(self.context, self.documents, tokens, labels)
+            losses = engine(part.tokens, part.labels, positions=part.positions, attn_mask=part.attn_mask)
+            return self.context.loss(losses, part.loss_mask), {}
         if self.documents is None:
             return engine(tokens, labels).mean(), {}
         positions, mask, loss_mask = self.documents.of(tokens)
