@@ -66,7 +66,7 @@ def converted(spm_model, tmp_path_factory):
         same_vocab = padded[0] == padded[1]  # dummy vocabulary rows take part in the softmax: only then same losses
         over = tiny_overrides(spm_model, dirs[case][0], **{"parallel.tensor": 2}, **_common(zero, divisible_by))
         sources.append((over, [["train.exit_at=2"], []] if same_vocab else [["train.exit_at=2"]]))
-    run_distributed(_train_all, 2, sources)
+    run_distributed(_train_all, 2, sources, timeout=300 * len(sources))
     resumes, resumed_cases = [], []
     for case, (zero, divisible_by, padded) in CASES.items():
         a, b = dirs[case]
@@ -81,7 +81,7 @@ def converted(spm_model, tmp_path_factory):
         resumed = {**common, "model.make_vocab_size_divisible_by": divisible}
         resumes.append((refused, tiny_overrides(spm_model, b, **{"parallel.tensor": 1}, **resumed)))
         resumed_cases.append(case)
-    refusals = dict(zip(resumed_cases, run_distributed(_resume_all, 1, resumes)[0]))
+    refusals = dict(zip(resumed_cases, run_distributed(_resume_all, 1, resumes, timeout=300 * len(resumes))[0]))
     return {case: (*dirs[case], refusals.get(case)) for case in CASES}
 
 
