@@ -15,16 +15,22 @@ from tests.helpers.distributed import run_distributed
 from tests.helpers.training_runs import ROOT, needs_corpus, resume_worker, tiny_overrides, train_worker
 
 
+def _train_each(rank, world, runs):
+    """Rank worker: ``train_worker`` for each overrides list of ``runs``, one after the other."""
+    return [train_worker(rank, world, overrides) for overrides in runs]
+
+
 @needs_corpus
 def test_tp2_dp2_and_zero1_match_tp1_dp1_and_loss_decreases(spm_model, tmp_path):
     # vocab 1000 pads to 1024 at TP=1 (x128) and at TP=2 (x256): identical initial weights
     # (no warmup: with Megatron's schedule a warmup's first update runs at lr 0)
     common = {"train.iters": 6, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant", "optimizer.warmup_iters": 0}
     ref = run_distributed(train_worker, 1, tiny_overrides(spm_model, tmp_path / "tp1", **{"parallel.tensor": 1}, **common))
-    big = run_distributed(train_worker, 4, tiny_overrides(spm_model, tmp_path / "tp2dp2", **{"parallel.tensor": 2}, **common))
-    zero = run_distributed(train_worker, 4, tiny_overrides(spm_model, tmp_path / "zero1", **{"parallel.tensor": 2},
-                                                        **{"parallel.zero_stage": 1}, **common))
-    l1, l4, lz = ref[0]["losses"], big[0]["losses"], zero[0]["losses"]
+    big, zero = run_distributed(_train_each, 4, [  # both 4-rank runs in one launch
+        tiny_overrides(spm_model, tmp_path / "tp2dp2", **{"parallel.tensor": 2}, **common),
+        tiny_overrides(spm_model, tmp_path / "zero1", **{"parallel.tensor": 2}, **{"parallel.zero_stage": 1}, **common)],
+        timeout=600)[0]
+    l1, l4, lz = ref[0]["losses"], big["losses"], zero["losses"]
     assert len(l1) == len(l4) == len(lz) == 6
     torch.testing.assert_close(torch.tensor(l4), torch.tensor(l1), rtol=2e-4, atol=2e-4)
     # ZeRO-1 (optimizer states sharded over the 2 DP ranks) changes no loss
@@ -43,22 +49,28 @@ def _logits_worker(rank, world, run_dirs):
     return [load_model_for_eval(d)[0](tokens).detach() for d in run_dirs]
 
 
+def _serial_and_logits(rank, world, overrides, run_dirs):
+    """One-rank worker: train the serial run (``overrides``), then the logits of ``run_dirs`` (that run among them)."""
+    return train_worker(rank, world, overrides), _logits_worker(rank, world, run_dirs)
+
+
 @needs_corpus
 def test_pipeline_parallel_matches_serial(spm_model, tmp_path):
     """PP=2 and TP=2 x PP=2 (4 ranks, with activation checkpointing) give the TP=1 x PP=1 losses; their
     checkpoints merge into the same TP=1 model."""
     common = {"train.iters": 4, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant"}
-    ref = run_distributed(train_worker, 1, tiny_overrides(spm_model, tmp_path / "pp1", **{"parallel.tensor": 1}, **common))
     pp2 = run_distributed(train_worker, 2, tiny_overrides(spm_model, tmp_path / "pp2", **{"parallel.tensor": 1},
                                                        **{"parallel.pipeline": 2}, **common))
     tp2pp2 = run_distributed(train_worker, 4, tiny_overrides(spm_model, tmp_path / "tp2pp2", **{"parallel.tensor": 2},
                                                           **{"parallel.pipeline": 2},
                                                           **{"model.activation_checkpointing": "true"}, **common))
-    l1, lp, ltp = (torch.tensor(r[0]["losses"]) for r in (ref, pp2, tp2pp2))
+    # the serial reference and the three checkpoints' logits in one launch
+    ref, (a, b, c) = run_distributed(_serial_and_logits, 1, tiny_overrides(spm_model, tmp_path / "pp1", **{"parallel.tensor": 1}, **common),
+                                     [str(tmp_path / d) for d in ("pp1", "pp2", "tp2pp2")], timeout=600)[0]
+    l1, lp, ltp = torch.tensor(ref["losses"]), torch.tensor(pp2[0]["losses"]), torch.tensor(tp2pp2[0]["losses"])
     assert len(l1) == 4
     torch.testing.assert_close(lp, l1, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(ltp, l1, rtol=2e-4, atol=2e-4)
-    a, b, c = run_distributed(_logits_worker, 1, [str(tmp_path / d) for d in ("pp1", "pp2", "tp2pp2")])[0]
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(c, a, rtol=1e-3, atol=1e-3)
 

@@ -256,15 +256,21 @@ def train_worker(rank, world, overrides):
     return compiled, [json.loads(x)["loss"] for x in lines if "event" not in json.loads(x)], said
 
 
+def _train_each(rank, world, runs):
+    """Rank worker: ``train_worker`` for each overrides list of ``runs``, one after the other."""
+    return [train_worker(rank, world, overrides) for overrides in runs]
+
+
 @needs_corpus
 def test_trainer_with_compiled_layers_matches_eager(spm_model, tmp_path):
     """The trainer with ``model.compile=true`` (TP = 2, activation checkpointing, dropout 0): every layer
     compiled on every rank, the losses of the eager run."""
     common = {"parallel.tensor": 2, "train.iters": 3, "model.hidden_dropout": 0.0, "model.attention_dropout": 0.0,
               "model.activation_checkpointing": "true", "optimizer.warmup_iters": 0}
-    eager = run_distributed(train_worker, 2, tiny_overrides(spm_model, tmp_path / "eager", **common))
-    comp = run_distributed(train_worker, 2, tiny_overrides(spm_model, tmp_path / "compiled", **common,
-                                                        **{"model.compile": "true"}))
+    ranks = run_distributed(_train_each, 2, [tiny_overrides(spm_model, tmp_path / "eager", **common),  # one launch
+                                             tiny_overrides(spm_model, tmp_path / "compiled", **common,
+                                                            **{"model.compile": "true"})], timeout=600)
+    eager, comp = ([r[i] for r in ranks] for i in range(2))  # per rank, as two launches would return them
     assert [c[0] for c in comp] == [2, 2] and eager[0][0] == 0
     assert len(comp[0][2]) == 1 and comp[1][2] == [] and eager[0][2] == []  # rank 0 says it is compiling, once
     assert comp[0][2][0].startswith("compiling the transformer layers (model.compile): the first step")

@@ -87,7 +87,6 @@ def _compare_with_lm_eval(run: Path, hf_dir: Path, tmp_path: Path, k: int, seq: 
     """lm-eval lambada_openai on the export vs our strict LAMBADA on the run, first ``k`` lines, per example."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     from evaluation.cli import main
     from evaluation.lambada import build_examples, read_lambada_jsonl, score_lambada
@@ -112,7 +111,7 @@ def _compare_with_lm_eval(run: Path, hf_dir: Path, tmp_path: Path, k: int, seq: 
     lm = HFLM(pretrained=str(hf_dir), batch_size=8, device="cpu")
     assert lm.max_length == seq  # same left truncation (last seq + 1 tokens) as our scorer
     res = simple_evaluate(model=lm, tasks=["lambada_openai_local"], num_fewshot=0, limit=n,
-                          task_manager=TaskManager(include_path=str(_lmeval_task_dir(tmp_path, data))),
+                          task_manager=_local_task_manager(_lmeval_task_dir(tmp_path, data)),
                           log_samples=True, bootstrap_iters=0, verbosity="ERROR")
     theirs = res["results"]["lambada_openai_local"]
     samples = sorted(res["samples"]["lambada_openai_local"], key=lambda s: s["doc_id"])
@@ -181,11 +180,18 @@ def test_lm_eval_on_a_sentencepiece_export_equals_our_lambada(exported_sentencep
     assert ours["count"] == 60
 
 
-def _lm_eval_samples(lm, task_dir: Path, task: str, n: int) -> tuple[dict, list[dict]]:
-    from lm_eval import simple_evaluate
+def _local_task_manager(task_dir: Path):
+    """lm-eval's TaskManager of the task files in ``task_dir`` alone, as ``python -m evaluation lm-eval`` builds it
+    for local tasks (indexing lm-eval's ~14,000 installed task files as well takes 20-40 s a time)."""
     from lm_eval.tasks import TaskManager
 
-    res = simple_evaluate(model=lm, tasks=[task], num_fewshot=0, limit=n, task_manager=TaskManager(include_path=str(task_dir)),
+    return TaskManager(include_path=str(task_dir), include_defaults=False)
+
+
+def _lm_eval_samples(lm, manager, task: str, n: int) -> tuple[dict, list[dict]]:
+    from lm_eval import simple_evaluate
+
+    res = simple_evaluate(model=lm, tasks=[task], num_fewshot=0, limit=n, task_manager=manager,
                           log_samples=True, bootstrap_iters=0, verbosity="ERROR")
     return res["results"][task], sorted(res["samples"][task], key=lambda s: s["doc_id"])
 
@@ -231,10 +237,11 @@ def test_lm_eval_on_our_checkpoint_equals_lm_eval_on_the_export(exported, tmp_pa
     task_dir = tmp_path / "tasks"
     task_dir.mkdir()
     assert local_tasks(task_dir, str(LAMBADA), str(WIKITEXT2)) == ["lambada_openai_local", "wikitext_local"]
+    manager = _local_task_manager(task_dir)  # one index of the task files for every lm-eval call below
     n = 40
-    ours_l, ours_s = _lm_eval_samples(SuiteLM.from_checkpoint(str(run), setup_runtime(), batch_size=7), task_dir, "lambada_openai_local", n)
+    ours_l, ours_s = _lm_eval_samples(SuiteLM.from_checkpoint(str(run), setup_runtime(), batch_size=7), manager, "lambada_openai_local", n)
     hf = HFLM(pretrained=str(hf_dir), batch_size=8, device="cpu")
-    hf_l, hf_s = _lm_eval_samples(hf, task_dir, "lambada_openai_local", n)
+    hf_l, hf_s = _lm_eval_samples(hf, manager, "lambada_openai_local", n)
     assert len(ours_s) == len(hf_s) == n
     for a, b in zip(ours_s, hf_s):
         assert a["arguments"] == b["arguments"]
@@ -244,8 +251,8 @@ def test_lm_eval_on_our_checkpoint_equals_lm_eval_on_the_export(exported, tmp_pa
     assert ours_l["perplexity,none"] == pytest.approx(hf_l["perplexity,none"], rel=1e-5)
 
     # loglikelihood_rolling over whole articles (several 64-token windows each)
-    ours_w, ours_ws = _lm_eval_samples(SuiteLM.from_checkpoint(str(run), setup_runtime(), batch_size=3), task_dir, "wikitext_local", 3)
-    hf_w, hf_ws = _lm_eval_samples(hf, task_dir, "wikitext_local", 3)
+    ours_w, ours_ws = _lm_eval_samples(SuiteLM.from_checkpoint(str(run), setup_runtime(), batch_size=3), manager, "wikitext_local", 3)
+    hf_w, hf_ws = _lm_eval_samples(hf, manager, "wikitext_local", 3)
     for a, b in zip(ours_ws, hf_ws):
         assert a["filtered_resps"][0] == pytest.approx(b["filtered_resps"][0], rel=1e-5)
     assert ours_w["word_perplexity,none"] == pytest.approx(hf_w["word_perplexity,none"], rel=1e-5)
@@ -259,6 +266,6 @@ def test_lm_eval_on_our_checkpoint_equals_lm_eval_on_the_export(exported, tmp_pa
         for (ll, greedy), a in zip(per_example, ours_s):
             assert ll == pytest.approx(a["filtered_resps"][0][0], rel=1e-5, abs=1e-5) and greedy == bool(a["filtered_resps"][0][1])
     tp2 = json.loads(out.read_text())["results"]
-    _, first3 = _lm_eval_samples(SuiteLM.from_checkpoint(str(run), setup_runtime()), task_dir, "lambada_openai_local", 3)
+    _, first3 = _lm_eval_samples(SuiteLM.from_checkpoint(str(run), setup_runtime()), manager, "lambada_openai_local", 3)
     assert tp2["lambada_openai_local"]["acc,none"] == pytest.approx(sum(s["acc"] for s in first3) / 3)
     assert tp2["wikitext_local"]["word_perplexity,none"] == pytest.approx(ours_w["word_perplexity,none"], rel=1e-5)

@@ -75,6 +75,11 @@ def _losses(rank, world, overrides):
     return train_worker(rank, world, overrides)["losses"]
 
 
+def _losses_each(rank, world, runs):
+    """Rank worker: ``_losses`` of each overrides list of ``runs``, one after the other."""
+    return [_losses(rank, world, overrides) for overrides in runs]
+
+
 @needs_corpus
 def test_fp16_zero1_and_pp2_track_fp32(spm_model, tmp_path):
     """Six steps of fp16 + ZeRO-1 and of fp16 + PP=2 (ZeRO-0, DeepSpeed's FP16_UnfusedOptimizer) stay within
@@ -83,9 +88,9 @@ def test_fp16_zero1_and_pp2_track_fp32(spm_model, tmp_path):
               "optimizer.warmup_iters": 0, "parallel.tensor": 1, "train.global_batch_size": 4}
     half = {"precision.dtype": "fp16", "precision.allow_fp16_on_cpu": "true", "precision.initial_scale_power": 10,
             "precision.loss_scale_window": 2}
-    ref = run_distributed(_losses, 1, tiny_overrides(spm_model, tmp_path / "fp32", **common))[0]
-    zero1 = run_distributed(_losses, 1, tiny_overrides(spm_model, tmp_path / "zero1", **common, **half,
-                                                   **{"parallel.zero_stage": 1}))[0]
+    ref, zero1 = run_distributed(_losses_each, 1, [  # both one-rank runs in one launch
+        tiny_overrides(spm_model, tmp_path / "fp32", **common),
+        tiny_overrides(spm_model, tmp_path / "zero1", **common, **half, **{"parallel.zero_stage": 1})], timeout=600)[0]
     pp2 = run_distributed(_losses, 2, tiny_overrides(spm_model, tmp_path / "pp2", **common, **half,
                                                  **{"parallel.pipeline": 2}))[0]
     ref, zero1, pp2 = torch.tensor(ref), torch.tensor(zero1), torch.tensor(pp2)

@@ -470,6 +470,11 @@ def _logits(rank, world, dirs):
     return [load_model_for_eval(d)[0](tokens)[..., :1000].detach() for d in dirs]
 
 
+def _train_then_logits(rank, world, overrides, dirs):
+    """One-rank worker: the run with ``overrides`` (its losses), then the logits of ``dirs`` (one launch for both)."""
+    return _train(rank, world, overrides, [[]]), _logits(rank, world, dirs)
+
+
 @needs_corpus
 def test_llama_tiny_trains_at_tp_and_pp_and_reshards(spm_model, tmp_path):
     """configs/llama_tiny.yaml under the Trainer: PP=2 and TP=2 x PP=2 with activation checkpointing give the
@@ -480,17 +485,20 @@ def test_llama_tiny_trains_at_tp_and_pp_and_reshards(spm_model, tmp_path):
     common = {"train.iters": 4, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant", "optimizer.warmup_iters": 0}
     run = lambda world, name, **kw: run_distributed(_train, world, tiny_overrides(spm_model, tmp_path / name, **kw,  # noqa: E731
                                                                               **common), [[]])[0]
-    l1 = torch.tensor(run(1, "serial", **{"parallel.tensor": 1}))
     lp = torch.tensor(run(2, "pp2", **{"parallel.tensor": 1, "parallel.pipeline": 2}))
     ltp = torch.tensor(run(4, "tp2pp2", **{"parallel.tensor": 2, "parallel.pipeline": 2,
                                            "model.activation_checkpointing": "true"}))
+    reshard(tmp_path / "tp2pp2", tp=1, pp=1, out=tmp_path / "to_tp1")
+    reshard(tmp_path / "to_tp1", tp=2, pp=1, out=tmp_path / "to_tp2")
+    # the serial run, then every checkpoint's logits, in one launch
+    dirs = [str(tmp_path / d) for d in ("serial", "pp2", "tp2pp2", "to_tp1", "to_tp2")]
+    l1, (serial, pp2, tp2pp2, to_tp1, to_tp2) = run_distributed(
+        _train_then_logits, 1, tiny_overrides(spm_model, tmp_path / "serial", **{"parallel.tensor": 1}, **common), dirs,
+        timeout=600)[0]
+    l1 = torch.tensor(l1)
     assert len(l1) == 4 and l1[-1] < l1[0] - 0.2, l1  # learning (ln 1000 = 6.9 at the start)
     torch.testing.assert_close(lp, l1, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(ltp, l1, rtol=2e-4, atol=2e-4)
-    reshard(tmp_path / "tp2pp2", tp=1, pp=1, out=tmp_path / "to_tp1")
-    reshard(tmp_path / "to_tp1", tp=2, pp=1, out=tmp_path / "to_tp2")
-    dirs = [str(tmp_path / d) for d in ("serial", "pp2", "tp2pp2", "to_tp1", "to_tp2")]
-    serial, pp2, tp2pp2, to_tp1, to_tp2 = run_distributed(_logits, 1, dirs)[0]
     torch.testing.assert_close(pp2, serial, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(tp2pp2, serial, rtol=1e-3, atol=1e-3)
     assert torch.equal(to_tp1, tp2pp2) and torch.equal(to_tp2, tp2pp2)

@@ -81,14 +81,28 @@ def _ab_worker(rank, world, kind):
     return rows
 
 
-@pytest.mark.parametrize("kind", ["fused", "unfused", "device"])
-def test_o1_step_equals_deepspeeds_step(kind):
+def _each(rank, world, worker, variants):
+    """One-rank worker: ``worker(rank, world, v)`` for each ``v`` of ``variants``, one after the other."""
+    return {v: worker(rank, world, v) for v in variants}
+
+
+KINDS = ("fused", "unfused", "device")
+
+
+@pytest.fixture(scope="module")
+def ab_rows():
+    """{kind: ``_ab_worker``'s rows}: every kind in one launch."""
+    return run_distributed(_each, 1, _ab_worker, KINDS, timeout=300 * len(KINDS))[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_o1_step_equals_deepspeeds_step(ab_rows, kind):
     """Eight steps of DeepSpeed's FP16_Optimizer (flat masters; the class it uses for FusedAdam, here around
     torch's AdamW, which it does not care about) and FP16_UnfusedOptimizer, ours vs DeepSpeed's step on the same
     scaled gradients: the same overflows (fp16 overflow of the scaled gradients at step 3, an inf at step 5),
     the same loss-scale sequence, bitwise the same fp16 weights (fp32 masters to 1e-6); the reported norm is the unscaled gradients' norm,
     also on step 2, where the scale grows (DeepSpeed divides by the grown scale there and reports half)."""
-    rows = run_distributed(_ab_worker, 1, kind)[0]
+    rows = ab_rows[kind]
     assert [r["ours"]["overflow"] for r in rows] == [r["ds"]["overflow"] for r in rows] == \
         [False, False, False, True, False, True, False, False]
     assert [r["ours"]["scale"] for r in rows] == [r["ds"]["scale"] for r in rows] == \
@@ -124,13 +138,19 @@ def _first_update_worker(rank, world, undo):
     return before, masters_before, [x.float() for x in grads], opt.fp32_groups_flat[0].detach().clone()
 
 
+@pytest.fixture(scope="module")
+def first_updates():
+    """{undo: ``_first_update_worker``'s tensors}: both in one launch."""
+    return run_distributed(_each, 1, _first_update_worker, (True, False), timeout=600)[0]
+
+
 @pytest.mark.parametrize("undo", [True, False])
-def test_fused_wrapper_first_update_is_megatrons(undo):
+def test_fused_wrapper_first_update_is_megatrons(first_updates, undo):
     """FusedAdam's wrapper (FP16_Optimizer) steps its optimizer once with zero gradients at construction, so
     Adam's first real update was bias-corrected as step 2 (0.744 lr) and one weight decay had already been
     applied. After training.optim.engine.undo_initial_zero_step the masters equal the fp16 weights and the first update is
     Megatron's: p (1 - lr wd) - lr g / (|g| + eps)."""
-    before, masters_before, grads, after = run_distributed(_first_update_worker, 1, undo)[0]
+    before, masters_before, grads, after = first_updates[undo]
     flat_before = torch.cat([b.reshape(-1) for b in before])
     g = torch.cat([x.reshape(-1) for x in grads])
     lr, wd, eps = 1e-2, 0.1, 1e-8
@@ -191,13 +211,28 @@ def _counts_worker(rank, world, spec, tmp, dtype):
     return out
 
 
+DTYPES = ("fp16", "bf16", "fp32")
+
+
+def _each_dtype(rank, world, worker, spec, tmp, dtypes):
+    """One-rank worker: ``worker(rank, world, spec, tmp, dtype)`` for each of ``dtypes``, one after the other."""
+    return {dtype: worker(rank, world, spec, tmp, dtype) for dtype in dtypes}
+
+
+@pytest.fixture(scope="module")
+def counts(spm_model, tmp_path_factory):
+    """{dtype: ``_counts_worker``'s counts}: every dtype in one launch."""
+    return run_distributed(_each_dtype, 1, _counts_worker, spm_model, str(tmp_path_factory.mktemp("counts")), DTYPES,
+                           timeout=300 * len(DTYPES))[0]
+
+
 @needs_corpus
-@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
-def test_step_host_work_is_constant_in_layers(spm_model, tmp_path, dtype):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_step_host_work_is_constant_in_layers(counts, dtype):
     """fp16/bf16: the optimizer step costs the same kernels at 2 and 8 layers (DeepSpeed's: a chain of kernels
     and a read per tensor). Host reads per step: 0 in every dtype on a step whose metrics are not read (fp16 and
     bf16: the skip, the clip and fp16's loss scale decided on the device), exactly 1 on a step that reads them."""
-    c = run_distributed(_counts_worker, 1, spm_model, str(tmp_path), dtype)[0]
+    c = counts[dtype]
     ours2, ours8, ds2, ds8 = c[(2, "o1")], c[(8, "o1")], c[(2, "deepspeed")], c[(8, "deepspeed")]
     assert ours2["loss_on_device"] and ours8["loss_on_device"]
     lazy_reads = 0  # fp16 too: the skip and the loss scale decided on the device (issue 40)
@@ -242,14 +277,23 @@ def _loop_worker(rank, world, spec, tmp, dtype):
             [(m["iteration"], m["loss"], m["grad_norm"]) for m in every], [r.get("pipeline_bubble_stages") for r in rows])
 
 
+@pytest.fixture(scope="module")
+def loops(spm_model, tmp_path_factory):
+    """{dtype: ``_loop_worker``'s reads and losses}: every dtype in one launch."""
+    return run_distributed(_each_dtype, 1, _loop_worker, spm_model, str(tmp_path_factory.mktemp("loops")), DTYPES,
+                           timeout=300 * len(DTYPES))[0]
+
+
 @needs_corpus
 @pytest.mark.parametrize("dtype, pp", [("fp16", 1), ("bf16", 1), ("fp32", 1), ("fp16", 2)])
-def test_train_reads_the_host_on_log_steps_only(spm_model, tmp_path, dtype, pp):
+def test_train_reads_the_host_on_log_steps_only(loops, spm_model, tmp_path, dtype, pp):
     """Trainer.train() with log_interval=3 over 7 steps: steps 3, 6 (log) and 7 (the last) read their metrics in
     one host read; the others read nothing. The logged loss and gradient norm are
     exactly those of the same run read on every step. PP=2 (fp16, the pipeline engine's train_batch): the same one
-    read, every stage's pipeline bubble gathered on the device and read with the metrics (it was a second read)."""
-    reads, logged, every, bubbles = run_distributed(_loop_worker, pp, spm_model, str(tmp_path), dtype)[0]
+    read, every stage's pipeline bubble gathered on the device and read with the metrics (it was a second read).
+    The PP=1 cases share one launch (``loops``)."""
+    reads, logged, every, bubbles = (loops[dtype] if pp == 1 else
+                                     run_distributed(_loop_worker, pp, spm_model, str(tmp_path), dtype)[0])
     lazy = 0
     assert reads == [(False, lazy), (False, lazy), (True, 1), (False, lazy), (False, lazy), (True, 1), (True, 1)]
     assert logged == [every[i] for i in (2, 5, 6)]
@@ -307,16 +351,32 @@ TRAJECTORIES = {  # dtype, steps whose gradients are made inf, extra overrides
 }
 
 
+def _each_trajectory(rank, world, spec, tmp):
+    """One-rank worker: ``_trajectory_worker`` for each case of TRAJECTORIES (in its own folder), one after the other."""
+    out = {}
+    for case, (dtype, overflow_at, extra) in TRAJECTORIES.items():
+        (Path(tmp) / case).mkdir()
+        out[case] = _trajectory_worker(rank, world, spec, f"{tmp}/{case}", dtype, overflow_at, STEPS, extra)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trajectories(spm_model, tmp_path_factory):
+    """{case: ``_trajectory_worker``'s rows}: every case in one launch."""
+    return run_distributed(_each_trajectory, 1, spm_model, str(tmp_path_factory.mktemp("trajectories")),
+                           timeout=300 * len(TRAJECTORIES))[0]
+
+
 @needs_corpus
 @pytest.mark.parametrize("case", list(TRAJECTORIES))
-def test_trainer_trajectory_equals_deepspeeds_step(spm_model, tmp_path, case):
+def test_trainer_trajectory_equals_deepspeeds_step(trajectories, case):
     """Fifty trainer steps with the O(1) step and with DeepSpeed's: the same applied/skipped steps under
     injected overflows (fp16: the same loss scales; bf16 skips a non-finite step too), losses and gradient norms
     equal to their precision. With ``precision.hysteresis: 2`` both halve the scale on *every* overflow, the
     first of a run included: DeepSpeed's ZeRO-0 wrappers ignore hysteresis (#697; ZeRO-1's scaler honours it,
     tests/parallel/test_fp16_training.py), and ours keeps DeepSpeed's behaviour (its rule, training/optim/loss_scale.py)."""
     dtype, overflow_at, extra = TRAJECTORIES[case]
-    r = run_distributed(_trajectory_worker, 1, spm_model, str(tmp_path), dtype, overflow_at, STEPS, extra)[0]
+    r = trajectories[case]
     ours, ds = r["o1"], r["deepspeed"]
     assert [x[1] for x in ours] == [x[1] for x in ds] == [k not in overflow_at for k in range(STEPS)]
     assert [x[2] for x in ours] == [x[2] for x in ds]

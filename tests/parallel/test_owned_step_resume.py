@@ -45,13 +45,28 @@ def _logged(run_dir: Path) -> list[tuple]:
             for r in rows if "event" not in r]
 
 
+def _runs_worker(rank, world, spec, runs):
+    """One-rank worker: ``_run_worker`` for each (run_dir, dtype, exit_at) of ``runs``, one after the other."""
+    return [_run_worker(rank, world, spec, *run) for run in runs]
+
+
+@pytest.fixture(scope="module")
+def runs(spm_model, tmp_path_factory):
+    """{dtype: (whole run dir, its final weights, split run dir, its final weights)}: one process makes both dtypes'
+    uninterrupted runs and stops both split runs at STOP, a second process resumes the split runs."""
+    root = tmp_path_factory.mktemp("owned_step_resume")
+    dtypes = ("fp16", "bf16")
+    first = [(str(root / f"whole_{d}"), d, 0) for d in dtypes] + [(str(root / f"split_{d}"), d, STOP) for d in dtypes]
+    wholes = run_distributed(_runs_worker, 1, spm_model, first, timeout=300 * len(first))[0][:len(dtypes)]
+    resumed = run_distributed(_runs_worker, 1, spm_model, [(str(root / f"split_{d}"), d, 0) for d in dtypes], timeout=600)[0]
+    return {d: (root / f"whole_{d}", w, root / f"split_{d}", r) for d, w, r in zip(dtypes, wholes, resumed)}
+
+
 @needs_corpus
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-def test_stop_and_resume_equals_the_uninterrupted_run_with_device_decided_skips(spm_model, tmp_path, dtype):
-    whole = run_distributed(_run_worker, 1, spm_model, str(tmp_path / "whole"), dtype, 0)[0]
-    run_distributed(_run_worker, 1, spm_model, str(tmp_path / "split"), dtype, STOP)
-    resumed = run_distributed(_run_worker, 1, spm_model, str(tmp_path / "split"), dtype, 0)[0]
-    a, b = _logged(tmp_path / "whole"), _logged(tmp_path / "split")
+def test_stop_and_resume_equals_the_uninterrupted_run_with_device_decided_skips(runs, dtype):
+    whole_dir, whole, split_dir, resumed = runs[dtype]
+    a, b = _logged(whole_dir), _logged(split_dir)
     assert [r[0] for r in a] == [4, 8, 10]
     assert b == a
     assert a[-1][4] == len(OVERFLOW_AT)  # every planted overflow skipped, and counted once across the resume

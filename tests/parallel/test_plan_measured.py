@@ -82,13 +82,32 @@ def _measure_worker(rank: int, world: int, overrides: list[str]) -> dict:
             "optimizer": _storage_bytes(masters + moments)}
 
 
+def _measure_each(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
+    """Rank worker: ``_measure_worker`` for each overrides list of ``runs``, one after the other."""
+    return [_measure_worker(rank, world, overrides) for overrides in runs]
+
+
+LAYOUTS = [(1, 1, 1, 0, "fp32"), (2, 1, 1, 0, "fp16"), (4, 1, 1, 0, "fp32"), (1, 2, 1, 0, "fp32"), (2, 2, 1, 0, "fp16"),
+           (1, 1, 2, 1, "fp32"), (2, 1, 2, 1, "fp16")]  # tp, pp, dp, zero, dtype
+
+
+@pytest.fixture(scope="module")
+def measured(spm_model, tmp_path_factory) -> dict:
+    """{layout: (its overrides, per rank ``_measure_worker``'s measurements)}: one launch per world size."""
+    root = tmp_path_factory.mktemp("plan_measured")
+    out = {}
+    for world in sorted({tp * pp * dp for tp, pp, dp, _, _ in LAYOUTS}):
+        group = [lay for lay in LAYOUTS if lay[0] * lay[1] * lay[2] == world]
+        runs = [_run_overrides(spm_model, root / "-".join(map(str, lay)), lay[0], lay[1], lay[4], lay[3]) for lay in group]
+        ranks = run_distributed(_measure_each, world, runs, timeout=600 * len(group))
+        out.update({lay: (over, [r[i] for r in ranks]) for i, (lay, over) in enumerate(zip(group, runs))})
+    return out
+
+
 @needs_corpus
-@pytest.mark.parametrize("tp,pp,dp,zero,dtype", [(1, 1, 1, 0, "fp32"), (2, 1, 1, 0, "fp16"), (4, 1, 1, 0, "fp32"),
-                                                  (1, 2, 1, 0, "fp32"), (2, 2, 1, 0, "fp16"), (1, 1, 2, 1, "fp32"),
-                                                  (2, 1, 2, 1, "fp16")], ids=lambda v: str(v))
-def test_planner_state_bytes_equal_the_engines_tensors(spm_model, tmp_path, tp, pp, dp, zero, dtype):
-    overrides = _run_overrides(spm_model, tmp_path / "run", tp, pp, dtype, zero)
-    ranks = run_distributed(_measure_worker, tp * pp * dp, overrides, timeout=600)
+@pytest.mark.parametrize("tp,pp,dp,zero,dtype", LAYOUTS, ids=lambda v: str(v))
+def test_planner_state_bytes_equal_the_engines_tensors(measured, tp, pp, dp, zero, dtype):
+    overrides, ranks = measured[(tp, pp, dp, zero, dtype)]
     cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", overrides + [f"model.vocab_size={VOCAB}"])
     shape = ModelShape.from_config(cfg.model, tp, cfg.bert)
     per_stage = stage_params(shape, tp, pp)

@@ -85,12 +85,18 @@ def _auto_worker(rank, world, overrides, fake_gib):
     return t.cfg.model.recompute, saved
 
 
+def _auto_each(rank, world, runs):
+    """Rank worker: ``_auto_worker`` for each (overrides, fake_gib) of ``runs``, one after the other (one launch)."""
+    return [_auto_worker(rank, world, overrides, fake_gib) for overrides, fake_gib in runs]
+
+
 @needs_corpus
 def test_trainer_resolves_auto_alike_on_every_rank(spm_model, tmp_path):
     """Two TP ranks told 64 GiB and 10^-5 GiB: both recompute (the smaller memory decides), the run trains, and
     RUN_DIR/config.json keeps the decision; with room on both, neither recomputes."""
     common = {"parallel.tensor": 2, "train.iters": 2, "model.recompute": "auto"}
-    tight = run_distributed(_auto_worker, 2, tiny_overrides(spm_model, tmp_path / "tight", **common), [64.0, 1e-5])
-    roomy = run_distributed(_auto_worker, 2, tiny_overrides(spm_model, tmp_path / "roomy", **common), [64.0, 64.0])
+    ranks = run_distributed(_auto_each, 2, [(tiny_overrides(spm_model, tmp_path / "tight", **common), [64.0, 1e-5]),
+                                            (tiny_overrides(spm_model, tmp_path / "roomy", **common), [64.0, 64.0])], timeout=600)
+    tight, roomy = ([r[i] for r in ranks] for i in range(2))  # per rank, as two launches would return them
     assert tight == [("full", "full"), ("full", "full")]  # CPU: selective would not fit 10^-5 GiB either
     assert roomy == [("none", "none"), ("none", "none")]

@@ -15,6 +15,13 @@ def _logits(rank, world, dirs_and_tags):
     return [load_model_for_eval(d, tag=t)[0](tokens)[..., :1000].detach() for d, t in dirs_and_tags]
 
 
+def _logits_then_train(rank, world, dirs_and_tags, overrides):
+    """One-rank worker: the logits of ``dirs_and_tags``, then a run with ``overrides`` (one launch for both)."""
+    logits = _logits(rank, world, dirs_and_tags)
+    train_stages(rank, world, overrides, [[]])
+    return logits
+
+
 @needs_corpus
 def test_reshard_tp2pp2_to_tp1_to_tp4(spm_model, tmp_path):
     from training.tools.reshard import reshard
@@ -26,11 +33,12 @@ def test_reshard_tp2pp2_to_tp1_to_tp4(spm_model, tmp_path):
     b, c = tmp_path / "b", tmp_path / "c"
     reshard(a, tp=1, pp=1, out=b, tag="iter_0000002")
     reshard(b, tp=4, pp=1, out=c)
-    la, lb, lc = run_distributed(_logits, 1, [(str(a), "iter_0000002"), (str(b), None), (str(c), None)])[0]
+    # the three checkpoints' logits, then the TP=1 conversion resumed to iteration 4 (after its logits were taken)
+    la, lb, lc = run_distributed(_logits_then_train, 1, [(str(a), "iter_0000002"), (str(b), None), (str(c), None)],
+                                 tiny_overrides(spm_model, b, **{"parallel.tensor": 1}, **common), timeout=600)[0]
     torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lc, la, rtol=1e-5, atol=1e-5)
-    # resume the TP=1 conversion to iteration 4: same losses and learning rates as the original run
-    run_distributed(train_stages, 1, tiny_overrides(spm_model, b, **{"parallel.tensor": 1}, **common), [[]])
+    # the resumed TP=1 conversion: same losses and learning rates as the original run
     sa, sb = metric_steps(a), metric_steps(b)
     assert sorted(sb) == [1, 2, 3, 4]
     for it in (3, 4):

@@ -175,15 +175,20 @@ def test_old_and_new_key_disagreeing_is_one_line():
         ModelConfig(activation_checkpointing=False, recompute="full")
 
 
+def _train_each(rank, world, runs):
+    """Rank worker: ``train_worker`` for each overrides list of ``runs``, one after the other."""
+    return [train_worker(rank, world, overrides) for overrides in runs]
+
+
 @needs_corpus
 def test_selective_under_pipeline_parallelism_trains_as_none(spm_model, tmp_path):  # noqa: F811 - fixture
     """PP = 2 under the Trainer with dropout on: selective recomputation gives the losses of none, bit for bit
     (the recomputed cores replay their dropout masks inside DeepSpeed's pipeline schedule)."""
     common = {"train.iters": 3, "parallel.tensor": 1, "parallel.pipeline": 2, "model.hidden_dropout": 0.1,
               "model.attention_dropout": 0.1}
-    losses = {mode: run_distributed(train_worker, 2, tiny_overrides(spm_model, tmp_path / mode, **common,
-                                                                  **{"model.recompute": mode}))[0]["losses"]
-              for mode in ("none", "selective")}
+    modes = ("none", "selective")
+    runs = [tiny_overrides(spm_model, tmp_path / mode, **common, **{"model.recompute": mode}) for mode in modes]
+    losses = {mode: out["losses"] for mode, out in zip(modes, run_distributed(_train_each, 2, runs, timeout=600)[0])}  # one launch
     assert len(losses["none"]) == 3 and losses["selective"] == losses["none"], losses
 
 

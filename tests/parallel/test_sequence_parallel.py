@@ -318,9 +318,22 @@ def _equivalence_worker(rank: int, world: int, model_name: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("model_name", ["gpt2", "llama"])
-def test_sequence_parallel_equals_tensor_parallel(model_name):
-    ranks = run_distributed(_equivalence_worker, 4, model_name, timeout=900)
+MODELS = ("gpt2", "llama")
+
+
+def _equivalence_each(rank: int, world: int, model_names: tuple[str, ...]) -> dict:
+    return {name: _equivalence_worker(rank, world, name) for name in model_names}
+
+
+@pytest.fixture(scope="module")
+def equivalence() -> list[dict]:
+    """Per rank, {model name: ``_equivalence_worker``'s results}: both models in one 4-rank launch."""
+    return run_distributed(_equivalence_each, 4, MODELS, timeout=900 * len(MODELS))
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_sequence_parallel_equals_tensor_parallel(equivalence, model_name):
+    ranks = [r[model_name] for r in equivalence]
     for r in ranks:
         for layout, res in r.items():
             assert res["loss_on"] == pytest.approx(res["loss_off"], abs=1e-6), (layout, res)
