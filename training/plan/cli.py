@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901
             raise ConfigError(f"--tp must be >= 1, got {lay.tp}")
         shape = ModelShape.from_config(cfg.model, tp, cfg.bert)
         validate(shape, lay)
-        validate_context(dataclasses.replace(cfg.parallel, tensor=tp, pipeline=pp, sequence_parallel=sp), cfg.model, [])
+        validate_context(dataclasses.replace(cfg.parallel, tensor=tp, pipeline=pp, sequence_parallel=sp), cfg.model)
         if hw.name != "cpu" and hw.peak_tflops.get(dtype) is None:
             raise ConfigError(f"{hw.name} has no {dtype} peak in training/runtime/hardware.py: choose another --dtype")
         if hw.name == "cpu":
