@@ -124,3 +124,11 @@ def inputs(vocab: int):
     tokens = torch.randint(5, vocab, (2, S), generator=g)
     types_ = torch.cat([torch.zeros(2, S // 2, dtype=torch.long), torch.ones(2, S // 2, dtype=torch.long)], 1)
     return tokens, types_, torch.ones(2, S, dtype=torch.long)
+
+
+def write_bert_vocab(path: Path) -> Path:
+    """A WordPiece vocab.txt of 300 entries (specials, letters, word pieces) at ``path``."""
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    words += [f"##{chr(c)}" for c in range(ord("a"), ord("z") + 1)] + [f"w{i}" for i in range(300 - 57)]
+    path.write_text("\n".join(words) + "\n")
+    return path

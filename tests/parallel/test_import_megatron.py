@@ -49,6 +49,7 @@ from tests.helpers.megatron_core_models import (
     megatron_args,
     megatron_worker,
     noise,
+    write_bert_vocab,
 )
 
 
@@ -238,11 +239,7 @@ def _agree(what: str, ours, ref, sop, ref_sop) -> None:
 @pytest.fixture(scope="module")
 def bert_vocab(tmp_path_factory) -> Path:
     """A WordPiece vocab.txt of 300 entries (specials, letters, word pieces)."""
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    words += [f"##{chr(c)}" for c in range(ord("a"), ord("z") + 1)] + [f"w{i}" for i in range(300 - 57)]
-    path = tmp_path_factory.mktemp("bert_vocab") / "vocab.txt"
-    path.write_text("\n".join(words) + "\n")
-    return path
+    return write_bert_vocab(tmp_path_factory.mktemp("bert_vocab") / "vocab.txt")
 
 
 def _import(src: Path, out: Path, tp: int, arch: str, bert_vocab: Path, pp: int = 1) -> Path:

@@ -66,6 +66,8 @@ def extra_states(keys: list[str], num_layers: int) -> dict[str, list]:
         m = LINEARS.fullmatch(key)
         for i in range(num_layers if m else 0):
             out[f"{m.group(1)}._extra_state/shard_{i}_{num_layers}"] = [None]
+    if any(k.startswith("lm_head.") for k in keys):  # BertModel keeps its output layer's (GPTModel drops it)
+        out["output_layer._extra_state/shard_0_1"] = [None]
     return out
 
 
