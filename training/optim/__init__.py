@@ -10,6 +10,8 @@
 - :mod:`training.optim.loss_scale`: DeepSpeed's dynamic loss-scale rule;
 - :mod:`training.optim.mixed_precision`: :class:`~training.optim.mixed_precision.MixedPrecisionStep`, fp16/bf16 at
   ZeRO-0 in a constant number of kernels and at most one host read;
+- :mod:`training.optim.bf16_partitioned`: :class:`~training.optim.bf16_partitioned.PartitionedBf16Step`, bf16
+  under pipeline parallelism (DeepSpeed's ``BF16_Optimizer``) with no host read;
 - :mod:`training.optim.fp32`: :class:`~training.optim.fp32.Fp32Step`, fp32 at ZeRO-0 with the TP x PP norm;
 - :mod:`training.optim.engine`: the engine builder, the one place where the project adapts DeepSpeed (a table of
   each adaptation, what it repairs and for which release).

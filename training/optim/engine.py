@@ -25,10 +25,17 @@ adaptation                    what it repairs                                   
                               MixedPrecisionStep` for fp16/bf16,                      (1.2B), the norm discarded in
                               :class:`~training.optim.fp32.Fp32Step` for fp32) at     fp32, replicated parameters
                               ZeRO-0, one typed outcome for every step                miscounted under PP
-                              (:class:`~training.optim.outcome.StepOutcome`)
+                              (:class:`~training.optim.outcome.StepOutcome`); bf16
+                              under pipeline parallelism (DeepSpeed's                 0.19: 2 host reads per step
+                              ``BF16_Optimizer``): :class:`~training.optim.           (the norm check, the clip
+                              bf16_partitioned.PartitionedBf16Step`                   decision)
 ``Engine.save_checkpoint``,   fp16 decided on the device: its loss scale written     all (DeepSpeed's checkpoint
 ``Engine.load_checkpoint``    into DeepSpeed's ``loss_scale_config`` before a save,  holds the wrapper's host state)
                               read back after a load
+``Engine.load_checkpoint``    ``BF16_Optimizer`` without ZeRO (bf16 under pipeline    0.19.8 (every bf16 pipeline
+                              parallelism): its state is saved per DP rank in the     run's resume failed with
+                              ZeRO files but loaded from the model-state file, a      ``KeyError: 0``)
+                              dict indexed by DP rank; loaded from the ZeRO files
 ``allreduce_gradients``       the data-parallel reduction at ZeRO-0 without           all (DeepSpeed reduces in
                               pipeline parallelism: gradients in static buffers       ``allreduce_gradients`` at the
                               (:class:`~training.optim.grad_buffer.GradBuffer`),      end of backward: one flat copy
@@ -57,6 +64,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import deepspeed
@@ -65,6 +73,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime import zero
+from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
@@ -72,6 +81,7 @@ from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from training.optim.bf16_partitioned import PartitionedBf16Step
 from training.optim.fp32 import Fp32Step
 from training.optim.grad_buffer import DEFAULT_BUCKET_SIZE, DpReduction, GradBuffer
 from training.optim.lr_schedule import DeviceLRSchedule
@@ -137,8 +147,11 @@ class SilentMonitor:
 
 class OwnedStep(Protocol):
     reads_on_host: bool
+    skipped: torch.Tensor | None  # device count of skips since the last settle (None: the host decides skips)
 
     def step(self) -> StepOutcome: ...
+
+    def settle(self) -> None: ...
 
 
 class Engine(DeepSpeedEngine):
@@ -177,8 +190,20 @@ class Engine(DeepSpeedEngine):
             self.owned_step.sync_host_state()  # the device loss scale into the state DeepSpeed saves
         return super().save_checkpoint(*args, **kwargs)
 
-    def load_checkpoint(self, *args, **kwargs):
-        out = super().load_checkpoint(*args, **kwargs)
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        # BF16_Optimizer without ZeRO (bf16 under pipeline parallelism): DeepSpeed saves its state per DP rank in
+        # the ZeRO files but loads it from the model-state file, indexing a dict by DP rank (KeyError: 0); here the
+        # engine loads everything else and then the wrapper's state from the files DeepSpeed wrote for it
+        bf16_state = (isinstance(self.optimizer, BF16_Optimizer) and not self.zero_optimization()
+                      and kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False))
+        if bf16_state:
+            kwargs["load_optimizer_states"] = False
+        out = super().load_checkpoint(load_dir, tag, **kwargs)
+        if bf16_state and out[0] is not None:
+            tag = tag if tag is not None else (Path(load_dir) / "latest").read_text().strip()
+            if not self._load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
+                raise RuntimeError(f"{Path(load_dir) / str(tag)}: no bf16 optimizer state files (zero_pp_rank_*"
+                                   f"optim_states.pt) for this run's DP ranks: the checkpoint is incomplete")
         if isinstance(self.lr_scheduler, DeviceLRSchedule):  # the optimizer's load put the saved rate in its groups
             self.lr_scheduler.install()
         if isinstance(self.owned_step, MixedPrecisionStep):
@@ -233,7 +258,7 @@ class Engine(DeepSpeedEngine):
         learn of), settle them (:meth:`settle_device_skips`) and return ``skipped_steps``: for callers that step the
         engine themselves (the benchmarks); the trainer settles at its own reads."""
         step = self.owned_step
-        if isinstance(step, MixedPrecisionStep) and step.skipped is not None:
+        if step is not None and step.skipped is not None:
             self.settle_device_skips(int(step.skipped.item()))
         return self.skipped_steps
 
@@ -298,10 +323,12 @@ def undo_initial_zero_step(optimizer) -> bool:
 
 
 def owned_step_for(engine: Engine, ps: ParallelState | None, pipe: bool) -> OwnedStep | None:
-    """The project's step for this engine's optimizer, or None where DeepSpeed's own runs (ZeRO, ``BF16_Optimizer``
-    under pipeline parallelism, the legacy fused paths)."""
+    """The project's step for this engine's optimizer, or None where DeepSpeed's own runs (ZeRO, the legacy fused
+    paths, MoE)."""
     if engine.zero_optimization():
         return None
+    if isinstance(engine.optimizer, BF16_Optimizer):  # bf16 under pipeline parallelism
+        return PartitionedBf16Step.create(engine.optimizer)
     if engine.fp16_enabled() or engine.bfloat16_enabled():
         return MixedPrecisionStep.create(engine.optimizer, scale_on_device=REPAIRS_FP16_BACKWARD)
     tp_rank = ps.tp_rank if ps is not None else 0
@@ -374,7 +401,7 @@ def build_engine(model: torch.nn.Module, optimizer, scheduler, ds_config: dict, 
     undo_initial_zero_step(engine.optimizer)  # fp16/bf16 at ZeRO-0: Adam starts at step 0, as in fp32
     if own_step:
         engine.owned_step = owned_step_for(engine, ps, pipe)
-        decides_on_device = isinstance(engine.owned_step, MixedPrecisionStep) and not engine.owned_step.reads_on_host
+        decides_on_device = engine.owned_step is not None and engine.owned_step.skipped is not None
         if decides_on_device and scheduler is not None and not isinstance(scheduler, DeviceLRSchedule):
             raise TypeError(f"the step decides fp16/bf16 skips on the device, so its learning-rate schedule must count "
                             f"them there: pass a training.optim.lr_schedule.DeviceLRSchedule, not "

@@ -23,6 +23,10 @@ class Fp32Step:
         self.tp_rank, self.tp_group, self.pp_group = tp_rank, tp_group, pp_group
 
     reads_on_host = False  # nothing to ride along: the step reads nothing
+    skipped = None  # every step is applied: no skips to count
+
+    def settle(self) -> None:
+        pass
 
     def step(self) -> StepOutcome:
         norm = None

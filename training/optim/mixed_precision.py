@@ -30,8 +30,9 @@ One deliberate difference from DeepSpeed's step: DeepSpeed updates the scale *be
 where the scale grows the gradients are divided by twice the scale the loss was multiplied by. Here they are
 divided by the scale they carry, as Megatron's grad scaler does.
 
-Not covered (DeepSpeed's own step runs): the legacy fused-Adam/LAMB paths, MoE layers and ``BF16_Optimizer``
-(bf16 with pipeline parallelism); ZeRO optimizers have their own step. :meth:`MixedPrecisionStep.create` says
+Not covered (DeepSpeed's own step runs): the legacy fused-Adam/LAMB paths and MoE layers; ZeRO optimizers have
+their own step. ``BF16_Optimizer`` (bf16 with pipeline parallelism) has its own:
+:mod:`training.optim.bf16_partitioned`. :meth:`MixedPrecisionStep.create` says
 which.
 """
 from __future__ import annotations

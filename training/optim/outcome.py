@@ -1,8 +1,8 @@
 """What one optimizer step did, as one value.
 
 Every step the engine takes (the project's own, :mod:`training.optim.mixed_precision` and
-:mod:`training.optim.fp32`, or DeepSpeed's where the project does not own it: ZeRO, bf16 under pipeline
-parallelism) ends in a :class:`StepOutcome`. Values the host has not read yet stay device tensors: bf16 decides
+:mod:`training.optim.bf16_partitioned` and :mod:`training.optim.fp32`, or DeepSpeed's where the project does not
+own it: ZeRO) ends in a :class:`StepOutcome`. Values the host has not read yet stay device tensors: bf16 decides
 its skip on the device, and a norm is read only on a log step.
 """
 from __future__ import annotations
