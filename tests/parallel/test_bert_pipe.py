@@ -1,7 +1,8 @@
 """BERT in pipeline stages (``training.models.bert_pipe``): PP=2 under 1F1B (every layer recomputed), interleaved
 1F1B (v = 2, one layer per chunk, recomputed) and DualPipeV trains as PP=1 does (fp32, dropout off: MLM + the binary
 head's loss over padded batches; the losses and every gradient before every step within 1e-6 relative), resumes
-bitwise, merges back to the PP=1 names, and logs the bubble."""
+bitwise, merges back to the PP=1 names, and logs the bubble. At TP=2 with sequence parallelism (one 4-rank launch)
+1F1B, interleaved and DualPipeV train as TP=2 at PP=1 does (every gradient within 1e-6) and give PP=1's losses."""
 from __future__ import annotations
 
 import json
