@@ -1,7 +1,8 @@
 """BERT in pipeline stages (``training.models.bert_pipe``): PP=2 under 1F1B (every layer recomputed), interleaved
 1F1B (v = 2, one layer per chunk, recomputed) and DualPipeV trains as PP=1 does (fp32, dropout off: MLM + the binary
 head's loss over padded batches; the losses and every gradient before every step within 1e-6 relative), resumes
-bitwise, merges back to the PP=1 names, and logs the bubble."""
+bitwise, merges back to the PP=1 names, and logs the bubble. At TP=2 with sequence parallelism (one 4-rank launch)
+1F1B, interleaved and DualPipeV train as TP=2 at PP=1 does (every gradient within 1e-6) and give PP=1's losses."""
 from __future__ import annotations
 
 import json
@@ -63,11 +64,13 @@ def _train(rank, world, corpus, base, runs):
             batches = list(trainer.task.micro_batches(0))
             masks = [b[0][2] if isinstance(b, tuple) else b["padding_mask"] for b in batches]
             padded = bool(any((m == 0).any() for m in masks))
-    return {"padded": padded, "grads": grads, "engines": engines}
+    return {"padded": padded, "grads": grads, "engines": engines, "tp_rank": trainer.ps.tp_rank}
 
 
-def _merged_grads(ranks, name) -> list[dict]:
-    """Run ``name``'s gradients of every step, merged over the stages (each rank holds its layers')."""
+def _merged_grads(ranks, name, tp_rank: int = 0) -> list[dict]:
+    """Run ``name``'s gradients of every step, merged over the stages (each rank holds its layers') of TP rank
+    ``tp_rank`` (each TP rank's shards are compared with the same TP rank's reference)."""
+    ranks = [r for r in ranks if r["tp_rank"] == tp_rank]
     steps = [{} for _ in ranks[0]["grads"][name]]
     for r in ranks:
         for merged, step in zip(steps, r["grads"][name]):
@@ -128,18 +131,35 @@ def test_bert_pp2_equals_pp1_under_each_schedule_resumes_and_logs_the_bubble(ber
 
 
 def test_bert_tp2_pp2_sequence_parallel_equals_pp1(bert_corpus, pp1_run, tmp_path):
-    """TP 2 x PP 2 with sequence parallelism (4 ranks): the stages send their sequence chunk, the heads gather it;
+    """TP 2 with sequence parallelism (4 ranks): PP=2 under 1F1B, interleaved (v = 2) and DualPipeV against TP 2 at
+    PP=1 (two data-parallel replicas, the same global batch): the stages send their sequence chunk, the heads gather
+    it; every gradient before every step within 1e-6 relative (each TP rank's shards against the same TP rank's),
     the PP=1 losses (measured: equal to the last bit) and weights."""
     from training.checkpoint_reader import load_merged_state_dict
 
-    over = {"parallel": {"pipeline": 2, "tensor": 2, "sequence_parallel": True}}
-    run_distributed(_train, 4, bert_corpus, str(tmp_path), [("tp2pp2", over)])
-    ref, got = _rows(pp1_run[0]), _rows(tmp_path / "tp2pp2")
-    assert len(got) == 3
-    for a, b in zip(ref, got):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=0), (a["loss"], b["loss"])
+    sp = {"tensor": 2, "sequence_parallel": True}
+    runs = [("tp2pp1", {"parallel": sp}), ("tp2pp2", {"parallel": {**sp, "pipeline": 2}}),
+            ("interleaved", {"parallel": {**sp, "pipeline": 2, "pipeline_schedule": "interleaved",
+                                          "virtual_pipeline": 2}}),
+            ("dualpipev", {"parallel": {**sp, "pipeline": 2, "pipeline_schedule": "dualpipev"}})]
+    ranks = run_distributed(_train, 4, bert_corpus, str(tmp_path), runs, timeout=900)
+    assert [ranks[0]["engines"][n] for n, _ in runs[1:]] == ["PipeEngine", "InterleavedPipeEngine", "DualPipeEngine"]
+    ref = _rows(pp1_run[0])
+    gaps = {}
+    for name in ("tp2pp1", "tp2pp2", "interleaved", "dualpipev"):
+        got = _rows(tmp_path / name)
+        assert [r["iteration"] for r in got] == [1, 2, 3]
+        loss_gap = max(abs(b["loss"] - a["loss"]) / abs(a["loss"]) for a, b in zip(ref, got))
+        grad_gap = 0.0 if name == "tp2pp1" else max(
+            rel_gap(g, r) for t in (0, 1)
+            for g, r in zip(_merged_grads(ranks, name, t), _merged_grads(ranks, "tp2pp1", t)))
+        gaps[name] = (loss_gap, grad_gap)
+    print("TP=2 + SP relative gaps (loss to PP=1 TP=1, gradient to PP=1 TP=2):", gaps)
+    for name, (loss_gap, grad_gap) in gaps.items():
+        assert loss_gap <= 1e-6 and grad_gap <= 1e-6, (name, gaps[name])
     want, _, _ = load_merged_state_dict(pp1_run[0])
-    have, _, meta = load_merged_state_dict(tmp_path / "tp2pp2")
-    assert meta["parallel"]["tp"] == meta["parallel"]["pp"] == 2 and sorted(have) == sorted(want)
-    for name, w in want.items():  # measured: within 5.2e-7
-        torch.testing.assert_close(have[name], w, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    for name in ("tp2pp2", "interleaved", "dualpipev"):
+        have, _, meta = load_merged_state_dict(tmp_path / name)
+        assert meta["parallel"]["tp"] == meta["parallel"]["pp"] == 2 and sorted(have) == sorted(want)
+        for key, w in want.items():  # measured: within 5.2e-7
+            torch.testing.assert_close(have[key], w, rtol=1e-5, atol=1e-6, msg=lambda m, n=(name, key): f"{n}: {m}")

@@ -11,12 +11,15 @@ each step (per tensor, by GPTModel name, the tied embedding included; the key th
 ``tests.helpers.parity.model_gap``) agree within 1e-6 relative, for GPT-2 and the Llama shape (RoPE, RMSNorm,
 SwiGLU, GQA, untied output layer, no biases), and for GPT-2 interleaved and DualPipeV under ZeRO-1 (DeepSpeed's
 ZeRO optimizer step); PP=2 1F1B and interleaved in fp16 give the same losses. A 4-rank launch does the same at TP=2:
-interleaved with and without sequence parallelism and DualPipeV with it, against TP=2 at PP=1; interleaved sends
-each TP rank's half of every activation and gradient (Megatron's scatter/gather without sequence parallelism). Stopped
-interleaved and DualPipeV runs resume bitwise through the trainer's checkpoints; the interleaved checkpoint is
-refused in one line under another schedule, and converted by the reshard tool to DualPipeV it resumes with the
-interleaved run's losses. Under emulated CUDA (DeepSpeed's accelerator claiming cuda:rank) every interleaved send
-and receive has its tensor on the engine's device, as NCCL needs.
+1F1B and interleaved without sequence parallelism, interleaved and DualPipeV with it, against TP=2 at PP=1; without
+sequence parallelism each TP rank sends its half of every activation and gradient and the receiver all-gathers them
+(Megatron's scatter/gather: DeepSpeed's pipe_partitioned under 1F1B, training.parallel.pipe_scatter under
+interleaved), with it its sequence chunk; what every rank really sends and gathers is the planner's
+(training.plan.timing.comm, counted by tests/helpers/pipe_traffic.py). In the same launch, under emulated CUDA
+(DeepSpeed's accelerator claiming cuda:rank, tests/helpers/device_guard.py) every interleaved send, receive and
+scatter/gather all-gather at TP=2 has its tensor on the engine's device, as NCCL needs. Stopped interleaved and
+DualPipeV runs resume bitwise through the trainer's checkpoints; the interleaved checkpoint is refused in one line
+under another schedule, and converted by the reshard tool to DualPipeV it resumes with the interleaved run's losses.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import yaml
 
 from tests.helpers.distributed import run_distributed
 from tests.helpers.parity import model_gap, rel_gap
+from tests.helpers.pipe_traffic import PipeTraffic
 from tests.helpers.training_runs import ROOT, needs_corpus, resume_worker, tiny_overrides, train_stages
 
 VOCAB, STEPS, GAS = 128, 3, 4
@@ -84,12 +88,7 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str
     opt, sched = build_optimizer(model, cfg.optimizer, STEPS)
     engine = build_engine(model, opt, sched, deepspeed_config(cfg, dp, dtype), ps)
 
-    sizes = []  # the interleaved engine's messages: (link kind, elements), seen on their way to the channels
     channels = getattr(engine, "channels", None)
-    if channels is not None:
-        post = channels.isend
-        channels.isend = lambda t, link: (sizes.append((link.kind, t.numel())), post(t, link))[1]
-
     def name(n):
         return canonical_name(n, PipeNames.of(cfg.model)) if pp > 1 else n
 
@@ -110,9 +109,11 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str
     seqs = torch.randint(0, VOCAB, (GAS, 2, cfg.model.seq_length + 1), generator=gen)
     batches = [(s[:, :-1].contiguous(), s[:, 1:].contiguous()) for s in seqs]
     losses = []
+    traffic = PipeTraffic()  # what the training steps send stage to stage (tests/helpers/pipe_traffic.py)
     for _ in range(STEPS):
         if pp > 1:
-            losses.append(float(engine.train_batch(data_iter=iter(batches))))
+            with traffic:
+                losses.append(float(engine.train_batch(data_iter=iter(batches))))
             continue
         step_loss = 0.0
         for tokens, labels in batches:
@@ -130,9 +131,9 @@ def _train(tp: int, pp: int, schedule: str, v: int, sp: bool = False, dtype: str
     weights = {names[id(p)]: p.detach().clone() for p in engine.module.parameters() if id(p) in names}
     # the interleaved engine's untagged p2p groups, one per link
     links = {(lk.kind, lk.sender, lk.receiver): (g.size(), id(g)) for lk, g in channels.groups.items()} if channels else None
-    largest = {kind: max((n for k, n in sizes if k == kind), default=0) for kind in ("activation", "gradient")}
     return {"losses": losses, "valid": valid, "grads": grads, "weights": weights, "engine": type(engine).__name__,
-            "tp_rank": ps.tp_rank, "links": links, "largest_message": largest}
+            "tp_rank": ps.tp_rank, "links": links,
+            "traffic": {"sends": traffic.sends, "gathers": traffic.gathers, "pipe_gathers": traffic.pipe_gathers()}}
 
 
 def _zero_grads(grads: list[dict], zero_opt, stepped, names: dict) -> None:
@@ -152,8 +153,18 @@ def _zero_grads(grads: list[dict], zero_opt, stepped, names: dict) -> None:
         at += p.numel()
 
 
-def _worker(rank: int, world: int, tp: int, layouts) -> dict:
-    return {layout: _train(tp, *layout) for layout in layouts}
+def _worker(rank: int, world: int, tp: int, layouts, guarded=None) -> dict:
+    """Each layout's run; and ``guarded``'s once more under emulated CUDA (tests/helpers/device_guard.py: DeepSpeed's
+    accelerator claiming cuda:rank, every collective's and point-to-point's tensors checked against the engine's
+    device)."""
+    from tests.helpers.device_guard import emulated_cuda_run
+
+    out = {layout: _train(tp, *layout) for layout in layouts}
+    if guarded is not None:
+        with emulated_cuda_run(rank) as (guard, _):
+            run = _train(tp, *guarded)
+        out["guarded"] = {"losses": run["losses"], "seen": dict(guard.seen), "violations": list(guard.violations)}
+    return out
 
 
 def _merged(ranks, layout, key, tp_rank=0):
@@ -213,37 +224,54 @@ def test_schedules_train_alike_at_pp2():
     assert ranks[0][FP16[1]]["losses"] == ranks[0][FP16[0]]["losses"], [ranks[0][x]["losses"] for x in FP16]
 
 
+def _planned_comm(layout):
+    """The planner's stage-to-stage traffic (training.plan.timing.comm) for a PP=2, TP=2 layout of :func:`_train`."""
+    from training.layout import Layout
+    from training.plan.accounting import ModelShape
+    from training.plan.timing import comm
+
+    pp, schedule, v, sp = layout[:4]
+    lay = Layout(tp=2, pp=pp, micro_batch=2, global_batch=2 * GAS, sequence_parallel=sp, virtual_pipeline=v,
+                 dualpipev=schedule == "dualpipev")
+    return comm(ModelShape.from_config(_model_cfg("gpt2"), 2), lay, ckpt=False, dtype="fp32")
+
+
+def _check_planned_traffic(ranks, layout):
+    """Every activation and gradient message each rank really sent has the planner's bytes per send; each pipeline
+    all-gather takes one such piece from each rank; and all-gathers come per message as the planner counts them
+    (over the pipeline's ranks together: at p = 2 neither is the interior rank the planner counts, and together they
+    play its part once per step under 1F1B)."""
+    planned = _planned_comm(layout)
+    sends = [n for r in ranks for n in r[layout]["traffic"]["sends"]]
+    gathers = sum(r[layout]["traffic"]["pipe_gathers"] for r in ranks)
+    assert sends and set(sends) == {planned.pp_send_bytes}, (layout, set(sends), planned.pp_send_bytes)
+    assert gathers * planned.pp_ops == len(sends) * planned.pp_gather_ops, (layout, gathers, len(sends), planned)
+    if not layout[3]:  # without sequence parallelism the TP layers gather nothing: every all-gather is a piece's
+        assert all(n == planned.pp_send_bytes for r in ranks for n in r[layout]["traffic"]["gathers"]), layout
+    return planned.pp_send_bytes, gathers, len(sends)
+
+
 def test_schedules_train_alike_with_tp2_and_sequence_parallelism():
-    layouts = [(1, "1f1b", 1, False), (2, "interleaved", 2, False), (2, "interleaved", 2, True),
-               (2, "dualpipev", 1, True)]
-    ranks = run_distributed(_worker, 4, 2, layouts, timeout=900)
+    layouts = [(1, "1f1b", 1, False), (2, "1f1b", 1, False), (2, "interleaved", 2, False),
+               (2, "interleaved", 2, True), (2, "dualpipev", 1, True)]
+    ranks = run_distributed(_worker, 4, 2, layouts, layouts[2], timeout=900)
     _check_alike(ranks, layouts, 2)
-    # stage-to-stage messages per TP rank: half the [b, s, h] = [2, 16, 32] activation (and its gradient), by
-    # Megatron's scatter/gather without sequence parallelism (training.parallel.pipe_scatter), by the sequence
-    # chunk with it
-    for layout in layouts[1:3]:
-        assert all(r[layout]["largest_message"] == {"activation": 512, "gradient": 512} for r in ranks), layout
-
-
-def _guarded_interleaved(rank: int, world: int) -> dict:
-    from tests.helpers.device_guard import emulated_cuda_run
-
-    plain = _train(1, 2, "interleaved", 2)
-    with emulated_cuda_run(rank) as (guard, _):
-        out = _train(1, 2, "interleaved", 2)
-    return {"plain": plain["losses"], "losses": out["losses"], "seen": dict(guard.seen),
-            "violations": list(guard.violations)}
-
-
-def test_interleaved_p2p_on_the_engine_device():
-    """The untagged channels with DeepSpeed's accelerator claiming cuda:rank (tests/helpers/device_guard.py): every
-    send and receive (the groups' warm-up, the activation metadata, activations, gradients) has its tensor on the
-    engine's device, as NCCL requires, and the numbers are the plain run's."""
-    ranks = run_distributed(_guarded_interleaved, 2, timeout=300)
+    # stage-to-stage messages per TP rank, as the planner counts them: half the [b, s, h] = [2, 16, 32] activation
+    # (and its gradient), by Megatron's scatter/gather without sequence parallelism (DeepSpeed's pipe_partitioned
+    # under 1F1B, training.parallel.pipe_scatter under interleaved; all-gathered on receipt), by the sequence chunk
+    # with it (sent whole, no all-gather)
+    traffic = {layout: _check_planned_traffic(ranks, layout) for layout in layouts[1:]}
+    print("stage-to-stage bytes per send, pipeline all-gathers, sends (4 ranks, 3 steps):", traffic)
+    assert {n for n, _, _ in traffic.values()} == {2 * 16 * 32 * 4 // 2}
+    assert [g > 0 for _, g, _ in traffic.values()] == [True, True, False, False]
+    # emulated CUDA (tests/helpers/device_guard.py): every send and receive of the interleaved engine at TP = 2 (the
+    # groups' warm-up, the metadata, the scattered pieces) and every all-gather of them has its tensor on the
+    # engine's device, as NCCL requires; the numbers are the plain run's
     for r in ranks:
-        assert not r["violations"], r["violations"][:5]
-        assert r["seen"].get("torch.distributed.isend", 0) > 10 and r["seen"].get("torch.distributed.irecv", 0) > 10
-        assert r["losses"] == r["plain"] == ranks[0]["plain"]
+        guarded = r["guarded"]
+        assert not guarded["violations"], guarded["violations"][:5]
+        assert all(guarded["seen"].get(f"torch.distributed.{op}", 0) > 10 for op in ("isend", "irecv", "all_gather"))
+        assert guarded["losses"] == r[layouts[2]]["losses"]
 
 
 def _resume_worker(rank: int, world: int, spec: dict, base: str) -> dict:

@@ -230,7 +230,10 @@ def test_comm_volumes():
     assert comm(s, dataclasses.replace(lay, dp=1, global_batch=8), ckpt=False).tp_ops == 72 * 4 + 2 + 3
     pp = comm(preset_shape("gpt2-8.3b", 8), Layout(tp=8, pp=4, micro_batch=2, global_batch=16),
                    ckpt=True)
-    assert pp.pp_ops == 16 and pp.pp_payload == 16 * 2 * 1024 * 3072 * 2
+    # TP 8 without sequence parallelism: each TP rank sends 1/8 of b s h (DeepSpeed's pipe_partitioned), and an
+    # interior stage all-gathers 3 per micro-batch (received activation, received gradient, its own output again)
+    assert pp.pp_ops == 16 and pp.pp_send_bytes == 2 * 1024 * 3072 * 2 / 8 and pp.pp_payload == 16 * pp.pp_send_bytes
+    assert pp.pp_gather_ops == 3 * 8 and pp.pp_gather_wire == pytest.approx(24 * 7 / 8 * 2 * 1024 * 3072 * 2)
 
 
 def test_step_time_terms():

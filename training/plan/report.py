@@ -135,8 +135,11 @@ def render_plan(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, dty
     rows: list[tuple[str, Callable[[Comm], str]]] = [("TP collectives", lambda c: f"{c.tp_ops:,}"),
             ("TP payload all-reduced", lambda c: _fmt_bytes(c.tp_payload)),
             ("TP bytes sent per device", lambda c: _fmt_bytes(c.tp_wire)),
-            ("PP sends (b s h each)", lambda c: f"{c.pp_ops:,}"),
+            ("PP sends", lambda c: f"{c.pp_ops:,}"),
+            ("PP bytes per send", lambda c: _fmt_bytes(c.pp_send_bytes)),
             ("PP bytes sent per device", lambda c: _fmt_bytes(c.pp_payload)),
+            ("PP all-gathers (scatter)", lambda c: f"{c.pp_gather_ops:,}"),
+            ("PP all-gather bytes sent", lambda c: _fmt_bytes(c.pp_gather_wire)),
             ("DP payload (local grads)", lambda c: _fmt_bytes(c.dp_payload)),
             ("DP bytes sent per device", lambda c: _fmt_bytes(c.dp_wire))]
     for label, fn in rows:

@@ -35,6 +35,12 @@ class Comm:
     pp_payload: float
     dp_payload: float
     dp_wire: float
+    pp_send_bytes: float = 0.0
+    """Bytes of one stage-to-stage message (activation or its gradient) per TP rank: :func:`pipe_send_bytes`."""
+    pp_gather_ops: int = 0
+    """All-gathers over the TP group that put scattered messages back together (:func:`pipe_gathers_per_micro`)."""
+    pp_gather_wire: float = 0.0
+    """Bytes this rank sends in those all-gathers (ring: (t - 1)/t of each whole tensor)."""
 
 
 def tp_allreduces_per_micro(shape: ModelShape, lay: Layout, ckpt: bool) -> int:
@@ -54,6 +60,32 @@ def chunks_per_rank(lay: Layout) -> int:
     """Stage-to-stage sends per micro-batch and direction on one rank: v under the interleaved schedule, 2 under
     DualPipeV (each rank's two stages send both ways), 1 under 1F1B."""
     return 2 if lay.dualpipev and lay.pp > 1 else lay.virtual_pipeline
+
+
+def pipe_scatters(lay: Layout) -> bool:
+    """Whether stage-to-stage tensors travel as 1/t pieces all-gathered on receipt (Megatron's scatter/gather): at
+    TP > 1 without sequence parallelism, under 1F1B (DeepSpeed's ``pipeline.pipe_partitioned`` and
+    ``grad_partitioned``, on by default; ``training.ds_json`` turns them off with sequence parallelism) and under
+    the interleaved schedule (:mod:`training.parallel.pipe_scatter`); DualPipeV sends whole tensors."""
+    return lay.pp > 1 and lay.tp > 1 and not lay.sequence_parallel and not lay.dualpipev
+
+
+def pipe_send_bytes(sbh_bytes: float, lay: Layout) -> float:
+    """Bytes of one stage-to-stage message per TP rank, for an activation of ``sbh_bytes`` (this rank's b s h
+    tokens): 1/t of it where :func:`pipe_scatters`, and 1/t with sequence parallelism too (each TP rank's tensor
+    between the layers is its s/t chunk of the sequence, sent whole); the whole of it otherwise."""
+    return sbh_bytes / lay.tp if pipe_scatters(lay) or lay.sequence_parallel else sbh_bytes
+
+
+def pipe_gathers_per_micro(lay: Layout) -> int:
+    """All-gathers of a whole b s h tensor over the TP group per micro-batch on one (interior) rank that the
+    scatter/gather adds: under the interleaved schedule one per received message, the activation and the gradient
+    of each of the v chunks (2 v); under DeepSpeed's 1F1B three: the received activation, the received gradient, and
+    the stage's own output once more in backward (its engine frees the sent output and gathers it back from the
+    TP ranks' pieces to run backward through it, ``PipelineEngine._exec_backward_pass``). None without scattering."""
+    if not pipe_scatters(lay):
+        return 0
+    return 2 * lay.virtual_pipeline if lay.virtual_pipeline > 1 else 3
 
 
 def bubble_fraction(lay: Layout) -> float:
@@ -77,11 +109,14 @@ def comm(shape: ModelShape, lay: Layout, ckpt: bool, dtype: str = "fp16") -> Com
     tp_payload = m * (n_ar * sbh + ce)
     # activations forward + their gradients backward, each way; per chunk under the interleaved schedule
     pp_ops = 2 * m * chunks_per_rank(lay) if lay.pp > 1 else 0
+    send = pipe_send_bytes(sbh, lay)
+    gathers = m * pipe_gathers_per_micro(lay)
     local = max(stage_params(shape, lay.tp, lay.pp, lay.dualpipev))
     grad_bytes = state_bytes_per_param(dtype)[1]
     return Comm(tp_ops=m * (n_ar + (3 if lay.tp > 1 else 0)), tp_payload=tp_payload,
                 tp_wire=ring_allreduce_wire(tp_payload, lay.tp),
-                pp_ops=pp_ops, pp_payload=pp_ops * sbh,
+                pp_ops=pp_ops, pp_payload=pp_ops * send, pp_send_bytes=send, pp_gather_ops=gathers,
+                pp_gather_wire=gathers * (lay.tp - 1) / lay.tp * sbh,
                 dp_payload=local * grad_bytes if lay.dp * lay.context > 1 else 0.0,
                 dp_wire=ring_allreduce_wire(local * grad_bytes, lay.dp * lay.context))
 
@@ -169,7 +204,9 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
       instead of doing 1/t of it.
     * TP: each all-reduce of n bytes over t ranks costs 2 (t-1) alpha + 2 (t-1)/t n / beta; on the
       critical path (no overlap in Megatron TP). Intra-node link if t <= gpus_per_node.
-    * PP: 2 m v point-to-point sends of b s h per stage (alpha + n / beta), plus the bubble
+    * PP: 2 m v point-to-point sends per stage (alpha + n / beta) of n = :func:`pipe_send_bytes` (b s h, or 1/t of it
+      under the scatter/gather or sequence parallelism), the scatter/gather's all-gathers of b s h over the TP
+      group (:func:`pipe_gathers_per_micro`, (t-1) alpha + (t-1)/t b s h / beta on the TP link), plus the bubble
       (p - 1)/(v m) x (per-layer overhead + compute + replicated + TP); v = 1 under 1F1B, the chunks per rank
       under the interleaved schedule, 2 under DualPipeV, whose bubble is :func:`bubble_fraction`'s.
     * CP (c > 1): every term above runs on the rank's s/c tokens; the context-parallel traffic is
@@ -213,7 +250,9 @@ def step_time(shape: ModelShape, lay: Layout, hw: Hardware, tm: TimeModel, ckpt:
         else:
             pp_bw, pp_alpha = _bw(hw.inter_node_gbs, tm.link_efficiency) / G, tm.alpha_inter_s
         v = chunks_per_rank(lay)  # interleaving: v times the sends, 1/v of the bubble
-        pp = 0.0 if math.isinf(pp_bw) else 2 * m * v * (pp_alpha + sbh * act_bytes / pp_bw)
+        pp = 0.0 if math.isinf(pp_bw) else 2 * m * v * (pp_alpha + pipe_send_bytes(sbh * act_bytes, lay) / pp_bw)
+        if not math.isinf(tp_bw):  # the receivers' all-gathers of the scattered pieces, on the TP link
+            pp += m * pipe_gathers_per_micro(lay) * ((t - 1) * tp_alpha + (t - 1) / t * sbh * act_bytes / tp_bw)
     layer_overhead = tm.overhead_layer_s * max(stage_layers(shape.num_layers, p)) * m
     bubble = bubble_fraction(lay) * (layer_overhead + compute + replicated + tp + cp)
 
