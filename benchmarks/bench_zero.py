@@ -1,13 +1,15 @@
-"""ZeRO stages 0-3 and ZeRO-Offload on CPU at DP 2 (issue 42): model-state memory per rank and step time.
+"""ZeRO stages 0-3 and ZeRO-Offload on CPU at DP 2 or 4 (issue 42): model-state memory per rank and step time.
 
-``python -m benchmarks.bench_zero [--layers 4 --hidden 256 --vocab 8192 --steps 5]``
+``python -m benchmarks.bench_zero [--dp 2 --layers 4 --hidden 256 --vocab 8192 --steps 5]``
 
-Each case starts 2 gloo ranks (TP 1, fp32), builds the GPT-2 under the project's engine
+Each case starts ``--dp`` gloo ranks (TP 1, fp32), builds the GPT-2 under the project's engine
 (``training.optim.engine.build_engine``) with the DeepSpeed JSON the trainer derives for the stage
 (``training.ds_json.deepspeed_config``), runs warm-up steps on one fixed random batch, then times ``--steps`` steps.
 Per rank it reports the model state it holds, measured as ``tests/parallel/test_plan_zero.py`` measures it
 (weights kept between steps, ZeRO-3's ``ds_tensor`` partitions; the optimizer's fp32 partitions and Adam moments;
-the gradients: full ``.grad``s at stages 0-1, the partition the optimizer steps with at 2-3), the planner's figure
+the gradients: full ``.grad``s at stages 0-1, the partition the optimizer steps with at 2-3, counted per step: DeepSpeed
+allocates that flat fp32 partition afresh at every step and frees it after, so storages are not summed across steps),
+the planner's figure
 for it (``training.plan.memory.zero_state_bytes``) and the rank's peak RSS (the whole process: torch, DeepSpeed,
 buffers). The step time is the slowest rank's mean.
 """
@@ -27,6 +29,7 @@ MIB = 2**20
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dp", type=int, default=2, help="data-parallel ranks (TP 1)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -74,7 +77,9 @@ def _build(rank: int, world: int, a: dict):
 class GradientWatch:
     """The gradients a rank holds: each parameter's ``.grad`` as backward accumulates it (largest seen: stages
     0-1 keep them whole) and the ``.grad`` storages of the torch optimizer's parameters when it steps (stages 2-3:
-    the partition; ZeRO-2 calls the optimizer once per group)."""
+    the partition; ZeRO-2 calls the optimizer once per group, so they are collected over one engine step's calls
+    and :meth:`new_step` starts the next step's: DeepSpeed builds the flat fp32 gradient partition anew at each step
+    and frees it after, and the allocator may place it elsewhere each time)."""
 
     def __init__(self, params, base):
         self.full: dict[int, int] = {}
@@ -83,6 +88,9 @@ class GradientWatch:
         for p in params:
             p.register_post_accumulate_grad_hook(self._read)
         base.register_step_pre_hook(self._at_step)
+
+    def new_step(self) -> None:
+        self.stepped = {}
 
     def _read(self, p) -> None:
         if p.grad is not None:
@@ -127,6 +135,7 @@ def _worker(rank: int, world: int, a: dict) -> dict:
     watch = GradientWatch(params, base)
 
     def step() -> float:
+        watch.new_step()
         loss = engine(tokens, labels).mean()
         engine.backward(loss)
         engine.step()
@@ -152,9 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for zero, offload in CASES:
         a = {**vars(args), "zero": zero, "offload": offload}
-        res = run_distributed(_worker, 2, a, timeout=1800.0)
+        res = run_distributed(_worker, args.dp, a, timeout=1800.0)
         r = res[0]
-        plan = zero_state_bytes(r["n"], "fp32", 2, zero, offload == "cpu")
+        plan = zero_state_bytes(r["n"], "fp32", args.dp, zero, offload == "cpu")
         measured = r["weights"] + r["grads"] + r["optimizer"]
         planned = plan.params + plan.grads + plan.optimizer + plan.host_optimizer
         rows.append([f"{zero}" + (" + offload cpu" if offload == "cpu" else ""), f"{r['weights'] / MIB:.2f}",
@@ -164,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(common.markdown_header(info, common.load_average()))
     print(f"- model: GPT-2, {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, vocab "
-          f"{args.vocab} ({rows and res[0]['n']:,} parameters), micro-batch {args.batch} per rank, fp32, TP 1, DP 2 "
+          f"{args.vocab} ({rows and res[0]['n']:,} parameters), micro-batch {args.batch} per rank, fp32, TP 1, DP {args.dp} "
           f"(gloo), {args.steps} timed steps after {args.warmup} warm-up; memory per rank (rank 0)")
     print()
     print(common.markdown_table(

@@ -14,7 +14,8 @@ What is measured per rank, after one optimizer step (distinct storages counted o
 * gradients: at stages 0-1 each parameter's ``.grad`` as backward accumulates it (largest seen, summed: the
   full gradients these stages hold until the reduction); at stages 2-3 the ``.grad`` of the optimizer's fp32
   partitions when it steps (the 1/DP gradient partition these stages keep; ZeRO-2 calls the torch optimizer once
-  per parameter group, so the storages are collected over the calls).
+  per parameter group, so the storages are collected over the calls; one step, so one set: DeepSpeed allocates
+  that flat partition afresh at each step, which ``benchmarks/bench_zero.py`` therefore counts per step).
 
 Each must be within 10 % of :func:`training.plan.memory.zero_state_bytes` for the rank's parameters (the
 partitions' alignment padding is the difference at stages 2-3).
