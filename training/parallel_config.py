@@ -63,19 +63,11 @@ def validate_zero(p: ParallelConfig) -> None:
                           f"parallel.zero_stage=2 (or 3) with parallel.pipeline=1")
 
 
-ZERO3_UNIVERSAL_DRIFT = 2e-4
-"""Relative loss difference measured at steps 8-10 when a ZeRO-3 DP 2 run continued at DP 1 through DeepSpeed's
-universal checkpoint (gpt2_tiny, fp32, CPU; the same change through ``training.tools.reshard --dp``: within 1e-5).
-The cause: DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3``
-copies ``param_groups[0]``'s hyperparameters into every group, so the no-decay group (biases, norms:
-``training.optim.adamw.param_groups``) is decayed after the load; stages 1-2 restore each group's own."""
-
-
 def validate_universal_load(source: str | None, init_from: str | None, p: ParallelConfig) -> None:
     """``train.load_universal`` against the layout, each refusal one line: DeepSpeed's universal load fills the
     partitions of its ZeRO optimizers (stages 1-2 here, not the project's own ZeRO-0 step) and of no pipeline model here
-    (its checkpoints carry no universal info: training.checkpoint), and at ZeRO-3 it loses the parameter groups'
-    own weight decay (:data:`ZERO3_UNIVERSAL_DRIFT`, docs/zero.md)."""
+    (its checkpoints carry no universal info: training.checkpoint). ZeRO-3 loads one from a ZeRO-3 run
+    (training.universal.check_source), each parameter group's hyperparameters kept (training.optim.engine)."""
     if source is None:
         return
     if init_from is not None:
@@ -87,14 +79,8 @@ def validate_universal_load(source: str | None, init_from: str | None, p: Parall
                           f"training.tools.reshard")
     if p.zero_stage == 0:
         raise ConfigError("train.load_universal with parallel.zero_stage=0: DeepSpeed's universal load fills its "
-                          "ZeRO optimizers' partitions, not the project's own ZeRO-0 step; set parallel.zero_stage=1 "
-                          "or 2")
-    if p.zero_stage == 3:
-        raise ConfigError(f"train.load_universal with parallel.zero_stage=3: DeepSpeed's ZeRO-3 universal load gives "
-                          f"every parameter group the first group's hyperparameters (biases and norms get weight "
-                          f"decay: the losses drifted {ZERO3_UNIVERSAL_DRIFT:g} from a DP 2 -> 1 reference here); set "
-                          f"parallel.zero_stage=1 or 2, or change a ZeRO-3 run's DP size with python -m "
-                          f"training.tools.reshard --dp")
+                          "ZeRO optimizers' partitions, not the project's own ZeRO-0 step; set parallel.zero_stage=1, "
+                          "2 or 3")
 
 
 def validate_pipeline_schedule(p: ParallelConfig, m: ModelConfig) -> None:

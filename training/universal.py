@@ -5,7 +5,7 @@ DIR is what ``python -m training.tools.to_universal`` writes: DeepSpeed's ``ds_t
 project's client state) and ``DIR/latest_universal`` naming the tag. A run whose own run directory holds no
 checkpoint yet builds its engine with ``checkpoint.load_universal: true`` (:func:`starts_from_universal`, read by
 ``training.ds_json``) and :func:`load` calls DeepSpeed's ``load_checkpoint`` on DIR: each ZeRO optimizer cuts its
-own partition of every parameter's fp32 master and Adam moments for this run's DP size and stage (1 or 2); the client
+own partition of every parameter's fp32 master and Adam moments for this run's DP size and stage (1, 2 or 3); the client
 state gives back the iteration, data position, RNG streams and LR schedule. From its first save on, the run
 resumes from its own checkpoints as any other (``train.load_universal`` is then not read).
 
@@ -20,8 +20,9 @@ carry over to another TP degree, so every stream is seeded from ``train.seed`` +
 
 Refused in one line before any work (:func:`check_source`): a folder that is not a universal checkpoint, a source of
 another PP degree (the PP layout moves through ``training.tools.reshard``) or padded vocabulary, another tokenizer or
-model shape, and a ZeRO-3 source (DeepSpeed names the model files by stage: ``mp_rank_XX_model_states.pt`` at 1-2,
-``zero_pp_rank_D_mp_rank_XX_model_states.pt`` at 3, and looks for its own stage's). The static rules (ZeRO-1/2, no
+model shape, and a source on the other side of ZeRO-3 (DeepSpeed names the model files by stage:
+``mp_rank_XX_model_states.pt`` at 1-2, ``zero_pp_rank_D_mp_rank_XX_model_states.pt`` at 3, and looks for its own
+stage's; ZeRO-3 -> ZeRO-3 loads, with the repairs of ``training.optim.engine``). The static rules (ZeRO-1/2/3, no
 pipeline, not with ``train.init_from``) are ``training.parallel_config.validate_universal_load``.
 
 NOTE: DeepSpeed reads the ``zero/`` files itself with ``torch.load(weights_only=False)`` (its
@@ -102,10 +103,13 @@ def check_source(cfg: Config, tp: int, pp: int, tokenizer_sha: str, padded_vocab
                           f"start with parallel.pipeline={saved['pp']} (change the PP layout with python -m "
                           f"training.tools.reshard)")
     check_vocab(folder, meta["padded_vocab_size"], padded_vocab, tp)
-    if source["parallel"]["zero_stage"] == 3:  # a folder ds_to_universal wrote itself (the tool refuses ZeRO-3)
-        raise ConfigError(f"train.load_universal={folder} comes from a ZeRO-3 run: DeepSpeed's universal load reads "
-                          f"the model files of its own stage (ZeRO-3 names its own) and ZeRO-3 loads are refused here; "
-                          f"change a ZeRO-3 run's DP size with python -m training.tools.reshard --dp")
+    stage, target = source["parallel"]["zero_stage"], cfg.parallel.zero_stage
+    if (stage == 3) != (target == 3):  # DeepSpeed reads the model files its own stage names
+        raise ConfigError(f"train.load_universal={folder} comes from a ZeRO-{stage} run and this run is ZeRO-{target}: "
+                          f"DeepSpeed's universal load reads the model files of its own stage (ZeRO-3 names them "
+                          f"zero_pp_rank_*, ZeRO-1/2 mp_rank_*); set parallel.zero_stage="
+                          f"{'3' if stage == 3 else '1 or 2'} (a universal checkpoint moves a run between ZeRO-1 and 2, "
+                          f"or from ZeRO-3 to ZeRO-3)")
     sha = (meta.get("tokenizer") or {}).get("sha256")
     if sha and sha != tokenizer_sha:
         raise ConfigError(f"train.load_universal={folder} was trained with another tokenizer (file sha256 {sha} vs "

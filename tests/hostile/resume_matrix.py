@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers.corpora import botchan_docs, write_bert_corpus
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training_runs import ROOT, tiny_overrides, train_spm_model
 
@@ -91,15 +92,26 @@ def _first_difference(full, resumed, wf, wr) -> str | None:
     return None
 
 
+def _overrides(config: str, spec: dict, run_dir: Path, extra: dict) -> list[str]:
+    """GPT and Llama on Botchan with the probe's tokenizer (tests.helpers.training_runs); BERT on the sentence corpus
+    of Botchan that :func:`run` builds beside the runs."""
+    if config != "bert_tiny":
+        return tiny_overrides(spec, run_dir, **extra)
+    bert = {"data.corpus": run_dir.parents[2] / "bert-corpus", "data.split": "90,10,0", "run.dir": run_dir,
+            "train.progress_bar": "false", "model.hidden_dropout": 0.0, "model.attention_dropout": 0.0,
+            "model.seq_length": 64, "train.micro_batch_size": 2, "optimizer.warmup_iters": 1, **extra}
+    return [f"{k}={v}" for k, v in bert.items()]
+
+
 def _case(rank, spec, tmp, name, steps, stop) -> dict:
     config, extra = CASES[name]
     base = {"train.iters": steps, "train.log_interval": 1, "train.eval_interval": 0, "train.save_interval": 0,
             "precision.allow_fp16_on_cpu": "true", **extra}
     path = ROOT / "configs" / f"{config}.yaml"
-    full = _train(path, tiny_overrides(spec, Path(tmp) / name / "full", **base))
+    full = _train(path, _overrides(config, spec, Path(tmp) / name / "full", base))
     part_dir = Path(tmp) / name / "part"
-    _train(path, tiny_overrides(spec, part_dir, **base, **{"train.exit_at": stop}))
-    resumed = _train(path, tiny_overrides(spec, part_dir, **base))
+    _train(path, _overrides(config, spec, part_dir, {**base, "train.exit_at": stop}))
+    resumed = _train(path, _overrides(config, spec, part_dir, base))
     problem = _first_difference(_rows(Path(tmp) / name / "full", stop), _rows(part_dir, stop), _weights(full),
                                 _weights(resumed))
     return {"status": "differs" if problem else "exact", "detail": problem}
@@ -127,6 +139,8 @@ def run(names: list[str], steps: int, stop: int) -> dict:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         spec = train_spm_model(Path(tmp) / "spm")
+        if any(CASES[n][0] == "bert_tiny" for n in names):
+            write_bert_corpus(Path(tmp) / "bert-corpus", botchan_docs())
         todo = list(names)
         while todo:
             try:

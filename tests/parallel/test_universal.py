@@ -72,6 +72,11 @@ def test_tp_dp_and_zero_stage_change_through_the_universal_checkpoint(spm_model,
     with pytest.raises(ConfigError, match=r"has a padded vocabulary of 1024 rows but this run pads to 1200 at TP=2: "
                                           r"set model.make_vocab_size_divisible_by=512 to keep them$"):
         check_source(cfg, 2, 1, "", 1200)
+    cfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", [f"train.load_universal={tmp_path / 'u4'}",
+                                                            "parallel.zero_stage=3"])
+    with pytest.raises(ConfigError, match=r"comes from a ZeRO-1 run and this run is ZeRO-3: DeepSpeed's universal load "
+                                          r"reads the model files of its own stage .*; set parallel.zero_stage=1 or 2"):
+        check_source(cfg, 1, 1, "", 1024)
     # TP 1 x DP 2 ZeRO-1 -> TP 2 x DP 2 ZeRO-2 (the 1000-piece vocabulary pads to 1024 rows at TP 1 and 2)
     tp2, opt, ds = run_distributed(_train, 4, spm_model, str(tmp_path / "tp2"), 2, 7, str(tmp_path / "u4"), 2,
                                    timeout=600)[0]

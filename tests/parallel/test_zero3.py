@@ -26,7 +26,7 @@ STEPS = 10
 OVERFLOW_AT = (3, 4)
 
 
-def _train(spec, run_dir, zero, dtype, exit_at=None, plant=False, offload="none"):
+def _train(spec, run_dir, zero, dtype, exit_at=None, plant=False, offload="none", universal=None):
     from training.checkpoint import gathered_state_dict
     from training.config import load_config
     from training.resolve import resolve_run
@@ -38,7 +38,8 @@ def _train(spec, run_dir, zero, dtype, exit_at=None, plant=False, offload="none"
                                           "precision.hysteresis": 1, "precision.max_consecutive_skipped": 0,
                                           "train.iters": STEPS, "train.exit_at": exit_at or "null",
                                           "train.log_interval": 1, "train.eval_interval": 0,
-                                          "train.save_interval": exit_at or 0})
+                                          "train.save_interval": exit_at or 0,
+                                          "train.load_universal": universal or "null"})
     t = Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", ov)))
     if plant:
         weight = t.model.layers[0].mlp.fc.weight
@@ -135,8 +136,8 @@ def _export_worker(rank, world, spec, run_dir):
     Trainer(resolve_run(load_config(ROOT / "configs" / "gpt2_tiny.yaml", ov))).train()
 
 
-def _stop_and_continue(rank, world, spec, run_dir, exit_at):
-    return _train(spec, run_dir, 3, "fp32", exit_at=exit_at)[0]
+def _stop_and_continue(rank, world, spec, run_dir, exit_at, universal=None):
+    return _train(spec, run_dir, 3, "fp32", exit_at=exit_at, universal=universal)[0]
 
 
 @needs_corpus
@@ -144,14 +145,24 @@ def test_zero3_reshard_dp2_to_dp1_continues_the_loss_curve(spm_model, tmp_path):
     """``training.tools.reshard`` reads a ZeRO-3 checkpoint's fp32 partitions and Adam moments through DeepSpeed
     (gathered per parameter) and writes them for one data-parallel rank: the ZeRO-3 run stopped at step 4 at DP 2
     continues at DP 1 with the losses of the DP 2 run that continued (within 1e-5 relative; the reduction order
-    differs), and the LR schedule goes on where it was."""
+    differs), and the LR schedule goes on where it was. The same change through DeepSpeed's universal checkpoint
+    (``to_universal``, then a ZeRO-3 run at DP 1 with ``train.load_universal``) continues the curve as closely: its
+    load gave every parameter group the first group's hyperparameters (biases and norms decayed: 2e-4 apart by step
+    8), which the engine puts back (training.optim.engine)."""
     from training.tools.reshard import reshard
+    from training.tools.to_universal import convert
 
     src = tmp_path / "src"
     run_distributed(_stop_and_continue, 2, spm_model, str(src), 4, timeout=600)
     reshard(src, 1, 1, tmp_path / "dp1", dp=1)
+    convert(src, tmp_path / "u4", tag="iter_0000004")
     dp2 = run_distributed(_stop_and_continue, 2, spm_model, str(src), None, timeout=600)[0]
     dp1 = run_distributed(_stop_and_continue, 1, spm_model, str(tmp_path / "dp1"), None, timeout=600)[0]
     assert [x[0] for x in dp1] == [x[0] for x in dp2] == list(range(1, STEPS + 1))  # the metrics file carried over
     torch.testing.assert_close(torch.tensor([x[1] for x in dp1[4:]]), torch.tensor([x[1] for x in dp2[4:]]),
+                               rtol=1e-5, atol=0)
+    via = run_distributed(_stop_and_continue, 1, spm_model, str(tmp_path / "universal"), None, str(tmp_path / "u4"),
+                          timeout=600)[0]
+    assert [x[0] for x in via] == list(range(5, STEPS + 1))  # a new run, from the universal checkpoint's step 4
+    torch.testing.assert_close(torch.tensor([x[1] for x in via]), torch.tensor([x[1] for x in dp2[4:]]),
                                rtol=1e-5, atol=0)

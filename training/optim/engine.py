@@ -32,6 +32,11 @@ adaptation                    what it repairs                                   
 ``Engine.save_checkpoint``,   fp16 decided on the device: its loss scale written     all (DeepSpeed's checkpoint
 ``Engine.load_checkpoint``    into DeepSpeed's ``loss_scale_config`` before a save,  holds the wrapper's host state)
                               read back after a load
+``Engine.load_checkpoint``    ZeRO-3's universal load gives every parameter group     0.19.8 (losses 2.4e-4 off
+                              the first group's hyperparameters (biases and norms     by the 6th step after a load)
+                              decayed) and every Adam state one shared ``step``
+                              tensor (advanced once per sub-group per step): each
+                              group's own and each state's own step put back
 ``Engine.load_checkpoint``    ``BF16_Optimizer`` without ZeRO (bf16 under pipeline    0.19.8 (every bf16 pipeline
                               parallelism): its state is saved per DP rank in the     run's resume failed with
                               ZeRO files but loaded from the model-state file, a      ``KeyError: 0``)
@@ -198,7 +203,12 @@ class Engine(DeepSpeedEngine):
                       and kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False))
         if bf16_state:
             kwargs["load_optimizer_states"] = False
+        z3_universal = self.zero_optimization_stage() == 3 and self.load_universal_checkpoint()
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.optimizer.param_groups
+                 ] if z3_universal else []
         out = super().load_checkpoint(load_dir, tag, **kwargs)
+        if z3_universal:
+            self._repair_zero3_universal_load(hyper)
         if bf16_state and out[0] is not None:
             tag = tag if tag is not None else (Path(load_dir) / "latest").read_text().strip()
             if not self._load_zero_checkpoint(load_dir, tag, load_optimizer_states=True):
@@ -209,6 +219,19 @@ class Engine(DeepSpeedEngine):
         if isinstance(self.owned_step, MixedPrecisionStep):
             self.owned_step.load_host_state()  # the loaded loss scale onto the device
         return out
+
+    def _repair_zero3_universal_load(self, hyper: list[dict]) -> None:
+        """After DeepSpeed's ZeRO-3 universal load (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``): it
+        copied the first parameter group's hyperparameters into every group (the no-decay group of biases and norms
+        decayed), and gave every sub-group's Adam state one shared ``step`` tensor, which torch's fused AdamW then
+        advanced once per sub-group per step (bias correction running ahead): each group's own hyperparameters and
+        each state its own step back."""
+        inner = self.optimizer.optimizer
+        for group, own in zip(inner.param_groups, hyper):
+            group.update(own)
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
     def allreduce_gradients(self, bucket_size=None):
         """At the end of backward on an accumulation boundary (DeepSpeed calls it only where it would reduce): the

@@ -9,9 +9,10 @@ and Adam moments are gathered from the ZeRO partitions and the TP slices merged 
 this project carries (``training.universal_info``). DIR is written whole or not at all: the converter writes into a
 temporary folder beside DIR, renamed to DIR when it has finished (an interrupted conversion leaves no DIR).
 
-Refused in one line before any work: a DIR that exists and is not empty, a checkpoint that is not a ZeRO-1/2 one
-(stage 0 keeps the project's own optimizer state: change its DP size by resuming; its TP/PP with
-``training.tools.reshard``; a ZeRO-3 run changes its DP size with ``reshard --dp``), a pipeline-parallel checkpoint, one saved before the universal info was recorded.
+Refused in one line before any work: a DIR that exists and is not empty, a ZeRO-0 checkpoint (the project's own
+optimizer state: change its DP size by resuming, its TP/PP with ``training.tools.reshard``), a pipeline-parallel
+checkpoint, one saved before the universal info was recorded. A ZeRO-3 checkpoint converts for a ZeRO-3 run (DeepSpeed
+reads the model files its own stage names: ``training.universal.check_source``).
 """
 from __future__ import annotations
 
@@ -51,10 +52,6 @@ def check_source(run_dir: Path, tag: str | None) -> tuple[str, dict]:
         raise ConfigError(f"{where} was saved at parallel.zero_stage=0 (the project's own optimizer step, no ZeRO "
                           f"partitions): resume it at any DP size as it is, or change TP/PP with python -m "
                           f"training.tools.reshard")
-    if cfg["parallel"]["zero_stage"] == 3:
-        raise ConfigError(f"{where} was saved at parallel.zero_stage=3: a universal load continues only ZeRO-1/2 runs "
-                          f"here (DeepSpeed's ZeRO-3 universal load loses the parameter groups' own weight decay); change a ZeRO-3 run's DP size with "
-                          f"python -m training.tools.reshard --dp")
     if meta["parallel"]["pp"] > 1:
         raise ConfigError(f"{where} was saved with parallel.pipeline={meta['parallel']['pp']}: universal checkpoints "
                           f"are written here for parallel.pipeline=1 only; use python -m training.tools.reshard")
@@ -100,7 +97,7 @@ def convert(run_dir: str | Path, out: str | Path, tag: str | None = None) -> Pat
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program("python -m training.tools.to_universal"), description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="run directory of a ZeRO-1/2 run (checkpoints/latest)")
+    parser.add_argument("--checkpoint", required=True, help="run directory of a ZeRO-1/2/3 run (checkpoints/latest)")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: latest)")
     parser.add_argument("--out", required=True, help="universal checkpoint folder (must not exist or be empty)")
     args = parser.parse_args(argv)
