@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.bench_runs import BENCH_RUNS, bench_all
 from tests.helpers.distributed import SHARED_DATA, run_distributed
 
 
@@ -25,23 +26,18 @@ def test_gemm_bound_counts_exactly_the_model_flops(b, s, h, n, layers, vocab):
     assert total == model_flops_per_iteration(b, s, layers, h, vocab)
 
 
-def _bench_worker(rank, world, argv):
-    import contextlib
-    import io
-
-    from benchmarks import bench_train_step
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        bench_train_step.main(argv)
-    return out.getvalue()
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """({run name: bench_train_step's report}, the timed fp16 steps, the dtype A/B's JSON path), one launch."""
+    ab_json = tmp_path_factory.mktemp("bench") / "ab.json"
+    runs = {**BENCH_RUNS, "dtype_ab": BENCH_RUNS["dtype_ab"] + [str(ab_json)]}
+    texts, timed = run_distributed(bench_all, 1, runs, 2, timeout=300 * len(runs))[0]
+    return texts, timed, ab_json
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-def test_train_step_benchmark_runs_both_models(dtype):
-    argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "300",
-            "--reps", "1", "--steps", "1", "--warmup", "1", "--dtype", dtype, "--engine-default"]
-    text = run_distributed(_bench_worker, 1, argv)[0]
+def test_train_step_benchmark_runs_both_models(bench, dtype):
+    text = bench[0][dtype]
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
     assert {"ours", "ours (engine default)", "hf"} <= set(rows), text
     assert "Speed-up ours/HF" in text and f"{dtype} on cpu" in text
@@ -49,12 +45,10 @@ def test_train_step_benchmark_runs_both_models(dtype):
         assert all(int(rows[m].rstrip(" |").split("|")[-1].split("(")[1].split(")")[0]) > 0 for m in ("ours", "hf"))
 
 
-def test_train_step_benchmark_llama_same_weights_same_first_loss():
+def test_train_step_benchmark_llama_same_weights_same_first_loss(bench):
     """--model llama: our Llama-style GPT (RoPE, RMSNorm, SwiGLU, GQA, untied, no biases) and LlamaForCausalLM
     with the same weights, both timed and counted; their first-step losses agree (else the run stops)."""
-    argv = ["--model", "llama", "--layers", "1", "--hidden", "32", "--heads", "4", "--kv-groups", "2", "--seq", "16",
-            "--batch", "2", "--vocab", "300", "--reps", "1", "--steps", "1", "--warmup", "1", "--counts", "1"]
-    text = run_distributed(_bench_worker, 1, argv)[0]
+    text = bench[0]["llama"]
     rows = {line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")}
     assert {"ours", "hf"} <= rows, text
     assert "Llama-style (ours: RoPE base 10000, RMSNorm, SwiGLU MLP 256, 2 key/value groups, output layer untied" in text
@@ -89,14 +83,11 @@ def test_train_step_benchmark_llama_arguments_and_loss_check():
         b.check_first_losses({"ours": 5.0, "hf": 5.01}, "fp32")
 
 
-def test_train_step_benchmark_step_ab_and_counts():
+def test_train_step_benchmark_step_ab_and_counts(bench):
     """The optimizer-step A/B on CPU (fp16): both candidates timed, and per step ours reads the device never (skip
     and loss scale decided on the device, issue 40) where DeepSpeed's own step reads it once per parameter tensor
     (1 layer: 12 + 4 tensors)."""
-    argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "300",
-            "--reps", "1", "--steps", "1", "--warmup", "1", "--dtype", "fp16", "--only", "ours", "--step-ab",
-            "--counts", "1"]
-    text = run_distributed(_bench_worker, 1, argv)[0]
+    text = bench[0]["step_ab"]
     assert "O(1) optimizer step vs DeepSpeed's" in text and "Host work per step" in text
     counts = text[text.index("Host work per step"):]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
@@ -126,18 +117,15 @@ def _ratio(text: str, prefix: str) -> float:
     return float(line.rsplit(": ", 1)[1].split(" ")[0])
 
 
-def test_train_step_benchmark_dtype_ab_in_one_process(tmp_path):
+def test_train_step_benchmark_dtype_ab_in_one_process(bench):
     """--dtype bf16 --dtype-ab fp16 --step-ab: bf16 with the O(1) step, bf16 with DeepSpeed's step and fp16 with
     the O(1) step, interleaved in one process. Per step (not a log step) the O(1) step reads the device never, in
     bf16 and fp16 alike (skip, clip and fp16's loss scale decided on the device), where DeepSpeed's bf16
     step reads once per parameter tensor (1 layer: 12 + 4) and dispatches more operators."""
-    argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "300",
-            "--reps", "1", "--steps", "1", "--warmup", "1", "--dtype", "bf16", "--dtype-ab", "fp16", "--step-ab",
-            "--only", "ours", "--counts", "1", "--json", str(tmp_path / "ab.json")]
-    text = run_distributed(_bench_worker, 1, argv)[0]
+    text, ab_json = bench[0]["dtype_ab"], bench[2]
     timing = _timing_rows(text)
     assert list(timing) == ["ours", "ours (DeepSpeed step)", "ours (fp16)"], text
-    medians = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    medians = json.loads(ab_json.read_text())["rows"]
     assert [medians[k]["dtype"] for k in timing] == ["bf16", "bf16", "fp16"]
     for name, cells in timing.items():  # the JSON holds the table's medians
         assert f"{medians[name]['step_time_s']:.3f}" == cells[0].split()[0]
@@ -153,12 +141,10 @@ def test_train_step_benchmark_dtype_ab_in_one_process(tmp_path):
     assert int(rows["ours (fp16)"][3]) == 0  # warmed up past fp16's skipped steps before counting
 
 
-def test_train_step_benchmark_compile_ab():
+def test_train_step_benchmark_compile_ab(bench):
     """--compile: eager and compiled layers (inductor, one graph per layer) timed in one process; the host-work
     counter cannot see compiled frames (dynamo runs none under a TorchDispatchMode), so their counts say n/a."""
-    argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "300",
-            "--reps", "1", "--steps", "1", "--warmup", "1", "--compile", "--only", "ours", "--counts", "1"]
-    text = run_distributed(_bench_worker, 1, argv)[0]
+    text = bench[0]["compile"]
     timing = _timing_rows(text)
     assert list(timing) == ["ours", "ours (compiled)"], text
     assert _ratio(text, "Compiled layers vs eager") > 0
@@ -208,35 +194,17 @@ def test_gpu_step_script_cpu_mode(tmp_path):
     assert int(rows["ours (DeepSpeed step)"][0].replace(",", "")) > 2 * int(rows["ours"][0].replace(",", ""))
 
 
-def test_profile_mode_profiles_applied_fp16_steps():
-    argv = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "300",
-            "--dtype", "fp16", "--only", "ours", "--profile", "2", "--profile-rows", "5"]
-    text = run_distributed(_bench_worker, 1, argv)[0]
+def test_profile_mode_profiles_applied_fp16_steps(bench):
+    text = bench[0]["profile"]
     head = next(line for line in text.splitlines() if line.startswith("=== ours: 2 steps"))
     assert "0 skipped by fp16 loss scaling" in head, head  # warmed up past the skips from 2^32 first
     assert "ours.optimizer_step" in text
 
 
-def _timed_applied_worker(rank, world, steps):
-    import torch
-
-    from benchmarks import bench_train_step
-    from training.resolve import allow_fp16_on_cpu
-
-    allow_fp16_on_cpu()
-    args = bench_train_step.parse_args(["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--batch", "2",
-                                        "--vocab", "300", "--dtype", "fp16", "--only", "ours"])
-    seq = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
-    runner = bench_train_step.build_runners(args, bench_train_step.project_config(args), 384,
-                                            seq[:, :-1].contiguous(), seq[:, 1:].contiguous())["ours"]
-    seconds = runner.timed_applied(steps)  # no warm-up: from 2^32 the first steps overflow and are skipped
-    return seconds, int(runner.engine.global_steps), int(runner.engine.skipped_steps)
-
-
-def test_timing_excludes_steps_that_fp16_skips():
+def test_timing_excludes_steps_that_fp16_skips(bench):
     """The H200 run of 2026-11-26 timed skipped fp16 steps (no optimizer update, ~25 % faster) into the
     fastest repetition; only applied steps are timed now, each skipped one is run again untimed."""
-    seconds, total, skipped = run_distributed(_timed_applied_worker, 1, 2)[0]
+    seconds, total, skipped = bench[1]  # 2 applied steps
     assert skipped > 0 and total - skipped == 2 and seconds > 0
 
 

@@ -14,32 +14,10 @@ import torch
 from tests.helpers.distributed import run_distributed
 from tests.helpers.training_runs import ROOT, needs_corpus, resume_worker, tiny_overrides, train_worker
 
-
-def _train_each(rank, world, runs):
-    """Rank worker: ``train_worker`` for each overrides list of ``runs``, one after the other."""
-    return [train_worker(rank, world, overrides) for overrides in runs]
-
-
-@needs_corpus
-def test_tp2_dp2_and_zero1_match_tp1_dp1_and_loss_decreases(spm_model, tmp_path):
-    # vocab 1000 pads to 1024 at TP=1 (x128) and at TP=2 (x256): identical initial weights
-    # (no warmup: with Megatron's schedule a warmup's first update runs at lr 0)
-    common = {"train.iters": 6, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant", "optimizer.warmup_iters": 0}
-    ref = run_distributed(train_worker, 1, tiny_overrides(spm_model, tmp_path / "tp1", **{"parallel.tensor": 1}, **common))
-    big, zero = run_distributed(_train_each, 4, [  # both 4-rank runs in one launch
-        tiny_overrides(spm_model, tmp_path / "tp2dp2", **{"parallel.tensor": 2}, **common),
-        tiny_overrides(spm_model, tmp_path / "zero1", **{"parallel.tensor": 2}, **{"parallel.zero_stage": 1}, **common)],
-        timeout=600)[0]
-    l1, l4, lz = ref[0]["losses"], big["losses"], zero["losses"]
-    assert len(l1) == len(l4) == len(lz) == 6
-    torch.testing.assert_close(torch.tensor(l4), torch.tensor(l1), rtol=2e-4, atol=2e-4)
-    # ZeRO-1 (optimizer states sharded over the 2 DP ranks) changes no loss
-    torch.testing.assert_close(torch.tensor(lz), torch.tensor(l4), rtol=2e-5, atol=2e-5)
-    assert json.loads((tmp_path / "zero1" / "ds_config.json").read_text())["zero_optimization"]["stage"] == 1
-    assert l1[-1] < l1[0] - 0.5, l1  # learning on real text (ln(1000) = 6.9 at the start)
-    config = json.loads((tmp_path / "tp2dp2" / "ds_config.json").read_text())
-    assert config["train_batch_size"] == 8 and config["gradient_accumulation_steps"] == 2
-    assert json.loads((tmp_path / "tp1" / "ds_config.json").read_text())["gradient_accumulation_steps"] == 4
+TP1DP1 = {"train.iters": 6, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant", "optimizer.warmup_iters": 0}
+PIPE = {"train.iters": 4, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant"}
+FP16 = {"precision.dtype": "fp16", "precision.allow_fp16_on_cpu": "true", "precision.initial_scale_power": 8,
+        "precision.max_consecutive_skipped": 3, "train.iters": 10, "parallel.tensor": 1, "train.global_batch_size": 2}
 
 
 def _logits_worker(rank, world, run_dirs):
@@ -49,25 +27,74 @@ def _logits_worker(rank, world, run_dirs):
     return [load_model_for_eval(d)[0](tokens).detach() for d in run_dirs]
 
 
-def _serial_and_logits(rank, world, overrides, run_dirs):
-    """One-rank worker: train the serial run (``overrides``), then the logits of ``run_dirs`` (that run among them)."""
-    return train_worker(rank, world, overrides), _logits_worker(rank, world, run_dirs)
+def _two_ranks(rank, world, resume, pp2):
+    """Two-rank worker: ``resume_worker`` for the (overrides, base) of ``resume``, then ``train_worker(pp2)``."""
+    return resume_worker(rank, world, *resume), train_worker(rank, world, pp2)
+
+
+def _four_ranks(rank, world, runs):
+    """Four-rank worker: ``train_worker`` for each overrides list of ``runs``, one after the other."""
+    return [train_worker(rank, world, overrides) for overrides in runs]
+
+
+def _one_rank(rank, world, serial, logits_of, fp32_runs, fp16_runs):
+    """One-rank worker: ``train_worker`` for each of ``fp32_runs`` and ``serial`` (overrides), the logits of the
+    ``logits_of`` checkpoints (``serial``'s among them), then ``train_worker`` for each (overrides, inject) of
+    ``fp16_runs`` (last: they allow fp16 on the CPU accelerator for the rest of the process)."""
+    fp32 = [train_worker(rank, world, overrides) for overrides in fp32_runs]
+    ref = train_worker(rank, world, serial)
+    return fp32, ref, _logits_worker(rank, world, logits_of), [train_worker(rank, world, *r) for r in fp16_runs]
+
+
+@pytest.fixture(scope="module")
+def runs(spm_model, tmp_path_factory):
+    """Every training run of the tests below, in three launches (one per world size: the launches, not the tiny
+    runs, are what costs). {run name: rank 0's result}, and the tests' folders under ``root``."""
+    root = tmp_path_factory.mktemp("training")
+    over = lambda name, **kw: tiny_overrides(spm_model, root / name, **kw)  # noqa: E731
+    # TP=2 with dropout on: the tracker and default RNG streams, the data position and the
+    # LR schedule all have to be restored for the numbers to repeat exactly
+    resume = over("resume", **{"train.iters": 4, "parallel.tensor": 2, "model.hidden_dropout": 0.1,
+                               "model.attention_dropout": 0.1, "train.global_batch_size": 4})
+    resumed, pp2 = run_distributed(_two_ranks, 2, (resume, str(root / "resume")),
+                                   over("pp2", **{"parallel.tensor": 1}, **{"parallel.pipeline": 2}, **PIPE))[0]
+    big, zero, tp2pp2 = run_distributed(_four_ranks, 4, [
+        over("tp2dp2", **{"parallel.tensor": 2}, **TP1DP1),
+        over("zero1", **{"parallel.tensor": 2}, **{"parallel.zero_stage": 1}, **TP1DP1),
+        over("tp2pp2", **{"parallel.tensor": 2}, **{"parallel.pipeline": 2}, **{"model.activation_checkpointing": "true"},
+             **PIPE)], timeout=900)[0]
+    (tp1,), pp1, logits, (fp16, fp16b) = run_distributed(
+        _one_rank, 1, over("pp1", **{"parallel.tensor": 1}, **PIPE), [str(root / d) for d in ("pp1", "pp2", "tp2pp2")],
+        [over("tp1", **{"parallel.tensor": 1}, **TP1DP1)],
+        [(over("fp16", **FP16), {"steps": 4, "overflow_at": [2]}),
+         (over("fp16b", **FP16), {"steps": 10, "overflow_at": list(range(10))})], timeout=900)[0]
+    return {"resume": resume, "resumed": resumed, "pp2": pp2, "tp2dp2": big, "zero1": zero, "tp2pp2": tp2pp2,
+            "tp1": tp1, "pp1": pp1, "logits": logits, "fp16": fp16, "fp16b": fp16b, "root": root}
 
 
 @needs_corpus
-def test_pipeline_parallel_matches_serial(spm_model, tmp_path):
+def test_tp2_dp2_and_zero1_match_tp1_dp1_and_loss_decreases(runs):
+    # vocab 1000 pads to 1024 at TP=1 (x128) and at TP=2 (x256): identical initial weights
+    # (no warmup: with Megatron's schedule a warmup's first update runs at lr 0)
+    root = runs["root"]
+    l1, l4, lz = runs["tp1"]["losses"], runs["tp2dp2"]["losses"], runs["zero1"]["losses"]
+    assert len(l1) == len(l4) == len(lz) == 6
+    torch.testing.assert_close(torch.tensor(l4), torch.tensor(l1), rtol=2e-4, atol=2e-4)
+    # ZeRO-1 (optimizer states sharded over the 2 DP ranks) changes no loss
+    torch.testing.assert_close(torch.tensor(lz), torch.tensor(l4), rtol=2e-5, atol=2e-5)
+    assert json.loads((root / "zero1" / "ds_config.json").read_text())["zero_optimization"]["stage"] == 1
+    assert l1[-1] < l1[0] - 0.5, l1  # learning on real text (ln(1000) = 6.9 at the start)
+    config = json.loads((root / "tp2dp2" / "ds_config.json").read_text())
+    assert config["train_batch_size"] == 8 and config["gradient_accumulation_steps"] == 2
+    assert json.loads((root / "tp1" / "ds_config.json").read_text())["gradient_accumulation_steps"] == 4
+
+
+@needs_corpus
+def test_pipeline_parallel_matches_serial(runs):
     """PP=2 and TP=2 x PP=2 (4 ranks, with activation checkpointing) give the TP=1 x PP=1 losses; their
     checkpoints merge into the same TP=1 model."""
-    common = {"train.iters": 4, "optimizer.lr": 3e-3, "optimizer.decay_style": "constant"}
-    pp2 = run_distributed(train_worker, 2, tiny_overrides(spm_model, tmp_path / "pp2", **{"parallel.tensor": 1},
-                                                       **{"parallel.pipeline": 2}, **common))
-    tp2pp2 = run_distributed(train_worker, 4, tiny_overrides(spm_model, tmp_path / "tp2pp2", **{"parallel.tensor": 2},
-                                                          **{"parallel.pipeline": 2},
-                                                          **{"model.activation_checkpointing": "true"}, **common))
-    # the serial reference and the three checkpoints' logits in one launch
-    ref, (a, b, c) = run_distributed(_serial_and_logits, 1, tiny_overrides(spm_model, tmp_path / "pp1", **{"parallel.tensor": 1}, **common),
-                                     [str(tmp_path / d) for d in ("pp1", "pp2", "tp2pp2")], timeout=600)[0]
-    l1, lp, ltp = torch.tensor(ref["losses"]), torch.tensor(pp2[0]["losses"]), torch.tensor(tp2pp2[0]["losses"])
+    a, b, c = runs["logits"]
+    l1, lp, ltp = (torch.tensor(runs[name]["losses"]) for name in ("pp1", "pp2", "tp2pp2"))
     assert len(l1) == 4
     torch.testing.assert_close(lp, l1, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(ltp, l1, rtol=2e-4, atol=2e-4)
@@ -76,12 +103,8 @@ def test_pipeline_parallel_matches_serial(spm_model, tmp_path):
 
 
 @needs_corpus
-def test_fp16_overflow_skips_step_halves_scale_and_aborts(spm_model, tmp_path):
-    fp16 = {"precision.dtype": "fp16", "precision.allow_fp16_on_cpu": "true", "precision.initial_scale_power": 8,
-            "precision.max_consecutive_skipped": 3, "train.iters": 10, "parallel.tensor": 1,
-            "train.global_batch_size": 2}
-    out = run_distributed(train_worker, 1, tiny_overrides(spm_model, tmp_path / "fp16", **fp16),
-                          {"steps": 4, "overflow_at": [2]})[0]
+def test_fp16_overflow_skips_step_halves_scale_and_aborts(runs):
+    out = runs["fp16"]
     r = out["records"]
     assert out["aborted"] is None
     assert [x["applied"] for x in r] == [True, True, False, True]
@@ -89,25 +112,20 @@ def test_fp16_overflow_skips_step_halves_scale_and_aborts(spm_model, tmp_path):
     assert r[2]["scale"] == r[1]["scale"] / 2 == 2.0 ** 7
     assert [x["skipped"] for x in r] == [0, 0, 1, 1]
     assert r[3]["lr"] == r[2]["lr"]  # the scheduler does not advance on a skipped step
-    out = run_distributed(train_worker, 1, tiny_overrides(spm_model, tmp_path / "fp16b", **fp16),
-                          {"steps": 10, "overflow_at": list(range(10))})[0]
+    out = runs["fp16b"]
     assert len(out["records"]) == 2 and out["aborted"] and "3 consecutive steps skipped" in out["aborted"]
 
 
 @needs_corpus
-def test_stop_and_resume_is_bitwise_identical(spm_model, tmp_path):
-    # TP=2 with dropout on: the tracker and default RNG streams, the data position and the
-    # LR schedule all have to be restored for the numbers to repeat exactly
-    over = tiny_overrides(spm_model, tmp_path, **{"train.iters": 4, "parallel.tensor": 2, "model.hidden_dropout": 0.1,
-                                              "model.attention_dropout": 0.1, "train.global_batch_size": 4})
-    full, part = run_distributed(resume_worker, 2, over, str(tmp_path))[0]
+def test_stop_and_resume_is_bitwise_identical(runs):
+    full, part = runs["resumed"]
     steps = lambda rows: [(r["iteration"], r["loss"], r["lr"]) for r in rows if "event" not in r]  # noqa: E731
     assert steps(full) == steps(part) and len(steps(full)) == 4
     # the engine runs Megatron's schedule: update 1 at lr 0 (warmup 1), then the cosine decay
     from tests.helpers.megatron_reference import megatron_lrs
     from training.config import load_config
 
-    ocfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", over).optimizer
+    ocfg = load_config(ROOT / "configs" / "gpt2_tiny.yaml", runs["resume"]).optimizer
     assert [lr for _, _, lr in steps(full)] == pytest.approx(megatron_lrs(ocfg, 4), rel=1e-12, abs=0)
     assert [r["iteration"] for r in part if r.get("event") == "valid"] == [2, 4]
 
