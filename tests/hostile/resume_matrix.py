@@ -48,6 +48,11 @@ for _dtype in ("fp16", "bf16"):
                                          "parallel.virtual_pipeline": 2, "precision.dtype": _dtype})
     _add(f"pp2-dualpipev-{_dtype}", **{"parallel.pipeline": 2, "parallel.pipeline_schedule": "dualpipev",
                                        "precision.dtype": _dtype})
+    _add(f"pp2-interleaved-zero1-{_dtype}", **{"parallel.pipeline": 2, "parallel.pipeline_schedule": "interleaved",
+                                               "parallel.virtual_pipeline": 2, "parallel.zero_stage": 1,
+                                               "precision.dtype": _dtype})
+    _add(f"pp2-dualpipev-zero1-{_dtype}", **{"parallel.pipeline": 2, "parallel.pipeline_schedule": "dualpipev",
+                                             "parallel.zero_stage": 1, "precision.dtype": _dtype})
     _add(f"tp2-sp-{_dtype}", **{"parallel.tensor": 2, "parallel.sequence_parallel": "true", "precision.dtype": _dtype})
     _add(f"cp2-ulysses-{_dtype}", "llama_tiny", **{"parallel.context": 2, "precision.dtype": _dtype})
     _add(f"cp2-ring-{_dtype}", "llama_tiny", **{"parallel.context": 2, "parallel.context_impl": "ring",

@@ -11,7 +11,8 @@ each step (per tensor, by GPTModel name, the tied embedding included; the key th
 ``tests.helpers.parity.model_gap``) agree within 1e-6 relative, for GPT-2 and the Llama shape (RoPE, RMSNorm,
 SwiGLU, GQA, untied output layer, no biases), and for GPT-2 interleaved and DualPipeV under ZeRO-1 (DeepSpeed's
 ZeRO optimizer step); PP=2 1F1B and interleaved in fp16 give the same losses. A 4-rank launch does the same at TP=2:
-1F1B and interleaved without sequence parallelism, interleaved and DualPipeV with it, against TP=2 at PP=1; without
+1F1B and interleaved without sequence parallelism, interleaved and DualPipeV with it, against TP=2 at PP=1 (and the
+Llama shape's interleaved and DualPipeV with sequence parallelism against its TP=2 PP=1 run); without
 sequence parallelism each TP rank sends its half of every activation and gradient and the receiver all-gathers them
 (Megatron's scatter/gather: DeepSpeed's pipe_partitioned under 1F1B, training.parallel.pipe_scatter under
 interleaved), with it its sequence chunk; what every rank really sends and gathers is the planner's
@@ -39,6 +40,9 @@ SCHEDULES = [(1, "1f1b", 1), (2, "1f1b", 1), (2, "interleaved", 2), (2, "dualpip
 FP16 = [(2, "1f1b", 1, False, "fp16"), (2, "interleaved", 2, False, "fp16")]
 LLAMA = [(1, "1f1b", 1, False, "fp32", "llama"), (2, "interleaved", 2, False, "fp32", "llama"),
          (2, "dualpipev", 1, False, "fp32", "llama")]
+# the Llama shape at TP=2 with sequence parallelism (in the TP=2 launch), against TP=2 x PP=1 with it
+LLAMA_TP2_SP = [(1, "1f1b", 1, True, "fp32", "llama"), (2, "interleaved", 2, True, "fp32", "llama"),
+                (2, "dualpipev", 1, True, "fp32", "llama")]
 # ZeRO-1 (DeepSpeed's ZeRO optimizer: its flat fp32 groups, reduction and step) under the new schedules, against
 # PP=1 at ZeRO-0; one data-parallel replica, so its gradients can be named (_zero_grads)
 ZERO1 = [SCHEDULES[0], (2, "interleaved", 2, False, "fp32", "gpt2", 1), (2, "dualpipev", 1, False, "fp32", "gpt2", 1)]
@@ -254,8 +258,9 @@ def _check_planned_traffic(ranks, layout):
 def test_schedules_train_alike_with_tp2_and_sequence_parallelism():
     layouts = [(1, "1f1b", 1, False), (2, "1f1b", 1, False), (2, "interleaved", 2, False),
                (2, "interleaved", 2, True), (2, "dualpipev", 1, True)]
-    ranks = run_distributed(_worker, 4, 2, layouts, layouts[2], timeout=900)
+    ranks = run_distributed(_worker, 4, 2, layouts + LLAMA_TP2_SP, layouts[2], timeout=1200)
     _check_alike(ranks, layouts, 2)
+    _check_alike(ranks, LLAMA_TP2_SP, 2)
     # stage-to-stage messages per TP rank, as the planner counts them: half the [b, s, h] = [2, 16, 32] activation
     # (and its gradient), by Megatron's scatter/gather without sequence parallelism (DeepSpeed's pipe_partitioned
     # under 1F1B, training.parallel.pipe_scatter under interleaved; all-gathered on receipt), by the sequence chunk
