@@ -301,6 +301,21 @@ def refuse_other_schedule(saved: dict, cfg, where: str) -> None:
                           f"NEW_RUN_DIR")
 
 
+def refuse_other_dp(engine: DeepSpeedEngine, meta: dict, ps: ParallelState, where: str, run_dir: Path) -> None:
+    """One line when the checkpoint's optimizer state is partitioned over another number of data-parallel ranks
+    than this run's (DeepSpeed would stop every rank with its own exception); a ZeRO-0 state loads at any DP."""
+    from training.optim.engine import dp_partitioned_state  # DeepSpeed's classes: imported where an engine exists
+
+    saved = meta["parallel"]["dp"] * (meta.get("config") or {}).get("parallel", {}).get("context", 1)
+    now = ps.dims.dp * ps.dims.cp
+    kind = dp_partitioned_state(engine)
+    if saved != now and kind is not None:
+        raise ConfigError(f"checkpoint {where} was saved with {saved} data-parallel ranks and this run has {now}: its "
+                          f"optimizer state is partitioned over them ({kind}); resume with {saved}, or convert it "
+                          f"with python -m training.tools.reshard --checkpoint {run_dir} --tp {ps.dims.tp} --pp "
+                          f"{ps.dims.pp} --dp {now} --out NEW_RUN_DIR")
+
+
 def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: ModelDescription) -> bool:  # noqa: C901
     """Resume ``state`` (and the engine) from the checkpoint :func:`training.checkpoint_catalog.plan_resume` picks
     (``latest``, or ``train.resume_tag``), if any; folders of saves that never finished (and, with an older
@@ -327,6 +342,7 @@ def load(engine: DeepSpeedEngine, state: TrainState, ps: ParallelState, desc: Mo
                               f"--tp {ps.dims.tp} --pp {ps.dims.pp} --out NEW_RUN_DIR, or resume with "
                               f"parallel.tensor={saved['tp']} parallel.pipeline={saved['pp']}")
         refuse_other_schedule(saved, desc.cfg, f"{run_dir}/checkpoints/{tag}")
+        refuse_other_dp(engine, meta, ps, f"{run_dir}/checkpoints/{tag}", run_dir)
         rows = meta.get("padded_vocab_size")
         if rows is not None and desc.padded_vocab is not None and rows != desc.padded_vocab:
             raise ConfigError(f"checkpoint {run_dir}/checkpoints/{tag} has a padded vocabulary of {rows} rows but this "

@@ -4,7 +4,7 @@
 One 2-rank launch: the same training with both steps under planted non-finite gradients on one stage only (the
 other stage must skip too: the norm is all-reduced over the pipeline), the host reads of the trainer's step counted
 with benchmarks.host_work (DeepSpeed's step reads once or twice per step; the project's reads only to log), and a
-stop and resume.
+stop and resume; then the stopped run's checkpoint resharded to PP=1 and PP=2 keeps every master and moment.
 """
 from __future__ import annotations
 
@@ -84,8 +84,13 @@ def _worker(rank, world, spec, tmp):
 
 
 @pytest.fixture(scope="module")
-def runs(spm_model, tmp_path_factory):
-    return run_distributed(_worker, 2, spm_model, str(tmp_path_factory.mktemp("bf16pipe")), timeout=600)
+def base(tmp_path_factory):
+    return tmp_path_factory.mktemp("bf16pipe")
+
+
+@pytest.fixture(scope="module")
+def runs(spm_model, base):
+    return run_distributed(_worker, 2, spm_model, str(base), timeout=600)
 
 
 @needs_corpus
@@ -134,3 +139,35 @@ def test_bf16_pipeline_step_reads_the_host_only_to_log(runs):
         assert ours[1:] == [(read, 1 if read else 0) for read, _ in ours[1:]], ours
         assert ds[1:] == [(read, (1 if read else 0) + (2 if ok else 1)) for (read, _), ok in zip(ds[1:], applied[1:])]
         assert ours[0][1] == ds[0][1] - 2 and ours[0][1] in (0, 4), (ours[0], ds[0])
+
+
+def _state(run_dir, tag):
+    """Merged fp32 masters and Adam moments, read by DeepSpeed in the run's own layout (training.tools.reshard_optim)."""
+    from training.checkpoint_reader import load_merged_state_dict
+    from training.tools import reshard_optim
+
+    _, _, meta = load_merged_state_dict(run_dir, tag)
+    return reshard_optim.extract(run_dir, tag, meta, run_dir.parent / f".extract_{run_dir.name}")
+
+
+@needs_corpus
+def test_bf16_pipeline_checkpoint_reshards_with_its_masters_and_moments(runs, base):
+    """The step-6 checkpoint of the stopped run, resharded to PP=1 (bf16's unfused masters there) and to PP=2 again
+    (``BF16_Optimizer``'s partitions written back): every fp32 master and Adam moment as in the source, bitwise. Read
+    per parameter, ``BF16_Optimizer``'s state (keyed by its flat partitions) gave zero moments and bf16-rounded
+    masters; written per parameter, the save failed."""
+    from training.tools.reshard import reshard
+
+    tag = "iter_0000006"
+    src = _state(base / "resumed", tag)
+    assert sum(float(s["exp_avg_sq"].abs().sum()) > 0 for s in src.values()) == len(src)
+    rounded = sum(not torch.equal(s["master"], s["master"].bfloat16().float()) for s in src.values())
+    assert rounded > len(src) // 2  # fp32 masters, not the bf16 weights
+    for pp in (1, 2):
+        out = reshard(base / "resumed", tp=1, pp=pp, out=base / f"pp{pp}", tag=tag)
+        dst = _state(out, tag)
+        assert sorted(dst) == sorted(src)
+        for name, s in src.items():
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(dst[name][key], s[key]), (pp, name, key)
+            assert float(dst[name]["step"]) == float(s["step"]) == 6 - 2  # two of the first six steps skipped

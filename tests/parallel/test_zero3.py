@@ -140,12 +140,25 @@ def _stop_and_continue(rank, world, spec, run_dir, exit_at, universal=None):
     return _train(spec, run_dir, 3, "fp32", exit_at=exit_at, universal=universal)[0]
 
 
+def _refused_then_continue(rank, world, spec, source, run_dir):
+    """The DP 2 run resumed as it is on one rank (refused: its ZeRO-3 partitions are DP 2's), then ``run_dir``."""
+    from megatron_ds_suite.core.errors import ConfigError
+
+    try:
+        _train(spec, source, 3, "fp32")
+        refusal = None
+    except ConfigError as e:
+        refusal = str(e)
+    return refusal, _stop_and_continue(rank, world, spec, run_dir, None)
+
+
 @needs_corpus
 def test_zero3_reshard_dp2_to_dp1_continues_the_loss_curve(spm_model, tmp_path):
     """``training.tools.reshard`` reads a ZeRO-3 checkpoint's fp32 partitions and Adam moments through DeepSpeed
     (gathered per parameter) and writes them for one data-parallel rank: the ZeRO-3 run stopped at step 4 at DP 2
     continues at DP 1 with the losses of the DP 2 run that continued (within 1e-5 relative; the reduction order
-    differs), and the LR schedule goes on where it was. The same change through DeepSpeed's universal checkpoint
+    differs), and the LR schedule goes on where it was; resumed as it is on one rank, it is refused in one line that
+    names the conversion. The same change through DeepSpeed's universal checkpoint
     (``to_universal``, then a ZeRO-3 run at DP 1 with ``train.load_universal``) continues the curve as closely: its
     load gave every parameter group the first group's hyperparameters (biases and norms decayed: 2e-4 apart by step
     8), which the engine puts back (training.optim.engine)."""
@@ -157,7 +170,12 @@ def test_zero3_reshard_dp2_to_dp1_continues_the_loss_curve(spm_model, tmp_path):
     reshard(src, 1, 1, tmp_path / "dp1", dp=1)
     convert(src, tmp_path / "u4", tag="iter_0000004")
     dp2 = run_distributed(_stop_and_continue, 2, spm_model, str(src), None, timeout=600)[0]
-    dp1 = run_distributed(_stop_and_continue, 1, spm_model, str(tmp_path / "dp1"), None, timeout=600)[0]
+    refusal, dp1 = run_distributed(_refused_then_continue, 1, spm_model, str(src), str(tmp_path / "dp1"),
+                                   timeout=600)[0]
+    assert refusal is not None and "\n" not in refusal
+    assert refusal.endswith(f"was saved with 2 data-parallel ranks and this run has 1: its optimizer state is "
+                            f"partitioned over them (ZeRO-3); resume with 2, or convert it with python -m "
+                            f"training.tools.reshard --checkpoint {src} --tp 1 --pp 1 --dp 1 --out NEW_RUN_DIR")
     assert [x[0] for x in dp1] == [x[0] for x in dp2] == list(range(1, STEPS + 1))  # the metrics file carried over
     torch.testing.assert_close(torch.tensor([x[1] for x in dp1[4:]]), torch.tensor([x[1] for x in dp2[4:]]),
                                rtol=1e-5, atol=0)

@@ -319,6 +319,16 @@ def pipe_engine_class(model: PipelineModule) -> type[PipeEngine]:
     return PipeEngine
 
 
+def dp_partitioned_state(engine: DeepSpeedEngine) -> str | None:
+    """What partitions this engine's optimizer state over the data-parallel ranks (a checkpoint of it loads at its
+    own DP size only), or None."""
+    if engine.zero_optimization():
+        return f"ZeRO-{engine.zero_optimization_stage()}"
+    if isinstance(engine.optimizer, BF16_Optimizer):
+        return "bf16 under pipeline parallelism, DeepSpeed's BF16_Optimizer"
+    return None
+
+
 def undo_initial_zero_step(optimizer) -> bool:
     """Undo the zero-gradient optimizer step DeepSpeed's ZeRO-0 fp16/bf16 wrappers take at construction.
 

@@ -60,9 +60,13 @@ def _named(model: torch.nn.Module, pipeline_layers: PipeNames | None) -> list[tu
 
 
 def _is_zero(opt) -> bool:
+    """Whether ``opt`` keeps fp32 masters and moments in flat partitions over the DP ranks, read and written through
+    DeepSpeed's per-parameter accessors: ZeRO-1/2/3, and ``BF16_Optimizer`` (bf16 under pipeline parallelism, whose
+    Adam state is keyed by its flat partitions: read per parameter, it would give zeros)."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    return isinstance(opt, DeepSpeedZeroOptimizer) or _is_zero3(opt)
+    return isinstance(opt, (DeepSpeedZeroOptimizer, BF16_Optimizer)) or _is_zero3(opt)
 
 
 def _is_zero3(opt) -> bool:
@@ -72,8 +76,11 @@ def _is_zero3(opt) -> bool:
 
 
 def _zero_flat_partitions(opt) -> list[torch.Tensor]:
-    """The fp32 flat partitions the torch optimizer's state is keyed by (ZeRO-1/2's and ZeRO-3's names)."""
-    return opt.fp32_partitioned_groups_flat if _is_zero3(opt) else opt.single_partition_of_fp32_groups
+    """The fp32 flat partitions the torch optimizer's state is keyed by (ZeRO-1/2's, ZeRO-3's and
+    ``BF16_Optimizer``'s names)."""
+    if _is_zero3(opt):
+        return opt.fp32_partitioned_groups_flat
+    return getattr(opt, "single_partition_of_fp32_groups", None) or opt.fp32_groups_flat_partition
 
 
 def _unfused_masters(opt) -> dict[int, torch.Tensor] | None:
@@ -85,8 +92,9 @@ def _unfused_masters(opt) -> dict[int, torch.Tensor] | None:
 
 
 def _zero_link_state(opt) -> None:
-    """Make sure ZeRO-1/2's per-parameter views into the flat optimizer state exist (DeepSpeed links them only
-    after its first ``step()``; ZeRO-3 reads its flat partitions by offset and needs none)."""
+    """Make sure ZeRO-1/2's (and ``BF16_Optimizer``'s) per-parameter views into the flat optimizer state exist
+    (DeepSpeed links them only after its first ``step()``; ZeRO-3 reads its flat partitions by offset and needs
+    none)."""
     if _is_zero3(opt):
         return
     opt._hp_optimizer_states_linked = False
