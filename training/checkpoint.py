@@ -306,10 +306,11 @@ def refuse_other_dp(engine: DeepSpeedEngine, meta: dict, ps: ParallelState, wher
     than this run's (DeepSpeed would stop every rank with its own exception); a ZeRO-0 state loads at any DP."""
     from training.optim.engine import dp_partitioned_state  # DeepSpeed's classes: imported where an engine exists
 
-    saved = meta["parallel"]["dp"] * (meta.get("config") or {}).get("parallel", {}).get("context", 1)
+    dp = meta["parallel"].get("dp")  # absent in a checkpoint written by an import tool: nothing partitioned
+    saved = (dp or 0) * (meta.get("config") or {}).get("parallel", {}).get("context", 1)
     now = ps.dims.dp * ps.dims.cp
     kind = dp_partitioned_state(engine)
-    if saved != now and kind is not None:
+    if dp is not None and saved != now and kind is not None:
         raise ConfigError(f"checkpoint {where} was saved with {saved} data-parallel ranks and this run has {now}: its "
                           f"optimizer state is partitioned over them ({kind}); resume with {saved}, or convert it "
                           f"with python -m training.tools.reshard --checkpoint {run_dir} --tp {ps.dims.tp} --pp "
